@@ -1,0 +1,3 @@
+from meshagent.cli.main import main
+
+raise SystemExit(main())

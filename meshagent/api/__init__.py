@@ -1,0 +1,1 @@
+"""The HTTP side: the OpenAI-compatible API and the control endpoints."""

@@ -1,0 +1,303 @@
+"""The ASGI application: OpenAI-compatible endpoints, health and control."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import trio
+
+from meshagent.api import errors
+from meshagent.api.errors import ApiError
+from meshagent.api.exchange import ClientGone, Exchange
+from meshagent.api.inflight import InFlight
+from meshagent.api.replies import Reply
+from meshagent.api.schemas import ChatCompletionRequest, CompletionRequest, parse
+from meshagent.errors import ContextOverflow, EngineError, MeshError, QueueFull, ShuttingDown
+from meshagent.serving.chat import ChatMessage, TemplateError
+from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits, generate
+from meshagent.serving.local_model import LocalModel
+from meshagent.serving.sampling import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ApiError
+
+
+def api_error_for(e: MeshError, *, prompt_param: str = "messages") -> ApiError:
+    if isinstance(e, ContextOverflow):
+        return errors.bad_request(str(e), param=prompt_param, code="context_length_exceeded")
+    if isinstance(e, QueueFull):
+        return errors.queue_full(str(e))
+    if isinstance(e, ShuttingDown):
+        return errors.unavailable(str(e), code="shutting_down")
+    if isinstance(e, EngineError):
+        return errors.server_error(str(e), code="engine_error")
+    return errors.server_error(str(e))
+
+
+class OpenAIApp:
+    def __init__(
+        self,
+        models: list[LocalModel],
+        inflight: InFlight,
+        status: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.models = models
+        self.inflight = inflight
+        self.status = status
+        self.started_at = int(time.time())
+        self._routes: dict[tuple[str, str], Callable[[Exchange], Any]] = {
+            ("GET", "/health"): self._health,
+            ("GET", "/v1/models"): self._list_models,
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/completions"): self._completions,
+            ("GET", "/control/status"): self._control_status,
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        ex = Exchange(scope, receive, send)
+        try:
+            await self._dispatch(ex)
+        except ApiError as e:
+            if not ex.started:
+                await ex.send_error(e)
+        except ClientGone:
+            pass
+
+    async def _dispatch(self, ex: Exchange) -> None:
+        handler = self._routes.get((ex.method, ex.path))
+        if handler is not None:
+            await handler(ex)
+            return
+        if ex.method == "GET" and ex.path.startswith("/v1/models/"):
+            model = self._model(ex.path.removeprefix("/v1/models/"), param=None)
+            await ex.send_json(200, self._model_card(model))
+            return
+        if any(path == ex.path for _, path in self._routes):
+            raise ApiError(405, f"Method {ex.method} is not allowed on {ex.path}.")
+        raise errors.not_found(f"Unknown endpoint {ex.method} {ex.path}.", code="unknown_url")
+
+    # -- simple endpoints ------------------------------------------------------------------
+
+    async def _health(self, ex: Exchange) -> None:
+        if self.inflight.draining:
+            await ex.send_json(503, {"status": "draining"})
+        else:
+            await ex.send_json(200, {"status": "ok"})
+
+    def _model_card(self, model: LocalModel) -> dict[str, Any]:
+        info = model.info
+        return {
+            "id": info.id,
+            "object": "model",
+            "created": self.started_at,
+            "owned_by": "meshagent",
+            "meshagent": {
+                "architecture": info.architecture,
+                "layers": info.n_layers,
+                "context_length": model.engine.slot_ctx,
+                "size_bytes": info.size_bytes,
+                "served_by": "local",
+            },
+        }
+
+    async def _list_models(self, ex: Exchange) -> None:
+        data = [self._model_card(m) for m in self.models]
+        await ex.send_json(200, {"object": "list", "data": data})
+
+    async def _control_status(self, ex: Exchange) -> None:
+        await ex.send_json(200, self.status())
+
+    def _model(self, name: str, *, param: str | None = "model") -> LocalModel:
+        for m in self.models:
+            if m.matches(name):
+                return m
+        available = ", ".join(m.info.id for m in self.models) or "none"
+        raise errors.not_found(
+            f"The model '{name}' does not exist on this mesh. Available models: {available}.",
+            param=param,
+            code="model_not_found",
+        )
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def _chat(self, ex: Exchange) -> None:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await ex.json_body())
+        model = self._model(req.model)
+        messages = [ChatMessage(m.role, m.text()) for m in req.messages]
+        try:
+            tokens = model.chat_tokens(messages)
+        except TemplateError as e:
+            raise errors.bad_request(str(e), param="messages") from e
+        gen = _generation_request(req, tokens, req.token_limit())
+        reply = Reply(chat=True, model=model.info.id)
+        await self._serve(ex, model, gen, reply, req.stream, req.include_usage(), "messages")
+
+    async def _completions(self, ex: Exchange) -> None:
+        req: CompletionRequest = parse(CompletionRequest, await ex.json_body())
+        model = self._model(req.model)
+        if isinstance(req.prompt, str):
+            prompt_text = req.prompt
+            tokens = model.text_tokens(prompt_text)
+        elif isinstance(req.prompt[0], str):
+            prompt_text = str(req.prompt[0])
+            tokens = model.text_tokens(prompt_text)
+        else:
+            tokens = tuple(int(t) for t in req.prompt)
+            bad = [t for t in tokens if not 0 <= t < model.info.n_vocab]
+            if bad:
+                raise errors.bad_request(
+                    f"Token id {bad[0]} is outside the vocabulary (0-{model.info.n_vocab - 1}).",
+                    param="prompt",
+                )
+            prompt_text = b"".join(model.engine.token_bytes(t) for t in tokens).decode(
+                errors="replace"
+            )
+        if not tokens:
+            raise errors.bad_request("The prompt is empty.", param="prompt")
+        gen = _generation_request(req, tokens, req.max_tokens)
+        reply = Reply(chat=False, model=model.info.id)
+        echo = prompt_text if req.echo else ""
+        await self._serve(ex, model, gen, reply, req.stream, req.include_usage(), "prompt", echo)
+
+    async def _serve(
+        self,
+        ex: Exchange,
+        model: LocalModel,
+        gen: GenerationRequest,
+        reply: Reply,
+        stream: bool,
+        include_usage: bool,
+        prompt_param: str,
+        echo: str = "",
+    ) -> None:
+        if self.inflight.draining:
+            raise errors.unavailable(
+                "The agent is shutting down and takes no new requests.", code="shutting_down"
+            )
+        try:
+            check_fits(gen, model.engine.slot_ctx)
+        except ContextOverflow as e:
+            raise api_error_for(e, prompt_param=prompt_param) from e
+
+        send, events = trio.open_memory_channel[Delta | Finished | Failed](math.inf)
+
+        async def produce() -> None:
+            async with send:
+                try:
+                    await generate(model.batcher, gen, send)
+                except MeshError as e:
+                    send.send_nowait(Failed(api_error_for(e, prompt_param=prompt_param)))
+
+        with self.inflight.track() as grace:
+            with grace:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+                    nursery.start_soon(produce)
+                    if stream:
+                        await _stream(ex, events, reply, include_usage, echo)
+                    else:
+                        await _whole(ex, events, reply, echo)
+                    nursery.cancel_scope.cancel()
+            if grace.cancelled_caught:
+                await self._stopped_by_shutdown(ex)
+            elif ex.disconnected and not ex.finished:
+                log.info("request.client_gone", id=reply.id)
+
+    async def _stopped_by_shutdown(self, ex: Exchange) -> None:
+        err = errors.unavailable(
+            "The agent shut down before this completion finished (the shutdown grace expired).",
+            code="shutting_down",
+        )
+        if not ex.started:
+            await ex.send_error(err)
+        elif not ex.finished:
+            await ex.send_event(err.body())
+            await ex.end()
+
+
+def _generation_request(
+    req: ChatCompletionRequest | CompletionRequest, tokens: tuple[int, ...], limit: int | None
+) -> GenerationRequest:
+    sampling = SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+    )
+    return GenerationRequest(tokens, limit, sampling, req.stop_list())
+
+
+async def _stream(
+    ex: Exchange,
+    events: trio.MemoryReceiveChannel[Delta | Finished | Failed],
+    reply: Reply,
+    include_usage: bool,
+    echo: str,
+) -> None:
+    async for ev in events:
+        if isinstance(ev, Failed):
+            if not ex.started:
+                await ex.send_error(ev.error)
+            else:
+                await ex.send_event(ev.error.body())
+                await ex.end()
+            return
+        if not ex.started:
+            await ex.start_sse()
+            opening = reply.opening()
+            if opening is not None:
+                await ex.send_event(opening)
+            if echo:
+                await ex.send_event(reply.chunk(echo))
+        if isinstance(ev, Delta):
+            await ex.send_event(reply.chunk(ev.text))
+        else:
+            await ex.send_event(reply.chunk(None, finish=ev.reason))
+            if include_usage:
+                await ex.send_event(reply.usage_chunk(ev))
+            await ex.send_event("[DONE]")
+            await ex.end()
+            return
+
+
+async def _whole(
+    ex: Exchange,
+    events: trio.MemoryReceiveChannel[Delta | Finished | Failed],
+    reply: Reply,
+    echo: str,
+) -> None:
+    parts = [echo]
+    async for ev in events:
+        if isinstance(ev, Failed):
+            await ex.send_error(ev.error)
+            return
+        if isinstance(ev, Delta):
+            parts.append(ev.text)
+        else:
+            await ex.send_json(200, reply.whole("".join(parts), ev))
+            return
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,99 @@
+"""One HTTP request/response over ASGI: body reading, JSON and SSE responses, disconnects."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import trio
+
+from meshagent.api.errors import ApiError, bad_request
+
+MAX_BODY = 8 * 1024 * 1024
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+class Exchange:
+    def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.scope = scope
+        self._receive = receive
+        self._send = send
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.started = False
+        self.finished = False
+        self.disconnected = False
+
+    async def json_body(self) -> Any:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                self.disconnected = True
+                raise ClientGone
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise ApiError(413, f"Request body is larger than {MAX_BODY} bytes.")
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        if not raw:
+            raise bad_request("The request body is empty; send a JSON object.")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(
+                f"We could not parse the JSON body of your request ({e}). "
+                "Send valid JSON with Content-Type: application/json."
+            ) from e
+
+    async def watch_disconnect(self, scope: trio.CancelScope) -> None:
+        """Cancel `scope` as soon as the client goes away."""
+        while True:
+            msg = await self._receive()
+            if msg["type"] == "http.disconnect":
+                self.disconnected = True
+                scope.cancel()
+                return
+
+    async def send_json(self, status: int, body: Any, headers: list | None = None) -> None:
+        data = json.dumps(body).encode()
+        await self._start(status, JSON_HEADERS + (headers or []))
+        await self._body(data, more=False)
+
+    async def send_error(self, err: ApiError) -> None:
+        await self.send_json(err.status, err.body())
+
+    async def start_sse(self) -> None:
+        await self._start(200, SSE_HEADERS)
+
+    async def send_event(self, payload: Any) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        await self._body(f"data: {data}\n\n".encode(), more=True)
+
+    async def end(self) -> None:
+        await self._body(b"", more=False)
+
+    async def _start(self, status: int, headers: list) -> None:
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _body(self, data: bytes, *, more: bool) -> None:
+        if self.disconnected:
+            return
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+        if not more:
+            self.finished = True

@@ -1,0 +1,118 @@
+"""Request bodies of the OpenAI endpoints, validated once at the edge."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from meshagent.api.errors import ApiError, bad_request
+
+MAX_STOPS = 4
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored, as many clients send extras we have no use for.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    stream: bool = False
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    n: Annotated[int, Field(ge=1)] = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences are supported")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the legacy endpoint's default
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+def parse(model: type[_Request], body: Any) -> Any:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "missing":
+            raise bad_request(f"Missing required parameter: '{param}'.", param=param) from e
+        raise bad_request(f"Invalid value for '{param}': {err['msg']}.", param=param) from e
+    _refuse_unsupported(req)
+    return req
+
+
+def _refuse_unsupported(req: _Request) -> None:
+    def unsupported(param: str, why: str) -> ApiError:
+        return bad_request(why, param=param, code="unsupported_parameter")
+
+    if req.n != 1:
+        raise unsupported("n", "Only n=1 is supported: send one request per completion.")
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs:
+            raise unsupported("logprobs", "logprobs are not supported yet.")
+        if req.tools:
+            raise unsupported("tools", "Tool calling is not supported yet.")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs:
+            raise unsupported("logprobs", "logprobs are not supported yet.")
+        if req.suffix:
+            raise unsupported("suffix", "suffix (fill-in-the-middle) is not supported.")
+        if isinstance(req.prompt, list) and not req.prompt:
+            raise bad_request("prompt must not be an empty list.", param="prompt")
+        if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
+            raise unsupported("prompt", "Send one prompt per request (a list of one string).")

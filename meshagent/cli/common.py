@@ -1,0 +1,50 @@
+"""Flags and helpers shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from meshagent.config import DataDir, default_data_dir
+from meshagent.errors import MeshError
+
+
+def add_data_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where the identity, config and caches live "
+        "(default: $MESHAGENT_DATA_DIR or the platform's user data dir)",
+    )
+
+
+def data_dir_from(args: argparse.Namespace) -> DataDir:
+    return DataDir(args.data_dir or default_data_dir())
+
+
+class NoAgent(MeshError):
+    pass
+
+
+def control_get(args: argparse.Namespace, path: str) -> dict[str, Any]:
+    """GET a control endpoint of the local agent, with a clear error when none runs."""
+    dd = data_dir_from(args)
+    url = getattr(args, "api", None)
+    if not url:
+        try:
+            url = json.loads(dd.run_path.read_text())["api"]
+        except (OSError, ValueError, KeyError):
+            raise NoAgent(
+                f"no agent is running for data dir {dd.root} (start one with `meshagent up`)"
+            ) from None
+    try:
+        r = httpx.get(f"{url}{path}", timeout=5.0)
+        r.raise_for_status()
+        return r.json()
+    except httpx.HTTPError as e:
+        raise NoAgent(f"the agent at {url} does not answer ({e}); is it running?") from e

@@ -1,0 +1,42 @@
+"""`meshagent` entry point: parses the command line and dispatches to a subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from meshagent import __version__
+from meshagent.cli import status, up
+from meshagent.errors import MeshError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshagent",
+        description="Run large language models across the machines you already have.",
+    )
+    parser.add_argument("--version", action="version", version=f"meshagent {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    up.register(sub)
+    status.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except MeshError as e:
+        print(f"meshagent: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

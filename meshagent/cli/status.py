@@ -1,0 +1,35 @@
+"""`meshagent status`: what the local agent is and serves."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from meshagent.cli.common import add_data_dir, control_get
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="show the local agent's identity and what it serves")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--api", help="the agent's API URL (default: read from the data dir)")
+    add_data_dir(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    st = control_get(args, "/control/status")
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"peer id   {st['peer_id']}")
+    print(f"name      {st['name']}")
+    print(f"version   {st['version']}")
+    print(f"state     {st['state']}  (in flight: {st['in_flight']})")
+    print(f"api       {st['api']}/v1")
+    for m in st["models"]:
+        s = m["slots"]
+        print(
+            f"model     {m['id']}  layers {m['layers'][0]}-{m['layers'][1]}  "
+            f"slots {s['active']}/{s['slots']} busy, {s['queued']} queued"
+        )
+    return 0

@@ -1,0 +1,77 @@
+"""`meshagent up`: start an agent and serve the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import trio
+
+from meshagent import logs
+from meshagent.agent import Agent
+from meshagent.cli.common import add_data_dir, data_dir_from
+from meshagent.config import AgentConfig
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start an agent and serve the API on localhost")
+    d = AgentConfig()
+    p.add_argument("--model", help="a local GGUF file (default: the embedded SmolLM2-135M)")
+    p.add_argument("--name", help="a human name for this agent (default: the host name)")
+    p.add_argument("--api-host", help=f"address of the API (default {d.api_host})")
+    p.add_argument("--api-port", type=int, help=f"port of the API (default {d.api_port})")
+    p.add_argument("--ctx-size", type=int, help=f"context tokens per slot (default {d.ctx_size})")
+    p.add_argument("--slots", type=int, help=f"requests decoded together (default {d.slots})")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        help=f"requests waiting for a slot before answering 429 (default {d.max_queue})",
+    )
+    p.add_argument("--threads", type=int, help="compute threads (default: one per core)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        help=f"seconds in-flight requests get to finish on shutdown (default {d.grace})",
+    )
+    p.add_argument("--log-level", choices=logs.LEVELS, help="default info")
+    p.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        default="auto",
+        help="auto: pretty on a terminal, JSON lines otherwise",
+    )
+    add_data_dir(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    data_dir = data_dir_from(args)
+    data_dir.ensure()
+    overrides = {
+        k: getattr(args, k)
+        for k in (
+            "model",
+            "name",
+            "api_host",
+            "api_port",
+            "ctx_size",
+            "slots",
+            "max_queue",
+            "threads",
+            "grace",
+            "log_level",
+        )
+    }
+    config = AgentConfig().merged(data_dir.load_config()).merged(overrides)
+    config.validate()
+    fmt = {"auto": None, "json": True, "console": False}[args.log_format]
+    logs.configure(config.log_level, json=fmt)
+    agent = Agent(config, data_dir)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(agent.run)
+            print(f"meshagent: serving {agent.model.info.id} at {url}/v1", file=sys.stderr)
+
+    trio.run(main)
+    return 0

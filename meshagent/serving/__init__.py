@@ -1,0 +1,1 @@
+"""Turning requests into tokens: batching, sampling, stop conditions, chat templates."""
