@@ -47,8 +47,8 @@ class AgentConfig:
         return replace(self, **clean)
 
     def validate(self) -> None:
-        if not 0 < self.api_port < 65536:
-            raise ConfigError(f"api port {self.api_port} is out of range 1-65535")
+        if not 0 <= self.api_port < 65536:
+            raise ConfigError(f"api port {self.api_port} is out of range 0-65535 (0: any free port)")
         if self.ctx_size < 64:
             raise ConfigError("ctx-size must be at least 64 tokens")
         if not 1 <= self.slots <= 64:
