@@ -12,14 +12,13 @@ import json
 import os
 import platform
 import statistics
-import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+import httpx
 
-import httpx  # noqa: E402
-from _agent import running_agent  # noqa: E402
+from meshagent.launch import start_agent
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a map."
 
@@ -102,7 +101,9 @@ def main() -> None:
     direct: list[float] = []
     api: list[float] = []
     n_direct = n_api = 0
-    with running_agent("--threads", str(args.threads)) as url:
+    with tempfile.TemporaryDirectory(prefix="meshagent-bench-") as tmp:
+        agent = start_agent(Path(tmp), "--threads", str(args.threads))
+        url = agent.url
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         run_api(url, model, 8, args.client)  # warm up
         for _ in range(args.rounds):
@@ -110,6 +111,7 @@ def main() -> None:
             api.append(rate)
             rate, n_direct = run_direct(model_path, args.max_tokens, args.threads)
             direct.append(rate)
+        agent.stop()
 
     med_direct, med_api = statistics.median(direct), statistics.median(api)
     result = {

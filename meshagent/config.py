@@ -48,7 +48,9 @@ class AgentConfig:
 
     def validate(self) -> None:
         if not 0 <= self.api_port < 65536:
-            raise ConfigError(f"api port {self.api_port} is out of range 0-65535 (0: any free port)")
+            raise ConfigError(
+                f"api port {self.api_port} is out of range 0-65535 (0: any free port)"
+            )
         if self.ctx_size < 64:
             raise ConfigError("ctx-size must be at least 64 tokens")
         if not 1 <= self.slots <= 64:

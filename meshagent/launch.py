@@ -1,0 +1,71 @@
+"""Starting an agent as a child process and waiting for its API (tests, benchmarks, net-sim)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class AgentProcess:
+    proc: subprocess.Popen
+    data_dir: Path
+    url: str
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "agent.log"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def interrupt(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def start_agent(data_dir: Path, *args: str, timeout: float = 60.0) -> AgentProcess:
+    """Run `meshagent up --api-port 0` with `data_dir`; return once /health answers."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    run_file = data_dir / "agent.json"
+    run_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "meshagent", "up", "--api-port", "0", "--data-dir", str(data_dir)]
+    log = open(data_dir / "agent.log", "wb")  # noqa: SIM115 - the child owns it
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=log, env=env)
+    log.close()
+    agent = AgentProcess(proc, data_dir, "")
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"agent exited with {proc.returncode}:\n{agent.log_text()[-3000:]}")
+        if run_file.exists():
+            url = json.loads(run_file.read_text())["api"]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    agent.url = url
+                    return agent
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            agent.stop()
+            raise RuntimeError(
+                f"agent did not start within {timeout}s:\n{agent.log_text()[-3000:]}"
+            )
+        time.sleep(0.05)

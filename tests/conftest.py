@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshagent.launch import AgentProcess, start_agent
+from meshagent.models.default import default_model_path
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model_id(model_path: Path) -> str:
+    return model_path.name.removesuffix(".gguf")
+
+
+@pytest.fixture
+def spawn_agent(tmp_path: Path) -> Iterator:
+    """Start real agent processes; each is stopped (and its log shown on failure) at the end."""
+    started: list[AgentProcess] = []
+
+    def spawn(*args: str, name: str = "agent") -> AgentProcess:
+        agent = start_agent(tmp_path / name, *args)
+        started.append(agent)
+        return agent
+
+    yield spawn
+    for agent in started:
+        agent.stop()

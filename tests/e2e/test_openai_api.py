@@ -1,0 +1,294 @@
+"""The OpenAI-compatible API of a real agent process, driven by the official client."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from meshagent.launch import AgentProcess
+
+HELLO = [{"role": "user", "content": "Write two sentences about the moon."}]
+
+
+def test_models_lists_the_embedded_model(client: OpenAI, model_id: str) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_id]
+    assert client.models.retrieve(model_id).id == model_id
+
+
+def test_chat_completion(client: OpenAI, model_id: str) -> None:
+    r = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=24)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 5
+    assert 0 < r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_chat_matches_non_streaming(client: OpenAI, model_id: str) -> None:
+    whole = client.chat.completions.create(
+        model=model_id, messages=HELLO, max_tokens=32, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=model_id,
+            messages=HELLO,
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    assert text == whole.choices[0].message.content
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_temperature_zero_is_deterministic(client: OpenAI, model_id: str) -> None:
+    texts = {
+        client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=40, temperature=0)
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    }
+    assert len(texts) == 1
+
+
+def test_seed_makes_sampling_reproducible(client: OpenAI, model_id: str) -> None:
+    def sample(seed: int) -> str:
+        r = client.chat.completions.create(
+            model=model_id, messages=HELLO, max_tokens=40, temperature=1.0, seed=seed
+        )
+        return r.choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_max_tokens_is_honoured(client: OpenAI, model_id: str) -> None:
+    r = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=5)
+    assert r.usage.completion_tokens == 5
+    assert r.choices[0].finish_reason == "length"
+    c = client.completions.create(model=model_id, prompt="Once upon a time", max_tokens=7)
+    assert c.usage.completion_tokens == 7
+    assert c.choices[0].finish_reason == "length"
+
+
+def test_stop_is_honoured(client: OpenAI, model_id: str) -> None:
+    full = (
+        client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=48, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    # A stop string from the middle of the greedy answer cuts it right there.
+    words = full.split()
+    assert len(words) > 6, full
+    stop = " " + words[4]
+    expected = full[: full.index(stop)]
+    for stream in (False, True):
+        if stream:
+            chunks = client.chat.completions.create(
+                model=model_id,
+                messages=HELLO,
+                max_tokens=48,
+                temperature=0,
+                stop=[stop, "never-appears"],
+                stream=True,
+            )
+            parts, finish = [], None
+            for c in chunks:
+                parts.append(c.choices[0].delta.content or "")
+                finish = c.choices[0].finish_reason or finish
+            text = "".join(parts)
+        else:
+            r = client.chat.completions.create(
+                model=model_id, messages=HELLO, max_tokens=48, temperature=0, stop=stop
+            )
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert text == expected
+        assert finish == "stop"
+
+
+def test_text_completion_streaming_and_echo(client: OpenAI, model_id: str) -> None:
+    prompt = "The three primary colours are"
+    chunks = list(
+        client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+    )
+    streamed = "".join(c.choices[0].text for c in chunks)
+    whole = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0)
+    assert streamed == whole.choices[0].text
+    echoed = client.completions.create(
+        model=model_id, prompt=prompt, max_tokens=12, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == prompt + whole.choices[0].text
+
+
+def _error(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_invalid_json_is_a_400(agent: AgentProcess) -> None:
+    r = httpx.post(
+        f"{agent.url}/v1/chat/completions",
+        content=b'{"model": "x", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    err = _error(r)
+    assert err["type"] == "invalid_request_error"
+    assert "JSON" in err["message"]
+
+
+def test_missing_field_is_a_400_naming_it(client: OpenAI, model_id: str) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model_id, messages=None)  # type: ignore[arg-type]
+    assert exc.value.status_code == 400
+    assert exc.value.body["param"] == "messages"
+    r = httpx.post(f"{client.base_url}chat/completions", json={"messages": HELLO})
+    assert r.status_code == 400
+    assert _error(r)["param"] == "model"
+
+
+def test_bad_value_is_a_400(client: OpenAI, model_id: str) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model_id, messages=HELLO, temperature=5)
+    assert exc.value.body["param"] == "temperature"
+
+
+def test_unknown_model_is_a_404(client: OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="no-such-model", messages=HELLO)
+    assert exc.value.status_code == 404
+    assert exc.value.body["code"] == "model_not_found"
+    assert "no-such-model" in exc.value.body["message"]
+
+
+def test_context_overflow_is_a_400(client: OpenAI, model_id: str) -> None:
+    long = [{"role": "user", "content": "word " * 5000}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model_id, messages=long, max_tokens=8)
+    assert exc.value.body["code"] == "context_length_exceeded"
+    assert "maximum context length" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=100_000)
+    assert exc.value.body["code"] == "context_length_exceeded"
+
+
+def test_unknown_endpoint_and_method(agent: AgentProcess) -> None:
+    r = httpx.get(f"{agent.url}/v1/nothing")
+    assert r.status_code == 404
+    _error(r)
+    r = httpx.get(f"{agent.url}/v1/chat/completions")
+    assert r.status_code == 405
+    _error(r)
+
+
+def test_health_and_control_status(agent: AgentProcess, model_id: str) -> None:
+    assert httpx.get(f"{agent.url}/health").json() == {"status": "ok"}
+    st = httpx.get(f"{agent.url}/control/status").json()
+    assert st["state"] == "serving"
+    assert st["api"] == agent.url
+    assert st["models"][0]["id"] == model_id
+    assert len(st["peer_id"]) == 26
+
+
+def test_eight_concurrent_streams_complete(client: OpenAI, model_id: str) -> None:
+    results: dict[int, tuple[str, str | None]] = {}
+
+    def one(i: int) -> None:
+        stream = client.chat.completions.create(
+            model=model_id,
+            messages=[{"role": "user", "content": f"Count from {i} to {i + 10}."}],
+            max_tokens=24,
+            stream=True,
+        )
+        text, finish = "", None
+        for c in stream:
+            text += c.choices[0].delta.content or ""
+            finish = c.choices[0].finish_reason or finish
+        results[i] = (text, finish)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(results) == list(range(8))
+    for text, finish in results.values():
+        assert text
+        assert finish in ("stop", "length")
+
+
+def test_client_killed_mid_stream_frees_its_slot(agent: AgentProcess, model_id: str) -> None:
+    others: dict[int, str | None] = {}
+
+    def steady(i: int) -> None:
+        c = OpenAI(base_url=f"{agent.url}/v1", api_key="x", max_retries=0)
+        finish = None
+        for chunk in c.chat.completions.create(
+            model=model_id, messages=HELLO, max_tokens=64, stream=True
+        ):
+            finish = chunk.choices[0].finish_reason or finish
+        others[i] = finish
+
+    threads = [threading.Thread(target=steady, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    body = {"model": model_id, "messages": HELLO, "max_tokens": 1500, "stream": True}
+    with httpx.stream("POST", f"{agent.url}/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any('"content"' in line for line in got)
+        # Leaving the block drops the connection mid-stream.
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(others) == [0, 1]
+    assert all(f in ("stop", "length") for f in others.values())
+    # The dropped request no longer holds a slot nor counts as in flight.
+    for _ in range(100):
+        st = httpx.get(f"{agent.url}/control/status").json()
+        if st["in_flight"] == 0 and st["models"][0]["slots"]["active"] == 0:
+            break
+        threading.Event().wait(0.05)
+    assert st["in_flight"] == 0
+    assert st["models"][0]["slots"]["active"] == 0
+
+
+def test_sse_is_incremental(agent: AgentProcess, model_id: str) -> None:
+    """The first token reaches the client while the request is still generating."""
+    # Counting keeps a greedy model going until max_tokens.
+    body = {
+        "model": model_id,
+        "prompt": "1, 2, 3, 4, 5, 6,",
+        "max_tokens": 300,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{agent.url}/v1/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()  # one iterator: dropping it would close the response
+        for line in lines:
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+        st = httpx.get(f"{agent.url}/control/status").json()
+        assert st["in_flight"] == 1
+        rest = list(lines)
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
