@@ -32,3 +32,10 @@ def spawn_agent(tmp_path: Path) -> Iterator:
     yield spawn
     for agent in started:
         agent.stop()
+
+
+@pytest.fixture
+def autojump_clock():
+    import trio.testing
+
+    return trio.testing.MockClock(autojump_threshold=0)

@@ -31,11 +31,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.run(args) or 0)
-    except MeshError as e:
-        print(f"meshagent: error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except (MeshError, BaseExceptionGroup) as e:
+        # Errors raised inside trio nurseries arrive wrapped in exception groups.
+        found = _mesh_error(e)
+        if found is None:
+            raise
+        print(f"meshagent: error: {found}", file=sys.stderr)
+        return 1
+
+
+def _mesh_error(e: BaseException) -> MeshError | None:
+    if isinstance(e, MeshError):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        for inner in e.exceptions:
+            found = _mesh_error(inner)
+            if found is not None:
+                return found
+    return None
 
 
 if __name__ == "__main__":

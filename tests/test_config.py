@@ -1,0 +1,53 @@
+import stat
+
+import pytest
+
+from meshagent.config import AgentConfig, DataDir
+from meshagent.errors import ConfigError
+from meshagent.identity.keys import NodeIdentity
+
+
+def test_data_dir_is_created_once_with_a_private_identity(tmp_path):
+    dd = DataDir(tmp_path / "d")
+    dd.ensure()
+    ident, created = NodeIdentity.load_or_create(dd.identity_path)
+    assert created
+    assert stat.S_IMODE(dd.identity_path.stat().st_mode) == 0o600
+    again, created = NodeIdentity.load_or_create(dd.identity_path)
+    assert not created
+    assert again.peer_id == ident.peer_id
+    assert dd.config_path.read_text().startswith("# meshagent")
+
+
+def test_identity_readable_by_others_is_refused(tmp_path):
+    ident = NodeIdentity.generate()
+    path = tmp_path / "identity.key"
+    ident.save(path)
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        NodeIdentity.load(path)
+
+
+def test_config_file_then_flags_override_defaults(tmp_path):
+    dd = DataDir(tmp_path)
+    dd.config_path.write_text("api_port = 9999\nslots = 2\n")
+    cfg = AgentConfig().merged(dd.load_config()).merged({"slots": 3, "api_host": None})
+    assert (cfg.api_port, cfg.slots, cfg.api_host) == (9999, 3, "127.0.0.1")
+
+
+@pytest.mark.parametrize("bad", [{"nonsense": 1}, {"api_port": "x"}])
+def test_bad_config_keys_and_types_are_refused(bad):
+    with pytest.raises(ConfigError):
+        AgentConfig().merged(bad)
+
+
+def test_validation_explains_itself():
+    with pytest.raises(ConfigError, match="slots"):
+        AgentConfig(slots=0).validate()
+
+
+def test_broken_config_file_names_the_file(tmp_path):
+    dd = DataDir(tmp_path)
+    dd.config_path.write_text("api_port = = 3")
+    with pytest.raises(ConfigError, match=r"config\.toml"):
+        dd.load_config()
