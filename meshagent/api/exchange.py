@@ -92,8 +92,8 @@ class Exchange:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _body(self, data: bytes, *, more: bool) -> None:
+        if not more:
+            self.finished = True
         if self.disconnected:
             return
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
-        if not more:
-            self.finished = True
