@@ -1,0 +1,24 @@
+"""Tunables of the overlay, with defaults that suit a LAN or WAN mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshagent.net.backoff import Backoff
+
+
+@dataclass(frozen=True)
+class OverlayConfig:
+    """Seconds unless noted. There is deliberately no idle or credit timeout: a peer whose
+    application is busy (a stage computing for a minute) is never cut off. Only a peer that
+    stops answering PINGs at the transport level for `dead_peer_timeout` is dropped."""
+
+    handshake_timeout: float = 10.0
+    drain_grace: float = 5.0
+    ping_interval: float = 5.0
+    dead_peer_timeout: float | None = 60.0
+    close_flush_timeout: float = 5.0  # how long a closing connection waits to send its BYE
+    read_size: int = 256 * 1024  # bytes asked of the transport per receive
+    write_batch: int = 1 << 20  # bytes of frames sealed into one transport write
+    max_control_backlog: int = 1 << 20  # the reader pauses while this much control is queued
+    dial_backoff: Backoff = field(default_factory=Backoff)

@@ -1,0 +1,422 @@
+"""Connection: a secured, multiplexed link to one peer, after a completed handshake.
+
+Three tasks, all owned by `run`: the reader feeds received bytes through the record reader
+and the multiplexer and dispatches events; the writer seals queued frames and writes them in
+batches; the pinger measures RTT and detects a dead peer. Inbound streams are served by the
+`on_stream` callback in tasks owned by the connection too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import structlog
+import trio
+
+from meshagent.net.config import OverlayConfig
+from meshagent.net.errors import ConnectionUnavailable, StreamResetError
+from meshagent.net.stream import MeshStream
+from meshagent.wire.errors import ErrorCode, LocalUsageError, ProtocolError
+from meshagent.wire.events import (
+    ConnectionTerminated,
+    CreditGranted,
+    DataReceived,
+    Event,
+    GoAway,
+    StreamClosed,
+    StreamOpened,
+    StreamReset,
+)
+from meshagent.wire.frames import FrameDecoder
+from meshagent.wire.handshake import HandshakeResult, LocalPeer
+from meshagent.wire.mux import Multiplexer
+from meshagent.wire.records import RecordReader, RecordSealer
+from meshagent.wire.rtt import RttSnapshot
+
+log = structlog.get_logger(__name__)
+
+StreamAcceptor = Callable[[MeshStream], Awaitable[None]]
+
+DIRECT = "direct"
+RELAYED = "relayed"
+_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+class Connection:
+    """One authenticated connection. Create it from a handshake result, then `run` it."""
+
+    def __init__(
+        self,
+        transport: trio.abc.Stream,
+        result: HandshakeResult,
+        local: LocalPeer,
+        *,
+        config: OverlayConfig | None = None,
+        on_stream: StreamAcceptor | None = None,
+        remote: str = "?",
+        path: str = DIRECT,
+        leftover: bytes = b"",
+    ) -> None:
+        self.config = config or OverlayConfig()
+        self.peer_id = result.peer_id
+        self.session_id = result.session_id
+        self.initiator = result.initiator
+        self.remote_incarnation = result.remote_incarnation
+        self.version = result.version
+        self.local_peer_id = local.peer_id
+        self.remote = remote
+        self.path = path
+        self.mux = Multiplexer(
+            initiator=result.initiator,
+            local_settings=local.settings,
+            remote_settings=result.remote_settings,
+            clock=trio.current_time,
+        )
+        self._transport = transport
+        self._on_stream = on_stream
+        self._sealer = RecordSealer(result.send_key)
+        self._decoder = FrameDecoder(RecordReader(result.recv_key))
+        self._leftover = leftover
+        self._streams: dict[int, MeshStream] = {}
+        self._nursery: trio.Nursery | None = None
+        self._writer_wakeup = trio.Event()
+        self._writer_idle = trio.Event()
+        self._progress = trio.Event()
+        self._done = trio.Event()
+        self._closing = False
+        self._dead = False
+        self.draining = False
+        self.close_code: ErrorCode | None = None
+        self.close_reason: str | None = None
+        self.established_at = trio.current_time()
+        self.closed_at: float | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._log = log.bind(peer=self.peer_id, session=self.session_id)
+
+    # ----- public state -----
+
+    @property
+    def initiator_peer_id(self) -> str:
+        return self.local_peer_id if self.initiator else self.peer_id
+
+    @property
+    def rtt(self) -> RttSnapshot:
+        return self.mux.rtt
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closing or self._dead
+
+    @property
+    def accepting_streams(self) -> bool:
+        """Whether new streams may be opened here (not closing, no GOAWAY either way)."""
+        return not (self.is_closed or self.draining or self.mux.remote_goaway is not None)
+
+    async def wait_closed(self) -> None:
+        await self._done.wait()
+
+    # ----- lifecycle -----
+
+    async def run(self, *, task_status: trio.TaskStatus[Connection] = trio.TASK_STATUS_IGNORED):
+        """Serve the connection until it closes, for whatever reason; never raises for
+        peer misbehaviour or transport failure (those close it and are logged)."""
+        self._log.info("conn.open", remote=self.remote, path=self.path, initiator=self.initiator)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._writer, name=f"conn-writer-{self.session_id}")
+                nursery.start_soon(self._reader, name=f"conn-reader-{self.session_id}")
+                nursery.start_soon(self._pinger, name=f"conn-pinger-{self.session_id}")
+                task_status.started(self)
+        finally:
+            await self._finalize()
+
+    async def open_stream(
+        self, label: str = "", *, window_bytes: int | None = None, window_frames: int | None = None
+    ) -> MeshStream:
+        """Open a stream to the peer. `window_*` bound what the peer may have in flight to us
+        (and so our memory for this stream); defaults come from our StreamSettings."""
+        if self.is_closed:
+            raise ConnectionUnavailable(
+                f"connection {self.session_id} to {self.peer_id} is closed ({self.close_reason})"
+            )
+        if self.draining:
+            raise ConnectionUnavailable(
+                f"connection {self.session_id} to {self.peer_id} is draining"
+            )
+        try:
+            sid = self.mux.open_stream(
+                label, window_bytes=window_bytes, window_frames=window_frames
+            )
+        except LocalUsageError as e:
+            raise ConnectionUnavailable(f"cannot open a stream to {self.peer_id}: {e}") from e
+        stream = MeshStream(self, sid, label)
+        self._streams[sid] = stream
+        self._kick()
+        await trio.lowlevel.checkpoint()
+        return stream
+
+    async def aclose(self, code: ErrorCode = ErrorCode.NO_ERROR, reason: str = "closed") -> None:
+        """Close now: unfinished streams are reset with `reason`, BYE is sent, and the
+        transport closed. Returns once the connection's tasks have ended."""
+        await self._close(code, reason)
+        if self._nursery is not None:
+            await self._done.wait()
+        else:
+            await self._finalize()
+
+    async def drain_and_close(
+        self,
+        *,
+        grace: float | None = None,
+        code: ErrorCode = ErrorCode.REPLACED,
+        reason: str = "replaced",
+    ) -> None:
+        """Stop taking new streams (GOAWAY), let open streams finish for up to `grace`
+        seconds, reset any still open with an error naming `reason`, then close."""
+        grace = self.config.drain_grace if grace is None else grace
+        if self.is_closed:
+            await self._done.wait()
+            return
+        self.draining = True
+        self.mux.go_away(code, reason)
+        self._kick()
+        self._log.info(
+            "conn.draining", reason=reason, open_streams=self.mux.open_streams, grace=grace
+        )
+        with trio.move_on_after(grace):
+            while self.mux.open_streams and not self.is_closed:
+                await self._progress.wait()
+        stuck = [] if self.is_closed else self.mux.open_stream_ids()
+        if stuck:
+            why = f"connection {reason}: stream still open when the {grace:g} s drain grace expired"
+            self._log.warning("conn.drain_expired", reason=reason, streams=stuck, grace=grace)
+            for sid in stuck:
+                self._reset(sid, code, why)
+        await self.aclose(code, reason)
+
+    # ----- used by MeshStream -----
+
+    def _send(self, stream_id: int, view: memoryview) -> int:
+        try:
+            n = self.mux.send_data(stream_id, view)
+        except LocalUsageError as e:
+            code = self.close_code or ErrorCode.INTERNAL_ERROR
+            raise StreamResetError(stream_id, code, str(e), by_peer=False) from e
+        if n:
+            self._kick()
+        return n
+
+    def _read(self, stream_id: int, max_bytes: int) -> bytes | None:
+        data = self.mux.read(stream_id, max_bytes)
+        if self.mux.has_output:
+            self._kick()
+        if data == b"":
+            self._notify()
+        return data
+
+    def _send_eof(self, stream_id: int) -> None:
+        try:
+            self.mux.send_eof(stream_id)
+        except LocalUsageError as e:
+            code = self.close_code or ErrorCode.INTERNAL_ERROR
+            raise StreamResetError(stream_id, code, str(e), by_peer=False) from e
+        self._kick()
+        self._notify()
+
+    def _reset(self, stream_id: int, code: ErrorCode, reason: str) -> None:
+        self.mux.reset(stream_id, code, reason)
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            stream._fail(StreamResetError(stream_id, code, reason, by_peer=False))
+        self._kick()
+        self._notify()
+
+    def _forget(self, stream_id: int) -> None:
+        self.mux.forget(stream_id)
+        self._streams.pop(stream_id, None)
+        self._notify()
+
+    # ----- internals -----
+
+    def _kick(self) -> None:
+        self._writer_wakeup.set()
+        if self._writer_idle.is_set():
+            self._writer_idle = trio.Event()
+
+    def _notify(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
+
+    async def _flush(self) -> None:
+        while not self._dead and (self.mux.has_output or not self._writer_idle.is_set()):
+            await self._writer_idle.wait()
+
+    async def _close(self, code: ErrorCode, reason: str) -> None:
+        """Graceful end from inside or outside the connection's tasks: BYE, flush, cancel."""
+        if self._closing or self._dead:
+            return
+        self._closing = True
+        self.close_code, self.close_reason = code, reason
+        self._fail_streams(self.mux.close(code, reason))
+        self._kick()
+        with trio.move_on_after(self.config.close_flush_timeout):
+            await self._flush()
+        self._cancel()
+
+    def _abort(self, code: ErrorCode, reason: str) -> None:
+        """Immediate end (transport gone, or the peer said BYE): no flush possible/needed."""
+        if self.close_reason is None:
+            self.close_code, self.close_reason = code, reason
+        self._closing = True
+        self._fail_streams(self.mux.close(code, reason))
+        self._cancel()
+
+    def _cancel(self) -> None:
+        self._writer_idle.set()
+        self._notify()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    def _fail_streams(self, resets: list[StreamReset]) -> None:
+        for ev in resets:
+            stream = self._streams.pop(ev.stream_id, None)
+            if stream is not None:
+                stream._fail(StreamResetError(ev.stream_id, ev.code, ev.reason, by_peer=False))
+
+    async def _finalize(self) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        if self.close_reason is None:
+            self.close_code, self.close_reason = ErrorCode.SHUTDOWN, "cancelled"
+        self._fail_streams(self.mux.close(self.close_code or ErrorCode.SHUTDOWN, self.close_reason))
+        self._writer_idle.set()
+        self._notify()
+        self.closed_at = trio.current_time()
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(self._transport)
+        self._done.set()
+        self._log.info(
+            "conn.closed",
+            code=self.close_code.name if self.close_code is not None else None,
+            reason=self.close_reason,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            seconds=round(self.closed_at - self.established_at, 3),
+        )
+
+    async def _writer(self) -> None:
+        mux, sealer, transport = self.mux, self._sealer, self._transport
+        batch = self.config.write_batch
+        try:
+            while True:
+                while mux.has_output:
+                    wire = sealer.seal_many(mux.frames_to_send(batch))
+                    self.bytes_sent += len(wire)
+                    await transport.send_all(wire)
+                self._writer_idle.set()
+                await self._writer_wakeup.wait()
+                self._writer_wakeup = trio.Event()
+        except _TRANSPORT_ERRORS as e:
+            self._log.info("conn.lost", during="write", error=str(e))
+            self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
+
+    async def _reader(self) -> None:
+        data, self._leftover = self._leftover, b""
+        limit = self.config.max_control_backlog
+        try:
+            while True:
+                if data:
+                    self.bytes_received += len(data)
+                    self._decoder.receive_data(data)
+                    self._process_frames()
+                    if self.is_closed:
+                        return
+                    while self.mux.control_backlog > limit and not self._dead:
+                        await self._flush()  # the peer must read our replies before we read on
+                data = await self._transport.receive_some(self.config.read_size)
+                if not data:
+                    self._log.info("conn.lost", during="read", error="EOF without BYE")
+                    self._abort(ErrorCode.INTERNAL_ERROR, "connection lost: EOF without BYE")
+                    return
+        except ProtocolError as e:
+            self._log.warning("conn.protocol_error", code=e.code.name, reason=str(e))
+            await self._close(e.code, f"protocol error: {e}")
+        except _TRANSPORT_ERRORS as e:
+            self._log.info("conn.lost", during="read", error=str(e))
+            self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
+
+    def _process_frames(self) -> None:
+        decoder, mux, dispatch = self._decoder, self.mux, self._dispatch
+        while (frame := decoder.next_frame()) is not None:
+            for event in mux.handle_frame(frame):
+                dispatch(event)
+            if self.is_closed:
+                break
+        if mux.has_output:
+            self._kick()
+        self._notify()
+
+    def _dispatch(self, ev: Event) -> None:
+        kind = type(ev)
+        if kind is DataReceived or kind is StreamClosed:
+            stream = self._streams.get(ev.stream_id)
+            if stream is not None:
+                stream._wake_reader()
+        elif kind is CreditGranted:
+            stream = self._streams.get(ev.stream_id)
+            if stream is not None:
+                stream._wake_writer()
+        elif kind is StreamOpened:
+            self._accept(ev)
+        elif kind is StreamReset:
+            stream = self._streams.pop(ev.stream_id, None)
+            self._log.debug("stream.reset", stream=ev.stream_id, code=ev.code.name, by_peer=True)
+            if stream is not None:
+                stream._fail(StreamResetError(ev.stream_id, ev.code, ev.reason, by_peer=ev.by_peer))
+        elif kind is GoAway:
+            self._log.info("conn.goaway_received", code=ev.code.name, reason=ev.reason)
+        elif kind is ConnectionTerminated:
+            self._log.info("conn.bye_received", code=ev.code.name, reason=ev.reason)
+            self._abort(ev.code, ev.reason)
+
+    def _accept(self, ev: StreamOpened) -> None:
+        if self._on_stream is None or self._nursery is None:
+            self.mux.reset(ev.stream_id, ErrorCode.REFUSED_STREAM, "this peer accepts no streams")
+            return
+        stream = MeshStream(self, ev.stream_id, ev.label)
+        self._streams[ev.stream_id] = stream
+        self._nursery.start_soon(self._serve_stream, stream, name=f"stream-{ev.stream_id}")
+
+    async def _serve_stream(self, stream: MeshStream) -> None:
+        assert self._on_stream is not None
+        try:
+            await self._on_stream(stream)
+        except StreamResetError as e:
+            self._log.info("stream.handler_reset", stream=stream.stream_id, reason=str(e))
+        except Exception as e:
+            self._log.exception("stream.handler_failed", stream=stream.stream_id)
+            why = f"stream handler failed: {type(e).__name__}: {e}"
+            stream.reset(why, ErrorCode.INTERNAL_ERROR)
+        finally:
+            await stream.aclose()
+
+    async def _pinger(self) -> None:
+        interval, timeout = self.config.ping_interval, self.config.dead_peer_timeout
+        while True:
+            self.mux.ping()
+            self._kick()
+            await trio.sleep(interval)
+            silent = trio.current_time() - self.mux.last_pong_at
+            if timeout is not None and silent > timeout:
+                self._log.warning("conn.unresponsive", silent=round(silent, 1))
+                await self._close(ErrorCode.UNRESPONSIVE, f"no reply to PING for {silent:.0f} s")
+                return
+
+    def __repr__(self) -> str:
+        return (
+            f"Connection(peer={self.peer_id}, session={self.session_id}, path={self.path}, "
+            f"initiator={self.initiator}, closed={self.close_reason!r})"
+        )

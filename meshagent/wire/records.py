@@ -1,0 +1,124 @@
+"""Encrypted records: the unit on the wire after the handshake.
+
+    record = length (u32, big-endian) || ChaCha20-Poly1305(key, nonce, plaintext, aad=length)
+
+`length` counts the ciphertext including its 16-byte tag. Each direction has its own key
+(from the Noise split) and a 64-bit counter starting at 0; the nonce is 4 zero bytes followed
+by the counter, little-endian (the Noise ChaChaPoly nonce layout). A counter value is used
+once; the sealer refuses to wrap. A record that fails authentication ends the connection.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from meshagent.wire.errors import ErrorCode, LocalUsageError, ProtocolError
+from meshagent.wire.settings import MAX_RECORD_PLAINTEXT
+
+TAG_LEN = 16
+HEADER_LEN = 4
+MAX_RECORD_CIPHERTEXT = MAX_RECORD_PLAINTEXT + TAG_LEN
+_LEN = struct.Struct(">I")
+_NONCE = struct.Struct("<4xQ")
+_MAX_COUNTER = (1 << 64) - 1
+
+
+class RecordSealer:
+    """Encrypts plaintexts into records, one nonce per record, in order."""
+
+    def __init__(self, key: bytes) -> None:
+        self._aead = ChaCha20Poly1305(key)
+        self._counter = 0
+
+    @property
+    def records_sealed(self) -> int:
+        return self._counter
+
+    def seal_many(self, plaintexts: list[bytes]) -> bytearray:
+        """All records for `plaintexts`, concatenated into one buffer for a single write."""
+        total = sum(len(p) for p in plaintexts) + len(plaintexts) * (HEADER_LEN + TAG_LEN)
+        out = bytearray(total)
+        view = memoryview(out)
+        pos = 0
+        aead = self._aead
+        for plaintext in plaintexts:
+            size = len(plaintext)
+            if size > MAX_RECORD_PLAINTEXT:
+                raise LocalUsageError(f"record of {size} bytes exceeds {MAX_RECORD_PLAINTEXT}")
+            if self._counter >= _MAX_COUNTER:
+                raise LocalUsageError("record counter exhausted; open a new connection")
+            _LEN.pack_into(out, pos, size + TAG_LEN)
+            header = view[pos : pos + HEADER_LEN]
+            nonce = _NONCE.pack(self._counter)
+            self._counter += 1
+            end = pos + HEADER_LEN + size + TAG_LEN
+            aead.encrypt_into(nonce, plaintext, header, view[pos + HEADER_LEN : end])
+            pos = end
+        return out
+
+    def seal(self, plaintext: bytes) -> bytes:
+        return bytes(self.seal_many([plaintext]))
+
+
+class RecordReader:
+    """Pure state machine: feed received bytes, take decrypted plaintexts out in order.
+
+    Raises only ProtocolError: on a length outside 1..MAX (checked before buffering the body,
+    so an oversized claim costs no memory) or on a record that fails authentication.
+    """
+
+    def __init__(self, key: bytes, *, max_plaintext: int = MAX_RECORD_PLAINTEXT) -> None:
+        self._aead = ChaCha20Poly1305(key)
+        self._counter = 0
+        self._buffer = bytearray()
+        self._max_ciphertext = max_plaintext + TAG_LEN
+        self._failed: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def receive_data(self, data: bytes) -> None:
+        if self._failed is not None:
+            raise self._failed
+        self._buffer += data
+
+    def next_record(self) -> bytes | None:
+        """The next plaintext, or None when more bytes are needed."""
+        if self._failed is not None:
+            raise self._failed
+        buf = self._buffer
+        if len(buf) < HEADER_LEN:
+            return None
+        (length,) = _LEN.unpack_from(buf)
+        if length > self._max_ciphertext:
+            self._fail(
+                f"record of {length} bytes exceeds the maximum {self._max_ciphertext}",
+                ErrorCode.FRAME_TOO_LARGE,
+            )
+        if length < TAG_LEN:
+            self._fail(f"record of {length} bytes is shorter than its tag")
+        end = HEADER_LEN + length
+        if len(buf) < end:
+            return None
+        view = memoryview(buf)
+        try:
+            plaintext = self._aead.decrypt(
+                _NONCE.pack(self._counter), view[HEADER_LEN:end], view[:HEADER_LEN]
+            )
+        except InvalidTag:
+            view.release()
+            self._fail(
+                "record failed authentication (tampered, replayed, reordered or plaintext data)"
+            )
+        view.release()
+        del buf[:end]
+        self._counter += 1
+        return plaintext
+
+    def _fail(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL_ERROR) -> None:
+        self._failed = ProtocolError(message, code)
+        raise self._failed
