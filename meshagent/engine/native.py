@@ -1,0 +1,163 @@
+"""The capture hook: copies one graph tensor (a stage's output residual) out of llama.cpp.
+
+The hook is C (`native/capture.c`, built with the package as `meshagent.engine._capture`);
+if that build is missing, a Python callback does the same job more slowly, with a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import structlog
+
+from meshagent.errors import EngineError
+
+log = structlog.get_logger(__name__)
+
+NAME_LEN = 64
+
+
+class CaptureState(ctypes.Structure):
+    """Mirrors `meshagent_capture` in native/capture.c."""
+
+    _fields_ = [
+        ("name", ctypes.c_char * NAME_LEN),
+        ("dst", ctypes.c_void_p),
+        ("capacity", ctypes.c_size_t),
+        ("offset", ctypes.c_size_t),
+        ("status", ctypes.c_int32),
+        ("hits", ctypes.c_int32),
+    ]
+
+
+@dataclass
+class CaptureHook:
+    callback: object  # a llama_cpp.ggml_backend_sched_eval_callback
+    native: bool
+
+
+_hook: CaptureHook | None = None
+_py_callback_ref: object = None
+
+
+def _ggml_base() -> ctypes.CDLL:
+    """The libggml-base.so.0 libllama uses, made global so the hook links to the same copy."""
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    candidates = sorted(glob.glob(str(libdir / "libggml-base.so.0"))) or sorted(
+        glob.glob(str(libdir / "libggml-base*"))
+    )
+    if not candidates:
+        raise EngineError(f"libggml-base not found next to llama-cpp-python in {libdir}")
+    return ctypes.CDLL(candidates[0], mode=os.RTLD_NOW | ctypes.RTLD_GLOBAL)
+
+
+def _native_library() -> ctypes.CDLL | None:
+    here = Path(__file__).parent
+    built = sorted(here.glob("_capture*.so"))
+    if not built:
+        return None
+    lib = ctypes.CDLL(str(built[0]))
+    lib.meshagent_capture_abi.restype = ctypes.c_int32
+    if lib.meshagent_capture_abi() != ctypes.sizeof(CaptureState):
+        log.warning("native.capture_abi_mismatch", path=str(built[0]))
+        return None
+    return lib
+
+
+def _python_callback(ggml: ctypes.CDLL) -> object:
+    ggml.ggml_get_name.restype = ctypes.c_char_p
+    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+    ggml.ggml_nbytes.restype = ctypes.c_size_t
+    ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    ggml.ggml_is_contiguous.restype = ctypes.c_bool
+    ggml.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_tensor_get.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+    ]
+
+    def capture(tensor: int, ask: bool, user_data: int) -> bool:
+        state = ctypes.cast(user_data, ctypes.POINTER(CaptureState)).contents
+        if ggml.ggml_get_name(tensor) != state.name:
+            return not ask
+        if ask:
+            return True
+        state.hits += 1
+        if not ggml.ggml_is_contiguous(tensor):
+            state.status = 2
+            return True
+        n = ggml.ggml_nbytes(tensor)
+        if state.offset + n > state.capacity:
+            state.status = 1
+            return True
+        ggml.ggml_backend_tensor_get(tensor, state.dst + state.offset, 0, n)
+        state.offset += n
+        return True
+
+    return llama_cpp.ggml_backend_sched_eval_callback(capture)
+
+
+def capture_hook() -> CaptureHook:
+    """The evaluation callback to give llama.cpp contexts that capture a tensor."""
+    global _hook, _py_callback_ref
+    if _hook is None:
+        ggml = _ggml_base()
+        lib = None
+        try:
+            lib = _native_library()
+        except OSError as e:
+            log.warning("native.capture_load_failed", error=str(e))
+        if lib is not None:
+            ptr = ctypes.cast(lib.meshagent_capture_eval, ctypes.c_void_p).value
+            _hook = CaptureHook(llama_cpp.ggml_backend_sched_eval_callback(ptr), native=True)
+        else:
+            log.warning(
+                "native.capture_fallback",
+                why="native/capture.c was not built with the package (no C compiler?); "
+                "using a slower Python callback. Reinstall with a C compiler to fix.",
+            )
+            _py_callback_ref = _python_callback(ggml)
+            _hook = CaptureHook(_py_callback_ref, native=False)
+    return _hook
+
+
+class Capture:
+    """One context's capture target: the tensor name and a growable float32 buffer."""
+
+    def __init__(self, tensor_name: str, n_embd: int) -> None:
+        if len(tensor_name) >= NAME_LEN:
+            raise EngineError(f"tensor name too long to capture: {tensor_name}")
+        self.state = CaptureState()
+        self.state.name = tensor_name.encode()
+        self.n_embd = n_embd
+        self._buf = np.empty((0, n_embd), np.float32)
+
+    @property
+    def user_data(self) -> ctypes.c_void_p:
+        return ctypes.cast(ctypes.pointer(self.state), ctypes.c_void_p)
+
+    def arm(self, n_tokens: int) -> None:
+        if self._buf.shape[0] < n_tokens:
+            self._buf = np.empty((n_tokens, self.n_embd), np.float32)
+        self.state.dst = self._buf.ctypes.data
+        self.state.capacity = self._buf.nbytes
+        self.state.offset = 0
+        self.state.status = 0
+        self.state.hits = 0
+
+    def collect(self, n_tokens: int) -> np.ndarray:
+        want = n_tokens * self.n_embd * 4
+        if self.state.status or self.state.offset != want:
+            raise EngineError(
+                f"capture of {self.state.name.decode()} failed: status {self.state.status}, "
+                f"got {self.state.offset} of {want} bytes in {self.state.hits} pieces"
+            )
+        return self._buf[:n_tokens].copy()

@@ -1,0 +1,205 @@
+"""A llama.cpp model and context: loading, batches of tokens or embeddings, KV per sequence."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import structlog
+
+from meshagent.engine.native import Capture, capture_hook
+from meshagent.errors import EngineError, ModelError
+
+log = structlog.get_logger(__name__)
+
+_LEVELS = {3: "warning", 4: "error"}  # ggml_log_level values worth surfacing
+
+
+@llama_cpp.llama_log_callback
+def _llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    if level in _LEVELS and text:
+        getattr(log, _LEVELS[level])("llama.cpp", message=text.decode(errors="replace").strip())
+
+
+_backend_ready = False
+
+
+def init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        llama_cpp.llama_log_set(_llama_log, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+def load_model(path: Path, *, vocab_only: bool = False) -> ctypes.c_void_p:
+    if not path.is_file():
+        raise ModelError(f"model file not found: {path}")
+    init_backend()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = vocab_only
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelError(f"llama.cpp could not load {path}: is it a valid GGUF model file?")
+    return model
+
+
+@dataclass(frozen=True)
+class EmbdItem:
+    """Hidden states of one sequence's tokens, positions pos..pos+n-1."""
+
+    seq_id: int
+    pos: int
+    hidden: np.ndarray  # float32 [n, n_embd]
+    want_logits: bool = False
+
+
+class LlamaRuntime:
+    """One loaded model with a context of `slots` sequences of `slot_ctx` tokens each.
+
+    `capture` set: the context also copies out the named graph tensor on every decode (every
+    row is marked as an output so the last layer keeps all rows).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        slots: int,
+        slot_ctx: int,
+        threads: int = 0,
+        max_batch_tokens: int = 512,
+        unified_kv: bool = False,
+        flash_attn: bool | None = None,
+        capture: Capture | None = None,
+    ) -> None:
+        self.model = load_model(path)
+        self.slots = slots
+        self.slot_ctx = slot_ctx
+        self.max_batch_tokens = max_batch_tokens
+        self.capture = capture
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
+        self.n_layers = int(llama_cpp.llama_model_n_layer(self.model))
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = slot_ctx * slots
+        cp.n_batch = max_batch_tokens
+        cp.n_ubatch = max_batch_tokens
+        cp.n_seq_max = slots
+        # A unified cache keeps a batch's rows in order inside llama.cpp, which the capture
+        # of hidden states relies on; split caches give every slot a guaranteed size.
+        cp.kv_unified = unified_kv
+        self.threads = threads or os.cpu_count() or 1
+        cp.n_threads = self.threads
+        cp.n_threads_batch = self.threads
+        cp.no_perf = True
+        if flash_attn is not None:
+            cp.flash_attn_type = 1 if flash_attn else 0
+        if capture is not None:
+            cp.cb_eval = capture_hook().callback
+            cp.cb_eval_user_data = capture.user_data
+        ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise EngineError(
+                f"llama.cpp could not create a context of {slots} x {slot_ctx} tokens; "
+                "try a smaller --ctx-size or fewer --slots"
+            )
+        self.ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        self._tokens = llama_cpp.llama_batch_init(max_batch_tokens, 0, 1)
+        self._embd = llama_cpp.llama_batch_init(max_batch_tokens, self.n_embd, 1)
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(512)
+        n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode(errors="replace") if n >= 0 else None
+
+    def _set_row(self, batch: llama_cpp.llama_batch, n: int, seq: int, pos: int, out: bool) -> None:
+        batch.pos[n] = pos
+        batch.n_seq_id[n] = 1
+        batch.seq_id[n][0] = seq
+        batch.logits[n] = out
+
+    def _check_size(self, n: int) -> None:
+        if n > self.max_batch_tokens:
+            raise EngineError(f"batch of {n} tokens exceeds {self.max_batch_tokens}")
+
+    def decode_tokens(
+        self, items: Sequence[tuple[int, int, Sequence[int], bool]]
+    ) -> list[np.ndarray | None]:
+        """items: (seq_id, pos, tokens, want_logits). Returns last-token logits per item."""
+        batch = self._tokens
+        n = 0
+        rows: list[int | None] = []
+        for seq, pos, tokens, want in items:
+            self._check_size(n + len(tokens))
+            for i, tok in enumerate(tokens):
+                batch.token[n] = tok
+                self._set_row(batch, n, seq, pos + i, False)
+                n += 1
+            if want:
+                batch.logits[n - 1] = True
+            rows.append(n - 1 if want else None)
+        batch.n_tokens = n
+        self._decode(batch, n)
+        return [None if r is None else self.logits(r) for r in rows]
+
+    def decode_embd(self, items: Sequence[EmbdItem]) -> tuple[np.ndarray | None, list]:
+        """Run hidden states through the layers. Returns (captured residual rows of the whole
+        batch in order, or None without capture; last-row logits per item wanting them)."""
+        batch = self._embd
+        total = sum(it.hidden.shape[0] for it in items)
+        self._check_size(total)
+        embd = np.ctypeslib.as_array(batch.embd, shape=(self.max_batch_tokens * self.n_embd,))
+        n = 0
+        rows: list[int | None] = []
+        all_rows = self.capture is not None
+        for it in items:
+            k = it.hidden.shape[0]
+            embd[n * self.n_embd : (n + k) * self.n_embd] = it.hidden.reshape(-1)
+            for i in range(k):
+                self._set_row(batch, n + i, it.seq_id, it.pos + i, all_rows)
+            n += k
+            if it.want_logits:
+                batch.logits[n - 1] = True
+            rows.append(n - 1 if it.want_logits else None)
+        batch.n_tokens = n
+        if self.capture is not None:
+            self.capture.arm(n)
+        self._decode(batch, n)
+        hidden = self.capture.collect(n) if self.capture is not None else None
+        return hidden, [None if r is None else self.logits(r) for r in rows]
+
+    def _decode(self, batch: llama_cpp.llama_batch, n: int) -> None:
+        if n == 0:
+            raise EngineError("empty batch")
+        rc = llama_cpp.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc}")
+
+    def logits(self, row: int) -> np.ndarray:
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def clear(self, seq_id: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+
+    def state_bytes(self) -> int:
+        return int(llama_cpp.llama_state_get_size(self.ctx))
+
+    def model_bytes(self) -> int:
+        return int(llama_cpp.llama_model_size(self.model))
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_batch_free(self._tokens)
+            llama_cpp.llama_batch_free(self._embd)
+            llama_cpp.llama_free(self.ctx)
+            llama_cpp.llama_model_free(self.model)
+            self.ctx = None

@@ -1,0 +1,71 @@
+"""A model's vocabulary: tokenizing, token bytes, special tokens, chat template."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import llama_cpp
+
+from meshagent.engine.runtime import load_model
+
+
+class Vocab:
+    def __init__(self, model: ctypes.c_void_p, *, owned: bool = False) -> None:
+        self._model = model
+        self._owned = owned
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self._piece = ctypes.create_string_buffer(256)
+        self._bytes: dict[int, bytes] = {}
+
+    @classmethod
+    def load(cls, path: Path) -> Vocab:
+        """Only the vocabulary of a GGUF (no weights are loaded)."""
+        return cls(load_model(path, vocab_only=True), owned=True)
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        data = text.encode()
+        cap = len(data) + 8
+        while True:
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_bos, True)
+            if n >= 0:
+                return list(buf[:n])
+            cap = -n
+
+    def token_bytes(self, token: int) -> bytes:
+        cached = self._bytes.get(token)
+        if cached is None:
+            n = llama_cpp.llama_token_to_piece(
+                self._vocab, token, self._piece, len(self._piece), 0, False
+            )
+            cached = self._piece.raw[: max(n, 0)]
+            self._bytes[token] = cached
+        return cached
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        raw = llama_cpp.llama_vocab_get_text(self._vocab, token)
+        return raw.decode(errors="replace") if raw else ""
+
+    @property
+    def bos_token(self) -> str:
+        return self.token_text(llama_cpp.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos_token(self) -> str:
+        return self.token_text(llama_cpp.llama_vocab_eos(self._vocab))
+
+    def chat_template(self) -> str | None:
+        raw = llama_cpp.llama_model_chat_template(self._model, None)
+        return raw.decode() if raw else None
+
+    def close(self) -> None:
+        if self._owned and self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None

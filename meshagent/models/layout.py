@@ -1,0 +1,147 @@
+"""What a GGUF model is made of: layers, exact bytes per layer, KV cost per token."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from meshagent.errors import ModelError
+from meshagent.models.architectures import split_refusal
+
+LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
+KV_BYTES_F16 = 2
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    path: str
+    architecture: str
+    name: str
+    n_layers: int
+    n_embd: int
+    n_vocab: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    context_length: int
+    layer_bytes: tuple[int, ...]  # exact tensor bytes of each layer
+    embedding_bytes: int  # token_embd
+    head_bytes: int  # output_norm + output (or tied embeddings)
+    other_bytes: int  # any other global tensor
+    file_bytes: int
+    split_refusal: str | None
+
+    @property
+    def splittable(self) -> bool:
+        return self.split_refusal is None
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """KV cache bytes one token costs in one layer, at f16."""
+        return 2 * self.n_head_kv * self.head_dim * KV_BYTES_F16
+
+    def weight_bytes(self, start: int, end: int) -> int:
+        """Bytes of weights a stage over layers [start, end) holds: the first stage also holds
+        the token embeddings, the last the output head."""
+        total = sum(self.layer_bytes[start:end]) + self.other_bytes
+        if start == 0:
+            total += self.embedding_bytes
+        if end == self.n_layers:
+            total += self.head_bytes
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "architecture": self.architecture,
+            "name": self.name,
+            "layers": self.n_layers,
+            "n_embd": self.n_embd,
+            "n_vocab": self.n_vocab,
+            "context_length": self.context_length,
+            "layer_bytes": list(self.layer_bytes),
+            "embedding_bytes": self.embedding_bytes,
+            "head_bytes": self.head_bytes,
+            "other_bytes": self.other_bytes,
+            "file_bytes": self.file_bytes,
+            "kv_bytes_per_token_per_layer": self.kv_bytes_per_token_per_layer,
+            "splittable": self.splittable,
+            "split_refusal": self.split_refusal,
+        }
+
+
+def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    if not path.is_file():
+        raise ModelError(f"model file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError) as e:
+        raise ModelError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def inspect_model(path: Path) -> ModelLayout:
+    r = open_gguf(path)
+    arch = field(r, "general.architecture")
+    if not arch:
+        raise ModelError(f"{path} has no general.architecture: not a model GGUF")
+    n_layers = int(field(r, f"{arch}.block_count", 0))
+    n_embd = int(field(r, f"{arch}.embedding_length", 0))
+    n_head = int(field(r, f"{arch}.attention.head_count", 0) or 0)
+    n_head_kv = int(field(r, f"{arch}.attention.head_count_kv", n_head) or n_head)
+    head_dim = int(field(r, f"{arch}.attention.key_length", 0) or (n_embd // max(n_head, 1)))
+    layer_bytes = [0] * n_layers
+    embedding = head = other = 0
+    n_vocab = 0
+    for t in r.tensors:
+        m = LAYER_TENSOR.match(t.name)
+        if m:
+            i = int(m.group(1))
+            if i >= n_layers:
+                raise ModelError(f"{path}: tensor {t.name} beyond block_count {n_layers}")
+            layer_bytes[i] += int(t.n_bytes)
+        elif t.name == "token_embd.weight":
+            embedding += int(t.n_bytes)
+            n_vocab = int(t.shape[1])
+        elif t.name in ("output.weight", "output_norm.weight"):
+            head += int(t.n_bytes)
+        else:
+            other += int(t.n_bytes)
+    tied = not any(t.name == "output.weight" for t in r.tensors)
+    if tied:
+        head += embedding  # the last stage needs the embeddings as its output head
+    return ModelLayout(
+        path=str(path),
+        architecture=arch,
+        name=str(field(r, "general.name", path.stem)),
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_vocab=n_vocab,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        context_length=int(field(r, f"{arch}.context_length", 0) or 0),
+        layer_bytes=tuple(layer_bytes),
+        embedding_bytes=embedding,
+        head_bytes=head,
+        other_bytes=other,
+        file_bytes=path.stat().st_size,
+        split_refusal=split_refusal(arch, set(r.fields)),
+    )
+
+
+def file_sha256(path: Path, *, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,137 @@
+"""Cutting a GGUF model into stage artifacts that llama.cpp loads as models of their own.
+
+A `layers` artifact holds layers [a, b) renumbered from 0. Unless it ends the model it carries a
+placeholder vocabulary of a few tokens, so its output head costs nothing (its output is the
+residual stream, read by the engine's capture hook). An `entry` artifact holds what the first
+stage needs besides its layers: the tokenizer, the chat template and the token embeddings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGUFValueType
+
+from meshagent.errors import ModelError
+from meshagent.models.layout import LAYER_TENSOR, ModelLayout, open_gguf
+
+PLACEHOLDER_VOCAB = 8
+SLICE_KEY_PREFIX = "meshagent.slice."
+
+Progress = Callable[[int, int], None]
+
+
+def _copy_metadata(
+    reader: gguf.GGUFReader, writer: gguf.GGUFWriter, *, skip: Callable[[str], bool]
+) -> None:
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or skip(key):
+            continue
+        vtype = f.types[0]
+        if vtype == GGUFValueType.ARRAY:
+            writer.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
+        else:
+            writer.add_key_value(key, f.contents(), vtype)
+
+
+def _add_placeholder_vocab(writer: gguf.GGUFWriter, arch: str, n_embd: int) -> None:
+    n = PLACEHOLDER_VOCAB
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<t{i}>" for i in range(n - 3)])
+    writer.add_token_scores([0.0] * n)
+    writer.add_token_types([2, 3, 3] + [1] * (n - 3))
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_uint32(f"{arch}.vocab_size", n)
+    writer.add_tensor("token_embd.weight", np.zeros((n, n_embd), np.float32))
+    writer.add_tensor("output.weight", np.zeros((n, n_embd), np.float32))
+
+
+def _finish(writer: gguf.GGUFWriter, dst: Path, tmp: Path) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dst)
+
+
+def write_layers(
+    layout: ModelLayout, start: int, end: int, dst: Path, *, provenance: dict[str, str | int]
+) -> None:
+    """Write the layers artifact for [start, end) of `layout`'s model to `dst`."""
+    if not 0 <= start < end <= layout.n_layers:
+        raise ModelError(f"layer range {start}:{end} is outside 0:{layout.n_layers}")
+    if layout.split_refusal and (start, end) != (0, layout.n_layers):
+        raise ModelError(f"cannot split {layout.name}: {layout.split_refusal}")
+    reader = open_gguf(Path(layout.path))
+    arch = layout.architecture
+    last = end == layout.n_layers
+    tmp = dst.with_name(dst.name + ".partial")
+    writer = gguf.GGUFWriter(tmp, arch)
+
+    def skip(key: str) -> bool:
+        if key == f"{arch}.block_count" or key.startswith(SLICE_KEY_PREFIX):
+            return True
+        return not last and (key.startswith("tokenizer.") or key == f"{arch}.vocab_size")
+
+    _copy_metadata(reader, writer, skip=skip)
+    writer.add_uint32(f"{arch}.block_count", end - start)
+    for key, value in provenance.items():
+        if isinstance(value, int):
+            writer.add_uint64(SLICE_KEY_PREFIX + key, value)
+        else:
+            writer.add_string(SLICE_KEY_PREFIX + key, value)
+    for t in reader.tensors:
+        m = LAYER_TENSOR.match(t.name)
+        if m:
+            i = int(m.group(1))
+            if start <= i < end:
+                writer.add_tensor(f"blk.{i - start}.{m.group(2)}", t.data, raw_dtype=t.tensor_type)
+        elif last or t.name not in ("token_embd.weight", "output.weight"):
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    if not last:
+        _add_placeholder_vocab(writer, arch, layout.n_embd)
+    _finish(writer, dst, tmp)
+
+
+def write_entry(layout: ModelLayout, dst: Path, *, provenance: dict[str, str | int]) -> None:
+    """Write the entry artifact: every metadata key (tokenizer, chat template) and the token
+    embeddings, no layers."""
+    reader = open_gguf(Path(layout.path))
+    tmp = dst.with_name(dst.name + ".partial")
+    writer = gguf.GGUFWriter(tmp, layout.architecture)
+    _copy_metadata(reader, writer, skip=lambda k: k.startswith(SLICE_KEY_PREFIX))
+    for key, value in provenance.items():
+        if isinstance(value, int):
+            writer.add_uint64(SLICE_KEY_PREFIX + key, value)
+        else:
+            writer.add_string(SLICE_KEY_PREFIX + key, value)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelError(f"{layout.path} has no token_embd.weight")
+    writer.add_tensor("token_embd.weight", embd.data, raw_dtype=embd.tensor_type)
+    _finish(writer, dst, tmp)
+
+
+class TokenEmbeddings:
+    """Token embedding lookup from a GGUF (whole model or entry artifact), dequantising only
+    the rows asked for."""
+
+    def __init__(self, path: Path) -> None:
+        reader = open_gguf(path)
+        t = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if t is None:
+            raise ModelError(f"{path} has no token_embd.weight")
+        self._data = t.data
+        self._qtype = t.tensor_type
+        self.n_vocab = int(t.shape[1])
+        self.n_embd = int(t.shape[0])
+
+    def __call__(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        rows = self._data[np.asarray(tokens, dtype=np.int64)]
+        return np.ascontiguousarray(gguf.quants.dequantize(rows, self._qtype), dtype=np.float32)
