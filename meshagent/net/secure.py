@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import trio
 
 from meshagent.net.errors import HandshakeInterrupted
+from meshagent.wire.errors import HandshakeError
 from meshagent.wire.handshake import Handshake, HandshakeResult, LocalPeer
 from meshagent.wire.replay import ReplayGuard
 
 _READ = 4096
+_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 async def secure_handshake(
@@ -40,11 +44,18 @@ async def secure_handshake(
                         "peer closed the connection during the handshake (it may use another "
                         "mesh secret or protocol version, or refused us)"
                     )
-                out = hs.receive_data(data)
+                try:
+                    out = hs.receive_data(data)
+                except HandshakeError:
+                    if hs.refusal:
+                        # Tell an honest initiator not to retry; best effort, never waited on.
+                        with trio.move_on_after(1), contextlib.suppress(*_TRANSPORT_ERRORS):
+                            await stream.send_all(hs.refusal)
+                    raise
                 if out:
                     await stream.send_all(out)
     except trio.TooSlowError as e:
         raise HandshakeInterrupted(f"handshake timed out after {timeout:g} s") from e
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+    except _TRANSPORT_ERRORS as e:
         raise HandshakeInterrupted(f"transport failed during the handshake: {e}") from e
     return hs.result, hs.trailing_data()

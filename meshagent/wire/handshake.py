@@ -8,6 +8,8 @@ Wire form: three Noise messages, each prefixed by a 2-byte big-endian length.
 Identity payload: {0: 1, 2: version, 3: ed25519 public key, 4: signature, 5: peer id,
 6: stream settings, 7: incarnation}. The signature is ed25519 over
 STATIC_KEY_CONTEXT + the sender's Noise static public key.
+A responder that cannot accept message 1 may answer with a refusal instead of message 2:
+a zero length, a reason byte and its version range (see Refusal).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
-from enum import Enum, auto
+from enum import Enum, IntEnum, auto
 
 import cbor2
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -38,6 +40,17 @@ SUPPORTED_VERSIONS = (1, 1)
 MAX_HANDSHAKE_MESSAGE = 4096
 _PAYLOAD_FORMAT = 1
 _LEN = struct.Struct(">H")
+# A refusal: a zero length (never a valid message), a reason, the responder's versions.
+_REFUSAL = struct.Struct(">HBHH")
+
+
+class Refusal(IntEnum):
+    """Why a responder refused message 1. Sent unauthenticated (nothing is shared yet), so
+    the initiator uses it only to word its error and to stop retrying, never to trust."""
+
+    NOT_A_MEMBER = 1
+    NO_COMMON_VERSION = 2
+    REPLAYED = 3
 
 
 @dataclass(frozen=True, repr=False)
@@ -141,6 +154,7 @@ class Handshake:
         self._state = _State.START
         self._version = 0
         self._result: HandshakeResult | None = None
+        self.refusal = b""  # bytes to send the initiator before closing, when we refuse it
         noise = NoiseConnection.from_name(NOISE_PROTOCOL)
         noise.set_psks(psk=local.mesh.derive(PSK_PURPOSE))
         noise.set_prologue(PROLOGUE)
@@ -208,6 +222,11 @@ class Handshake:
         if len(self._buffer) < 2:
             return None
         (length,) = _LEN.unpack_from(self._buffer)
+        if length == 0 and self._state is _State.AWAIT_MSG2:
+            if len(self._buffer) < _REFUSAL.size:
+                return None
+            self._state = _State.FAILED
+            raise HandshakeError(self._describe_refusal(*_REFUSAL.unpack_from(self._buffer)[1:]))
         if length > MAX_HANDSHAKE_MESSAGE or length < 32:
             self._state = _State.FAILED
             raise HandshakeError(
@@ -254,14 +273,45 @@ class Handshake:
             }
         )
 
+    def _refuse(self, reason: Refusal, message: str) -> HandshakeError:
+        lo, hi = self._local.versions
+        self.refusal = _REFUSAL.pack(0, reason, lo, hi)
+        return HandshakeError(message)
+
+    def _describe_refusal(self, reason: int, lo: int, hi: int) -> str:
+        if reason == Refusal.NOT_A_MEMBER:
+            return (
+                "the responder refused us: it is not in our mesh (it has a different mesh "
+                "secret; check the invite)"
+            )
+        if reason == Refusal.NO_COMMON_VERSION:
+            mine = self._local.versions
+            return (
+                f"no common protocol version: the responder speaks {lo}-{hi}, we speak "
+                f"{mine[0]}-{mine[1]}; upgrade one side"
+            )
+        if reason == Refusal.REPLAYED:
+            return "the responder refused our first message as a replay"
+        return f"the responder refused the handshake (reason {reason})"
+
     def _on_msg1(self, message: bytes) -> bytes:
+        try:
+            return self._answer_msg1(message)
+        except HandshakeError as e:
+            if not self.refusal:
+                self._refuse(Refusal.NOT_A_MEMBER, str(e))
+            raise
+
+    def _answer_msg1(self, message: bytes) -> bytes:
         body = self._read(
             message,
             "the peer is not a member of this mesh (wrong mesh secret) or its first handshake "
             "message is corrupt",
         )
         if self._replay_guard is not None and not self._replay_guard.check_and_remember(message):
-            raise HandshakeError("replayed handshake: this first message was seen before")
+            raise self._refuse(
+                Refusal.REPLAYED, "replayed handshake: this first message was seen before"
+            )
         offered = body.get(1)
         if (
             not isinstance(offered, list)
@@ -272,9 +322,10 @@ class Handshake:
         lo = max(offered[0], self._local.versions[0])
         hi = min(offered[1], self._local.versions[1])
         if lo > hi:
-            raise HandshakeError(
+            raise self._refuse(
+                Refusal.NO_COMMON_VERSION,
                 f"no common protocol version: peer speaks {offered[0]}-{offered[1]}, "
-                f"we speak {self._local.versions[0]}-{self._local.versions[1]}; upgrade one side"
+                f"we speak {self._local.versions[0]}-{self._local.versions[1]}; upgrade one side",
             )
         self._version = hi
         reply = bytes(self._noise.write_message(self._identity_payload()))

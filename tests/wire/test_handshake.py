@@ -186,3 +186,24 @@ def test_garbage_after_a_valid_first_message_raises_only_protocol_errors(tail):
     msg2 = responder.receive_data(initiator.start())
     with contextlib.suppress(ProtocolError):
         initiator.receive_data(msg2[:2] + tail)
+
+
+def test_refused_initiator_learns_why_and_does_not_hang():
+    outsider = Handshake(peer(MeshSecret(b"\x08" * 32)), initiator=True)
+    responder = Handshake(B, initiator=False)
+    responder.start()
+    with pytest.raises(HandshakeError):
+        responder.receive_data(outsider.start())
+    assert responder.refusal
+    with pytest.raises(HandshakeError, match="different mesh secret"):
+        outsider.receive_data(responder.refusal)
+
+
+def test_version_refusal_names_both_ranges():
+    old = Handshake(dataclasses.replace(A, versions=(1, 1)), initiator=True)
+    new = Handshake(dataclasses.replace(B, versions=(2, 3)), initiator=False)
+    new.start()
+    with pytest.raises(HandshakeError):
+        new.receive_data(old.start())
+    with pytest.raises(HandshakeError, match="responder speaks 2-3, we speak 1-1"):
+        old.receive_data(new.refusal)
