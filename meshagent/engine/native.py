@@ -132,11 +132,15 @@ def capture_hook() -> CaptureHook:
 class Capture:
     """One context's capture target: the tensor name and a growable float32 buffer."""
 
-    def __init__(self, tensor_name: str, n_embd: int) -> None:
+    def __init__(self, tensor_name: str, n_embd: int = 0) -> None:
         if len(tensor_name) >= NAME_LEN:
             raise EngineError(f"tensor name too long to capture: {tensor_name}")
         self.state = CaptureState()
         self.state.name = tensor_name.encode()
+        self.bind(n_embd)
+
+    def bind(self, n_embd: int) -> None:
+        """Set the row width (the model's embedding length) once the model is loaded."""
         self.n_embd = n_embd
         self._buf = np.empty((0, n_embd), np.float32)
 

@@ -91,8 +91,9 @@ class LlamaRuntime:
         cp.n_batch = max_batch_tokens
         cp.n_ubatch = max_batch_tokens
         cp.n_seq_max = slots
-        # A unified cache keeps a batch's rows in order inside llama.cpp, which the capture
-        # of hidden states relies on; split caches give every slot a guaranteed size.
+        # Split caches (a KV stream per sequence) give every slot a guaranteed size and make a
+        # batched sequence compute bit for bit what it computes alone; a unified cache lays
+        # sequences out differently and changes the attention's rounding.
         cp.kv_unified = unified_kv
         self.threads = threads or os.cpu_count() or 1
         cp.n_threads = self.threads
@@ -101,6 +102,7 @@ class LlamaRuntime:
         if flash_attn is not None:
             cp.flash_attn_type = 1 if flash_attn else 0
         if capture is not None:
+            capture.bind(self.n_embd)
             cp.cb_eval = capture_hook().callback
             cp.cb_eval_user_data = capture.user_data
         ctx = llama_cpp.llama_init_from_model(self.model, cp)

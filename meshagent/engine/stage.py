@@ -1,0 +1,113 @@
+"""A stage: layers [start, end) of a model, hidden states in, hidden states or logits out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from meshagent.engine.native import Capture
+from meshagent.engine.runtime import EmbdItem, LlamaRuntime
+from meshagent.errors import EngineError
+
+WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """Per item: the residual rows after this stage (non-last stages) or the logits of the
+    item's last token (last stage, items that asked)."""
+
+    hidden: list[np.ndarray] | None
+    logits: list[np.ndarray | None]
+
+
+class StageEngine:
+    def __init__(
+        self,
+        layers_path: Path,
+        *,
+        start: int,
+        end: int,
+        total_layers: int,
+        slots: int = 4,
+        slot_ctx: int = 2048,
+        threads: int = 0,
+        max_batch_tokens: int = 512,
+        flash_attn: bool = False,
+    ) -> None:
+        if not 0 <= start < end <= total_layers:
+            raise EngineError(f"layer range {start}:{end} is outside 0:{total_layers}")
+        self.start = start
+        self.end = end
+        self.last = end == total_layers
+        # The residual after the slice's last layer; llama.cpp names it l_out-<layer>.
+        capture = None if self.last else Capture(f"l_out-{end - start - 1}")
+        self.runtime = LlamaRuntime(
+            layers_path,
+            slots=slots,
+            slot_ctx=slot_ctx,
+            threads=threads,
+            max_batch_tokens=max_batch_tokens,
+            unified_kv=False,
+            flash_attn=flash_attn,
+            capture=capture,
+        )
+        if self.runtime.n_layers != end - start:
+            self.runtime.close()
+            raise EngineError(
+                f"{layers_path} holds {self.runtime.n_layers} layers, expected {end - start}"
+            )
+        self.n_embd = self.runtime.n_embd
+        self.slot_ctx = slot_ctx
+
+    def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
+        for it in items:
+            if it.hidden.ndim != 2 or it.hidden.shape[1] != self.n_embd:
+                raise EngineError(
+                    f"hidden states of shape {it.hidden.shape}, expected (n, {self.n_embd})"
+                )
+        prepared = [
+            it
+            if it.hidden.dtype == np.float32
+            else EmbdItem(it.seq_id, it.pos, it.hidden.astype(np.float32), it.want_logits)
+            for it in items
+        ]
+        if self.last:
+            return StageOutput(None, self.runtime.decode_embd(prepared)[1])
+        hidden: list[np.ndarray | None] = [None] * len(items)
+        logits: list[np.ndarray | None] = [None] * len(items)
+        for group in _row_order_safe_groups(prepared):
+            rows, lg = self.runtime.decode_embd([prepared[i] for i in group])
+            assert rows is not None
+            cuts = np.cumsum([prepared[i].hidden.shape[0] for i in group])[:-1]
+            for i, h, g in zip(group, np.split(rows, cuts), lg, strict=True):
+                hidden[i], logits[i] = h, g
+        return StageOutput(hidden, logits)  # type: ignore[arg-type]
+
+    def clear_sequence(self, seq_id: int) -> None:
+        self.runtime.clear(seq_id)
+
+    def memory_bytes(self) -> int:
+        return self.runtime.model_bytes() + self.runtime.state_bytes()
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def _row_order_safe_groups(items: Sequence[EmbdItem]) -> list[list[int]]:
+    """Split a batch into llama_decode calls whose captured rows come back in batch order.
+
+    With a KV stream per sequence, llama.cpp splits a batch into micro-batches holding the
+    same number of tokens of every sequence, reordering rows when sequences bring different
+    numbers of tokens; the captured tensor is in micro-batch order. Single-token items (decode
+    steps) keep their order in one call; each longer item (a prompt chunk) gets its own call.
+    Keeping a KV stream per sequence is what makes a batched sequence compute exactly what it
+    computes alone.
+    """
+    singles = [i for i, it in enumerate(items) if it.hidden.shape[0] == 1]
+    groups = [singles] if singles else []
+    groups += [[i] for i, it in enumerate(items) if it.hidden.shape[0] != 1]
+    return groups

@@ -1,0 +1,194 @@
+"""Stage artifacts in the data dir, keyed by content: slices of models and their manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import structlog
+
+from meshagent.errors import ModelError
+from meshagent.models.layout import ModelLayout, file_sha256, inspect_model
+from meshagent.models.slicer import write_entry, write_layers
+
+log = structlog.get_logger(__name__)
+
+MANIFEST_VERSION = 1
+KINDS = ("layers", "entry")
+
+
+def role_of(start: int, end: int, total: int) -> str:
+    if start == 0 and end == total:
+        return "whole"
+    if start == 0:
+        return "first"
+    return "last" if end == total else "middle"
+
+
+@dataclass(frozen=True)
+class SliceManifest:
+    kind: str  # "layers" or "entry"
+    source_sha256: str
+    source_name: str
+    architecture: str
+    start: int
+    end: int
+    total_layers: int
+    role: str
+    sha256: str  # of the artifact file
+    size_bytes: int  # of the artifact file
+    weight_bytes: int  # exact tensor bytes the stage holds
+    kv_bytes_per_token_per_layer: int  # f16 K and V
+    version: int = MANIFEST_VERSION
+
+    @property
+    def key(self) -> str:
+        return artifact_key(self.source_sha256, self.kind, self.start, self.end)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SliceManifest:
+        if d.get("version") != MANIFEST_VERSION:
+            raise ModelError(f"unsupported manifest version {d.get('version')!r}")
+        try:
+            m = cls(**d)
+        except TypeError as e:
+            raise ModelError(f"malformed manifest: {e}") from e
+        if m.kind not in KINDS or not 0 <= m.start <= m.end <= m.total_layers:
+            raise ModelError(f"malformed manifest: {m.kind} {m.start}:{m.end}")
+        if len(m.sha256) != 64 or len(m.source_sha256) != 64:
+            raise ModelError("malformed manifest: bad hash")
+        return m
+
+    def to_cbor(self) -> bytes:
+        return cbor2.dumps(self.to_dict())
+
+    @classmethod
+    def from_cbor(cls, data: bytes) -> SliceManifest:
+        try:
+            d = cbor2.loads(data)
+        except (cbor2.CBORDecodeError, ValueError) as e:
+            raise ModelError(f"malformed manifest: {e}") from e
+        if not isinstance(d, dict):
+            raise ModelError("malformed manifest: not a map")
+        return cls.from_dict(d)
+
+
+def artifact_key(source_sha256: str, kind: str, start: int, end: int) -> str:
+    return f"{source_sha256[:32]}-{kind}-{start}-{end}"
+
+
+class ArtifactStore:
+    """`root/blobs/<sha256>.gguf` holds artifacts; `root/manifests/<key>.json` says what they
+    are; `root/sources.json` remembers source hashes by (path, size, mtime)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.blobs = root / "blobs"
+        self.manifests = root / "manifests"
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        self.manifests.mkdir(parents=True, exist_ok=True)
+
+    def blob_path(self, sha256: str) -> Path:
+        return self.blobs / f"{sha256}.gguf"
+
+    def source_sha256(self, path: Path) -> str:
+        st = path.stat()
+        key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        index_path = self.root / "sources.json"
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError):
+            index = {}
+        if key not in index:
+            index[key] = file_sha256(path)
+            _write_atomic(index_path, json.dumps(index, indent=1).encode())
+        return index[key]
+
+    def get(self, key: str) -> SliceManifest | None:
+        """The manifest for `key` if its artifact is present."""
+        path = self.manifests / f"{key}.json"
+        try:
+            manifest = SliceManifest.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, ModelError):
+            return None
+        return manifest if self.blob_path(manifest.sha256).is_file() else None
+
+    def all(self) -> list[SliceManifest]:
+        found = (self.get(p.stem) for p in sorted(self.manifests.glob("*.json")))
+        return [m for m in found if m is not None]
+
+    def install(self, manifest: SliceManifest, file: Path) -> Path:
+        """Move a verified artifact file into the store under its manifest."""
+        actual = file_sha256(file)
+        if actual != manifest.sha256:
+            file.unlink(missing_ok=True)
+            raise ModelError(f"artifact {manifest.key} hash mismatch: {actual}")
+        dst = self.blob_path(manifest.sha256)
+        os.replace(file, dst)
+        _write_atomic(
+            self.manifests / f"{manifest.key}.json",
+            json.dumps(manifest.to_dict(), indent=1).encode(),
+        )
+        return dst
+
+    def ensure_layers(
+        self, model: Path, start: int, end: int, layout: ModelLayout | None = None
+    ) -> tuple[Path, SliceManifest]:
+        """The layers artifact for [start, end) of `model`, cut now if not cached."""
+        return self._ensure(model, "layers", start, end, layout)
+
+    def ensure_entry(
+        self, model: Path, layout: ModelLayout | None = None
+    ) -> tuple[Path, SliceManifest]:
+        return self._ensure(model, "entry", 0, 0, layout)
+
+    def _ensure(
+        self, model: Path, kind: str, start: int, end: int, layout: ModelLayout | None
+    ) -> tuple[Path, SliceManifest]:
+        source = self.source_sha256(model)
+        key = artifact_key(source, kind, start, end)
+        found = self.get(key)
+        if found is not None:
+            return self.blob_path(found.sha256), found
+        layout = layout or inspect_model(model)
+        tmp = self.blobs / f"{key}.tmp"
+        provenance: dict[str, str | int] = {"source_sha256": source, "start": start, "end": end}
+        log.info("artifact.cutting", model=model.name, kind=kind, layers=(start, end))
+        if kind == "entry":
+            write_entry(layout, tmp, provenance=provenance)
+            weights = layout.embedding_bytes
+            role = "entry"
+        else:
+            write_layers(layout, start, end, tmp, provenance=provenance)
+            weights = layout.weight_bytes(start, end) - (
+                layout.embedding_bytes if start == 0 else 0
+            )
+            role = role_of(start, end, layout.n_layers)
+        manifest = SliceManifest(
+            kind=kind,
+            source_sha256=source,
+            source_name=model.name,
+            architecture=layout.architecture,
+            start=start,
+            end=end,
+            total_layers=layout.n_layers,
+            role=role,
+            sha256=file_sha256(tmp),
+            size_bytes=tmp.stat().st_size,
+            weight_bytes=weights,
+            kv_bytes_per_token_per_layer=layout.kv_bytes_per_token_per_layer,
+        )
+        return self.install(manifest, tmp), manifest
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
