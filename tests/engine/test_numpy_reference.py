@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -24,7 +26,7 @@ def teacher_forced_top1(llama: LlamaEngine, model_path, tokens: list[int], split
     ]
     embed = TokenEmbeddings(model_path)
     x = embed(tokens)
-    stages = [NumpyStage(model_path, start=a, end=b) for a, b in zip(split, split[1:])]
+    stages = [NumpyStage(model_path, start=a, end=b) for a, b in itertools.pairwise(split)]
     for st in stages[:-1]:
         x = st.forward([EmbdItem(0, 0, x)]).hidden[0]
     logits = stages[-1].forward([EmbdItem(0, 0, x, True)], all_logits=True).logits[0]
