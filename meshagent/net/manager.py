@@ -287,6 +287,7 @@ class ConnectionManager:
             retired=retire.session_id,
             why=why,
         )
+        retire.draining = True  # from this moment, no new streams on it
         assert self._nursery is not None
         self._nursery.start_soon(
             self._retire, retire, ErrorCode.REPLACED, "replaced", self.config.drain_grace
@@ -294,7 +295,7 @@ class ConnectionManager:
         self._signal()
 
     async def _retire(self, conn: Connection, code: ErrorCode, reason: str, grace: float) -> None:
-        conn.draining = True  # no new streams from this moment, before GOAWAY is even sent
+        conn.draining = True
         await conn.drain_and_close(grace=grace, code=code, reason=reason)
 
     def _signal(self) -> None:
