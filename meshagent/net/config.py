@@ -14,6 +14,7 @@ class OverlayConfig:
     stops answering PINGs at the transport level for `dead_peer_timeout` is dropped."""
 
     handshake_timeout: float = 10.0
+    max_pending_handshakes: int = 256  # inbound handshakes in progress at once, per listener
     drain_grace: float = 5.0
     ping_interval: float = 5.0
     dead_peer_timeout: float | None = 60.0

@@ -42,6 +42,8 @@ class Listener:
         self._on_connection = on_connection
         self._config = config or OverlayConfig()
         self._guard = replay_guard or ReplayGuard()
+        # Bounds the tasks and buffers strangers can tie up before proving membership.
+        self._handshakes = trio.CapacityLimiter(self._config.max_pending_handshakes)
         self.address: Address | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED):
@@ -53,24 +55,40 @@ class Listener:
     async def _handle(self, stream: trio.abc.Stream) -> None:
         remote = Transport.remote_of(stream)
         try:
-            try:
-                result, leftover = await secure_handshake(
-                    stream,
-                    self._local,
-                    initiator=False,
-                    timeout=self._config.handshake_timeout,
-                    replay_guard=self._guard,
-                )
-            except HandshakeError as e:
-                log.warning(
-                    "handshake.refused",
-                    remote=remote,
-                    listener=str(self.address),
-                    reason=str(e),
-                )
-                await trio.aclose_forcefully(stream)
-                return
+            self._handshakes.acquire_on_behalf_of_nowait(stream)
+        except trio.WouldBlock:
+            log.warning("handshake.refused", remote=remote, reason="too many pending handshakes")
+            await trio.aclose_forcefully(stream)
+            return
+        try:
+            authenticated = await self._authenticate(stream, remote)
+        finally:
+            self._handshakes.release_on_behalf_of(stream)
+        if authenticated is None:
+            return
+        result, leftover = authenticated
+        try:
             await self._on_connection(stream, result, leftover, remote)
         except Exception:
             log.exception("listener.peer_failed", remote=remote)
             await trio.aclose_forcefully(stream)
+
+    async def _authenticate(
+        self, stream: trio.abc.Stream, remote: str
+    ) -> tuple[HandshakeResult, bytes] | None:
+        try:
+            return await secure_handshake(
+                stream,
+                self._local,
+                initiator=False,
+                timeout=self._config.handshake_timeout,
+                replay_guard=self._guard,
+            )
+        except HandshakeError as e:
+            reason = str(e)
+        except Exception as e:  # a bug must not take the listener down with it
+            log.exception("handshake.failed_unexpectedly", remote=remote)
+            reason = f"internal error: {type(e).__name__}"
+        log.warning("handshake.refused", remote=remote, listener=str(self.address), reason=reason)
+        await trio.aclose_forcefully(stream)
+        return None

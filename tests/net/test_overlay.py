@@ -172,3 +172,20 @@ async def test_dial_refuses_an_unexpected_peer(env, clock):
         with pytest.raises(DialError, match="dialed peer"):
             await a.dial(b_addr, peer_id=local_peer().peer_id)
         nursery.cancel_scope.cancel()
+
+
+async def test_pending_handshakes_are_bounded(sim_env, autojump_clock):
+    env = sim_env
+    config = quick(handshake_timeout=5.0, max_pending_handshakes=2)
+    async with trio.open_nursery() as nursery, node(env, "b", nursery, config=config) as (b, addr):
+        with capture_logs() as logs:
+            silent = [await env.transport(f"s{i}").dial(addr) for i in range(3)]
+            with trio.fail_after(1):
+                await wait_closed_by_peer(silent[2])  # refused at once, not after 5 s
+        assert any(e.get("reason") == "too many pending handshakes" for e in logs)
+        for stream in silent[:2]:
+            await wait_closed_by_peer(stream)
+        async with node(env, "alice", nursery, listen=False) as (alice, _):
+            await alice.dial(addr)
+            await hash_exchange(await alice.open_stream(b.peer_id), [b"room again"])
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,177 @@
+"""Connection manager: one connection per peer, deterministic simultaneous dial, dial
+backoff, dead-peer detection, stream handler failures, shutdown."""
+
+from dataclasses import dataclass
+
+import pytest
+import trio
+from structlog.testing import capture_logs
+
+from meshagent.net.address import Address
+from meshagent.net.backoff import Backoff
+from meshagent.net.connection import DIRECT, RELAYED
+from meshagent.net.errors import DialError, StreamResetError
+from meshagent.net.manager import ConnectionManager, choose_connection
+from meshagent.net.sim import LinkSpec
+from meshagent.wire.errors import ErrorCode
+from tests.net.support import (
+    NetEnv,
+    hash_exchange,
+    honest_handshake,
+    local_peer,
+    node,
+    quick,
+    read_all,
+)
+
+
+@dataclass
+class FakeConn:
+    path: str = DIRECT
+    remote_incarnation: bytes = b"1"
+    initiator_peer_id: str = "a"
+
+
+@pytest.mark.parametrize(
+    ("current", "new", "keep_new"),
+    [
+        (FakeConn(path=RELAYED), FakeConn(path=DIRECT), True),  # direct replaces relayed
+        (FakeConn(path=DIRECT), FakeConn(path=RELAYED), False),
+        (FakeConn(remote_incarnation=b"old"), FakeConn(remote_incarnation=b"new"), True),
+        (FakeConn(initiator_peer_id="a"), FakeConn(initiator_peer_id="b"), False),
+        (FakeConn(initiator_peer_id="b"), FakeConn(initiator_peer_id="a"), True),
+        (FakeConn(initiator_peer_id="a"), FakeConn(initiator_peer_id="a"), True),  # reconnect
+    ],
+)
+def test_choose_connection_rules(current, new, keep_new):
+    keep, why = choose_connection(current, new)
+    assert (keep is new) == keep_new and why
+
+
+async def test_simultaneous_dial_leaves_one_connection_both_sides_agree(env, clock):
+    if env.kind == "sim":  # 20 ms each way: the two dials surely cross
+        env = NetEnv("sim", LinkSpec(latency=0.020))
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "a", nursery) as (a, a_addr),
+        node(env, "b", nursery) as (b, b_addr),
+    ):
+        with trio.fail_after(30):
+            async with trio.open_nursery() as dials:
+                dials.start_soon(a.dial, b_addr)
+                dials.start_soon(b.dial, a_addr)
+            # Settled: the two sides agree on one connection and the other one is gone.
+            while not (
+                len(a.connections()) == len(b.connections()) == 1
+                and a.connection(b.peer_id).session_id == b.connection(a.peer_id).session_id
+            ):
+                await trio.sleep(0.01)
+            kept_a = a.connection(b.peer_id)
+            assert kept_a.initiator_peer_id == min(a.peer_id, b.peer_id)
+            await hash_exchange(await a.open_stream(b.peer_id), [b"one connection"])
+            await hash_exchange(await b.open_stream(a.peer_id), [b"both ways"])
+        nursery.cancel_scope.cancel()
+
+
+async def test_dial_retries_with_backoff_until_the_peer_listens(autojump_clock):
+    env = NetEnv("sim")
+    backoff = Backoff(initial=0.5, factor=2.0, jitter=0.0, attempts=6)
+    config = quick(dial_backoff=backoff)
+    target = Address("b", 7000)
+    async with trio.open_nursery() as nursery:
+        a = ConnectionManager(local_peer(), env.transport("a"), config=config)
+        b = ConnectionManager(local_peer(), env.transport("b"), listen=[target])
+        await nursery.start(a.run)
+
+        async def late_start():
+            await trio.sleep(2.2)
+            await nursery.start(b.run)
+
+        nursery.start_soon(late_start)
+        start = trio.current_time()
+        conn = await a.dial(target, peer_id=b.peer_id)
+        # Attempts at 0, 0.5, 1.5 and 3.5 s; the last one finds the listener.
+        assert conn.peer_id == b.peer_id
+        assert 3.5 <= trio.current_time() - start < 3.6
+        nursery.cancel_scope.cancel()
+
+
+async def test_dial_gives_up_after_its_attempts(autojump_clock):
+    env = NetEnv("sim")
+    config = quick(dial_backoff=Backoff(initial=1.0, factor=2.0, jitter=0.0, attempts=4))
+    async with trio.open_nursery() as nursery:
+        a = ConnectionManager(local_peer(), env.transport("a"), config=config)
+        await nursery.start(a.run)
+        start = trio.current_time()
+        with pytest.raises(DialError, match="after 4 attempts"):
+            await a.dial("nobody:1")
+        assert 7.0 <= trio.current_time() - start < 7.1  # 1 + 2 + 4
+        nursery.cancel_scope.cancel()
+
+
+def test_backoff_schedule_is_bounded_and_jittered():
+    import random
+
+    delays = list(
+        Backoff(initial=1, factor=3, maximum=5, jitter=0.1, attempts=5).delays(random.Random(1))
+    )
+    assert len(delays) == 4
+    for got, base in zip(delays, [1, 3, 5, 5], strict=True):
+        assert base * 0.9 <= got <= base * 1.1
+
+
+async def test_a_peer_that_stops_answering_pings_is_dropped(autojump_clock):
+    env = NetEnv("sim")
+    config = quick(ping_interval=5.0, dead_peer_timeout=20.0)
+    async with trio.open_nursery() as nursery, node(env, "b", nursery, config=config) as (b, addr):
+        with capture_logs() as logs:
+            # A zombie: completes the handshake, then neither reads nor writes.
+            zombie = local_peer()
+            stream, _, _ = await honest_handshake(env, "zombie", addr, zombie)
+            start = trio.current_time()
+            with trio.fail_after(60):
+                conn = await b.wait_connected(zombie.peer_id)
+                await conn.wait_closed()
+        assert conn.close_code == ErrorCode.UNRESPONSIVE
+        assert 20.0 <= trio.current_time() - start <= 30.0
+        assert any(e["event"] == "conn.unresponsive" for e in logs)
+        await trio.aclose_forcefully(stream)
+        nursery.cancel_scope.cancel()
+
+
+async def test_failing_stream_handler_resets_only_its_stream(env, clock):
+    async def handler(stream):
+        if stream.label == "boom":
+            raise RuntimeError("model not loaded")
+        from tests.net.support import hash_reply
+
+        await hash_reply(stream)
+
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "b", nursery, on_stream=handler) as (b, addr),
+        node(env, "a", nursery, listen=False) as (a, _),
+    ):
+        with trio.fail_after(30):
+            await a.dial(addr)
+            boom = await a.open_stream(b.peer_id, "boom")
+            with pytest.raises(StreamResetError, match="model not loaded") as info:
+                await read_all(boom)
+            assert info.value.code == ErrorCode.INTERNAL_ERROR and info.value.by_peer
+            await hash_exchange(await a.open_stream(b.peer_id, "fine"), [b"still works"])
+        nursery.cancel_scope.cancel()
+
+
+async def test_shutdown_drains_and_says_why(env, clock):
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "b", nursery) as (b, addr),
+        node(env, "a", nursery, listen=False) as (a, _),
+    ):
+        with trio.fail_after(30):
+            conn = await a.dial(addr)
+            await a.aclose(grace=1.0)
+            assert conn.close_reason == "shutdown"
+            while b.connection(a.peer_id) is not None:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
