@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from meshagent import __version__
-from meshagent.cli import status, up
+from meshagent import __version__, logs
+from meshagent.cli import models, status, up
 from meshagent.errors import MeshError
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     up.register(sub)
     status.register(sub)
+    models.register(sub)
     return parser
 
 
@@ -29,6 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command != "up":  # `up` sets up its own logging from its flags
+        logs.configure("info", json=False)
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

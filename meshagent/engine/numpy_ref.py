@@ -7,6 +7,7 @@ last resort. About 3x slower than llama.cpp at decode and 5.5x the GGUF's size i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +155,7 @@ class NumpyStage:
         group = self.n_head // self.n_head_kv
         kk = np.repeat(keys, group, axis=1).transpose(1, 0, 2)  # [heads, t, hd]
         vv = np.repeat(values, group, axis=1).transpose(1, 0, 2)
-        scores = q.transpose(1, 0, 2) @ kk.transpose(0, 2, 1) / np.sqrt(self.head_dim)
+        scores = q.transpose(1, 0, 2) @ kk.transpose(0, 2, 1) / math.sqrt(self.head_dim)
         scores = np.where(all_pos[None, None, :] <= pos[None, :, None], scores, -np.inf)
         scores -= scores.max(axis=-1, keepdims=True)
         weights = np.exp(scores)
@@ -180,6 +181,7 @@ class NumpyStage:
     def forward(self, items: Sequence[EmbdItem], *, all_logits: bool = False) -> StageOutput:
         """As `StageEngine.forward`; `all_logits` returns every row's logits (last stage)."""
         hidden = [self._run(it.seq_id, it.pos, it.hidden) for it in items]
+        assert all(h.dtype == np.float32 for h in hidden), "float64 crept into the residual"
         if not self.last:
             return StageOutput(hidden, [None] * len(items))
         assert self.output is not None and self.output_norm is not None

@@ -1,0 +1,150 @@
+"""Stage engine speed: whole-model llama.cpp vs the same model in 3 stages in one process
+(hidden states handed from stage to stage in the wire dtype) vs the numpy reference engine.
+
+Prefill: one 256-token prompt. Decode: greedy tokens one at a time. Rounds alternate between
+engines; the median is reported. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from meshagent.engine.base import ForwardItem
+from meshagent.engine.llama import LlamaEngine
+from meshagent.engine.numpy_ref import NumpyStage
+from meshagent.engine.runtime import EmbdItem
+from meshagent.engine.staged import StagedEngine
+from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.default import default_model_path
+from meshagent.models.slicer import TokenEmbeddings
+
+TEXT = "The keeper of the northern lighthouse kept a log of every ship that passed. " * 30
+
+
+def time_engine(engine, prompt: list[int], steps: int) -> tuple[float, float]:
+    engine.clear_sequence(0)
+    t0 = time.perf_counter()
+    logits = engine.forward([ForwardItem(0, 0, prompt, True)])[0]
+    t1 = time.perf_counter()
+    pos = len(prompt)
+    for _ in range(steps):
+        logits = engine.forward([ForwardItem(0, pos, [int(np.argmax(logits))], True)])[0]
+        pos += 1
+    t2 = time.perf_counter()
+    return len(prompt) / (t1 - t0), steps / (t2 - t1)
+
+
+class NumpyWhole:
+    """The numpy engine over the whole model, with llama-style token input."""
+
+    def __init__(self, model: Path) -> None:
+        self.embed = TokenEmbeddings(model)
+        self.stage = NumpyStage(model, start=0, end=inspect_layers(model))
+
+    def forward(self, items):
+        return self.stage.forward(
+            [EmbdItem(it.seq_id, it.pos, self.embed(list(it.tokens)), True) for it in items]
+        ).logits
+
+    def clear_sequence(self, seq: int) -> None:
+        self.stage.clear_sequence(seq)
+
+    def memory_bytes(self) -> int:
+        arrays = [a for layer in self.stage.layers for a in vars(layer).values()]
+        arrays += [self.stage.output, self.stage.output_norm]
+        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
+
+
+def inspect_layers(model: Path) -> int:
+    from meshagent.models.layout import inspect_model
+
+    return inspect_model(model).n_layers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=128)
+    ap.add_argument("--numpy-decode-steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--split", default="0,10,20,30", help="stage boundaries")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
+    args = ap.parse_args()
+    model = default_model_path()
+    bounds = [int(x) for x in args.split.split(",")]
+    with tempfile.TemporaryDirectory(prefix="meshagent-bench-") as tmp:
+        store = ArtifactStore(Path(tmp))
+        kw = {"slots": 1, "slot_ctx": 1024, "threads": args.threads}
+        engines = {
+            "llama.cpp whole": LlamaEngine(model, flash_attn=False, **kw),
+            f"{len(bounds) - 1} stages, f32 wire": StagedEngine(model, bounds, store, **kw),
+            f"{len(bounds) - 1} stages, f16 wire": StagedEngine(
+                model, bounds, store, wire_dtype="f16", **kw
+            ),
+            "numpy reference": NumpyWhole(model),
+        }
+        prompt = engines["llama.cpp whole"].tokenize(TEXT, add_bos=True)[: args.prompt_tokens]
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+        for _ in range(args.rounds):
+            for name, eng in engines.items():
+                steps = args.numpy_decode_steps if "numpy" in name else args.decode_steps
+                runs[name].append(time_engine(eng, prompt, steps))
+        memory: dict[str, object] = {
+            name: (
+                [s.memory_bytes() for s in eng.stages]
+                if isinstance(eng, StagedEngine)
+                else eng.memory_bytes()
+            )
+            for name, eng in engines.items()
+        }
+    base_decode = statistics.median(d for _, d in runs["llama.cpp whole"])
+    rows = []
+    print(f"{'engine':<24}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ratio':>14}  memory")
+    for name, r in runs.items():
+        prefill = statistics.median(p for p, _ in r)
+        decode = statistics.median(d for _, d in r)
+        mem = memory[name]
+        mem_text = (
+            " + ".join(f"{m / 2**20:.0f}" for m in mem) + " MiB"
+            if isinstance(mem, list)
+            else f"{mem / 2**20:.0f} MiB"
+        )
+        print(f"{name:<24}{prefill:>15.1f}{decode:>14.1f}{decode / base_decode:>14.3f}  {mem_text}")
+        rows.append(
+            {
+                "engine": name,
+                "prefill_tok_s": prefill,
+                "decode_tok_s": decode,
+                "decode_ratio_vs_whole": decode / base_decode,
+                "memory_bytes": mem,
+                "rounds": r,
+            }
+        )
+    result = {
+        "benchmark": "engine",
+        "model": model.name,
+        "split": bounds,
+        "threads": args.threads,
+        "prompt_tokens": len(prompt),
+        "decode_steps": args.decode_steps,
+        "numpy_decode_steps": args.numpy_decode_steps,
+        "results": rows,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""`meshagent models`: inspect GGUF models and cut stage artifacts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from meshagent.cli.common import add_data_dir, data_dir_from
+from meshagent.errors import ConfigError
+from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.default import resolve_model
+from meshagent.models.layout import inspect_model
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="inspect models and cut stage artifacts")
+    msub = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+
+    i = msub.add_parser("inspect", help="layers, bytes per layer, KV cost, whether it splits")
+    i.add_argument("model", nargs="?", default="", help="a GGUF file (default: embedded)")
+    i.add_argument("--json", action="store_true", help="print the layout as JSON")
+    i.set_defaults(run=run_inspect)
+
+    s = msub.add_parser("slice", help="cut layers A:B (or the entry artifact) into the cache")
+    s.add_argument("model", nargs="?", default="", help="a GGUF file (default: embedded)")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--layers", help="the layer range A:B to cut, B exclusive (e.g. 10:20)")
+    g.add_argument(
+        "--entry", action="store_true", help="the entry artifact: tokenizer and embeddings"
+    )
+    s.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    add_data_dir(s)
+    s.set_defaults(run=run_slice)
+
+    ls = msub.add_parser("list", help="the stage artifacts in the data dir's cache")
+    ls.add_argument("--json", action="store_true")
+    add_data_dir(ls)
+    ls.set_defaults(run=run_list)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    layout = inspect_model(resolve_model(args.model))
+    if args.json:
+        print(json.dumps(layout.to_dict(), indent=2))
+        return 0
+    print(f"model          {layout.name}  ({layout.path})")
+    print(f"architecture   {layout.architecture}")
+    print(f"layers         {layout.n_layers}  (embedding length {layout.n_embd})")
+    print(f"vocabulary     {layout.n_vocab} tokens")
+    print(f"context        {layout.context_length} tokens (trained)")
+    print(f"file           {_mib(layout.file_bytes)}")
+    print(f"embeddings     {_mib(layout.embedding_bytes)}")
+    print(f"output head    {_mib(layout.head_bytes)}")
+    sizes = sorted(set(layout.layer_bytes))
+    per_layer = _mib(sizes[0]) if len(sizes) == 1 else f"{_mib(sizes[0])} - {_mib(sizes[-1])}"
+    print(f"per layer      {per_layer}  ({layout.layer_bytes[0]} bytes for layer 0)")
+    kv = layout.kv_bytes_per_token_per_layer
+    print(f"KV per token   {kv} bytes per layer, {kv * layout.n_layers} for all layers (f16)")
+    if layout.splittable:
+        print("split          yes: any contiguous layer range can run as a stage")
+    else:
+        print(f"split          no: {layout.split_refusal} (it can still be served whole)")
+    return 0
+
+
+def _parse_range(text: str, n_layers: int) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--layers must look like A:B (e.g. 0:10), got {text!r}") from None
+    if not 0 <= a < b <= n_layers:
+        raise ConfigError(f"--layers {a}:{b} is outside this model's 0:{n_layers}")
+    return a, b
+
+
+def run_slice(args: argparse.Namespace) -> int:
+    model = resolve_model(args.model)
+    layout = inspect_model(model)
+    store = ArtifactStore(data_dir_from(args).root / "artifacts")
+    if args.entry:
+        path, manifest = store.ensure_entry(model, layout)
+    else:
+        a, b = _parse_range(args.layers, layout.n_layers)
+        path, manifest = store.ensure_layers(model, a, b, layout)
+    if args.json:
+        print(json.dumps({"path": str(path), **manifest.to_dict()}, indent=2))
+        return 0
+    print(f"{manifest.kind} artifact {manifest.start}:{manifest.end} ({manifest.role})")
+    print(f"path           {path}")
+    print(f"sha256         {manifest.sha256}")
+    print(f"file           {_mib(manifest.size_bytes)}, weights {_mib(manifest.weight_bytes)}")
+    print(f"KV per token   {manifest.kv_bytes_per_token_per_layer} bytes per layer")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    store = ArtifactStore(data_dir_from(args).root / "artifacts")
+    manifests = store.all()
+    if args.json:
+        print(json.dumps([m.to_dict() for m in manifests], indent=2))
+        return 0
+    if not manifests:
+        print("no stage artifacts cached (cut one with `meshagent models slice`)")
+        return 0
+    print(f"{'source':<36}{'kind':<8}{'layers':<10}{'role':<8}{'size':>12}  sha256")
+    for m in manifests:
+        print(
+            f"{m.source_name[:35]:<36}{m.kind:<8}{f'{m.start}:{m.end}':<10}{m.role:<8}"
+            f"{_mib(m.size_bytes):>12}  {m.sha256[:16]}"
+        )
+    return 0

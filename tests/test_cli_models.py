@@ -1,0 +1,36 @@
+import json
+
+from meshagent.cli.main import main
+
+
+def test_models_inspect_reports_layers_and_kv(capsys):
+    assert main(["models", "inspect", "--json"]) == 0
+    layout = json.loads(capsys.readouterr().out)
+    assert layout["architecture"] == "llama"
+    assert layout["layers"] == 30
+    assert len(layout["layer_bytes"]) == 30
+    # SmolLM2: 3 KV heads x 64 dims, K and V, f16.
+    assert layout["kv_bytes_per_token_per_layer"] == 2 * 3 * 64 * 2
+    assert layout["splittable"] is True
+
+
+def test_models_slice_caches_by_content(tmp_path, capsys):
+    args = ["models", "slice", "--layers", "20:30", "--json", "--data-dir", str(tmp_path)]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["role"] == "last"
+    assert (first["start"], first["end"]) == (20, 30)
+    assert main(args) == 0  # cached: same artifact, not cut again
+    second = json.loads(capsys.readouterr().out)
+    assert second["sha256"] == first["sha256"]
+    assert second["path"] == first["path"]
+    assert main(["models", "list", "--json", "--data-dir", str(tmp_path)]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [m["sha256"] for m in listed] == [first["sha256"]]
+
+
+def test_models_slice_refuses_a_bad_range(tmp_path, capsys):
+    assert main(["models", "slice", "--layers", "5:99", "--data-dir", str(tmp_path)]) == 1
+    assert "outside this model's 0:30" in capsys.readouterr().err
+    assert main(["models", "slice", "--layers", "oops", "--data-dir", str(tmp_path)]) == 1
+    assert "A:B" in capsys.readouterr().err
