@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from meshagent.launch import AgentProcess, start_agent
+from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.default import default_model_path
 
 
@@ -39,3 +40,9 @@ def autojump_clock():
     import trio.testing
 
     return trio.testing.MockClock(autojump_threshold=0)
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory: pytest.TempPathFactory) -> ArtifactStore:
+    """One artifact store for the session: each slice is cut once."""
+    return ArtifactStore(Path(tmp_path_factory.mktemp("artifacts")))
