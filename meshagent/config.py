@@ -14,6 +14,7 @@ from meshagent.errors import ConfigError
 
 DEFAULT_API_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 9337
+DEFAULT_LISTEN = "0.0.0.0:9338"
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class AgentConfig:
     model: str = ""  # empty: the embedded default model
     api_host: str = DEFAULT_API_HOST
     api_port: int = DEFAULT_API_PORT
+    listen: str = DEFAULT_LISTEN  # the overlay's address; port 0 picks a free one
+    peers: tuple[str, ...] = ()  # overlay addresses to dial at start (host:port)
     ctx_size: int = 2048  # tokens of context per slot
     slots: int = 4  # sequences decoded together
     max_queue: int = 64  # requests waiting for a slot before 429
@@ -42,6 +45,8 @@ class AgentConfig:
             want = type(getattr(self, k))
             if want is float and isinstance(v, int):
                 clean[k] = float(v)
+            elif want is tuple and isinstance(v, list | tuple):
+                clean[k] = tuple(str(x) for x in v)
             elif not isinstance(v, want):
                 raise ConfigError(f"config key {k!r} must be a {want.__name__}, got {v!r}")
         return replace(self, **clean)
@@ -74,6 +79,8 @@ CONFIG_TEMPLATE = """\
 # name = "my-laptop"
 # api_host = "127.0.0.1"
 # api_port = 9337
+# listen = "0.0.0.0:9338"
+# peers = ["192.168.1.20:9338"]
 # ctx_size = 2048
 # slots = 4
 # max_queue = 64
@@ -88,6 +95,14 @@ class DataDir:
     @property
     def identity_path(self) -> Path:
         return self.root / "identity.key"
+
+    @property
+    def mesh_path(self) -> Path:
+        return self.root / "mesh.key"
+
+    @property
+    def artifacts_path(self) -> Path:
+        return self.root / "artifacts"
 
     @property
     def config_path(self) -> Path:

@@ -41,11 +41,13 @@ class AgentProcess:
 
 
 def start_agent(data_dir: Path, *args: str, timeout: float = 60.0) -> AgentProcess:
-    """Run `meshagent up --api-port 0` with `data_dir`; return once /health answers."""
+    """Run `meshagent up` with `data_dir` on free loopback ports; return once /health answers."""
     data_dir.mkdir(parents=True, exist_ok=True)
     run_file = data_dir / "agent.json"
     run_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "meshagent", "up", "--api-port", "0", "--data-dir", str(data_dir)]
+    if "--listen" not in args:
+        cmd += ["--listen", "127.0.0.1:0"]
     log = open(data_dir / "agent.log", "wb")  # noqa: SIM115 - the child owns it
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=log, env=env)

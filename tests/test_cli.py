@@ -43,3 +43,22 @@ def test_status_of_a_running_agent(spawn_agent, capsys):
     out = capsys.readouterr().out
     assert "SmolLM2-135M-Instruct" in out
     assert agent.url in out
+
+
+def test_invite_needs_a_mesh_first(tmp_path, capsys):
+    assert main(["invite", "--data-dir", str(tmp_path)]) == 1
+    assert "meshagent up" in capsys.readouterr().err
+
+
+def test_invite_carries_the_stored_secret_and_addresses(tmp_path, capsys):
+    from meshagent.identity.mesh import decode_invite
+    from meshagent.identity.mesh_file import load_or_create_mesh
+
+    secret, how = load_or_create_mesh(tmp_path / "mesh.key")
+    assert how == "created"
+    args = ["invite", "--data-dir", str(tmp_path), "--address", "10.1.2.3:9338"]
+    assert main(args) == 0
+    invite = decode_invite(capsys.readouterr().out.strip())
+    assert invite.secret == secret
+    assert invite.bootstrap == ("10.1.2.3:9338",)
+    assert main(["invite", "--data-dir", str(tmp_path), "--address", "nonsense"]) == 1

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from meshagent import __version__, logs
-from meshagent.cli import models, status, up
+from meshagent.cli import invite, models, status, up
 from meshagent.errors import MeshError
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     up.register(sub)
     status.register(sub)
+    invite.register(sub)
     models.register(sub)
     return parser
 

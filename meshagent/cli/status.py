@@ -24,12 +24,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"peer id   {st['peer_id']}")
     print(f"name      {st['name']}")
     print(f"version   {st['version']}")
+    print(f"mesh      {st['mesh']}")
     print(f"state     {st['state']}  (in flight: {st['in_flight']})")
     print(f"api       {st['api']}/v1")
+    print(f"overlay   {', '.join(st['listen']) or '-'}")
     for m in st["models"]:
         s = m["slots"]
         print(
             f"model     {m['id']}  layers {m['layers'][0]}-{m['layers'][1]}  "
             f"slots {s['active']}/{s['slots']} busy, {s['queued']} queued"
         )
+    peers = st.get("peers", [])
+    print(f"peers     {len(peers)} connected")
+    for p in peers:
+        rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f} ms"
+        print(f"  {p['peer_id'][:12]}  {p['path']:<8} {p['address']:<22} rtt {rtt}")
     return 0

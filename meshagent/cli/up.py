@@ -11,6 +11,7 @@ from meshagent import logs
 from meshagent.agent import Agent
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.config import AgentConfig
+from meshagent.identity.mesh import decode_invite
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +21,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="a human name for this agent (default: the host name)")
     p.add_argument("--api-host", help=f"address of the API (default {d.api_host})")
     p.add_argument("--api-port", type=int, help=f"port of the API (default {d.api_port})")
+    p.add_argument("--listen", help=f"overlay address for peers, host:port (default {d.listen})")
+    p.add_argument(
+        "--peer",
+        action="append",
+        dest="peers",
+        metavar="HOST:PORT",
+        help="an overlay address to dial at start (repeatable)",
+    )
+    p.add_argument(
+        "--join",
+        metavar="TOKEN",
+        help="join the mesh of this invite (from `meshagent invite`); replaces the stored mesh",
+    )
     p.add_argument("--ctx-size", type=int, help=f"context tokens per slot (default {d.ctx_size})")
     p.add_argument("--slots", type=int, help=f"requests decoded together (default {d.slots})")
     p.add_argument(
@@ -54,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             "name",
             "api_host",
             "api_port",
+            "listen",
             "ctx_size",
             "slots",
             "max_queue",
@@ -62,11 +77,18 @@ def run(args: argparse.Namespace) -> int:
             "log_level",
         )
     }
+    join = None
+    peers = tuple(args.peers or ())
+    if args.join:
+        invite = decode_invite(args.join)
+        join = invite.secret
+        peers += tuple(a for a in invite.bootstrap if a not in peers)
+    overrides["peers"] = peers or None
     config = AgentConfig().merged(data_dir.load_config()).merged(overrides)
     config.validate()
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
     logs.configure(config.log_level, json=fmt)
-    agent = Agent(config, data_dir)
+    agent = Agent(config, data_dir, join=join)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
