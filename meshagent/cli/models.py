@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+
+import trio
 
 from meshagent.cli.common import add_data_dir, data_dir_from
+from meshagent.cli.progress import ProgressBar
 from meshagent.errors import ConfigError
-from meshagent.models.artifacts import ArtifactStore
+from meshagent.identity.keys import NodeIdentity
+from meshagent.identity.mesh_file import load_mesh
+from meshagent.models.artifacts import ArtifactStore, SliceManifest
 from meshagent.models.default import resolve_model
 from meshagent.models.layout import inspect_model
+from meshagent.models.transfer import LABEL, fetch_artifact
+from meshagent.net.address import Address
+from meshagent.net.manager import ConnectionManager
+from meshagent.net.tcp import TcpTransport
+from meshagent.wire.handshake import LocalPeer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +42,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true", help="print the manifest as JSON")
     add_data_dir(s)
     s.set_defaults(run=run_slice)
+
+    f = msub.add_parser("fetch", help="fetch an artifact from a peer of this mesh")
+    f.add_argument("key", help="the artifact key (as in `meshagent models list --json`)")
+    f.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="HOST:PORT",
+        help="the overlay address of a peer that holds it",
+    )
+    f.add_argument("--sha256", help="refuse the artifact unless its sha256 is this")
+    add_data_dir(f)
+    f.set_defaults(run=run_fetch)
 
     ls = msub.add_parser("list", help="the stage artifacts in the data dir's cache")
     ls.add_argument("--json", action="store_true")
@@ -80,7 +104,7 @@ def _parse_range(text: str, n_layers: int) -> tuple[int, int]:
 def run_slice(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     layout = inspect_model(model)
-    store = ArtifactStore(data_dir_from(args).root / "artifacts")
+    store = ArtifactStore(data_dir_from(args).artifacts_path)
     if args.entry:
         path, manifest = store.ensure_entry(model, layout)
     else:
@@ -98,7 +122,7 @@ def run_slice(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    store = ArtifactStore(data_dir_from(args).root / "artifacts")
+    store = ArtifactStore(data_dir_from(args).artifacts_path)
     manifests = store.all()
     if args.json:
         print(json.dumps([m.to_dict() for m in manifests], indent=2))
@@ -112,4 +136,36 @@ def run_list(args: argparse.Namespace) -> int:
             f"{m.source_name[:35]:<36}{m.kind:<8}{f'{m.start}:{m.end}':<10}{m.role:<8}"
             f"{_mib(m.size_bytes):>12}  {m.sha256[:16]}"
         )
+    return 0
+
+
+def run_fetch(args: argparse.Namespace) -> int:
+    dd = data_dir_from(args)
+    if not dd.mesh_path.exists():
+        raise ConfigError(f"no mesh in {dd.root}: join one first (`meshagent up --join TOKEN`)")
+    mesh = load_mesh(dd.mesh_path)
+    store = ArtifactStore(dd.artifacts_path)
+    address = Address.parse(args.source)
+
+    async def main() -> tuple[Path, SliceManifest]:
+        # A throwaway identity: the agent of this data dir may be running under its own.
+        local = LocalPeer.create(NodeIdentity.generate(), mesh)
+        node = ConnectionManager(local, TcpTransport())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            conn = await node.dial(address)
+            result = await fetch_artifact(
+                lambda: conn.open_stream(LABEL),
+                args.key,
+                store,
+                expected_sha256=args.sha256,
+                progress=ProgressBar(f"fetch {args.key}"),
+            )
+            await node.aclose(grace=1.0)
+            nursery.cancel_scope.cancel()
+        return result
+
+    path, manifest = trio.run(main)
+    print(f"fetched {manifest.kind} {manifest.start}:{manifest.end} sha256 {manifest.sha256}")
+    print(f"path    {path}")
     return 0
