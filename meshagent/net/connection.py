@@ -15,6 +15,7 @@ import trio
 
 from meshagent.net.config import OverlayConfig
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
+from meshagent.net.record_writer import RecordWriter
 from meshagent.net.stream import MeshStream
 from meshagent.wire.errors import ErrorCode, LocalUsageError, ProtocolError
 from meshagent.wire.events import (
@@ -74,13 +75,16 @@ class Connection:
         )
         self._transport = transport
         self._on_stream = on_stream
-        self._sealer = RecordSealer(result.send_key)
+        self._writer_state = RecordWriter(
+            transport, RecordSealer(result.send_key), self.config.write_batch
+        )
         self._decoder = FrameDecoder(RecordReader(result.recv_key))
         self._leftover = leftover
         self._streams: dict[int, MeshStream] = {}
         self._nursery: trio.Nursery | None = None
         self._writer_wakeup = trio.Event()
-        self._writer_idle = trio.Event()
+        self._writing = False  # one writer at a time: the writer task or an inline send
+        self._write_done = trio.Event()  # set (and replaced) after each write completes
         self._progress = trio.Event()
         self._done = trio.Event()
         self._closing = False
@@ -90,7 +94,6 @@ class Connection:
         self.close_reason: str | None = None
         self.established_at = trio.current_time()
         self.closed_at: float | None = None
-        self.bytes_sent = 0
         self.bytes_received = 0
         self._log = log.bind(peer=self.peer_id, session=self.session_id)
 
@@ -99,6 +102,10 @@ class Connection:
     @property
     def initiator_peer_id(self) -> str:
         return self.local_peer_id if self.initiator else self.peer_id
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._writer_state.bytes_sent
 
     @property
     def rtt(self) -> RttSnapshot:
@@ -200,19 +207,30 @@ class Connection:
 
     def _send(self, stream_id: int, view: memoryview) -> int:
         try:
-            n = self.mux.send_data(stream_id, view)
+            return self.mux.send_data(stream_id, view)
         except LocalUsageError as e:
             code = self.close_code or ErrorCode.INTERNAL_ERROR
             raise StreamResetError(stream_id, code, str(e), by_peer=False) from e
-        if n:
-            self._kick()
-        return n
 
-    def _read(self, stream_id: int, max_bytes: int) -> bytes | None:
+    async def _send_inline(self) -> bool:
+        """Write queued frames from the calling (application) task when no write is in
+        progress, saving a task switch per message. Returns whether it wrote (a write is a
+        schedule point, so the caller needs no other)."""
+        if self._writing or self.is_closed:
+            self._kick()
+            return False
+        try:
+            await self._write_pending()
+        except _TRANSPORT_ERRORS as e:
+            self._log.info("conn.lost", during="write", error=str(e))
+            self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
+        return True
+
+    def _read(self, stream_id: int, max_bytes: int) -> bytes | bytearray | None:
         data = self.mux.read(stream_id, max_bytes)
         if self.mux.has_output:
             self._kick()
-        if data == b"":
+        if data is not None and not data:
             self._notify()
         return data
 
@@ -242,16 +260,30 @@ class Connection:
 
     def _kick(self) -> None:
         self._writer_wakeup.set()
-        if self._writer_idle.is_set():
-            self._writer_idle = trio.Event()
 
     def _notify(self) -> None:
         self._progress.set()
         self._progress = trio.Event()
 
     async def _flush(self) -> None:
-        while not self._dead and (self.mux.has_output or not self._writer_idle.is_set()):
-            await self._writer_idle.wait()
+        """Wait until everything queued so far has been written to the transport."""
+        while not self._dead and (
+            self.mux.has_output or self._writing or self._writer_state.has_pending
+        ):
+            done = self._write_done
+            self._kick()
+            await done.wait()
+
+    async def _write_pending(self) -> None:
+        self._writing = True
+        try:
+            await self._writer_state.write(self.mux)
+        finally:
+            self._writing = False
+            if self._writer_state.has_pending or self.mux.has_output:
+                self._kick()  # a cancelled inline write leaves the rest to the writer task
+            self._write_done.set()
+            self._write_done = trio.Event()
 
     async def _close(self, code: ErrorCode, reason: str) -> None:
         """Graceful end from inside or outside the connection's tasks: BYE, flush, cancel."""
@@ -274,7 +306,7 @@ class Connection:
         self._cancel()
 
     def _cancel(self) -> None:
-        self._writer_idle.set()
+        self._write_done.set()
         self._notify()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
@@ -292,7 +324,7 @@ class Connection:
         if self.close_reason is None:
             self.close_code, self.close_reason = ErrorCode.SHUTDOWN, "cancelled"
         self._fail_streams(self.mux.close(self.close_code or ErrorCode.SHUTDOWN, self.close_reason))
-        self._writer_idle.set()
+        self._write_done.set()
         self._notify()
         self.closed_at = trio.current_time()
         with trio.CancelScope(shield=True):
@@ -308,15 +340,12 @@ class Connection:
         )
 
     async def _writer(self) -> None:
-        mux, sealer, transport = self.mux, self._sealer, self._transport
-        batch = self.config.write_batch
+        mux = self.mux
         try:
             while True:
-                while mux.has_output:
-                    wire = sealer.seal_many(mux.frames_to_send(batch))
-                    self.bytes_sent += len(wire)
-                    await transport.send_all(wire)
-                self._writer_idle.set()
+                if (mux.has_output or self._writer_state.has_pending) and not self._writing:
+                    await self._write_pending()
+                    continue
                 await self._writer_wakeup.wait()
                 self._writer_wakeup = trio.Event()
         except _TRANSPORT_ERRORS as e:

@@ -54,19 +54,28 @@ class _Pipe:
         self._last_delivery = 0.0
         self._eof_at: float | None = None
         self._reader_gone = False
+        self._writer_gone = False
         self._wake_reader = trio.lowlevel.ParkingLot()
         self._wake_sender = trio.lowlevel.ParkingLot()
 
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
+    async def send_some(self, data: bytes | bytearray | memoryview) -> int:
+        """Queue a prefix of `data` and return its length. While the buffer is full it
+        waits, cancellably, having queued nothing: like a socket's send()."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         view = memoryview(data).cast("B")
         spec = self.spec
+        parked = False
+        while self._unread >= spec.buffer and not (self._reader_gone or self._writer_gone):
+            await self._wake_sender.park()
+            parked = True
+        if self._writer_gone:
+            raise trio.ClosedResourceError("the stream was closed while sending")
+        if self._reader_gone:
+            raise trio.BrokenResourceError("the peer closed the simulated connection")
+        take = min(len(view), spec.buffer - self._unread)
         pos = 0
-        while pos < len(view):
-            while self._unread >= spec.buffer and not self._reader_gone:
-                await self._wake_sender.park()
-            if self._reader_gone:
-                raise trio.BrokenResourceError("the peer closed the simulated connection")
-            seg = bytes(view[pos : pos + spec.segment])
+        while pos < take:
+            seg = bytes(view[pos : min(take, pos + spec.segment)])
             pos += len(seg)
             now = trio.current_time()
             start = max(now, self._link_free_at)
@@ -78,14 +87,30 @@ class _Pipe:
             deliver = max(deliver, self._last_delivery)  # a reliable stream stays in order
             self._last_delivery = deliver
             self._queue.append((deliver, seg))
-            self._unread += len(seg)
-            self._wake_reader.unpark_all()
-        await trio.lowlevel.checkpoint()
+        self._unread += take
+        self._wake_reader.unpark_all()
+        if not parked:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return take
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if not view:
+            await trio.lowlevel.checkpoint()
+        pos = 0
+        while pos < len(view):
+            pos += await self.send_some(view[pos:])
 
     def send_eof(self) -> None:
         if self._eof_at is None:
             self._eof_at = max(trio.current_time() + self.spec.latency, self._last_delivery)
             self._wake_reader.unpark_all()
+
+    def close_writer(self) -> None:
+        """Our end closed: a send blocked on a full buffer ends (as closing a socket does)."""
+        self._writer_gone = True
+        self._wake_sender.unpark_all()
+        self.send_eof()
 
     def close_reader(self) -> None:
         self._reader_gone = True
@@ -152,6 +177,19 @@ class SimStream(trio.abc.HalfCloseableStream):
         finally:
             self._send_conflict = False
 
+    async def send_some(self, data: bytes | bytearray | memoryview) -> int:
+        """Send a prefix of `data`, returning its length; cancelled only before sending
+        anything (what the overlay's record writer needs to stay cancellation-safe)."""
+        if self._send_conflict:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        if self._closed or self._eof_sent:
+            raise trio.ClosedResourceError("stream is closed for sending")
+        self._send_conflict = True
+        try:
+            return await self._out.send_some(data)
+        finally:
+            self._send_conflict = False
+
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.checkpoint()
 
@@ -176,7 +214,7 @@ class SimStream(trio.abc.HalfCloseableStream):
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            self._out.send_eof()
+            self._out.close_writer()
             self._in.close_reader()
         await trio.lowlevel.checkpoint()
 

@@ -72,16 +72,21 @@ class MeshStream(trio.abc.HalfCloseableStream):
             raise trio.BusyResourceError("another task is sending on this stream")
         self._sending = True
         try:
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            scheduled = False
             view = memoryview(data).cast("B")
             while view:
                 self._check_send()
                 n = self._conn._send(self.stream_id, view)
                 if n:
                     view = view[n:]
+                    scheduled = await self._conn._send_inline() or scheduled
                     continue
                 self._writable = trio.Event()
                 await self._writable.wait()
+                scheduled = True
+            if not scheduled:
+                await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
             self._sending = False
 
@@ -93,14 +98,16 @@ class MeshStream(trio.abc.HalfCloseableStream):
             self._check_send()
         await trio.lowlevel.checkpoint()
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        """The next bytes from the peer (at most one DATA frame's worth), b"" at EOF."""
         if self._receiving:
             raise trio.BusyResourceError("another task is receiving on this stream")
         if max_bytes is not None and max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
         self._receiving = True
         try:
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            waited = False
             while True:
                 if self._closed:
                     raise trio.ClosedResourceError("stream was closed locally")
@@ -108,9 +115,12 @@ class MeshStream(trio.abc.HalfCloseableStream):
                     raise self._error
                 data = self._conn._read(self.stream_id, max_bytes or DEFAULT_RECEIVE)
                 if data is not None:
+                    if not waited:
+                        await trio.lowlevel.cancel_shielded_checkpoint()
                     return data
                 self._readable = trio.Event()
                 await self._readable.wait()
+                waited = True
         finally:
             self._receiving = False
 
@@ -123,6 +133,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
         if not self._eof_sent:
             self._eof_sent = True
             self._conn._send_eof(self.stream_id)
+            await self._conn._send_inline()
         await trio.lowlevel.checkpoint()
 
     def reset(self, reason: str = "reset by the application", code=ErrorCode.CANCEL) -> None:

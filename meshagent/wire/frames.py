@@ -56,7 +56,7 @@ class OpenFrame:
 @dataclass(frozen=True, slots=True)
 class DataFrame:
     stream_id: int
-    payload: bytes | memoryview
+    payload: bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,17 +158,24 @@ def encode_frame(frame: Frame) -> bytes:
     raise TypeError(f"not a frame: {frame!r}")
 
 
-def decode_frame(plaintext: bytes) -> Frame:
-    """Parse one record's plaintext. Raises ProtocolError, and nothing else, on bad input."""
+def decode_frame(plaintext: bytes | bytearray) -> Frame:
+    """Parse one record's plaintext. Raises ProtocolError, and nothing else, on bad input.
+
+    A DATA frame given as a bytearray is trimmed in place and becomes the payload itself,
+    so activations reach the application without another copy.
+    """
     if len(plaintext) < FRAME_HEADER_LEN:
         raise ProtocolError(f"frame of {len(plaintext)} bytes is shorter than its header")
     kind, stream_id = _HEADER.unpack_from(plaintext)
-    body = memoryview(plaintext)[FRAME_HEADER_LEN:]
     if kind == FrameType.DATA:
         _need_stream(stream_id, "DATA")
-        if not body:
+        if len(plaintext) == FRAME_HEADER_LEN:
             raise ProtocolError("empty DATA frame")
-        return DataFrame(stream_id, body)
+        if isinstance(plaintext, bytearray):
+            del plaintext[:FRAME_HEADER_LEN]
+            return DataFrame(stream_id, plaintext)
+        return DataFrame(stream_id, memoryview(plaintext)[FRAME_HEADER_LEN:])
+    body = memoryview(plaintext)[FRAME_HEADER_LEN:]
     if kind == FrameType.CREDIT:
         _need_stream(stream_id, "CREDIT")
         if len(body) != _CREDIT.size:

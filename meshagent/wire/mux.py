@@ -86,7 +86,7 @@ class _Stream:
         # What the peer may still send us; buffered + peer credit + grants pending <= window.
         self.peer_credit_bytes = window_bytes
         self.peer_credit_frames = window_frames
-        self.buffer: deque[memoryview] = deque()
+        self.buffer: deque[bytes | bytearray | memoryview] = deque()
         self.buffered = 0
         self.grant_bytes = 0
         self.grant_frames = 0
@@ -254,8 +254,9 @@ class Multiplexer:
             raise LocalUsageError(f"stream {stream_id} was already closed for sending")
         return st
 
-    def read(self, stream_id: int, max_bytes: int) -> bytes | None:
-        """Up to `max_bytes` buffered bytes; b"" at end of stream; None if nothing yet.
+    def read(self, stream_id: int, max_bytes: int) -> bytes | bytearray | None:
+        """Up to `max_bytes` of the next buffered DATA payload; b"" at end of stream; None if
+        nothing yet. A whole payload is handed over as-is, without copying.
 
         Consuming data is what returns credit to the peer (batched: a CREDIT frame goes out
         once half a window, in bytes or in frames, has been consumed).
@@ -263,28 +264,22 @@ class Multiplexer:
         st = self._streams.get(stream_id)
         if st is None:
             return b""
-        if not st.buffer:
-            return None if st.remote_open else b""
         buf = st.buffer
-        parts: list[memoryview] = []
-        want = max_bytes
-        frames_done = 0
-        while buf and want > 0:
-            head = buf[0]
-            if len(head) <= want:
-                buf.popleft()
-                parts.append(head)
-                want -= len(head)
-                frames_done += 1
-            else:
-                parts.append(head[:want])
-                buf[0] = head[want:]
-                want = 0
-        got = max_bytes - want
-        st.buffered -= got
-        out = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
-        st.grant_bytes += got
-        st.grant_frames += frames_done
+        if not buf:
+            return None if st.remote_open else b""
+        head = buf[0]
+        size = len(head)
+        if size <= max_bytes:
+            buf.popleft()
+            out = head if type(head) is not memoryview else bytes(head)
+            st.grant_frames += 1
+        else:
+            view = memoryview(head)
+            out = bytes(view[:max_bytes])
+            buf[0] = view[max_bytes:]
+            size = max_bytes
+        st.buffered -= size
+        st.grant_bytes += size
         self._maybe_grant(st)
         self._maybe_forget(st)
         return out

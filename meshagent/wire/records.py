@@ -86,8 +86,9 @@ class RecordReader:
             raise self._failed
         self._buffer += data
 
-    def next_record(self) -> bytes | None:
-        """The next plaintext, or None when more bytes are needed."""
+    def next_record(self) -> bytearray | None:
+        """The next plaintext, or None when more bytes are needed. The caller owns the
+        returned buffer (it may trim it in place, as the frame decoder does for DATA)."""
         if self._failed is not None:
             raise self._failed
         buf = self._buffer
@@ -105,9 +106,10 @@ class RecordReader:
         if len(buf) < end:
             return None
         view = memoryview(buf)
+        plaintext = bytearray(length - TAG_LEN)
         try:
-            plaintext = self._aead.decrypt(
-                _NONCE.pack(self._counter), view[HEADER_LEN:end], view[:HEADER_LEN]
+            self._aead.decrypt_into(
+                _NONCE.pack(self._counter), view[HEADER_LEN:end], view[:HEADER_LEN], plaintext
             )
         except InvalidTag:
             view.release()

@@ -18,9 +18,9 @@ class StreamSettings:
     """What this side grants the peer: receive windows for each new stream, the largest DATA
     payload it accepts, and how many concurrently open streams the peer may open."""
 
-    window_bytes: int = 1 << 20
-    window_frames: int = 64
-    max_frame_payload: int = 128 * 1024
+    window_bytes: int = 4 << 20
+    window_frames: int = 256
+    max_frame_payload: int = 256 * 1024
     max_streams: int = 256
     version: int = 1
 

@@ -21,6 +21,7 @@ SMALL = StreamSettings(window_bytes=1000, window_frames=4, max_frame_payload=300
 
 
 def read_everything(mux, sid):
+    """Everything buffered right now (reads return one frame at a time)."""
     out = b""
     while chunk := mux.read(sid, 1 << 30):
         out += chunk
@@ -57,18 +58,20 @@ def test_sender_stops_at_the_window_and_resumes_when_the_receiver_reads():
     assert a.send_data(sid, payload[1000:]) == 0  # no credit: takes nothing, no error
     assert a.send_credit(sid) == (0, 0)
     assert b.buffered(sid) == 1000  # bounded by the window
-    got = b.read(sid, 600)
+    got = b.read(sid, 600)  # one frame (300 bytes) per read
+    assert len(got) == 300 and pump(b, a) == []  # less than half the window: no grant yet
+    got += b.read(sid, 600)
     events = pump(b, a)
     assert events == [CreditGranted(sid)]
     total = 1000
     while total < len(payload):
         n = a.send_data(sid, payload[total:])
         pump(a, b)
-        got += b.read(sid, 1 << 20) or b""
+        got += read_everything(b, sid)
         pump(b, a)
         assert b.buffered(sid) <= SMALL.window_bytes
         total += n
-    got += b.read(sid, 1 << 20) or b""
+    got += read_everything(b, sid)
     assert got == payload
 
 
@@ -281,7 +284,7 @@ def test_any_interleaving_delivers_every_byte_in_order_within_the_window(
         progress = a.send_data(sid, payload[sent:])
         sent += progress
         pump(a, b)
-        chunk = b.read(sid, 1 << 30) or b""
+        chunk = read_everything(b, sid)
         got += chunk
         pump(b, a)
         assert progress or chunk, "stalled although the receiver read everything"
