@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from meshagent.wire.control import MAX_LABEL_LEN
 from meshagent.wire.errors import ErrorCode, LocalUsageError, ProtocolError
 from meshagent.wire.events import (
     ConnectionTerminated,
@@ -182,6 +183,8 @@ class Multiplexer:
     ) -> int:
         """Open a stream; returns its id. Its receive window defaults to our settings."""
         self._check_can_open()
+        if len(label) > MAX_LABEL_LEN:
+            raise LocalUsageError(f"stream label is longer than {MAX_LABEL_LEN} characters")
         if self.open_streams_by(local=True) >= self.remote_settings.max_streams:
             raise LocalUsageError(
                 f"the peer allows at most {self.remote_settings.max_streams} open streams"
