@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import trio
 
 from meshagent.wire.mux import Multiplexer
@@ -27,25 +29,35 @@ class RecordWriter:
             self._send_some = getattr(transport, "send_some", None)
         self._sealer = sealer
         self._batch = batch
-        self._pending = bytearray()
+        self._sealed: deque[memoryview] = deque()  # sealed, not yet taken by the transport
+        self._sealed_bytes = 0
         self.bytes_sent = 0
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._pending)
+        return bool(self._sealed)
 
     async def write(self, mux: Multiplexer) -> None:
         """Write until neither sealed bytes nor queued frames remain. Raises the transport's
         errors (OSError, trio.BrokenResourceError, trio.ClosedResourceError)."""
-        while self._pending or mux.has_output:
-            if not self._pending:
-                self._pending = self._sealer.seal_many(mux.frames_to_send(self._batch))
+        sealed = self._sealed
+        while sealed or mux.has_output:
+            # Seal the next batch before the transport makes us wait, so that when it wants
+            # more there is no pause for encryption (keeps the receiver busy).
+            while mux.has_output and self._sealed_bytes < self._batch:
+                buf = self._sealer.seal_many(mux.frames_to_send(self._batch))
+                sealed.append(memoryview(buf))
+                self._sealed_bytes += len(buf)
+            head = sealed[0]
             if self._send_some is not None:
-                sent = await self._send_some(self._pending)
-                del self._pending[:sent]
-                self.bytes_sent += sent
+                sent = await self._send_some(head)
             else:
-                data, self._pending = self._pending, bytearray()
                 with trio.CancelScope(shield=True):
-                    await self._transport.send_all(data)
-                self.bytes_sent += len(data)
+                    await self._transport.send_all(head)
+                sent = len(head)
+            if sent == len(head):
+                sealed.popleft()
+            else:
+                sealed[0] = head[sent:]
+            self._sealed_bytes -= sent
+            self.bytes_sent += sent
