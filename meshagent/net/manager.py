@@ -248,6 +248,7 @@ class ConnectionManager:
         self, stream: trio.abc.Stream, result: HandshakeResult, leftover: bytes, remote: str
     ) -> None:
         if result.peer_id == self.local.peer_id:
+            log.info("peer.self_connection_refused", remote=remote)
             await trio.aclose_forcefully(stream)
             return
         # A relay splices bytes to us over a connection we'd know as relayed; a plain

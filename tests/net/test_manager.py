@@ -175,3 +175,11 @@ async def test_shutdown_drains_and_says_why(env, clock):
             while b.connection(a.peer_id) is not None:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
+
+
+async def test_dialing_ourselves_is_refused(env, clock):
+    async with trio.open_nursery() as nursery, node(env, "a", nursery) as (a, addr):
+        with pytest.raises(DialError, match="this node itself"), trio.fail_after(30):
+            await a.dial(addr)
+        assert a.connections() == []
+        nursery.cancel_scope.cancel()
