@@ -116,6 +116,9 @@ class LlamaRuntime:
         self._memory = llama_cpp.llama_get_memory(ctx)
         self._tokens = llama_cpp.llama_batch_init(max_batch_tokens, 0, 1)
         self._embd = llama_cpp.llama_batch_init(max_batch_tokens, self.n_embd, 1)
+        self._embd_view = np.ctypeslib.as_array(
+            self._embd.embd, shape=(max_batch_tokens * self.n_embd,)
+        )
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(512)
@@ -158,7 +161,7 @@ class LlamaRuntime:
         batch = self._embd
         total = sum(it.hidden.shape[0] for it in items)
         self._check_size(total)
-        embd = np.ctypeslib.as_array(batch.embd, shape=(self.max_batch_tokens * self.n_embd,))
+        embd = self._embd_view
         n = 0
         rows: list[int | None] = []
         all_rows = self.capture is not None

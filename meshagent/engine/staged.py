@@ -92,7 +92,7 @@ class StagedEngine:
         hidden = [self.embed(list(it.tokens)) for it in items]
         for stage in self.stages:
             batch = [
-                EmbdItem(it.seq_id, it.pos, h, it.want_logits)
+                EmbdItem(it.seq_id, it.pos, h, it.want_logits and stage.last)
                 for it, h in zip(items, hidden, strict=True)
             ]
             out = stage.forward(batch)

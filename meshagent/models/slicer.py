@@ -131,7 +131,19 @@ class TokenEmbeddings:
         self._qtype = t.tensor_type
         self.n_vocab = int(t.shape[1])
         self.n_embd = int(t.shape[0])
+        self._rows: dict[int, np.ndarray] = {}  # decode steps look up one token at a time
 
     def __call__(self, tokens: list[int] | np.ndarray) -> np.ndarray:
-        rows = self._data[np.asarray(tokens, dtype=np.int64)]
+        if len(tokens) == 1:
+            token = int(tokens[0])
+            row = self._rows.get(token)
+            if row is None:
+                row = self._lookup(np.asarray([token]))
+                row.flags.writeable = False  # shared by every later lookup of this token
+                self._rows[token] = row
+            return row
+        return self._lookup(np.asarray(tokens, dtype=np.int64))
+
+    def _lookup(self, tokens: np.ndarray) -> np.ndarray:
+        rows = self._data[tokens]
         return np.ascontiguousarray(gguf.quants.dequantize(rows, self._qtype), dtype=np.float32)
