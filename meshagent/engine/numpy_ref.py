@@ -194,3 +194,13 @@ class NumpyStage:
 
     def clear_sequence(self, seq_id: int) -> None:
         self._caches.pop(seq_id, None)
+
+    def trim_sequence(self, seq_id: int, keep: int) -> None:
+        cache = self._caches.get(seq_id)
+        if cache is not None:
+            del cache.pos[keep:]
+            cache.k = [k[:keep] for k in cache.k]
+            cache.v = [v[:keep] for v in cache.v]
+
+    def reset(self) -> None:
+        self._caches.clear()

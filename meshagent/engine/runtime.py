@@ -195,6 +195,14 @@ class LlamaRuntime:
     def clear(self, seq_id: int) -> None:
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
 
+    def trim(self, seq_id: int, keep: int) -> None:
+        """Forget positions `keep` and later of a sequence (e.g. a rejected draft)."""
+        if not llama_cpp.llama_memory_seq_rm(self._memory, seq_id, keep, -1):
+            raise EngineError(f"llama.cpp could not trim sequence {seq_id} to {keep} tokens")
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_clear(self._memory, True)
+
     def state_bytes(self) -> int:
         return int(llama_cpp.llama_state_get_size(self.ctx))
 

@@ -90,6 +90,12 @@ class StageEngine:
     def clear_sequence(self, seq_id: int) -> None:
         self.runtime.clear(seq_id)
 
+    def trim_sequence(self, seq_id: int, keep: int) -> None:
+        self.runtime.trim(seq_id, keep)
+
+    def reset(self) -> None:
+        self.runtime.reset()
+
     def memory_bytes(self) -> int:
         return self.runtime.model_bytes() + self.runtime.state_bytes()
 

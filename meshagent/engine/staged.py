@@ -106,6 +106,14 @@ class StagedEngine:
         for stage in self.stages:
             stage.clear_sequence(seq_id)
 
+    def trim_sequence(self, seq_id: int, keep: int) -> None:
+        for stage in self.stages:
+            stage.trim_sequence(seq_id, keep)
+
+    def reset(self) -> None:
+        for stage in self.stages:
+            stage.reset()
+
     def memory_bytes(self) -> int:
         return sum(s.memory_bytes() for s in self.stages)
 

@@ -140,3 +140,21 @@ def test_interleaved_sequences_match_each_alone(model_path, store, smollm_whole)
     finally:
         staged.close()
     assert together == alone
+
+
+def test_trim_rewinds_a_sequence_exactly(model_path, store, smollm_prompt):
+    staged = StagedEngine(model_path, [0, 10, 20, 30], store, slots=1, slot_ctx=1024)
+    pos = len(smollm_prompt)
+    try:
+        prefill = staged.forward([ForwardItem(0, 0, smollm_prompt, True)])[0]
+        token = int(np.argmax(prefill))
+        step = staged.forward([ForwardItem(0, pos, [token], True)])[0]
+        # Rewind, feed 8 wrong tokens, rewind again: the step is as if they never were.
+        staged.trim_sequence(0, pos)
+        staged.forward([ForwardItem(0, pos, [7] * 8, True)])
+        staged.trim_sequence(0, pos)
+        assert np.array_equal(staged.forward([ForwardItem(0, pos, [token], True)])[0], step)
+        staged.reset()
+        assert np.array_equal(staged.forward([ForwardItem(0, 0, smollm_prompt, True)])[0], prefill)
+    finally:
+        staged.close()
