@@ -1,0 +1,283 @@
+"""The planner: a pure function from a snapshot of peer capacities to a plan.
+
+Every agent computes the plan from the gossiped snapshot on its own; the function is
+deterministic (peers sorted by id, fixed evaluation order, ties broken by peer id), so agents
+that see the same snapshot agree without a master.
+
+Rules: a model that fits one peer (weights + KV cache for the plan's context + headroom) is
+served whole, by every peer it fits. Otherwise it is split into the fewest stages that fit;
+layers are given in proportion to measured speed within each peer's memory; among the orders
+and peer sets that fit, the one with the smallest estimated time per token (compute of every
+stage + one trip around the ring of measured RTTs) wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from meshagent.errors import MeshError
+from meshagent.models.layout import ModelLayout
+
+DEFAULT_RTT_MS = 5.0  # assumed for a pair of peers that has not measured its RTT yet
+MAX_CANDIDATES = 8  # peers considered for a split (the largest memory x speed first)
+MAX_ORDERS = 720  # orders tried per peer set (6! = every order of 6 stages)
+
+
+class PlanError(MeshError):
+    """No plan can host the model; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What a model costs to host, from its layout (exact bytes per layer)."""
+
+    model_id: str
+    n_layers: int
+    layer_bytes: tuple[int, ...]
+    embedding_bytes: int  # held by the first stage (token lookup)
+    head_bytes: int  # held by the last stage (output norm + head)
+    other_bytes: int  # held by every stage
+    kv_bytes_per_token_per_layer: int
+
+    @classmethod
+    def from_layout(cls, model_id: str, layout: ModelLayout) -> ModelCost:
+        return cls(
+            model_id=model_id,
+            n_layers=layout.n_layers,
+            layer_bytes=layout.layer_bytes,
+            embedding_bytes=layout.embedding_bytes,
+            head_bytes=layout.head_bytes,
+            other_bytes=layout.other_bytes,
+            kv_bytes_per_token_per_layer=layout.kv_bytes_per_token_per_layer,
+        )
+
+    def stage_bytes(self, start: int, end: int, context_tokens: int) -> int:
+        """Weights plus KV cache of a stage over layers [start, end)."""
+        total = sum(self.layer_bytes[start:end]) + self.other_bytes
+        total += self.kv_bytes_per_token_per_layer * context_tokens * (end - start)
+        if start == 0:
+            total += self.embedding_bytes
+        if end == self.n_layers:
+            total += self.head_bytes
+        return total
+
+
+@dataclass(frozen=True)
+class PeerCapacity:
+    peer_id: str
+    memory_bytes: int  # offered for weights and KV cache
+    speed: float  # layers per second of the reference model (relative speed is what matters)
+    rtt_ms: Mapping[str, float] = field(default_factory=dict)  # measured RTT to other peers
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    peer_id: str
+    start: int
+    end: int
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_id: str
+    context_tokens: int
+    replicas: tuple[str, ...] = ()  # whole-model hosts, fastest first
+    stages: tuple[StageAssignment, ...] = ()  # a split, in pipeline order
+    est_token_ms: float = 0.0
+
+    @property
+    def split(self) -> bool:
+        return bool(self.stages)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(s.peer_id for s in self.stages) if self.stages else self.replicas
+
+
+def _usable(peer: PeerCapacity, headroom: float) -> int:
+    return int(peer.memory_bytes * (1.0 - headroom))
+
+
+def _rtt(a: PeerCapacity, b: PeerCapacity) -> float:
+    if a.peer_id == b.peer_id:
+        return 0.0
+    ab, ba = a.rtt_ms.get(b.peer_id), b.rtt_ms.get(a.peer_id)
+    known = [x for x in (ab, ba) if x is not None]
+    return max(known) if known else DEFAULT_RTT_MS
+
+
+def _ring_ms(order: Sequence[PeerCapacity]) -> float:
+    return sum(_rtt(order[i], order[(i + 1) % len(order)]) for i in range(len(order)))
+
+
+def plan(
+    model: ModelCost,
+    peers: Sequence[PeerCapacity],
+    *,
+    context_tokens: int,
+    headroom: float = 0.1,
+) -> Plan:
+    """The plan for `model` on `peers`; raises PlanError naming what is missing."""
+    if not peers:
+        raise PlanError(f"no peer can host {model.model_id}: the mesh is empty")
+    ordered = sorted(peers, key=lambda p: p.peer_id)
+    whole = model.stage_bytes(0, model.n_layers, context_tokens)
+    fits = [p for p in ordered if _usable(p, headroom) >= whole]
+    if fits:
+        fits.sort(key=lambda p: (-p.speed, p.peer_id))
+        return Plan(
+            model.model_id,
+            context_tokens,
+            replicas=tuple(p.peer_id for p in fits),
+            est_token_ms=1000.0 * model.n_layers / max(fits[0].speed, 1e-9),
+        )
+    candidates = sorted(ordered, key=lambda p: (-_usable(p, headroom) * p.speed, p.peer_id))
+    candidates = sorted(candidates[:MAX_CANDIDATES], key=lambda p: p.peer_id)
+    for k in range(2, min(len(candidates), model.n_layers) + 1):
+        best: tuple[float, tuple[str, ...], tuple[StageAssignment, ...]] | None = None
+        for subset in itertools.combinations(candidates, k):
+            for order in itertools.islice(itertools.permutations(subset), MAX_ORDERS):
+                stages = _assign(model, order, context_tokens, headroom)
+                if stages is None:
+                    continue
+                compute_ms = sum(
+                    1000.0 * s.layers / max(p.speed, 1e-9)
+                    for s, p in zip(stages, order, strict=True)
+                )
+                score = compute_ms + _ring_ms(order)
+                key = (score, tuple(p.peer_id for p in order), stages)
+                if best is None or key[:2] < best[:2]:
+                    best = key
+        if best is not None:
+            return Plan(model.model_id, context_tokens, stages=best[2], est_token_ms=best[0])
+    total = sum(_usable(p, headroom) for p in ordered)
+    need = whole + (len(ordered) - 1) * model.other_bytes
+    missing = max(need - total, 1)
+    raise PlanError(
+        f"{model.model_id} needs {need / 1e9:.2f} GB across the mesh (weights and KV cache for "
+        f"{context_tokens} tokens), the mesh offers {total / 1e9:.2f} GB: it needs "
+        f"{missing / 1e9:.2f} GB more memory"
+    )
+
+
+def _assign(
+    model: ModelCost,
+    order: Sequence[PeerCapacity],
+    context_tokens: int,
+    headroom: float,
+) -> tuple[StageAssignment, ...] | None:
+    """Layers for peers in this order: in proportion to speed, within memory; None if they
+    cannot fit."""
+    n, k = model.n_layers, len(order)
+    kv_layer = model.kv_bytes_per_token_per_layer * context_tokens
+    avg_layer = sum(model.layer_bytes) / n + kv_layer
+    caps = []
+    for i, p in enumerate(order):
+        fixed = model.other_bytes
+        fixed += model.embedding_bytes if i == 0 else 0
+        fixed += model.head_bytes if i == k - 1 else 0
+        caps.append(int((_usable(p, headroom) - fixed) // avg_layer))
+    if min(caps) < 1 or sum(caps) < n:
+        return None
+    counts = _proportional(n, [p.speed for p in order], caps)
+    # Layers differ in size a little: move layers off any stage that overflows exactly.
+    for _ in range(n):
+        bounds = list(itertools.accumulate(counts, initial=0))
+        over = [
+            i
+            for i, p in enumerate(order)
+            if model.stage_bytes(bounds[i], bounds[i + 1], context_tokens) > _usable(p, headroom)
+        ]
+        if not over:
+            return tuple(
+                StageAssignment(p.peer_id, bounds[i], bounds[i + 1]) for i, p in enumerate(order)
+            )
+        i = over[0]
+        slack = [
+            (_usable(p, headroom) - model.stage_bytes(bounds[j], bounds[j + 1], context_tokens), j)
+            for j, p in enumerate(order)
+            if j != i
+        ]
+        room, j = max(slack)
+        if counts[i] <= 1 or room < avg_layer:
+            return None
+        counts[i] -= 1
+        counts[j] += 1
+    return None
+
+
+def _proportional(n: int, weights: Sequence[float], caps: Sequence[int]) -> list[int]:
+    """n items split in proportion to weights, each at least 1 and at most its cap (integer,
+    largest remainder; deterministic)."""
+    k = len(weights)
+    counts = [1] * k
+    left = n - k
+    free = [i for i in range(k) if counts[i] < caps[i]]
+    while left > 0 and free:
+        total = sum(weights[i] for i in free)
+        shares = {i: left * weights[i] / total for i in free}
+        grant = {i: min(int(shares[i]), caps[i] - counts[i]) for i in free}
+        if sum(grant.values()) == 0:
+            # Hand out the remainder one by one, largest fractional share first.
+            for i in sorted(free, key=lambda i: (-(shares[i] - int(shares[i])), i)):
+                if left == 0:
+                    break
+                if counts[i] < caps[i]:
+                    counts[i] += 1
+                    left -= 1
+        else:
+            for i, g in grant.items():
+                counts[i] += g
+                left -= g
+        free = [i for i in range(k) if counts[i] < caps[i]]
+    return counts
+
+
+def estimated_token_ms(
+    model: ModelCost, current: Plan, peers: Mapping[str, PeerCapacity], context_tokens: int
+) -> float | None:
+    """The time per token of `current` under today's capacities; None if it no longer works
+    (a peer is gone, or its part no longer fits)."""
+    if current.replicas:
+        hosts = [peers.get(p) for p in current.replicas]
+        alive = [h for h in hosts if h is not None]
+        need = model.stage_bytes(0, model.n_layers, context_tokens)
+        if not alive or any(_usable(h, 0.0) < need for h in alive):
+            return None
+        return 1000.0 * model.n_layers / max(max(h.speed for h in alive), 1e-9)
+    order = [peers.get(s.peer_id) for s in current.stages]
+    if any(p is None for p in order):
+        return None
+    live = [p for p in order if p is not None]
+    for s, p in zip(current.stages, live, strict=True):
+        if model.stage_bytes(s.start, s.end, context_tokens) > p.memory_bytes:
+            return None
+    compute = sum(
+        1000.0 * s.layers / max(p.speed, 1e-9) for s, p in zip(current.stages, live, strict=True)
+    )
+    return compute + _ring_ms(live)
+
+
+def should_replan(
+    model: ModelCost,
+    current: Plan | None,
+    candidate: Plan,
+    peers: Sequence[PeerCapacity],
+    *,
+    threshold: float = 0.25,
+) -> bool:
+    """Move to `candidate` only if the current plan is broken or the gain passes `threshold`
+    (0.25: at least 25% faster per token), so the mesh does not flap on small changes."""
+    if current is None:
+        return True
+    by_id = {p.peer_id: p for p in peers}
+    now = estimated_token_ms(model, current, by_id, current.context_tokens)
+    if now is None:
+        return True
+    return candidate.est_token_ms * (1.0 + threshold) < now
