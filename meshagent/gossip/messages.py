@@ -1,0 +1,166 @@
+"""Gossip wire messages and their framing: `u32 length || CBOR message`.
+
+An exchange is three messages (push-pull anti-entropy, as in Scuttlebutt):
+  1. initiator -> responder  DIGEST  what the initiator knows, one entry per peer
+  2. responder -> initiator  DELTA   items the initiator lacks, plus the responder's digest
+                                     entries for the peers where the initiator knows more
+  3. initiator -> responder  DELTA   items the responder lacks (per those entries)
+A responder that refuses (rate limit) answers message 1 with BUSY.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import cbor2
+
+from meshagent.gossip.errors import ExchangeError
+
+MESSAGE_VERSION = 1
+T_DIGEST, T_DELTA, T_BUSY = 1, 2, 3
+_LEN = struct.Struct(">I")
+MAX_DIGEST_ENTRIES = 4096
+MAX_ITEMS = 4096
+
+
+@dataclass(frozen=True, order=True)
+class DigestEntry:
+    """What one side knows of one peer: its record's seq, the newest heartbeat beat it has
+    heard of (from a heartbeat or an obituary), and whether it holds an obituary."""
+
+    peer_id: str
+    seq: int = 0
+    beat: int = 0
+    dead: bool = False
+
+    @property
+    def liveness(self) -> tuple[int, bool]:
+        return (self.beat, self.dead)
+
+    def to_wire(self) -> list[Any]:
+        return [self.peer_id, self.seq, self.beat, self.dead]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> DigestEntry:
+        if (
+            not isinstance(v, list)
+            or len(v) != 4
+            or not isinstance(v[0], str)
+            or not 0 < len(v[0]) <= 64
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v[1:3])
+            or not isinstance(v[3], bool)
+        ):
+            raise ExchangeError(f"malformed digest entry {v!r:.80}")
+        return cls(v[0], v[1], v[2], v[3])
+
+
+@dataclass(frozen=True)
+class Items:
+    """Encoded signed items, forwarded as received (see signed.py)."""
+
+    records: tuple[bytes, ...] = ()
+    beats: tuple[bytes, ...] = ()
+    obituaries: tuple[bytes, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.records) + len(self.beats) + len(self.obituaries)
+
+
+@dataclass(frozen=True)
+class Digest:
+    entries: tuple[DigestEntry, ...]
+
+
+@dataclass(frozen=True)
+class Delta:
+    items: Items
+    wants: tuple[DigestEntry, ...] = ()
+
+
+@dataclass(frozen=True)
+class Busy:
+    reason: str = ""
+
+
+Message = Digest | Delta | Busy
+
+
+def encode(msg: Message) -> bytes:
+    if isinstance(msg, Digest):
+        body = {0: MESSAGE_VERSION, 1: T_DIGEST, 2: [e.to_wire() for e in msg.entries]}
+    elif isinstance(msg, Delta):
+        body = {
+            0: MESSAGE_VERSION,
+            1: T_DELTA,
+            3: list(msg.items.records),
+            4: list(msg.items.beats),
+            5: list(msg.items.obituaries),
+            6: [e.to_wire() for e in msg.wants],
+        }
+    else:
+        body = {0: MESSAGE_VERSION, 1: T_BUSY, 7: msg.reason}
+    data = cbor2.dumps(body)
+    return _LEN.pack(len(data)) + data
+
+
+def _byte_strings(v: Any) -> tuple[bytes, ...]:
+    if not isinstance(v, list) or len(v) > MAX_ITEMS or not all(isinstance(x, bytes) for x in v):
+        raise ExchangeError("delta items must be lists of byte strings")
+    return tuple(v)
+
+
+def _entries(v: Any) -> tuple[DigestEntry, ...]:
+    if not isinstance(v, list) or len(v) > MAX_DIGEST_ENTRIES:
+        raise ExchangeError("digest must be a list of at most 4096 entries")
+    return tuple(DigestEntry.from_wire(e) for e in v)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        d = cbor2.loads(data)
+    except Exception as e:  # cbor2 raises several unrelated types on garbage
+        raise ExchangeError(f"gossip message is not valid CBOR ({e})") from e
+    if not isinstance(d, dict) or d.get(0) != MESSAGE_VERSION:
+        raise ExchangeError("gossip message is malformed or of an unsupported version")
+    kind = d.get(1)
+    if kind == T_DIGEST:
+        return Digest(_entries(d.get(2)))
+    if kind == T_DELTA:
+        items = Items(_byte_strings(d.get(3)), _byte_strings(d.get(4)), _byte_strings(d.get(5)))
+        return Delta(items, _entries(d.get(6, [])))
+    if kind == T_BUSY:
+        reason = d.get(7, "")
+        return Busy(reason if isinstance(reason, str) else "")
+    raise ExchangeError(f"unknown gossip message type {kind!r}")
+
+
+@dataclass
+class FrameBuffer:
+    """Reassembles length-prefixed messages from received bytes; refuses oversize ones
+    before buffering them."""
+
+    max_message: int
+    _buf: bytearray = field(default_factory=bytearray)
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next_message(self) -> Message | None:
+        if len(self._buf) < 4:
+            return None
+        (n,) = _LEN.unpack_from(self._buf)
+        if n > self.max_message:
+            raise ExchangeError(
+                f"gossip message of {n} bytes is over the {self.max_message}-byte limit"
+            )
+        if len(self._buf) < 4 + n:
+            return None
+        data = bytes(self._buf[4 : 4 + n])
+        del self._buf[: 4 + n]
+        return decode(data)
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)

@@ -1,0 +1,306 @@
+"""PeerRecord: what one agent tells the mesh about itself (capacity, addresses, holdings).
+
+A record is owned and signed by the peer it describes (see `signed.py`); this module only
+defines its fields and their CBOR form. Every field is validated at decode, with bounds, so
+a record that passes `from_body` is safe to hand to placement code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import cbor2
+
+from meshagent.gossip.errors import RecordRejected
+
+RECORD_VERSION = 1
+MAX_RECORD_BYTES = 64 * 1024  # encoded body; an owner refuses to publish a larger one
+MAX_ADDRESSES = 16
+MAX_RTTS = 256
+MAX_MODELS = 32
+MAX_ARTIFACTS = 128
+MAX_SERVING = 32
+MAX_EXTRAS = 32
+MAX_TEXT = 255
+
+
+@dataclass(frozen=True)
+class ModelHeld:
+    """A whole model file this peer has locally."""
+
+    id: str
+    sha256: str  # of the GGUF file; "" if not hashed (yet)
+    architecture: str
+    n_layers: int
+    size_bytes: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.id, self.sha256, self.architecture, self.n_layers, self.size_bytes]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> ModelHeld:
+        a = _list(v, 5, "model")
+        return cls(_text(a[0]), _hash_or_empty(a[1]), _text(a[2]), _uint(a[3]), _uint(a[4]))
+
+
+@dataclass(frozen=True)
+class ArtifactHeld:
+    """A stage artifact in this peer's cache (a `SliceManifest`, trimmed to what placement
+    and fetching need)."""
+
+    key: str
+    sha256: str
+    kind: str  # "layers" or "entry"
+    source_sha256: str
+    source_name: str
+    start: int
+    end: int
+    total_layers: int
+    size_bytes: int
+    weight_bytes: int
+    kv_bytes_per_token_per_layer: int
+
+    @classmethod
+    def from_manifest(cls, m: Any) -> ArtifactHeld:
+        return cls(
+            key=m.key,
+            sha256=m.sha256,
+            kind=m.kind,
+            source_sha256=m.source_sha256,
+            source_name=m.source_name,
+            start=m.start,
+            end=m.end,
+            total_layers=m.total_layers,
+            size_bytes=m.size_bytes,
+            weight_bytes=m.weight_bytes,
+            kv_bytes_per_token_per_layer=m.kv_bytes_per_token_per_layer,
+        )
+
+    def to_wire(self) -> list[Any]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> ArtifactHeld:
+        a = _list(v, 11, "artifact")
+        out = cls(
+            _text(a[0]),
+            _hash(a[1]),
+            _text(a[2]),
+            _hash(a[3]),
+            _text(a[4]),
+            *(_uint(x) for x in a[5:]),
+        )
+        if not out.start <= out.end <= out.total_layers:
+            raise RecordRejected(f"artifact {out.key!r} has a bad layer range")
+        return out
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Layers [start, end) of a model this peer serves now (the whole model: 0..total)."""
+
+    model: str
+    sha256: str  # of the source model; "" if unknown
+    start: int
+    end: int
+    total_layers: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.model, self.sha256, self.start, self.end, self.total_layers]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> Serving:
+        a = _list(v, 5, "serving entry")
+        out = cls(_text(a[0]), _hash_or_empty(a[1]), _uint(a[2]), _uint(a[3]), _uint(a[4]))
+        if not out.start <= out.end <= out.total_layers:
+            raise RecordRejected(f"serving entry {out.model!r} has a bad layer range")
+        return out
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """One peer's self-description. `seq` orders the owner's records: a higher seq replaces
+    a lower one everywhere; the owner derives it from its wall clock (microseconds) so it
+    keeps growing across restarts without stored state."""
+
+    peer_id: str
+    public_key: bytes
+    seq: int
+    issued_at: float = 0.0  # owner's wall clock, informational only
+    name: str = ""
+    agent_version: str = ""
+    addresses: tuple[str, ...] = ()  # overlay addresses to dial, host:port
+    relays: tuple[str, ...] = ()  # relays this peer is registered with
+    mem_weights_bytes: int = 0  # memory available for model weights
+    mem_kv_bytes: int = 0  # memory available for KV cache
+    compute_speed: float = 0.0
+    compute_unit: str = ""  # what compute_speed measures, e.g. "matmul_gflops_f32"
+    rtts_ms: tuple[tuple[str, float], ...] = ()  # (peer id, smoothed overlay RTT in ms)
+    models: tuple[ModelHeld, ...] = ()
+    artifacts: tuple[ArtifactHeld, ...] = ()
+    serving: tuple[Serving, ...] = ()
+    # Fields other services publish without a record format change (e.g. placement
+    # leases): text keys, CBOR values.
+    extras: dict[str, Any] = field(default_factory=dict)
+    version: int = RECORD_VERSION
+
+    def rtt_to(self, peer_id: str) -> float | None:
+        return dict(self.rtts_ms).get(peer_id)
+
+    def to_body(self) -> bytes:
+        body = cbor2.dumps(
+            {
+                0: self.version,
+                1: self.peer_id,
+                2: self.public_key,
+                3: self.seq,
+                4: float(self.issued_at),
+                5: self.name,
+                6: self.agent_version,
+                7: list(self.addresses),
+                8: list(self.relays),
+                9: self.mem_weights_bytes,
+                10: self.mem_kv_bytes,
+                11: float(self.compute_speed),
+                12: self.compute_unit,
+                13: [[p, float(ms)] for p, ms in self.rtts_ms],
+                14: [m.to_wire() for m in self.models],
+                15: [a.to_wire() for a in self.artifacts],
+                16: [s.to_wire() for s in self.serving],
+                17: dict(self.extras),
+            },
+            canonical=True,
+        )
+        if len(body) > MAX_RECORD_BYTES:
+            raise RecordRejected(
+                f"record of {len(body)} bytes is over the {MAX_RECORD_BYTES}-byte limit; "
+                "publish fewer artifacts or smaller extras"
+            )
+        return body
+
+    @classmethod
+    def from_body(cls, body: bytes) -> PeerRecord:
+        if len(body) > MAX_RECORD_BYTES:
+            raise RecordRejected(f"record of {len(body)} bytes is over the limit")
+        try:
+            d = cbor2.loads(body)
+        except Exception as e:  # cbor2 raises several unrelated types on garbage
+            raise RecordRejected(f"record is not valid CBOR ({e})") from e
+        if not isinstance(d, dict) or d.get(0) != RECORD_VERSION:
+            raise RecordRejected("record is malformed or of an unsupported version")
+        try:
+            pk = d[2]
+            if not isinstance(pk, bytes) or len(pk) != 32:
+                raise RecordRejected("record public key must be 32 bytes")
+            extras = d.get(17, {})
+            if not isinstance(extras, dict) or len(extras) > MAX_EXTRAS:
+                raise RecordRejected("record extras must be a small map")
+            for k in extras:
+                _text(k)
+            return cls(
+                peer_id=_text(d[1]),
+                public_key=pk,
+                seq=_uint(d[3]),
+                issued_at=_float(d.get(4, 0.0)),
+                name=_text(d.get(5, "")),
+                agent_version=_text(d.get(6, "")),
+                addresses=tuple(_text(a) for a in _bounded(d.get(7, []), MAX_ADDRESSES)),
+                relays=tuple(_text(a) for a in _bounded(d.get(8, []), MAX_ADDRESSES)),
+                mem_weights_bytes=_uint(d.get(9, 0)),
+                mem_kv_bytes=_uint(d.get(10, 0)),
+                compute_speed=_float(d.get(11, 0.0)),
+                compute_unit=_text(d.get(12, "")),
+                rtts_ms=tuple(
+                    (_text(_list(r, 2, "rtt")[0]), _float(r[1]))
+                    for r in _bounded(d.get(13, []), MAX_RTTS)
+                ),
+                models=tuple(ModelHeld.from_wire(m) for m in _bounded(d.get(14, []), MAX_MODELS)),
+                artifacts=tuple(
+                    ArtifactHeld.from_wire(a) for a in _bounded(d.get(15, []), MAX_ARTIFACTS)
+                ),
+                serving=tuple(Serving.from_wire(s) for s in _bounded(d.get(16, []), MAX_SERVING)),
+                extras=dict(extras),
+            )
+        except KeyError as e:
+            raise RecordRejected(f"record lacks field {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly form (for the control API)."""
+        return {
+            "peer_id": self.peer_id,
+            "seq": self.seq,
+            "issued_at": self.issued_at,
+            "name": self.name,
+            "agent_version": self.agent_version,
+            "addresses": list(self.addresses),
+            "relays": list(self.relays),
+            "mem_weights_bytes": self.mem_weights_bytes,
+            "mem_kv_bytes": self.mem_kv_bytes,
+            "compute_speed": self.compute_speed,
+            "compute_unit": self.compute_unit,
+            "rtts_ms": dict(self.rtts_ms),
+            "models": [m.__dict__ for m in self.models],
+            "artifacts": [a.__dict__ for a in self.artifacts],
+            "serving": [s.__dict__ for s in self.serving],
+            "extras": {k: _jsonable(v) for k, v in self.extras.items()},
+        }
+
+
+# Fields an owner may set with `update_local`; identity and ordering fields are not among them.
+PUBLISHABLE = frozenset(
+    f.name
+    for f in fields(PeerRecord)
+    if f.name not in ("peer_id", "public_key", "seq", "issued_at", "version")
+)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str) or len(v) > MAX_TEXT:
+        raise RecordRejected(f"expected text of at most {MAX_TEXT} characters, got {v!r:.60}")
+    return v
+
+
+def _hash(v: Any) -> str:
+    if not isinstance(v, str) or len(v) != 64:
+        raise RecordRejected(f"expected a sha256 hex digest, got {v!r:.80}")
+    return v
+
+
+def _hash_or_empty(v: Any) -> str:
+    return "" if v == "" else _hash(v)
+
+
+def _uint(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 64:
+        raise RecordRejected(f"expected an unsigned 64-bit integer, got {v!r:.40}")
+    return v
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+        raise RecordRejected(f"expected a finite non-negative number, got {v!r:.40}")
+    return float(v)
+
+
+def _list(v: Any, n: int, what: str) -> list[Any]:
+    if not isinstance(v, list) or len(v) != n:
+        raise RecordRejected(f"{what} must be a list of {n} items")
+    return v
+
+
+def _bounded(v: Any, limit: int) -> list[Any]:
+    if not isinstance(v, list) or len(v) > limit:
+        raise RecordRejected(f"expected a list of at most {limit} items")
+    return v

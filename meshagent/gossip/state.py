@@ -1,0 +1,361 @@
+"""The membership table, sans-IO: what this node knows of every peer, how it merges what
+others send, and when it declares a peer suspect or dead.
+
+No clocks, sockets or tasks here: callers pass `now` (a monotonic time, seconds) and
+`wall_time` (the wall clock, for owner-side sequence numbers). Everything is plain method
+calls, so the protocol's rules are tested with tables (tests/gossip/).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from meshagent.gossip import merge
+from meshagent.gossip.config import GossipConfig
+from meshagent.gossip.errors import GossipError, RecordRejected
+from meshagent.gossip.failure import PeerState, classify
+from meshagent.gossip.merge import Verdict
+from meshagent.gossip.messages import DigestEntry, Items
+from meshagent.gossip.record import PUBLISHABLE, PeerRecord
+from meshagent.gossip.signed import Heartbeat, Obituary, SignedRecord
+from meshagent.identity.keys import NodeIdentity
+
+log = structlog.get_logger(__name__)
+
+# Bytes of a DELTA message that are not items (CBOR map, the wants list's framing).
+_DELTA_OVERHEAD = 64
+
+
+@dataclass
+class Entry:
+    """What is known of one peer. `last_progress` is the local time its heartbeat last
+    advanced (or it was first heard of)."""
+
+    peer_id: str
+    first_seen: float
+    last_progress: float
+    record: SignedRecord | None = None
+    heartbeat: Heartbeat | None = None
+    obituary: Obituary | None = None
+    state: PeerState = PeerState.ALIVE
+    state_since: float = 0.0
+
+    @property
+    def beat(self) -> int:
+        return self.heartbeat.beat if self.heartbeat is not None else 0
+
+    @property
+    def seq(self) -> int:
+        return self.record.seq if self.record is not None else 0
+
+    def digest_entry(self) -> DigestEntry:
+        obit = self.obituary.beat if self.obituary is not None else 0
+        return DigestEntry(self.peer_id, self.seq, max(self.beat, obit), self.obituary is not None)
+
+
+@dataclass(frozen=True)
+class Change:
+    """Something placement may care about: a peer `joined` (its first record), its `record`
+    changed, its `state` changed, or it was `forgotten` (dead for `forget_after`)."""
+
+    peer_id: str
+    kind: str
+    state: PeerState
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """One peer as the snapshot API shows it."""
+
+    peer_id: str
+    record: PeerRecord
+    state: PeerState
+    silent_s: float  # seconds since its heartbeat last advanced here
+    beat: int
+
+
+@dataclass
+class Stats:
+    accepted: Counter = field(default_factory=Counter)  # by item kind
+    stale: Counter = field(default_factory=Counter)
+    rejected: Counter = field(default_factory=Counter)
+
+
+class GossipState:
+    """The table of one node. Its own entry is always alive and only it signs its items."""
+
+    def __init__(
+        self, identity: NodeIdentity, mesh: str, config: GossipConfig, *, now: float
+    ) -> None:
+        config.validate()
+        self.identity = identity
+        self.self_id = identity.peer_id
+        self.mesh = mesh
+        self.config = config
+        self.entries: dict[str, Entry] = {self.self_id: Entry(self.self_id, now, now)}
+        self.stats = Stats()
+        self._fields: dict[str, Any] = {}
+        self._wall = 0.0
+
+    @property
+    def me(self) -> Entry:
+        return self.entries[self.self_id]
+
+    # ----- the owner's side -----
+
+    def publish(self, *, wall_time: float, min_seq: int = 0, **fields: Any) -> SignedRecord:
+        """Issue (and sign) a new record of ours with `fields` changed; returns it."""
+        unknown = set(fields) - PUBLISHABLE
+        if unknown:
+            raise GossipError(
+                f"unknown record fields: {', '.join(sorted(unknown))} "
+                f"(publishable: {', '.join(sorted(PUBLISHABLE))})"
+            )
+        candidate = {**self._fields, **fields}
+        self._wall = max(self._wall, wall_time)
+        seq = max(int(self._wall * 1_000_000), self.me.seq + 1, min_seq)
+        record = PeerRecord(
+            peer_id=self.self_id,
+            public_key=self.identity.public_key,
+            seq=seq,
+            issued_at=round(wall_time, 3),
+            **candidate,
+        )
+        signed = SignedRecord.sign(record, self.identity, self.mesh)  # raises if too large
+        self._fields = candidate
+        self.me.record = signed
+        return signed
+
+    def beat(self, *, now: float, wall_time: float, min_beat: int = 0) -> Heartbeat:
+        """Issue our next heartbeat: wall-clock milliseconds, kept strictly increasing."""
+        self._wall = max(self._wall, wall_time)
+        value = max(int(self._wall * 1000), self.me.beat + 1, min_beat)
+        me = self.me
+        me.heartbeat = Heartbeat.sign(self.identity, value, self.mesh)
+        me.last_progress = now
+        return me.heartbeat
+
+    # ----- anti-entropy -----
+
+    def digest(self) -> list[DigestEntry]:
+        return [e.digest_entry() for e in self.entries.values()]
+
+    def wants_from(self, theirs: Iterable[DigestEntry]) -> list[DigestEntry]:
+        """Our entries (zeros when unknown) for the peers the other side knows more about."""
+        out = []
+        for t in theirs:
+            mine = self.entries.get(t.peer_id)
+            entry = mine.digest_entry() if mine is not None else None
+            if merge.wants(entry, t):
+                out.append(entry or DigestEntry(t.peer_id))
+        return out
+
+    def items_for(self, theirs: Iterable[DigestEntry], *, complete: bool, budget: int) -> Items:
+        """The items the other side lacks, given its digest. `complete`: `theirs` lists
+        everything it knows (peers absent from it are unknown to it); otherwise only the
+        listed peers are considered. At most `budget` bytes of items: obituaries and
+        heartbeats first (they are small and carry liveness), then records."""
+        known = {t.peer_id: t for t in theirs}
+        peers = (
+            self.entries.values()
+            if complete
+            else (self.entries[p] for p in known if p in self.entries)
+        )
+        obits: list[bytes] = []
+        beats: list[bytes] = []
+        records: list[bytes] = []
+        for e in peers:
+            send_record, send_beat, send_obit = merge.to_send(
+                e.digest_entry(), e.beat, known.get(e.peer_id)
+            )
+            if send_obit and e.obituary is not None:
+                obits.append(e.obituary.to_cbor())
+            if send_beat and e.heartbeat is not None:
+                beats.append(e.heartbeat.to_cbor())
+            if send_record and e.record is not None:
+                records.append(e.record.raw)
+        room = budget - _DELTA_OVERHEAD
+        chosen: dict[str, list[bytes]] = {"obits": [], "beats": [], "records": []}
+        for kind, items in (("obits", obits), ("beats", beats), ("records", records)):
+            for item in items:
+                cost = len(item) + 5
+                if cost <= room:
+                    chosen[kind].append(item)
+                    room -= cost
+        return Items(tuple(chosen["records"]), tuple(chosen["beats"]), tuple(chosen["obits"]))
+
+    def apply(self, items: Items, *, now: float, source: str = "?") -> list[Change]:
+        """Merge items received from `source`; forged, malformed and stale items are
+        counted and ignored. Returns what changed."""
+        changes: list[Change] = []
+        for raw in items.records:
+            self._apply_record(raw, now, source, changes)
+        for raw in items.beats:
+            self._apply_beat(raw, now, source, changes)
+        for raw in items.obituaries:
+            self._apply_obituary(raw, now, source, changes)
+        return changes
+
+    # ----- failure detection -----
+
+    def tick(self, *, now: float) -> list[Change]:
+        """Re-classify every peer; declare (and sign an obituary for) peers silent for
+        `dead_after`; forget peers dead for `forget_after`."""
+        changes: list[Change] = []
+        for e in list(self.entries.values()):
+            if e.peer_id == self.self_id:
+                continue
+            state = classify(
+                now, e.last_progress, announced_dead=e.obituary is not None, config=self.config
+            )
+            if state is PeerState.DEAD and e.obituary is None:
+                e.obituary = Obituary.sign(self.identity, e.peer_id, e.beat, self.mesh)
+                log.info(
+                    "gossip.peer_dead",
+                    peer=e.peer_id,
+                    silent_s=round(now - e.last_progress, 2),
+                    announced_by="us",
+                )
+            self._set_state(e, state, now, changes)
+            if e.state is PeerState.DEAD and now - e.state_since >= self.config.forget_after:
+                del self.entries[e.peer_id]
+                changes.append(Change(e.peer_id, "forgotten", PeerState.DEAD))
+        return changes
+
+    # ----- queries -----
+
+    def views(self, *, now: float, include_dead: bool = False) -> dict[str, PeerView]:
+        out = {}
+        for e in self.entries.values():
+            if e.record is None or (e.state is PeerState.DEAD and not include_dead):
+                continue
+            out[e.peer_id] = PeerView(
+                e.peer_id, e.record.record, e.state, max(0.0, now - e.last_progress), e.beat
+            )
+        return out
+
+    # ----- internals -----
+
+    def _entry(self, peer_id: str, now: float, kind: str) -> Entry | None:
+        e = self.entries.get(peer_id)
+        if e is None:
+            if len(self.entries) >= self.config.max_members:
+                self.stats.rejected[f"{kind}:member_limit"] += 1
+                log.warning("gossip.member_limit", peer=peer_id, limit=self.config.max_members)
+                return None
+            e = self.entries[peer_id] = Entry(peer_id, now, now, state_since=now)
+        return e
+
+    def _reject(self, kind: str, source: str, error: RecordRejected) -> None:
+        self.stats.rejected[kind] += 1
+        log.warning("gossip.item_rejected", kind=kind, source=source, reason=str(error))
+
+    def _apply_record(self, raw: bytes, now: float, source: str, changes: list[Change]) -> None:
+        try:
+            signed = SignedRecord.from_cbor(raw, self.mesh)
+        except RecordRejected as e:
+            self._reject("record", source, e)
+            return
+        pid = signed.peer_id
+        if pid == self.self_id:
+            if signed.seq > self.me.seq:  # a record of ours from before a restart
+                self.publish(wall_time=self._wall, min_seq=signed.seq + 1)
+            self.stats.stale["record"] += 1
+            return
+        known = self.entries.get(pid)
+        verdict = merge.record_verdict(
+            known.seq if known is not None and known.record is not None else None, signed.seq
+        )
+        if verdict is Verdict.STALE:
+            self.stats.stale["record"] += 1
+            return
+        e = self._entry(pid, now, "record")
+        if e is None:
+            return
+        self.stats.accepted["record"] += 1
+        e.record = signed
+        kind = "joined" if verdict is Verdict.NEW else "record"
+        if kind == "joined":
+            log.info("gossip.peer_joined", peer=pid, name=signed.record.name, source=source)
+        changes.append(Change(pid, kind, e.state))
+
+    def _apply_beat(self, raw: bytes, now: float, source: str, changes: list[Change]) -> None:
+        try:
+            hb = Heartbeat.decode(raw)
+        except RecordRejected as e:
+            self._reject("heartbeat", source, e)
+            return
+        pid = hb.peer_id
+        known = self.entries.get(pid)
+        known_beat = known.beat if known is not None and known.heartbeat is not None else None
+        if merge.beat_verdict(known_beat, hb.beat) is Verdict.STALE:
+            self.stats.stale["heartbeat"] += 1
+            return
+        try:
+            hb.verify(self.mesh)
+        except RecordRejected as e:
+            self._reject("heartbeat", source, e)
+            return
+        if pid == self.self_id:  # a beat of ours from before a restart: outgrow it
+            self.beat(now=now, wall_time=self._wall, min_beat=hb.beat + 1)
+            return
+        e = self._entry(pid, now, "heartbeat")
+        if e is None:
+            return
+        self.stats.accepted["heartbeat"] += 1
+        e.heartbeat = hb
+        e.last_progress = now
+        if e.obituary is not None and not merge.obituary_survives(e.obituary.beat, hb.beat):
+            e.obituary = None
+            log.info("gossip.peer_back", peer=pid, source=source)
+        self._set_state(e, PeerState.ALIVE if e.obituary is None else e.state, now, changes)
+
+    def _apply_obituary(self, raw: bytes, now: float, source: str, changes: list[Change]):
+        try:
+            obit = Obituary.decode(raw)
+        except RecordRejected as e:
+            self._reject("obituary", source, e)
+            return
+        pid = obit.subject
+        known = self.entries.get(pid)
+        verdict = merge.obituary_verdict(
+            known.beat if known is not None and known.heartbeat is not None else None,
+            known.obituary.beat if known is not None and known.obituary is not None else None,
+            obit.beat,
+        )
+        if verdict is Verdict.STALE:
+            self.stats.stale["obituary"] += 1
+            return
+        try:
+            obit.verify(self.mesh)
+        except RecordRejected as e:
+            self._reject("obituary", source, e)
+            return
+        if pid == self.self_id:  # we are said to be dead: refute with a newer heartbeat
+            log.info("gossip.refuted_obituary", reporter=obit.reporter, source=source)
+            self.beat(now=now, wall_time=self._wall, min_beat=obit.beat + 1)
+            return
+        e = self._entry(pid, now, "obituary")
+        if e is None:
+            return
+        self.stats.accepted["obituary"] += 1
+        e.obituary = obit
+        if e.state is not PeerState.DEAD:
+            log.info("gossip.peer_dead", peer=pid, announced_by=obit.reporter, source=source)
+        self._set_state(e, PeerState.DEAD, now, changes)
+
+    def _set_state(self, e: Entry, state: PeerState, now: float, changes: list[Change]) -> None:
+        if state is e.state:
+            return
+        if state is PeerState.SUSPECT:
+            log.info(
+                "gossip.peer_suspect", peer=e.peer_id, silent_s=round(now - e.last_progress, 2)
+            )
+        e.state = state
+        e.state_since = now
+        changes.append(Change(e.peer_id, "state", state))

@@ -1,0 +1,156 @@
+"""Records, heartbeats and obituaries: round trips, bounds, and forgeries refused."""
+
+from __future__ import annotations
+
+import cbor2
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshagent.gossip.errors import RecordRejected
+from meshagent.gossip.record import (
+    MAX_RECORD_BYTES,
+    ArtifactHeld,
+    ModelHeld,
+    PeerRecord,
+    Serving,
+)
+from meshagent.gossip.signed import Heartbeat, Obituary, SignedRecord
+from meshagent.identity.keys import NodeIdentity
+from tests.gossip.support import MESH
+
+H = "ab" * 32
+
+
+def full_record(ident: NodeIdentity, seq: int = 5) -> PeerRecord:
+    return PeerRecord(
+        peer_id=ident.peer_id,
+        public_key=ident.public_key,
+        seq=seq,
+        issued_at=1700000000.5,
+        name="laptop",
+        agent_version="0.1.0",
+        addresses=("10.0.0.2:9338",),
+        relays=("relay.example:7000",),
+        mem_weights_bytes=8 << 30,
+        mem_kv_bytes=2 << 30,
+        compute_speed=42.5,
+        compute_unit="matmul_gflops_f32",
+        rtts_ms=(("otherpeer", 1.25),),
+        models=(ModelHeld("SmolLM2", H, "llama", 30, 100_000_000),),
+        artifacts=(
+            ArtifactHeld(
+                key="k",
+                sha256=H,
+                kind="layers",
+                source_sha256=H,
+                source_name="m.gguf",
+                start=0,
+                end=10,
+                total_layers=30,
+                size_bytes=1,
+                weight_bytes=1,
+                kv_bytes_per_token_per_layer=2,
+            ),
+        ),
+        serving=(Serving("SmolLM2", H, 0, 30, 30),),
+        extras={"lease": {"epoch": 3, "layers": [0, 10]}},
+    )
+
+
+def test_signed_record_round_trips_and_verifies():
+    ident = NodeIdentity.generate()
+    rec = full_record(ident)
+    signed = SignedRecord.sign(rec, ident, MESH)
+    back = SignedRecord.from_cbor(signed.raw, MESH)
+    assert back.record == rec
+    assert back.raw == signed.raw
+    assert rec.rtt_to("otherpeer") == 1.25
+    assert rec.to_dict()["models"][0]["n_layers"] == 30
+
+
+def test_a_record_from_another_mesh_does_not_verify():
+    ident = NodeIdentity.generate()
+    signed = SignedRecord.sign(full_record(ident), ident, MESH)
+    with pytest.raises(RecordRejected, match="bad signature"):
+        SignedRecord.from_cbor(signed.raw, "anothermesh")
+
+
+def test_a_record_signed_by_someone_else_is_refused():
+    owner, forger = NodeIdentity.generate(), NodeIdentity.generate()
+    body = full_record(owner).to_body()
+    sig = forger.sign(b"meshagent/gossip-record/v1\x00" + MESH.encode() + body)
+    with pytest.raises(RecordRejected, match="bad signature"):
+        SignedRecord.from_cbor(cbor2.dumps({0: 1, 1: body, 2: sig}), MESH)
+
+
+def test_a_record_claiming_another_peer_id_is_refused():
+    victim, forger = NodeIdentity.generate(), NodeIdentity.generate()
+    rec = full_record(forger)
+    rec = PeerRecord(**{**rec.__dict__, "peer_id": victim.peer_id})
+    body = rec.to_body()
+    sig = forger.sign(b"meshagent/gossip-record/v1\x00" + MESH.encode() + body)
+    with pytest.raises(RecordRejected, match="another peer's key"):
+        SignedRecord.from_cbor(cbor2.dumps({0: 1, 1: body, 2: sig}), MESH)
+
+
+def test_a_tampered_record_is_refused():
+    ident = NodeIdentity.generate()
+    raw = bytearray(SignedRecord.sign(full_record(ident), ident, MESH).raw)
+    i = raw.find(b"laptop")
+    raw[i] ^= 1
+    with pytest.raises(RecordRejected):
+        SignedRecord.from_cbor(bytes(raw), MESH)
+
+
+def test_an_oversized_record_is_refused_by_its_owner_and_by_receivers():
+    ident = NodeIdentity.generate()
+    rec = PeerRecord(ident.peer_id, ident.public_key, 1, extras={"x": b"\0" * MAX_RECORD_BYTES})
+    with pytest.raises(RecordRejected, match="over the"):
+        SignedRecord.sign(rec, ident, MESH)
+    with pytest.raises(RecordRejected):
+        SignedRecord.from_cbor(b"\0" * (MAX_RECORD_BYTES + 1024), MESH)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        (9, -1),  # negative memory
+        (11, float("nan")),
+        (7, ["a"] * 17),  # too many addresses
+        (5, "x" * 300),  # over-long name
+        (15, [["k", "short-hash", "layers", "x", "n", 0, 1, 1, 1, 1, 1]]),
+        (16, [["m", "", 5, 2, 30]]),  # start > end
+    ],
+)
+def test_malformed_fields_are_refused_at_decode(field, value):
+    ident = NodeIdentity.generate()
+    d = cbor2.loads(full_record(ident).to_body())
+    d[field] = value
+    with pytest.raises(RecordRejected):
+        PeerRecord.from_body(cbor2.dumps(d))
+
+
+def test_heartbeat_and_obituary_verify_and_refuse_forgeries():
+    a, b = NodeIdentity.generate(), NodeIdentity.generate()
+    hb = Heartbeat.sign(a, 1234, MESH)
+    back = Heartbeat.decode(hb.to_cbor()).verify(MESH)
+    assert back.peer_id == a.peer_id and back.beat == 1234
+    forged = Heartbeat(a.public_key, 1235, hb.signature)
+    with pytest.raises(RecordRejected):
+        Heartbeat.decode(forged.to_cbor()).verify(MESH)
+    ob = Obituary.sign(b, a.peer_id, 1234, MESH)
+    assert Obituary.decode(ob.to_cbor()).verify(MESH).reporter == b.peer_id
+    with pytest.raises(RecordRejected):
+        Obituary(a.peer_id, 9999, b.public_key, ob.signature).verify(MESH)
+
+
+@given(st.binary(max_size=300))
+def test_garbage_never_decodes_to_an_item(data):
+    for decode in (
+        lambda d: SignedRecord.from_cbor(d, MESH),
+        lambda d: Heartbeat.decode(d).verify(MESH),
+        lambda d: Obituary.decode(d).verify(MESH),
+    ):
+        with pytest.raises(RecordRejected):
+            decode(data)
