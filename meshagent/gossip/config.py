@@ -16,7 +16,8 @@ class GossipConfig:
     docs/gossip.md) and detect a dead peer in at most dead_after + interval."""
 
     interval: float = 1.0
-    suspect_after: float = 4.0
+    fanout: int = 2  # exchanges this node starts per interval
+    suspect_after: float = 4.5
     dead_after: float = 8.0
     forget_after: float = 3600.0  # a dead peer's items are dropped this long after its death
     exchange_timeout: float = 5.0

@@ -1,0 +1,221 @@
+"""PeerDialer: keeps this node connected to every live member it has heard of.
+
+Candidates come from mDNS, relay rendezvous, bootstrap addresses and gossip records. For a
+peer without a connection it tries the peer's direct addresses, then the relays it shares
+with it; for a peer reached only through a relay it keeps trying the direct addresses
+(every `upgrade_interval`), and a direct connection that comes up replaces the relayed one
+(the overlay drains and closes the old one). Peers that gossip declares dead are left alone
+until a newer sighting of them arrives.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import structlog
+import trio
+
+from meshagent.gossip.failure import PeerState
+from meshagent.gossip.service import GossipService
+from meshagent.net.address import Address
+from meshagent.net.connection import DIRECT, RELAYED, Connection
+from meshagent.net.errors import DialError
+from meshagent.net.manager import ConnectionManager
+from meshagent.wire.errors import HandshakeError
+
+log = structlog.get_logger(__name__)
+
+# (relay address, peer id) -> a connection to the peer through that relay
+RelayDial = Callable[[str, str], Awaitable[Connection]]
+_DIAL_ERRORS = (DialError, HandshakeError, OSError, trio.BrokenResourceError)
+
+
+@dataclass(frozen=True)
+class DialerConfig:
+    check_interval: float = 1.0  # how often connections are reviewed
+    connect_timeout: float = 4.0  # per address tried
+    retry_initial: float = 1.0  # backoff after a failed attempt to reach an unconnected peer
+    retry_max: float = 30.0
+    upgrade_interval: float = 5.0  # how often a relayed peer's direct addresses are retried
+    yield_delay: float = 1.5  # the higher peer id waits this long, so both don't dial at once
+
+
+@dataclass
+class Candidate:
+    """How a peer might be reached, merged from every source that mentioned it."""
+
+    peer_id: str
+    addresses: tuple[str, ...] = ()
+    relays: tuple[str, ...] = ()
+    sources: set[str] = field(default_factory=set)
+    offered_at: float = 0.0
+    next_attempt: float = 0.0
+    next_upgrade: float = 0.0
+    failures: int = 0
+    attempting: bool = False
+
+
+class PeerDialer:
+    def __init__(
+        self,
+        overlay: ConnectionManager,
+        *,
+        gossip: GossipService | None = None,
+        relay_dial: RelayDial | None = None,
+        local_relays: Callable[[], tuple[str, ...]] = tuple,
+        config: DialerConfig | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.overlay = overlay
+        self.gossip = gossip
+        self.config = config or DialerConfig()
+        self._relay_dial = relay_dial
+        self._local_relays = local_relays
+        self._rng = rng or random.Random()
+        self._candidates: dict[str, Candidate] = {}
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def self_id(self) -> str:
+        return self.overlay.peer_id
+
+    def offer(
+        self,
+        peer_id: str,
+        *,
+        addresses: tuple[str, ...] = (),
+        relays: tuple[str, ...] = (),
+        source: str,
+    ) -> None:
+        """Tell the dialer a peer exists and how it might be reached."""
+        if peer_id == self.self_id:
+            return
+        now = trio.current_time()
+        c = self._candidates.get(peer_id)
+        if c is None:
+            c = self._candidates[peer_id] = Candidate(peer_id)
+            if self.self_id > peer_id:
+                c.next_attempt = now + self.config.yield_delay
+        new_ways = set(addresses) - set(c.addresses) or set(relays) - set(c.relays)
+        c.addresses = tuple(dict.fromkeys((*addresses, *c.addresses)))[:16]
+        c.relays = tuple(dict.fromkeys((*relays, *c.relays)))[:8]
+        if source not in c.sources or new_ways:
+            c.offered_at = now
+            c.next_attempt = min(c.next_attempt, now) if c.failures else c.next_attempt
+            self._wake.set()
+        c.sources.add(source)
+
+    def candidates(self) -> dict[str, Candidate]:
+        return dict(self._candidates)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                self._from_gossip()
+                self._review(nursery, trio.current_time())
+                with trio.move_on_after(self.config.check_interval):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+
+    # ----- internals -----
+
+    def _from_gossip(self) -> None:
+        if self.gossip is None:
+            return
+        for pid, view in self.gossip.snapshot().items():
+            rec = view.record
+            if pid != self.self_id and (rec.addresses or rec.relays):
+                self.offer(pid, addresses=rec.addresses, relays=rec.relays, source="gossip")
+
+    def _dead(self, c: Candidate) -> bool:
+        """Gossip says dead, and no sighting since it died."""
+        if self.gossip is None:
+            return False
+        entry = self.gossip.state.entries.get(c.peer_id)
+        return (
+            entry is not None
+            and entry.state is PeerState.DEAD
+            and c.offered_at <= entry.state_since
+        )
+
+    def _review(self, nursery: trio.Nursery, now: float) -> None:
+        for c in self._candidates.values():
+            if c.attempting or self._dead(c):
+                continue
+            conn = self.overlay.connection(c.peer_id)
+            if conn is None and now >= c.next_attempt:
+                c.attempting = True
+                nursery.start_soon(self._connect, c)
+            elif (
+                conn is not None and conn.path == RELAYED and c.addresses and now >= c.next_upgrade
+            ):
+                c.attempting = True
+                c.next_upgrade = now + self.config.upgrade_interval
+                nursery.start_soon(self._upgrade, c)
+
+    async def _connect(self, c: Candidate) -> None:
+        try:
+            conn = await self._try_direct(c, replace=False)
+            if conn is None:
+                conn = await self._try_relays(c)
+            if conn is None:
+                c.failures += 1
+                delay = min(
+                    self.config.retry_max, self.config.retry_initial * 2 ** (c.failures - 1)
+                )
+                c.next_attempt = trio.current_time() + delay * self._rng.uniform(0.8, 1.2)
+                log.info(
+                    "dialer.unreachable",
+                    peer=c.peer_id,
+                    addresses=list(c.addresses),
+                    relays=list(c.relays),
+                    retry_in=round(delay, 1),
+                )
+            else:
+                c.failures = 0
+                c.next_upgrade = trio.current_time() + self.config.upgrade_interval
+        finally:
+            c.attempting = False
+
+    async def _upgrade(self, c: Candidate) -> None:
+        try:
+            conn = await self._try_direct(c, replace=True)
+            if conn is not None:
+                log.info("dialer.upgraded", peer=c.peer_id, path=conn.path, remote=conn.remote)
+        finally:
+            c.attempting = False
+
+    async def _try_direct(self, c: Candidate, *, replace: bool) -> Connection | None:
+        for address in c.addresses:
+            try:
+                with trio.move_on_after(self.config.connect_timeout):
+                    conn = await self.overlay.dial(
+                        Address.parse(address), peer_id=c.peer_id, path=DIRECT, replace=replace
+                    )
+                    if conn.path == DIRECT:
+                        log.info("dialer.connected", peer=c.peer_id, address=address, path=DIRECT)
+                        return conn
+            except _DIAL_ERRORS as e:
+                log.debug("dialer.direct_failed", peer=c.peer_id, address=address, error=str(e))
+            except Exception as e:  # a malformed address from a record must not stop us
+                log.warning("dialer.bad_address", peer=c.peer_id, address=address, error=str(e))
+        return None
+
+    async def _try_relays(self, c: Candidate) -> Connection | None:
+        if self._relay_dial is None:
+            return None
+        mine = self._local_relays()
+        for relay in [r for r in c.relays if r in mine] or list(mine):
+            try:
+                with trio.move_on_after(self.config.connect_timeout * 2):
+                    conn = await self._relay_dial(relay, c.peer_id)
+                    log.info("dialer.connected", peer=c.peer_id, relay=relay, path=conn.path)
+                    return conn
+            except _DIAL_ERRORS as e:
+                log.info("dialer.relay_failed", peer=c.peer_id, relay=relay, error=str(e))
+        return None

@@ -1,0 +1,279 @@
+"""GossipService: runs the membership protocol over overlay streams (label `gossip/1`).
+
+Every `interval` it issues a heartbeat, re-checks every peer's liveness, and runs one
+push-pull exchange with a random connected peer (and one with each newly connected peer,
+so a joining agent learns the mesh in one round). Inbound exchanges are rate limited per
+peer. The protocol itself lives in `exchange.py`/`state.py`; this module only moves bytes.
+
+For placement and the control API:
+    gossip.snapshot() -> {peer_id: PeerView}       alive and suspect peers with records
+    gossip.update_local(mem_kv_bytes=..., ...)      publish new values of our own record
+    gen = await gossip.wait_changed(gen)            returns once something changed
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import trio
+
+from meshagent.gossip.config import GossipConfig
+from meshagent.gossip.errors import ExchangeError, GossipError
+from meshagent.gossip.exchange import Exchange
+from meshagent.gossip.state import Change, GossipState, PeerView
+from meshagent.identity.keys import NodeIdentity
+from meshagent.net.errors import ConnectionUnavailable, StreamResetError
+from meshagent.net.manager import ConnectionManager
+from meshagent.net.stream import MeshStream
+
+log = structlog.get_logger(__name__)
+
+LABEL = "gossip/1"
+# Gossip streams carry small messages; a small window bounds what a peer can make us buffer.
+_WINDOW_BYTES = 1 << 20
+_STREAM_ERRORS = (
+    ExchangeError,
+    StreamResetError,
+    ConnectionUnavailable,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+)
+
+LocalFields = Callable[[], dict[str, Any]]
+
+
+class _Bucket:
+    """Token bucket: `burst` exchanges at once, refilled at `rate` per second."""
+
+    def __init__(self, burst: int, rate: float, now: float) -> None:
+        self.tokens, self.burst, self.rate, self.at = float(burst), burst, rate, now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class GossipService:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        mesh: str,
+        overlay: ConnectionManager,
+        config: GossipConfig | None = None,
+        *,
+        local_fields: LocalFields | None = None,
+        rng: random.Random | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config or GossipConfig()
+        self.state = GossipState(identity, mesh, self.config, now=0.0)
+        self.overlay = overlay
+        self._local_fields = local_fields
+        self._rng = rng or random.Random()
+        self._wall = wall_clock
+        self._generation = 0
+        self._changed = trio.Event()
+        self._buckets: dict[str, _Bucket] = {}
+        self._known_links: set[str] = set()
+        self._busy_with: set[str] = set()
+        self._published_rtts: dict[str, float] = {}
+        self._last_refresh = -float("inf")
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.exchanges = 0
+        self.failed_exchanges = 0
+        self.refused_exchanges = 0
+
+    @property
+    def peer_id(self) -> str:
+        return self.state.self_id
+
+    # ----- the API placement uses -----
+
+    def snapshot(self, *, include_dead: bool = False) -> dict[str, PeerView]:
+        """Every peer with a record (ourselves included), keyed by peer id; dead peers only
+        with `include_dead`. Views are immutable: hold on to one for a whole decision."""
+        return self.state.views(now=trio.current_time(), include_dead=include_dead)
+
+    def update_local(self, **fields: Any) -> None:
+        """Publish new values for fields of our record (see record.PUBLISHABLE); other
+        fields keep their values. Raises GossipError for unknown or oversized fields."""
+        self.state.publish(wall_time=self._wall(), **fields)
+        self._notify([Change(self.peer_id, "record", self.state.me.state)])
+
+    @property
+    def generation(self) -> int:
+        """Increases on every change of membership, state or any record."""
+        return self._generation
+
+    async def wait_changed(self, after: int) -> int:
+        """Wait until the generation passes `after`; returns the new generation."""
+        while self._generation <= after:
+            await self._changed.wait()
+        return self._generation
+
+    def stats(self) -> dict[str, Any]:
+        st = self.state.stats
+        return {
+            "members": len(self.state.entries),
+            "generation": self._generation,
+            "exchanges": self.exchanges,
+            "failed_exchanges": self.failed_exchanges,
+            "refused_exchanges": self.refused_exchanges,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "accepted": dict(st.accepted),
+            "stale": dict(st.stale),
+            "rejected": dict(st.rejected),
+        }
+
+    # ----- service -----
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+        """Heartbeat, detect failures and exchange every `interval` until cancelled."""
+        now = trio.current_time()
+        self.state.me.last_progress = now
+        self.state.beat(now=now, wall_time=self._wall())
+        self._refresh(now)
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                jitter = self._rng.uniform(0.9, 1.1)
+                await trio.sleep(self.config.interval * jitter)
+                now = trio.current_time()
+                self.state.beat(now=now, wall_time=self._wall())
+                self._refresh(now)
+                self._notify(self.state.tick(now=now))
+                for peer in self._partners():
+                    if peer not in self._busy_with:
+                        self._busy_with.add(peer)
+                        nursery.start_soon(self._exchange_with, peer)
+
+    async def handle(self, stream: MeshStream) -> None:
+        """Serve an exchange another peer started (`gossip/1` streams)."""
+        peer = stream.peer_id
+        now = trio.current_time()
+        bucket = self._buckets.get(peer)
+        if bucket is None:
+            bucket = self._buckets[peer] = _Bucket(
+                self.config.inbound_burst, self.config.inbound_rate, now
+            )
+        ex = Exchange(self.state, initiator=False, source=peer)
+        try:
+            with trio.move_on_after(self.config.exchange_timeout) as scope:
+                if not bucket.take(now):
+                    self.refused_exchanges += 1
+                    log.info("gossip.exchange_refused", peer=peer, reason="rate limit")
+                    await stream.send_all(ex.refuse("rate limit: too many exchanges"))
+                else:
+                    await self._converse(stream, ex)
+                await stream.send_eof()
+                await _read_to_eof(stream)
+            if scope.cancelled_caught:
+                raise ExchangeError(f"timed out after {self.config.exchange_timeout:g} s")
+        except _STREAM_ERRORS as e:
+            self.failed_exchanges += 1
+            log.debug("gossip.exchange_failed", peer=peer, role="responder", error=str(e))
+            stream.reset(f"gossip exchange failed: {e}")
+        finally:
+            self._account(ex)
+        await stream.aclose()
+
+    # ----- internals -----
+
+    def _partners(self) -> list[str]:
+        """`fanout` random connected peers, plus every peer connected since the last round."""
+        links = [link.peer_id for link in self.overlay.links()]
+        new = [p for p in links if p not in self._known_links]
+        self._known_links = set(links)
+        chosen = set(new)
+        idle = [p for p in links if p not in self._busy_with and p not in chosen]
+        chosen.update(self._rng.sample(idle, min(self.config.fanout, len(idle))))
+        return sorted(chosen)
+
+    async def _exchange_with(self, peer: str) -> None:
+        ex = Exchange(self.state, initiator=True, source=peer)
+        try:
+            with trio.move_on_after(self.config.exchange_timeout) as scope:
+                stream = await self.overlay.open_stream(peer, LABEL, window_bytes=_WINDOW_BYTES)
+                try:
+                    await stream.send_all(ex.start())
+                    await self._converse(stream, ex)
+                    await stream.send_eof()
+                    await _read_to_eof(stream)
+                finally:
+                    await stream.aclose()
+            if scope.cancelled_caught:
+                raise ExchangeError(f"timed out after {self.config.exchange_timeout:g} s")
+            if ex.busy:
+                log.debug("gossip.exchange_busy", peer=peer, reason=ex.busy)
+        except _STREAM_ERRORS as e:
+            self.failed_exchanges += 1
+            log.debug("gossip.exchange_failed", peer=peer, role="initiator", error=str(e))
+        finally:
+            self._account(ex)
+            self._busy_with.discard(peer)
+
+    async def _converse(self, stream: MeshStream, ex: Exchange) -> None:
+        while not ex.done:
+            data = await stream.receive_some()
+            if not data:
+                raise ExchangeError("the peer ended the exchange early")
+            out = ex.receive_data(bytes(data), now=trio.current_time())
+            if out:
+                await stream.send_all(out)
+
+    def _account(self, ex: Exchange) -> None:
+        self.bytes_sent += ex.bytes_sent
+        self.bytes_received += ex.bytes_received
+        if ex.done and not ex.busy:
+            self.exchanges += 1
+        self._notify(ex.changes)
+
+    def _refresh(self, now: float) -> None:
+        """Republish our RTTs and the caller's dynamic fields when they changed enough."""
+        if now - self._last_refresh < self.config.rtt_refresh:
+            return
+        self._last_refresh = now
+        fields = dict(self._local_fields()) if self._local_fields is not None else {}
+        rtts = {
+            link.peer_id: round(link.rtt.smoothed * 1000, 2)
+            for link in self.overlay.links()
+            if link.rtt.smoothed is not None
+        }
+        if _rtts_moved(self._published_rtts, rtts):
+            fields["rtts_ms"] = tuple(sorted(rtts.items()))
+            self._published_rtts = rtts
+        current = self.state.me.record.record if self.state.me.record is not None else None
+        changed = {k: v for k, v in fields.items() if current is None or getattr(current, k) != v}
+        if changed or current is None:
+            try:
+                self.update_local(**changed)
+            except GossipError as e:
+                log.warning("gossip.publish_failed", error=str(e))
+
+    def _notify(self, changes: list[Change]) -> None:
+        if changes:
+            self._generation += 1
+            self._changed.set()
+            self._changed = trio.Event()
+
+
+def _rtts_moved(old: dict[str, float], new: dict[str, float]) -> bool:
+    """A peer came or went, or an RTT moved by over 20% and 0.5 ms."""
+    if old.keys() != new.keys():
+        return True
+    return any(abs(new[p] - old[p]) > max(0.5, 0.2 * old[p]) for p in new)
+
+
+async def _read_to_eof(stream: MeshStream) -> None:
+    while await stream.receive_some():
+        raise ExchangeError("data after the end of the exchange")

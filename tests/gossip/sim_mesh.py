@@ -1,0 +1,92 @@
+"""N agents' overlay + gossip + dialer on one simulated network (no models, no HTTP)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import trio
+
+from meshagent.discovery.dialer import DialerConfig, PeerDialer
+from meshagent.gossip.config import GossipConfig
+from meshagent.gossip.failure import PeerState
+from meshagent.gossip.service import LABEL, GossipService
+from meshagent.identity.keys import NodeIdentity
+from meshagent.identity.mesh import MeshSecret
+from meshagent.net.manager import ConnectionManager
+from meshagent.net.sim import SimNetwork
+from meshagent.wire.handshake import LocalPeer
+
+SECRET = MeshSecret(b"\x17" * 32)
+
+
+@dataclass
+class SimAgent:
+    name: str
+    overlay: ConnectionManager
+    gossip: GossipService
+    dialer: PeerDialer
+    scope: trio.CancelScope
+
+    @property
+    def peer_id(self) -> str:
+        return self.overlay.peer_id
+
+    def alive_view(self) -> set[str]:
+        return {p for p, v in self.gossip.snapshot().items() if v.state is not PeerState.DEAD}
+
+
+async def start_sim_agent(
+    nursery: trio.Nursery,
+    net: SimNetwork,
+    name: str,
+    *,
+    gossip_config: GossipConfig | None = None,
+    seed: int = 0,
+    identity: NodeIdentity | None = None,
+) -> SimAgent:
+    identity = identity or NodeIdentity.generate()
+    handlers = {}
+
+    async def route(stream):
+        handler = handlers.get(stream.label)
+        if handler is None:
+            stream.reset("no service")
+            return
+        await handler(stream)
+
+    overlay = ConnectionManager(
+        LocalPeer.create(identity, SECRET),
+        net.transport(name),
+        listen=[f"{name}:0"],
+        on_stream=route,
+        rng=random.Random(seed),
+    )
+    scope = trio.CancelScope()
+    ready = trio.Event()
+    agent: list[SimAgent] = []
+
+    async def serve():
+        with scope:
+            async with trio.open_nursery() as inner:
+                addresses = await inner.start(overlay.run)
+                gossip = GossipService(
+                    identity,
+                    SECRET.fingerprint,
+                    overlay,
+                    gossip_config,
+                    local_fields=lambda: {"addresses": tuple(str(a) for a in addresses)},
+                    rng=random.Random(seed + 1),
+                )
+                handlers[LABEL] = gossip.handle
+                dialer = PeerDialer(
+                    overlay, gossip=gossip, config=DialerConfig(), rng=random.Random(seed + 2)
+                )
+                await inner.start(gossip.run)
+                await inner.start(dialer.run)
+                agent.append(SimAgent(name, overlay, gossip, dialer, scope))
+                ready.set()
+
+    nursery.start_soon(serve)
+    await ready.wait()
+    return agent[0]
