@@ -49,6 +49,14 @@ def load_model(path: Path, *, vocab_only: bool = False) -> ctypes.c_void_p:
     return model
 
 
+def _by_sequence(seq_ids: Sequence[int]) -> list[int]:
+    """Item indices in ascending sequence id. With a KV stream per sequence, llama.cpp builds
+    each micro-batch from a run of consecutive, increasing sequence ids starting at the first
+    row not yet used; in ascending order the rows therefore keep the batch's order (which the
+    capture of hidden states needs) and consecutive ids share one micro-batch."""
+    return sorted(range(len(seq_ids)), key=lambda i: seq_ids[i])
+
+
 @dataclass(frozen=True)
 class EmbdItem:
     """Hidden states of one sequence's tokens, positions pos..pos+n-1."""
@@ -140,46 +148,63 @@ class LlamaRuntime:
     ) -> list[np.ndarray | None]:
         """items: (seq_id, pos, tokens, want_logits). Returns last-token logits per item."""
         batch = self._tokens
+        self._check_size(sum(len(tokens) for _, _, tokens, _ in items))
+        order = _by_sequence([seq for seq, _, _, _ in items])
         n = 0
-        rows: list[int | None] = []
-        for seq, pos, tokens, want in items:
-            self._check_size(n + len(tokens))
+        rows: list[int | None] = [None] * len(items)
+        for idx in order:
+            seq, pos, tokens, want = items[idx]
             for i, tok in enumerate(tokens):
                 batch.token[n] = tok
                 self._set_row(batch, n, seq, pos + i, False)
                 n += 1
             if want:
                 batch.logits[n - 1] = True
-            rows.append(n - 1 if want else None)
+                rows[idx] = n - 1
         batch.n_tokens = n
         self._decode(batch, n)
         return [None if r is None else self.logits(r) for r in rows]
 
-    def decode_embd(self, items: Sequence[EmbdItem]) -> tuple[np.ndarray | None, list]:
-        """Run hidden states through the layers. Returns (captured residual rows of the whole
-        batch in order, or None without capture; last-row logits per item wanting them)."""
+    def decode_embd(
+        self, items: Sequence[EmbdItem]
+    ) -> tuple[list[np.ndarray] | None, list[np.ndarray | None]]:
+        """Run hidden states through the layers. Returns (per item, its captured residual rows,
+        or None without capture; per item, its last row's logits if it asked).
+
+        With a capture, all items of one call must be single tokens, or the call must hold
+        one item: see `StageEngine` for why."""
         batch = self._embd
         total = sum(it.hidden.shape[0] for it in items)
         self._check_size(total)
         embd = self._embd_view
+        order = _by_sequence([it.seq_id for it in items])
         n = 0
-        rows: list[int | None] = []
+        starts = [0] * len(items)
+        rows: list[int | None] = [None] * len(items)
         all_rows = self.capture is not None
-        for it in items:
+        for idx in order:
+            it = items[idx]
             k = it.hidden.shape[0]
             embd[n * self.n_embd : (n + k) * self.n_embd] = it.hidden.reshape(-1)
             for i in range(k):
                 self._set_row(batch, n + i, it.seq_id, it.pos + i, all_rows)
+            starts[idx] = n
             n += k
             if it.want_logits:
                 batch.logits[n - 1] = True
-            rows.append(n - 1 if it.want_logits else None)
+                rows[idx] = n - 1
         batch.n_tokens = n
         if self.capture is not None:
             self.capture.arm(n)
         self._decode(batch, n)
-        hidden = self.capture.collect(n) if self.capture is not None else None
-        return hidden, [None if r is None else self.logits(r) for r in rows]
+        logits = [None if r is None else self.logits(r) for r in rows]
+        if self.capture is None:
+            return None, logits
+        captured = self.capture.collect(n)
+        hidden = [
+            captured[starts[i] : starts[i] + it.hidden.shape[0]] for i, it in enumerate(items)
+        ]
+        return hidden, logits
 
     def _decode(self, batch: llama_cpp.llama_batch, n: int) -> None:
         if n == 0:

@@ -82,8 +82,7 @@ class StageEngine:
         for group in _row_order_safe_groups(prepared):
             rows, lg = self.runtime.decode_embd([prepared[i] for i in group])
             assert rows is not None
-            cuts = np.cumsum([prepared[i].hidden.shape[0] for i in group])[:-1]
-            for i, h, g in zip(group, np.split(rows, cuts), lg, strict=True):
+            for i, h, g in zip(group, rows, lg, strict=True):
                 hidden[i], logits[i] = h, g
         return StageOutput(hidden, logits)  # type: ignore[arg-type]
 
@@ -109,7 +108,8 @@ def _row_order_safe_groups(items: Sequence[EmbdItem]) -> list[list[int]]:
     With a KV stream per sequence, llama.cpp splits a batch into micro-batches holding the
     same number of tokens of every sequence, reordering rows when sequences bring different
     numbers of tokens; the captured tensor is in micro-batch order. Single-token items (decode
-    steps) keep their order in one call; each longer item (a prompt chunk) gets its own call.
+    steps) go in one call (the runtime orders them by sequence id, which keeps rows in order);
+    each longer item (a prompt chunk) gets its own call.
     Keeping a KV stream per sequence is what makes a batched sequence compute exactly what it
     computes alone.
     """

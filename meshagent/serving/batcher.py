@@ -18,6 +18,7 @@ import trio
 
 from meshagent.engine.base import Engine, ForwardItem
 from meshagent.errors import ContextOverflow, EngineError, QueueFull, ShuttingDown
+from meshagent.serving.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -39,13 +40,15 @@ class BatcherStats:
 class Sequence:
     """One request's hold on an engine slot. Positions advance as tokens are fed."""
 
-    def __init__(self, batcher: Batcher, slot: int) -> None:
+    def __init__(self, batcher: Batcher, slot: int, sampling: SamplingParams | None) -> None:
         self._batcher = batcher
         self.slot = slot
+        self.sampling = sampling
+        self.opened = False  # a pipeline has told its stages about this sequence
         self.n_past = 0
         self.closed = False
         self._pending: list[int] = []
-        self._result: np.ndarray | None = None
+        self._result: np.ndarray | int | None = None
         self._error: BaseException | None = None
         self._ready = trio.Event()
 
@@ -53,8 +56,9 @@ class Sequence:
     def capacity(self) -> int:
         return self._batcher.engine.slot_ctx
 
-    async def feed(self, tokens: list[int]) -> np.ndarray:
-        """Run `tokens` after those fed so far; return the logits of the last one."""
+    async def feed(self, tokens: list[int]) -> np.ndarray | int:
+        """Run `tokens` after those fed so far; return the logits of the last one (or, from a
+        pipeline whose last stage samples, the next token)."""
         if not tokens:
             raise ValueError("feed needs at least one token")
         if self.n_past + len(tokens) > self.capacity:
@@ -108,8 +112,9 @@ class Batcher:
         self._closed = True
 
     @asynccontextmanager
-    async def sequence(self) -> AsyncIterator[Sequence]:
-        """Hold a slot for one request. Raises QueueFull when the wait queue is at its bound."""
+    async def sequence(self, sampling: SamplingParams | None = None) -> AsyncIterator[Sequence]:
+        """Hold a slot for one request. Raises QueueFull when the wait queue is at its bound.
+        `sampling` is for engines that sample remotely (a pipeline's last stage)."""
         if self._closed:
             raise ShuttingDown("the agent is shutting down and takes no new requests")
         if self._slots.value == 0 and self._queued >= self.max_queue:
@@ -122,7 +127,7 @@ class Batcher:
             await self._slots.acquire()
         finally:
             self._queued -= 1
-        seq = Sequence(self, self._free_slots.pop())
+        seq = Sequence(self, self._free_slots.pop(), sampling)
         try:
             yield seq
         finally:
@@ -131,6 +136,9 @@ class Batcher:
             self._awaiting.discard(seq)
             self._released.append(seq)
             self._poke()
+
+    def _forget(self, seq: Sequence) -> None:
+        """A released sequence leaves the engine (pipelines tell their stages)."""
 
     def _submit(self, seq: Sequence) -> None:
         self._awaiting.discard(seq)
@@ -144,6 +152,7 @@ class Batcher:
         for seq in self._released:
             if seq in self._runnable:
                 self._runnable.remove(seq)
+            self._forget(seq)
             self.engine.clear_sequence(seq.slot)
             self._free_slots.append(seq.slot)
             self._slots.release()
@@ -168,8 +177,9 @@ class Batcher:
         self._wakeup = trio.Event()
         await self._wakeup.wait()
 
-    async def _round(self) -> None:
-        # Decoding sequences (a token or two pending) first, then prompt chunks in turn.
+    def _take_batch(self) -> list[tuple[Sequence, int]]:
+        """This round's work: decoding sequences (one token pending) first, then prompt
+        chunks in turn, within the token budget. Returns (sequence, tokens to take)."""
         n = len(self._runnable)
         self._rotate = (self._rotate + 1) % max(n, 1)
         order = self._runnable[self._rotate :] + self._runnable[: self._rotate]
@@ -182,6 +192,35 @@ class Batcher:
             take = min(len(seq._pending), budget)
             batch.append((seq, take))
             budget -= take
+        return batch
+
+    def _advance(self, seq: Sequence, take: int) -> bool:
+        """Account for `take` tokens of `seq` having run; True when its pending input is done
+        (it leaves the runnable list)."""
+        self._tokens += take
+        seq.n_past += take
+        del seq._pending[:take]
+        if seq._pending:
+            return False
+        self._runnable.remove(seq)
+        return True
+
+    def _deliver(self, seq: Sequence, result: np.ndarray | int) -> None:
+        if seq.closed:
+            return
+        seq._result = result
+        self._awaiting.add(seq)
+        seq._ready.set()
+
+    def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
+        for seq in seqs:
+            if seq in self._runnable:
+                self._runnable.remove(seq)
+            seq._error = error
+            seq._ready.set()
+
+    async def _round(self) -> None:
+        batch = self._take_batch()
         items = [
             ForwardItem(seq.slot, seq.n_past, seq._pending[:take], take == len(seq._pending))
             for seq, take in batch
@@ -190,21 +229,10 @@ class Batcher:
             results = await trio.to_thread.run_sync(self.engine.forward, items)
         except Exception as e:  # an engine failure fails this batch's requests, not the agent
             log.error("engine.forward_failed", error=str(e), sequences=len(items))
-            for seq, _ in batch:
-                self._runnable.remove(seq)
-                seq._error = EngineError(f"inference failed: {e}")
-                seq._ready.set()
+            self._fail([seq for seq, _ in batch], EngineError(f"inference failed: {e}"))
             return
         self._batches += 1
         for (seq, take), logits in zip(batch, results, strict=True):
-            self._tokens += take
-            seq.n_past += take
-            del seq._pending[:take]
-            if seq._pending:
-                continue
-            self._runnable.remove(seq)
-            if seq.closed:
-                continue
-            seq._result = logits
-            self._awaiting.add(seq)
-            seq._ready.set()
+            if self._advance(seq, take):
+                assert logits is not None
+                self._deliver(seq, logits)

@@ -74,10 +74,11 @@ async def generate(
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     produced = 0
     reason = "length"
-    async with batcher.sequence() as seq:
-        logits = await seq.feed(list(request.prompt_tokens))
+    async with batcher.sequence(request.sampling) as seq:
+        result = await seq.feed(list(request.prompt_tokens))
         while True:
-            token = sampler.sample(logits)
+            # A pipeline's last stage samples; a local engine hands back logits.
+            token = result if isinstance(result, int) else sampler.sample(result)
             if engine.is_end_of_generation(token):
                 reason = "stop"
                 break
@@ -90,7 +91,7 @@ async def generate(
                 break
             if produced >= limit:
                 break
-            logits = await seq.feed([token])
+            result = await seq.feed([token])
     tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
     if tail:
         out.send_nowait(Delta(tail))

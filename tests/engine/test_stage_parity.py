@@ -116,26 +116,28 @@ def test_split_refused_for_index_dependent_architectures(tmp_path, store):
 
 
 def test_interleaved_sequences_match_each_alone(model_path, store, smollm_whole):
-    staged = StagedEngine(model_path, [0, 10, 20, 30], store, slots=3, slot_ctx=512)
+    """Four sequences decoded together, in a different order every step (llama.cpp builds
+    micro-batches from runs of consecutive sequence ids), give each one's lone tokens."""
+    staged = StagedEngine(model_path, [0, 10, 20, 30], store, slots=4, slot_ctx=512)
     prompts = [
         smollm_whole.tokenize(p, add_bos=True)
-        for p in ("The capital of France is", "Once upon a time", "def fibonacci(n):")
+        for p in ("The capital of France is", "Once upon a time", "def fibonacci(n):", "Hi")
     ]
+    orders = [[0, 1, 2, 3], [2, 1, 0, 3], [3, 0, 2, 1], [1, 3, 0, 2]]
     try:
-        alone = []
-        for p in prompts:
-            alone.append(greedy_run(staged, p, 16)[1])
-        # Now all three at once: one batch holds a token of every sequence.
-        for s in range(3):
+        alone = [greedy_run(staged, p, 16)[1] for p in prompts]
+        for s in range(4):
             staged.clear_sequence(s)
         logits = staged.forward([ForwardItem(s, 0, p, True) for s, p in enumerate(prompts)])
         pos = [len(p) for p in prompts]
-        together: list[list[int]] = [[], [], []]
-        for _ in range(16):
+        together: list[list[int]] = [[] for _ in prompts]
+        for step in range(16):
             nxt = [int(np.argmax(lg)) for lg in logits]
-            for s in range(3):
+            for s in range(4):
                 together[s].append(nxt[s])
-            logits = staged.forward([ForwardItem(s, pos[s], [nxt[s]], True) for s in range(3)])
+            order = orders[step % len(orders)]
+            out = staged.forward([ForwardItem(s, pos[s], [nxt[s]], True) for s in order])
+            logits = [out[order.index(s)] for s in range(4)]
             pos = [p + 1 for p in pos]
     finally:
         staged.close()

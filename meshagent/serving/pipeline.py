@@ -1,0 +1,191 @@
+"""The entry of a split model: tokenizer, embeddings and the first stage on this agent, the
+rest of the layers on other peers.
+
+`PipelineBatcher` keeps the slots, queue and continuous batching of `Batcher`; each round it
+runs the first stage locally and streams the hidden states to the next stage, without waiting
+for the round before it to come back, so several rounds (different sequences) are in the
+pipeline at once and the stages compute in parallel. Tokens come back straight from the last
+stage on a reply stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import structlog
+import trio
+
+from meshagent.engine.base import ModelInfo
+from meshagent.engine.runtime import EmbdItem
+from meshagent.engine.stage import WIRE_DTYPES, StageEngine
+from meshagent.engine.vocab import Vocab
+from meshagent.errors import EngineError
+from meshagent.models.slicer import TokenEmbeddings
+from meshagent.serving import stage_messages as sm
+from meshagent.serving.batcher import Batcher
+from meshagent.serving.batcher import Sequence as Seq
+from meshagent.serving.sampling import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+log = structlog.get_logger(__name__)
+
+STAGE_LABEL = "stage/1"
+REPLY_LABEL = "stage-reply/1"
+# Frames of hidden states a link may have in flight: the pipeline depth, bounding memory.
+ACTIVATION_WINDOW_FRAMES = 8
+ACTIVATION_WINDOW_BYTES = 8 * 1024 * 1024
+
+
+class EntryEngine:
+    """What the entry agent runs itself: tokenizer, embedding lookup, the first stage."""
+
+    def __init__(
+        self,
+        entry_artifact: Path,
+        first_stage: StageEngine,
+        info: ModelInfo,
+    ) -> None:
+        self.vocab = Vocab.load(entry_artifact)
+        self.embed = TokenEmbeddings(entry_artifact)
+        self.stage = first_stage
+        self.info = info
+        self.n_slots = first_stage.runtime.slots
+        self.slot_ctx = first_stage.slot_ctx
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        return self.vocab.tokenize(text, add_bos=add_bos)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.vocab.token_bytes(token)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return self.vocab.is_end_of_generation(token)
+
+    def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
+        """items: (seq, pos, tokens). Returns the first stage's output rows per item."""
+        batch = [EmbdItem(seq, pos, self.embed(tokens)) for seq, pos, tokens in items]
+        out = self.stage.forward(batch)
+        assert out.hidden is not None
+        return out.hidden
+
+    def clear_sequence(self, seq_id: int) -> None:
+        self.stage.clear_sequence(seq_id)
+
+    def memory_bytes(self) -> int:
+        return self.stage.memory_bytes()
+
+    def close(self) -> None:
+        self.stage.close()
+        self.vocab.close()
+
+
+class PipelineBatcher(Batcher):
+    def __init__(
+        self,
+        engine: EntryEngine,
+        open_downstream: object,
+        *,
+        max_queue: int,
+        wire_dtype: str = "f16",
+        max_batch_tokens: int = 512,
+    ) -> None:
+        super().__init__(engine, max_queue=max_queue, max_batch_tokens=max_batch_tokens)  # type: ignore[arg-type]
+        self.entry = engine
+        self._open_downstream = open_downstream  # async () -> stream to the second stage
+        self._wire = WIRE_DTYPES[wire_dtype]
+        self._down: trio.abc.SendStream | None = None
+        self._send_lock = trio.Lock()
+        self._in_flight: dict[int, Seq] = {}  # slot -> sequence waiting for its token
+        self._pending_closes: list[int] = []  # released slots the stages must forget
+        self.failed: str | None = None
+
+    async def _downstream(self) -> trio.abc.SendStream:
+        if self._down is None:
+            self._down = await self._open_downstream()  # type: ignore[operator]
+        return self._down
+
+    async def _send(self, messages: list[sm.Message]) -> None:
+        data = b"".join(sm.encode(m) for m in messages)
+        async with self._send_lock:
+            stream = await self._downstream()
+            await stream.send_all(data)
+
+    def _forget(self, seq: Seq) -> None:
+        self._in_flight.pop(seq.slot, None)
+        if seq.opened and self.failed is None:
+            self._pending_closes.append(seq.slot)
+
+    async def _round(self) -> None:
+        if self.failed is not None:
+            self._fail(
+                list(self._runnable), EngineError(f"the split pipeline failed: {self.failed}")
+            )
+            return
+        messages: list[sm.Message] = [sm.Close(s) for s in self._pending_closes]
+        self._pending_closes.clear()
+        batch = self._take_batch()
+        for seq, _ in batch:
+            if not seq.opened:
+                messages.append(sm.Open(seq.slot, seq.sampling or _GREEDY))
+                seq.opened = True
+        items = [(seq.slot, seq.n_past, list(seq._pending[:take])) for seq, take in batch]
+        try:
+            hidden = await trio.to_thread.run_sync(self.entry.run_first, items)
+        except Exception as e:
+            log.error("pipeline.first_stage_failed", error=str(e))
+            self._fail([seq for seq, _ in batch], EngineError(f"inference failed: {e}"))
+            return
+        fwd_items = []
+        for seq, take in batch:
+            done = take == len(seq._pending)
+            fwd_items.append(sm.ForwardItem(seq.slot, seq.n_past, take, done))
+        messages.append(
+            sm.Forward(tuple(fwd_items), np.concatenate(hidden).astype(self._wire, copy=False))
+        )
+        for seq, take in batch:
+            if self._advance(seq, take):
+                self._in_flight[seq.slot] = seq
+        self._batches += 1
+        try:
+            await self._send(messages)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            self._broken(f"the next stage is unreachable: {e}")
+
+    def _broken(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            log.error("pipeline.broken", why=why)
+        waiting = list(self._in_flight.values()) + list(self._runnable)
+        self._in_flight.clear()
+        self._fail(waiting, EngineError(f"the split pipeline failed: {why}"))
+
+    async def handle_reply(self, stream: trio.abc.ReceiveStream) -> None:
+        """Tokens from the last stage; a failure or a lost reply stream fails the waiters."""
+        decoder = sm.StageDecoder()
+        try:
+            while data := await stream.receive_some():
+                for msg in decoder.feed(data):
+                    self._on_reply(msg)
+        except (sm.StageProtocolError, trio.BrokenResourceError) as e:
+            self._broken(f"reply stream from the last stage failed: {e}")
+            return
+        self._broken("the last stage closed its reply stream")
+
+    def _on_reply(self, msg: sm.Message) -> None:
+        if isinstance(msg, sm.Token):
+            seq = self._in_flight.pop(msg.seq, None)
+            if seq is not None:
+                self._deliver(seq, msg.token)
+                self._poke()
+        elif isinstance(msg, sm.StageFailure):
+            if msg.seq is None:
+                self._broken(msg.message)
+            else:
+                seq = self._in_flight.pop(msg.seq, None)
+                if seq is not None:
+                    self._fail([seq], EngineError(f"a stage failed: {msg.message}"))
+        else:
+            raise sm.StageProtocolError(f"unexpected {type(msg).__name__} on the reply stream")

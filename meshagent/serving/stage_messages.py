@@ -1,0 +1,213 @@
+"""Messages between the stages of a split model (sans-IO).
+
+A message is `u32 header length | cbor header | payload`. Headers are cbor maps with small
+integer keys and a version; activations travel as the payload in raw little-endian f16 or f32,
+never as cbor arrays. `StageDecoder` is fed bytes and returns messages, raising
+`StageProtocolError` on anything malformed.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import cbor2
+import numpy as np
+
+from meshagent.errors import MeshError
+from meshagent.serving.sampling import SamplingParams
+
+VERSION = 1
+MAX_HEADER = 64 * 1024
+MAX_PAYLOAD = 256 * 1024 * 1024
+_LEN = struct.Struct("<I")
+DTYPES = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4")}
+
+# header keys
+K_VERSION, K_TYPE, K_SEQ, K_SAMPLING, K_ITEMS, K_DTYPE, K_WIDTH, K_TOKEN, K_ERROR, K_SIZE = range(
+    10
+)
+T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR = 1, 2, 3, 4, 5
+
+
+class StageProtocolError(MeshError):
+    """A malformed stage message: the stream it came on is closed."""
+
+
+@dataclass(frozen=True)
+class Open:
+    """A sequence starts: the last stage creates its sampler with these parameters."""
+
+    seq: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    seq: int
+    pos: int
+    n: int
+    sample: bool  # the last stage samples a token after the item's last row
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Hidden states of several sequences' tokens, rows in item order."""
+
+    items: tuple[ForwardItem, ...]
+    hidden: np.ndarray  # [sum n, width], f16 or f32
+
+
+@dataclass(frozen=True)
+class Close:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Token:
+    seq: int
+    token: int
+
+
+@dataclass(frozen=True)
+class StageFailure:
+    seq: int | None
+    message: str
+
+
+Message = Open | Forward | Close | Token | StageFailure
+
+
+def _sampling_to_cbor(p: SamplingParams) -> dict[int, Any]:
+    return {0: p.temperature, 1: p.top_p, 2: p.seed, 3: p.presence_penalty, 4: p.frequency_penalty}
+
+
+def _sampling_from_cbor(d: Any) -> SamplingParams:
+    if not isinstance(d, dict):
+        raise StageProtocolError("sampling parameters must be a map")
+    try:
+        return SamplingParams(
+            temperature=float(d[0]),
+            top_p=float(d[1]),
+            seed=None if d[2] is None else int(d[2]),
+            presence_penalty=float(d[3]),
+            frequency_penalty=float(d[4]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise StageProtocolError(f"bad sampling parameters: {e}") from e
+
+
+def encode(msg: Message) -> bytes:
+    payload = b""
+    header: dict[int, Any] = {K_VERSION: VERSION}
+    if isinstance(msg, Open):
+        header |= {K_TYPE: T_OPEN, K_SEQ: msg.seq, K_SAMPLING: _sampling_to_cbor(msg.sampling)}
+    elif isinstance(msg, Forward):
+        dtype = "f16" if msg.hidden.dtype == np.float16 else "f32"
+        payload = np.ascontiguousarray(msg.hidden, dtype=DTYPES[dtype]).tobytes()
+        header |= {
+            K_TYPE: T_FORWARD,
+            K_ITEMS: [[i.seq, i.pos, i.n, i.sample] for i in msg.items],
+            K_DTYPE: dtype,
+            K_WIDTH: int(msg.hidden.shape[1]),
+            K_SIZE: len(payload),
+        }
+    elif isinstance(msg, Close):
+        header |= {K_TYPE: T_CLOSE, K_SEQ: msg.seq}
+    elif isinstance(msg, Token):
+        header |= {K_TYPE: T_TOKEN, K_SEQ: msg.seq, K_TOKEN: msg.token}
+    elif isinstance(msg, StageFailure):
+        header |= {K_TYPE: T_ERROR, K_SEQ: msg.seq, K_ERROR: msg.message}
+    else:  # pragma: no cover - the type union is closed
+        raise TypeError(msg)
+    body = cbor2.dumps(header)
+    return _LEN.pack(len(body)) + body + payload
+
+
+@dataclass
+class StageDecoder:
+    """Feed bytes in, take whole messages out."""
+
+    _buf: bytearray = field(default_factory=bytearray)
+    _header: dict[int, Any] | None = None
+    _need: int = 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        self._buf += data
+        out: list[Message] = []
+        while True:
+            if self._header is None:
+                if len(self._buf) < 4:
+                    return out
+                (n,) = _LEN.unpack_from(self._buf)
+                if n > MAX_HEADER:
+                    raise StageProtocolError(f"stage header of {n} bytes is over {MAX_HEADER}")
+                if len(self._buf) < 4 + n:
+                    return out
+                self._header = _header(bytes(self._buf[4 : 4 + n]))
+                del self._buf[: 4 + n]
+                self._need = int(self._header.get(K_SIZE, 0))
+            if len(self._buf) < self._need:
+                return out
+            payload = bytes(self._buf[: self._need])
+            del self._buf[: self._need]
+            header, self._header = self._header, None
+            out.append(_message(header, payload))
+
+
+def _header(raw: bytes) -> dict[int, Any]:
+    try:
+        h = cbor2.loads(raw)
+    except Exception as e:  # cbor2 raises several unrelated types on garbage
+        raise StageProtocolError(f"stage header is not cbor: {e}") from e
+    if not isinstance(h, dict) or h.get(K_VERSION) != VERSION:
+        raise StageProtocolError("stage header of an unknown version or shape")
+    size = h.get(K_SIZE, 0)
+    if not isinstance(size, int) or not 0 <= size <= MAX_PAYLOAD:
+        raise StageProtocolError(f"bad stage payload size {size!r}")
+    return h
+
+
+def _int(h: dict[int, Any], key: int, what: str) -> int:
+    v = h.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise StageProtocolError(f"stage message needs a non-negative integer {what}")
+    return v
+
+
+def _message(h: dict[int, Any], payload: bytes) -> Message:
+    t = h.get(K_TYPE)
+    if t == T_OPEN:
+        return Open(_int(h, K_SEQ, "seq"), _sampling_from_cbor(h.get(K_SAMPLING)))
+    if t == T_CLOSE:
+        return Close(_int(h, K_SEQ, "seq"))
+    if t == T_TOKEN:
+        return Token(_int(h, K_SEQ, "seq"), _int(h, K_TOKEN, "token"))
+    if t == T_ERROR:
+        seq = h.get(K_SEQ)
+        if seq is not None and (not isinstance(seq, int) or seq < 0):
+            raise StageProtocolError("bad seq in stage error")
+        return StageFailure(seq, str(h.get(K_ERROR, "")))
+    if t == T_FORWARD:
+        dtype = DTYPES.get(h.get(K_DTYPE))  # type: ignore[arg-type]
+        width = h.get(K_WIDTH)
+        raw_items = h.get(K_ITEMS)
+        if dtype is None or not isinstance(width, int) or width <= 0:
+            raise StageProtocolError("forward needs a dtype (f16/f32) and a positive width")
+        if not isinstance(raw_items, list) or not raw_items:
+            raise StageProtocolError("forward needs a non-empty item list")
+        items = []
+        for it in raw_items:
+            ok = isinstance(it, list) and len(it) == 4 and isinstance(it[3], bool)
+            if not ok or not all(isinstance(x, int) and x >= 0 for x in it[:3]) or it[2] == 0:
+                raise StageProtocolError(f"bad forward item {it!r}")
+            items.append(ForwardItem(it[0], it[1], it[2], it[3]))
+        rows = sum(i.n for i in items)
+        if len(payload) != rows * width * dtype.itemsize:
+            raise StageProtocolError(
+                f"forward payload of {len(payload)} bytes does not hold {rows}x{width} {dtype}"
+            )
+        hidden = np.frombuffer(payload, dtype=dtype).reshape(rows, width)
+        return Forward(tuple(items), hidden)
+    raise StageProtocolError(f"unknown stage message type {t!r}")

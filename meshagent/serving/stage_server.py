@@ -1,0 +1,113 @@
+"""A stage after the first: hidden states in from upstream, out to the next stage, or (the
+last stage) sampled tokens straight back to the entry."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import structlog
+import trio
+
+from meshagent.engine.runtime import EmbdItem
+from meshagent.engine.stage import WIRE_DTYPES, StageEngine
+from meshagent.serving import stage_messages as sm
+from meshagent.serving.sampling import Sampler
+
+log = structlog.get_logger(__name__)
+
+OpenStream = Callable[[], Awaitable[trio.abc.SendStream]]
+
+
+class StageServer:
+    """Serves one upstream stream at a time for one stage of one plan.
+
+    `open_next` opens the stream to the next stage (middle stages); `open_reply` opens the
+    reply stream to the entry (the last stage).
+    """
+
+    def __init__(
+        self,
+        engine: StageEngine,
+        *,
+        open_next: OpenStream | None,
+        open_reply: OpenStream | None,
+        wire_dtype: str = "f16",
+    ) -> None:
+        if (open_next is None) == (open_reply is None):
+            raise ValueError("a stage sends either to the next stage or back to the entry")
+        self.engine = engine
+        self._open_next = open_next
+        self._open_reply = open_reply
+        self._wire = WIRE_DTYPES[wire_dtype]
+        self._samplers: dict[int, Sampler] = {}
+        self.forwards = 0
+
+    async def handle(self, upstream: trio.abc.ReceiveStream) -> None:
+        out = await (self._open_next or self._open_reply)()  # type: ignore[misc]
+        decoder = sm.StageDecoder()
+        try:
+            while data := await upstream.receive_some():
+                msgs = decoder.feed(data)
+                replies = await self._process(msgs)
+                if replies:
+                    await out.send_all(b"".join(sm.encode(m) for m in replies))
+        except sm.StageProtocolError as e:
+            log.warning("stage.protocol_error", error=str(e))
+            await out.send_all(sm.encode(sm.StageFailure(None, f"protocol error: {e}")))
+        finally:
+            for seq in list(self._samplers):
+                self._samplers.pop(seq)
+            with trio.move_on_after(1):
+                await out.aclose()
+
+    async def _process(self, msgs: list[sm.Message]) -> list[sm.Message]:
+        """Handle messages in order; consecutive forwards run as one batch."""
+        out: list[sm.Message] = []
+        i = 0
+        while i < len(msgs):
+            msg = msgs[i]
+            if isinstance(msg, sm.Forward):
+                group = [msg]
+                while i + 1 < len(msgs) and isinstance(msgs[i + 1], sm.Forward):
+                    i += 1
+                    group.append(msgs[i])  # type: ignore[arg-type]
+                out += await self._forward(group)
+            elif isinstance(msg, sm.Open):
+                if self.engine.last:
+                    self._samplers[msg.seq] = Sampler(msg.sampling)
+                else:
+                    out.append(msg)
+            elif isinstance(msg, sm.Close):
+                self.engine.clear_sequence(msg.seq)
+                self._samplers.pop(msg.seq, None)
+                if not self.engine.last:
+                    out.append(msg)
+            else:
+                raise sm.StageProtocolError(f"unexpected {type(msg).__name__} from upstream")
+            i += 1
+        return out
+
+    async def _forward(self, group: list[sm.Forward]) -> list[sm.Message]:
+        items: list[sm.ForwardItem] = [it for f in group for it in f.items]
+        rows = np.concatenate([f.hidden for f in group])
+        batch, at = [], 0
+        for it in items:
+            batch.append(EmbdItem(it.seq, it.pos, rows[at : at + it.n], it.sample))
+            at += it.n
+        result = await trio.to_thread.run_sync(self.engine.forward, batch)
+        self.forwards += 1
+        if not self.engine.last:
+            assert result.hidden is not None
+            hidden = np.concatenate(result.hidden).astype(self._wire, copy=False)
+            return [sm.Forward(tuple(items), hidden)]
+        out: list[sm.Message] = []
+        for it, logits in zip(items, result.logits, strict=True):
+            if not it.sample:
+                continue
+            sampler = self._samplers.get(it.seq)
+            if sampler is None or logits is None:
+                out.append(sm.StageFailure(it.seq, f"sequence {it.seq} was never opened"))
+                continue
+            out.append(sm.Token(it.seq, sampler.sample(logits)))
+        return out
