@@ -6,12 +6,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import trio
 
-from meshagent.api import errors
+from meshagent.api import errors, forwarding
 from meshagent.api.errors import ApiError
 from meshagent.api.exchange import ClientGone, Exchange
 from meshagent.api.inflight import InFlight
@@ -29,6 +29,27 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class Failed:
     error: ApiError
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    """A model this agent does not run, served by a peer of the mesh (whole or as the entry
+    stage of a split)."""
+
+    id: str
+    peer_id: str
+    served_as: str  # "whole" or "split"
+    stages: tuple[tuple[str, int, int], ...] = ()  # (peer id, first layer, end) of a split
+    layers: int = 0
+    context_length: int = 0
+
+
+class Router(Protocol):
+    """Where models this agent does not serve itself run, and how to reach them."""
+
+    def remote_models(self) -> list[RemoteModel]: ...
+
+    async def open_stream(self, peer_id: str) -> Any: ...
 
 
 def api_error_for(e: MeshError, *, prompt_param: str = "messages") -> ApiError:
@@ -49,10 +70,12 @@ class OpenAIApp:
         models: list[LocalModel],
         inflight: InFlight,
         status: Callable[[], dict[str, Any]],
+        router: Router | None = None,
     ) -> None:
         self.models = models
         self.inflight = inflight
         self.status = status
+        self.router = router
         self.started_at = int(time.time())
         self._routes: dict[tuple[str, str], Callable[[Exchange], Any]] = {
             ("GET", "/health"): self._health,
@@ -83,7 +106,12 @@ class OpenAIApp:
             await handler(ex)
             return
         if ex.method == "GET" and ex.path.startswith("/v1/models/"):
-            model = self._model(ex.path.removeprefix("/v1/models/"), param=None)
+            name = ex.path.removeprefix("/v1/models/")
+            remote = self._remote(name)
+            if remote is not None and not any(m.matches(name) for m in self.models):
+                await ex.send_json(200, self._remote_card(remote))
+                return
+            model = self._model(name, param=None)
             await ex.send_json(200, self._model_card(model))
             return
         if any(path == ex.path for _, path in self._routes):
@@ -114,9 +142,36 @@ class OpenAIApp:
             },
         }
 
+    def _remote_card(self, remote: RemoteModel) -> dict[str, Any]:
+        return {
+            "id": remote.id,
+            "object": "model",
+            "created": self.started_at,
+            "owned_by": "meshagent",
+            "meshagent": {
+                "layers": remote.layers,
+                "context_length": remote.context_length,
+                "served_by": remote.served_as,
+                "peer": remote.peer_id,
+                "stages": [list(s) for s in remote.stages],
+            },
+        }
+
     async def _list_models(self, ex: Exchange) -> None:
         data = [self._model_card(m) for m in self.models]
+        local = {m.info.id.casefold() for m in self.models}
+        for remote in self.router.remote_models() if self.router else []:
+            if remote.id.casefold() not in local:
+                data.append(self._remote_card(remote))
+                local.add(remote.id.casefold())
         await ex.send_json(200, {"object": "list", "data": data})
+
+    def _remote(self, name: str) -> RemoteModel | None:
+        if self.router is None:
+            return None
+        return next(
+            (r for r in self.router.remote_models() if r.id.casefold() == name.casefold()), None
+        )
 
     async def _control_status(self, ex: Exchange) -> None:
         await ex.send_json(200, self.status())
@@ -125,7 +180,9 @@ class OpenAIApp:
         for m in self.models:
             if m.matches(name):
                 return m
-        available = ", ".join(m.info.id for m in self.models) or "none"
+        names = [m.info.id for m in self.models]
+        names += [r.id for r in self.router.remote_models()] if self.router else []
+        available = ", ".join(dict.fromkeys(names)) or "none"
         raise errors.not_found(
             f"The model '{name}' does not exist on this mesh. Available models: {available}.",
             param=param,
@@ -136,6 +193,8 @@ class OpenAIApp:
 
     async def _chat(self, ex: Exchange) -> None:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await ex.json_body())
+        if await self._forwarded(ex, req.model):
+            return
         model = self._model(req.model)
         messages = [ChatMessage(m.role, m.text()) for m in req.messages]
         try:
@@ -148,6 +207,8 @@ class OpenAIApp:
 
     async def _completions(self, ex: Exchange) -> None:
         req: CompletionRequest = parse(CompletionRequest, await ex.json_body())
+        if await self._forwarded(ex, req.model):
+            return
         model = self._model(req.model)
         if isinstance(req.prompt, str):
             prompt_text = req.prompt
@@ -172,6 +233,58 @@ class OpenAIApp:
         reply = Reply(chat=False, model=model.info.id)
         echo = prompt_text if req.echo else ""
         await self._serve(ex, model, gen, reply, req.stream, req.include_usage(), "prompt", echo)
+
+    async def _forwarded(self, ex: Exchange, name: str) -> bool:
+        """Carry the request to the peer serving `name` if this agent does not; True if so."""
+        if any(m.matches(name) for m in self.models):
+            return False
+        remote = self._remote(name)
+        if remote is None:
+            return False
+        assert self.router is not None
+        if self.inflight.draining:
+            raise errors.unavailable(
+                "The agent is shutting down and takes no new requests.", code="shutting_down"
+            )
+        try:
+            stream = await self.router.open_stream(remote.peer_id)
+        except MeshError as e:
+            raise errors.unavailable(
+                f"The peer serving '{remote.id}' ({remote.peer_id[:12]}) is unreachable: {e}",
+                code="peer_unavailable",
+            ) from e
+        with self.inflight.track() as grace:
+            with grace:
+                async with stream, trio.open_nursery() as nursery:
+                    nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+                    await self._relay(ex, stream, remote)
+                    nursery.cancel_scope.cancel()
+            if grace.cancelled_caught:
+                await self._stopped_by_shutdown(ex)
+        return True
+
+    async def _relay(self, ex: Exchange, stream: Any, remote: RemoteModel) -> None:
+        buf = bytearray()
+        try:
+            await forwarding.send_request(stream, ex.method, ex.path, ex.raw_body)
+            status, headers = await forwarding.read_response_head(stream, buf)
+        except (MeshError, trio.BrokenResourceError) as e:
+            raise errors.ApiError(
+                502,
+                f"The peer serving '{remote.id}' failed before answering: {e}",
+                type="server_error",
+                code="peer_failed",
+            ) from e
+        headers.append((b"x-meshagent-served-by", remote.peer_id.encode()))
+        await ex.start(status, headers)
+        try:
+            if buf:
+                await ex.send_raw(bytes(buf))
+            while data := await stream.receive_some():
+                await ex.send_raw(data)
+        except trio.BrokenResourceError as e:
+            log.warning("forward.broken", peer=remote.peer_id, error=str(e))
+        await ex.end()
 
     async def _serve(
         self,

@@ -33,6 +33,7 @@ class Exchange:
         self.started = False
         self.finished = False
         self.disconnected = False
+        self.raw_body = b""
 
     async def json_body(self) -> Any:
         chunks: list[bytes] = []
@@ -50,6 +51,7 @@ class Exchange:
             if not msg.get("more_body", False):
                 break
         raw = b"".join(chunks)
+        self.raw_body = raw
         if not raw:
             raise bad_request("The request body is empty; send a JSON object.")
         try:
@@ -86,6 +88,12 @@ class Exchange:
 
     async def end(self) -> None:
         await self._body(b"", more=False)
+
+    async def start(self, status: int, headers: list) -> None:
+        await self._start(status, headers)
+
+    async def send_raw(self, data: bytes) -> None:
+        await self._body(data, more=True)
 
     async def _start(self, status: int, headers: list) -> None:
         self.started = True

@@ -1,0 +1,131 @@
+"""Carrying an API request to the peer that serves its model, over an overlay stream.
+
+The asking agent opens a stream labelled `api/1`, sends one request message (method, path,
+body) and keeps its side open: closing it means the client went away. The serving agent runs
+the request through its own ASGI app and streams the response back as one head message
+(status, headers) followed by the raw body, then ends its side. Streaming responses (SSE) pass
+through unchanged, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import cbor2
+import structlog
+import trio
+
+from meshagent.errors import MeshError
+
+log = structlog.get_logger(__name__)
+
+LABEL = "api/1"
+VERSION = 1
+MAX_HEAD = 16 * 1024 * 1024  # a request body is at most 8 MiB
+_LEN = struct.Struct(">I")
+
+
+class ForwardError(MeshError):
+    """The forwarded request could not be carried; the message says why."""
+
+
+async def _read_exactly(stream: trio.abc.ReceiveStream, buf: bytearray, n: int) -> bytes:
+    while len(buf) < n:
+        data = await stream.receive_some()
+        if not data:
+            raise ForwardError("the peer closed the stream mid-message")
+        buf += data
+    out = bytes(buf[:n])
+    del buf[:n]
+    return out
+
+
+async def _read_message(stream: trio.abc.ReceiveStream, buf: bytearray) -> dict[int, Any]:
+    (n,) = _LEN.unpack(await _read_exactly(stream, buf, 4))
+    if n > MAX_HEAD:
+        raise ForwardError(f"forwarded message of {n} bytes is over the limit")
+    try:
+        msg = cbor2.loads(await _read_exactly(stream, buf, n))
+    except Exception as e:  # cbor2 raises several unrelated types on garbage
+        raise ForwardError(f"malformed forwarded message: {e}") from e
+    if not isinstance(msg, dict) or msg.get(0) != VERSION:
+        raise ForwardError("forwarded message of an unknown version or shape")
+    return msg
+
+
+def _message(fields: dict[int, Any]) -> bytes:
+    body = cbor2.dumps({0: VERSION, **fields})
+    return _LEN.pack(len(body)) + body
+
+
+async def send_request(stream: trio.abc.SendStream, method: str, path: str, body: bytes) -> None:
+    await stream.send_all(_message({1: method, 2: path, 3: body}))
+
+
+async def read_response_head(
+    stream: trio.abc.ReceiveStream, buf: bytearray
+) -> tuple[int, list[tuple[bytes, bytes]]]:
+    head = await _read_message(stream, buf)
+    status, headers = head.get(1), head.get(2)
+    if not isinstance(status, int) or not isinstance(headers, list):
+        raise ForwardError("malformed forwarded response head")
+    return status, [(bytes(k), bytes(v)) for k, v in headers]
+
+
+async def serve_forwarded(stream: Any, app: Any, *, peer_id: str) -> None:
+    """Answer one forwarded request on `stream` with the local ASGI `app`."""
+    buf = bytearray()
+    try:
+        req = await _read_message(stream, buf)
+    except ForwardError as e:
+        log.warning("forward.bad_request", peer=peer_id, error=str(e))
+        return
+    method, path, body = req.get(1), req.get(2), req.get(3)
+    if not (isinstance(method, str) and isinstance(path, str) and isinstance(body, bytes)):
+        log.warning("forward.bad_request", peer=peer_id, error="missing fields")
+        return
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": (f"peer:{peer_id}", 0),
+        "server": ("overlay", 0),
+        "scheme": "http",
+        "meshagent.forwarded_by": peer_id,
+    }
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        # The asker keeps its side open until its client goes away.
+        try:
+            while await stream.receive_some():
+                pass
+        except trio.BrokenResourceError:
+            pass
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            headers = [[bytes(k), bytes(v)] for k, v in message.get("headers", [])]
+            await stream.send_all(_message({1: message["status"], 2: headers}))
+        elif message["type"] == "http.response.body":
+            data = message.get("body", b"")
+            if data:
+                await stream.send_all(data)
+            if not message.get("more_body", False):
+                await stream.send_eof()
+
+    try:
+        await app(scope, receive, send)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        log.info("forward.asker_gone", peer=peer_id, path=path)

@@ -1,0 +1,158 @@
+"""A request for a model served by another peer is carried there over the overlay."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import trio
+from openai import OpenAI
+
+from meshagent.api import forwarding
+from meshagent.api.app import OpenAIApp, RemoteModel
+from meshagent.api.inflight import InFlight
+from meshagent.api.server import run_http
+from meshagent.engine.llama import LlamaEngine
+from meshagent.identity.keys import NodeIdentity
+from meshagent.identity.mesh import MeshSecret
+from meshagent.net.manager import ConnectionManager
+from meshagent.net.tcp import TcpTransport
+from meshagent.serving.local_model import LocalModel
+from meshagent.wire.handshake import LocalPeer
+
+MESH = MeshSecret.generate()
+
+
+class StaticRouter:
+    def __init__(self, node: ConnectionManager, remote: RemoteModel) -> None:
+        self.node = node
+        self.remote = remote
+
+    def remote_models(self) -> list[RemoteModel]:
+        return [self.remote]
+
+    async def open_stream(self, peer_id: str):
+        return await self.node.open_stream(peer_id, forwarding.LABEL)
+
+
+@pytest.fixture
+async def two_agents(model_path, nursery):
+    """A serves the model; B serves nothing itself and routes to A. Yields B's API URL."""
+    engine = LlamaEngine(model_path, slots=2, slot_ctx=512)
+    model = LocalModel(engine, max_queue=4)
+    await nursery.start(model.run)
+    app_a = OpenAIApp([model], InFlight(), lambda: {})
+    a = ConnectionManager(
+        LocalPeer.create(NodeIdentity.generate(), MESH),
+        TcpTransport(),
+        listen=["127.0.0.1:0"],
+        on_stream=lambda s: forwarding.serve_forwarded(s, app_a, peer_id=s.peer_id),
+    )
+    await nursery.start(a.run)
+    b = ConnectionManager(LocalPeer.create(NodeIdentity.generate(), MESH), TcpTransport())
+    await nursery.start(b.run)
+    await b.dial(a.listen_addresses[0], peer_id=a.peer_id)
+    remote = RemoteModel(model.info.id, a.peer_id, "whole", layers=30, context_length=512)
+    app_b = OpenAIApp([], InFlight(), lambda: {}, router=StaticRouter(b, remote))
+    stop = trio.Event()
+    url = await nursery.start(
+        lambda task_status: run_http(
+            app_b,
+            "127.0.0.1",
+            0,
+            graceful_timeout=1,
+            shutdown_trigger=stop.wait,
+            task_status=task_status,
+        )
+    )
+    yield url, model, a
+    stop.set()
+    engine.close()
+
+
+async def test_chat_through_a_peer_streams_and_matches(two_agents, model_id):
+    url, *_ = two_agents
+    client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+
+    def ask():
+        whole = client.chat.completions.create(
+            model=model_id, messages=msgs, max_tokens=16, temperature=0
+        )
+        parts = [
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=model_id, messages=msgs, max_tokens=16, temperature=0, stream=True
+            )
+        ]
+        listed = [m.id for m in client.models.list().data]
+        return whole, "".join(parts), listed
+
+    whole, streamed, listed = await trio.to_thread.run_sync(ask)
+    assert whole.choices[0].message.content == streamed
+    assert whole.usage.completion_tokens > 0
+    assert listed == [model_id]
+
+
+async def test_errors_come_back_with_their_status(two_agents, model_id):
+    url, *_ = two_agents
+    client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+    def overflow():
+        client.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=100_000
+        )
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        await trio.to_thread.run_sync(overflow)
+    assert exc.value.body["code"] == "context_length_exceeded"
+
+
+async def test_a_client_gone_mid_stream_frees_the_remote_slot(two_agents, model_id):
+    url, model, _ = two_agents
+    body = {
+        "model": model_id,
+        "prompt": "1, 2, 3, 4,",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    async with (
+        httpx.AsyncClient() as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as r,
+    ):
+        assert r.headers["x-meshagent-served-by"]
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: "):
+                break
+        assert model.batcher.stats().active == 1
+    with trio.fail_after(10):
+        while model.batcher.stats().active:
+            await trio.sleep(0.02)
+
+
+async def test_an_unreachable_peer_is_a_503(model_path, nursery, model_id):
+    b = ConnectionManager(LocalPeer.create(NodeIdentity.generate(), MESH), TcpTransport())
+    await nursery.start(b.run)
+    remote = RemoteModel(model_id, "nobody", "whole")
+    app_b = OpenAIApp([], InFlight(), lambda: {}, router=StaticRouter(b, remote))
+    stop = trio.Event()
+    url = await nursery.start(
+        lambda task_status: run_http(
+            app_b,
+            "127.0.0.1",
+            0,
+            graceful_timeout=1,
+            shutdown_trigger=stop.wait,
+            task_status=task_status,
+        )
+    )
+    async with httpx.AsyncClient() as client:
+        r = await client.post(
+            f"{url}/v1/chat/completions",
+            json={"model": model_id, "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "peer_unavailable"
+    stop.set()
