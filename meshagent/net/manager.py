@@ -194,6 +194,23 @@ class ConnectionManager:
                 log.warning("dial.refused", address=str(address), reason=str(e))
                 raise DialError(f"{address} refused the handshake: {e}") from e
 
+    async def adopt(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        initiator: bool,
+        remote: str,
+        path: str = RELAYED,
+        peer_id: str | None = None,
+    ) -> Connection:
+        """Run the handshake over an already-open byte stream (a relay splice) and keep the
+        connection like a dialed or accepted one; returns the peer's active connection.
+        The stream is closed on any failure (HandshakeError, HandshakeInterrupted)."""
+        if self._nursery is None:
+            await trio.aclose_forcefully(stream)
+            raise ConnectionUnavailable("ConnectionManager.run() has not started")
+        return await self._secure_and_run(stream, str(remote), peer_id, path, initiator=initiator)
+
     async def aclose(self, *, grace: float | None = None) -> None:
         """Drain every connection (reason `shutdown`) within `grace`, then stop."""
         grace = self.config.drain_grace if grace is None else grace
@@ -211,21 +228,33 @@ class ConnectionManager:
                 stream = await self._transport.dial(address)
         except trio.TooSlowError as e:
             raise HandshakeInterrupted(f"connecting to {address} timed out") from e
+        return await self._secure_and_run(stream, str(address), peer_id, path, initiator=True)
+
+    async def _secure_and_run(
+        self,
+        stream: trio.abc.Stream,
+        remote: str,
+        peer_id: str | None,
+        path: str,
+        *,
+        initiator: bool,
+    ) -> Connection:
         try:
             result, leftover = await secure_handshake(
                 stream,
                 self.local,
-                initiator=True,
+                initiator=initiator,
                 timeout=self.config.handshake_timeout,
                 expected_peer_id=peer_id,
+                replay_guard=None if initiator else self._guard,
             )
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
         if result.peer_id == self.local.peer_id:
             await trio.aclose_forcefully(stream)
-            raise DialError(f"{address} is this node itself")
-        conn = self._make(stream, result, leftover, str(address), path)
+            raise DialError(f"{remote} is this node itself")
+        conn = self._make(stream, result, leftover, remote, path)
         assert self._nursery is not None
         await self._nursery.start(self._run_connection, conn)
         return self._active.get(conn.peer_id, conn)

@@ -1,0 +1,215 @@
+"""RelayClient: an agent's registration with one relay, and circuits through it.
+
+`run` keeps a control connection registered (reconnecting with backoff), learns which
+members of our mesh are registered there (`members`, and `on_member` for the dialer), and
+accepts the circuits other members open to us: each becomes an overlay connection with
+path RELAYED, the Noise handshake running end to end over the spliced bytes. `dial(peer)`
+opens a circuit to a member and returns the overlay connection over it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import structlog
+import trio
+
+from meshagent.identity.keys import NodeIdentity
+from meshagent.identity.mesh import MeshSecret
+from meshagent.net.address import Address
+from meshagent.net.backoff import Backoff
+from meshagent.net.connection import RELAYED, Connection
+from meshagent.net.manager import ConnectionManager
+from meshagent.net.transport import Transport
+from meshagent.relay import protocol as p
+from meshagent.relay.errors import RelayError, RelayProtocolError, RelayRefused
+from meshagent.relay.spliced import SplicedStream
+from meshagent.wire.errors import HandshakeError
+
+log = structlog.get_logger(__name__)
+
+_READ = 16 * 1024
+_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+PING_INTERVAL = 20.0
+
+
+class RelayClient:
+    def __init__(
+        self,
+        address: Address | str,
+        identity: NodeIdentity,
+        mesh: MeshSecret,
+        overlay: ConnectionManager,
+        transport: Transport,
+        *,
+        on_member: Callable[[str, str], None] | None = None,
+        timeout: float = 10.0,
+        backoff: Backoff | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.address = Address.parse(address)
+        self.identity = identity
+        self._tag = p.rendezvous_tag(mesh)
+        self.overlay = overlay
+        self._transport = transport
+        self._on_member = on_member
+        self._timeout = timeout
+        self._backoff = backoff or Backoff(initial=1.0, maximum=30.0, attempts=1 << 30)
+        self._rng = rng or random.Random()
+        self.members: set[str] = set()
+        self.registered = False
+        self.last_error: str | None = None
+        self._registered_event = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.address)
+
+    async def wait_registered(self) -> None:
+        await self._registered_event.wait()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+        """Stay registered until cancelled. Starts at once; registration happens in the
+        background (see `registered`, `last_error`)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            delays = self._backoff.delays(self._rng)
+            while True:
+                try:
+                    await self._session(nursery)
+                    delays = self._backoff.delays(self._rng)  # it worked for a while
+                except (RelayError, trio.TooSlowError, *_TRANSPORT_ERRORS) as e:
+                    self.last_error = str(e) or type(e).__name__
+                    log.warning("relay.client_disconnected", relay=self.name, error=self.last_error)
+                self.registered = False
+                self.members = set()
+                await trio.sleep(next(delays))
+
+    async def dial(self, peer_id: str) -> Connection:
+        """A connection to `peer_id` through this relay (path RELAYED). Raises RelayError
+        (RelayRefused with the relay's reason) or the overlay's HandshakeError."""
+        stream, buf, nonce = await self._open()
+        try:
+            await stream.send_all(p.connect(self.identity, nonce, peer_id).encode())
+            with trio.fail_after(self._timeout * 2):  # the relay waits for the target too
+                msg = await _read_message(stream, buf)
+            p.raise_if_refused(msg)
+            if msg.type != p.SPLICED:
+                raise RelayProtocolError(f"expected SPLICED, got {msg.name}")
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        spliced = SplicedStream(stream, buf.leftover(), remote=f"relay {self.address}")
+        return await self.overlay.adopt(
+            spliced, initiator=True, remote=spliced.remote, path=RELAYED, peer_id=peer_id
+        )
+
+    # ----- internals -----
+
+    async def _open(self) -> tuple[trio.abc.Stream, p.MessageBuffer, bytes]:
+        try:
+            with trio.fail_after(self._timeout):
+                stream = await self._transport.dial(self.address)
+        except trio.TooSlowError as e:
+            raise RelayError(
+                f"relay {self.address} did not answer within {self._timeout:g} s"
+            ) from e
+        except OSError as e:
+            raise RelayError(f"cannot reach relay {self.address}: {e}") from e
+        buf = p.MessageBuffer()
+        try:
+            with trio.fail_after(self._timeout):
+                msg = await _read_message(stream, buf)
+            if msg.type != p.HELLO:
+                raise RelayProtocolError(f"expected HELLO, got {msg.name}")
+            nonce = msg.get(2, bytes, size=p.NONCE_LEN)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        return stream, buf, nonce
+
+    async def _session(self, nursery: trio.Nursery) -> None:
+        stream, buf, nonce = await self._open()
+        lock = trio.Lock()
+        try:
+            await stream.send_all(p.register(self.identity, nonce, self._tag).encode())
+            with trio.fail_after(self._timeout):
+                msg = await _read_message(stream, buf)
+            p.raise_if_refused(msg)
+            if msg.type != p.REGISTERED:
+                raise RelayProtocolError(f"expected REGISTERED, got {msg.name}")
+            self.registered = True
+            self.last_error = None
+            self._registered_event.set()
+            log.info("relay.client_registered", relay=self.name, members=len(p.peer_list(msg)))
+            self._set_members(p.peer_list(msg))
+            async with trio.open_nursery() as inner:
+                inner.start_soon(self._pinger, stream, lock)
+                while True:
+                    with trio.fail_after(PING_INTERVAL * 3):
+                        msg = await _read_message(stream, buf)
+                    if msg.type == p.MEMBERS:
+                        self._set_members(p.peer_list(msg))
+                    elif msg.type == p.INCOMING:
+                        circuit = msg.get(2, bytes, size=16)
+                        from_peer = msg.get(3, str)
+                        nursery.start_soon(self._accept, circuit, from_peer)
+                    elif msg.type == p.PONG:
+                        pass
+                    else:
+                        raise RelayProtocolError(f"unexpected {msg.name} from the relay")
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _pinger(self, stream: trio.abc.Stream, lock: trio.Lock) -> None:
+        while True:
+            await trio.sleep(PING_INTERVAL)
+            async with lock:
+                await stream.send_all(p.Message(p.PING).encode())
+
+    def _set_members(self, peers: list[str]) -> None:
+        new = set(peers) - self.members
+        self.members = set(peers)
+        for peer in sorted(new):
+            if self._on_member is not None:
+                self._on_member(peer, self.name)
+
+    async def _accept(self, circuit: bytes, from_peer: str) -> None:
+        """Take the circuit `from_peer` opened to us and run the overlay over it."""
+        try:
+            stream, buf, nonce = await self._open()
+            try:
+                await stream.send_all(p.accept(self.identity, nonce, circuit).encode())
+                with trio.fail_after(self._timeout):
+                    msg = await _read_message(stream, buf)
+                p.raise_if_refused(msg)
+                if msg.type != p.SPLICED:
+                    raise RelayProtocolError(f"expected SPLICED, got {msg.name}")
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+            spliced = SplicedStream(stream, buf.leftover(), remote=f"relay {self.address}")
+            conn = await self.overlay.adopt(
+                spliced, initiator=False, remote=spliced.remote, path=RELAYED
+            )
+            log.info("relay.circuit_accepted", relay=self.name, peer=conn.peer_id)
+        except (
+            RelayError,
+            RelayRefused,
+            HandshakeError,
+            trio.TooSlowError,
+            *_TRANSPORT_ERRORS,
+        ) as e:
+            log.warning("relay.accept_failed", relay=self.name, peer=from_peer, error=str(e))
+
+
+async def _read_message(stream: trio.abc.Stream, buf: p.MessageBuffer) -> p.Message:
+    while (msg := buf.next()) is None:
+        data = await stream.receive_some(_READ)
+        if not data:
+            raise RelayError("the relay closed the connection")
+        buf.feed(data)
+    return msg

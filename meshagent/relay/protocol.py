@@ -1,0 +1,205 @@
+"""The relay protocol, sans-IO: messages, their framing, and the signatures that tie each
+request to an agent's identity.
+
+Every TCP connection to a relay starts with the relay's HELLO (a fresh random nonce).
+The client's first message says what the connection is for, signed with its ed25519 key
+over a context string, the nonce, the message type and its subject:
+
+    REGISTER  subject = rendezvous tag   the control connection of an agent
+    CONNECT   subject = target peer id   a circuit to another agent (the dialer's end)
+    ACCEPT    subject = circuit id       the target's end of a circuit it was offered
+
+The rendezvous tag is derived from the mesh secret (`rendezvous_tag`), so the relay can
+group the members of a mesh without learning the secret, and outsiders cannot compute it
+(unlike the public mesh fingerprint). On a control connection the relay answers REGISTERED
+and then pushes MEMBERS (peer ids in the same mesh) and INCOMING (a circuit is waiting for
+you); the client sends PING, answered with PONG. A CONNECT or ACCEPT is answered with
+SPLICED, after which the connection carries only the two agents' bytes (their overlay
+handshake and encrypted records: the relay never sees plaintext), or with REFUSED.
+
+Framing: `u16 length || CBOR map {0: version, 1: type, ...}`, at most 16 KiB.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import cbor2
+from nacl.exceptions import BadSignatureError
+from nacl.signing import VerifyKey
+
+from meshagent.identity.keys import NodeIdentity, peer_id_for
+from meshagent.identity.mesh import MeshSecret
+from meshagent.relay.errors import Refusal, RelayProtocolError, RelayRefused
+
+VERSION = 1
+MAX_MESSAGE = 16 * 1024
+NONCE_LEN = 32
+_LEN = struct.Struct(">H")
+_CONTEXT = b"meshagent/relay-request/v1\x00"
+
+HELLO, REGISTER, CONNECT, ACCEPT = 1, 2, 3, 4
+REGISTERED, MEMBERS, INCOMING, SPLICED, REFUSED, PING, PONG = 5, 6, 7, 8, 9, 10, 11
+_NAMES = {
+    HELLO: "HELLO",
+    REGISTER: "REGISTER",
+    CONNECT: "CONNECT",
+    ACCEPT: "ACCEPT",
+    REGISTERED: "REGISTERED",
+    MEMBERS: "MEMBERS",
+    INCOMING: "INCOMING",
+    SPLICED: "SPLICED",
+    REFUSED: "REFUSED",
+    PING: "PING",
+    PONG: "PONG",
+}
+MAX_MEMBERS_LISTED = 1024
+
+
+def rendezvous_tag(mesh: MeshSecret) -> bytes:
+    """What a relay groups a mesh's members by: a key derived from the secret."""
+    return mesh.derive(b"relay-rendezvous/v1")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One relay message: `type` and its fields (CBOR integer keys >= 2)."""
+
+    type: int
+    fields: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return _NAMES.get(self.type, str(self.type))
+
+    def encode(self) -> bytes:
+        data = cbor2.dumps({0: VERSION, 1: self.type, **self.fields})
+        if len(data) > MAX_MESSAGE:
+            raise RelayProtocolError(f"relay message of {len(data)} bytes is over the limit")
+        return _LEN.pack(len(data)) + data
+
+    def get(self, key: int, kind: type, *, size: int | None = None) -> Any:
+        v = self.fields.get(key)
+        if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
+            raise RelayProtocolError(f"{self.name} field {key} must be a {kind.__name__}")
+        if size is not None and len(v) != size:
+            raise RelayProtocolError(f"{self.name} field {key} must be {size} long")
+        return v
+
+
+def decode(data: bytes) -> Message:
+    try:
+        d = cbor2.loads(data)
+    except Exception as e:  # cbor2 raises several unrelated types on garbage
+        raise RelayProtocolError(f"relay message is not valid CBOR ({e})") from e
+    if not isinstance(d, dict) or not isinstance(d.get(1), int):
+        raise RelayProtocolError("relay message is malformed")
+    if d.get(0) != VERSION:
+        raise RelayRefused(Refusal.VERSION, f"relay protocol version {d.get(0)!r} not supported")
+    return Message(d[1], {k: v for k, v in d.items() if isinstance(k, int) and k >= 2})
+
+
+@dataclass
+class MessageBuffer:
+    """Reassembles framed messages. `leftover()` hands back bytes read past the last
+    message, which after SPLICED belong to the spliced stream."""
+
+    _buf: bytearray = field(default_factory=bytearray)
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next(self) -> Message | None:
+        if len(self._buf) < 2:
+            return None
+        (n,) = _LEN.unpack_from(self._buf)
+        if n > MAX_MESSAGE:
+            raise RelayProtocolError(f"relay message of {n} bytes is over the limit")
+        if len(self._buf) < 2 + n:
+            return None
+        data = bytes(self._buf[2 : 2 + n])
+        del self._buf[: 2 + n]
+        return decode(data)
+
+    def leftover(self) -> bytes:
+        out = bytes(self._buf)
+        self._buf.clear()
+        return out
+
+
+# ----- messages -----
+
+
+def hello(nonce: bytes, relay_name: str = "") -> Message:
+    return Message(HELLO, {2: nonce, 3: relay_name})
+
+
+def _signed(kind: int, identity: NodeIdentity, nonce: bytes, subject: bytes) -> Message:
+    sig = identity.sign(_CONTEXT + nonce + bytes([kind]) + subject)
+    return Message(kind, {2: identity.public_key, 3: sig, 4: subject})
+
+
+def register(identity: NodeIdentity, nonce: bytes, tag: bytes) -> Message:
+    return _signed(REGISTER, identity, nonce, tag)
+
+
+def connect(identity: NodeIdentity, nonce: bytes, target: str) -> Message:
+    return _signed(CONNECT, identity, nonce, target.encode())
+
+
+def accept(identity: NodeIdentity, nonce: bytes, circuit: bytes) -> Message:
+    return _signed(ACCEPT, identity, nonce, circuit)
+
+
+def verify_request(msg: Message, nonce: bytes) -> tuple[str, bytes]:
+    """Check a REGISTER/CONNECT/ACCEPT signature over this connection's nonce; returns
+    (the signer's peer id, the subject). Raises RelayRefused(BAD_SIGNATURE)."""
+    pk = msg.get(2, bytes, size=32)
+    sig = msg.get(3, bytes, size=64)
+    subject = msg.get(4, bytes)
+    if len(subject) > 256:
+        raise RelayProtocolError("request subject is too long")
+    try:
+        VerifyKey(pk).verify(_CONTEXT + nonce + bytes([msg.type]) + subject, sig)
+    except (BadSignatureError, ValueError) as e:
+        raise RelayRefused(Refusal.BAD_SIGNATURE, "the request's signature does not verify") from e
+    return peer_id_for(pk), subject
+
+
+def registered(members: list[str]) -> Message:
+    return Message(REGISTERED, {2: members[:MAX_MEMBERS_LISTED]})
+
+
+def members(peers: list[str]) -> Message:
+    return Message(MEMBERS, {2: peers[:MAX_MEMBERS_LISTED]})
+
+
+def incoming(circuit: bytes, from_peer: str) -> Message:
+    return Message(INCOMING, {2: circuit, 3: from_peer})
+
+
+def spliced(peer: str) -> Message:
+    return Message(SPLICED, {2: peer})
+
+
+def refused(code: Refusal, reason: str) -> Message:
+    return Message(REFUSED, {2: int(code), 3: reason[:512]})
+
+
+def raise_if_refused(msg: Message) -> None:
+    if msg.type == REFUSED:
+        try:
+            code = Refusal(msg.fields.get(2))
+        except ValueError:
+            code = Refusal.BAD_MESSAGE
+        reason = msg.fields.get(3)
+        raise RelayRefused(code, reason if isinstance(reason, str) else "no reason given")
+
+
+def peer_list(msg: Message) -> list[str]:
+    v = msg.get(2, list)
+    if len(v) > MAX_MEMBERS_LISTED or not all(isinstance(p, str) and len(p) <= 64 for p in v):
+        raise RelayProtocolError(f"{msg.name} member list is malformed")
+    return v
