@@ -13,8 +13,6 @@ from meshagent.identity.mesh import MeshSecret
 from meshagent.models.layout import inspect_model
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
-from meshagent.serving.chat import ChatMessage
-from meshagent.serving.generation import Delta, Finished, GenerationRequest, generate
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import (
     ACTIVATION_WINDOW_BYTES,
@@ -24,24 +22,12 @@ from meshagent.serving.pipeline import (
     EntryEngine,
     PipelineBatcher,
 )
-from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.stage_server import StageServer
 from meshagent.wire.handshake import LocalPeer
+from tests.serving.conftest import PROMPTS, text_of
 
 MESH = MeshSecret.generate()
 SPLIT = [(0, 10), (10, 20), (20, 30)]
-PROMPTS = ["Write a haiku about rivers.", "What is 7 times 8?", "Name three colours.", "Hi"]
-
-
-async def text_of(model: LocalModel, prompt: str, max_tokens: int = 40, **sampling) -> str:
-    tokens = model.chat_tokens([ChatMessage("user", prompt)])
-    params = SamplingParams(**({"temperature": 0.0} | sampling))
-    send, recv = trio.open_memory_channel(max_tokens + 4)
-    async with send:
-        await generate(model.batcher, GenerationRequest(tokens, max_tokens, params), send)
-    events = [e async for e in recv]
-    assert isinstance(events[-1], Finished)
-    return "".join(e.text for e in events if isinstance(e, Delta))
 
 
 async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4):
@@ -55,6 +41,7 @@ async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4):
             total_layers=30,
             slots=slots,
             slot_ctx=1024,
+            threads=1,  # three stages share this process's cores; spinning threads would fight
         )
         for a, b in SPLIT
     ]
@@ -102,25 +89,6 @@ async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4):
     model = LocalModel(entry_engine, max_queue=8, batcher=pipeline)
     await nursery.start(pipeline.run)
     return model, nodes, servers, stages
-
-
-@pytest.fixture(scope="module")
-def reference(model_path):
-    """Greedy answers of single-process llama.cpp (flash attention off, as in the stages)."""
-    engine = LlamaEngine(model_path, slots=1, slot_ctx=1024, flash_attn=False)
-    model = LocalModel(engine, max_queue=8)
-
-    async def main():
-        async with trio.open_nursery() as n:
-            await n.start(model.batcher.run)
-            out = [await text_of(model, p) for p in PROMPTS]
-            n.cancel_scope.cancel()
-        return out
-
-    try:
-        return trio.run(main)
-    finally:
-        engine.close()
 
 
 async def test_split_over_three_nodes_matches_llama_cpp(model_path, store, reference, nursery):

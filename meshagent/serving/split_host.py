@@ -1,0 +1,160 @@
+"""This agent's part of a split plan: load its stage, wire its streams, serve.
+
+`SplitHost.load(plan)` gets the artifacts (cut from the full model if this agent has it,
+else fetched from a peer that holds them), loads the stage engine off the event loop, and
+then serves: the entry stage as a `LocalModel` whose batcher is a `PipelineBatcher`, the
+other stages as `StageServer`s for inbound `stage/1` streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import trio
+
+from meshagent.engine.base import ModelInfo
+from meshagent.engine.stage import StageEngine
+from meshagent.errors import EngineError
+from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.layout import ModelLayout
+from meshagent.net.stream import MeshStream
+from meshagent.placement.planner import Plan, StageAssignment
+from meshagent.serving.local_model import LocalModel
+from meshagent.serving.pipeline import (
+    ACTIVATION_WINDOW_BYTES,
+    ACTIVATION_WINDOW_FRAMES,
+    REPLY_LABEL,
+    STAGE_LABEL,
+    EntryEngine,
+    PipelineBatcher,
+)
+from meshagent.serving.stage_server import StageServer
+
+log = structlog.get_logger(__name__)
+
+OpenStream = Callable[..., Awaitable[MeshStream]]
+
+
+@dataclass(frozen=True)
+class SplitSettings:
+    slots: int = 4
+    slot_ctx: int = 2048
+    threads: int = 0
+    max_queue: int = 64
+    wire_dtype: str = "f16"
+
+
+class SplitHost:
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        model_path: Path,
+        layout: ModelLayout,
+        info: ModelInfo,
+        store: ArtifactStore,
+        open_stream: OpenStream,
+        settings: SplitSettings,
+    ) -> None:
+        self.peer_id = peer_id
+        self.model_path = model_path
+        self.layout = layout
+        self.info = info
+        self.store = store
+        self._open_stream = open_stream  # (peer_id, label, **window) -> stream
+        self.settings = settings
+        self.plan: Plan | None = None
+        self.part: StageAssignment | None = None
+        self.model: LocalModel | None = None  # set on the entry
+        self.server: StageServer | None = None  # set on other stages
+        self._engine: StageEngine | None = None
+        self._entry: EntryEngine | None = None
+
+    @property
+    def is_entry(self) -> bool:
+        return self.part is not None and self.part.start == 0
+
+    def _neighbours(self, plan: Plan, part: StageAssignment) -> tuple[str | None, str]:
+        order = [s.peer_id for s in plan.stages]
+        i = order.index(self.peer_id)
+        nxt = order[i + 1] if i + 1 < len(order) else None
+        return nxt, order[0]
+
+    async def load(self, plan: Plan) -> None:
+        """Load this agent's stage of `plan` (blocking work off the event loop)."""
+        part = next((s for s in plan.stages if s.peer_id == self.peer_id), None)
+        if part is None:
+            raise EngineError(f"peer {self.peer_id} has no part in this plan")
+        s = self.settings
+        layers_path, _ = await trio.to_thread.run_sync(
+            lambda: self.store.ensure_layers(self.model_path, part.start, part.end, self.layout)
+        )
+        engine = await trio.to_thread.run_sync(
+            lambda: StageEngine(
+                layers_path,
+                start=part.start,
+                end=part.end,
+                total_layers=self.layout.n_layers,
+                slots=s.slots,
+                slot_ctx=s.slot_ctx,
+                threads=s.threads,
+            )
+        )
+        self.plan, self.part, self._engine = plan, part, engine
+        nxt, entry = self._neighbours(plan, part)
+        window = {
+            "window_bytes": ACTIVATION_WINDOW_BYTES,
+            "window_frames": ACTIVATION_WINDOW_FRAMES,
+        }
+        if part.start == 0:
+            entry_path, _ = await trio.to_thread.run_sync(
+                lambda: self.store.ensure_entry(self.model_path, self.layout)
+            )
+            self._entry = await trio.to_thread.run_sync(
+                lambda: EntryEngine(entry_path, engine, self.info)
+            )
+            assert nxt is not None
+            pipeline = PipelineBatcher(
+                self._entry,
+                lambda: self._open_stream(nxt, STAGE_LABEL, **window),
+                max_queue=s.max_queue,
+                wire_dtype=s.wire_dtype,
+            )
+            self.model = LocalModel(self._entry, max_queue=s.max_queue, batcher=pipeline)
+        elif nxt is not None:
+            self.server = StageServer(
+                engine,
+                open_next=lambda: self._open_stream(nxt, STAGE_LABEL, **window),
+                open_reply=None,
+                wire_dtype=s.wire_dtype,
+            )
+        else:
+            self.server = StageServer(
+                engine,
+                open_next=None,
+                open_reply=lambda: self._open_stream(entry, REPLY_LABEL),
+                wire_dtype=s.wire_dtype,
+            )
+        log.info("split.loaded", layers=(part.start, part.end), entry=self.is_entry, next=nxt)
+
+    async def handle_stage(self, stream: MeshStream) -> None:
+        if self.server is None:
+            stream.reset("this agent runs no middle or last stage")
+            return
+        await self.server.handle(stream)
+
+    async def handle_reply(self, stream: MeshStream) -> None:
+        if self.model is None:
+            stream.reset("this agent is not the entry of a split")
+            return
+        assert isinstance(self.model.batcher, PipelineBatcher)
+        await self.model.batcher.handle_reply(stream)
+
+    def close(self) -> None:
+        if self._entry is not None:
+            self._entry.close()
+        elif self._engine is not None:
+            self._engine.close()
