@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -18,7 +19,16 @@ from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.api.server import run_http
 from meshagent.config import AgentConfig, DataDir
+from meshagent.discovery import addresses, probe
+from meshagent.discovery.dialer import DialerConfig, PeerDialer
+from meshagent.discovery.mdns import MdnsDiscovery, Sighting
+from meshagent.discovery.mesh_view import peer_rows
 from meshagent.engine.llama import LlamaEngine
+from meshagent.gossip import capacity
+from meshagent.gossip import service as gossip_service
+from meshagent.gossip.config import GossipConfig
+from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, ModelHeld, Serving
+from meshagent.gossip.service import GossipService
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret, mesh_fingerprint
 from meshagent.identity.mesh_file import load_or_create_mesh
@@ -30,6 +40,7 @@ from meshagent.net.errors import DialError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport
+from meshagent.relay.client import RelayClient
 from meshagent.serving.local_model import LocalModel
 from meshagent.wire.handshake import LocalPeer
 
@@ -56,9 +67,15 @@ class Agent:
         self.mesh: MeshSecret | None = None
         self.model: LocalModel | None = None
         self.overlay: ConnectionManager | None = None
+        self.gossip: GossipService | None = None
+        self.dialer: PeerDialer | None = None
+        self.relays: list[RelayClient] = []
+        self.mdns: MdnsDiscovery | None = None
+        self.mdns_note = "not started"
         self.store = ArtifactStore(data_dir.artifacts_path)
         self._handlers: dict[str, StreamHandler] = {
             transfer.LABEL: transfer.ArtifactServer(self.store).handle,
+            probe.LABEL: probe.serve,
         }
         self._stop = trio.Event()
         self._stop_accepting = trio.Event()
@@ -108,7 +125,105 @@ class Agent:
             ],
             "artifacts": [m.to_dict() for m in self.store.all()],
             "peers": peers,
+            "advertised": self._advertised(),
+            "relays": [
+                {
+                    "address": r.name,
+                    "registered": r.registered,
+                    "members": sorted(r.members),
+                    "error": r.last_error,
+                }
+                for r in self.relays
+            ],
+            "mdns": {
+                "enabled": self.mdns is not None,
+                "note": self.mdns_note,
+                "advertised": self.mdns.registered if self.mdns else False,
+                "interfaces": self.mdns.interfaces if self.mdns else [],
+                "seen": [s.to_dict() for s in self.mdns.sightings.values()] if self.mdns else [],
+            },
+            "gossip": self._gossip_status(),
         }
+
+    def _gossip_status(self) -> dict[str, Any]:
+        if self.gossip is None:
+            return {}
+        cfg = self.gossip.config
+        states: dict[str, int] = {}
+        for e in self.gossip.state.entries.values():
+            states[e.state.value] = states.get(e.state.value, 0) + 1
+        return {
+            **self.gossip.stats(),
+            "states": states,
+            "interval_s": cfg.interval,
+            "suspect_after_s": cfg.suspect_after,
+            "dead_after_s": cfg.dead_after,
+        }
+
+    def peers(self) -> dict[str, Any]:
+        """The `GET /control/peers` body: every peer gossip knows, with its link."""
+        assert self.identity is not None and self.mesh is not None
+        views = self.gossip.snapshot(include_dead=True) if self.gossip else {}
+        links = self.overlay.links() if self.overlay else []
+        return {
+            "self": self.identity.peer_id,
+            "mesh": mesh_fingerprint(self.mesh),
+            "peers": peer_rows(self.identity.peer_id, views, links),
+        }
+
+    async def probe(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /control/probe`: push bytes to a peer over the overlay and verify them."""
+        assert self.overlay is not None
+        want = str(body.get("peer", ""))
+        matches = [link.peer_id for link in self.overlay.links() if link.peer_id.startswith(want)]
+        if not want or len(matches) != 1:
+            raise probe.ProbeError(
+                f"peer {want!r} matches {len(matches)} connected peers; give more of its id"
+            )
+        total = int(body.get("bytes", 1 << 20))
+        seconds = float(body.get("seconds", 0.0))
+        return await probe.probe(self.overlay, matches[0], total=total, seconds=seconds)
+
+    def _advertised(self) -> list[str]:
+        return addresses.advertised(self.overlay.listen_addresses) if self.overlay else []
+
+    def _dynamic_fields(self) -> dict[str, Any]:
+        """Record fields that can change while running; gossip polls them."""
+        return {
+            "addresses": tuple(self._advertised()),
+            "relays": tuple(r.name for r in self.relays if r.registered),
+            "artifacts": tuple(ArtifactHeld.from_manifest(m) for m in self.store.all())[
+                :MAX_ARTIFACTS
+            ],
+        }
+
+    def _static_fields(self, sha256: str = "") -> dict[str, Any]:
+        assert self.model is not None
+        info = self.model.info
+        gib = 1 << 30
+        weights, kv = capacity.memory_budget(
+            int(self.config.mem_weights_gib * gib), int(self.config.mem_kv_gib * gib)
+        )
+        return {
+            "name": self.config.name or os.uname().nodename,
+            "agent_version": __version__,
+            "mem_weights_bytes": weights,
+            "mem_kv_bytes": kv,
+            "models": (
+                ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),
+            ),
+            "serving": (Serving(info.id, sha256, 0, info.n_layers, info.n_layers),),
+        }
+
+    async def _measure(self) -> None:
+        """Measured once at start, off the event loop: compute speed, the model's hash."""
+        assert self.gossip is not None and self.model is not None
+        speed = await trio.to_thread.run_sync(capacity.matmul_gflops)
+        self.gossip.update_local(compute_speed=speed, compute_unit=capacity.COMPUTE_UNIT)
+        log.info("agent.measured", compute_speed=speed, unit=capacity.COMPUTE_UNIT)
+        path = self.model.info.path
+        sha = await trio.to_thread.run_sync(lambda: self.store.source_sha256(Path(path)))
+        self.gossip.update_local(**self._static_fields(sha))
 
     async def _route_stream(self, stream: MeshStream) -> None:
         """Inbound overlay streams go to the service named by their label."""
@@ -137,17 +252,56 @@ class Agent:
             lambda: LlamaEngine(path, slots=cfg.slots, slot_ctx=cfg.ctx_size, threads=cfg.threads)
         )
         self.model = LocalModel(engine, max_queue=cfg.max_queue)
-        app = OpenAIApp([self.model], self.inflight, self.status)
+        app = OpenAIApp(
+            [self.model], self.inflight, self.status, peers=self.peers, probe=self.probe
+        )
         self.overlay = ConnectionManager(
             LocalPeer.create(self.identity, self.mesh),
             TcpTransport(),
             listen=[cfg.listen],
             on_stream=self._route_stream,
         )
+        self.gossip = GossipService(
+            self.identity,
+            mesh_fingerprint(self.mesh),
+            self.overlay,
+            GossipConfig(
+                interval=cfg.gossip_interval,
+                suspect_after=cfg.suspect_after,
+                dead_after=cfg.dead_after,
+            ),
+            local_fields=self._dynamic_fields,
+        )
+        self._handlers[gossip_service.LABEL] = self.gossip.handle
+        self.relays = [
+            RelayClient(
+                address,
+                self.identity,
+                self.mesh,
+                self.overlay,
+                TcpTransport(),
+                on_member=self._relay_member,
+            )
+            for address in dict.fromkeys(cfg.relays)
+        ]
+        self.dialer = PeerDialer(
+            self.overlay,
+            gossip=self.gossip,
+            relay_dial=self._relay_dial,
+            local_relays=lambda: tuple(r.name for r in self.relays if r.registered),
+            config=DialerConfig(upgrade_interval=cfg.upgrade_interval),
+        )
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.model.run)
                 await nursery.start(self.overlay.run)
+                self.gossip.update_local(**self._static_fields())
+                await nursery.start(self.gossip.run)
+                await nursery.start(self.dialer.run)
+                for relay in self.relays:
+                    await nursery.start(relay.run)
+                self._start_mdns(nursery)
+                nursery.start_soon(self._measure)
                 self.api_url = await nursery.start(
                     lambda task_status: run_http(
                         app,
@@ -179,6 +333,55 @@ class Agent:
             engine.close()
         log.info("agent.stopped")
 
+    def _start_mdns(self, nursery: trio.Nursery) -> None:
+        assert self.overlay is not None and self.identity is not None and self.mesh is not None
+        listen = self.overlay.listen_addresses
+        if not self.config.mdns:
+            self.mdns_note = "disabled by configuration"
+            return
+        if addresses.is_loopback_only(listen):
+            self.mdns_note = "off: the overlay listens on loopback only"
+            log.info("mdns.off", reason=self.mdns_note)
+            return
+        hosts = [a.host for a in listen if a.host not in ("0.0.0.0", "::", "")]
+        interfaces = hosts or addresses.interface_ipv4s()
+        if not interfaces:
+            self.mdns_note = "off: no network interface with an IPv4 address"
+            log.info("mdns.off", reason=self.mdns_note)
+            return
+        self.mdns = MdnsDiscovery(
+            peer_id=self.identity.peer_id,
+            mesh=mesh_fingerprint(self.mesh),
+            port=listen[0].port,
+            name=self.config.name or os.uname().nodename,
+            interfaces=interfaces,
+            on_peer=self._mdns_peer,
+        )
+        self.mdns_note = "running"
+        nursery.start_soon(self._run_mdns)
+
+    async def _run_mdns(self) -> None:
+        assert self.mdns is not None
+        try:
+            await self.mdns.run()
+        except Exception as e:  # zeroconf failing must not take the agent down
+            self.mdns_note = f"failed: {type(e).__name__}: {e}"
+            log.warning("mdns.failed", error=self.mdns_note)
+
+    def _mdns_peer(self, sighting: Sighting) -> None:
+        if self.dialer is not None:
+            self.dialer.offer(
+                sighting.peer_id, addresses=sighting.addresses, source="mdns", renew=True
+            )
+
+    def _relay_member(self, peer_id: str, relay: str) -> None:
+        if self.dialer is not None:
+            self.dialer.offer(peer_id, relays=(relay,), source="relay")
+
+    async def _relay_dial(self, relay: str, peer_id: str) -> Any:
+        client = next(r for r in self.relays if r.name == relay)
+        return await client.dial(peer_id)
+
     async def _bootstrap(self, address: str) -> None:
         assert self.overlay is not None
         try:
@@ -202,6 +405,8 @@ class Agent:
         self._stop_accepting.set()
         stopped = await self.inflight.drain(self.config.grace)
         log.info("agent.drained", stopped=stopped)
+        if self.gossip is not None:
+            await self.gossip.leave()
         if self.overlay is not None:
             with trio.move_on_after(self.config.grace + 1):
                 await self.overlay.aclose(grace=min(self.config.grace, 5.0))

@@ -34,6 +34,14 @@ class AgentConfig:
     threads: int = 0  # 0: one per core
     grace: float = 10.0  # seconds in-flight requests get to finish on shutdown
     log_level: str = "info"
+    relays: tuple[str, ...] = ()  # relay servers to register with (host:port)
+    mdns: bool = True  # advertise and browse on the local network (not when listening on loopback)
+    gossip_interval: float = 1.0  # seconds between heartbeats and gossip rounds
+    suspect_after: float = 4.5  # seconds without a heartbeat before a peer is suspect
+    dead_after: float = 8.0  # ...and before it is declared dead
+    upgrade_interval: float = 5.0  # seconds between direct attempts to a relayed peer
+    mem_weights_gib: float = 0.0  # memory offered for model weights; 0: measured
+    mem_kv_gib: float = 0.0  # memory offered for KV cache; 0: measured
 
     def merged(self, overrides: dict[str, Any]) -> AgentConfig:
         known = {f.name for f in fields(self)}
@@ -64,6 +72,13 @@ class AgentConfig:
             raise ConfigError("max-queue must be >= 0")
         if self.grace < 0:
             raise ConfigError("grace must be >= 0 seconds")
+        if not 0 < self.gossip_interval < self.suspect_after < self.dead_after:
+            raise ConfigError(
+                "gossip timers must satisfy 0 < gossip_interval < suspect_after < dead_after "
+                f"(got {self.gossip_interval}, {self.suspect_after}, {self.dead_after})"
+            )
+        if self.upgrade_interval <= 0 or self.mem_weights_gib < 0 or self.mem_kv_gib < 0:
+            raise ConfigError("upgrade_interval must be > 0 and memory sizes >= 0")
 
 
 def default_data_dir() -> Path:
@@ -85,6 +100,14 @@ CONFIG_TEMPLATE = """\
 # slots = 4
 # max_queue = 64
 # grace = 10.0
+# relays = ["relay.example.org:9339"]
+# mdns = true
+# gossip_interval = 1.0
+# suspect_after = 4.5
+# dead_after = 8.0
+# upgrade_interval = 5.0
+# mem_weights_gib = 0.0
+# mem_kv_gib = 0.0
 """
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,11 +71,16 @@ class OpenAIApp:
         inflight: InFlight,
         status: Callable[[], dict[str, Any]],
         router: Router | None = None,
+        *,
+        peers: Callable[[], dict[str, Any]] | None = None,
+        probe: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self.models = models
         self.inflight = inflight
         self.status = status
         self.router = router
+        self.peers = peers
+        self.probe = probe
         self.started_at = int(time.time())
         self._routes: dict[tuple[str, str], Callable[[Exchange], Any]] = {
             ("GET", "/health"): self._health,
@@ -83,6 +88,8 @@ class OpenAIApp:
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
             ("GET", "/control/status"): self._control_status,
+            ("GET", "/control/peers"): self._control_peers,
+            ("POST", "/control/probe"): self._control_probe,
         }
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -175,6 +182,27 @@ class OpenAIApp:
 
     async def _control_status(self, ex: Exchange) -> None:
         await ex.send_json(200, self.status())
+
+    async def _control_peers(self, ex: Exchange) -> None:
+        if self.peers is None:
+            raise errors.not_found("This agent has no mesh view.", code="unknown_url")
+        await ex.send_json(200, self.peers())
+
+    async def _control_probe(self, ex: Exchange) -> None:
+        if self.probe is None:
+            raise errors.not_found("This agent cannot probe peers.", code="unknown_url")
+        body = await ex.json_body()
+        if not isinstance(body, dict):
+            raise errors.bad_request("The probe request must be a JSON object.")
+        try:
+            result = await self.probe(body)
+        except (ValueError, TypeError) as e:
+            raise errors.bad_request(f"Bad probe request: {e}") from e
+        except trio.BrokenResourceError as e:  # includes the overlay's StreamResetError
+            raise errors.unavailable(f"The probe failed: {e}", code="probe_failed") from e
+        except MeshError as e:
+            raise errors.bad_request(str(e), code="probe_failed") from e
+        await ex.send_json(200, result)
 
     def _model(self, name: str, *, param: str | None = "model") -> LocalModel:
         for m in self.models:

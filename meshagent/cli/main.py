@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from meshagent import __version__, logs
-from meshagent.cli import invite, models, status, up
+from meshagent.cli import invite, models, peers, relay, status, up
 from meshagent.errors import MeshError
 
 
@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.register(sub)
     invite.register(sub)
     models.register(sub)
+    peers.register(sub)
+    relay.register(sub)
     return parser
 
 
@@ -31,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command != "up":  # `up` sets up its own logging from its flags
+    if args.command not in ("up", "relay"):  # these set up logging from their flags
         logs.configure("info", json=False)
     try:
         return int(args.run(args) or 0)

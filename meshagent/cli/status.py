@@ -28,6 +28,28 @@ def run(args: argparse.Namespace) -> int:
     print(f"state     {st['state']}  (in flight: {st['in_flight']})")
     print(f"api       {st['api']}/v1")
     print(f"overlay   {', '.join(st['listen']) or '-'}")
+    if "advertised" in st:
+        print(f"dialable  {', '.join(st['advertised']) or '-'}")
+    for r in st.get("relays", []):
+        state = (
+            f"registered, {len(r['members'])} mesh members there"
+            if r["registered"]
+            else (f"not registered ({r['error'] or 'connecting'})")
+        )
+        print(f"relay     {r['address']}  {state}")
+    mdns = st.get("mdns")
+    if mdns:
+        others = sum(not s["same_mesh"] for s in mdns["seen"])
+        seen = f", {len(mdns['seen'])} agents seen ({others} of other meshes)"
+        print(f"mdns      {mdns['note']}{seen if mdns['enabled'] else ''}")
+    g = st.get("gossip")
+    if g:
+        states = ", ".join(f"{n} {k}" for k, n in sorted(g["states"].items()))
+        print(
+            f"gossip    {states}; every {g['interval_s']:g} s, suspect after "
+            f"{g['suspect_after_s']:g} s, dead after {g['dead_after_s']:g} s; "
+            f"{g['exchanges']} exchanges, {g['bytes_sent']} bytes sent"
+        )
     for m in st["models"]:
         s = m["slots"]
         print(

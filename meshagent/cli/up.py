@@ -12,6 +12,7 @@ from meshagent.agent import Agent
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.config import AgentConfig
 from meshagent.identity.mesh import decode_invite
+from meshagent.net.address import Address
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +34,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--join",
         metavar="TOKEN",
         help="join the mesh of this invite (from `meshagent invite`); replaces the stored mesh",
+    )
+    p.add_argument(
+        "--relay",
+        action="append",
+        dest="relays",
+        metavar="HOST:PORT",
+        help="a relay to register with, for peers that cannot reach us directly (repeatable)",
+    )
+    p.add_argument(
+        "--no-mdns",
+        dest="mdns",
+        action="store_const",
+        const=False,
+        help="do not advertise or browse on the local network (mDNS)",
     )
     p.add_argument("--ctx-size", type=int, help=f"context tokens per slot (default {d.ctx_size})")
     p.add_argument("--slots", type=int, help=f"requests decoded together (default {d.slots})")
@@ -75,15 +90,21 @@ def run(args: argparse.Namespace) -> int:
             "threads",
             "grace",
             "log_level",
+            "mdns",
         )
     }
     join = None
     peers = tuple(args.peers or ())
+    relays = tuple(args.relays or ())
     if args.join:
         invite = decode_invite(args.join)
         join = invite.secret
         peers += tuple(a for a in invite.bootstrap if a not in peers)
+        relays += tuple(a for a in invite.relays if a not in relays)
+    for address in (*peers, *relays):
+        Address.parse(address)  # refuse a typo now, with the flag's value in the message
     overrides["peers"] = peers or None
+    overrides["relays"] = relays or None
     config = AgentConfig().merged(data_dir.load_config()).merged(overrides)
     config.validate()
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]

@@ -23,13 +23,14 @@ from meshagent.net.address import Address
 from meshagent.net.connection import DIRECT, RELAYED, Connection
 from meshagent.net.errors import DialError
 from meshagent.net.manager import ConnectionManager
+from meshagent.relay.errors import RelayError
 from meshagent.wire.errors import HandshakeError
 
 log = structlog.get_logger(__name__)
 
 # (relay address, peer id) -> a connection to the peer through that relay
 RelayDial = Callable[[str, str], Awaitable[Connection]]
-_DIAL_ERRORS = (DialError, HandshakeError, OSError, trio.BrokenResourceError)
+_DIAL_ERRORS = (DialError, RelayError, HandshakeError, OSError, trio.BrokenResourceError)
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,10 @@ class PeerDialer:
         addresses: tuple[str, ...] = (),
         relays: tuple[str, ...] = (),
         source: str,
+        renew: bool = False,
     ) -> None:
-        """Tell the dialer a peer exists and how it might be reached."""
+        """Tell the dialer a peer exists and how it might be reached. `renew`: this is a
+        fresh sighting (an mDNS announcement), worth a try even if gossip says it died."""
         if peer_id == self.self_id:
             return
         now = trio.current_time()
@@ -102,7 +105,7 @@ class PeerDialer:
         new_ways = set(addresses) - set(c.addresses) or set(relays) - set(c.relays)
         c.addresses = tuple(dict.fromkeys((*addresses, *c.addresses)))[:16]
         c.relays = tuple(dict.fromkeys((*relays, *c.relays)))[:8]
-        if source not in c.sources or new_ways:
+        if source not in c.sources or new_ways or renew:
             c.offered_at = now
             c.next_attempt = min(c.next_attempt, now) if c.failures else c.next_attempt
             self._wake.set()

@@ -187,6 +187,18 @@ class GossipService:
             self._account(ex)
         await stream.aclose()
 
+    async def leave(self, *, timeout: float = 2.0, peers: int = 3) -> None:
+        """Tell a few connected peers we are leaving (they spread it), so the mesh stops
+        routing to us now rather than after `dead_after`. Call before closing the overlay."""
+        self.state.leave()
+        links = [link.peer_id for link in self.overlay.links()]
+        chosen = self._rng.sample(links, min(peers, len(links)))
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as nursery:
+                for peer in chosen:
+                    nursery.start_soon(self._exchange_with, peer)
+        log.info("gossip.left", told=len(chosen))
+
     # ----- internals -----
 
     def _partners(self) -> list[str]:

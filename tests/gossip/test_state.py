@@ -217,3 +217,17 @@ def test_signed_record_of_self_with_higher_seq_makes_owner_republish():
     a.apply(Items(records=(rec.raw,)), now=0.0)
     assert a.me.seq > rec.seq and a.me.record.record.name == "a"
     assert SignedRecord.from_cbor(a.me.record.raw, MESH).seq == a.me.seq
+
+
+def test_a_leaving_peer_is_dead_at_once_and_a_restart_outgrows_it():
+    a, c = make_state("a"), make_state("c")
+    exchange(a, c, now=0.0)
+    c.leave()
+    exchange(c, a, now=0.5)
+    assert a.entries[c.self_id].state is PeerState.DEAD
+    assert c.me.obituary is not None  # not refuted while leaving
+    back = GossipState(c.identity, MESH, FAST, now=1.0)
+    back.publish(wall_time=2000.0, name="c")
+    back.beat(now=1.0, wall_time=2000.0)
+    exchange(back, a, now=1.0)
+    assert a.entries[c.self_id].state is PeerState.ALIVE

@@ -1,0 +1,130 @@
+"""`meshagent peers`: the mesh as the local agent sees it (from gossip and its links)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from meshagent.cli.common import NoAgent, add_data_dir, control_get, data_dir_from
+
+_GIB = 1 << 30
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("peers", help="show the peers of the mesh: path, RTT, state, capacity")
+    p.add_argument("--json", action="store_true", help="print the raw peer list as JSON")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=float,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    p.add_argument(
+        "--probe",
+        metavar="PEER",
+        help="send bytes to a connected peer (id or unique prefix) and check they all arrive",
+    )
+    p.add_argument("--probe-bytes", type=int, default=8 << 20, help="bytes to send (default 8 MiB)")
+    p.add_argument(
+        "--probe-seconds",
+        type=float,
+        default=0.0,
+        help="spread the probe over this many seconds (default: as fast as possible)",
+    )
+    p.add_argument("--api", help="the agent's API URL (default: read from the data dir)")
+    add_data_dir(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.probe:
+        return _probe(args)
+    if args.watch is None:
+        _show(args)
+        return 0
+    try:
+        while True:
+            if sys.stdout.isatty():
+                print("\x1b[2J\x1b[H", end="")
+            _show(args)
+            sys.stdout.flush()
+            time.sleep(max(0.2, args.watch))
+    except KeyboardInterrupt:
+        return 0
+
+
+def _show(args: argparse.Namespace) -> None:
+    body = control_get(args, "/control/peers")
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return
+    print(table(body["peers"]))
+    alive = sum(p["state"] == "alive" for p in body["peers"])
+    print(f"{len(body['peers'])} peers ({alive} alive) in mesh {body['mesh']}")
+
+
+def table(peers: list[dict[str, Any]]) -> str:
+    head = ("PEER", "NAME", "STATE", "PATH", "ADDRESS", "RTT", "MEM W/KV", "SPEED", "SERVES")
+    rows = [head]
+    for p in peers:
+        rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.1f}ms"
+        mem = "-"
+        if p["mem_weights_bytes"] is not None:
+            mem = f"{p['mem_weights_bytes'] / _GIB:.1f}/{p['mem_kv_bytes'] / _GIB:.1f}G"
+        speed = "-" if not p["compute_speed"] else f"{p['compute_speed']:.0f}GF"
+        serves = [f"{s['model']}[{s['layers'][0]}:{s['layers'][1]}]" for s in p["serving"]]
+        stages = [f"{s['kind']}[{s['layers'][0]}:{s['layers'][1]}]" for s in p["stages"]]
+        extra = f" +{len(stages)} stage artifacts" if stages else ""
+        rows.append(
+            (
+                p["peer_id"][:12] + ("*" if p["self"] else ""),
+                p["name"] or "?",
+                p["state"],
+                p["path"] or "-",
+                p["address"] or "-",
+                rtt,
+                mem,
+                speed,
+                (", ".join(serves) or "-") + extra,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
+        for r in rows
+    )
+
+
+def _probe(args: argparse.Namespace) -> int:
+    url = getattr(args, "api", None)
+    if not url:
+        control_get(args, "/health")  # the clear "no agent is running" message
+        url = json.loads(data_dir_from(args).run_path.read_text())["api"]
+    try:
+        r = httpx.post(
+            f"{url}/control/probe",
+            json={"peer": args.probe, "bytes": args.probe_bytes, "seconds": args.probe_seconds},
+            timeout=max(60.0, args.probe_seconds * 2 + 30),
+        )
+    except httpx.HTTPError as e:
+        raise NoAgent(f"the agent at {url} does not answer ({e}); is it running?") from e
+    body = r.json()
+    if r.status_code != 200:
+        raise NoAgent(f"probe failed: {body.get('error', {}).get('message', body)}")
+    if args.json:
+        print(json.dumps(body, indent=2))
+    else:
+        verdict = "ok" if body["ok"] else "MISMATCH"
+        print(
+            f"probe {body['peer_id'][:12]}: {verdict}, {body['bytes']} bytes in "
+            f"{body['seconds']} s ({body['mbit_per_s']} Mbit/s) over {body['path']}"
+            + (f", now {body['path_after']}" if body["path_after"] != body["path"] else "")
+        )
+    return 0 if body["ok"] else 1

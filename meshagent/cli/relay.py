@@ -1,0 +1,103 @@
+"""`meshagent relay`: run a relay server for agents that cannot reach each other directly."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import trio
+
+from meshagent import logs
+from meshagent.errors import ConfigError
+from meshagent.net.address import Address
+from meshagent.net.tcp import TcpTransport
+from meshagent.relay.limits import RelayLimits
+from meshagent.relay.server import RelayServer
+
+_UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1 << 20}
+_UNITS |= {"g": 10**9, "gb": 10**9, "gib": 1 << 30}
+
+
+def size(text: str) -> int:
+    """Bytes from `4MiB`, `500k`, `1048576`..."""
+    t = text.strip().lower()
+    digits = t.rstrip("kmgib")
+    unit = t[len(digits) :]
+    try:
+        value = float(digits)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4MiB or 500k") from None
+    if unit not in _UNITS or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4MiB or 500k")
+    return int(value * _UNITS[unit])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    d = RelayLimits()
+    p = sub.add_parser("relay", help="run a relay server for agents without a direct path")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to listen on")
+    p.add_argument(
+        "--circuits-per-agent",
+        type=int,
+        default=d.circuits_per_agent,
+        help=f"circuits one agent may be an end of at once (default {d.circuits_per_agent})",
+    )
+    p.add_argument(
+        "--max-agents",
+        type=int,
+        default=d.max_agents,
+        help=f"agents registered at once (default {d.max_agents})",
+    )
+    p.add_argument(
+        "--rate",
+        type=size,
+        default=int(d.rate_bytes_per_s),
+        metavar="BYTES",
+        help="bytes per second per circuit, both directions together (default 4MiB)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout,
+        metavar="SECONDS",
+        help=f"close a circuit that moves no byte this long (default {d.idle_timeout:g})",
+    )
+    p.add_argument("--log-level", choices=logs.LEVELS, default="info")
+    p.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        default="auto",
+        help="auto: pretty on a terminal, JSON lines otherwise",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    listen = Address.parse(args.listen)
+    limits = RelayLimits(
+        max_agents=args.max_agents,
+        circuits_per_agent=args.circuits_per_agent,
+        rate_bytes_per_s=args.rate,
+        idle_timeout=args.idle_timeout,
+    )
+    limits.validate()
+    logs.configure(
+        args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format]
+    )
+
+    async def main() -> None:
+        server = RelayServer(TcpTransport(), listen, limits)
+        async with trio.open_nursery() as nursery:
+            try:
+                address = await nursery.start(server.run)
+            except OSError as e:
+                raise ConfigError(f"cannot listen on {listen}: {e.strerror or e}") from e
+            print(f"meshagent: relay listening on {address}", file=sys.stderr)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    break
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return 0

@@ -1,0 +1,63 @@
+"""The mesh as `meshagent peers` shows it: gossip records joined with overlay links."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from meshagent.gossip.state import PeerView
+from meshagent.net.manager import PeerLink
+
+
+def peer_rows(
+    self_id: str, views: Mapping[str, PeerView], links: Iterable[PeerLink]
+) -> list[dict[str, Any]]:
+    """One row per peer known to gossip (ourselves first, dead ones included) or connected
+    without a record yet; sorted by name then id."""
+    by_peer = {link.peer_id: link for link in links}
+    rows = []
+    for pid in sorted(set(views) | set(by_peer)):
+        view, link = views.get(pid), by_peer.get(pid)
+        rec = view.record if view is not None else None
+        rtt = link.rtt.smoothed if link is not None else None
+        rows.append(
+            {
+                "peer_id": pid,
+                "self": pid == self_id,
+                "name": rec.name if rec else "",
+                "state": view.state.value if view else "connecting",
+                "path": "local" if pid == self_id else (link.path if link else None),
+                "address": link.remote
+                if link
+                else (rec.addresses[0] if rec and rec.addresses else None),
+                "rtt_ms": None if rtt is None else round(rtt * 1000, 3),
+                "silent_s": None if view is None else round(view.silent_s, 1),
+                "agent_version": rec.agent_version if rec else None,
+                "addresses": list(rec.addresses) if rec else [],
+                "relays": list(rec.relays) if rec else [],
+                "mem_weights_bytes": rec.mem_weights_bytes if rec else None,
+                "mem_kv_bytes": rec.mem_kv_bytes if rec else None,
+                "compute_speed": rec.compute_speed if rec else None,
+                "compute_unit": rec.compute_unit if rec else None,
+                "models": [m.id for m in rec.models] if rec else [],
+                "stages": [
+                    {
+                        "model": a.source_name,
+                        "kind": a.kind,
+                        "layers": [a.start, a.end],
+                        "key": a.key,
+                    }
+                    for a in rec.artifacts
+                ]
+                if rec
+                else [],
+                "serving": [
+                    {"model": s.model, "layers": [s.start, s.end], "total_layers": s.total_layers}
+                    for s in rec.serving
+                ]
+                if rec
+                else [],
+            }
+        )
+    rows.sort(key=lambda r: (not r["self"], r["name"], r["peer_id"]))
+    return rows
