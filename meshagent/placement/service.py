@@ -1,0 +1,179 @@
+"""The placement service of one agent: read the gossiped snapshot, agree on a plan, take part.
+
+Each round: collect the alive peers' capacities and placement claims for the model, find the
+plan in force, propose a new plan (next epoch) when the planner's plan beats it by the replan
+threshold or it is broken, follow the plan in force (load this agent's part, then claim it
+ready), and recompute whether the split is routable. It runs again whenever gossip changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+import structlog
+import trio
+
+from meshagent.placement.negotiation import (
+    Claim,
+    ClaimError,
+    next_epoch,
+    plan_digest,
+    plan_in_force,
+    routable,
+)
+from meshagent.placement.planner import (
+    ModelCost,
+    PeerCapacity,
+    Plan,
+    PlanError,
+    plan,
+    should_replan,
+)
+
+log = structlog.get_logger(__name__)
+
+EXTRAS_KEY = "placement"
+DEAD = "dead"
+
+
+class Snapshot(Protocol):
+    """What placement needs of gossip (meshagent.gossip.service.GossipService fits)."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    def snapshot(self) -> Mapping[str, Any]: ...
+
+    def update_local(self, **fields: Any) -> None: ...
+
+    async def wait_changed(self, after: int) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+
+def capacities(views: Mapping[str, Any]) -> list[PeerCapacity]:
+    out = []
+    for pid, view in views.items():
+        if str(view.state) == DEAD:
+            continue
+        r = view.record
+        memory = int(r.mem_weights_bytes) + int(r.mem_kv_bytes)
+        if memory <= 0 or r.compute_speed <= 0:
+            continue
+        out.append(PeerCapacity(pid, memory, float(r.compute_speed), dict(r.rtts_ms)))
+    return out
+
+
+def claims_for(model_id: str, views: Mapping[str, Any]) -> dict[str, Claim]:
+    out: dict[str, Claim] = {}
+    for pid, view in views.items():
+        if str(view.state) == DEAD:
+            continue
+        raw = view.record.extras.get(EXTRAS_KEY, {})
+        if not isinstance(raw, dict) or model_id not in raw:
+            continue
+        try:
+            claim = Claim.from_cbor(raw[model_id])
+        except ClaimError as e:
+            log.warning("placement.bad_claim", peer=pid, error=str(e))
+            continue
+        out[pid] = claim
+    return out
+
+
+class PlacementService:
+    def __init__(
+        self,
+        gossip: Snapshot,
+        cost: ModelCost,
+        *,
+        context_tokens: int,
+        take_part: Callable[[Plan], Awaitable[None]],
+        headroom: float = 0.1,
+        threshold: float = 0.25,
+        tick: float = 1.0,
+    ) -> None:
+        self.gossip = gossip
+        self.cost = cost
+        self.context_tokens = context_tokens
+        self._take_part = take_part  # load this agent's part of a plan (may take a while)
+        self.headroom = headroom
+        self.threshold = threshold
+        self.tick = tick
+        self.in_force: Claim | None = None
+        self.mine: Claim | None = None
+        self.routable = False
+        self.error: str | None = None  # why no plan can host the model, if none can
+        self.changed = trio.Event()
+
+    def _publish(self, claim: Claim) -> None:
+        self.mine = claim
+        views = self.gossip.snapshot()
+        me = views.get(self.gossip.peer_id)
+        extras = dict(me.record.extras) if me is not None else {}
+        placement = dict(extras.get(EXTRAS_KEY, {}))
+        placement[self.cost.model_id] = claim.to_cbor()
+        extras[EXTRAS_KEY] = placement
+        self.gossip.update_local(extras=extras)
+
+    async def step(self) -> None:
+        """One decision on the current snapshot."""
+        views = self.gossip.snapshot()
+        me = self.gossip.peer_id
+        caps = capacities(views)
+        claims = claims_for(self.cost.model_id, views)
+        winner = plan_in_force(claims)
+        try:
+            candidate: Plan | None = plan(
+                self.cost, caps, context_tokens=self.context_tokens, headroom=self.headroom
+            )
+            self.error = None
+        except PlanError as e:
+            candidate, self.error = None, str(e)
+        if candidate is not None and (
+            winner is None
+            or (
+                plan_digest(candidate) != plan_digest(winner.plan)
+                and should_replan(self.cost, winner.plan, candidate, caps, threshold=self.threshold)
+            )
+        ):
+            winner = Claim(self.cost.model_id, next_epoch(claims), me, candidate, ready=False)
+            log.info("placement.propose", epoch=winner.epoch, peers=list(candidate.peers))
+        if winner is not None and not self._follows(winner):
+            self._publish(Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, False))
+            if me in winner.plan.peers:
+                await self._take_part(winner.plan)
+            self._publish(Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, True))
+            claims[me] = self.mine  # type: ignore[assignment]
+        self.in_force = winner
+        alive = {pid for pid, v in views.items() if str(v.state) != DEAD}
+        was = self.routable
+        self.routable = winner is not None and routable(winner, claims, alive | {me})
+        if self.routable != was:
+            log.info(
+                "placement.routable",
+                routable=self.routable,
+                peers=list(winner.plan.peers) if winner else [],
+            )
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def _follows(self, winner: Claim) -> bool:
+        m = self.mine
+        return (
+            m is not None
+            and m.ready
+            and m.epoch == winner.epoch
+            and plan_digest(m.plan) == plan_digest(winner.plan)
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        seen = -1
+        while True:
+            seen = self.gossip.generation
+            await self.step()
+            with trio.move_on_after(self.tick):
+                await self.gossip.wait_changed(seen)

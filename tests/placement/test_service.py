@@ -1,0 +1,122 @@
+"""Agents running PlacementService over a shared gossip view agree and take part once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import trio
+
+from meshagent.placement.negotiation import plan_digest
+from meshagent.placement.planner import ModelCost, Plan
+from meshagent.placement.service import PlacementService
+
+GB = 1_000_000_000
+MODEL = ModelCost("m", 30, (100_000_000,) * 30, 50_000_000, 50_000_000, 0, 1000)
+
+
+@dataclass(frozen=True)
+class Record:
+    mem_weights_bytes: int
+    mem_kv_bytes: int = 0
+    compute_speed: float = 100.0
+    rtts_ms: tuple = ()
+    extras: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class View:
+    record: Record
+    state: str = "alive"
+
+
+class World:
+    """Every agent's record, as gossip would converge to it."""
+
+    def __init__(self) -> None:
+        self.views: dict[str, View] = {}
+        self.generation = 0
+        self.changed = trio.Event()
+
+    def bump(self) -> None:
+        self.generation += 1
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class FakeGossip:
+    def __init__(self, world: World, peer_id: str) -> None:
+        self.world = world
+        self.peer_id = peer_id
+
+    def snapshot(self) -> dict[str, Any]:
+        return dict(self.world.views)
+
+    def update_local(self, **fields: Any) -> None:
+        view = self.world.views[self.peer_id]
+        self.world.views[self.peer_id] = replace(view, record=replace(view.record, **fields))
+        self.world.bump()
+
+    @property
+    def generation(self) -> int:
+        return self.world.generation
+
+    async def wait_changed(self, after: int) -> int:
+        while self.world.generation <= after:
+            await self.world.changed.wait()
+        return self.world.generation
+
+
+def agent(world: World, pid: str, gb: float, loads: list):
+    world.views[pid] = View(Record(int(gb * GB)))
+
+    async def take_part(plan: Plan) -> None:
+        loads.append((pid, plan_digest(plan)))
+        await trio.sleep(0.5)  # loading a stage takes a while
+
+    return PlacementService(FakeGossip(world, pid), MODEL, context_tokens=1000, take_part=take_part)
+
+
+async def settle(services, seconds: float = 20.0) -> None:
+    await trio.sleep(seconds)
+    digests = {plan_digest(s.in_force.plan) for s in services if s.in_force}
+    assert len(digests) == 1, digests
+
+
+async def test_three_agents_agree_on_a_split_then_replan_when_one_dies(autojump_clock):
+    world = World()
+    loads: list = []
+    services = [agent(world, p, 1.3, loads) for p in ("a", "b", "c")]
+    async with trio.open_nursery() as nursery:
+        for s in services:
+            nursery.start_soon(s.run)
+        await settle(services)
+        plan = services[0].in_force.plan
+        assert plan.split and {st.peer_id for st in plan.stages} == {"a", "b", "c"}
+        assert all(s.routable for s in services)
+        # Each agent loaded its part of the agreed plan once (proposals that lost a race may
+        # have been loaded too, but the final plan exactly once per agent).
+        final = [pid for pid, d in loads if d == plan_digest(plan)]
+        assert sorted(final) == ["a", "b", "c"]
+
+        # c dies; d, big enough to host the model alone, joins: the mesh replans without
+        # restarting a or b, and d serves the model whole.
+        world.views["c"] = replace(world.views["c"], state="dead")
+        d = agent(world, "d", 8.0, loads)
+        services.append(d)
+        nursery.start_soon(d.run)
+        world.bump()
+        live = [s for s in services if s.gossip.peer_id != "c"]
+        await settle(live)
+        assert live[0].in_force.plan.replicas == ("d",)
+        assert all(s.routable for s in live)
+        nursery.cancel_scope.cancel()
+
+
+async def test_no_plan_reports_what_is_missing(autojump_clock):
+    world = World()
+    services = [agent(world, p, 0.5, []) for p in ("a", "b")]
+    for s in services:
+        await s.step()
+    assert services[0].in_force is None
+    assert "GB more memory" in services[0].error
