@@ -1,0 +1,95 @@
+"""`meshagent peers` and `meshagent relay` from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshagent.cli.peers import table
+from meshagent.cli.relay import size
+
+
+def test_peers_without_an_agent_says_so(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "meshagent", "peers", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert "no agent is running" in r.stderr and "meshagent up" in r.stderr
+
+
+def _row(**changes):
+    row = {
+        "peer_id": "abcdefghijklmnopqrstuvwxyz",
+        "self": False,
+        "name": "laptop",
+        "state": "alive",
+        "path": "relayed",
+        "address": "relay 10.0.0.1:9339",
+        "rtt_ms": 12.345,
+        "mem_weights_bytes": 6 << 30,
+        "mem_kv_bytes": 2 << 30,
+        "compute_speed": 85.4,
+        "serving": [{"model": "m", "layers": [0, 30], "total_layers": 30}],
+        "stages": [{"model": "m.gguf", "kind": "layers", "layers": [0, 10], "key": "k"}],
+    }
+    return row | changes
+
+
+def test_peers_table():
+    text = table([_row(self=True, path="local", rtt_ms=None), _row(state="dead", path=None)])
+    lines = text.splitlines()
+    assert lines[0].split() == [
+        "PEER", "NAME", "STATE", "PATH", "ADDRESS", "RTT", "MEM", "W/KV", "SPEED", "SERVES",
+    ]  # fmt: skip
+    assert lines[1].startswith("abcdefghijkl*")
+    assert "relay 10.0.0.1:9339" in lines[1] and "6.0/2.0G" in lines[1] and "85GF" in lines[1]
+    assert "m[0:30] +1 stage artifacts" in lines[1]
+    assert " dead " in lines[2] and "12.3ms" in lines[2]
+
+
+@pytest.mark.parametrize(
+    "text, value", [("4MiB", 4 << 20), ("500k", 500_000), ("1048576", 1 << 20), ("1.5g", 1.5e9)]
+)
+def test_sizes(text, value):
+    assert size(text) == value
+
+
+@pytest.mark.parametrize("text", ["fast", "-1", "4 parsecs", "0"])
+def test_bad_sizes(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+        size(text)
+
+
+def test_relay_runs_until_sigterm():
+    p = subprocess.Popen(
+        [sys.executable, "-m", "meshagent", "relay", "--listen", "127.0.0.1:0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [p.stderr.readline() for _ in range(2)]  # the log line, then ours
+        assert any(x.startswith("meshagent: relay listening on 127.0.0.1:") for x in lines)
+        time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_relay_refuses_a_bad_listen_address():
+    r = subprocess.run(
+        [sys.executable, "-m", "meshagent", "relay", "--listen", "nonsense"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and "is not host:port" in r.stderr

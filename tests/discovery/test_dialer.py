@@ -1,0 +1,82 @@
+"""PeerDialer on the simulated network: direct first, relay as fallback, upgrade to direct,
+backoff for the unreachable, no redialing of the dead."""
+
+from __future__ import annotations
+
+import itertools
+
+import trio
+
+from meshagent.discovery.dialer import DialerConfig, PeerDialer
+from meshagent.net.connection import DIRECT, RELAYED
+from meshagent.relay.limits import RelayLimits
+from tests.relay.support import start_agent, start_relay
+
+QUICK = DialerConfig(upgrade_interval=2.0, retry_initial=1.0, connect_timeout=2.0)
+
+
+async def _pair(env, nursery):
+    _, relay, _ = await start_relay(env, nursery, RelayLimits())
+    a = await start_agent(env, nursery, "a", relay)
+    b = await start_agent(env, nursery, "b", relay)
+    dialer = PeerDialer(
+        a.overlay,
+        relay_dial=lambda r, p: a.client.dial(p),
+        local_relays=lambda: (a.client.name,),
+        config=QUICK,
+    )
+    await nursery.start(dialer.run)
+    return a, b, dialer
+
+
+async def test_direct_when_reachable(sim_env, autojump_clock):
+    async with trio.open_nursery() as nursery:
+        a, b, dialer = await _pair(sim_env, nursery)
+        dialer.offer(b.peer_id, addresses=(str(b.overlay.listen_addresses[0]),), source="test")
+        with trio.fail_after(10):
+            conn = await a.overlay.wait_connected(b.peer_id)
+        assert conn.path == DIRECT
+        nursery.cancel_scope.cancel()
+
+
+async def test_relay_when_blocked_then_upgrade_when_the_route_appears(sim_env, autojump_clock):
+    async with trio.open_nursery() as nursery:
+        a, b, dialer = await _pair(sim_env, nursery)
+        a.transport.blocked.add("b")
+        dialer.offer(
+            b.peer_id,
+            addresses=(str(b.overlay.listen_addresses[0]),),
+            relays=(a.client.name,),
+            source="test",
+        )
+        with trio.fail_after(20):
+            relayed = await a.overlay.wait_connected(b.peer_id)
+        assert relayed.path == RELAYED
+        await trio.sleep(10)
+        assert a.overlay.connection(b.peer_id) is relayed  # still blocked: still relayed
+        a.transport.blocked.clear()
+        with trio.fail_after(QUICK.upgrade_interval + 10):
+            while a.overlay.connection(b.peer_id).path != DIRECT:
+                await trio.sleep(0.1)
+        await relayed.wait_closed()
+        assert relayed.close_reason == "replaced"
+        nursery.cancel_scope.cancel()
+
+
+async def test_unreachable_peer_is_retried_with_backoff(sim_env, autojump_clock):
+    async with trio.open_nursery() as nursery:
+        a, _b, dialer = await _pair(sim_env, nursery)
+        attempts = []
+        real_dial = a.overlay.dial
+
+        async def counting_dial(*args, **kwargs):
+            attempts.append(trio.current_time())
+            return await real_dial(*args, **kwargs)
+
+        a.overlay.dial = counting_dial
+        dialer.offer("nosuchpeer" + "x" * 16, addresses=("nowhere:1",), source="test")
+        await trio.sleep(60)
+        gaps = [y - x for x, y in itertools.pairwise(attempts)]
+        assert 3 <= len(attempts) <= 10, attempts
+        assert max(gaps) >= 8  # backing off, not hammering
+        nursery.cancel_scope.cancel()

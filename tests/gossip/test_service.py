@@ -1,0 +1,77 @@
+"""GossipService over the simulated overlay: publishing, change notifications, RTTs, rate
+limits, leaving."""
+
+from __future__ import annotations
+
+import trio
+
+from meshagent.gossip.config import GossipConfig
+from meshagent.gossip.failure import PeerState
+from meshagent.net.sim import LinkSpec, SimNetwork
+from tests.gossip.sim_mesh import start_sim_agent
+
+CFG = GossipConfig(rtt_refresh=2.0)
+
+
+async def _three(nursery, config=CFG):
+    net = SimNetwork(default=LinkSpec(latency=0.025), seed=1)
+    agents = [
+        await start_sim_agent(nursery, net, f"h{i}", seed=i, gossip_config=config) for i in range(3)
+    ]
+    for x in agents[1:]:
+        await x.overlay.dial(agents[0].overlay.listen_addresses[0])
+    everyone = {a.peer_id for a in agents}
+    with trio.fail_after(10):
+        while not all(a.alive_view() == everyone for a in agents):
+            await trio.sleep(0.1)
+    return agents
+
+
+async def test_update_local_reaches_everyone_and_wakes_waiters(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        a, _b, c = await _three(nursery)
+        gen = c.gossip.generation
+        a.gossip.update_local(mem_kv_bytes=12345, extras={"claims": [1, 2]})
+        with trio.fail_after(5):
+            gen = await c.gossip.wait_changed(gen)
+            while c.gossip.snapshot()[a.peer_id].record.mem_kv_bytes != 12345:
+                gen = await c.gossip.wait_changed(gen)
+        assert c.gossip.snapshot()[a.peer_id].record.extras == {"claims": [1, 2]}
+        nursery.cancel_scope.cancel()
+
+
+async def test_records_carry_measured_rtts(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        a, b, c = await _three(nursery)
+        await trio.sleep(12)  # overlay pings every 5 s; records refresh every 2 s
+        rec = b.gossip.snapshot()[a.peer_id].record
+        rtts = dict(rec.rtts_ms)
+        assert set(rtts) == {b.peer_id, c.peer_id}
+        assert all(45 <= ms <= 60 for ms in rtts.values()), rtts  # 2 x 25 ms
+        assert rec.addresses == (str(a.overlay.listen_addresses[0]),)
+        nursery.cancel_scope.cancel()
+
+
+async def test_inbound_exchanges_are_rate_limited(autojump_clock):
+    config = GossipConfig(inbound_burst=2, inbound_rate=0.5)
+    async with trio.open_nursery() as nursery:
+        a, b, _ = await _three(nursery, config)
+        before = a.gossip.refused_exchanges
+        for _ in range(5):
+            await b.gossip._exchange_with(a.peer_id)
+        assert a.gossip.refused_exchanges - before >= 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_leaving_agent_is_dead_everywhere_at_once(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        a, b, c = await _three(nursery)
+        await c.gossip.leave()
+        c.scope.cancel()
+        left = trio.current_time()
+        with trio.fail_after(3):
+            while any(c.peer_id in x.alive_view() for x in (a, b)):
+                await trio.sleep(0.05)
+        assert trio.current_time() - left < 2.5 < CFG.dead_after
+        assert a.gossip.snapshot(include_dead=True)[c.peer_id].state is PeerState.DEAD
+        nursery.cancel_scope.cancel()
