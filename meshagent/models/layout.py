@@ -30,6 +30,7 @@ class ModelLayout:
     head_dim: int
     context_length: int
     layer_bytes: tuple[int, ...]  # exact tensor bytes of each layer
+    layer_params: tuple[int, ...]  # weights (elements) of each layer: ~FLOPs/2 per token
     embedding_bytes: int  # token_embd
     head_bytes: int  # output_norm + output (or tied embeddings)
     other_bytes: int  # any other global tensor
@@ -100,6 +101,7 @@ def inspect_model(path: Path) -> ModelLayout:
     n_head_kv = int(field(r, f"{arch}.attention.head_count_kv", n_head) or n_head)
     head_dim = int(field(r, f"{arch}.attention.key_length", 0) or (n_embd // max(n_head, 1)))
     layer_bytes = [0] * n_layers
+    layer_params = [0] * n_layers
     embedding = head = other = 0
     n_vocab = 0
     for t in r.tensors:
@@ -109,6 +111,7 @@ def inspect_model(path: Path) -> ModelLayout:
             if i >= n_layers:
                 raise ModelError(f"{path}: tensor {t.name} beyond block_count {n_layers}")
             layer_bytes[i] += int(t.n_bytes)
+            layer_params[i] += int(t.n_elements)
         elif t.name == "token_embd.weight":
             embedding += int(t.n_bytes)
             n_vocab = int(t.shape[1])
@@ -131,6 +134,7 @@ def inspect_model(path: Path) -> ModelLayout:
         head_dim=head_dim,
         context_length=int(field(r, f"{arch}.context_length", 0) or 0),
         layer_bytes=tuple(layer_bytes),
+        layer_params=tuple(layer_params),
         embedding_bytes=embedding,
         head_bytes=head,
         other_bytes=other,

@@ -40,6 +40,7 @@ class ModelCost:
     head_bytes: int  # held by the last stage (output norm + head)
     other_bytes: int  # held by every stage
     kv_bytes_per_token_per_layer: int
+    flops_per_layer: float = 0.0  # per token; turns a peer's GFLOP/s into layers per second
 
     @classmethod
     def from_layout(cls, model_id: str, layout: ModelLayout) -> ModelCost:
@@ -51,6 +52,7 @@ class ModelCost:
             head_bytes=layout.head_bytes,
             other_bytes=layout.other_bytes,
             kv_bytes_per_token_per_layer=layout.kv_bytes_per_token_per_layer,
+            flops_per_layer=2.0 * sum(layout.layer_params) / max(layout.n_layers, 1),
         )
 
     def stage_bytes(self, start: int, end: int, context_tokens: int) -> int:

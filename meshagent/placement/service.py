@@ -34,6 +34,7 @@ from meshagent.placement.planner import (
 log = structlog.get_logger(__name__)
 
 EXTRAS_KEY = "placement"
+GFLOPS_UNIT = "matmul_gflops_f32"
 DEAD = "dead"
 
 
@@ -53,7 +54,10 @@ class Snapshot(Protocol):
     def generation(self) -> int: ...
 
 
-def capacities(views: Mapping[str, Any]) -> list[PeerCapacity]:
+def capacities(views: Mapping[str, Any], flops_per_layer: float = 0.0) -> list[PeerCapacity]:
+    """Alive peers that offer memory and have measured their speed. A speed in GFLOP/s (the
+    gossip unit) becomes layers per second of this model when `flops_per_layer` is known, so
+    that compute time and RTTs add up in the same unit."""
     out = []
     for pid, view in views.items():
         if str(view.state) == DEAD:
@@ -62,7 +66,10 @@ def capacities(views: Mapping[str, Any]) -> list[PeerCapacity]:
         memory = int(r.mem_weights_bytes) + int(r.mem_kv_bytes)
         if memory <= 0 or r.compute_speed <= 0:
             continue
-        out.append(PeerCapacity(pid, memory, float(r.compute_speed), dict(r.rtts_ms)))
+        speed = float(r.compute_speed)
+        if flops_per_layer > 0 and getattr(r, "compute_unit", "") == GFLOPS_UNIT:
+            speed = speed * 1e9 / flops_per_layer
+        out.append(PeerCapacity(pid, memory, speed, dict(r.rtts_ms)))
     return out
 
 
@@ -122,7 +129,7 @@ class PlacementService:
         """One decision on the current snapshot."""
         views = self.gossip.snapshot()
         me = self.gossip.peer_id
-        caps = capacities(views)
+        caps = capacities(views, self.cost.flops_per_layer)
         claims = claims_for(self.cost.model_id, views)
         winner = plan_in_force(claims)
         try:

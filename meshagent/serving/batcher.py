@@ -68,6 +68,8 @@ class Sequence:
                 prompt_tokens=self.n_past + len(tokens),
                 limit=self.capacity,
             )
+        if self._batcher.aborted is not None:
+            raise EngineError(self._batcher.aborted)
         self._pending = list(tokens)
         self._result = None
         self._error = None
@@ -93,6 +95,7 @@ class Batcher:
         self._released: list[Sequence] = []
         self._wakeup = trio.Event()
         self._closed = False
+        self.aborted: str | None = None
         self._rotate = 0
         self._tokens = 0
         self._batches = 0
@@ -110,6 +113,15 @@ class Batcher:
     def close(self) -> None:
         """Refuse new sequences; those holding or waiting for a slot carry on."""
         self._closed = True
+
+    def abort(self, reason: str) -> None:
+        """Stop for good: every sequence waiting for a step fails with `reason`."""
+        self._closed = True
+        self.aborted = reason
+        self._fail(self._waiting(), EngineError(reason))
+
+    def _waiting(self) -> list[Sequence]:
+        return list(self._runnable)
 
     @asynccontextmanager
     async def sequence(self, sampling: SamplingParams | None = None) -> AsyncIterator[Sequence]:

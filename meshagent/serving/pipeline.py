@@ -154,6 +154,9 @@ class PipelineBatcher(Batcher):
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             self._broken(f"the next stage is unreachable: {e}")
 
+    def _waiting(self) -> list[Seq]:
+        return list(self._runnable) + list(self._in_flight.values())
+
     def _broken(self, why: str) -> None:
         if self.failed is None:
             self.failed = why

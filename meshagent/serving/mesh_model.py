@@ -1,0 +1,230 @@
+"""This agent's model in the mesh: placement decides whether this agent serves it whole, runs
+one stage of a split, or only routes requests to the peers that do.
+
+`MeshModel` owns the placement service for the model, loads what the plan in force gives this
+agent (a whole `LocalModel`, or a `SplitHost`'s part), keeps the API's list of local models
+current, and answers the API's routing questions for the models it does not run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from meshagent.api.app import OpenAIApp, RemoteModel
+from meshagent.api.forwarding import LABEL as API_LABEL
+from meshagent.engine.base import ModelInfo
+from meshagent.engine.llama import LlamaEngine
+from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.layout import ModelLayout
+from meshagent.placement.planner import ModelCost, Plan
+from meshagent.placement.service import PlacementService, Snapshot
+from meshagent.serving.local_model import LocalModel
+from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
+from meshagent.serving.split_host import SplitHost, SplitSettings
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class MeshModelSettings:
+    slots: int
+    slot_ctx: int
+    threads: int
+    max_queue: int
+    wire_dtype: str = "f16"
+    headroom: float = 0.1
+    threshold: float = 0.25
+
+
+class MeshModel:
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        model_path: Path,
+        layout: ModelLayout,
+        info: ModelInfo,
+        store: ArtifactStore,
+        overlay: Any,
+        gossip: Snapshot,
+        app: OpenAIApp,
+        settings: MeshModelSettings,
+    ) -> None:
+        self.peer_id = peer_id
+        self.model_path = model_path
+        self.layout = layout
+        self.info = info
+        self.store = store
+        self.overlay = overlay
+        self.app = app
+        self.settings = settings
+        self.cost = ModelCost.from_layout(info.id, layout)
+        self.placement = PlacementService(
+            gossip,
+            self.cost,
+            context_tokens=settings.slots * settings.slot_ctx,
+            take_part=self._take_part,
+            headroom=settings.headroom,
+            threshold=settings.threshold,
+        )
+        self.local: LocalModel | None = None  # what this agent serves, whole or as entry
+        self.split: SplitHost | None = None
+        self._whole: LlamaEngine | None = None
+        self._nursery: trio.Nursery | None = None
+        self._serving_scope: trio.CancelScope | None = None
+        self._served = trio.Event()
+
+    # ----- what the agent wires -----
+
+    def handlers(self) -> dict[str, Any]:
+        return {STAGE_LABEL: self._handle_stage, REPLY_LABEL: self._handle_reply}
+
+    async def _handle_stage(self, stream: Any) -> None:
+        if self.split is None:
+            stream.reset("this agent runs no stage of a split")
+            return
+        await self.split.handle_stage(stream)
+
+    async def _handle_reply(self, stream: Any) -> None:
+        if self.split is None:
+            stream.reset("this agent is not the entry of a split")
+            return
+        await self.split.handle_reply(stream)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.placement.run)
+            task_status.started()
+            await trio.sleep_forever()
+
+    # ----- the router the API asks -----
+
+    def remote_models(self) -> list[RemoteModel]:
+        claim = self.placement.in_force
+        if claim is None or not self.placement.routable or self.local is not None:
+            return []
+        plan = claim.plan
+        if plan.split:
+            entry = plan.stages[0].peer_id
+            stages = tuple((s.peer_id, s.start, s.end) for s in plan.stages)
+            return [
+                RemoteModel(
+                    self.info.id,
+                    entry,
+                    "split",
+                    stages,
+                    self.layout.n_layers,
+                    self.settings.slot_ctx,
+                )
+            ]
+        return [
+            RemoteModel(
+                self.info.id,
+                plan.replicas[0],
+                "whole",
+                (),
+                self.layout.n_layers,
+                self.settings.slot_ctx,
+            )
+        ]
+
+    async def open_stream(self, peer_id: str) -> Any:
+        return await self.overlay.open_stream(peer_id, API_LABEL)
+
+    def receipt(self) -> dict[str, Any]:
+        claim = self.placement.in_force
+        if claim is None:
+            return {"plan": None, "error": self.placement.error}
+        plan = claim.plan
+        return {
+            "epoch": claim.epoch,
+            "proposer": claim.proposer,
+            "routable": self.placement.routable,
+            "replicas": list(plan.replicas),
+            "stages": [[s.peer_id, s.start, s.end] for s in plan.stages],
+            "est_token_ms": round(plan.est_token_ms, 2),
+            "wire_dtype": self.settings.wire_dtype if plan.split else None,
+            "error": self.placement.error,
+        }
+
+    # ----- taking part in a plan -----
+
+    async def _take_part(self, plan: Plan) -> None:
+        assert self._nursery is not None
+        s = self.settings
+        await self._unload()
+        if self.peer_id in plan.replicas:
+            engine = await trio.to_thread.run_sync(
+                lambda: LlamaEngine(
+                    self.model_path, slots=s.slots, slot_ctx=s.slot_ctx, threads=s.threads
+                )
+            )
+            self._whole = engine
+            self.local = LocalModel(engine, max_queue=s.max_queue)
+        elif any(st.peer_id == self.peer_id for st in plan.stages):
+            host = SplitHost(
+                peer_id=self.peer_id,
+                model_path=self.model_path,
+                layout=self.layout,
+                info=self.info,
+                store=self.store,
+                open_stream=self.overlay.open_stream,
+                settings=SplitSettings(
+                    slots=s.slots,
+                    slot_ctx=s.slot_ctx,
+                    threads=s.threads,
+                    max_queue=s.max_queue,
+                    wire_dtype=s.wire_dtype,
+                ),
+            )
+            await host.load(plan)
+            self.split = host
+            self.local = host.model
+        if self.local is not None:
+            scope = trio.CancelScope()
+            self._serving_scope = scope
+            local = self.local
+            served = self._served = trio.Event()
+
+            async def serve(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
+                try:
+                    with scope:
+                        await local.run(task_status=task_status)
+                finally:
+                    served.set()
+
+            await self._nursery.start(serve)
+            self.app.models[:] = [self.local]
+        log.info(
+            "mesh_model.part",
+            whole=self._whole is not None,
+            stage=None if self.split is None else (self.split.part.start, self.split.part.end),
+            entry=self.local is not None,
+        )
+
+    async def _unload(self) -> None:
+        """Stop serving the previous part: requests waiting on it fail with a clear error, and
+        engines are freed only once no computation uses them."""
+        self.app.models[:] = []
+        if self.local is not None:
+            self.local.batcher.abort("the mesh moved this model to a new placement; retry")
+        if self._serving_scope is not None:
+            self._serving_scope.cancel()
+            self._serving_scope = None
+            await self._served.wait()
+        if self._whole is not None:
+            self._whole.close()
+            self._whole = None
+        if self.split is not None:
+            self.split.close()
+            self.split = None
+        self.local = None
+
+    async def aclose(self) -> None:
+        await self._unload()
