@@ -34,6 +34,7 @@ class ModelLayout:
     embedding_bytes: int  # token_embd
     head_bytes: int  # output_norm + output (or tied embeddings)
     other_bytes: int  # any other global tensor
+    tied_embeddings: bool  # the output head is the token embedding matrix
     file_bytes: int
     split_refusal: str | None
 
@@ -138,6 +139,7 @@ def inspect_model(path: Path) -> ModelLayout:
         embedding_bytes=embedding,
         head_bytes=head,
         other_bytes=other,
+        tied_embeddings=tied,
         file_bytes=path.stat().st_size,
         split_refusal=split_refusal(arch, set(r.fields)),
     )

@@ -41,6 +41,7 @@ class ModelCost:
     other_bytes: int  # held by every stage
     kv_bytes_per_token_per_layer: int
     flops_per_layer: float = 0.0  # per token; turns a peer's GFLOP/s into layers per second
+    tied_embeddings: bool = False  # a whole model holds the shared matrix once
 
     @classmethod
     def from_layout(cls, model_id: str, layout: ModelLayout) -> ModelCost:
@@ -53,6 +54,7 @@ class ModelCost:
             other_bytes=layout.other_bytes,
             kv_bytes_per_token_per_layer=layout.kv_bytes_per_token_per_layer,
             flops_per_layer=2.0 * sum(layout.layer_params) / max(layout.n_layers, 1),
+            tied_embeddings=layout.tied_embeddings,
         )
 
     def stage_bytes(self, start: int, end: int, context_tokens: int) -> int:
@@ -63,6 +65,8 @@ class ModelCost:
             total += self.embedding_bytes
         if end == self.n_layers:
             total += self.head_bytes
+            if start == 0 and self.tied_embeddings:
+                total -= self.embedding_bytes
         return total
 
 
