@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from meshagent.gossip.record import PeerRecord
 from meshagent.gossip.state import PeerView
 from meshagent.net.manager import PeerLink
 
@@ -27,9 +28,7 @@ def peer_rows(
                 "name": rec.name if rec else "",
                 "state": view.state.value if view else "connecting",
                 "path": "local" if pid == self_id else (link.path if link else None),
-                "address": link.remote
-                if link
-                else (rec.addresses[0] if rec and rec.addresses else None),
+                "address": _address(link, rec),
                 "rtt_ms": None if rtt is None else round(rtt * 1000, 3),
                 "silent_s": None if view is None else round(view.silent_s, 1),
                 "agent_version": rec.agent_version if rec else None,
@@ -61,3 +60,15 @@ def peer_rows(
         )
     rows.sort(key=lambda r: (not r["self"], r["name"], r["peer_id"]))
     return rows
+
+
+def _address(link: PeerLink | None, rec: PeerRecord | None) -> str | None:
+    """Where the peer is: the address we dialed; for a connection it dialed, its listen
+    address on the same host (the connection's remote end is just an ephemeral port)."""
+    if link is None:
+        return rec.addresses[0] if rec and rec.addresses else None
+    if link.initiator or link.path != "direct" or rec is None:
+        return link.remote
+    host = link.remote.rpartition(":")[0]
+    same_host = [a for a in rec.addresses if a.rpartition(":")[0] == host]
+    return same_host[0] if same_host else link.remote
