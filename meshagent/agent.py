@@ -376,7 +376,8 @@ class Agent:
 
     def _relay_member(self, peer_id: str, relay: str) -> None:
         if self.dialer is not None:
-            self.dialer.offer(peer_id, relays=(relay,), source="relay")
+            # A (re)registration at the relay is a fresh sighting, like an mDNS announcement.
+            self.dialer.offer(peer_id, relays=(relay,), source="relay", renew=True)
 
     async def _relay_dial(self, relay: str, peer_id: str) -> Any:
         client = next(r for r in self.relays if r.name == relay)
