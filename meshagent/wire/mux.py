@@ -35,7 +35,7 @@ from meshagent.wire.frames import (
     PingFrame,
     PongFrame,
     ResetFrame,
-    encode_data,
+    data_header,
     encode_frame,
     new_ping,
 )
@@ -43,6 +43,7 @@ from meshagent.wire.rtt import RttEstimator, RttSnapshot
 from meshagent.wire.settings import StreamSettings
 
 MAX_CREDIT = (1 << 32) - 1
+Payload = bytes | memoryview
 MAX_OUTSTANDING_PINGS = 8
 
 
@@ -116,7 +117,9 @@ class Multiplexer:
         self._next_local_id = 1 if initiator else 2
         self._highest_remote_id = 0
         self._control: list[bytes] = []
-        self._data: deque[bytes] = deque()
+        # DATA frames queue as (header, payload) pairs, so the payload is copied once, by the
+        # record sealer, rather than again into a frame; CLOSE and BYE queue as bytes.
+        self._data: deque[bytes | tuple[bytes, bytes | memoryview]] = deque()
         self._control_bytes = 0
         self._pings: dict[bytes, float] = {}
         self._rtt = RttEstimator()
@@ -165,14 +168,19 @@ class Multiplexer:
     def frames_to_send(self, max_bytes: int = 1 << 20) -> list[bytes]:
         """Queued frames, control first (credit, pong, reset must not wait behind bulk data),
         then DATA/CLOSE/BYE in order, up to about `max_bytes`."""
-        out = self._control
+        return [f if type(f) is bytes else f[0] + f[1] for f in self.frames_to_seal(max_bytes)]
+
+    def frames_to_seal(self, max_bytes: int = 1 << 20) -> list[bytes | tuple[bytes, Payload]]:
+        """`frames_to_send` without joining DATA frames: each is a frame as bytes, or a
+        DATA frame as a (header, payload) pair for the sealer to lay out in one copy."""
+        out: list[bytes | tuple[bytes, Payload]] = self._control  # type: ignore[assignment]
         self._control = []
         self._control_bytes = 0
         size = 0
         data = self._data
         while data and size < max_bytes:
             frame = data.popleft()
-            size += len(frame)
+            size += len(frame) if type(frame) is bytes else len(frame[1])
             out.append(frame)
         return out
 
@@ -220,17 +228,26 @@ class Multiplexer:
         parity = 1 if self.initiator == local else 0
         return sum(1 for s in self._streams.values() if not s.finished and s.id % 2 == parity)
 
-    def send_data(self, stream_id: int, data: bytes | memoryview) -> int:
-        """Queue as much of `data` as credit allows; returns the byte count taken (maybe 0)."""
+    def send_data(self, stream_id: int, data: bytes | bytearray | memoryview) -> int:
+        """Queue as much of `data` as credit allows; returns the byte count taken (maybe 0).
+
+        Slices of an immutable `bytes` object are queued by reference (the sealer copies them
+        once); anything else is copied now, so the caller may reuse its buffer at once.
+        """
         st = self._sendable(stream_id)
         view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        immutable = type(view.obj) is bytes
         total = len(view)
         max_payload = self.remote_settings.max_frame_payload
+        header = data_header(stream_id)
         sent = 0
         queue = self._data
         while sent < total and st.send_frames > 0 and st.send_bytes > 0:
             n = min(total - sent, st.send_bytes, max_payload)
-            queue.append(encode_data(stream_id, view[sent : sent + n]))
+            chunk = view[sent : sent + n]
+            queue.append((header, chunk if immutable else bytes(chunk)))
             st.send_bytes -= n
             st.send_frames -= 1
             sent += n

@@ -25,6 +25,9 @@ _LEN = struct.Struct(">I")
 _NONCE = struct.Struct("<4xQ")
 _MAX_COUNTER = (1 << 64) - 1
 
+# A record's plaintext: bytes-like, or a (head, body) pair to be concatenated.
+Plaintext = bytes | bytearray | memoryview | tuple[bytes, bytes | memoryview]
+
 
 class RecordSealer:
     """Encrypts plaintexts into records, one nonce per record, in order."""
@@ -32,31 +35,61 @@ class RecordSealer:
     def __init__(self, key: bytes) -> None:
         self._aead = ChaCha20Poly1305(key)
         self._counter = 0
+        self._scratch = memoryview(bytearray())
 
     @property
     def records_sealed(self) -> int:
         return self._counter
 
-    def seal_many(self, plaintexts: list[bytes]) -> bytearray:
-        """All records for `plaintexts`, concatenated into one buffer for a single write."""
-        total = sum(len(p) for p in plaintexts) + len(plaintexts) * (HEADER_LEN + TAG_LEN)
-        out = bytearray(total)
+    @staticmethod
+    def sealed_size(frames: list[Plaintext]) -> int:
+        """Bytes that `seal_into` writes for `frames`."""
+        total = len(frames) * (HEADER_LEN + TAG_LEN)
+        for f in frames:
+            total += len(f) if type(f) is not tuple else len(f[0]) + len(f[1])
+        return total
+
+    def seal_into(self, frames: list[Plaintext], out: bytearray) -> int:
+        """Seal one record per frame into `out` (at least `sealed_size(frames)` long) from
+        offset 0, returning the bytes written. A frame is bytes-like, or a (head, body) pair
+        of bytes-likes whose concatenation is the plaintext: it is laid out in a scratch
+        buffer (the one copy its body gets) and encrypted from there."""
         view = memoryview(out)
         pos = 0
         aead = self._aead
-        for plaintext in plaintexts:
-            size = len(plaintext)
+        for frame in frames:
+            pair = type(frame) is tuple
+            size = len(frame[0]) + len(frame[1]) if pair else len(frame)
             if size > MAX_RECORD_PLAINTEXT:
                 raise LocalUsageError(f"record of {size} bytes exceeds {MAX_RECORD_PLAINTEXT}")
             if self._counter >= _MAX_COUNTER:
                 raise LocalUsageError("record counter exhausted; open a new connection")
+            if pair:
+                head, body = frame
+                plaintext = self._scratch_for(size)[:size]
+                plaintext[: len(head)] = head
+                plaintext[len(head) :] = body
+            else:
+                plaintext = frame
             _LEN.pack_into(out, pos, size + TAG_LEN)
-            header = view[pos : pos + HEADER_LEN]
             nonce = _NONCE.pack(self._counter)
             self._counter += 1
             end = pos + HEADER_LEN + size + TAG_LEN
-            aead.encrypt_into(nonce, plaintext, header, view[pos + HEADER_LEN : end])
+            aead.encrypt_into(
+                nonce, plaintext, view[pos : pos + HEADER_LEN], view[pos + HEADER_LEN : end]
+            )
             pos = end
+        return pos
+
+    def _scratch_for(self, size: int) -> memoryview:
+        if len(self._scratch) < size:
+            self._scratch = memoryview(bytearray(max(size, 64 * 1024)))
+        return self._scratch
+
+    def seal_many(self, plaintexts: list[Plaintext]) -> bytearray:
+        """All records for `plaintexts`, concatenated into one buffer for a single write."""
+        out = bytearray(self.sealed_size(plaintexts))
+        self.seal_into(plaintexts, out)
         return out
 
     def seal(self, plaintext: bytes) -> bytes:

@@ -289,3 +289,16 @@ def test_any_interleaving_delivers_every_byte_in_order_within_the_window(
         pump(b, a)
         assert progress or chunk, "stalled although the receiver read everything"
     assert bytes(got) == payload
+
+
+def test_sent_data_is_what_the_buffer_held_at_send_time():
+    a, b, _ = mux_pair()
+    sid = a.open_stream()
+    pump(a, b)
+    mutable, immutable = bytearray(b"before"), b"kept as is"
+    a.send_data(sid, mutable)
+    a.send_data(sid, memoryview(immutable)[5:])
+    mutable[:] = b"AFTER!"  # the caller may reuse its buffer once send_data returns
+    events = pump(a, b)
+    assert [type(e) for e in events] == [DataReceived, DataReceived]
+    assert b.read(sid, 100) == b"before" and b.read(sid, 100) == b"as is"

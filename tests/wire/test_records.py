@@ -100,3 +100,14 @@ def test_arbitrary_bytes_raise_only_protocol_errors(data):
     with contextlib.suppress(ProtocolError):
         reader.receive_data(data)
         read_all(reader)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.binary(max_size=16), st.binary(max_size=3000)), max_size=6))
+def test_head_body_pairs_seal_as_their_concatenation(pairs):
+    joined = RecordSealer(KEY).seal_many([h + b for h, b in pairs])
+    sealer = RecordSealer(KEY)
+    out = bytearray(sealer.sealed_size(pairs) + 7)  # a reused buffer may be larger
+    written = sealer.seal_into([(h, memoryview(b)) for h, b in pairs], out)
+    assert written == len(joined) and out[:written] == joined
+    assert sealer.records_sealed == len(pairs)
