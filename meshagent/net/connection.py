@@ -355,18 +355,35 @@ class Connection:
     async def _reader(self) -> None:
         data, self._leftover = self._leftover, b""
         limit = self.config.max_control_backlog
+        read_size = self.config.read_size
+        records = self._decoder.records
+        # On a socket, receive straight into the record reader's buffer (no per-read bytes
+        # object, no copy); other transports hand us bytes.
+        recv_into = (
+            self._transport.socket.recv_into
+            if isinstance(self._transport, trio.SocketStream)
+            else None
+        )
         try:
             while True:
                 if data:
                     self.bytes_received += len(data)
-                    self._decoder.receive_data(data)
+                    records.receive_data(data)
+                if records.buffered:
                     self._process_frames()
                     if self.is_closed:
                         return
                     while self.mux.control_backlog > limit and not self._dead:
                         await self._flush()  # the peer must read our replies before we read on
-                data = await self._transport.receive_some(self.config.read_size)
-                if not data:
+                if recv_into is not None:
+                    data = b""
+                    n = await recv_into(records.writable(read_size))
+                    records.written(n)
+                    self.bytes_received += n
+                else:
+                    data = await self._transport.receive_some(read_size)
+                    n = len(data)
+                if not n:
                     self._log.info("conn.lost", during="read", error="EOF without BYE")
                     self._abort(ErrorCode.INTERNAL_ERROR, "connection lost: EOF without BYE")
                     return

@@ -251,6 +251,11 @@ class FrameDecoder:
     def __init__(self, reader: RecordReader) -> None:
         self._reader = reader
 
+    @property
+    def records(self) -> RecordReader:
+        """The record reader underneath, for I/O layers that fill its buffer directly."""
+        return self._reader
+
     def receive_data(self, data: bytes) -> None:
         self._reader.receive_data(data)
 

@@ -99,6 +99,10 @@ class RecordSealer:
 class RecordReader:
     """Pure state machine: feed received bytes, take decrypted plaintexts out in order.
 
+    Bytes come in either with `receive_data(data)` or, without that copy, by filling
+    `writable(size)` (e.g. with `socket.recv_into`) and then calling `written(n)`. The
+    buffer is kept and reused; it grows only to hold one whole record.
+
     Raises only ProtocolError: on a length outside 1..MAX (checked before buffering the body,
     so an oversized claim costs no memory) or on a record that fails authentication.
     """
@@ -107,27 +111,60 @@ class RecordReader:
         self._aead = ChaCha20Poly1305(key)
         self._counter = 0
         self._buffer = bytearray()
+        self._start = 0  # unread bytes are self._buffer[self._start : self._end]
+        self._end = 0
         self._max_ciphertext = max_plaintext + TAG_LEN
         self._failed: ProtocolError | None = None
 
     @property
     def buffered(self) -> int:
-        return len(self._buffer)
+        return self._end - self._start
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        n = len(data)
+        self.writable(n)[:n] = data
+        self.written(n)
+
+    def writable(self, size: int) -> memoryview:
+        """Room for at least `size` more bytes (more if the record being received needs it).
+        Fill a prefix, then call `written` with its length before any other call."""
         if self._failed is not None:
             raise self._failed
-        self._buffer += data
+        buf, start, end = self._buffer, self._start, self._end
+        live = end - start
+        if live >= HEADER_LEN:
+            (length,) = _LEN.unpack_from(buf, start)
+            if length <= self._max_ciphertext:  # else next_record raises
+                size = max(size, HEADER_LEN + length - live)
+        if len(buf) - end < size:
+            if live + size > len(buf):
+                # Replace rather than resize: the caller may still hold a view of the old one.
+                new = bytearray(max(live + size, 2 * len(buf)))
+                new[:live] = memoryview(buf)[start:end]
+                self._buffer = buf = new
+            elif live:
+                view = memoryview(buf)
+                view[:live] = view[start:end]  # at most one partial record
+                view.release()
+            self._start, self._end = 0, live
+            end = live
+        return memoryview(buf)[end:]
+
+    def written(self, n: int) -> None:
+        """`n` bytes were placed at the start of the last `writable` buffer."""
+        if not 0 <= n <= len(self._buffer) - self._end:
+            raise ValueError(f"wrote {n} bytes into a buffer of {len(self._buffer) - self._end}")
+        self._end += n
 
     def next_record(self) -> bytearray | None:
         """The next plaintext, or None when more bytes are needed. The caller owns the
         returned buffer (it may trim it in place, as the frame decoder does for DATA)."""
         if self._failed is not None:
             raise self._failed
-        buf = self._buffer
-        if len(buf) < HEADER_LEN:
+        buf, start = self._buffer, self._start
+        if self._end - start < HEADER_LEN:
             return None
-        (length,) = _LEN.unpack_from(buf)
+        (length,) = _LEN.unpack_from(buf, start)
         if length > self._max_ciphertext:
             self._fail(
                 f"record of {length} bytes exceeds the maximum {self._max_ciphertext}",
@@ -135,23 +172,27 @@ class RecordReader:
             )
         if length < TAG_LEN:
             self._fail(f"record of {length} bytes is shorter than its tag")
-        end = HEADER_LEN + length
-        if len(buf) < end:
+        body = start + HEADER_LEN
+        end = body + length
+        if self._end < end:
             return None
-        view = memoryview(buf)
         plaintext = bytearray(length - TAG_LEN)
+        view = memoryview(buf)
         try:
             self._aead.decrypt_into(
-                _NONCE.pack(self._counter), view[HEADER_LEN:end], view[:HEADER_LEN], plaintext
+                _NONCE.pack(self._counter), view[body:end], view[start:body], plaintext
             )
         except InvalidTag:
-            view.release()
             self._fail(
                 "record failed authentication (tampered, replayed, reordered or plaintext data)"
             )
-        view.release()
-        del buf[:end]
+        finally:
+            view.release()
         self._counter += 1
+        if end == self._end:
+            self._start = self._end = 0
+        else:
+            self._start = end
         return plaintext
 
     def _fail(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL_ERROR) -> None:

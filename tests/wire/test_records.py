@@ -111,3 +111,27 @@ def test_head_body_pairs_seal_as_their_concatenation(pairs):
     written = sealer.seal_into([(h, memoryview(b)) for h, b in pairs], out)
     assert written == len(joined) and out[:written] == joined
     assert sealer.records_sealed == len(pairs)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.binary(max_size=3000), max_size=8), st.data())
+def test_records_round_trip_when_received_into_the_readers_buffer(plaintexts, data):
+    wire = RecordSealer(KEY).seal_many(plaintexts)
+    reader = RecordReader(KEY)
+    got, pos = [], 0
+    while pos < len(wire):
+        room = reader.writable(data.draw(st.integers(1, 4096)))
+        n = min(len(room), data.draw(st.integers(1, max(1, len(wire) - pos))))
+        room[:n] = wire[pos : pos + n]
+        reader.written(n)
+        pos += n
+        got.extend(read_all(reader))
+    assert got == plaintexts and reader.buffered == 0
+
+
+def test_an_oversized_length_does_not_grow_the_receive_buffer():
+    reader = RecordReader(KEY, max_plaintext=1024)
+    reader.receive_data((1 << 30).to_bytes(HEADER_LEN, "big"))
+    assert len(reader.writable(64)) < 1 << 20
+    with pytest.raises(ProtocolError):
+        reader.next_record()
