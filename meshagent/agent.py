@@ -15,6 +15,7 @@ import structlog
 import trio
 
 from meshagent import __version__
+from meshagent.api import forwarding
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.api.server import run_http
@@ -23,7 +24,8 @@ from meshagent.discovery import addresses, probe
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
 from meshagent.discovery.mdns import MdnsDiscovery, Sighting
 from meshagent.discovery.mesh_view import peer_rows
-from meshagent.engine.llama import LlamaEngine
+from meshagent.engine.llama import read_model_info
+from meshagent.errors import ConfigError
 from meshagent.gossip import capacity
 from meshagent.gossip import service as gossip_service
 from meshagent.gossip.config import GossipConfig
@@ -35,6 +37,7 @@ from meshagent.identity.mesh_file import load_or_create_mesh
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.default import resolve_model
+from meshagent.models.layout import inspect_model
 from meshagent.net.address import Address
 from meshagent.net.errors import DialError
 from meshagent.net.manager import ConnectionManager
@@ -42,6 +45,7 @@ from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport
 from meshagent.relay.client import RelayClient
 from meshagent.serving.local_model import LocalModel
+from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
 from meshagent.wire.handshake import LocalPeer
 
 log = structlog.get_logger(__name__)
@@ -51,6 +55,23 @@ log = structlog.get_logger(__name__)
 _HTTP_GRACE_MARGIN = 3.0
 
 StreamHandler = Callable[[MeshStream], Awaitable[None]]
+
+_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in `text` such as "300M", "1.5G", "512MiB"; 0 for an empty string."""
+    t = text.strip().upper().removesuffix("B")
+    if not t:
+        return 0
+    num = t.rstrip("KMGTI")
+    unit = t[len(num) :]
+    if unit not in _UNITS:
+        raise ConfigError(f"size {text!r} must look like 300M, 1.5G or 512MiB")
+    try:
+        return int(float(num) * _UNITS[unit])
+    except ValueError:
+        raise ConfigError(f"size {text!r} must look like 300M, 1.5G or 512MiB") from None
 
 
 class Agent:
@@ -65,7 +86,8 @@ class Agent:
         self.api_url = ""
         self.identity: NodeIdentity | None = None
         self.mesh: MeshSecret | None = None
-        self.model: LocalModel | None = None
+        self.mesh_model: MeshModel | None = None
+        self.info: Any = None  # the configured model's ModelInfo
         self.overlay: ConnectionManager | None = None
         self.gossip: GossipService | None = None
         self.dialer: PeerDialer | None = None
@@ -85,12 +107,17 @@ class Agent:
         self._stop.set()
 
     @property
+    def model(self) -> LocalModel | None:
+        """What this agent serves itself now (whole, or as the entry of a split)."""
+        return self.mesh_model.local if self.mesh_model is not None else None
+
+    @property
     def overlay_addresses(self) -> list[str]:
         return [str(a) for a in self.overlay.listen_addresses] if self.overlay else []
 
     def status(self) -> dict[str, Any]:
-        assert self.identity is not None and self.model is not None and self.mesh is not None
-        stats = self.model.batcher.stats()
+        assert self.identity is not None and self.mesh is not None and self.info is not None
+        model = self.model
         peers = []
         if self.overlay is not None:
             for link in self.overlay.links():
@@ -117,12 +144,15 @@ class Agent:
             "in_flight": len(self.inflight),
             "models": [
                 {
-                    "id": self.model.info.id,
-                    "path": self.model.info.path,
-                    "layers": [0, self.model.info.n_layers],
-                    "slots": asdict(stats),
+                    "id": model.info.id,
+                    "path": model.info.path,
+                    "layers": self._local_layers(),
+                    "slots": asdict(model.batcher.stats()),
                 }
-            ],
+            ]
+            if model is not None
+            else [],
+            "placement": {self.info.id: self.mesh_model.receipt() if self.mesh_model else None},
             "artifacts": [m.to_dict() for m in self.store.all()],
             "peers": peers,
             "advertised": self._advertised(),
@@ -184,6 +214,18 @@ class Agent:
         seconds = float(body.get("seconds", 0.0))
         return await probe.probe(self.overlay, matches[0], total=total, seconds=seconds)
 
+    def _serving(self, sha256: str = "") -> tuple[Serving, ...]:
+        if self.model is None:
+            return ()
+        a, b = self._local_layers()
+        return (Serving(self.info.id, sha256, a, b, self.info.n_layers),)
+
+    def _local_layers(self) -> list[int]:
+        mm = self.mesh_model
+        if mm is not None and mm.split is not None and mm.split.part is not None:
+            return [mm.split.part.start, mm.split.part.end]
+        return [0, self.info.n_layers]
+
     def _advertised(self) -> list[str]:
         return addresses.advertised(self.overlay.listen_addresses) if self.overlay else []
 
@@ -198,12 +240,14 @@ class Agent:
         }
 
     def _static_fields(self, sha256: str = "") -> dict[str, Any]:
-        assert self.model is not None
-        info = self.model.info
+        info = self.info
         gib = 1 << 30
         weights, kv = capacity.memory_budget(
             int(self.config.mem_weights_gib * gib), int(self.config.mem_kv_gib * gib)
         )
+        cap = parse_size(self.config.max_memory)
+        if cap and weights + kv > cap:
+            weights, kv = int(cap * capacity.WEIGHTS_SHARE), cap - int(cap * capacity.WEIGHTS_SHARE)
         return {
             "name": self.config.name or os.uname().nodename,
             "agent_version": __version__,
@@ -212,16 +256,16 @@ class Agent:
             "models": (
                 ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),
             ),
-            "serving": (Serving(info.id, sha256, 0, info.n_layers, info.n_layers),),
+            "serving": self._serving(sha256),
         }
 
     async def _measure(self) -> None:
         """Measured once at start, off the event loop: compute speed, the model's hash."""
-        assert self.gossip is not None and self.model is not None
+        assert self.gossip is not None and self.info is not None
         speed = await trio.to_thread.run_sync(capacity.matmul_gflops)
         self.gossip.update_local(compute_speed=speed, compute_unit=capacity.COMPUTE_UNIT)
         log.info("agent.measured", compute_speed=speed, unit=capacity.COMPUTE_UNIT)
-        path = self.model.info.path
+        path = self.info.path
         sha = await trio.to_thread.run_sync(lambda: self.store.source_sha256(Path(path)))
         self.gossip.update_local(**self._static_fields(sha))
 
@@ -248,13 +292,9 @@ class Agent:
             data_dir=str(self.data_dir.root),
         )
         path = resolve_model(cfg.model)
-        engine = await trio.to_thread.run_sync(
-            lambda: LlamaEngine(path, slots=cfg.slots, slot_ctx=cfg.ctx_size, threads=cfg.threads)
-        )
-        self.model = LocalModel(engine, max_queue=cfg.max_queue)
-        app = OpenAIApp(
-            [self.model], self.inflight, self.status, peers=self.peers, probe=self.probe
-        )
+        layout = await trio.to_thread.run_sync(inspect_model, path)
+        self.info = await trio.to_thread.run_sync(read_model_info, path)
+        app = OpenAIApp([], self.inflight, self.status, peers=self.peers, probe=self.probe)
         self.overlay = ConnectionManager(
             LocalPeer.create(self.identity, self.mesh),
             TcpTransport(),
@@ -273,6 +313,28 @@ class Agent:
             local_fields=self._dynamic_fields,
         )
         self._handlers[gossip_service.LABEL] = self.gossip.handle
+        self.mesh_model = MeshModel(
+            peer_id=self.identity.peer_id,
+            model_path=path,
+            layout=layout,
+            info=self.info,
+            store=self.store,
+            overlay=self.overlay,
+            gossip=self.gossip,
+            app=app,
+            settings=MeshModelSettings(
+                slots=cfg.slots,
+                slot_ctx=cfg.ctx_size,
+                threads=cfg.threads,
+                max_queue=cfg.max_queue,
+                wire_dtype=cfg.wire_dtype,
+            ),
+        )
+        app.router = self.mesh_model
+        self._handlers.update(self.mesh_model.handlers())
+        self._handlers[forwarding.LABEL] = lambda s: forwarding.serve_forwarded(
+            s, app, peer_id=s.peer_id
+        )
         self.relays = [
             RelayClient(
                 address,
@@ -293,11 +355,11 @@ class Agent:
         )
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.model.run)
                 await nursery.start(self.overlay.run)
                 self.gossip.update_local(**self._static_fields())
                 await nursery.start(self.gossip.run)
                 await nursery.start(self.dialer.run)
+                await nursery.start(self.mesh_model.run)
                 for relay in self.relays:
                     await nursery.start(relay.run)
                 self._start_mdns(nursery)
@@ -319,7 +381,7 @@ class Agent:
                     "agent.ready",
                     api=self.api_url,
                     overlay=self.overlay_addresses,
-                    model=self.model.info.id,
+                    model=self.info.id,
                 )
                 task_status.started(self.api_url)
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -330,7 +392,9 @@ class Agent:
                 nursery.cancel_scope.cancel()
         finally:
             self.data_dir.run_path.unlink(missing_ok=True)
-            engine.close()
+            if self.mesh_model is not None:
+                with trio.CancelScope(shield=True):
+                    await self.mesh_model.aclose()
         log.info("agent.stopped")
 
     def _start_mdns(self, nursery: trio.Nursery) -> None:
@@ -400,8 +464,8 @@ class Agent:
             self._stop.set()
 
     async def _drain(self) -> None:
-        assert self.model is not None
-        self.model.batcher.close()
+        if self.model is not None:
+            self.model.batcher.close()
         self.inflight.draining = True
         self._stop_accepting.set()
         stopped = await self.inflight.drain(self.config.grace)

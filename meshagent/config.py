@@ -42,6 +42,8 @@ class AgentConfig:
     upgrade_interval: float = 5.0  # seconds between direct attempts to a relayed peer
     mem_weights_gib: float = 0.0  # memory offered for model weights; 0: measured
     mem_kv_gib: float = 0.0  # memory offered for KV cache; 0: measured
+    max_memory: str = ""  # cap on all memory offered (weights + KV), e.g. "300M"; "": none
+    wire_dtype: str = "f16"  # activations between stages: f16 or f32
 
     def merged(self, overrides: dict[str, Any]) -> AgentConfig:
         known = {f.name for f in fields(self)}
@@ -77,6 +79,8 @@ class AgentConfig:
                 "gossip timers must satisfy 0 < gossip_interval < suspect_after < dead_after "
                 f"(got {self.gossip_interval}, {self.suspect_after}, {self.dead_after})"
             )
+        if self.wire_dtype not in ("f16", "f32"):
+            raise ConfigError("wire-dtype must be f16 or f32")
         if self.upgrade_interval <= 0 or self.mem_weights_gib < 0 or self.mem_kv_gib < 0:
             raise ConfigError("upgrade_interval must be > 0 and memory sizes >= 0")
 

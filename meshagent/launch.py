@@ -40,8 +40,11 @@ class AgentProcess:
             return self.proc.wait()
 
 
-def start_agent(data_dir: Path, *args: str, timeout: float = 60.0) -> AgentProcess:
-    """Run `meshagent up` with `data_dir` on free loopback ports; return once /health answers."""
+def start_agent(
+    data_dir: Path, *args: str, timeout: float = 60.0, wait_model: bool = True
+) -> AgentProcess:
+    """Run `meshagent up` with `data_dir` on free loopback ports; return once /health answers
+    (and, with `wait_model`, once the API lists a model it can serve)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     run_file = data_dir / "agent.json"
     run_file.unlink(missing_ok=True)
@@ -60,7 +63,10 @@ def start_agent(data_dir: Path, *args: str, timeout: float = 60.0) -> AgentProce
         if run_file.exists():
             url = json.loads(run_file.read_text())["api"]
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                healthy = httpx.get(f"{url}/health", timeout=2).status_code == 200
+                if healthy and (
+                    not wait_model or httpx.get(f"{url}/v1/models", timeout=2).json()["data"]
+                ):
                     agent.url = url
                     return agent
             except httpx.HTTPError:

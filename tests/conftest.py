@@ -25,8 +25,8 @@ def spawn_agent(tmp_path: Path) -> Iterator:
     """Start real agent processes; each is stopped (and its log shown on failure) at the end."""
     started: list[AgentProcess] = []
 
-    def spawn(*args: str, name: str = "agent") -> AgentProcess:
-        agent = start_agent(tmp_path / name, *args)
+    def spawn(*args: str, name: str = "agent", wait_model: bool = True) -> AgentProcess:
+        agent = start_agent(tmp_path / name, *args, wait_model=wait_model)
         started.append(agent)
         return agent
 

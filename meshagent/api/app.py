@@ -348,10 +348,11 @@ class OpenAIApp:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
                     nursery.start_soon(produce)
+                    receipt = model.receipt() if model.receipt is not None else []
                     if stream:
-                        await _stream(ex, events, reply, include_usage, echo)
+                        await _stream(ex, events, reply, include_usage, echo, receipt)
                     else:
-                        await _whole(ex, events, reply, echo)
+                        await _whole(ex, events, reply, echo, receipt)
                     nursery.cancel_scope.cancel()
             if grace.cancelled_caught:
                 await self._stopped_by_shutdown(ex)
@@ -389,6 +390,7 @@ async def _stream(
     reply: Reply,
     include_usage: bool,
     echo: str,
+    receipt: list[tuple[bytes, bytes]],
 ) -> None:
     async for ev in events:
         if isinstance(ev, Failed):
@@ -399,7 +401,7 @@ async def _stream(
                 await ex.end()
             return
         if not ex.started:
-            await ex.start_sse()
+            await ex.start_sse(receipt)
             opening = reply.opening()
             if opening is not None:
                 await ex.send_event(opening)
@@ -421,6 +423,7 @@ async def _whole(
     events: trio.MemoryReceiveChannel[Delta | Finished | Failed],
     reply: Reply,
     echo: str,
+    receipt: list[tuple[bytes, bytes]],
 ) -> None:
     parts = [echo]
     async for ev in events:
@@ -430,7 +433,7 @@ async def _whole(
         if isinstance(ev, Delta):
             parts.append(ev.text)
         else:
-            await ex.send_json(200, reply.whole("".join(parts), ev))
+            await ex.send_json(200, reply.whole("".join(parts), ev), receipt)
             return
 
 

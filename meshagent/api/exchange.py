@@ -79,8 +79,8 @@ class Exchange:
     async def send_error(self, err: ApiError) -> None:
         await self.send_json(err.status, err.body())
 
-    async def start_sse(self) -> None:
-        await self._start(200, SSE_HEADERS)
+    async def start_sse(self, headers: list | None = None) -> None:
+        await self._start(200, SSE_HEADERS + (headers or []))
 
     async def send_event(self, payload: Any) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload)

@@ -23,6 +23,7 @@ log = structlog.get_logger(__name__)
 LABEL = "api/1"
 VERSION = 1
 MAX_HEAD = 16 * 1024 * 1024  # a request body is at most 8 MiB
+_LINGER = 30.0  # seconds the serving side waits for the asker to close after the response
 _LEN = struct.Struct(">I")
 
 
@@ -127,5 +128,10 @@ async def serve_forwarded(stream: Any, app: Any, *, peer_id: str) -> None:
 
     try:
         await app(scope, receive, send)
+        # Let the asker read everything and close its side first: closing a stream whose
+        # peer still sends resets it, and a reset drops what is still in flight.
+        with trio.move_on_after(_LINGER):
+            while await stream.receive_some():
+                pass
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         log.info("forward.asker_gone", peer=peer_id, path=path)

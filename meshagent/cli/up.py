@@ -58,6 +58,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--threads", type=int, help="compute threads (default: one per core)")
     p.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="cap on the memory this agent offers the mesh for weights and KV cache, e.g. "
+        "300M or 1.5G (default: what the system has available, less 1 GiB)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        choices=("f16", "f32"),
+        help="activations between the stages of a split (default f16)",
+    )
+    p.add_argument(
         "--grace",
         type=float,
         help=f"seconds in-flight requests get to finish on shutdown (default {d.grace})",
@@ -88,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             "slots",
             "max_queue",
             "threads",
+            "max_memory",
+            "wire_dtype",
             "grace",
             "log_level",
             "mdns",
@@ -114,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(agent.run)
-            print(f"meshagent: serving {agent.model.info.id} at {url}/v1", file=sys.stderr)
+            print(f"meshagent: serving {agent.info.id} at {url}/v1", file=sys.stderr)
 
     trio.run(main)
     return 0

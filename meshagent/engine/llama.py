@@ -96,3 +96,26 @@ class LlamaEngine:
 
     def close(self) -> None:
         self.runtime.close()
+
+
+def read_model_info(path: Path) -> ModelInfo:
+    """A model's serving facts without loading its weights (vocabulary only)."""
+    from meshagent.models.layout import inspect_model
+
+    layout = inspect_model(path)
+    vocab = Vocab.load(path)
+    try:
+        return ModelInfo(
+            id=model_id_for(path),
+            path=str(path),
+            architecture=layout.architecture,
+            n_layers=layout.n_layers,
+            n_vocab=vocab.n_vocab,
+            n_ctx_train=layout.context_length,
+            size_bytes=layout.file_bytes,
+            chat_template=vocab.chat_template(),
+            bos_token=vocab.bos_token,
+            eos_token=vocab.eos_token,
+        )
+    finally:
+        vocab.close()

@@ -98,17 +98,24 @@ class PlacementService:
         *,
         context_tokens: int,
         take_part: Callable[[Plan], Awaitable[None]],
+        release: Callable[[], Awaitable[None]] | None = None,
         headroom: float = 0.1,
         threshold: float = 0.25,
         tick: float = 1.0,
+        settle: float = 2.0,
     ) -> None:
         self.gossip = gossip
         self.cost = cost
         self.context_tokens = context_tokens
         self._take_part = take_part  # load this agent's part of a plan (may take a while)
+        self._release = release  # stop serving the part of a plan no longer in force
         self.headroom = headroom
         self.threshold = threshold
         self.tick = tick
+        # A plan must stay in force this long before agents load their parts, so that rival
+        # proposals made at the same moment are resolved before anyone loads the loser.
+        self.settle = settle
+        self._seen: tuple[str, float] | None = None  # (digest of the plan in force, since)
         self.in_force: Claim | None = None
         self.mine: Claim | None = None
         self.routable = False
@@ -148,12 +155,26 @@ class PlacementService:
         ):
             winner = Claim(self.cost.model_id, next_epoch(claims), me, candidate, ready=False)
             log.info("placement.propose", epoch=winner.epoch, peers=list(candidate.peers))
+        now = trio.current_time()
+        if winner is not None:
+            digest = plan_digest(winner.plan)
+            if self._seen is None or self._seen[0] != digest:
+                self._seen = (digest, now)
         if winner is not None and not self._follows(winner):
-            self._publish(Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, False))
-            if me in winner.plan.peers:
-                await self._take_part(winner.plan)
-            self._publish(Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, True))
-            claims[me] = self.mine  # type: ignore[assignment]
+            pending = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, False)
+            if self.mine != pending:
+                if self.mine is not None and self.mine.ready and self._release is not None:
+                    # The plan this agent serves is no longer in force: stop serving it now,
+                    # not after the settling time (its peers may be gone).
+                    await self._release()
+                self._publish(pending)
+            assert self._seen is not None
+            if now - self._seen[1] >= self.settle:
+                if me in winner.plan.peers:
+                    await self._take_part(winner.plan)
+                ready = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, True)
+                self._publish(ready)
+                claims[me] = ready
         self.in_force = winner
         alive = {pid for pid, v in views.items() if str(v.state) != DEAD}
         was = self.routable
@@ -166,6 +187,14 @@ class PlacementService:
             )
         self.changed.set()
         self.changed = trio.Event()
+
+    def _next_wake(self) -> float:
+        """Seconds until the next decision is due even without a gossip change."""
+        if self._seen is not None and not (self.mine is not None and self.mine.ready):
+            waited = trio.current_time() - self._seen[1]
+            if waited < self.settle:
+                return min(self.tick, max(self.settle - waited, 0.01))
+        return self.tick
 
     def _follows(self, winner: Claim) -> bool:
         m = self.mine
@@ -182,5 +211,5 @@ class PlacementService:
         while True:
             seen = self.gossip.generation
             await self.step()
-            with trio.move_on_after(self.tick):
+            with trio.move_on_after(self._next_wake()):
                 await self.gossip.wait_changed(seen)

@@ -69,6 +69,7 @@ class MeshModel:
             self.cost,
             context_tokens=settings.slots * settings.slot_ctx,
             take_part=self._take_part,
+            release=self._unload,
             headroom=settings.headroom,
             threshold=settings.threshold,
         )
@@ -140,7 +141,13 @@ class MeshModel:
     def receipt(self) -> dict[str, Any]:
         claim = self.placement.in_force
         if claim is None:
-            return {"plan": None, "error": self.placement.error}
+            return {
+                "epoch": None,
+                "routable": False,
+                "replicas": [],
+                "stages": [],
+                "error": self.placement.error,
+            }
         plan = claim.plan
         return {
             "epoch": claim.epoch,
@@ -167,6 +174,8 @@ class MeshModel:
             )
             self._whole = engine
             self.local = LocalModel(engine, max_queue=s.max_queue)
+            here = [(b"x-meshagent-stages", f"{self.peer_id}:0-{self.layout.n_layers}".encode())]
+            self.local.receipt = lambda: here
         elif any(st.peer_id == self.peer_id for st in plan.stages):
             host = SplitHost(
                 peer_id=self.peer_id,
@@ -186,6 +195,13 @@ class MeshModel:
             await host.load(plan)
             self.split = host
             self.local = host.model
+            if self.local is not None:
+                stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
+                receipt = [
+                    (b"x-meshagent-stages", stages.encode()),
+                    (b"x-meshagent-wire-dtype", s.wire_dtype.encode()),
+                ]
+                self.local.receipt = lambda: receipt
         if self.local is not None:
             scope = trio.CancelScope()
             self._serving_scope = scope

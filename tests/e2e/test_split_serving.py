@@ -90,10 +90,10 @@ def reference(model_path):
 
 
 def test_three_small_agents_serve_a_split(spawn_agent, model_id, reference):
-    a = spawn_agent(*SMALL, "--wire-dtype", "f32", name="a")
+    a = spawn_agent(*SMALL, "--wire-dtype", "f32", name="a", wait_model=False)
     token = _invite(a)
-    b = spawn_agent(*SMALL, "--wire-dtype", "f32", "--join", token, name="b")
-    c = spawn_agent(*SMALL, "--wire-dtype", "f32", "--join", token, name="c")
+    b = spawn_agent(*SMALL, "--wire-dtype", "f32", "--join", token, name="b", wait_model=False)
+    c = spawn_agent(*SMALL, "--wire-dtype", "f32", "--join", token, name="c", wait_model=False)
     agents = [a, b, c]
 
     def routable():
@@ -106,7 +106,30 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id, reference):
     assert {s[0] for s in placement["stages"]} == ids
     # A request to any of the three agents is served by the split, with a receipt.
     for x in agents:
-        r = _chat(x, model_id)
+        try:
+            r = _chat(x, model_id)
+        except AssertionError:
+            for y in agents:
+                print("----", y.data_dir.name)
+                print(
+                    "\n".join(
+                        line
+                        for line in y.log_text().splitlines()
+                        if any(
+                            k in line
+                            for k in (
+                                "placement.",
+                                "mesh_model",
+                                "split.",
+                                "stage.",
+                                "handler_",
+                                "pipeline.",
+                                "conn.closed",
+                            )
+                        )
+                    )
+                )
+            raise
         assert r.json()["choices"][0]["message"]["content"] == reference
         stages = r.headers["x-meshagent-stages"].split(",")
         assert len(stages) == 3
