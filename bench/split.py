@@ -1,0 +1,158 @@
+"""Split serving vs one agent: decode tokens/s through the API, and aggregate tokens/s with
+several concurrent requests.
+
+Three agent processes on loopback, each offering too little memory to hold SmolLM2 alone, agree
+on a three-stage split; one agent with enough memory serves it whole. Every agent runs llama.cpp
+with one thread, so that the split (three processes) and the single agent use the same compute
+per token and the difference is the cost of splitting. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+from meshagent.launch import start_agent
+
+PROMPT = "1, 2, 3, 4, 5, 6,"  # a greedy model keeps counting: every request runs to max_tokens
+SMALL = ["--max-memory", "80M", "--slots", "4", "--ctx-size", "512", "--threads", "1"]
+BIG = ["--slots", "4", "--ctx-size", "512", "--threads", "1"]
+
+
+async def one_stream(url: str, model: str, max_tokens: int) -> list[float]:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    arrivals = []
+    async with (
+        httpx.AsyncClient(timeout=300) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as r,
+    ):
+        async for line in r.aiter_lines():
+            data = line.startswith("data: ") and line != "data: [DONE]"
+            if data and json.loads(line[6:])["choices"][0]["text"]:
+                arrivals.append(time.perf_counter())
+    return arrivals
+
+
+async def measure(url: str, model: str, max_tokens: int, concurrent: int) -> float:
+    """Decode tokens/s: one request alone, or the aggregate of `concurrent` requests."""
+    results: list[list[float]] = []
+
+    async def run() -> None:
+        results.append(await one_stream(url, model, max_tokens))
+
+    async with trio.open_nursery() as n:
+        for _ in range(concurrent):
+            n.start_soon(run)
+    first = min(r[0] for r in results)
+    last = max(r[-1] for r in results)
+    tokens = sum(len(r) for r in results) - concurrent
+    return tokens / (last - first)
+
+
+def wait_routable(agents, model: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if all(
+                httpx.get(f"{a.url}/control/status").json()["placement"][model]["routable"]
+                for a in agents
+            ):
+                return
+        except (httpx.HTTPError, KeyError, TypeError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the split did not become routable")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/split.json"))
+    args = ap.parse_args()
+    model = "SmolLM2-135M-Instruct.Q4_1"
+    rows: dict[str, list[float]] = {"single 1": [], "single N": [], "split 1": [], "split N": []}
+    with tempfile.TemporaryDirectory(prefix="meshagent-bench-") as tmp:
+        root = Path(tmp)
+        a = start_agent(root / "a", *SMALL, "--wire-dtype", "f16", wait_model=False)
+        token = subprocess.run(
+            [sys.executable, "-m", "meshagent", "invite", "--data-dir", str(root / "a")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        b = start_agent(root / "b", *SMALL, "--join", token, wait_model=False)
+        c = start_agent(root / "c", *SMALL, "--join", token, wait_model=False)
+        split = [a, b, c]
+        wait_routable(split, model)
+        stages = httpx.get(f"{a.url}/control/status").json()["placement"][model]["stages"]
+        entry = next(
+            x
+            for x in split
+            if httpx.get(f"{x.url}/control/status").json()["peer_id"] == stages[0][0]
+        )
+        single = start_agent(root / "single", *BIG)  # a mesh of its own
+        trio.run(measure, entry.url, model, 8, 1)  # warm up both
+        trio.run(measure, single.url, model, 8, 1)
+        for _ in range(args.rounds):
+            rows["single 1"].append(trio.run(measure, single.url, model, args.max_tokens, 1))
+            rows["split 1"].append(trio.run(measure, entry.url, model, args.max_tokens, 1))
+            rows["single N"].append(
+                trio.run(measure, single.url, model, args.max_tokens, args.concurrent)
+            )
+            rows["split N"].append(
+                trio.run(measure, entry.url, model, args.max_tokens, args.concurrent)
+            )
+        for x in [*split, single]:
+            x.stop()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    overhead_ms = 1000 / med["split 1"] - 1000 / med["single 1"]
+    print(f"{'run':<34}{'decode tok/s (median)':>22}")
+    for k, v in med.items():
+        label = k.replace(" N", f" x{args.concurrent} concurrent (aggregate)").replace(
+            " 1", ", one request"
+        )
+        print(f"{label:<34}{v:>22.1f}")
+    print(f"split / single, one request: {med['split 1'] / med['single 1']:.3f} (goal >= 0.85)")
+    print(f"per-token overhead of the split: {overhead_ms:.2f} ms")
+    print(
+        f"split, {args.concurrent} concurrent vs 1: {med['split N'] / med['split 1']:.2f}x "
+        "(goal >= 2.0)"
+    )
+    result = {
+        "benchmark": "split",
+        "model": model,
+        "stages": stages,
+        "max_tokens": args.max_tokens,
+        "rounds": rows,
+        "median_tok_s": med,
+        "split_vs_single": med["split 1"] / med["single 1"],
+        "overhead_ms_per_token": overhead_ms,
+        "concurrency_gain": med["split N"] / med["split 1"],
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
