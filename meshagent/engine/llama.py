@@ -10,7 +10,7 @@ import structlog
 
 from meshagent.engine.base import ForwardItem, ModelInfo
 from meshagent.engine.runtime import LlamaRuntime
-from meshagent.engine.vocab import Vocab
+from meshagent.engine.vocab import Vocab, VocabDelegate
 
 log = structlog.get_logger(__name__)
 
@@ -20,7 +20,7 @@ def model_id_for(path: Path) -> str:
     return path.name.removesuffix(".gguf")
 
 
-class LlamaEngine:
+class LlamaEngine(VocabDelegate):
     """Implements `Engine` on llama.cpp. Each slot is one llama.cpp sequence."""
 
     def __init__(
@@ -67,15 +67,6 @@ class LlamaEngine:
             slot_ctx=slot_ctx,
             threads=rt.threads,
         )
-
-    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        return self.vocab.tokenize(text, add_bos=add_bos)
-
-    def token_bytes(self, token: int) -> bytes:
-        return self.vocab.token_bytes(token)
-
-    def is_end_of_generation(self, token: int) -> bool:
-        return self.vocab.is_end_of_generation(token)
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
         return self.runtime.decode_tokens(

@@ -17,14 +17,14 @@ from meshagent.engine.base import ForwardItem, ModelInfo
 from meshagent.engine.llama import model_id_for
 from meshagent.engine.runtime import EmbdItem
 from meshagent.engine.stage import WIRE_DTYPES, StageEngine
-from meshagent.engine.vocab import Vocab
+from meshagent.engine.vocab import Vocab, VocabDelegate
 from meshagent.errors import EngineError, ModelError
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.layout import inspect_model
 from meshagent.models.slicer import TokenEmbeddings
 
 
-class StagedEngine:
+class StagedEngine(VocabDelegate):
     def __init__(
         self,
         model: Path,
@@ -78,15 +78,6 @@ class StagedEngine:
             bos_token=self.vocab.bos_token,
             eos_token=self.vocab.eos_token,
         )
-
-    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        return self.vocab.tokenize(text, add_bos=add_bos)
-
-    def token_bytes(self, token: int) -> bytes:
-        return self.vocab.token_bytes(token)
-
-    def is_end_of_generation(self, token: int) -> bool:
-        return self.vocab.is_end_of_generation(token)
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
         hidden = [self.embed(list(it.tokens)) for it in items]

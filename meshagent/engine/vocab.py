@@ -69,3 +69,18 @@ class Vocab:
         if self._owned and self._model:
             llama_cpp.llama_model_free(self._model)
             self._model = None
+
+
+class VocabDelegate:
+    """The tokenizer half of the `Engine` interface, answered by a `Vocab`."""
+
+    vocab: Vocab
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        return self.vocab.tokenize(text, add_bos=add_bos)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.vocab.token_bytes(token)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return self.vocab.is_end_of_generation(token)

@@ -83,19 +83,18 @@ class MeshModel:
     # ----- what the agent wires -----
 
     def handlers(self) -> dict[str, Any]:
-        return {STAGE_LABEL: self._handle_stage, REPLY_LABEL: self._handle_reply}
+        """Stage and reply streams go to the split host of the moment (SplitHost refuses the
+        kind it does not serve)."""
 
-    async def _handle_stage(self, stream: Any) -> None:
-        if self.split is None:
-            stream.reset("this agent runs no stage of a split")
-            return
-        await self.split.handle_stage(stream)
+        async def to_split(stream: Any) -> None:
+            if self.split is None:
+                stream.reset("this agent runs no part of a split")
+            elif stream.label.startswith(STAGE_LABEL):
+                await self.split.handle_stage(stream)
+            else:
+                await self.split.handle_reply(stream)
 
-    async def _handle_reply(self, stream: Any) -> None:
-        if self.split is None:
-            stream.reset("this agent is not the entry of a split")
-            return
-        await self.split.handle_reply(stream)
+        return {STAGE_LABEL: to_split, REPLY_LABEL: to_split}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:

@@ -20,7 +20,7 @@ import trio
 from meshagent.engine.base import ModelInfo
 from meshagent.engine.runtime import EmbdItem
 from meshagent.engine.stage import WIRE_DTYPES, StageEngine
-from meshagent.engine.vocab import Vocab
+from meshagent.engine.vocab import Vocab, VocabDelegate
 from meshagent.errors import EngineError
 from meshagent.models.slicer import TokenEmbeddings
 from meshagent.serving import stage_messages as sm
@@ -39,7 +39,7 @@ ACTIVATION_WINDOW_FRAMES = 8
 ACTIVATION_WINDOW_BYTES = 8 * 1024 * 1024
 
 
-class EntryEngine:
+class EntryEngine(VocabDelegate):
     """What the entry agent runs itself: tokenizer, embedding lookup, the first stage."""
 
     def __init__(
@@ -54,15 +54,6 @@ class EntryEngine:
         self.info = info
         self.n_slots = first_stage.runtime.slots
         self.slot_ctx = first_stage.slot_ctx
-
-    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        return self.vocab.tokenize(text, add_bos=add_bos)
-
-    def token_bytes(self, token: int) -> bytes:
-        return self.vocab.token_bytes(token)
-
-    def is_end_of_generation(self, token: int) -> bool:
-        return self.vocab.is_end_of_generation(token)
 
     def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
         """items: (seq, pos, tokens). Returns the first stage's output rows per item."""
