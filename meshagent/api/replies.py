@@ -10,12 +10,17 @@ from typing import Any
 from meshagent.serving.generation import Finished
 
 
-def usage(done: Finished) -> dict[str, int]:
-    return {
+def usage(done: Finished) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }
+    if done.stage_ms:
+        # The receipt of a split: milliseconds each stage (in pipeline order, the peers of
+        # the x-meshagent-stages header) spent computing for this request.
+        out["meshagent"] = {"stage_ms": list(done.stage_ms)}
+    return out
 
 
 @dataclass

@@ -45,6 +45,7 @@ class Sequence:
         self.slot = slot
         self.sampling = sampling
         self.opened = False  # a pipeline has told its stages about this sequence
+        self.stage_ms: list[float] = []  # a pipeline's time per stage on this sequence
         self.n_past = 0
         self.closed = False
         self._pending: list[int] = []

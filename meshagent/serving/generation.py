@@ -32,6 +32,7 @@ class Finished:
     reason: str  # "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
+    stage_ms: tuple[float, ...] = ()  # a split's time per stage on this request
 
 
 def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
@@ -92,7 +93,8 @@ async def generate(
             if produced >= limit:
                 break
             result = await seq.feed([token])
+        stage_ms = tuple(round(ms, 3) for ms in seq.stage_ms)
     tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
     if tail:
         out.send_nowait(Delta(tail))
-    out.send_nowait(Finished(reason, len(request.prompt_tokens), produced))
+    out.send_nowait(Finished(reason, len(request.prompt_tokens), produced, stage_ms))

@@ -123,6 +123,7 @@ class PipelineBatcher(Batcher):
                 messages.append(sm.Open(seq.slot, seq.sampling or _GREEDY))
                 seq.opened = True
         items = [(seq.slot, seq.n_past, list(seq._pending[:take])) for seq, take in batch]
+        t0 = trio.current_time()
         try:
             hidden = await trio.to_thread.run_sync(self.entry.run_first, items)
         except Exception as e:
@@ -133,8 +134,13 @@ class PipelineBatcher(Batcher):
         for seq, take in batch:
             done = take == len(seq._pending)
             fwd_items.append(sm.ForwardItem(seq.slot, seq.n_past, take, done))
+        first_ms = round((trio.current_time() - t0) * 1000, 3)
         messages.append(
-            sm.Forward(tuple(fwd_items), np.concatenate(hidden).astype(self._wire, copy=False))
+            sm.Forward(
+                tuple(fwd_items),
+                np.concatenate(hidden).astype(self._wire, copy=False),
+                (first_ms,),
+            )
         )
         for seq, take in batch:
             if self._advance(seq, take):
@@ -172,6 +178,10 @@ class PipelineBatcher(Batcher):
         if isinstance(msg, sm.Token):
             seq = self._in_flight.pop(msg.seq, None)
             if seq is not None:
+                if len(seq.stage_ms) < len(msg.timing):
+                    seq.stage_ms += [0.0] * (len(msg.timing) - len(seq.stage_ms))
+                for i, ms in enumerate(msg.timing):
+                    seq.stage_ms[i] += ms
                 self._deliver(seq, msg.token)
                 self._poke()
         elif isinstance(msg, sm.StageFailure):

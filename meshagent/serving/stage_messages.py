@@ -28,6 +28,8 @@ DTYPES = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4")}
 K_VERSION, K_TYPE, K_SEQ, K_SAMPLING, K_ITEMS, K_DTYPE, K_WIDTH, K_TOKEN, K_ERROR, K_SIZE = range(
     10
 )
+K_TIMING = 10  # milliseconds each stage spent on the batch, in pipeline order
+MAX_STAGES = 64
 T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR = 1, 2, 3, 4, 5
 
 
@@ -57,6 +59,7 @@ class Forward:
 
     items: tuple[ForwardItem, ...]
     hidden: np.ndarray  # [sum n, width], f16 or f32
+    timing: tuple[float, ...] = ()  # ms each stage so far spent on this batch
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class Close:
 class Token:
     seq: int
     token: int
+    timing: tuple[float, ...] = ()  # ms each stage spent on the batch that produced it
 
 
 @dataclass(frozen=True)
@@ -112,11 +116,12 @@ def encode(msg: Message) -> bytes:
             K_DTYPE: dtype,
             K_WIDTH: int(msg.hidden.shape[1]),
             K_SIZE: len(payload),
+            K_TIMING: list(msg.timing),
         }
     elif isinstance(msg, Close):
         header |= {K_TYPE: T_CLOSE, K_SEQ: msg.seq}
     elif isinstance(msg, Token):
-        header |= {K_TYPE: T_TOKEN, K_SEQ: msg.seq, K_TOKEN: msg.token}
+        header |= {K_TYPE: T_TOKEN, K_SEQ: msg.seq, K_TOKEN: msg.token, K_TIMING: list(msg.timing)}
     elif isinstance(msg, StageFailure):
         header |= {K_TYPE: T_ERROR, K_SEQ: msg.seq, K_ERROR: msg.message}
     else:  # pragma: no cover - the type union is closed
@@ -176,6 +181,15 @@ def _int(h: dict[int, Any], key: int, what: str) -> int:
     return v
 
 
+def _timing(h: dict[int, Any]) -> tuple[float, ...]:
+    t = h.get(K_TIMING, [])
+    if not isinstance(t, list) or len(t) > MAX_STAGES:
+        raise StageProtocolError("stage timing must be a short list")
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in t):
+        raise StageProtocolError("stage timing must hold non-negative numbers")
+    return tuple(float(x) for x in t)
+
+
 def _message(h: dict[int, Any], payload: bytes) -> Message:
     t = h.get(K_TYPE)
     if t == T_OPEN:
@@ -183,7 +197,7 @@ def _message(h: dict[int, Any], payload: bytes) -> Message:
     if t == T_CLOSE:
         return Close(_int(h, K_SEQ, "seq"))
     if t == T_TOKEN:
-        return Token(_int(h, K_SEQ, "seq"), _int(h, K_TOKEN, "token"))
+        return Token(_int(h, K_SEQ, "seq"), _int(h, K_TOKEN, "token"), _timing(h))
     if t == T_ERROR:
         seq = h.get(K_SEQ)
         if seq is not None and (not isinstance(seq, int) or seq < 0):
@@ -209,5 +223,5 @@ def _message(h: dict[int, Any], payload: bytes) -> Message:
                 f"forward payload of {len(payload)} bytes does not hold {rows}x{width} {dtype}"
             )
         hidden = np.frombuffer(payload, dtype=dtype).reshape(rows, width)
-        return Forward(tuple(items), hidden)
+        return Forward(tuple(items), hidden, _timing(h))
     raise StageProtocolError(f"unknown stage message type {t!r}")

@@ -95,12 +95,16 @@ class StageServer:
         for it in items:
             batch.append(EmbdItem(it.seq, it.pos, rows[at : at + it.n], it.sample))
             at += it.n
+        t0 = trio.current_time()
         result = await trio.to_thread.run_sync(self.engine.forward, batch)
         self.forwards += 1
+        # Batches run together share this stage's time; earlier stages' times come along.
+        upstream = max((f.timing for f in group), key=len)
+        timing = (*upstream, round((trio.current_time() - t0) * 1000, 3))
         if not self.engine.last:
             assert result.hidden is not None
             hidden = np.concatenate(result.hidden).astype(self._wire, copy=False)
-            return [sm.Forward(tuple(items), hidden)]
+            return [sm.Forward(tuple(items), hidden, timing)]
         out: list[sm.Message] = []
         for it, logits in zip(items, result.logits, strict=True):
             if not it.sample:
@@ -109,5 +113,5 @@ class StageServer:
             if sampler is None or logits is None:
                 out.append(sm.StageFailure(it.seq, f"sequence {it.seq} was never opened"))
                 continue
-            out.append(sm.Token(it.seq, sampler.sample(logits)))
+            out.append(sm.Token(it.seq, sampler.sample(logits), timing))
         return out

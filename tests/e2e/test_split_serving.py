@@ -133,6 +133,9 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id, reference):
         assert r.json()["choices"][0]["message"]["content"] == reference
         stages = r.headers["x-meshagent-stages"].split(",")
         assert len(stages) == 3
+        # The receipt: which peers ran which layers (header), time in each stage (usage).
+        stage_ms = r.json()["usage"]["meshagent"]["stage_ms"]
+        assert len(stage_ms) == 3 and all(ms > 0 for ms in stage_ms)
         assert r.headers["x-meshagent-wire-dtype"] == "f32"
 
     # c dies; a fourth agent with room for the whole model joins: the mesh replans.

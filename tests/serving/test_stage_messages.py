@@ -23,10 +23,10 @@ def sample_messages():
     hidden = np.arange(3 * 8, dtype=np.float32).reshape(3, 8)
     return [
         Open(3, SamplingParams(temperature=0.7, top_p=0.9, seed=11)),
-        Forward((ForwardItem(3, 10, 2, False), ForwardItem(1, 4, 1, True)), hidden),
+        Forward((ForwardItem(3, 10, 2, False), ForwardItem(1, 4, 1, True)), hidden, (1.5, 2.25)),
         Forward((ForwardItem(0, 0, 3, True),), hidden.astype(np.float16)),
         Close(3),
-        Token(1, 4242),
+        Token(1, 4242, (0.5, 1.0, 3.75)),
         StageFailure(None, "stage 2 lost its model"),
     ]
 
@@ -35,6 +35,7 @@ def same(a, b):
     if isinstance(a, Forward):
         return (
             a.items == b.items
+            and a.timing == b.timing
             and a.hidden.dtype == b.hidden.dtype
             and np.array_equal(a.hidden, b.hidden)
         )
