@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 
 import httpx
 import openai
@@ -15,6 +14,7 @@ import pytest
 from openai import OpenAI
 
 from meshagent.launch import AgentProcess
+from tests.e2e.agents import status, wait_for
 
 COUNTING = "1, 2, 3, 4, 5, 6,"  # greedy decoding keeps counting until max_tokens
 
@@ -42,17 +42,6 @@ def _stream_completion(
             started.set()
 
 
-def _wait_for(pred, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
-def _status(agent: AgentProcess) -> dict:
-    return httpx.get(f"{agent.url}/control/status").json()
-
-
 def test_queue_bound_answers_429(spawn_agent, model_id: str) -> None:
     agent = spawn_agent("--slots", "1", "--max-queue", "1")
     out: dict = {}
@@ -64,7 +53,7 @@ def test_queue_bound_answers_429(spawn_agent, model_id: str) -> None:
     threads[0].start()
     assert started[0].wait(60)
     threads[1].start()
-    _wait_for(lambda: _status(agent)["models"][0]["slots"]["queued"] == 1)
+    wait_for(lambda: status(agent)["models"][0]["slots"]["queued"] == 1)
     client = OpenAI(base_url=f"{agent.url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.RateLimitError) as exc:
         client.completions.create(model=model_id, prompt="hi", max_tokens=4)
@@ -106,7 +95,7 @@ def test_sigint_lets_running_streams_finish(spawn_agent, model_id: str) -> None:
     out, threads = _start_streams(agent, model_id, 4, max_tokens=120)
     agent.proc.send_signal(signal.SIGINT)
     # While draining, new work is refused: the listener is closed.
-    _wait_for(lambda: _refused(agent), timeout=10)
+    wait_for(lambda: _refused(agent), timeout=10)
     for t in threads:
         t.join(120)
     for i in range(4):
@@ -157,7 +146,7 @@ def test_curl_streams_tokens_as_they_come(spawn_agent, model_id: str) -> None:
     while not first.startswith("data: "):
         first = proc.stdout.readline()
     # curl printed a token while the agent is still generating the rest.
-    assert _status(agent)["in_flight"] == 1
+    assert status(agent)["in_flight"] == 1
     rest = proc.stdout.read()
     assert proc.wait(60) == 0
     data = [line for line in (first + rest).splitlines() if line.startswith("data: ")]

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 
 from meshagent.engine.llama import LlamaEngine
 from meshagent.serving.chat import ChatMessage, ChatTemplate
+from tests.e2e.agents import invite, wait_for
 
 # SmolLM2 with 2 slots of 1024 tokens needs ~145 MB (weights + KV); with 10% headroom no
 # agent offering 80 MB can hold it, two cannot either, three can.
@@ -20,29 +17,6 @@ PROMPT = "Name three rivers in Europe."
 
 def _get(agent, path):
     return httpx.get(f"{agent.url}{path}", timeout=10).json()
-
-
-def _wait_for(pred, timeout: float):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if pred():
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.25)
-
-
-def _invite(agent) -> str:
-    r = subprocess.run(
-        [sys.executable, "-m", "meshagent", "invite", "--data-dir", str(agent.data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return r.stdout.strip()
 
 
 def _chat(agent, model_id):
@@ -91,7 +65,7 @@ def reference(model_path):
 
 def test_three_small_agents_serve_a_split(spawn_agent, model_id, reference):
     a = spawn_agent(*SMALL, "--wire-dtype", "f32", name="a", wait_model=False)
-    token = _invite(a)
+    token = invite(a)
     b = spawn_agent(*SMALL, "--wire-dtype", "f32", "--join", token, name="b", wait_model=False)
     c = spawn_agent(*SMALL, "--wire-dtype", "f32", "--join", token, name="c", wait_model=False)
     agents = [a, b, c]
@@ -99,7 +73,7 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id, reference):
     def routable():
         return all(_get(x, "/control/status")["placement"][model_id]["routable"] for x in agents)
 
-    _wait_for(routable, timeout=120)
+    wait_for(routable, timeout=120)
     placement = _get(a, "/control/status")["placement"][model_id]
     assert len(placement["stages"]) == 3
     ids = {_get(x, "/control/status")["peer_id"] for x in agents}
@@ -159,7 +133,7 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id, reference):
         p = _get(a, "/control/status")["placement"][model_id]
         return p["routable"] and p["replicas"] == [d_id]
 
-    _wait_for(moved, timeout=120)
+    wait_for(moved, timeout=120)
     r = _chat(a, model_id)
     assert r.headers["x-meshagent-served-by"] == d_id
     assert r.json()["choices"][0]["message"]["content"]
