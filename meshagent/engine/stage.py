@@ -36,7 +36,7 @@ class StageEngine:
         slot_ctx: int = 2048,
         threads: int = 0,
         max_batch_tokens: int = 512,
-        flash_attn: bool = False,
+        flash_attn: bool | None = False,
     ) -> None:
         if not 0 <= start < end <= total_layers:
             raise EngineError(f"layer range {start}:{end} is outside 0:{total_layers}")

@@ -45,6 +45,9 @@ class SplitSettings:
     threads: int = 0
     max_queue: int = 64
     wire_dtype: str = "f16"
+    # As whole-model serving: llama.cpp's choice (on for CPU). Deterministic for a fixed
+    # thread count, so a split computes what one agent with the same setting computes.
+    flash_attn: bool | None = None
 
 
 class SplitHost:
@@ -101,6 +104,7 @@ class SplitHost:
                 slots=s.slots,
                 slot_ctx=s.slot_ctx,
                 threads=s.threads,
+                flash_attn=s.flash_attn,
             )
         )
         self.plan, self.part, self._engine = plan, part, engine

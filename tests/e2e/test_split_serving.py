@@ -36,7 +36,8 @@ def _chat(agent, model_id):
 
 @pytest.fixture(scope="module")
 def reference(model_path):
-    engine = LlamaEngine(model_path, slots=1, slot_ctx=512, flash_attn=False, threads=1)
+    # As the agents: flash attention as llama.cpp chooses, one thread.
+    engine = LlamaEngine(model_path, slots=1, slot_ctx=512, threads=1)
     try:
         import numpy as np
 

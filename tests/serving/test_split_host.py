@@ -47,7 +47,9 @@ async def test_split_hosts_follow_a_plan(model_path, store, reference, nursery):
             info=info,
             store=store,
             open_stream=node.open_stream,
-            settings=SplitSettings(slots=4, slot_ctx=1024, threads=1, wire_dtype="f32"),
+            settings=SplitSettings(
+                slots=4, slot_ctx=1024, threads=1, wire_dtype="f32", flash_attn=False
+            ),
         )
 
         async def route(stream, host=host):
