@@ -19,13 +19,12 @@ from meshagent.api import forwarding
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.api.server import run_http
-from meshagent.config import AgentConfig, DataDir
+from meshagent.config import AgentConfig, DataDir, parse_size
 from meshagent.discovery import addresses, probe
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
 from meshagent.discovery.mdns import MdnsDiscovery, Sighting
 from meshagent.discovery.mesh_view import peer_rows
 from meshagent.engine.llama import read_model_info
-from meshagent.errors import ConfigError
 from meshagent.gossip import capacity
 from meshagent.gossip import service as gossip_service
 from meshagent.gossip.config import GossipConfig
@@ -55,23 +54,6 @@ log = structlog.get_logger(__name__)
 _HTTP_GRACE_MARGIN = 3.0
 
 StreamHandler = Callable[[MeshStream], Awaitable[None]]
-
-_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in `text` such as "300M", "1.5G", "512MiB"; 0 for an empty string."""
-    t = text.strip().upper().removesuffix("B")
-    if not t:
-        return 0
-    num = t.rstrip("KMGTI")
-    unit = t[len(num) :]
-    if unit not in _UNITS:
-        raise ConfigError(f"size {text!r} must look like 300M, 1.5G or 512MiB")
-    try:
-        return int(float(num) * _UNITS[unit])
-    except ValueError:
-        raise ConfigError(f"size {text!r} must look like 300M, 1.5G or 512MiB") from None
 
 
 class Agent:
@@ -245,7 +227,7 @@ class Agent:
         weights, kv = capacity.memory_budget(
             int(self.config.mem_weights_gib * gib), int(self.config.mem_kv_gib * gib)
         )
-        cap = parse_size(self.config.max_memory)
+        cap = parse_size(self.config.max_memory) if self.config.max_memory else 0
         if cap and weights + kv > cap:
             weights, kv = int(cap * capacity.WEIGHTS_SHARE), cap - int(cap * capacity.WEIGHTS_SHARE)
         return {

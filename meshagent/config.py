@@ -17,6 +17,24 @@ DEFAULT_API_PORT = 9337
 DEFAULT_LISTEN = "0.0.0.0:9338"
 
 
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE_UNITS |= {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as `300M`, `1.5G`, `512MiB`, `500k` or `1048576`."""
+    t = text.strip().lower().removesuffix("b")
+    digits = t.rstrip("kmgti")
+    unit = t[len(digits) :]
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value <= 0:
+        raise ConfigError(f"{text!r} is not a size like 300M, 1.5G or 512MiB")
+    return int(value * _SIZE_UNITS[unit])
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """Every setting `meshagent up` uses. CLI flags override the config file, which overrides
@@ -79,6 +97,8 @@ class AgentConfig:
                 "gossip timers must satisfy 0 < gossip_interval < suspect_after < dead_after "
                 f"(got {self.gossip_interval}, {self.suspect_after}, {self.dead_after})"
             )
+        if self.max_memory:
+            parse_size(self.max_memory)  # a typo fails at start, with the value named
         if self.wire_dtype not in ("f16", "f32"):
             raise ConfigError("wire-dtype must be f16 or f32")
         if self.upgrade_interval <= 0 or self.mem_weights_gib < 0 or self.mem_kv_gib < 0:

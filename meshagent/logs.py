@@ -10,6 +10,17 @@ import structlog
 LEVELS = ("debug", "info", "warning", "error")
 
 
+class _Stderr:
+    """Whatever sys.stderr is at the moment of writing, not at configuration time (it can be
+    replaced afterwards, as test runners do)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(level: str = "info", *, json: bool | None = None) -> None:
     """Configure structlog (and stdlib logging of libraries) for the whole process."""
     if level not in LEVELS:
@@ -31,7 +42,7 @@ def configure(level: str = "info", *, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=True,
     )
     # Libraries (hypercorn, zeroconf) log through stdlib; keep them quiet unless debugging.

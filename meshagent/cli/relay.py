@@ -9,28 +9,20 @@ import sys
 import trio
 
 from meshagent import logs
+from meshagent.config import parse_size
 from meshagent.errors import ConfigError
 from meshagent.net.address import Address
 from meshagent.net.tcp import TcpTransport
 from meshagent.relay.limits import RelayLimits
 from meshagent.relay.server import RelayServer
 
-_UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1 << 20}
-_UNITS |= {"g": 10**9, "gb": 10**9, "gib": 1 << 30}
-
 
 def size(text: str) -> int:
     """Bytes from `4MiB`, `500k`, `1048576`..."""
-    t = text.strip().lower()
-    digits = t.rstrip("kmgib")
-    unit = t[len(digits) :]
     try:
-        value = float(digits)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4MiB or 500k") from None
-    if unit not in _UNITS or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4MiB or 500k")
-    return int(value * _UNITS[unit])
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import structlog
 
 from meshagent.engine.base import ForwardItem, ModelInfo
-from meshagent.engine.runtime import LlamaRuntime
+from meshagent.engine.runtime import LlamaRuntime, RuntimeDelegate
 from meshagent.engine.vocab import Vocab, VocabDelegate
 
 log = structlog.get_logger(__name__)
@@ -20,7 +20,7 @@ def model_id_for(path: Path) -> str:
     return path.name.removesuffix(".gguf")
 
 
-class LlamaEngine(VocabDelegate):
+class LlamaEngine(VocabDelegate, RuntimeDelegate):
     """Implements `Engine` on llama.cpp. Each slot is one llama.cpp sequence."""
 
     def __init__(
@@ -72,21 +72,6 @@ class LlamaEngine(VocabDelegate):
         return self.runtime.decode_tokens(
             [(it.seq_id, it.pos, it.tokens, it.want_logits) for it in items]
         )
-
-    def clear_sequence(self, seq_id: int) -> None:
-        self.runtime.clear(seq_id)
-
-    def trim_sequence(self, seq_id: int, keep: int) -> None:
-        self.runtime.trim(seq_id, keep)
-
-    def reset(self) -> None:
-        self.runtime.reset()
-
-    def memory_bytes(self) -> int:
-        return self.runtime.model_bytes() + self.runtime.state_bytes()
-
-    def close(self) -> None:
-        self.runtime.close()
 
 
 def read_model_info(path: Path) -> ModelInfo:

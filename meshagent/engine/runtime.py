@@ -241,3 +241,24 @@ class LlamaRuntime:
             llama_cpp.llama_free(self.ctx)
             llama_cpp.llama_model_free(self.model)
             self.ctx = None
+
+
+class RuntimeDelegate:
+    """The KV-cache and lifecycle half of an engine, answered by its `LlamaRuntime`."""
+
+    runtime: LlamaRuntime
+
+    def clear_sequence(self, seq_id: int) -> None:
+        self.runtime.clear(seq_id)
+
+    def trim_sequence(self, seq_id: int, keep: int) -> None:
+        self.runtime.trim(seq_id, keep)
+
+    def reset(self) -> None:
+        self.runtime.reset()
+
+    def memory_bytes(self) -> int:
+        return self.runtime.model_bytes() + self.runtime.state_bytes()
+
+    def close(self) -> None:
+        self.runtime.close()

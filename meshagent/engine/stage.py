@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from meshagent.engine.native import Capture
-from meshagent.engine.runtime import EmbdItem, LlamaRuntime
+from meshagent.engine.runtime import EmbdItem, LlamaRuntime, RuntimeDelegate
 from meshagent.errors import EngineError
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
@@ -24,7 +24,7 @@ class StageOutput:
     logits: list[np.ndarray | None]
 
 
-class StageEngine:
+class StageEngine(RuntimeDelegate):
     def __init__(
         self,
         layers_path: Path,
@@ -85,21 +85,6 @@ class StageEngine:
             for i, h, g in zip(group, rows, lg, strict=True):
                 hidden[i], logits[i] = h, g
         return StageOutput(hidden, logits)  # type: ignore[arg-type]
-
-    def clear_sequence(self, seq_id: int) -> None:
-        self.runtime.clear(seq_id)
-
-    def trim_sequence(self, seq_id: int, keep: int) -> None:
-        self.runtime.trim(seq_id, keep)
-
-    def reset(self) -> None:
-        self.runtime.reset()
-
-    def memory_bytes(self) -> int:
-        return self.runtime.model_bytes() + self.runtime.state_bytes()
-
-    def close(self) -> None:
-        self.runtime.close()
 
 
 def _row_order_safe_groups(items: Sequence[EmbdItem]) -> list[list[int]]:

@@ -35,6 +35,22 @@ class StaticRouter:
         return await self.node.open_stream(peer_id, forwarding.LABEL)
 
 
+async def serve(nursery, app) -> tuple[str, trio.Event]:
+    """Serve `app` over HTTP on a free loopback port; set the event to stop."""
+    stop = trio.Event()
+    url = await nursery.start(
+        lambda task_status: run_http(
+            app,
+            "127.0.0.1",
+            0,
+            graceful_timeout=1,
+            shutdown_trigger=stop.wait,
+            task_status=task_status,
+        )
+    )
+    return url, stop
+
+
 @pytest.fixture
 async def two_agents(model_path, nursery):
     """A serves the model; B serves nothing itself and routes to A. Yields B's API URL."""
@@ -54,17 +70,7 @@ async def two_agents(model_path, nursery):
     await b.dial(a.listen_addresses[0], peer_id=a.peer_id)
     remote = RemoteModel(model.info.id, a.peer_id, "whole", layers=30, context_length=512)
     app_b = OpenAIApp([], InFlight(), lambda: {}, router=StaticRouter(b, remote))
-    stop = trio.Event()
-    url = await nursery.start(
-        lambda task_status: run_http(
-            app_b,
-            "127.0.0.1",
-            0,
-            graceful_timeout=1,
-            shutdown_trigger=stop.wait,
-            task_status=task_status,
-        )
-    )
+    url, stop = await serve(nursery, app_b)
     yield url, model, a
     stop.set()
     engine.close()
@@ -137,17 +143,7 @@ async def test_an_unreachable_peer_is_a_503(model_path, nursery, model_id):
     await nursery.start(b.run)
     remote = RemoteModel(model_id, "nobody", "whole")
     app_b = OpenAIApp([], InFlight(), lambda: {}, router=StaticRouter(b, remote))
-    stop = trio.Event()
-    url = await nursery.start(
-        lambda task_status: run_http(
-            app_b,
-            "127.0.0.1",
-            0,
-            graceful_timeout=1,
-            shutdown_trigger=stop.wait,
-            task_status=task_status,
-        )
-    )
+    url, stop = await serve(nursery, app_b)
     async with httpx.AsyncClient() as client:
         r = await client.post(
             f"{url}/v1/chat/completions",
