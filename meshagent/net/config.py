@@ -20,6 +20,6 @@ class OverlayConfig:
     dead_peer_timeout: float | None = 60.0
     close_flush_timeout: float = 5.0  # how long a closing connection waits to send its BYE
     read_size: int = 256 * 1024  # bytes asked of the transport per receive
-    write_batch: int = 1 << 20  # bytes of frames sealed into one transport write
+    write_batch: int = 256 << 10  # bytes of frames sealed into one transport write
     max_control_backlog: int = 1 << 20  # the reader pauses while this much control is queued
     dial_backoff: Backoff = field(default_factory=Backoff)

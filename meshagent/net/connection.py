@@ -64,6 +64,7 @@ class Connection:
         self.initiator = result.initiator
         self.remote_incarnation = result.remote_incarnation
         self.version = result.version
+        self.cipher = result.cipher
         self.local_peer_id = local.peer_id
         self.remote = remote
         self.path = path
@@ -76,9 +77,9 @@ class Connection:
         self._transport = transport
         self._on_stream = on_stream
         self._writer_state = RecordWriter(
-            transport, RecordSealer(result.send_key), self.config.write_batch
+            transport, RecordSealer(result.send_key, result.cipher), self.config.write_batch
         )
-        self._decoder = FrameDecoder(RecordReader(result.recv_key))
+        self._decoder = FrameDecoder(RecordReader(result.recv_key, result.cipher))
         self._leftover = leftover
         self._streams: dict[int, MeshStream] = {}
         self._nursery: trio.Nursery | None = None
@@ -128,7 +129,13 @@ class Connection:
     async def run(self, *, task_status: trio.TaskStatus[Connection] = trio.TASK_STATUS_IGNORED):
         """Serve the connection until it closes, for whatever reason; never raises for
         peer misbehaviour or transport failure (those close it and are logged)."""
-        self._log.info("conn.open", remote=self.remote, path=self.path, initiator=self.initiator)
+        self._log.info(
+            "conn.open",
+            remote=self.remote,
+            path=self.path,
+            initiator=self.initiator,
+            cipher=self.cipher,
+        )
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery

@@ -2,8 +2,10 @@
 ed25519 signatures, protocol version negotiated.
 
 Wire form: three Noise messages, each prefixed by a 2-byte big-endian length.
-  1. initiator -> responder: e, psk          payload {0: 1, 1: [min_version, max_version]}
-  2. responder -> initiator: e, ee, s, es    payload identity (below), chosen version
+  1. initiator -> responder: e, psk          payload {0: 1, 1: [min_version, max_version],
+                                                      8: [record ciphers offered]}
+  2. responder -> initiator: e, ee, s, es    payload identity (below), chosen version,
+                                             8: chosen record cipher
   3. initiator -> responder: s, se           payload identity, echoed version
 Identity payload: {0: 1, 2: version, 3: ed25519 public key, 4: signature, 5: peer id,
 6: stream settings, 7: incarnation}. The signature is ed25519 over
@@ -28,6 +30,7 @@ from noise.connection import Keypair, NoiseConnection
 
 from meshagent.identity.keys import NodeIdentity, peer_id_for
 from meshagent.identity.mesh import MeshSecret
+from meshagent.wire import ciphers
 from meshagent.wire.errors import HandshakeError, LocalUsageError
 from meshagent.wire.replay import ReplayGuard
 from meshagent.wire.settings import StreamSettings
@@ -66,6 +69,8 @@ class LocalPeer:
     settings: StreamSettings = field(default_factory=StreamSettings)
     versions: tuple[int, int] = SUPPORTED_VERSIONS
     incarnation: bytes = field(default_factory=lambda: os.urandom(8))
+    # Record ciphers offered, fastest first; ChaCha20-Poly1305 is always accepted.
+    ciphers: tuple[str, ...] = field(default_factory=ciphers.preferred)
 
     @classmethod
     def create(
@@ -75,6 +80,7 @@ class LocalPeer:
         *,
         settings: StreamSettings | None = None,
         versions: tuple[int, int] = SUPPORTED_VERSIONS,
+        record_ciphers: tuple[str, ...] | None = None,
     ) -> LocalPeer:
         key = X25519PrivateKey.generate()
         static_public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
@@ -86,6 +92,7 @@ class LocalPeer:
             static_signature=identity.sign(STATIC_KEY_CONTEXT + static_public),
             settings=settings or StreamSettings(),
             versions=versions,
+            ciphers=ciphers.preferred() if record_ciphers is None else record_ciphers,
         )
 
     @property
@@ -109,6 +116,7 @@ class HandshakeResult:
     handshake_hash: bytes
     remote_settings: StreamSettings
     remote_incarnation: bytes
+    cipher: str = ciphers.CHACHAPOLY
 
     @property
     def session_id(self) -> str:
@@ -153,6 +161,7 @@ class Handshake:
         self._buffer = bytearray()
         self._state = _State.START
         self._version = 0
+        self._cipher = ciphers.CHACHAPOLY
         self._result: HandshakeResult | None = None
         self.refusal = b""  # bytes to send the initiator before closing, when we refuse it
         noise = NoiseConnection.from_name(NOISE_PROTOCOL)
@@ -193,7 +202,7 @@ class Handshake:
             self._state = _State.AWAIT_MSG1
             return b""
         lo, hi = self._local.versions
-        payload = cbor2.dumps({0: _PAYLOAD_FORMAT, 1: [lo, hi]})
+        payload = cbor2.dumps({0: _PAYLOAD_FORMAT, 1: [lo, hi], 8: list(self._local.ciphers)})
         message = bytes(self._noise.write_message(payload))
         self._state = _State.AWAIT_MSG2
         return _LEN.pack(len(message)) + message
@@ -270,6 +279,7 @@ class Handshake:
                 5: local.peer_id,
                 6: local.settings.to_cbor(),
                 7: local.incarnation,
+                8: self._cipher,
             }
         )
 
@@ -328,6 +338,10 @@ class Handshake:
                 f"we speak {self._local.versions[0]}-{self._local.versions[1]}; upgrade one side",
             )
         self._version = hi
+        offered_ciphers = body.get(8, [])
+        if not isinstance(offered_ciphers, list):
+            raise HandshakeError("initiator's record cipher list is malformed")
+        self._cipher = ciphers.choose(offered_ciphers, (*self._local.ciphers, ciphers.CHACHAPOLY))
         reply = bytes(self._noise.write_message(self._identity_payload()))
         self._state = _State.AWAIT_MSG3
         return _LEN.pack(len(reply)) + reply
@@ -343,6 +357,12 @@ class Handshake:
         if type(version) is not int or not lo <= version <= hi:
             raise HandshakeError(f"responder chose protocol version {version!r}, outside {lo}-{hi}")
         self._version = version
+        cipher = body.get(8, ciphers.CHACHAPOLY)
+        if cipher != ciphers.CHACHAPOLY and cipher not in self._local.ciphers:
+            raise HandshakeError(
+                f"responder chose record cipher {cipher!r}, which we did not offer"
+            )
+        self._cipher = cipher
         identity = self._verify_identity(body)
         if self._expected is not None and identity[0] != self._expected:
             raise HandshakeError(
@@ -403,5 +423,6 @@ class Handshake:
             handshake_hash=bytes(self._noise.get_handshake_hash()),
             remote_settings=settings,
             remote_incarnation=incarnation,
+            cipher=self._cipher,
         )
         self._state = _State.DONE

@@ -1,11 +1,13 @@
 """Encrypted records: the unit on the wire after the handshake.
 
-    record = length (u32, big-endian) || ChaCha20-Poly1305(key, nonce, plaintext, aad=length)
+    record = length (u32, big-endian) || AEAD(key, nonce, plaintext, aad=length)
 
-`length` counts the ciphertext including its 16-byte tag. Each direction has its own key
-(from the Noise split) and a 64-bit counter starting at 0; the nonce is 4 zero bytes followed
-by the counter, little-endian (the Noise ChaChaPoly nonce layout). A counter value is used
-once; the sealer refuses to wrap. A record that fails authentication ends the connection.
+The AEAD is the connection's negotiated record cipher (`wire/ciphers.py`: ChaCha20-Poly1305
+or AES-256-GCM). `length` counts the ciphertext including its 16-byte tag. Each direction
+has its own key (from the Noise split) and a 64-bit counter starting at 0; the nonce is 4
+zero bytes followed by the counter (the cipher's Noise nonce layout). A counter value is
+used once; the sealer refuses to wrap. The key rolls every REKEY_INTERVAL records on both
+ends. A record that fails authentication ends the connection.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from __future__ import annotations
 import struct
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
+from meshagent.wire.ciphers import CHACHAPOLY, REKEY_INTERVAL, aead_for, nonce_packer, rekey
 from meshagent.wire.errors import ErrorCode, LocalUsageError, ProtocolError
 from meshagent.wire.settings import MAX_RECORD_PLAINTEXT
 
@@ -22,18 +24,34 @@ TAG_LEN = 16
 HEADER_LEN = 4
 MAX_RECORD_CIPHERTEXT = MAX_RECORD_PLAINTEXT + TAG_LEN
 _LEN = struct.Struct(">I")
-_NONCE = struct.Struct("<4xQ")
 _MAX_COUNTER = (1 << 64) - 1
 
 # A record's plaintext: bytes-like, or a (head, body) pair to be concatenated.
 Plaintext = bytes | bytearray | memoryview | tuple[bytes, bytes | memoryview]
 
 
+class _Keys:
+    """One direction's AEAD, nonce layout and key schedule."""
+
+    def __init__(self, key: bytes, cipher: str, rekey_interval: int) -> None:
+        self.cipher = cipher
+        self.key = key
+        self.aead = aead_for(cipher, key)
+        self.nonce = nonce_packer(cipher).pack
+        self.interval = rekey_interval
+
+    def roll(self) -> None:
+        self.key = rekey(self.cipher, self.key)
+        self.aead = aead_for(self.cipher, self.key)
+
+
 class RecordSealer:
     """Encrypts plaintexts into records, one nonce per record, in order."""
 
-    def __init__(self, key: bytes) -> None:
-        self._aead = ChaCha20Poly1305(key)
+    def __init__(
+        self, key: bytes, cipher: str = CHACHAPOLY, *, rekey_interval: int = REKEY_INTERVAL
+    ) -> None:
+        self._keys = _Keys(key, cipher, rekey_interval)
         self._counter = 0
         self._scratch = memoryview(bytearray())
 
@@ -56,7 +74,8 @@ class RecordSealer:
         buffer (the one copy its body gets) and encrypted from there."""
         view = memoryview(out)
         pos = 0
-        aead = self._aead
+        keys = self._keys
+        aead, nonce_of, interval = keys.aead, keys.nonce, keys.interval
         for frame in frames:
             pair = type(frame) is tuple
             size = len(frame[0]) + len(frame[1]) if pair else len(frame)
@@ -72,8 +91,12 @@ class RecordSealer:
             else:
                 plaintext = frame
             _LEN.pack_into(out, pos, size + TAG_LEN)
-            nonce = _NONCE.pack(self._counter)
-            self._counter += 1
+            counter = self._counter
+            if counter and counter % interval == 0:
+                keys.roll()
+                aead = keys.aead
+            nonce = nonce_of(counter)
+            self._counter = counter + 1
             end = pos + HEADER_LEN + size + TAG_LEN
             aead.encrypt_into(
                 nonce, plaintext, view[pos : pos + HEADER_LEN], view[pos + HEADER_LEN : end]
@@ -107,8 +130,15 @@ class RecordReader:
     so an oversized claim costs no memory) or on a record that fails authentication.
     """
 
-    def __init__(self, key: bytes, *, max_plaintext: int = MAX_RECORD_PLAINTEXT) -> None:
-        self._aead = ChaCha20Poly1305(key)
+    def __init__(
+        self,
+        key: bytes,
+        cipher: str = CHACHAPOLY,
+        *,
+        max_plaintext: int = MAX_RECORD_PLAINTEXT,
+        rekey_interval: int = REKEY_INTERVAL,
+    ) -> None:
+        self._keys = _Keys(key, cipher, rekey_interval)
         self._counter = 0
         self._buffer = bytearray()
         self._start = 0  # unread bytes are self._buffer[self._start : self._end]
@@ -178,10 +208,11 @@ class RecordReader:
             return None
         plaintext = bytearray(length - TAG_LEN)
         view = memoryview(buf)
+        keys, counter = self._keys, self._counter
+        if counter and counter % keys.interval == 0:
+            keys.roll()
         try:
-            self._aead.decrypt_into(
-                _NONCE.pack(self._counter), view[body:end], view[start:body], plaintext
-            )
+            keys.aead.decrypt_into(keys.nonce(counter), view[body:end], view[start:body], plaintext)
         except InvalidTag:
             self._fail(
                 "record failed authentication (tampered, replayed, reordered or plaintext data)"

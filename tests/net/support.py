@@ -100,7 +100,7 @@ async def honest_handshake(
     """A raw client that completes a genuine handshake, then may send anything."""
     stream = await env.transport(host).dial(address)
     result, _ = await secure_handshake(stream, local, initiator=True, timeout=10)
-    return stream, result, RecordSealer(result.send_key)
+    return stream, result, RecordSealer(result.send_key, result.cipher)
 
 
 class Recorder(trio.abc.Stream):

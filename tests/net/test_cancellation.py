@@ -41,7 +41,7 @@ async def test_cancelled_send_to_a_stalled_peer_leaves_the_connection_intact(env
 
             # Now read everything the stalled peer was sent: every record must decrypt, and
             # the bulk bytes must be an in-order prefix of what the application sent.
-            decoder = FrameDecoder(RecordReader(result.recv_key))
+            decoder = FrameDecoder(RecordReader(result.recv_key, result.cipher))
             received = {bulk.stream_id: bytearray(), marker.stream_id: bytearray()}
             while bytes(received[marker.stream_id]) != b"END":
                 data = await raw.receive_some(1 << 16)
