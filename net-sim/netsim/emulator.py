@@ -108,7 +108,10 @@ class Emulator:
         self.control = control
         self.started = time.monotonic()
         self.write_errors = 0
-        self.max_late_s = 0.0  # worst lateness of a delivery behind its due time
+        # How far behind their due times packets were written: the emulator's own error.
+        self.delivered = 0
+        self.late_total_s = 0.0
+        self.max_late_s = 0.0
         self._pending: list[tuple[float, int, int, bytes]] = []
         self._seq = itertools.count()
         self._heals: dict[tuple[str, str], float] = {}
@@ -130,7 +133,9 @@ class Emulator:
             if pending and pending[0][0] <= now:
                 self.max_late_s = max(self.max_late_s, now - pending[0][0])
                 while pending and pending[0][0] <= now:
-                    _, _, dst, packet = heappop(pending)
+                    due, _, dst, packet = heappop(pending)
+                    self.delivered += 1
+                    self.late_total_s += now - due
                     try:
                         write(fds[dst], packet)
                     except OSError:
@@ -192,6 +197,8 @@ class Emulator:
                 "uptime_s": time.monotonic() - self.started,
                 "queued": len(self._pending),
                 "write_errors": self.write_errors,
+                "delivered": self.delivered,
+                "late_total_s": self.late_total_s,
                 "max_late_s": self.max_late_s,
             }
         if op == "set_link":

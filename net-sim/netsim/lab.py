@@ -304,13 +304,16 @@ class Host:
 @dataclass(frozen=True)
 class Counters:
     """What the emulator forwarded and dropped: per directed link `(src, dst)`, and per
-    sending host for packets with no destination host (`unrouted`)."""
+    sending host for packets with no destination host (`unrouted`); and its own timing
+    error, how late packets were written behind their due times."""
 
     links: dict[tuple[str, str], LinkCounters]
     unrouted: dict[str, LinkCounters]
     uptime_s: float
     queued: int
     write_errors: int
+    delivered: int
+    late_total_s: float  # summed over `delivered`: how far behind due time they were written
     max_late_s: float
 
     @classmethod
@@ -325,13 +328,16 @@ class Counters:
             uptime_s=r["uptime_s"],
             queued=r["queued"],
             write_errors=r["write_errors"],
+            delivered=r["delivered"],
+            late_total_s=r["late_total_s"],
             max_late_s=r["max_late_s"],
         )
 
 
 class Lab:
     """Hosts of `topology` in namespaces, joined by a running emulator; use as a context
-    manager (or call `start()` and `close()`)."""
+    manager (or call `start()` and `close()`). `seed` fixes the links' random draws; `mtu`
+    is the TUN's; `congestion_control` and `sysctls` are set in every host."""
 
     def __init__(
         self,
@@ -341,6 +347,8 @@ class Lab:
         seed: int = 0,
         network: str = NETWORK,
         mtu: int = 1500,
+        congestion_control: str | None = None,
+        sysctls: Mapping[str, str] | None = None,
     ) -> None:
         for name in topology.hosts:
             if not _HOST_NAME.match(name):
@@ -349,6 +357,13 @@ class Lab:
         self.seed = seed
         self.network = network
         self.mtu = mtu
+        # New devices copy `default`: keep IPv6 (router solicitations, MLD) off the TUN,
+        # while loopback keeps ::1. A namespace starts with the machine's TCP congestion
+        # control and may only switch to one the machine lists as allowed.
+        self.sysctls = {"net.ipv6.conf.default.disable_ipv6": "1"}
+        if congestion_control is not None:
+            self.sysctls["net.ipv4.tcp_congestion_control"] = congestion_control
+        self.sysctls.update(sysctls or {})
         self.tag = f"{PREFIX}{os.getpid()}x{next(_lab_ids)}"
         # Without a workdir, start() makes a temporary one (and close() removes it).
         self.workdir = Path(workdir) if workdir else Path(tempfile.gettempdir()) / "netsim-unset"
@@ -449,9 +464,16 @@ class Lab:
             host = Host(self, name, netns, address)
             self.hosts.append(host)
             self._by_name[name] = host
-            # New devices copy `default`: keep IPv6 (router solicitations, MLD) off the TUN,
-            # while loopback keeps ::1.
-            host.run(["sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1"], timeout=10)
+            settings = [f"{k}={v}" for k, v in self.sysctls.items()]
+            r = host.run(["sysctl", "-qw", *settings], timeout=10, check=False)
+            if r.returncode != 0:
+                hint = ""
+                if "congestion_control" in r.stderr:
+                    hint = (
+                        "; a namespace may only use the algorithms listed in this machine's "
+                        "net.ipv4.tcp_allowed_congestion_control"
+                    )
+                raise NetSimError(f"sysctl in {netns} failed: {r.stderr.strip()}{hint}")
 
     def _start_emulator(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
