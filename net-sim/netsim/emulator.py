@@ -107,7 +107,8 @@ class Emulator:
         self.tun_fds = tun_fds
         self.control = control
         self.started = time.monotonic()
-        self.write_errors = 0
+        self.read_errors = 0
+        self.write_errors = 0  # e.g. the destination's interface was set down
         # How far behind their due times packets were written: the emulator's own error.
         self.delivered = 0
         self.late_total_s = 0.0
@@ -165,6 +166,9 @@ class Emulator:
                         packet = read(fd, MAX_PACKET)
                     except BlockingIOError:
                         break
+                    except OSError:
+                        self.read_errors += 1
+                        break
                     for when, dst in route(now, src, packet):
                         heappush(pending, (when, next(seq), dst, packet))
 
@@ -196,6 +200,7 @@ class Emulator:
                 **fabric.counters(),
                 "uptime_s": time.monotonic() - self.started,
                 "queued": len(self._pending),
+                "read_errors": self.read_errors,
                 "write_errors": self.write_errors,
                 "delivered": self.delivered,
                 "late_total_s": self.late_total_s,

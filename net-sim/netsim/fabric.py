@@ -18,7 +18,9 @@ from netsim.linkmodel import Drop, Link, LinkSpec
 from netsim.regimes import Topology
 
 # Why a packet was not forwarded, beyond the link's own reasons.
-NO_ROUTE = "no_route"  # no link between the two hosts (isolated), or an unknown address
+# No link between the two hosts (isolated), an unknown address, or multicast from a host
+# with no other host on its segment.
+NO_ROUTE = "no_route"
 NOT_IPV4 = "not_ipv4"
 
 
@@ -96,6 +98,9 @@ class Fabric:
         dst_addr = packet[16:20]
         if 0xE0 <= packet[16] <= 0xEF or dst_addr in self._broadcast:
             dests = self._peers_on_segment[src]
+            if not dests:
+                self._unrouted[src].drop(NO_ROUTE, length)
+                return []
         else:
             dst = self._by_address.get(dst_addr)
             if dst is None or dst == src:

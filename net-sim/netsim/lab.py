@@ -311,6 +311,7 @@ class Counters:
     unrouted: dict[str, LinkCounters]
     uptime_s: float
     queued: int
+    read_errors: int
     write_errors: int
     delivered: int
     late_total_s: float  # summed over `delivered`: how far behind due time they were written
@@ -327,6 +328,7 @@ class Counters:
             unrouted={h: LinkCounters.from_dict(c) for h, c in r["unrouted"].items()},
             uptime_s=r["uptime_s"],
             queued=r["queued"],
+            read_errors=r["read_errors"],
             write_errors=r["write_errors"],
             delivered=r["delivered"],
             late_total_s=r["late_total_s"],

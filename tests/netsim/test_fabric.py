@@ -34,6 +34,7 @@ def test_multicast_reaches_the_segment_only():
     mdns = ipv4("10.77.0.1", "224.0.0.251")
     assert [dst for _, dst in f.route(0.0, 0, mdns)] == [1]
     assert f.route(0.0, 2, ipv4("10.77.0.3", "224.0.0.251")) == []
+    assert f.counters()["unrouted"]["h2"]["dropped"] == {NO_ROUTE: 1}
     assert [dst for _, dst in f.route(0.0, 0, ipv4("10.77.0.1", "10.77.0.255"))] == [1]
 
 
