@@ -8,6 +8,8 @@ batches; the pinger measures RTT and detects a dead peer. Inbound streams are se
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -41,6 +43,9 @@ StreamAcceptor = Callable[[MeshStream], Awaitable[None]]
 DIRECT = "direct"
 RELAYED = "relayed"
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+# A read this small most likely emptied the socket (a message, not a stream of them), so the
+# reader waits for the next one rather than trying a recv that would fail.
+_SMALL_READ = 16 * 1024
 
 
 class Connection:
@@ -76,8 +81,17 @@ class Connection:
         )
         self._transport = transport
         self._on_stream = on_stream
+        # On a socket, reads and writes go through a non-blocking duplicate of its descriptor
+        # without trio's per-call checkpoints; we wait on it only when it would block.
+        self._sock: socket.socket | None = None
+        if isinstance(transport, trio.SocketStream):
+            self._sock = socket.socket(fileno=os.dup(transport.socket.fileno()))
+            self._sock.setblocking(False)
         self._writer_state = RecordWriter(
-            transport, RecordSealer(result.send_key, result.cipher), self.config.write_batch
+            transport,
+            RecordSealer(result.send_key, result.cipher),
+            self.config.write_batch,
+            self._sock,
         )
         self._decoder = FrameDecoder(RecordReader(result.recv_key, result.cipher))
         self._leftover = leftover
@@ -85,8 +99,12 @@ class Connection:
         self._nursery: trio.Nursery | None = None
         self._writer_wakeup = trio.Event()
         self._writing = False  # one writer at a time: the writer task or an inline send
-        self._write_done = trio.Event()  # set (and replaced) after each write completes
+        # Set (and replaced) after each write completes / on any stream progress; replaced only
+        # while someone waits, so the hot path creates no events.
+        self._write_done = trio.Event()
+        self._write_waiters = 0
         self._progress = trio.Event()
+        self._progress_waiters = 0
         self._done = trio.Event()
         self._closing = False
         self._dead = False
@@ -201,7 +219,11 @@ class Connection:
         )
         with trio.move_on_after(grace):
             while self.mux.open_streams and not self.is_closed:
-                await self._progress.wait()
+                self._progress_waiters += 1
+                try:
+                    await self._progress.wait()
+                finally:
+                    self._progress_waiters -= 1
         stuck = [] if self.is_closed else self.mux.open_stream_ids()
         if stuck:
             why = f"connection {reason}: stream still open when the {grace:g} s drain grace expired"
@@ -219,19 +241,17 @@ class Connection:
             code = self.close_code or ErrorCode.INTERNAL_ERROR
             raise StreamResetError(stream_id, code, str(e), by_peer=False) from e
 
-    async def _send_inline(self) -> bool:
+    async def _send_inline(self) -> None:
         """Write queued frames from the calling (application) task when no write is in
-        progress, saving a task switch per message. Returns whether it wrote (a write is a
-        schedule point, so the caller needs no other)."""
+        progress, saving a task switch per message; otherwise leave them to the writer."""
         if self._writing or self.is_closed:
             self._kick()
-            return False
+            return
         try:
             await self._write_pending()
         except _TRANSPORT_ERRORS as e:
             self._log.info("conn.lost", during="write", error=str(e))
             self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
-        return True
 
     def _read(self, stream_id: int, max_bytes: int) -> bytes | bytearray | None:
         data = self.mux.read(stream_id, max_bytes)
@@ -269,17 +289,21 @@ class Connection:
         self._writer_wakeup.set()
 
     def _notify(self) -> None:
-        self._progress.set()
-        self._progress = trio.Event()
+        if self._progress_waiters:
+            self._progress.set()
+            self._progress = trio.Event()
 
     async def _flush(self) -> None:
         """Wait until everything queued so far has been written to the transport."""
         while not self._dead and (
             self.mux.has_output or self._writing or self._writer_state.has_pending
         ):
-            done = self._write_done
             self._kick()
-            await done.wait()
+            self._write_waiters += 1
+            try:
+                await self._write_done.wait()
+            finally:
+                self._write_waiters -= 1
 
     async def _write_pending(self) -> None:
         self._writing = True
@@ -289,8 +313,9 @@ class Connection:
             self._writing = False
             if self._writer_state.has_pending or self.mux.has_output:
                 self._kick()  # a cancelled inline write leaves the rest to the writer task
-            self._write_done.set()
-            self._write_done = trio.Event()
+            if self._write_waiters:
+                self._write_done.set()
+                self._write_done = trio.Event()
 
     async def _close(self, code: ErrorCode, reason: str) -> None:
         """Graceful end from inside or outside the connection's tasks: BYE, flush, cancel."""
@@ -314,7 +339,7 @@ class Connection:
 
     def _cancel(self) -> None:
         self._write_done.set()
-        self._notify()
+        self._progress.set()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
@@ -332,8 +357,11 @@ class Connection:
             self.close_code, self.close_reason = ErrorCode.SHUTDOWN, "cancelled"
         self._fail_streams(self.mux.close(self.close_code or ErrorCode.SHUTDOWN, self.close_reason))
         self._write_done.set()
-        self._notify()
+        self._progress.set()
         self.closed_at = trio.current_time()
+        if self._sock is not None:
+            trio.lowlevel.notify_closing(self._sock)
+            self._sock.close()
         with trio.CancelScope(shield=True):
             await trio.aclose_forcefully(self._transport)
         self._done.set()
@@ -366,11 +394,8 @@ class Connection:
         records = self._decoder.records
         # On a socket, receive straight into the record reader's buffer (no per-read bytes
         # object, no copy); other transports hand us bytes.
-        recv_into = (
-            self._transport.socket.recv_into
-            if isinstance(self._transport, trio.SocketStream)
-            else None
-        )
+        sock = self._sock
+        waited = drained = False
         try:
             while True:
                 if data:
@@ -382,11 +407,25 @@ class Connection:
                         return
                     while self.mux.control_backlog > limit and not self._dead:
                         await self._flush()  # the peer must read our replies before we read on
-                if recv_into is not None:
+                if sock is not None:
                     data = b""
-                    n = await recv_into(records.writable(read_size))
+                    if drained:  # a small read took all there was: skip the doomed recv
+                        await trio.lowlevel.wait_readable(sock)
+                        waited = True
+                    try:
+                        n = sock.recv_into(records.writable(read_size))
+                    except (BlockingIOError, InterruptedError):
+                        await trio.lowlevel.wait_readable(sock)
+                        waited = True
+                        continue
                     records.written(n)
                     self.bytes_received += n
+                    if not waited:
+                        # The socket had more at once: a busy peer. Let the tasks reading
+                        # our streams run (and return credit) before reading on.
+                        await trio.lowlevel.cancel_shielded_checkpoint()
+                    waited = False
+                    drained = n < _SMALL_READ
                 else:
                     data = await self._transport.receive_some(read_size)
                     n = len(data)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import trio
 
 from meshagent.wire.mux import Multiplexer
@@ -12,10 +14,13 @@ class RecordWriter:
     """Seals queued frames and writes them in batches.
 
     Every sealed record consumes a nonce, so sealed bytes must reach the wire in order, in
-    full. On a trio SocketStream we write with `socket.send` (on the simulated network with
-    its `send_some`), which reports how much it took and is cancelled only before taking
-    anything: whatever a cancelled write leaves behind stays queued for the next write, so
-    no shield is needed and application tasks may write inline. Transports that cannot
+    full. On a socket we write without blocking (`sock`, a non-blocking duplicate of the
+    connection's socket) and wait for it to be writable only when the kernel takes nothing;
+    on the simulated network we use its `send_some`. Both report how much they took and are
+    cancelled only before taking anything: whatever a cancelled write leaves behind stays
+    queued for the next write, so no shield is needed and application tasks may write
+    inline. A write the socket takes at once does not yield to other tasks (that costs a
+    whole scheduler pass per message); waiting for the socket does. Transports that cannot
     report partial progress get shielded writes instead.
 
     A batch is sealed into a buffer kept for the connection's life and reused once the
@@ -23,11 +28,17 @@ class RecordWriter:
     than the encryption itself. It grows to about `batch` plus one record.
     """
 
-    def __init__(self, transport: trio.abc.Stream, sealer: RecordSealer, batch: int) -> None:
+    def __init__(
+        self,
+        transport: trio.abc.Stream,
+        sealer: RecordSealer,
+        batch: int,
+        sock: socket.socket | None = None,
+    ) -> None:
         self._transport = transport
-        if isinstance(transport, trio.SocketStream):
-            self._send_some = transport.socket.send
-        else:  # e.g. SimStream; any stream offering send_some(data) -> int
+        self._sock = sock
+        self._send_some = None
+        if sock is None:  # e.g. SimStream; any stream offering send_some(data) -> int
             self._send_some = getattr(transport, "send_some", None)
         self._sealer = sealer
         self._batch = batch
@@ -48,7 +59,13 @@ class RecordWriter:
                 if not mux.has_output:
                     return
                 pending = self._pending = self._seal(mux)
-            if self._send_some is not None:
+            if self._sock is not None:
+                try:
+                    sent = self._sock.send(pending)
+                except (BlockingIOError, InterruptedError):
+                    await trio.lowlevel.wait_writable(self._sock)
+                    continue
+            elif self._send_some is not None:
                 sent = await self._send_some(pending)
             else:
                 with trio.CancelScope(shield=True):

@@ -68,25 +68,24 @@ class MeshStream(trio.abc.HalfCloseableStream):
     # ----- trio stream API -----
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Send everything. A cancellation point, but it yields to other tasks only while it
+        waits (for credit, or for the socket to take more): a message the socket takes at
+        once costs no scheduler pass, which is a good part of a small round trip."""
         if self._sending:
             raise trio.BusyResourceError("another task is sending on this stream")
         self._sending = True
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
-            scheduled = False
             view = memoryview(data).cast("B")
             while view:
                 self._check_send()
                 n = self._conn._send(self.stream_id, view)
                 if n:
                     view = view[n:]
-                    scheduled = await self._conn._send_inline() or scheduled
+                    await self._conn._send_inline()
                     continue
                 self._writable = trio.Event()
                 await self._writable.wait()
-                scheduled = True
-            if not scheduled:
-                await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
             self._sending = False
 
