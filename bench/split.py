@@ -66,6 +66,37 @@ async def measure(url: str, model: str, max_tokens: int, concurrent: int) -> flo
     return tokens / (last - first)
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU time (user + system) of a process: (its main thread, all its other threads).
+    The main thread runs trio (HTTP, overlay, serving logic); the others are mostly
+    llama.cpp compute, reached through trio.to_thread."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main = other = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that just ended
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        if int(task.name) == pid:
+            main += seconds
+        else:
+            other += seconds
+    return main, other
+
+
+def cpu_per_token(agents, run) -> tuple[float, list[tuple[float, float]]]:
+    """Run `run()` (returns tokens generated); CPU ms per token of each agent (main thread,
+    other threads)."""
+    before = [cpu_seconds(a.proc.pid) for a in agents]
+    tokens = run()
+    after = [cpu_seconds(a.proc.pid) for a in agents]
+    return tokens, [
+        ((m1 - m0) * 1000 / tokens, (o1 - o0) * 1000 / tokens)
+        for (m0, o0), (m1, o1) in zip(before, after, strict=True)
+    ]
+
+
 def wait_routable(agents, model: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -112,6 +143,14 @@ def main() -> None:
         single = start_agent(root / "single", *BIG)  # a mesh of its own
         trio.run(measure, entry.url, model, 8, 1)  # warm up both
         trio.run(measure, single.url, model, 8, 1)
+
+        # CPU per token, one request of max_tokens, on each side (less sensitive to what else
+        # the machine runs than wall time).
+        def one(url: str):
+            return lambda: trio.run(measure, url, model, args.max_tokens, 1) and args.max_tokens
+
+        _, cpu_single = cpu_per_token([single], one(single.url))
+        _, cpu_split = cpu_per_token(split, one(entry.url))
         for _ in range(args.rounds):
             rows["single 1"].append(trio.run(measure, single.url, model, args.max_tokens, 1))
             rows["split 1"].append(trio.run(measure, entry.url, model, args.max_tokens, 1))
@@ -137,6 +176,11 @@ def main() -> None:
         f"split, {args.concurrent} concurrent vs 1: {med['split N'] / med['split 1']:.2f}x "
         "(goal >= 2.0)"
     )
+    print("CPU ms per token, one request (trio/Python thread + other threads, mostly llama.cpp):")
+    for name, rows_ in (("single", cpu_single), ("split", cpu_split)):
+        parts = ", ".join(f"{m:.2f} + {o:.2f}" for m, o in rows_)
+        total = sum(m + o for m, o in rows_)
+        print(f"  {name:<8}{parts}  (total {total:.2f})")
     result = {
         "benchmark": "split",
         "model": model,
@@ -147,6 +191,11 @@ def main() -> None:
         "split_vs_single": med["split 1"] / med["single 1"],
         "overhead_ms_per_token": overhead_ms,
         "concurrency_gain": med["split N"] / med["split 1"],
+        "cpu_ms_per_token": {
+            "single": cpu_single,
+            "split_by_agent": cpu_split,
+            "note": "(main thread, other threads) per agent; split agents in order a, b, c",
+        },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
