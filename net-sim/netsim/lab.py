@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from netsim import nsenter
 from netsim.control import ControlClient
 from netsim.errors import EmulatorError, NeedsRoot, NetSimError
 from netsim.fabric import LinkCounters, host_address
@@ -228,6 +229,20 @@ class Host:
 
     def __repr__(self) -> str:
         return f"Host({self.name!r}, {self.address}, netns={self.netns!r})"
+
+    @property
+    def netns_path(self) -> str:
+        return str(NETNS_DIR / self.netns)
+
+    def connect(self, address: str, port: int, timeout: float = 10.0) -> socket.socket:
+        """A TCP connection from inside this host (e.g. to an agent's API on 127.0.0.1),
+        opened from the harness's own process."""
+        return nsenter.connect_in(self.netns_path, address, port, timeout)
+
+    def get_json(self, port: int, path: str, *, timeout: float = 10.0) -> Any:
+        """GET `http://127.0.0.1:<port><path>` inside this host; the decoded JSON body.
+        OSError if nothing answers, ValueError for a non-200 answer or a body not JSON."""
+        return nsenter.get_json(self.netns_path, port, path, timeout=timeout)
 
     def _argv(self, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *map(str, argv)]

@@ -1,0 +1,314 @@
+"""Figures from a run's records, without I/O: spreads, per-token latency against its floor,
+bytes on the wire per token, and what requests saw around a fault.
+
+Request records are the load driver's (`netsim/workload.py`) with `t0` added: the send time in
+seconds since the run began. Times inside a record (`t_first`, `t_end`, `chunks`) are seconds
+since its own send.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+GOAL_RATIO = 1.10  # per-token latency goal: at most 1.10 x floor + 2 ms
+GOAL_SLACK_MS = 2.0
+
+
+def _q(ordered: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of sorted values."""
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def spread(values: Iterable[float], digits: int = 3) -> dict[str, float] | None:
+    """n, median, mean, p10, p90, p99, min and max of `values`; None if there are none."""
+    v = sorted(float(x) for x in values)
+    if not v:
+        return None
+    out = {
+        "n": len(v),
+        "median": statistics.median(v),
+        "mean": statistics.fmean(v),
+        "p10": _q(v, 0.10),
+        "p90": _q(v, 0.90),
+        "p99": _q(v, 0.99),
+        "min": v[0],
+        "max": v[-1],
+    }
+    return {k: (x if k == "n" else round(x, digits)) for k, x in out.items()}
+
+
+# ----- one request -----
+
+
+def gaps_ms(rec: Mapping[str, Any]) -> list[float]:
+    """Times between consecutive streamed content chunks (each usually one token), in ms."""
+    c = rec.get("chunks") or []
+    return [(b - a) * 1000 for a, b in itertools.pairwise(c)]
+
+
+def per_token_ms(rec: Mapping[str, Any]) -> float | None:
+    """A stream's mean time per token after the first: (last chunk - first) / (tokens - 1)."""
+    c = rec.get("chunks") or []
+    n = rec.get("completion_tokens") or 0
+    if not rec.get("stream") or len(c) < 2 or n < 2:
+        return None
+    return (c[-1] - c[0]) * 1000 / (n - 1)
+
+
+def tokens_per_s(rec: Mapping[str, Any]) -> float | None:
+    """Completion tokens over the request's whole time (its TTFT included)."""
+    n = rec.get("completion_tokens") or 0
+    if not rec.get("ok") or not n or not rec.get("t_end"):
+        return None
+    return n / rec["t_end"]
+
+
+def ttft_ms(rec: Mapping[str, Any]) -> float | None:
+    if not rec.get("stream") or rec.get("t_first") is None:
+        return None
+    return rec["t_first"] * 1000
+
+
+# ----- a set of requests -----
+
+
+def summarise(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Counts, completeness, speed and latency of a set of requests."""
+    ok = [r for r in records if r["ok"]]
+    streams = [r for r in records if r["stream"]]
+    gaps = [g for r in ok for g in gaps_ms(r)]
+    by_kind: dict[str, dict[str, Any]] = {}
+    for r in records:
+        kind = f"{r['shape']}/{'stream' if r['stream'] else 'whole'}"
+        k = by_kind.setdefault(kind, {"requests": 0, "ok": 0, "tokens": 0})
+        k["requests"] += 1
+        k["ok"] += int(r["ok"])
+        k["tokens"] += r.get("completion_tokens") or 0
+    for kind, k in by_kind.items():
+        rs = [r for r in ok if f"{r['shape']}/{'stream' if r['stream'] else 'whole'}" == kind]
+        k["tokens_per_s"] = spread(t for r in rs if (t := tokens_per_s(r)) is not None)
+        k["ttft_ms"] = spread(t for r in rs if (t := ttft_ms(r)) is not None)
+    span = 0.0
+    if records:
+        span = max(r["t0"] + (r["t_end"] or 0) for r in records) - min(r["t0"] for r in records)
+    tokens = sum(r.get("completion_tokens") or 0 for r in ok)
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "failed": len(records) - len(ok),
+        "streams": len(streams),
+        "streams_complete": sum(1 for r in streams if r["complete"]),
+        "streams_incomplete": [r["i"] for r in streams if not r["complete"]],
+        "completion_tokens": tokens,
+        "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in ok),
+        "seconds": round(span, 3),
+        "throughput_tok_s": round(tokens / span, 3) if span > 0 else None,
+        "tokens_per_s": spread(t for r in ok if (t := tokens_per_s(r)) is not None),
+        "ttft_ms": spread(t for r in ok if (t := ttft_ms(r)) is not None),
+        "per_token_ms": spread(gaps),
+        "per_token_request_mean_ms": spread(t for r in ok if (t := per_token_ms(r)) is not None),
+        "by_kind": dict(sorted(by_kind.items())),
+        "failures": failures(records),
+    }
+
+
+def failures(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Every failed request: when, what it was, what the client saw and its class."""
+    return [
+        {
+            "i": r["i"],
+            "t": round(r["t0"], 3),
+            "shape": r["shape"],
+            "stream": r["stream"],
+            "after_s": round(r["t_end"] or 0, 3),
+            "status": r["status"],
+            "tokens_received": len(r.get("chunks") or []),
+            "cause": r["cause"] or "incomplete",
+            "error": r["error"] or "the response was not complete",
+        }
+        for r in records
+        if not r["ok"]
+    ]
+
+
+# ----- the floor -----
+
+
+def decode_compute_ms(
+    prefill: Sequence[Mapping[str, Any]], decode: Sequence[Mapping[str, Any]]
+) -> list[float] | None:
+    """Each stage's compute per decoded token, from split receipts (`stage_ms`) of requests
+    run one at a time with the same prompt: `prefill` stop after one token (the prompt's
+    prefill only), `decode` run on for n tokens (the prefill plus n - 1 decode steps). Per
+    stage: median over decode requests of (stage_ms - median prefill stage_ms) / (n - 1)."""
+    pre = [r["stage_ms"] for r in prefill if r["ok"] and r.get("stage_ms")]
+    dec = [r for r in decode if r["ok"] and r.get("stage_ms") and r["completion_tokens"] > 1]
+    if not pre or not dec:
+        return None
+    n_stages = len(pre[0])
+    base = [statistics.median(p[i] for p in pre) for i in range(n_stages)]
+    return [
+        round(
+            statistics.median(
+                (r["stage_ms"][i] - base[i]) / (r["completion_tokens"] - 1) for r in dec
+            ),
+            3,
+        )
+        for i in range(n_stages)
+    ]
+
+
+def floor_ms(stage_compute_ms: Sequence[float], hop_delays_ms: Sequence[float]) -> dict[str, float]:
+    """Per-token floor: the stages' compute plus one trip around the ring."""
+    compute = sum(stage_compute_ms)
+    ring = sum(hop_delays_ms)
+    return {
+        "compute_ms": round(compute, 3),
+        "ring_ms": round(ring, 3),
+        "floor_ms": round(compute + ring, 3),
+    }
+
+
+def against_floor(measured_ms: float, floor: float) -> dict[str, Any]:
+    goal = GOAL_RATIO * floor + GOAL_SLACK_MS
+    return {
+        "measured_ms": round(measured_ms, 3),
+        "floor_ms": round(floor, 3),
+        "ratio": round(measured_ms / floor, 4) if floor > 0 else None,
+        "gap_ms": round(measured_ms - floor, 3),
+        "goal_ms": round(goal, 3),
+        "goal_met": measured_ms <= goal,
+    }
+
+
+# ----- the wire -----
+
+
+def link_key(src: str, dst: str) -> str:
+    return f"{src}>{dst}"
+
+
+def counters_window(before: Any, after: Any) -> dict[str, Any]:
+    """What the emulator carried between two `Lab.counters()` readings."""
+    links = {}
+    for (src, dst), c in after.links.items():
+        b = before.links.get((src, dst))
+        dropped = dict(c.dropped)
+        if b is not None:
+            dropped = {k: v - b.dropped.get(k, 0) for k, v in c.dropped.items()}
+        links[link_key(src, dst)] = {
+            "packets": c.packets - (b.packets if b else 0),
+            "bytes": c.bytes - (b.bytes if b else 0),
+            "dropped": {k: v for k, v in dropped.items() if v},
+        }
+    delivered = after.delivered - before.delivered
+    late = after.late_total_s - before.late_total_s
+    return {
+        "seconds": round(after.uptime_s - before.uptime_s, 3),
+        "links": links,
+        "delivered": delivered,
+        "late_mean_ms": round(late / delivered * 1000, 4) if delivered else None,
+        "late_max_ms_since_start": round(after.max_late_s * 1000, 3),
+        "write_errors": after.write_errors - before.write_errors,
+        "read_errors": after.read_errors - before.read_errors,
+    }
+
+
+def wire_per_token(
+    window: Mapping[str, Any], tokens: int, idle: Mapping[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Bytes per completion token on each directed link that carried traffic in `window`;
+    `net` subtracts the background (gossip, heartbeats) measured in an `idle` window."""
+    out = {}
+    for key, c in window["links"].items():
+        if not c["bytes"]:
+            continue
+        row: dict[str, Any] = {
+            "bytes": c["bytes"],
+            "packets": c["packets"],
+            "bytes_per_token": round(c["bytes"] / tokens, 1) if tokens else None,
+            "dropped": c["dropped"],
+        }
+        if idle is not None and idle["seconds"] > 0:
+            rate = idle["links"].get(key, {}).get("bytes", 0) / idle["seconds"]
+            background = rate * window["seconds"]
+            row["idle_bytes_per_s"] = round(rate, 1)
+            row["net_bytes_per_token"] = (
+                round(max(0.0, c["bytes"] - background) / tokens, 1) if tokens else None
+            )
+        out[key] = row
+    return out
+
+
+# ----- faults -----
+
+
+def around_fault(
+    records: Sequence[Mapping[str, Any]], fault_t: float, resumed_after: float | None = None
+) -> dict[str, Any]:
+    """What requests saw around a fault at run time `fault_t`: those in flight (sent before,
+    ended after), those sent after it; the first token any client received after it (tokens
+    stopped flowing for that long), and the first request sent after `resumed_after` (default
+    the fault) that completed."""
+    in_flight, later = [], []
+    for r in records:
+        end = r["t0"] + (r["t_end"] or 0)
+        if r["t0"] < fault_t < end:
+            in_flight.append(r)
+        elif r["t0"] >= fault_t:
+            later.append(r)
+    next_token = min(
+        (r["t0"] + c for r in records for c in r.get("chunks") or [] if r["t0"] + c > fault_t),
+        default=None,
+    )
+    since = fault_t if resumed_after is None else resumed_after
+    ok_after = (r for r in sorted(later, key=lambda r: r["t0"]) if r["ok"] and r["t0"] >= since)
+    first_ok = next(ok_after, None)
+    return {
+        "fault_t": round(fault_t, 3),
+        "in_flight": [_fate(r, fault_t) for r in in_flight],
+        "in_flight_ok": sum(1 for r in in_flight if r["ok"]),
+        "in_flight_failed": sum(1 for r in in_flight if not r["ok"]),
+        "sent_after": len(later),
+        "sent_after_failed": sum(1 for r in later if not r["ok"]),
+        "sent_after_causes": _count(r["cause"] or "incomplete" for r in later if not r["ok"]),
+        "first_token_after_s": None if next_token is None else round(next_token - fault_t, 3),
+        "first_ok_request": None
+        if first_ok is None
+        else {
+            "i": first_ok["i"],
+            "sent_after_fault_s": round(first_ok["t0"] - fault_t, 3),
+            "done_after_fault_s": round(first_ok["t0"] + first_ok["t_end"] - fault_t, 3),
+        },
+    }
+
+
+def _fate(r: Mapping[str, Any], fault_t: float) -> dict[str, Any]:
+    chunks = r.get("chunks") or []
+    at = fault_t - r["t0"]
+    return {
+        "i": r["i"],
+        "stream": r["stream"],
+        "ok": r["ok"],
+        "cause": r["cause"],
+        "error": r["error"],
+        "ended_after_fault_s": round(r["t0"] + (r["t_end"] or 0) - fault_t, 3),
+        "tokens_before_fault": sum(1 for c in chunks if c <= at),
+        "tokens_after_fault": sum(1 for c in chunks if c > at),
+    }
+
+
+def _count(items: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out

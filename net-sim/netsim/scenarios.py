@@ -1,0 +1,650 @@
+"""The certification scenarios: split serving per regime (with a soak), faults, discovery.
+
+Each scenario builds its labs, starts real agents, drives load from inside a host, and returns
+a plain dict of everything measured; `netsim/report.py` writes it out as markdown, JSON and
+plots. Nothing here asserts: a failure is a figure in the report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from netsim import metrics, workload
+from netsim.lab import Host, Lab
+from netsim.mesh import API_PORT, Mesh, Timeline
+from netsim.regimes import topology
+
+HOSTS = ("h0", "h1", "h2")
+
+
+@dataclass(frozen=True)
+class SplitSettings:
+    """How much load a split run puts through the mesh."""
+
+    requests: int = 40  # the soak: a mix of short and long prompts, streamed and not
+    concurrency: int = 2
+    calibration: int = 5  # requests run one at a time to measure the floor (each kind)
+    decode_tokens: int = 64  # completion length of the calibration requests
+    forwarded: int = 2  # requests sent to each non-entry agent (carried to the entry)
+    idle_s: float = 5.0  # a quiet window, for the background bytes on each link
+    seed: int = 1
+    wire_dtype: str = "f16"
+    timeout_s: float = 90.0  # a request with no byte for this long has failed
+
+
+class Driver:
+    """Runs the load driver in a host and reads its records back, timed on the run's clock."""
+
+    def __init__(self, mesh: Mesh, out_dir: Path) -> None:
+        self.mesh = mesh
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, host: Host, name: str, *args: str) -> tuple[Any, Path]:
+        out = self.out_dir / f"{name}.jsonl"
+        out.unlink(missing_ok=True)
+        proc = host.spawn(
+            workload.command("--out", str(out), "--port", str(API_PORT), *args),
+            log_path=self.out_dir / f"{name}.log",
+        )
+        self.mesh.timeline.mark("load.start", phase=name, host=host.name)
+        return proc, out
+
+    def finish(self, proc: Any, out: Path, phase: str, timeout: float) -> list[dict[str, Any]]:
+        try:
+            proc.wait(timeout)
+        except Exception:
+            proc.stop()
+        self.mesh.timeline.mark("load.end", phase=phase)
+        return self.records(out, phase)
+
+    def records(self, out: Path, phase: str) -> list[dict[str, Any]]:
+        recs = workload.read_records(out)
+        for r in recs:
+            r["t0"] = round(self.mesh.timeline.rel(r["t_send"]), 6)
+            r["phase"] = phase
+        return recs
+
+    def run(self, host: Host, name: str, *args: str, timeout: float) -> list[dict[str, Any]]:
+        proc, out = self.start(host, name, *args)
+        return self.finish(proc, out, name, timeout)
+
+
+def _machine(lab: Lab) -> dict[str, Any]:
+    import os
+    import platform
+
+    cc = lab.hosts[0].run(["sysctl", "-n", "net.ipv4.tcp_congestion_control"], check=False)
+    return {
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "congestion_control": cc.stdout.strip() or None,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _links(lab: Lab) -> dict[str, Any]:
+    return {metrics.link_key(a, b): spec.to_dict() for (a, b), spec in lab.topology.links.items()}
+
+
+def _start_mesh(mesh: Mesh) -> dict[str, Any]:
+    """Relay, then agents by invite; waits for membership and a routable 3-stage plan."""
+    tl = mesh.timeline
+    mesh.start_relay()
+    mesh.start_by_invite(list(HOSTS))
+    last_start = max(e["t"] for e in tl.events if e["what"] == "agent.start")
+    membership = mesh.wait_membership()
+    plan = mesh.wait_routable(stages=3)
+    routable = tl.first("routable")
+    assert routable is not None
+    return {
+        "plan": plan,
+        "times": {
+            "first_agent_ready_s": tl.first("agent.ready"),
+            "all_agents_ready_s": max(e["t"] for e in tl.events if e["what"] == "agent.ready"),
+            "last_agent_started_s": last_start,
+            "membership_s": membership,
+            "routable_s": routable,
+            "membership_after_last_start_s": round(membership - last_start, 3),
+            "routable_after_last_start_s": round(routable - last_start, 3),
+        },
+    }
+
+
+def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]:
+    """Three small agents and a relay in `regime` (joined by invite, as a user would), split
+    SmolLM2 three ways; the floor is measured with requests one at a time, then a soak."""
+    s = settings
+    tl = Timeline()
+    root = run_dir / regime
+    out: dict[str, Any] = {"regime": regime, "settings": asdict(s)}
+    with Lab(topology(regime, 3, relay=True), workdir=root / "lab", seed=s.seed) as lab:
+        out["machine"] = _machine(lab)
+        out["links"] = _links(lab)
+        mesh = Mesh(lab, root, tl, wire_dtype=s.wire_dtype)
+        driver = Driver(mesh, root / "load")
+        try:
+            started = _start_mesh(mesh)
+            plan = started["plan"]
+            out["discovery"] = started["times"]
+            entry = mesh.entry(plan)
+            hops = mesh.ring(plan)
+            out["plan"] = {
+                "entry": entry,
+                "stages": mesh.named_stages(plan),
+                "epoch": plan["epoch"],
+                "wire_dtype": plan.get("wire_dtype"),
+                "est_token_ms": plan.get("est_token_ms"),
+            }
+            out["ring"] = [h.to_dict() for h in hops]
+            out["paths"] = {n: mesh.paths(n) for n in HOSTS}
+            host = lab[entry]
+            common = ["--seed", str(s.seed), "--timeout", str(s.timeout_s)]
+
+            c0 = lab.counters()
+            time.sleep(s.idle_s)
+            c1 = lab.counters()
+            idle = metrics.counters_window(c0, c1)
+            tl.mark("idle.window", seconds=s.idle_s)
+
+            warm = driver.run(
+                host, "warmup", "--mix", "count", "--requests", "1", "--max-tokens", "8",
+                "--concurrency", "1", *common, timeout=300,
+            )  # fmt: skip
+            prefill = driver.run(
+                host, "prefill", "--mix", "count-whole", "--requests", str(s.calibration),
+                "--max-tokens", "1", "--concurrency", "1", *common, timeout=600,
+            )  # fmt: skip
+            c2 = lab.counters()
+            decode = driver.run(
+                host, "decode", "--mix", "count", "--requests", str(s.calibration),
+                "--max-tokens", str(s.decode_tokens), "--concurrency", "1", *common,
+                timeout=1200,
+            )  # fmt: skip
+            c3 = lab.counters()
+            soak = driver.run(
+                host, "soak", "--mix", "soak", "--requests", str(s.requests),
+                "--concurrency", str(s.concurrency), *common, timeout=max(600, 20 * s.requests),
+            )  # fmt: skip
+            c4 = lab.counters()
+            forwarded: list[dict[str, Any]] = []
+            for name in HOSTS:
+                if name != entry and s.forwarded:
+                    forwarded += driver.run(
+                        lab[name], f"forwarded-{name}", "--mix", "stream", "--requests",
+                        str(s.forwarded), "--concurrency", "1", *common, timeout=600,
+                    )  # fmt: skip
+            out["final_paths"] = {n: mesh.paths(n) for n in HOSTS}
+        finally:
+            out["timeline"] = tl.events
+            out["log_events"] = mesh.log_events()
+            out["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+    out["isolation"] = isolation(prefill, decode, hops, metrics.counters_window(c2, c3))
+    soak_window = metrics.counters_window(c3, c4)
+    out["soak"] = metrics.summarise(soak)
+    out["soak"]["wire"] = metrics.wire_per_token(
+        soak_window, out["soak"]["completion_tokens"], idle
+    )
+    out["soak"]["wire_window"] = {k: v for k, v in soak_window.items() if k != "links"}
+    out["idle"] = idle
+    out["forwarded"] = metrics.summarise(forwarded) if forwarded else None
+    records = warm + prefill + decode + soak + forwarded
+    for r in records:
+        r["regime"] = regime
+    out["requests"] = records
+    out["totals"] = {
+        "requests": len(records),
+        "ok": sum(1 for r in records if r["ok"]),
+        "failed": sum(1 for r in records if not r["ok"]),
+        "streams": sum(1 for r in records if r["stream"]),
+        "streams_complete": sum(1 for r in records if r["stream"] and r["complete"]),
+    }
+    out["failures"] = metrics.failures(records)
+    return out
+
+
+def _zero(lab: Lab) -> Any:
+    """Counters of nothing, to window from the lab's start."""
+    from netsim.lab import Counters
+
+    return Counters({}, {}, 0.0, 0, 0, 0, 0, 0.0, 0.0)
+
+
+def isolation(
+    prefill: Sequence[dict[str, Any]],
+    decode: Sequence[dict[str, Any]],
+    hops: Sequence[Any],
+    window: dict[str, Any],
+) -> dict[str, Any]:
+    """Per-token latency of requests run one at a time, against its floor, and where the
+    time beyond the floor goes."""
+    compute = metrics.decode_compute_ms(prefill, decode)
+    ok = [r for r in decode if r["ok"]]
+    gaps = [g for r in ok for g in metrics.gaps_ms(r)]
+    result: dict[str, Any] = {
+        "requests": len(decode),
+        "ok": len(ok),
+        "stage_compute_ms": compute,
+        "per_token_ms": metrics.spread(gaps),
+        "per_token_request_mean_ms": metrics.spread(
+            t for r in ok if (t := metrics.per_token_ms(r)) is not None
+        ),
+        "ttft_ms": metrics.spread(t for r in ok if (t := metrics.ttft_ms(r)) is not None),
+        "gaps_ms": [round(g, 3) for g in gaps],
+        "window": {k: v for k, v in window.items() if k != "links"},
+    }
+    if compute is None or not gaps:
+        return result
+    floor = metrics.floor_ms(compute, [h.delay_ms for h in hops])
+    result["floor"] = floor
+    median = result["per_token_ms"]["median"]
+    mean = result["per_token_request_mean_ms"]["median"] if ok else median
+    result["median_vs_floor"] = metrics.against_floor(median, floor["floor_ms"])
+    result["mean_vs_floor"] = metrics.against_floor(mean, floor["floor_ms"])
+    tokens = sum(r["completion_tokens"] or 0 for r in ok) + sum(r["prompt_tokens"] or 0 for r in ok)
+    result["breakdown"] = breakdown(median, floor, hops, window, tokens)
+    slow = floor["floor_ms"] + 10
+    result["stalls"] = {
+        "threshold_ms": round(slow, 3),
+        "gaps_over": sum(1 for g in gaps if g > slow),
+        "worst_ms": round(max(gaps), 3),
+        "loss_drops_in_window": sum(c["dropped"].get("loss", 0) for c in window["links"].values()),
+    }
+    return result
+
+
+def breakdown(
+    measured: float,
+    floor: dict[str, float],
+    hops: Sequence[Any],
+    window: dict[str, Any],
+    tokens: int,
+) -> dict[str, Any]:
+    """Split the median per-token time: compute and propagation (the floor), serialisation
+    at each hop's rate (bytes per token measured on that link), the emulator's own lateness
+    per delivered packet on each hop, and the rest (software hand-offs: framing, encryption,
+    event loops and threads of the agents, the HTTP stream to the client; 2 shared cores)."""
+    serial = 0.0
+    for h in hops:
+        link = window["links"].get(metrics.link_key(h.src, h.dst))
+        if link and h.rate_bps and tokens:
+            serial += link["bytes"] / tokens * 8 / h.rate_bps * 1000
+    late = (window.get("late_mean_ms") or 0.0) * len(hops)
+    rest = measured - floor["floor_ms"] - serial - late
+    return {
+        "compute_ms": floor["compute_ms"],
+        "propagation_ms": floor["ring_ms"],
+        "serialisation_ms": round(serial, 3),
+        "emulator_late_ms": round(late, 3),
+        "software_ms": round(rest, 3),
+        "measured_ms": round(measured, 3),
+    }
+
+
+# ----- faults -----
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    regime: str = "wan"
+    seed: int = 1
+    wire_dtype: str = "f16"
+    concurrency: int = 2
+    before_s: float = 6.0  # load running before each fault
+    observe_s: float = 25.0  # watching after a kill before restarting
+    partition_s: float = 10.0
+    after_s: float = 12.0  # load running once service is back
+    power_cut: bool = True
+    timeout_s: float = 60.0
+
+
+def _watch(
+    mesh: Mesh, names: Sequence[str], seconds: float, until: Callable[[], bool] | None = None
+) -> None:
+    """Poll placement on `names` for `seconds` (or until `until()`), marking each change."""
+    last: dict[str, Any] = {}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for n in names:
+            p = mesh.placement(n)
+            view = p and (p["routable"], p["epoch"], p.get("error"), len(p["stages"]))
+            if view != last.get(n, "unset"):
+                last[n] = view
+                if p is None:
+                    mesh.timeline.mark("placement", host=n, answer=False)
+                else:
+                    mesh.timeline.mark(
+                        "placement",
+                        host=n,
+                        routable=p["routable"],
+                        epoch=p["epoch"],
+                        stages=mesh.named_stages(p),
+                        error=p.get("error"),
+                    )
+        if until is not None and until():
+            return
+        time.sleep(0.5)
+
+
+def faults(run_dir: Path, settings: FaultSettings) -> dict[str, Any]:
+    """A stage host killed under load and restarted; a link partitioned for 10 s; (optionally)
+    a stage host losing power and network at once, then restored. Measures what in-flight and
+    new requests see, and when service resumes."""
+    s = settings
+    tl = Timeline()
+    root = run_dir / s.regime
+    out: dict[str, Any] = {"regime": s.regime, "settings": asdict(s), "phases": {}}
+    records: list[dict[str, Any]] = []
+    with Lab(topology(s.regime, 3, relay=True), workdir=root / "lab", seed=s.seed) as lab:
+        out["machine"] = _machine(lab)
+        out["links"] = _links(lab)
+        mesh = Mesh(lab, root, tl, wire_dtype=s.wire_dtype)
+        driver = Driver(mesh, root / "load")
+        try:
+            started = _start_mesh(mesh)
+            plan = started["plan"]
+            out["discovery"] = started["times"]
+            entry = mesh.entry(plan)
+            stages = [st[0] for st in mesh.named_stages(plan)]
+            victim = stages[1]  # the middle stage: it neither owns requests nor answers them
+            out["plan"] = {"entry": entry, "stages": mesh.named_stages(plan), "victim": victim}
+            survivors = [n for n in HOSTS if n != victim]
+            load = [
+                "--mix", "stream", "--concurrency", str(s.concurrency), "--seed", str(s.seed),
+                "--timeout", str(s.timeout_s),
+            ]  # fmt: skip
+            host = lab[entry]
+            first = 0
+
+            def phase(name: str, inject: Callable[[], dict[str, Any]]) -> None:
+                nonlocal first
+                stop = root / "load" / f"{name}.stop"
+                stop.unlink(missing_ok=True)
+                proc, path = driver.start(
+                    host, name, *load, "--stop-file", str(stop), "--first", str(first)
+                )
+                time.sleep(s.before_s)
+                facts = inject()
+                stop.touch()
+                recs = driver.finish(proc, path, name, timeout=s.timeout_s + 120)
+                first += len(recs) + 1000
+                records.extend(recs)
+                facts["requests"] = metrics.summarise(recs)
+                facts.update(metrics.around_fault(recs, facts["fault_t"], facts.get("resumed_t")))
+                out["phases"][name] = facts
+
+            def kill() -> dict[str, Any]:
+                t = mesh.kill(victim)
+                _watch(mesh, survivors, s.observe_s)
+                return {
+                    "fault": f"kill -9 of every process on {victim}",
+                    "fault_t": t,
+                    **_restart(mesh, victim, survivors, s.after_s),
+                }
+
+            def partition() -> dict[str, Any]:
+                lab.partition(entry, victim, seconds=s.partition_s)
+                t = tl.mark("fault.partition", a=entry, b=victim, seconds=s.partition_s)
+                _watch(mesh, list(HOSTS), s.partition_s)
+                healed = tl.mark("fault.healed", a=entry, b=victim)
+                _watch(mesh, list(HOSTS), s.after_s + 10)
+                return {
+                    "fault": f"link {entry} <-> {victim} cut both ways for {s.partition_s:g} s",
+                    "fault_t": t,
+                    "healed_t": healed,
+                }
+
+            def power_cut() -> dict[str, Any]:
+                t = mesh.power_cut(victim)
+                _watch(mesh, survivors, s.observe_s)
+                mesh.restore_links(victim)
+                return {
+                    "fault": f"every link of {victim} cut, then its processes killed",
+                    "fault_t": t,
+                    **_restart(mesh, victim, survivors, s.after_s),
+                }
+
+            phase("kill", kill)
+            phase("partition", partition)
+            if s.power_cut:
+                phase("power_cut", power_cut)
+        finally:
+            out["timeline"] = tl.events
+            out["log_events"] = mesh.log_events()
+            out["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+    for r in records:
+        r["regime"] = s.regime
+    out["requests"] = records
+    out["totals"] = {
+        "requests": len(records),
+        "ok": sum(1 for r in records if r["ok"]),
+        "failed": sum(1 for r in records if not r["ok"]),
+    }
+    out["failures"] = metrics.failures(records)
+    return out
+
+
+def _restart(mesh: Mesh, victim: str, survivors: Sequence[str], after_s: float) -> dict[str, Any]:
+    """Start the agent again (same data dir, same command line) and time its way back."""
+    tl = mesh.timeline
+    restart = tl.mark("fault.restart", host=victim)
+    mesh.start_agent(victim)
+    mesh.wait_ready([victim])
+    ready = tl.last("agent.ready")
+    membership = mesh.wait_membership(label="after restart")
+    plan = mesh.wait_routable(stages=3, label="after restart")
+    routable = tl.last("routable")
+    _watch(mesh, [*survivors, victim], after_s)
+    return {
+        "restart_t": restart,
+        "resumed_t": restart,
+        "restart": {
+            "agent_ready_s": round(ready - restart, 3),
+            "membership_s": round(membership - restart, 3),
+            "routable_s": round(routable - restart, 3),
+            "stages": mesh.named_stages(plan),
+        },
+    }
+
+
+# ----- discovery -----
+
+
+def discovery(run_dir: Path, *, seed: int = 1, serve: int = 3) -> dict[str, Any]:
+    """mDNS alone on one LAN segment, and the relay alone between isolated hosts: times to
+    full membership and to a routable plan, and a few requests through the result."""
+    out: dict[str, Any] = {"parts": {}}
+    requests: list[dict[str, Any]] = []
+    for part, topo, extra, relay in (
+        ("mdns", topology("lan", 3), (), False),
+        ("relay", topology("wan", 3, relay=True, isolated=True), ("--no-mdns",), True),
+    ):
+        tl = Timeline()
+        root = run_dir / part
+        res: dict[str, Any] = {}
+        with Lab(topo, workdir=root / "lab", seed=seed) as lab:
+            res["machine"] = _machine(lab)
+            res["links"] = _links(lab)
+            mesh = Mesh(lab, root, tl)
+            try:
+                if relay:
+                    mesh.start_relay()
+                    extra = (*extra, "--relay", mesh.relay_address)
+                mesh.start_with_secret(list(HOSTS), *extra)
+                last_start = max(e["t"] for e in tl.events if e["what"] == "agent.start")
+                membership = mesh.wait_membership()
+                paths = {n: mesh.paths(n) for n in HOSTS}
+                plan = mesh.wait_routable(stages=3)
+                routable = tl.first("routable")
+                assert routable is not None
+                res["times"] = {
+                    "last_agent_started_s": last_start,
+                    "all_agents_ready_s": max(
+                        e["t"] for e in tl.events if e["what"] == "agent.ready"
+                    ),
+                    "membership_s": membership,
+                    "routable_s": routable,
+                    "membership_after_last_start_s": round(membership - last_start, 3),
+                    "routable_after_last_start_s": round(routable - last_start, 3),
+                    "per_agent_membership_s": {
+                        e["what"].split(".", 1)[1]: round(e["t"] - last_start, 3)
+                        for e in tl.events
+                        if e["what"].startswith("membership.")
+                    },
+                }
+                res["paths"] = paths
+                res["plan"] = {"stages": mesh.named_stages(plan), "entry": mesh.entry(plan)}
+                res["ring"] = [h.to_dict() for h in mesh.ring(plan)]
+                logs = {n: "\n".join(p.read_text() for p in mesh.agents[n].logs) for n in HOSTS}
+                res["found_by"] = {
+                    n: {
+                        "mdns.found": text.count('"mdns.found"'),
+                        "agent.bootstrapped": text.count('"agent.bootstrapped"'),
+                        "relay.registered": text.count('"relay.registered"'),
+                    }
+                    for n, text in logs.items()
+                }
+                if serve:
+                    driver = Driver(mesh, root / "load")
+                    recs = driver.run(
+                        lab[mesh.entry(plan)], "serve", "--mix", "stream", "--requests",
+                        str(serve), "--concurrency", "1", "--seed", str(seed), timeout=600,
+                    )  # fmt: skip
+                    for r in recs:
+                        r["phase"] = f"{part}-serve"
+                    requests += recs
+                    res["serve"] = metrics.summarise(recs)
+            finally:
+                res["timeline"] = tl.events
+                res["log_events"] = mesh.log_events()
+                res["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+        out["parts"][part] = res
+    out["requests"] = requests
+    out["totals"] = {
+        "requests": len(requests),
+        "ok": sum(1 for r in requests if r["ok"]),
+        "failed": sum(1 for r in requests if not r["ok"]),
+    }
+    out["failures"] = metrics.failures(requests)
+    return out
+
+
+# ----- runs: a scenario, its scope, and its report -----
+
+
+def _describe_links(links: dict[str, Any]) -> str:
+    seen: dict[str, list[str]] = {}
+    for key, spec in links.items():
+        rate = spec.get("rate_bps")
+        text = (
+            f"{spec['delay_s'] * 1000:g} ms one-way, jitter ±{spec.get('jitter_s', 0) * 1000:g} "
+            f"ms, loss {spec.get('loss', 0) * 100:g} %, "
+            + (f"{rate / 1e6:g} Mbit/s" if rate else "no rate limit")
+        )
+        seen.setdefault(text, []).append(key)
+    return "; ".join(f"{text} ({len(keys)} directed links)" for text, keys in seen.items())
+
+
+AGENTS_TESTED = (
+    "3 agents (`meshagent up`: 80 MB offered each, 2 slots of 1024 tokens, 1 compute thread) "
+    "and a relay, each in its own network namespace, started from empty data dirs"
+)
+MODEL_TESTED = "SmolLM2-135M-Instruct Q4_1 (the embedded default), split 3 ways by placement"
+COMMON_NOT_TESTED = (
+    "CUBIC or any congestion control other than the machine's default (a namespace may only "
+    "pick one the host allows: reno or bbr here); BBR largely ignores random loss, so loss "
+    "costs less here than with CUBIC",
+    "NAT traversal: hosts have routable addresses; 'isolated' hosts (reachable only through "
+    "the relay) are the discovery scenario's",
+    "reordering, bursty or correlated loss, delay that changes during a run, asymmetric links",
+    "machines of different speeds: every agent shares the same 2 cores, so one stage's compute "
+    "slows the others' and the driver's",
+    "larger models, contexts above 1024 tokens, more than 3 agents, more than 2 concurrent "
+    "requests, GPUs, IPv6",
+)
+
+
+def split_scope(results: dict[str, Any], s: SplitSettings, soak_name: str) -> dict[str, Any]:
+    regimes = list(results)
+    tested = [f"regime `{n}`: {_describe_links(r.get('links', {}))}" for n, r in results.items()]
+    cc = {r.get("machine", {}).get("congestion_control") for r in results.values()}
+    tested += [
+        AGENTS_TESTED + "; the second and third joined with an invite from the first (naming "
+        "its address and the relay), as a user would",
+        f"{MODEL_TESTED}; activations between stages as {s.wire_dtype}",
+        f"TCP congestion control in every host: {', '.join(sorted(map(str, cc)))} "
+        "(the machine's default)",
+        f"the floor: 1 warm-up, then {s.calibration} one-token and {s.calibration} "
+        f"{s.decode_tokens}-token greedy requests, one at a time, at the entry agent's API",
+        f"{soak_name}: {s.requests} requests, {s.concurrency} at a time, at the entry agent's "
+        "API; prompts short (a question, 16 tokens) and long (a ~130-token story, 128 tokens), "
+        "half streamed, half whole, shuffled in blocks of 4; temperature 0.7 with a seed per "
+        "request; a request with no byte for "
+        f"{s.timeout_s:g} s counts as failed",
+        f"{s.forwarded} streamed requests to each agent that is not the entry (the agent "
+        "carries them to the entry over the overlay)",
+    ]
+    not_tested = [
+        *(f"the `{r}` regime" for r in ("lan", "wan", "longhaul", "mixed") if r not in regimes),
+        "faults (kill, partition, restart): the faults scenario (`just sim-faults`)",
+        "discovery without an invite (mDNS alone, relay alone): `just sim-discovery`",
+        *COMMON_NOT_TESTED,
+    ]
+    return {"tested": tested, "not_tested": not_tested}
+
+
+def faults_scope(f: dict[str, Any], s: FaultSettings) -> dict[str, Any]:
+    victim = (f.get("plan") or {}).get("victim")
+    tested = [
+        f"regime `{s.regime}`: {_describe_links(f.get('links', {}))}",
+        AGENTS_TESTED + ", joined by invite",
+        MODEL_TESTED,
+        f"load: streamed requests (short and long prompts), {s.concurrency} at a time, at the "
+        f"entry agent's API, running from {s.before_s:g} s before each fault until service is "
+        f"back; a request with no byte for {s.timeout_s:g} s counts as failed",
+        f"kill: every process on the middle stage's host ({victim}) gets SIGKILL; its kernel "
+        "still closes its TCP connections (peers see a reset), as when the agent crashes; "
+        f"watched {s.observe_s:g} s, then the agent restarted with the same data dir and "
+        "command line",
+        f"partition: the link between the entry and {victim} dropped every packet both ways "
+        f"for {s.partition_s:g} s (packets already on the wire still arrived), then healed",
+    ]
+    if s.power_cut:
+        tested.append(
+            f"power cut: every link of {victim} cut first, then its processes killed, so its "
+            f"peers got no reset, only silence; watched {s.observe_s:g} s, links restored and "
+            "the agent restarted"
+        )
+    not_tested = [
+        "killing the entry agent or the last stage (the middle stage was the one killed)",
+        "a fault during prefill of a long prompt specifically (faults land wherever the load is)",
+        "requests surviving a lost stage (replay on a new plan): not built yet",
+        *COMMON_NOT_TESTED,
+    ]
+    return {"tested": tested, "not_tested": not_tested}
+
+
+def discovery_scope(d: dict[str, Any]) -> dict[str, Any]:
+    parts = d.get("parts", {})
+    tested = [
+        "mdns: 3 agents on one LAN segment (`lan` links: "
+        f"{_describe_links(parts.get('mdns', {}).get('links', {}))}), sharing only the mesh "
+        "secret in their data dirs: no invite, no --peer, no relay",
+        "relay: 3 isolated hosts (no route between them; each reaches only the relay host, by "
+        f"`wan` links: {_describe_links(parts.get('relay', {}).get('links', {}))}), sharing the "
+        "mesh secret, each started with --relay and --no-mdns",
+        "in each: time from the last agent's start to every agent seeing all 3 alive, and to "
+        "a routable 3-stage plan; a few streamed requests through the result",
+    ]
+    not_tested = [
+        "mDNS across routers or Wi-Fi (multicast here is delivered by the emulator within a "
+        "segment, without loss)",
+        "hole punching or upgrading a relayed path to a direct one (there is no direct route)",
+        *COMMON_NOT_TESTED,
+    ]
+    return {"tested": tested, "not_tested": not_tested}

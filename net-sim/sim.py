@@ -1,0 +1,166 @@
+"""Run a net-sim certification scenario and write its report (markdown, JSON, PNG plots) into
+a new folder under net-sim/reports/ (or --out). Needs root. See docs/net-sim.md.
+
+    sudo .venv/bin/python net-sim/sim.py split --regime wan            # `just sim wan`
+    sudo .venv/bin/python net-sim/sim.py split --regime all --requests 20
+    sudo .venv/bin/python net-sim/sim.py soak --requests 200           # `just sim-soak`
+    sudo .venv/bin/python net-sim/sim.py faults                        # `just sim-faults`
+    sudo .venv/bin/python net-sim/sim.py discovery                     # `just sim-discovery`
+    .venv/bin/python net-sim/sim.py render net-sim/reports/<run>       # report.md and plots again
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from netsim import report, scenarios  # noqa: E402 - after the path is set
+from netsim.errors import NeedsRoot  # noqa: E402
+from netsim.lab import check_requirements  # noqa: E402
+from netsim.regimes import REGIMES  # noqa: E402
+
+
+def _regimes(text: str) -> list[str]:
+    names = list(REGIMES) if text == "all" else [r.strip() for r in text.split(",") if r.strip()]
+    bad = [r for r in names if r not in REGIMES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown regime {', '.join(bad) or text!r}; known: {', '.join(REGIMES)}, or all"
+        )
+    return names
+
+
+def _header(scenario: str, argv: list[str]) -> dict[str, Any]:
+    return {
+        "scenario": scenario,
+        "created": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "git": report.git_revision(HERE.parent),
+        "command": shlex.join(["net-sim/sim.py", *argv]),
+    }
+
+
+def run_split(
+    scenario: str,
+    regimes: list[str],
+    settings: scenarios.SplitSettings,
+    out: Path,
+    argv: list[str],
+) -> dict[str, Any]:
+    """Split serving (and its soak) in each regime, one after the other; the report."""
+    results = {r: scenarios.split(r, out, settings) for r in regimes}
+    rep = {**_header(scenario, argv), "regimes": results}
+    rep.update(scenarios.split_scope(results, settings, scenario))
+    report.split_report(out, rep)
+    return rep
+
+
+def run_faults(settings: scenarios.FaultSettings, out: Path, argv: list[str]) -> dict[str, Any]:
+    f = scenarios.faults(out, settings)
+    rep = {**_header("faults", argv), "faults": f, **scenarios.faults_scope(f, settings)}
+    report.faults_report(out, rep)
+    return rep
+
+
+def run_discovery(seed: int, serve: int, out: Path, argv: list[str]) -> dict[str, Any]:
+    d = scenarios.discovery(out, seed=seed, serve=serve)
+    rep = {**_header("discovery", argv), "discovery": d, **scenarios.discovery_scope(d)}
+    report.discovery_report(out, rep)
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="scenario", required=True)
+    d = scenarios.SplitSettings()
+    for name, requests, help_ in (
+        ("split", d.requests, "split serving over 3 hosts per regime, with a short soak"),
+        ("soak", 200, "split serving with a long soak (default wan, 200 requests)"),
+    ):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--regime", type=_regimes, default=["wan"], help="a regime, a,b or all")
+        sp.add_argument("--requests", type=int, default=requests, help="soak requests")
+        sp.add_argument("--concurrency", type=int, default=d.concurrency)
+        sp.add_argument("--calibration", type=int, default=d.calibration)
+        sp.add_argument("--forwarded", type=int, default=d.forwarded)
+        sp.add_argument("--seed", type=int, default=d.seed)
+        sp.add_argument("--wire-dtype", choices=("f16", "f32"), default=d.wire_dtype)
+    f = scenarios.FaultSettings()
+    fp = sub.add_parser("faults", help="kill, partition and power-cut a stage host under load")
+    fp.add_argument("--regime", choices=REGIMES, default=f.regime)
+    fp.add_argument("--seed", type=int, default=f.seed)
+    fp.add_argument("--partition-s", type=float, default=f.partition_s)
+    fp.add_argument("--observe-s", type=float, default=f.observe_s)
+    fp.add_argument("--no-power-cut", dest="power_cut", action="store_false")
+    dp = sub.add_parser("discovery", help="mDNS on a LAN, and the relay between isolated hosts")
+    dp.add_argument("--seed", type=int, default=1)
+    dp.add_argument("--serve", type=int, default=3, help="requests through each mesh formed")
+    for sp in sub.choices.values():
+        sp.add_argument("--out", type=Path, help="the run's folder (default: a new one)")
+    rp = sub.add_parser("render", help="write a run's report.md and plots again from its data")
+    rp.add_argument("run", type=Path, help="the run's folder")
+    args = p.parse_args(argv)
+    if args.scenario == "render":
+        report.write(args.run, report.load(args.run))
+        print(args.run / "report.md")
+        return 0
+    try:
+        check_requirements()
+    except NeedsRoot as e:
+        print(f"sim: {e}", file=sys.stderr)
+        return 2
+    if args.scenario in ("split", "soak"):
+        label = "-".join(args.regime) if len(args.regime) < len(REGIMES) else "all"
+    elif args.scenario == "faults":
+        label = args.regime
+    else:
+        label = "lan-relay"
+    out = args.out or report.run_dir(args.scenario, label)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"sim: {args.scenario} → {out}", file=sys.stderr)
+    if args.scenario in ("split", "soak"):
+        settings = scenarios.SplitSettings(
+            requests=args.requests,
+            concurrency=args.concurrency,
+            calibration=args.calibration,
+            forwarded=args.forwarded,
+            seed=args.seed,
+            wire_dtype=args.wire_dtype,
+        )
+        rep = run_split(args.scenario, args.regime, settings, out, argv)
+        for name, r in rep["regimes"].items():
+            t = r["totals"]
+            vs = (r.get("isolation") or {}).get("median_vs_floor") or {}
+            print(
+                f"{name}: {t['ok']} ok / {t['failed']} failed, streams complete "
+                f"{t['streams_complete']}/{t['streams']}; per-token {vs.get('measured_ms')} ms "
+                f"vs floor {vs.get('floor_ms')} ms (goal met: {vs.get('goal_met')})"
+            )
+    elif args.scenario == "faults":
+        fs = scenarios.FaultSettings(
+            regime=args.regime,
+            seed=args.seed,
+            partition_s=args.partition_s,
+            observe_s=args.observe_s,
+            power_cut=args.power_cut,
+        )
+        rep = run_faults(fs, out, argv)
+        t = rep["faults"]["totals"]
+        print(f"faults: {t['ok']} ok / {t['failed']} failed requests")
+    else:
+        rep = run_discovery(args.seed, args.serve, out, argv)
+        for name, part in rep["discovery"]["parts"].items():
+            print(f"{name}: {part.get('times')}")
+    print(out / "report.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
