@@ -4,8 +4,10 @@ rest of the layers on other peers.
 `PipelineBatcher` keeps the slots, queue and continuous batching of `Batcher`; each round it
 runs the first stage locally and streams the hidden states to the next stage, without waiting
 for the round before it to come back, so several rounds (different sequences) are in the
-pipeline at once and the stages compute in parallel. Tokens come back straight from the last
-stage on a reply stream.
+pipeline at once and the stages compute in parallel. To make that happen, a round takes at
+most 1/depth of the active sequences (depth = the number of stages): with four requests and
+three stages, two groups of two take turns, and while one group is in the second stage the
+other is in the first. Tokens come back straight from the last stage on a reply stream.
 """
 
 from __future__ import annotations
@@ -82,15 +84,21 @@ class PipelineBatcher(Batcher):
         max_queue: int,
         wire_dtype: str = "f16",
         max_batch_tokens: int = 512,
+        depth: int = 1,
     ) -> None:
         super().__init__(engine, max_queue=max_queue, max_batch_tokens=max_batch_tokens)  # type: ignore[arg-type]
         self.entry = engine
+        self.depth = max(1, depth)
         self._open_downstream = open_downstream  # async () -> stream to the second stage
         self._wire = WIRE_DTYPES[wire_dtype]
         self._down: trio.abc.SendStream | None = None
         self._send_lock = trio.Lock()
         self._in_flight: dict[int, Seq] = {}  # slot -> sequence waiting for its token
         self._pending_closes: list[int] = []  # released slots the stages must forget
+        self._round_of: dict[int, int] = {}  # slot in flight -> the round that carries it
+        self._round_left: dict[int, int] = {}  # round in flight -> its sequences not back yet
+        self.peak_rounds_in_flight = 0
+        self.largest_round = 0  # sequences in the biggest round so far
         self.failed: str | None = None
 
     async def _downstream(self) -> trio.abc.SendStream:
@@ -104,7 +112,24 @@ class PipelineBatcher(Batcher):
             stream = await self._downstream()
             await stream.send_all(data)
 
+    def _take_batch(self) -> list[tuple[Seq, int]]:
+        """The base batcher's choice, cut to this round's share of the active sequences so
+        that `depth` groups can be in the pipeline at once."""
+        batch = super()._take_batch()
+        active = len(self._runnable) + len(self._in_flight)
+        share = -(-active // self.depth)  # ceil
+        return batch[:share]
+
+    def _landed(self, slot: int) -> None:
+        """A sequence's token (or failure) came back: its round has one fewer outstanding."""
+        r = self._round_of.pop(slot, None)
+        if r is not None:
+            self._round_left[r] -= 1
+            if not self._round_left[r]:
+                del self._round_left[r]
+
     def _forget(self, seq: Seq) -> None:
+        self._landed(seq.slot)
         self._in_flight.pop(seq.slot, None)
         if seq.opened and self.failed is None:
             self._pending_closes.append(seq.slot)
@@ -145,6 +170,10 @@ class PipelineBatcher(Batcher):
         for seq, take in batch:
             if self._advance(seq, take):
                 self._in_flight[seq.slot] = seq
+                self._round_of[seq.slot] = self._batches
+                self._round_left[self._batches] = self._round_left.get(self._batches, 0) + 1
+        self.peak_rounds_in_flight = max(self.peak_rounds_in_flight, len(self._round_left))
+        self.largest_round = max(self.largest_round, len(batch))
         self._batches += 1
         try:
             await self._send(messages)
@@ -160,6 +189,8 @@ class PipelineBatcher(Batcher):
             log.error("pipeline.broken", why=why)
         waiting = list(self._in_flight.values()) + list(self._runnable)
         self._in_flight.clear()
+        self._round_of.clear()
+        self._round_left.clear()
         self._fail(waiting, EngineError(f"the split pipeline failed: {why}"))
 
     async def handle_reply(self, stream: trio.abc.ReceiveStream) -> None:
@@ -176,6 +207,7 @@ class PipelineBatcher(Batcher):
 
     def _on_reply(self, msg: sm.Message) -> None:
         if isinstance(msg, sm.Token):
+            self._landed(msg.seq)
             seq = self._in_flight.pop(msg.seq, None)
             if seq is not None:
                 if len(seq.stage_ms) < len(msg.timing):
@@ -188,6 +220,7 @@ class PipelineBatcher(Batcher):
             if msg.seq is None:
                 self._broken(msg.message)
             else:
+                self._landed(msg.seq)
                 seq = self._in_flight.pop(msg.seq, None)
                 if seq is not None:
                     self._fail([seq], EngineError(f"a stage failed: {msg.message}"))

@@ -126,6 +126,7 @@ class SplitHost:
                 lambda: self._open_stream(nxt, STAGE_LABEL, **window),
                 max_queue=s.max_queue,
                 wire_dtype=s.wire_dtype,
+                depth=len(plan.stages),
             )
             self.model = LocalModel(self._entry, max_queue=s.max_queue, batcher=pipeline)
         elif nxt is not None:

@@ -30,7 +30,7 @@ MESH = MeshSecret.generate()
 SPLIT = [(0, 10), (10, 20), (20, 30)]
 
 
-async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4):
+async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4, depth: int = 1):
     """Three nodes: the entry runs layers 0-10, the others 10-20 and 20-30."""
     layout = inspect_model(model_path)
     stages = [
@@ -63,6 +63,7 @@ async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4):
         lambda: a.open_stream(b.peer_id, STAGE_LABEL, **window),
         max_queue=8,
         wire_dtype=wire,
+        depth=depth,
     )
     servers = [
         StageServer(
@@ -107,9 +108,28 @@ async def test_concurrent_requests_all_match(model_path, store, reference, nurse
         for i in range(len(PROMPTS)):
             n.start_soon(one, i)
     assert [got[i] for i in range(len(PROMPTS))] == reference
+    assert model.batcher.largest_round > 2  # depth 1: one group, all four together
     # Requests shared rounds: far fewer stage calls than tokens generated.
     tokens = sum(len(model.engine.tokenize(t, add_bos=False)) for t in reference)
     assert servers[1].forwards < tokens
+
+
+async def test_groups_take_turns_in_a_deep_pipeline_and_all_match(
+    model_path, store, reference, nursery
+):
+    model, _, _, _ = await start_split(nursery, model_path, store, "f32", depth=3)
+    got: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        got[i] = await text_of(model, PROMPTS[i])
+
+    async with trio.open_nursery() as n:
+        for i in range(len(PROMPTS)):
+            n.start_soon(one, i)
+    assert [got[i] for i in range(len(PROMPTS))] == reference
+    # Four requests over three stages: rounds of at most two, several in flight at once.
+    assert model.batcher.largest_round <= 2
+    assert model.batcher.peak_rounds_in_flight >= 2
 
 
 async def test_seeded_sampling_is_reproducible_across_the_split(model_path, store, nursery):
