@@ -81,6 +81,8 @@ class ConnectionManager:
         self._on_stream = on_stream
         self._rng = rng or random.Random()
         self._guard = ReplayGuard()
+        # Inbound handshakes over adopted streams (relay circuits), bounded like a listener's.
+        self._adopted_handshakes = trio.CapacityLimiter(self.config.max_pending_handshakes)
         self._active: dict[str, Connection] = {}
         self._all: set[Connection] = set()
         self._nursery: trio.Nursery | None = None
@@ -209,7 +211,21 @@ class ConnectionManager:
         if self._nursery is None:
             await trio.aclose_forcefully(stream)
             raise ConnectionUnavailable("ConnectionManager.run() has not started")
-        return await self._secure_and_run(stream, str(remote), peer_id, path, initiator=initiator)
+        if initiator:
+            return await self._secure_and_run(stream, remote, peer_id, path, initiator=True)
+        try:
+            self._adopted_handshakes.acquire_on_behalf_of_nowait(stream)
+        except trio.WouldBlock:
+            await trio.aclose_forcefully(stream)
+            log.warning("handshake.refused", remote=remote, reason="too many pending handshakes")
+            raise ConnectionUnavailable(
+                f"refused {remote}: {self.config.max_pending_handshakes} inbound handshakes "
+                "are already in progress"
+            ) from None
+        try:
+            return await self._secure_and_run(stream, remote, peer_id, path, initiator=False)
+        finally:
+            self._adopted_handshakes.release_on_behalf_of(stream)
 
     async def aclose(self, *, grace: float | None = None) -> None:
         """Drain every connection (reason `shutdown`) within `grace`, then stop."""

@@ -5,12 +5,13 @@ from dataclasses import dataclass
 
 import pytest
 import trio
+import trio.testing
 from structlog.testing import capture_logs
 
 from meshagent.net.address import Address
 from meshagent.net.backoff import Backoff
 from meshagent.net.connection import DIRECT, RELAYED
-from meshagent.net.errors import DialError, StreamResetError
+from meshagent.net.errors import ConnectionUnavailable, DialError, StreamResetError
 from meshagent.net.manager import ConnectionManager, choose_connection
 from meshagent.net.sim import LinkSpec
 from meshagent.wire.errors import ErrorCode
@@ -182,4 +183,36 @@ async def test_dialing_ourselves_is_refused(env, clock):
         with pytest.raises(DialError, match="this node itself"), trio.fail_after(30):
             await a.dial(addr)
         assert a.connections() == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_relayed_inbound_handshakes_are_bounded_like_a_listeners(autojump_clock):
+    # Streams from a relay splice that never finish their handshake: beyond the limit, the
+    # next one is refused at once (and closed); the pending ones time out and free their place.
+    env = NetEnv("sim")
+    config = quick(max_pending_handshakes=2, handshake_timeout=5.0)
+    async with trio.open_nursery() as nursery, node(env, "b", nursery, config=config) as (b, _):
+        ends = [trio.testing.memory_stream_pair() for _ in range(3)]
+        failures: list[BaseException] = []
+
+        async def adopt(stream) -> None:
+            try:
+                await b.adopt(stream, initiator=False, remote="relay r")
+            except Exception as e:
+                failures.append(e)
+
+        with capture_logs() as logs:
+            for ours, _theirs in ends[:2]:
+                nursery.start_soon(adopt, ours)
+            await trio.sleep(0.1)
+            with pytest.raises(ConnectionUnavailable, match="inbound handshakes"):
+                await b.adopt(ends[2][0], initiator=False, remote="relay r")
+            assert await ends[2][1].receive_some() == b""  # closed, not left hanging
+            await trio.sleep(6)
+        assert len(failures) == 2  # both pending handshakes timed out...
+        assert any(e["event"] == "handshake.refused" for e in logs)
+        ours, _theirs = trio.testing.memory_stream_pair()
+        nursery.start_soon(adopt, ours)
+        await trio.sleep(0.1)
+        assert len(failures) == 2  # ...and a new one is admitted again
         nursery.cancel_scope.cancel()
