@@ -81,6 +81,8 @@ class Agent:
     proc: Proc | None = None
     peer_id: str = ""
     logs: list[Path] = field(default_factory=list)
+    down: bool = False  # stopped on purpose (a fault), not crashed
+    crashed: bool = False
 
     @property
     def running(self) -> bool:
@@ -153,6 +155,7 @@ class Mesh:
             data_dir = self.root / "agents" / name
             args = ["--name", name, *self.agent_args, *extra]
             agent = self.agents[name] = Agent(name, host, data_dir, args)
+        agent.down = agent.crashed = False
         agent.data_dir.mkdir(parents=True, exist_ok=True)
         (agent.data_dir / "agent.json").unlink(missing_ok=True)
         log = self.root / "logs" / f"{name}-{len(agent.logs)}.log"
@@ -222,6 +225,30 @@ class Mesh:
     def running(self) -> list[Agent]:
         return [a for a in self.agents.values() if a.running]
 
+    def check_crashes(self) -> list[str]:
+        """Agents that exited without being told to, each marked `agent.crashed` once (with
+        its exit status and the last line of its log: the exception, if it raised one)."""
+        out = []
+        for agent in self.agents.values():
+            if agent.proc is None or agent.running or agent.down:
+                continue
+            out.append(agent.name)
+            if not agent.crashed:
+                agent.crashed = True
+                lines = [x for x in agent.proc.log_text().splitlines() if x.strip()]
+                self.timeline.mark(
+                    "agent.crashed",
+                    host=agent.name,
+                    status=agent.proc.returncode,
+                    last_line=(lines[-1].strip() if lines else "")[:300],
+                )
+        return out
+
+    def _require_running(self, names: Iterable[str]) -> None:
+        crashed = set(self.check_crashes()) & set(names)
+        if crashed:
+            raise NetSimError(f"agent(s) {', '.join(sorted(crashed))} exited (see the timeline)")
+
     def status(self, name: str) -> dict[str, Any]:
         return self.agents[name].host.get_json(API_PORT, "/control/status")
 
@@ -248,6 +275,7 @@ class Mesh:
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}
         while True:
+            self._require_running(names)
             for name, view in self.views(n for n in names if n not in seen).items():
                 if view is None:
                     continue
@@ -291,6 +319,7 @@ class Mesh:
         names = list(names or [a.name for a in self.running()])
         deadline = time.monotonic() + timeout
         while True:
+            self._require_running(names)
             plans = {n: self.placement(n) for n in names}
             ok = all(
                 p is not None
@@ -358,6 +387,7 @@ class Mesh:
     def kill(self, name: str) -> float:
         """SIGKILL every process in the host (the agent crashes; its host's kernel still
         closes its connections). Returns the timeline's time of the kill."""
+        self.agents[name].down = True
         self.agents[name].host.kill()
         return self.timeline.mark("fault.kill", host=name)
 
@@ -367,6 +397,7 @@ class Mesh:
         for other in self.lab.topology.hosts:
             if other != name and self.lab.topology.link(name, other) is not None:
                 self.lab.partition(name, other)
+        self.agents[name].down = True
         self.agents[name].host.kill()
         return self.timeline.mark("fault.power_cut", host=name)
 
@@ -386,25 +417,43 @@ class Mesh:
 
     def log_events(self, levels: Iterable[str] = ("warning", "error", "critical")) -> list[dict]:
         """Warnings and errors from every agent's and the relay's JSON log, with the time
-        in the run; lines that are not JSON (a traceback) count as errors."""
+        in the run; a traceback (lines that are not JSON) is one event of level `crash`,
+        named by its last line."""
         want = set(levels)
-        out = []
+        out: list[dict[str, Any]] = []
         for name, path in self.log_files():
             if not path.exists():
                 continue
-            for line in path.read_text(errors="replace").splitlines():
+            block: list[str] = []
+            last_t: float | None = None
+            for line in [*path.read_text(errors="replace").splitlines(), "{}"]:
                 try:
                     rec = json.loads(line)
                 except ValueError:
-                    if "Traceback" in line or "Error" in line:
-                        out.append({"host": name, "t": None, "level": "stderr", "event": line})
+                    block.append(line)
                     continue
-                if not isinstance(rec, dict) or rec.get("level") not in want:
+                if block:
+                    text = "\n".join(block)
+                    if "Traceback" in text or "Error" in text:
+                        last = next((x.strip() for x in reversed(block) if x.strip()), "")
+                        out.append(
+                            {
+                                "host": name,
+                                "t": last_t,
+                                "level": "crash",
+                                "event": last.lstrip("| ")[:200],
+                                "detail": text[-4000:],
+                            }
+                        )
+                    block = []
+                if not isinstance(rec, dict) or not rec:
                     continue
                 t = None
                 if "timestamp" in rec:
                     wall = datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00"))
-                    t = round(self.timeline.rel_wall(wall.timestamp()), 3)
+                    t = last_t = round(self.timeline.rel_wall(wall.timestamp()), 3)
+                if rec.get("level") not in want:
+                    continue
                 detail = {k: v for k, v in rec.items() if k not in ("event", "level", "timestamp")}
                 out.append(
                     {

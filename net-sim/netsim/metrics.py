@@ -256,9 +256,9 @@ def around_fault(
     records: Sequence[Mapping[str, Any]], fault_t: float, resumed_after: float | None = None
 ) -> dict[str, Any]:
     """What requests saw around a fault at run time `fault_t`: those in flight (sent before,
-    ended after), those sent after it; the first token any client received after it (tokens
-    stopped flowing for that long), and the first request sent after `resumed_after` (default
-    the fault) that completed."""
+    ended after), those sent after it; the longest time no client received a token after the
+    fault (None: no token came after it at all), and the first request sent after
+    `resumed_after` (default the fault) that completed."""
     in_flight, later = [], []
     for r in records:
         end = r["t0"] + (r["t_end"] or 0)
@@ -266,10 +266,18 @@ def around_fault(
             in_flight.append(r)
         elif r["t0"] >= fault_t:
             later.append(r)
-    next_token = min(
-        (r["t0"] + c for r in records for c in r.get("chunks") or [] if r["t0"] + c > fault_t),
-        default=None,
+    after = sorted(
+        r["t0"] + c for r in records for c in r.get("chunks") or [] if r["t0"] + c > fault_t
     )
+    stall = None
+    if after:
+        points = [fault_t, *after]
+        gap, end = max((b - a, b) for a, b in itertools.pairwise(points))
+        stall = {
+            "longest_gap_s": round(gap, 3),
+            "resumed_after_fault_s": round(end - fault_t, 3),
+            "tokens_after_fault": len(after),
+        }
     since = fault_t if resumed_after is None else resumed_after
     ok_after = (r for r in sorted(later, key=lambda r: r["t0"]) if r["ok"] and r["t0"] >= since)
     first_ok = next(ok_after, None)
@@ -281,7 +289,7 @@ def around_fault(
         "sent_after": len(later),
         "sent_after_failed": sum(1 for r in later if not r["ok"]),
         "sent_after_causes": _count(r["cause"] or "incomplete" for r in later if not r["ok"]),
-        "first_token_after_s": None if next_token is None else round(next_token - fault_t, 3),
+        "token_stall": stall,
         "first_ok_request": None
         if first_ok is None
         else {

@@ -119,10 +119,14 @@ def _errors_md(section: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _failures_md(fails: Sequence[Mapping[str, Any]]) -> list[str]:
+def _failures_md(fails: Sequence[Mapping[str, Any]], limit: int = 60) -> list[str]:
     if not fails:
         return ["None: every request completed."]
-    return _table(
+    note = []
+    if len(fails) > limit:
+        note = [f"The first {limit} of {len(fails)}; all are in report.json (`failures`).", ""]
+        fails = fails[:limit]
+    return note + _table(
         ["#", "t (s)", "kind", "after (s)", "tokens received", "cause", "what the client saw"],
         (
             [
@@ -551,53 +555,62 @@ def _plot_faults(path: Path, f: Mapping[str, Any]) -> None:
     if not phases:
         return
     fig, axes = plt.subplots(len(phases), 1, figsize=(11, 3.2 * len(phases)), squeeze=False)
-    events = f.get("timeline", [])
     for ax, (name, ph) in zip(axes[:, 0], phases.items(), strict=False):
         recs = [r for r in f.get("requests", []) if r.get("phase") == name]
         for row, r in enumerate(recs):
             end = r["t0"] + (r["t_end"] or 0)
-            ax.plot([r["t0"], end], [row, row], color="tab:green" if r["ok"] else "tab:red", lw=2)
-            ax.plot(
-                [r["t0"] + c for c in r["chunks"]],
-                [row] * len(r["chunks"]),
-                "|",
-                color="k",
-                ms=3,
-                alpha=0.4,
-            )
+            color = "tab:green" if r["ok"] else "tab:red"
+            ax.plot([r["t0"], end], [row, row], color=color, lw=2)
+            if not r["ok"]:
+                ax.plot([end], [row], "x", color=color, ms=4)
+            ticks = [r["t0"] + c for c in r["chunks"]]
+            ax.plot(ticks, [row] * len(ticks), "|", color="k", ms=3, alpha=0.4)
         lo = min((r["t0"] for r in recs), default=0)
         hi = max((r["t0"] + (r["t_end"] or 0) for r in recs), default=1)
-        for e in events:
+        for e in ph.get("timeline", []):
             if not lo <= e["t"] <= hi:
                 continue
+            label, color = None, None
             if e["what"].startswith("fault."):
-                ax.axvline(e["t"], color="r", ls="--")
-                ax.text(
-                    e["t"], len(recs), e["what"][6:], color="r", fontsize=8, rotation=90, va="top"
-                )
+                label, color = e["what"][6:], "r"
             elif e["what"] == "routable":
-                ax.axvline(e["t"], color="tab:blue", ls=":")
-                ax.text(
-                    e["t"],
-                    len(recs),
-                    "routable",
-                    color="tab:blue",
-                    fontsize=8,
-                    rotation=90,
-                    va="top",
-                )
+                label, color = "routable", "tab:blue"
+            if label:
+                ax.axvline(e["t"], color=color, ls="--")
+                ax.text(e["t"], len(recs), label, color=color, fontsize=8, rotation=90, va="top")
         ax.set_title(f"{name}: {ph.get('fault')}", fontsize=10)
         ax.set_ylabel("request")
-        ax.set_xlabel("seconds since the run began (green ok, red failed; ticks: tokens)")
+        ax.set_xlabel(
+            "seconds since the phase began (green ok, red failed, x where it failed; ticks: tokens)"
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _stall(ph: Mapping[str, Any]) -> str:
+    st = ph.get("token_stall")
+    if not st:
+        return "**no token after the fault**"
+    return (
+        f"{st['longest_gap_s']:.2f} s without a token, flowing again "
+        f"{st['resumed_after_fault_s']:.2f} s after the fault"
+    )
+
+
+def _resumed(ph: Mapping[str, Any]) -> str:
+    first_ok = ph.get("first_ok_request")
+    if first_ok:
+        return f"{first_ok['done_after_fault_s']:.2f} s"
+    last = max((e["t"] for e in ph.get("timeline", [])), default=ph["fault_t"])
+    return f"**never** (watched {last - ph['fault_t']:.0f} s)"
 
 
 def faults_report(out: Path, report: dict[str, Any]) -> None:
     f = report["faults"]
     _write_data(out, report, [f.get("requests", [])])
     t = f.get("totals", {})
+    phases = f.get("phases") or {}
     md = [
         f"# net-sim certification: faults ({f['regime']})",
         "",
@@ -606,17 +619,16 @@ def faults_report(out: Path, report: dict[str, Any]) -> None:
         "",
         "## Result",
         "",
-        f"{t.get('requests')} streamed requests, {f['settings']['concurrency']} at a time, "
-        f"against the entry **{(f.get('plan') or {}).get('entry')}**; stages "
-        f"{(f.get('plan') or {}).get('stages')}; the fault host is the middle stage "
-        f"**{(f.get('plan') or {}).get('victim')}**. Ok / failed: {t.get('ok')} / "
-        f"{t.get('failed')}.",
+        f"Each fault ran in a mesh of its own, started from nothing: {len(phases)} meshes, "
+        f"{t.get('requests')} streamed requests in all, {f['settings']['concurrency']} at a "
+        f"time at the entry agent's API (ok / failed: {t.get('ok')} / {t.get('failed')}). A "
+        f"worker pauses {f['settings'].get('fail_pause_s', 0.5):g} s after a failed request "
+        "before its next.",
         "",
     ]
     rows = []
-    for name, ph in (f.get("phases") or {}).items():
+    for name, ph in phases.items():
         rs = ph.get("restart") or {}
-        first_ok = ph.get("first_ok_request") or {}
         fates = ph.get("in_flight") or []
         causes = sorted({x["cause"] or "ok" for x in fates})
         rows.append(
@@ -625,11 +637,12 @@ def faults_report(out: Path, report: dict[str, Any]) -> None:
                 ph.get("fault"),
                 f"{ph['in_flight_ok']} ok, {ph['in_flight_failed']} failed ({', '.join(causes)})",
                 _f(max((x["ended_after_fault_s"] for x in fates), default=None), 2, " s"),
-                f"{ph['sent_after_failed']} of {ph['sent_after']} "
-                f"{_short(ph['sent_after_causes']) if ph['sent_after_causes'] else ''}",
-                _f(ph.get("first_token_after_s"), 2, " s"),
-                _f(first_ok.get("done_after_fault_s"), 2, " s"),
-                _f(rs.get("routable_s"), 2, " s") if rs else "-",
+                f"{ph['sent_after_failed']} of {ph['sent_after']}",
+                _stall(ph),
+                _f(rs.get("routable_s"), 2, " s")
+                if rs
+                else ("**did not recover**" if ph.get("recovery_error") else "-"),
+                _resumed(ph),
             ]
         )
     md += _table(
@@ -639,28 +652,42 @@ def faults_report(out: Path, report: dict[str, Any]) -> None:
             "requests in flight at the fault",
             "last in-flight ended after",
             "later requests failed",
-            "next token after the fault",
-            "first later request done",
-            "restart → routable",
+            "tokens (any client)",
+            "restart → routable plan",
+            "first later request completed, after the fault",
         ],
         rows,
     )
     md += ["", "![faults](faults.png)", ""]
     md += _tested_md(report)
+    first = next(iter(phases.values()), {})
     md += ["", "## Network", ""]
-    md += _links_md(f.get("links", {}))
-    m = f.get("machine", {})
+    md += _links_md(first.get("links", {}))
+    m = first.get("machine", {})
     md += ["", f"TCP congestion control: **{m.get('congestion_control')}**.", ""]
-    for name, ph in (f.get("phases") or {}).items():
+    for name, ph in phases.items():
+        plan = ph.get("plan") or {}
         md += [f"## Phase `{name}`: {ph.get('fault')}", ""]
-        md += [f"Fault at t = {ph['fault_t']:.2f} s.", ""]
+        md += [
+            f"Plan: entry **{plan.get('entry')}**, stages {plan.get('stages')}; membership "
+            f"{_f((ph.get('discovery') or {}).get('membership_s'), 2)} s and a routable plan "
+            f"{_f((ph.get('discovery') or {}).get('routable_s'), 2)} s after the phase began. "
+            f"Fault at t = {ph['fault_t']:.2f} s.",
+            "",
+        ]
         if ph.get("restart"):
             rs = ph["restart"]
             md += [
                 f"Restarted (same data dir, same command line) at t = {ph['restart_t']:.2f} s: "
                 f"ready after {rs['agent_ready_s']:.2f} s, membership after "
-                f"{rs['membership_s']:.2f} s, routable 3-stage plan after {rs['routable_s']:.2f} s "
-                f"({rs['stages']}).",
+                f"{rs['membership_s']:.2f} s, routable 3-stage plan after "
+                f"{rs['routable_s']:.2f} s ({rs['stages']}).",
+                "",
+            ]
+        if ph.get("recovery_error"):
+            md += [
+                f"Restarted (same data dir, same command line) at t = {ph['restart_t']:.2f} s; "
+                f"the mesh did not recover: {_short(ph['recovery_error'], 400)}",
                 "",
             ]
         if ph.get("healed_t") is not None:
@@ -669,17 +696,15 @@ def faults_report(out: Path, report: dict[str, Any]) -> None:
         md += _table(
             [
                 "#",
-                "streamed",
                 "ok",
                 "tokens before / after the fault",
-                "ended after",
+                "ended after the fault",
                 "cause",
                 "what the client saw",
             ],
             (
                 [
                     x["i"],
-                    _f(x["stream"]),
                     _f(x["ok"]),
                     f"{x['tokens_before_fault']} / {x['tokens_after_fault']}",
                     _f(x["ended_after_fault_s"], 2, " s"),
@@ -689,28 +714,52 @@ def faults_report(out: Path, report: dict[str, Any]) -> None:
                 for x in ph.get("in_flight") or []
             ),
         )
+        first_ok = ph.get("first_ok_request")
         md += [
             "",
-            f"Requests sent after the fault: {ph['sent_after']}, failed {ph['sent_after_failed']}"
-            f" {_short(ph['sent_after_causes']) if ph['sent_after_causes'] else ''}. The next "
-            f"token any client received came {_f(ph.get('first_token_after_s'), 2)} s after the "
-            "fault.",
+            f"Requests sent after the fault: {ph['sent_after']}, failed "
+            f"{ph['sent_after_failed']} "
+            f"{_short(ph['sent_after_causes']) if ph['sent_after_causes'] else ''}. Tokens "
+            f"(any client): {_stall(ph)}. First request sent after "
+            + ("the restart" if ph.get("restart") else "the heal" if ph.get("healed_t") else "it")
+            + " that completed: "
+            + (
+                f"#{first_ok['i']}, sent {first_ok['sent_after_fault_s']:.2f} s and done "
+                f"{first_ok['done_after_fault_s']:.2f} s after the fault."
+                if first_ok
+                else "none."
+            ),
             "",
-            "What the agents reported (placement as each survivor's API showed it, polled "
-            "every 0.5 s):",
+            "Distinct errors of the requests sent after the fault:",
             "",
         ]
-        lo = ph["fault_t"] - 1
-        hi = lo + 1 + 120
-        md += _timeline_md(
-            [e for e in f.get("timeline", []) if lo <= e["t"] <= hi],
-            keep=("fault.", "placement", "routable", "membership", "agent."),
+        later = {}
+        for r in f.get("requests", []):
+            if r.get("phase") == name and not r["ok"] and r["t0"] >= ph["fault_t"]:
+                key = _short(r["error"] or "incomplete", 240)
+                later.setdefault(key, []).append(r["t0"] - ph["fault_t"])
+        md += _table(
+            ["count", "first / last sent after the fault", "error"],
+            (
+                [len(ts), f"{min(ts):.2f} / {max(ts):.2f} s", err]
+                for err, ts in sorted(later.items(), key=lambda kv: min(kv[1]))
+            ),
         )
-        md.append("")
-    md += ["## Errors", ""]
-    md += _errors_md(f)
-    md += ["", "## Emulator", ""]
-    md += _emulator_md(f.get("emulator"))
+        md += [
+            "",
+            "What the agents reported (placement as each agent's API showed it, polled every "
+            "0.5 s; membership and readiness of a restarted agent):",
+            "",
+        ]
+        md += _timeline_md(
+            [e for e in ph.get("timeline", []) if e["t"] >= ph["fault_t"] - 1],
+            keep=("fault.", "placement", "routable", "membership", "agent.", "recovery."),
+        )
+        md += ["", "Warnings and errors in the agents' and relay's logs:", ""]
+        md += _log_events_md(ph.get("log_events") or [])
+        md += ["", "Emulator: " + _emulator_md(ph.get("emulator"))[0], ""]
+    md += ["## Failed requests", ""]
+    md += _failures_md(f.get("failures") or [])
     _plot_faults(out / "faults.png", f)
     (out / "report.md").write_text("\n".join(md) + "\n")
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from netsim import metrics, workload
+from netsim.errors import NetSimError
 from netsim.lab import Host, Lab
 from netsim.mesh import API_PORT, Mesh, Timeline
 from netsim.regimes import topology
@@ -301,6 +302,8 @@ class FaultSettings:
     after_s: float = 12.0  # load running once service is back
     power_cut: bool = True
     timeout_s: float = 60.0
+    fail_pause_s: float = 0.5  # a worker's pause after a failed request
+    recover_s: float = 90.0  # the most a restarted mesh gets to be routable again
 
 
 def _watch(
@@ -310,6 +313,7 @@ def _watch(
     last: dict[str, Any] = {}
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        mesh.check_crashes()
         for n in names:
             p = mesh.placement(n)
             view = p and (p["routable"], p["epoch"], p.get("error"), len(p["stages"]))
@@ -331,94 +335,23 @@ def _watch(
         time.sleep(0.5)
 
 
+FAULTS = ("kill", "partition", "power_cut")
+
+
 def faults(run_dir: Path, settings: FaultSettings) -> dict[str, Any]:
-    """A stage host killed under load and restarted; a link partitioned for 10 s; (optionally)
-    a stage host losing power and network at once, then restored. Measures what in-flight and
-    new requests see, and when service resumes."""
+    """Each fault in a mesh of its own, started from nothing, under load: the middle stage's
+    host killed and restarted; the link between the entry and the middle stage partitioned;
+    (optionally) the middle stage's host losing power and network at once, then restored.
+    Measures what in-flight and new requests see, and when service resumes."""
     s = settings
-    tl = Timeline()
-    root = run_dir / s.regime
     out: dict[str, Any] = {"regime": s.regime, "settings": asdict(s), "phases": {}}
     records: list[dict[str, Any]] = []
-    with Lab(topology(s.regime, 3, relay=True), workdir=root / "lab", seed=s.seed) as lab:
-        out["machine"] = _machine(lab)
-        out["links"] = _links(lab)
-        mesh = Mesh(lab, root, tl, wire_dtype=s.wire_dtype)
-        driver = Driver(mesh, root / "load")
-        try:
-            started = _start_mesh(mesh)
-            plan = started["plan"]
-            out["discovery"] = started["times"]
-            entry = mesh.entry(plan)
-            stages = [st[0] for st in mesh.named_stages(plan)]
-            victim = stages[1]  # the middle stage: it neither owns requests nor answers them
-            out["plan"] = {"entry": entry, "stages": mesh.named_stages(plan), "victim": victim}
-            survivors = [n for n in HOSTS if n != victim]
-            load = [
-                "--mix", "stream", "--concurrency", str(s.concurrency), "--seed", str(s.seed),
-                "--timeout", str(s.timeout_s),
-            ]  # fmt: skip
-            host = lab[entry]
-            first = 0
-
-            def phase(name: str, inject: Callable[[], dict[str, Any]]) -> None:
-                nonlocal first
-                stop = root / "load" / f"{name}.stop"
-                stop.unlink(missing_ok=True)
-                proc, path = driver.start(
-                    host, name, *load, "--stop-file", str(stop), "--first", str(first)
-                )
-                time.sleep(s.before_s)
-                facts = inject()
-                stop.touch()
-                recs = driver.finish(proc, path, name, timeout=s.timeout_s + 120)
-                first += len(recs) + 1000
-                records.extend(recs)
-                facts["requests"] = metrics.summarise(recs)
-                facts.update(metrics.around_fault(recs, facts["fault_t"], facts.get("resumed_t")))
-                out["phases"][name] = facts
-
-            def kill() -> dict[str, Any]:
-                t = mesh.kill(victim)
-                _watch(mesh, survivors, s.observe_s)
-                return {
-                    "fault": f"kill -9 of every process on {victim}",
-                    "fault_t": t,
-                    **_restart(mesh, victim, survivors, s.after_s),
-                }
-
-            def partition() -> dict[str, Any]:
-                lab.partition(entry, victim, seconds=s.partition_s)
-                t = tl.mark("fault.partition", a=entry, b=victim, seconds=s.partition_s)
-                _watch(mesh, list(HOSTS), s.partition_s)
-                healed = tl.mark("fault.healed", a=entry, b=victim)
-                _watch(mesh, list(HOSTS), s.after_s + 10)
-                return {
-                    "fault": f"link {entry} <-> {victim} cut both ways for {s.partition_s:g} s",
-                    "fault_t": t,
-                    "healed_t": healed,
-                }
-
-            def power_cut() -> dict[str, Any]:
-                t = mesh.power_cut(victim)
-                _watch(mesh, survivors, s.observe_s)
-                mesh.restore_links(victim)
-                return {
-                    "fault": f"every link of {victim} cut, then its processes killed",
-                    "fault_t": t,
-                    **_restart(mesh, victim, survivors, s.after_s),
-                }
-
-            phase("kill", kill)
-            phase("partition", partition)
-            if s.power_cut:
-                phase("power_cut", power_cut)
-        finally:
-            out["timeline"] = tl.events
-            out["log_events"] = mesh.log_events()
-            out["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
-    for r in records:
-        r["regime"] = s.regime
+    for n, name in enumerate(FAULTS):
+        if name == "power_cut" and not s.power_cut:
+            continue
+        phase = _fault_phase(name, run_dir / name, s, first=10_000 * n)
+        records += phase.pop("records")
+        out["phases"][name] = phase
     out["requests"] = records
     out["totals"] = {
         "requests": len(records),
@@ -429,27 +362,95 @@ def faults(run_dir: Path, settings: FaultSettings) -> dict[str, Any]:
     return out
 
 
-def _restart(mesh: Mesh, victim: str, survivors: Sequence[str], after_s: float) -> dict[str, Any]:
-    """Start the agent again (same data dir, same command line) and time its way back."""
+def _fault_phase(name: str, root: Path, s: FaultSettings, first: int) -> dict[str, Any]:
+    tl = Timeline()
+    facts: dict[str, Any] = {"name": name}
+    recs: list[dict[str, Any]] = []
+    with Lab(topology(s.regime, 3, relay=True), workdir=root / "lab", seed=s.seed) as lab:
+        facts["machine"] = _machine(lab)
+        facts["links"] = _links(lab)
+        mesh = Mesh(lab, root, tl, wire_dtype=s.wire_dtype)
+        driver = Driver(mesh, root / "load")
+        try:
+            started = _start_mesh(mesh)
+            plan = started["plan"]
+            facts["discovery"] = started["times"]
+            entry = mesh.entry(plan)
+            stages = [st[0] for st in mesh.named_stages(plan)]
+            victim = stages[1]  # the middle stage: it neither owns requests nor answers them
+            survivors = [n for n in HOSTS if n != victim]
+            facts["plan"] = {"entry": entry, "stages": mesh.named_stages(plan), "victim": victim}
+            stop = root / "load" / f"{name}.stop"
+            proc, path = driver.start(
+                lab[entry], name, "--mix", "stream", "--concurrency", str(s.concurrency),
+                "--seed", str(s.seed), "--timeout", str(s.timeout_s), "--stop-file", str(stop),
+                "--first", str(first), "--fail-pause", str(s.fail_pause_s),
+            )  # fmt: skip
+            time.sleep(s.before_s)
+            if name == "kill":
+                facts["fault"] = f"kill -9 of every process on {victim} (the middle stage)"
+                facts["fault_t"] = mesh.kill(victim)
+                _watch(mesh, survivors, s.observe_s)
+                facts.update(_restart(mesh, victim, survivors, s))
+            elif name == "partition":
+                facts["fault"] = (
+                    f"link {entry} (entry) <-> {victim} (middle stage) cut both ways for "
+                    f"{s.partition_s:g} s"
+                )
+                lab.partition(entry, victim, seconds=s.partition_s)
+                facts["fault_t"] = tl.mark(
+                    "fault.partition", a=entry, b=victim, seconds=s.partition_s
+                )
+                _watch(mesh, list(HOSTS), s.partition_s)
+                facts["healed_t"] = facts["resumed_t"] = tl.mark("fault.healed", a=entry, b=victim)
+                _watch(mesh, list(HOSTS), s.after_s + s.observe_s)
+            else:
+                facts["fault"] = (
+                    f"every link of {victim} (the middle stage) cut, then its processes killed"
+                )
+                facts["fault_t"] = mesh.power_cut(victim)
+                _watch(mesh, survivors, s.observe_s)
+                mesh.restore_links(victim)
+                facts.update(_restart(mesh, victim, survivors, s))
+            stop.touch()
+            recs = driver.finish(proc, path, name, timeout=s.timeout_s + 120)
+        finally:
+            facts["timeline"] = tl.events
+            facts["log_events"] = mesh.log_events()
+            facts["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+    for r in recs:
+        r["regime"] = s.regime
+    facts["requests"] = metrics.summarise(recs)
+    facts.update(metrics.around_fault(recs, facts["fault_t"], facts.get("resumed_t")))
+    facts["records"] = recs
+    return facts
+
+
+def _restart(mesh: Mesh, victim: str, survivors: Sequence[str], s: FaultSettings) -> dict[str, Any]:
+    """Start the agent again (same data dir, same command line) and time its way back. If
+    the mesh does not come back (an agent crashed, or no routable plan in time), that is
+    recorded, and the load keeps running for the same while, to show what clients get."""
     tl = mesh.timeline
     restart = tl.mark("fault.restart", host=victim)
-    mesh.start_agent(victim)
-    mesh.wait_ready([victim])
-    ready = tl.last("agent.ready")
-    membership = mesh.wait_membership(label="after restart")
-    plan = mesh.wait_routable(stages=3, label="after restart")
-    routable = tl.last("routable")
-    _watch(mesh, [*survivors, victim], after_s)
-    return {
-        "restart_t": restart,
-        "resumed_t": restart,
-        "restart": {
+    facts: dict[str, Any] = {"restart_t": restart, "resumed_t": restart}
+    try:
+        mesh.start_agent(victim)
+        mesh.wait_ready([victim])
+        ready = tl.last("agent.ready")
+        membership = mesh.wait_membership(HOSTS, label="after restart")
+        plan = mesh.wait_routable(HOSTS, stages=3, timeout=s.recover_s, label="after restart")
+        routable = tl.last("routable")
+        facts["restart"] = {
             "agent_ready_s": round(ready - restart, 3),
             "membership_s": round(membership - restart, 3),
             "routable_s": round(routable - restart, 3),
             "stages": mesh.named_stages(plan),
-        },
-    }
+        }
+    except NetSimError as e:
+        facts["recovery_error"] = str(e)[:2000]
+        tl.mark("recovery.failed", error=str(e)[:300])
+    _watch(mesh, [*survivors, victim], s.after_s)
+    return facts
 
 
 # ----- discovery -----
@@ -599,20 +600,21 @@ def split_scope(results: dict[str, Any], s: SplitSettings, soak_name: str) -> di
 
 
 def faults_scope(f: dict[str, Any], s: FaultSettings) -> dict[str, Any]:
-    victim = (f.get("plan") or {}).get("victim")
+    first = next(iter(f["phases"].values()), {})
+    victim = "the middle stage's host"
     tested = [
-        f"regime `{s.regime}`: {_describe_links(f.get('links', {}))}",
-        AGENTS_TESTED + ", joined by invite",
+        f"regime `{s.regime}`: {_describe_links(first.get('links', {}))}",
+        AGENTS_TESTED + ", joined by invite; each fault in a mesh of its own, started from nothing",
         MODEL_TESTED,
         f"load: streamed requests (short and long prompts), {s.concurrency} at a time, at the "
         f"entry agent's API, running from {s.before_s:g} s before each fault until service is "
         f"back; a request with no byte for {s.timeout_s:g} s counts as failed",
-        f"kill: every process on the middle stage's host ({victim}) gets SIGKILL; its kernel "
+        f"kill: every process on {victim} gets SIGKILL; its kernel "
         "still closes its TCP connections (peers see a reset), as when the agent crashes; "
         f"watched {s.observe_s:g} s, then the agent restarted with the same data dir and "
         "command line",
-        f"partition: the link between the entry and {victim} dropped every packet both ways "
-        f"for {s.partition_s:g} s (packets already on the wire still arrived), then healed",
+        "partition: the link between the entry and the middle stage dropped every packet both "
+        f"ways for {s.partition_s:g} s (packets already on the wire still arrived), then healed",
     ]
     if s.power_cut:
         tested.append(

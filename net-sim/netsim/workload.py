@@ -324,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", type=int, default=0, help="index of the first request")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds without a byte: failed")
     p.add_argument("--gap", type=float, default=0.0, help="seconds a worker waits between requests")
+    p.add_argument(
+        "--fail-pause",
+        type=float,
+        default=0.5,
+        help="seconds a worker waits after a failed request (a client that retries, not one "
+        "that spins on a broken server)",
+    )
     args = p.parse_args(argv)
     if args.requests is None and args.duration is None and args.stop_file is None:
         p.error("give --requests, --duration or --stop-file")
@@ -354,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                 out.write(json.dumps(rec) + "\n")
                 totals["requests"] += 1
                 totals["ok" if rec["ok"] else "failed"] += 1
-            if args.gap:
-                time.sleep(args.gap)
+            pause = args.gap if rec["ok"] else max(args.gap, args.fail_pause)
+            if pause:
+                time.sleep(pause)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(args.concurrency)]
     for t in threads:
