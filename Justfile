@@ -18,3 +18,23 @@ lint:
 # API decode speed vs llama-cpp-python called directly
 bench-serve *ARGS:
     {{venv}}/python bench/serve.py {{ARGS}}
+
+# net-sim (root): split serving in REGIME (lan, wan, longhaul, mixed, all), a report in net-sim/reports/
+sim REGIME="wan" *ARGS:
+    {{venv}}/python net-sim/sim.py split --regime {{REGIME}} {{ARGS}}
+
+# net-sim (root): split serving in wan with a 200-request soak
+sim-soak *ARGS:
+    {{venv}}/python net-sim/sim.py soak {{ARGS}}
+
+# net-sim (root): kill, partition and power-cut a stage host under load
+sim-faults *ARGS:
+    {{venv}}/python net-sim/sim.py faults {{ARGS}}
+
+# net-sim (root): mDNS on a LAN, and the relay between isolated hosts
+sim-discovery *ARGS:
+    {{venv}}/python net-sim/sim.py discovery {{ARGS}}
+
+# net-sim (root): the link emulator's own latency, packet rate and throughput
+sim-limits *ARGS:
+    {{venv}}/python net-sim/limits.py {{ARGS}}

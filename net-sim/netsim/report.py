@@ -223,7 +223,8 @@ def _split_md(name: str, r: Mapping[str, Any]) -> list[str]:
             [
                 "every agent sees all 3 alive (membership)",
                 f"{_f(d.get('membership_s'), 2)} "
-                f"({_f(d.get('membership_after_last_start_s'), 2)} after the last start)",
+                f"({_f(d.get('membership_after_last_start_s'), 2)} after the last start, "
+                f"{_f(d.get('membership_after_all_ready_s'), 2)} after all were ready)",
             ],
             [
                 "every agent holds the same routable 3-stage plan (convergence)",
@@ -541,7 +542,7 @@ def _write_data(out: Path, report: Mapping[str, Any], requests: Iterable[Iterabl
 def _strip(x: Any) -> Any:
     """The report without the raw request records (they are in requests.jsonl)."""
     if isinstance(x, dict):
-        return {k: _strip(v) for k, v in x.items() if k != "requests"}
+        return {k: _strip(v) for k, v in x.items() if not (k == "requests" and isinstance(v, list))}
     if isinstance(x, list):
         return [_strip(v) for v in x]
     return x
@@ -806,6 +807,8 @@ def discovery_report(out: Path, report: dict[str, Any]) -> None:
         rows.append(
             [
                 name,
+                _f(t.get("all_agents_ready_s", 0) - t.get("last_agent_started_s", 0), 2, " s"),
+                _f(t.get("membership_after_all_ready_s"), 2, " s"),
                 _f(t.get("membership_after_last_start_s"), 2, " s"),
                 _f(t.get("routable_after_last_start_s"), 2, " s"),
                 ", ".join(paths) or "-",
@@ -816,6 +819,8 @@ def discovery_report(out: Path, report: dict[str, Any]) -> None:
     md += _table(
         [
             "how agents met",
+            "last start → all agents ready",
+            "all ready → full membership",
             "full membership (after the last start)",
             "routable 3-stage plan",
             "paths",

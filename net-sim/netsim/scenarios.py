@@ -103,11 +103,13 @@ def _start_mesh(mesh: Mesh) -> dict[str, Any]:
     plan = mesh.wait_routable(stages=3)
     routable = tl.first("routable")
     assert routable is not None
+    all_ready = max(e["t"] for e in tl.events if e["what"] == "agent.ready")
     return {
         "plan": plan,
         "times": {
             "first_agent_ready_s": tl.first("agent.ready"),
-            "all_agents_ready_s": max(e["t"] for e in tl.events if e["what"] == "agent.ready"),
+            "all_agents_ready_s": all_ready,
+            "membership_after_all_ready_s": round(membership - all_ready, 3),
             "last_agent_started_s": last_start,
             "membership_s": membership,
             "routable_s": routable,
@@ -483,11 +485,11 @@ def discovery(run_dir: Path, *, seed: int = 1, serve: int = 3) -> dict[str, Any]
                 plan = mesh.wait_routable(stages=3)
                 routable = tl.first("routable")
                 assert routable is not None
+                all_ready = max(e["t"] for e in tl.events if e["what"] == "agent.ready")
                 res["times"] = {
                     "last_agent_started_s": last_start,
-                    "all_agents_ready_s": max(
-                        e["t"] for e in tl.events if e["what"] == "agent.ready"
-                    ),
+                    "all_agents_ready_s": all_ready,
+                    "membership_after_all_ready_s": round(membership - all_ready, 3),
                     "membership_s": membership,
                     "routable_s": routable,
                     "membership_after_last_start_s": round(membership - last_start, 3),
@@ -504,9 +506,14 @@ def discovery(run_dir: Path, *, seed: int = 1, serve: int = 3) -> dict[str, Any]
                 logs = {n: "\n".join(p.read_text() for p in mesh.agents[n].logs) for n in HOSTS}
                 res["found_by"] = {
                     n: {
-                        "mdns.found": text.count('"mdns.found"'),
-                        "agent.bootstrapped": text.count('"agent.bootstrapped"'),
-                        "relay.registered": text.count('"relay.registered"'),
+                        event: text.count(f'"{event}"')
+                        for event in (
+                            "mdns.found",
+                            "agent.bootstrapped",
+                            "relay.client_registered",
+                            "relay.circuit_accepted",
+                            "dialer.connected",
+                        )
                     }
                     for n, text in logs.items()
                 }

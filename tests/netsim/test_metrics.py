@@ -1,0 +1,124 @@
+"""The report's figures from hand-made records: spreads, the floor, bytes per token, faults."""
+
+import pytest
+from netsim import metrics
+from netsim.fabric import LinkCounters
+from netsim.lab import Counters
+
+
+def rec(i, *, t0=0.0, ok=True, stream=True, chunks=(), tokens=None, **kw):
+    r = {
+        "i": i,
+        "t0": t0,
+        "shape": "long",
+        "stream": stream,
+        "ok": ok,
+        "complete": ok,
+        "status": 200 if ok else 500,
+        "t_first": chunks[0] if chunks else None,
+        "t_end": (chunks[-1] + 0.01) if chunks else 1.0,
+        "chunks": list(chunks),
+        "completion_tokens": len(chunks) if tokens is None else tokens,
+        "prompt_tokens": 10,
+        "stage_ms": None,
+        "cause": None if ok else "http",
+        "error": None if ok else "HTTP 500 engine_error: broken",
+    }
+    r.update(kw)
+    return r
+
+
+def test_spread_quantiles_interpolate_and_empty_is_none():
+    s = metrics.spread([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert s["n"] == 10 and s["median"] == 5.5 and s["min"] == 1 and s["max"] == 10
+    assert s["p10"] == pytest.approx(1.9) and s["p90"] == pytest.approx(9.1)
+    assert metrics.spread([]) is None
+
+
+def test_per_token_figures_of_a_stream():
+    r = rec(0, chunks=[0.5, 0.56, 0.62, 0.68])
+    assert metrics.gaps_ms(r) == pytest.approx([60, 60, 60])
+    assert metrics.per_token_ms(r) == pytest.approx(60)
+    assert metrics.ttft_ms(r) == pytest.approx(500)
+    assert metrics.tokens_per_s(r) == pytest.approx(4 / 0.69)
+    whole = rec(1, stream=False, tokens=8, t_end=2.0)
+    assert metrics.ttft_ms(whole) is None and metrics.per_token_ms(whole) is None
+    assert metrics.tokens_per_s(whole) == 4
+
+
+def test_summarise_counts_failures_and_incomplete_streams():
+    records = [
+        rec(0, chunks=[0.1, 0.2]),
+        rec(1, t0=1.0, stream=False, tokens=5),
+        rec(2, t0=2.0, ok=False, chunks=[0.1], cause="incomplete", error="no [DONE]"),
+    ]
+    s = metrics.summarise(records)
+    assert (s["requests"], s["ok"], s["failed"]) == (3, 2, 1)
+    assert s["streams"] == 2 and s["streams_complete"] == 1 and s["streams_incomplete"] == [2]
+    assert s["completion_tokens"] == 7
+    assert s["by_kind"]["long/stream"]["requests"] == 2
+    [f] = s["failures"]
+    assert f["i"] == 2 and f["cause"] == "incomplete" and f["tokens_received"] == 1
+
+
+def test_decode_compute_subtracts_the_prefill_and_the_floor_adds_the_ring():
+    prefill = [rec(i, stage_ms=[10.0, 12.0, 8.0], tokens=1) for i in range(3)]
+    decode = [rec(3, stage_ms=[73.0, 138.0, 71.0], tokens=64)]
+    compute = metrics.decode_compute_ms(prefill, decode)
+    assert compute == pytest.approx([1.0, 2.0, 1.0])
+    floor = metrics.floor_ms(compute, [15.0, 15.0, 15.0])
+    assert floor == {"compute_ms": 4.0, "ring_ms": 45.0, "floor_ms": 49.0}
+    vs = metrics.against_floor(55.0, floor["floor_ms"])
+    assert vs["gap_ms"] == 6.0 and vs["goal_ms"] == pytest.approx(1.1 * 49 + 2)
+    assert vs["goal_met"] and not metrics.against_floor(60.0, 49.0)["goal_met"]
+    assert metrics.decode_compute_ms([], decode) is None
+
+
+def counters(uptime, links, delivered=0, late=0.0):
+    return Counters(
+        links={k: LinkCounters(*v) for k, v in links.items()},
+        unrouted={},
+        uptime_s=uptime,
+        queued=0,
+        read_errors=0,
+        write_errors=0,
+        delivered=delivered,
+        late_total_s=late,
+        max_late_s=0.001,
+    )
+
+
+def test_wire_per_token_nets_out_the_idle_background():
+    before = counters(10.0, {("h0", "h1"): (10, 1000, {}, {})}, delivered=10, late=0.001)
+    after = counters(20.0, {("h0", "h1"): (110, 21000, {"loss": 1}, {"loss": 100})}, 110, 0.011)
+    window = metrics.counters_window(before, after)
+    assert window["seconds"] == 10.0 and window["links"]["h0>h1"]["bytes"] == 20000
+    assert window["late_mean_ms"] == pytest.approx(0.1)
+    idle = {"seconds": 5.0, "links": {"h0>h1": {"bytes": 500}}}
+    wire = metrics.wire_per_token(window, tokens=100, idle=idle)["h0>h1"]
+    assert wire["bytes_per_token"] == 200.0
+    assert wire["idle_bytes_per_s"] == 100.0
+    assert wire["net_bytes_per_token"] == 190.0  # 1000 bytes of background in 10 s
+    assert wire["dropped"] == {"loss": 1}
+
+
+def test_around_fault_separates_in_flight_from_later_and_finds_the_stall():
+    records = [
+        rec(0, t0=9.0, chunks=[0.5, 1.5, 2.0], t_end=2.1),  # in flight, survives
+        rec(1, t0=9.5, ok=False, chunks=[0.2], t_end=0.6, cause="stream_error"),  # in flight
+        rec(2, t0=10.2, ok=False, chunks=[], t_end=0.01),  # later, fails at once
+        rec(3, t0=13.0, chunks=[0.5, 0.6], t_end=0.7),  # later, ok
+    ]
+    a = metrics.around_fault(records, fault_t=10.0)
+    assert [x["i"] for x in a["in_flight"]] == [0, 1]
+    assert a["in_flight_ok"] == 1 and a["in_flight_failed"] == 1
+    first = a["in_flight"][0]
+    assert first["tokens_before_fault"] == 1 and first["tokens_after_fault"] == 2
+    assert a["sent_after"] == 2 and a["sent_after_failed"] == 1
+    assert a["sent_after_causes"] == {"http": 1}
+    # tokens after the fault at 10.5, 11.0, 13.5, 13.6: the longest silence is 11.0 -> 13.5
+    assert a["token_stall"]["longest_gap_s"] == pytest.approx(2.5)
+    assert a["token_stall"]["resumed_after_fault_s"] == pytest.approx(3.5)
+    assert a["first_ok_request"]["i"] == 3
+    none = metrics.around_fault([rec(0, t0=0.0, chunks=[0.1], t_end=0.2)], fault_t=5.0)
+    assert none["token_stall"] is None and none["first_ok_request"] is None
