@@ -224,10 +224,15 @@ def counters_window(before: Any, after: Any) -> dict[str, Any]:
 
 
 def wire_per_token(
-    window: Mapping[str, Any], tokens: int, idle: Mapping[str, Any] | None = None
+    window: Mapping[str, Any],
+    tokens: int,
+    idle: Mapping[str, Any] | None = None,
+    processed: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Bytes per completion token on each directed link that carried traffic in `window`;
-    `net` subtracts the background (gossip, heartbeats) measured in an `idle` window."""
+    `net` subtracts the background (gossip, heartbeats) measured in an `idle` window, and
+    `net_bytes_per_processed_token` divides that by prompt + completion tokens (`processed`):
+    every token computed crosses each activation leg once."""
     out = {}
     for key, c in window["links"].items():
         if not c["bytes"]:
@@ -242,9 +247,10 @@ def wire_per_token(
             rate = idle["links"].get(key, {}).get("bytes", 0) / idle["seconds"]
             background = rate * window["seconds"]
             row["idle_bytes_per_s"] = round(rate, 1)
-            row["net_bytes_per_token"] = (
-                round(max(0.0, c["bytes"] - background) / tokens, 1) if tokens else None
-            )
+            net = max(0.0, c["bytes"] - background)
+            row["net_bytes_per_token"] = round(net / tokens, 1) if tokens else None
+            if processed:
+                row["net_bytes_per_processed_token"] = round(net / processed, 1)
         out[key] = row
     return out
 

@@ -182,6 +182,7 @@ def _split_summary_rows(regimes: Mapping[str, Any]) -> list[list[Any]]:
         soak = r.get("soak") or {}
         iso = r.get("isolation") or {}
         vs = iso.get("median_vs_floor") or {}
+        mean = (iso.get("mean_vs_floor") or {}).get("measured_ms")
         d = r.get("discovery") or {}
         rows.append(
             [
@@ -189,8 +190,8 @@ def _split_summary_rows(regimes: Mapping[str, Any]) -> list[list[Any]]:
                 f"{t.get('ok', '-')} / {t.get('failed', '-')}",
                 f"{t.get('streams_complete', '-')} of {t.get('streams', '-')}",
                 _spread(soak.get("tokens_per_s")),
-                f"{_f(vs.get('measured_ms'))} vs {_f(vs.get('floor_ms'))} ms "
-                f"({_f(vs.get('ratio'), 3)}x)",
+                f"{_f(vs.get('measured_ms'))} (mean {_f(mean)}) vs {_f(vs.get('floor_ms'))} ms: "
+                f"{_f(vs.get('ratio'), 3)}x, goal {'met' if vs.get('goal_met') else 'not met'}",
                 _f((soak.get("ttft_ms") or {}).get("median"), 0, " ms"),
                 f"{_f(d.get('membership_after_last_start_s'))} / "
                 f"{_f(d.get('routable_after_last_start_s'))} s",
@@ -368,11 +369,23 @@ def _split_md(name: str, r: Mapping[str, Any]) -> list[str]:
         "Every directed link that carried traffic during the soak: whole IP packets as the "
         "emulator forwarded them, per completion token (prefill activations included); "
         "`net` subtracts the link's background rate (gossip, heartbeats, RTT probes) "
-        f"measured over {s.get('idle_s')} s of silence before the load.",
+        f"measured over {s.get('idle_s')} s of silence before the load. Each token computed "
+        "(prompt or completion) crosses each activation leg once, as "
+        f"{r.get('plan', {}).get('wire_dtype')} hidden states; the last leg carries sampled "
+        "tokens back to the entry.",
         "",
     ]
     out += _table(
-        ["link", "bytes", "packets", "bytes/token", "background B/s", "net bytes/token", "dropped"],
+        [
+            "link",
+            "bytes",
+            "packets",
+            "bytes/token",
+            "background B/s",
+            "net bytes/token",
+            "net bytes per prompt + completion token",
+            "dropped",
+        ],
         (
             [
                 k,
@@ -381,6 +394,7 @@ def _split_md(name: str, r: Mapping[str, Any]) -> list[str]:
                 _f(w["bytes_per_token"]),
                 _f(w.get("idle_bytes_per_s")),
                 _f(w.get("net_bytes_per_token")),
+                _f(w.get("net_bytes_per_processed_token")),
                 _short(w["dropped"]) if w["dropped"] else "-",
             ]
             for k, w in sorted((soak.get("wire") or {}).items())
@@ -504,7 +518,7 @@ def split_report(out: Path, report: dict[str, Any]) -> None:
             "requests ok / failed",
             "streams complete",
             "soak tokens/s per request, median (spread)",
-            "per-token, one at a time: median vs floor",
+            "per-token ms, one at a time: median gap (request mean) vs floor",
             "soak TTFT median",
             "membership / convergence",
         ],

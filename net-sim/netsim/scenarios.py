@@ -191,7 +191,10 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
     soak_window = metrics.counters_window(c3, c4)
     out["soak"] = metrics.summarise(soak)
     out["soak"]["wire"] = metrics.wire_per_token(
-        soak_window, out["soak"]["completion_tokens"], idle
+        soak_window,
+        out["soak"]["completion_tokens"],
+        idle,
+        processed=out["soak"]["completion_tokens"] + out["soak"]["prompt_tokens"],
     )
     out["soak"]["wire_window"] = {k: v for k, v in soak_window.items() if k != "links"}
     out["idle"] = idle
