@@ -259,12 +259,16 @@ def wire_per_token(
 
 
 def around_fault(
-    records: Sequence[Mapping[str, Any]], fault_t: float, resumed_after: float | None = None
+    records: Sequence[Mapping[str, Any]],
+    fault_t: float,
+    resumed_after: float | None = None,
+    observed_until: float | None = None,
 ) -> dict[str, Any]:
     """What requests saw around a fault at run time `fault_t`: those in flight (sent before,
-    ended after), those sent after it; the longest time no client received a token after the
-    fault (None: no token came after it at all), and the first request sent after
-    `resumed_after` (default the fault) that completed."""
+    ended after), those sent after it; the longest time no client received a token between
+    the fault and `observed_until` (default: when the last request ended), and whether tokens
+    flowed again after it; and the first request sent after `resumed_after` (default the
+    fault) that completed."""
     in_flight, later = [], []
     for r in records:
         end = r["t0"] + (r["t_end"] or 0)
@@ -272,18 +276,21 @@ def around_fault(
             in_flight.append(r)
         elif r["t0"] >= fault_t:
             later.append(r)
+    if observed_until is None:
+        observed_until = max((r["t0"] + (r["t_end"] or 0) for r in records), default=fault_t)
     after = sorted(
         r["t0"] + c for r in records for c in r.get("chunks") or [] if r["t0"] + c > fault_t
     )
-    stall = None
-    if after:
-        points = [fault_t, *after]
-        gap, end = max((b - a, b) for a, b in itertools.pairwise(points))
-        stall = {
-            "longest_gap_s": round(gap, 3),
-            "resumed_after_fault_s": round(end - fault_t, 3),
-            "tokens_after_fault": len(after),
-        }
+    points = [fault_t, *after, max(observed_until, after[-1] if after else fault_t)]
+    gap, end = max(((b - a, b) for a, b in itertools.pairwise(points)), default=(0.0, fault_t))
+    never = end == points[-1] and end != (after[-1] if after else None)
+    stall = {
+        "longest_gap_s": round(gap, 3),
+        "resumed_after_fault_s": None if never else round(end - fault_t, 3),
+        "last_token_after_fault_s": round(after[-1] - fault_t, 3) if after else None,
+        "tokens_after_fault": len(after),
+        "observed_s": round(observed_until - fault_t, 3),
+    }
     since = fault_t if resumed_after is None else resumed_after
     ok_after = (r for r in sorted(later, key=lambda r: r["t0"]) if r["ok"] and r["t0"] >= since)
     first_ok = next(ok_after, None)

@@ -606,7 +606,11 @@ def _plot_faults(path: Path, f: Mapping[str, Any]) -> None:
 def _stall(ph: Mapping[str, Any]) -> str:
     st = ph.get("token_stall")
     if not st:
-        return "**no token after the fault**"
+        return "-"
+    if st["resumed_after_fault_s"] is None:
+        last = st["last_token_after_fault_s"]
+        stopped = "at the fault" if last is None else f"{last:.2f} s after the fault"
+        return f"**stopped {stopped}, never resumed** (watched {st['observed_s']:.0f} s)"
     return (
         f"{st['longest_gap_s']:.2f} s without a token, flowing again "
         f"{st['resumed_after_fault_s']:.2f} s after the fault"

@@ -121,4 +121,18 @@ def test_around_fault_separates_in_flight_from_later_and_finds_the_stall():
     assert a["token_stall"]["resumed_after_fault_s"] == pytest.approx(3.5)
     assert a["first_ok_request"]["i"] == 3
     none = metrics.around_fault([rec(0, t0=0.0, chunks=[0.1], t_end=0.2)], fault_t=5.0)
-    assert none["token_stall"] is None and none["first_ok_request"] is None
+    assert none["token_stall"]["tokens_after_fault"] == 0
+    assert none["token_stall"]["resumed_after_fault_s"] is None
+    assert none["first_ok_request"] is None
+
+
+def test_tokens_that_stop_after_the_fault_never_resumed():
+    records = [
+        rec(0, t0=9.0, ok=False, chunks=[0.5, 1.02], t_end=1.03),  # one more token, then error
+        rec(1, t0=10.5, ok=False, chunks=[], t_end=0.01),
+        rec(2, t0=40.0, ok=False, chunks=[], t_end=0.01),
+    ]
+    stall = metrics.around_fault(records, fault_t=10.0)["token_stall"]
+    assert stall["resumed_after_fault_s"] is None
+    assert stall["last_token_after_fault_s"] == pytest.approx(0.02)
+    assert stall["observed_s"] == pytest.approx(30.01)
