@@ -7,8 +7,10 @@ plots. Nothing here asserts: a failure is a figure in the report.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from netsim import metrics, workload
 from netsim.errors import NetSimError
 from netsim.lab import Host, Lab
 from netsim.mesh import API_PORT, Mesh, Timeline
-from netsim.regimes import topology
+from netsim.regimes import Topology, topology
 
 HOSTS = ("h0", "h1", "h2")
 
@@ -75,6 +77,17 @@ class Driver:
         return self.finish(proc, out, name, timeout)
 
 
+@contextlib.contextmanager
+def _lab(topo: Topology, root: Path, seed: int) -> Iterator[Lab]:
+    """A lab whose logs stay in the run's folder; the agents' data dirs go when it closes:
+    they hold stage artifacts (tens of MB of model per agent) and the mesh's keys."""
+    try:
+        with Lab(topo, workdir=root / "lab", seed=seed) as lab:
+            yield lab
+    finally:
+        shutil.rmtree(root / "agents", ignore_errors=True)
+
+
 def _machine(lab: Lab) -> dict[str, Any]:
     import os
     import platform
@@ -126,7 +139,7 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
     tl = Timeline()
     root = run_dir / regime
     out: dict[str, Any] = {"regime": regime, "settings": asdict(s)}
-    with Lab(topology(regime, 3, relay=True), workdir=root / "lab", seed=s.seed) as lab:
+    with _lab(topology(regime, 3, relay=True), root, s.seed) as lab:
         out["machine"] = _machine(lab)
         out["links"] = _links(lab)
         mesh = Mesh(lab, root, tl, wire_dtype=s.wire_dtype)
@@ -371,7 +384,7 @@ def _fault_phase(name: str, root: Path, s: FaultSettings, first: int) -> dict[st
     tl = Timeline()
     facts: dict[str, Any] = {"name": name}
     recs: list[dict[str, Any]] = []
-    with Lab(topology(s.regime, 3, relay=True), workdir=root / "lab", seed=s.seed) as lab:
+    with _lab(topology(s.regime, 3, relay=True), root, s.seed) as lab:
         facts["machine"] = _machine(lab)
         facts["links"] = _links(lab)
         mesh = Mesh(lab, root, tl, wire_dtype=s.wire_dtype)
@@ -473,7 +486,7 @@ def discovery(run_dir: Path, *, seed: int = 1, serve: int = 3) -> dict[str, Any]
         tl = Timeline()
         root = run_dir / part
         res: dict[str, Any] = {}
-        with Lab(topo, workdir=root / "lab", seed=seed) as lab:
+        with _lab(topo, root, seed) as lab:
             res["machine"] = _machine(lab)
             res["links"] = _links(lab)
             mesh = Mesh(lab, root, tl)
@@ -593,7 +606,8 @@ def split_scope(results: dict[str, Any], s: SplitSettings, soak_name: str) -> di
         f"the floor: 1 warm-up, then {s.calibration} one-token and {s.calibration} "
         f"{s.decode_tokens}-token greedy requests, one at a time, at the entry agent's API",
         f"{soak_name}: {s.requests} requests, {s.concurrency} at a time, at the entry agent's "
-        "API; prompts short (a question, 16 tokens) and long (a ~130-token story, 128 tokens), "
+        "API; prompts short (a question: ~37 prompt tokens, 16 completion tokens) and long (a "
+        "story: ~147 prompt tokens, 128 completion tokens), "
         "half streamed, half whole, shuffled in blocks of 4; temperature 0.7 with a seed per "
         "request; a request with no byte for "
         f"{s.timeout_s:g} s counts as failed",
