@@ -24,10 +24,12 @@ from meshagent.models.layout import ModelLayout
 from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService, Snapshot
 from meshagent.serving.local_model import LocalModel
-from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
+from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL, PipelineBatcher
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
 log = structlog.get_logger(__name__)
+
+_WATCH_INTERVAL = 0.5  # seconds between checks that the split in force is still routable
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,23 @@ class MeshModel:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.placement.run)
+            nursery.start_soon(self._watch_split)
             task_status.started()
             await trio.sleep_forever()
+
+    async def _watch_split(self) -> None:
+        """As the entry of a split, fail the requests in flight as soon as the plan stops
+        being routable (a stage's peer declared dead by gossip): their tokens will not come,
+        and a peer that vanished without a reset would otherwise hold them until the
+        overlay's dead-peer timeout."""
+        while True:
+            await trio.sleep(_WATCH_INTERVAL)
+            split = self.split
+            if split is None or split.model is None or self.placement.routable:
+                continue
+            batcher = split.model.batcher
+            if isinstance(batcher, PipelineBatcher):
+                batcher.interrupt("the split lost a stage (its peer is gone or left the plan)")
 
     # ----- the router the API asks -----
 

@@ -92,6 +92,9 @@ class PipelineBatcher(Batcher):
         self._open_downstream = open_downstream  # async () -> stream to the second stage
         self._wire = WIRE_DTYPES[wire_dtype]
         self._down: trio.abc.SendStream | None = None
+        # Bumped each time the stream to the next stage is opened again after a failure; a
+        # reply stream from an older chain is then ignored, whatever it still says.
+        self._generation = 0
         self._send_lock = trio.Lock()
         self._in_flight: dict[int, Seq] = {}  # slot -> sequence waiting for its token
         self._pending_closes: list[int] = []  # released slots the stages must forget
@@ -134,12 +137,36 @@ class PipelineBatcher(Batcher):
         if seq.opened and self.failed is None:
             self._pending_closes.append(seq.slot)
 
+    async def _reconnect(self) -> None:
+        """After a failure: open a new stream to the next stage (the stages behind it start
+        afresh on a new stream), so the split serves again once its peers are back. Raises
+        what opening raises."""
+        old, self._down = self._down, None
+        if old is not None:
+            await trio.aclose_forcefully(old)
+        self._down = await self._open_downstream()  # type: ignore[operator]
+        self._generation += 1
+        log.info("pipeline.reconnected", after=self.failed, generation=self._generation)
+        self.failed = None
+
+    def interrupt(self, why: str) -> None:
+        """The split cannot finish what is in flight (e.g. a stage's peer was declared dead):
+        fail those requests now rather than when the transport notices."""
+        if self._in_flight:
+            self._broken(why)
+
     async def _round(self) -> None:
         if self.failed is not None:
-            self._fail(
-                list(self._runnable), EngineError(f"the split pipeline failed: {self.failed}")
-            )
-            return
+            try:
+                await self._reconnect()
+            except Exception as e:
+                self._fail(
+                    list(self._runnable),
+                    EngineError(
+                        f"the split pipeline failed: {self.failed}; reconnecting failed: {e}"
+                    ),
+                )
+                return
         messages: list[sm.Message] = [sm.Close(s) for s in self._pending_closes]
         self._pending_closes.clear()
         batch = self._take_batch()
@@ -149,12 +176,15 @@ class PipelineBatcher(Batcher):
                 seq.opened = True
         items = [(seq.slot, seq.n_past, list(seq._pending[:take])) for seq, take in batch]
         t0 = trio.current_time()
+        generation = self._generation
         try:
             hidden = await trio.to_thread.run_sync(self.entry.run_first, items)
         except Exception as e:
             log.error("pipeline.first_stage_failed", error=str(e))
             self._fail([seq for seq, _ in batch], EngineError(f"inference failed: {e}"))
             return
+        if self.failed is not None or generation != self._generation:
+            return  # the pipeline broke meanwhile; this batch's requests were failed with it
         fwd_items = []
         for seq, take in batch:
             done = take == len(seq._pending)
@@ -195,15 +225,20 @@ class PipelineBatcher(Batcher):
 
     async def handle_reply(self, stream: trio.abc.ReceiveStream) -> None:
         """Tokens from the last stage; a failure or a lost reply stream fails the waiters."""
+        generation = self._generation
         decoder = sm.StageDecoder()
         try:
             while data := await stream.receive_some():
                 for msg in decoder.feed(data):
+                    if generation != self._generation:
+                        return  # a chain from before a reconnect: nothing it says applies
                     self._on_reply(msg)
         except (sm.StageProtocolError, trio.BrokenResourceError) as e:
-            self._broken(f"reply stream from the last stage failed: {e}")
+            if generation == self._generation:
+                self._broken(f"reply stream from the last stage failed: {e}")
             return
-        self._broken("the last stage closed its reply stream")
+        if generation == self._generation:
+            self._broken("the last stage closed its reply stream")
 
     def _on_reply(self, msg: sm.Message) -> None:
         if isinstance(msg, sm.Token):

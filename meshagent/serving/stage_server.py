@@ -44,6 +44,11 @@ class StageServer:
         self.forwards = 0
 
     async def handle(self, upstream: trio.abc.ReceiveStream) -> None:
+        # A new upstream stream starts the chain afresh (the entry reconnected after a
+        # failure): no sequence of an earlier stream may leave its cache behind.
+        for seq in range(self.engine.runtime.slots):
+            self.engine.clear_sequence(seq)
+        self._samplers.clear()
         out = await (self._open_next or self._open_reply)()  # type: ignore[misc]
         decoder = sm.StageDecoder()
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import trio
 
@@ -145,3 +147,50 @@ async def test_a_dead_stage_fails_requests_instead_of_hanging(model_path, store,
     await nodes[2].aclose(grace=0)  # the last stage goes away
     with trio.fail_after(20), pytest.raises(EngineError, match="split pipeline failed"):
         await text_of(model, PROMPTS[1], max_tokens=8)
+
+
+async def test_the_split_serves_again_when_its_lost_stage_comes_back(
+    model_path, store, reference, nursery
+):
+    model, nodes, servers, _ = await start_split(nursery, model_path, store, "f32")
+    a, b, c = nodes
+    assert await text_of(model, PROMPTS[3], max_tokens=4)
+    await c.aclose(grace=0)  # the last stage's agent goes away...
+    with trio.fail_after(20), pytest.raises(EngineError, match="split pipeline failed"):
+        await text_of(model, PROMPTS[1], max_tokens=8)
+    # ...and comes back with the same identity, under the same plan: no reload anywhere.
+    back = ConnectionManager(c.local, TcpTransport(), listen=["127.0.0.1:0"])
+    servers[1]._open_reply = lambda: back.open_stream(a.peer_id, REPLY_LABEL)
+    back._on_stream = servers[1].handle
+    await nursery.start(back.run)
+    await back.dial(a.listen_addresses[0], peer_id=a.peer_id)
+    await b.dial(back.listen_addresses[0], peer_id=back.peer_id)
+    with trio.fail_after(60):
+        assert [await text_of(model, p) for p in PROMPTS] == reference
+
+
+async def test_a_break_while_the_first_stage_computes_fails_that_batch_only(
+    model_path, store, reference, nursery
+):
+    model, *_ = await start_split(nursery, model_path, store, "f32")
+    batcher = model.batcher
+    run_first = batcher.entry.run_first
+
+    def slow_first(items):
+        time.sleep(0.5)
+        return run_first(items)
+
+    batcher.entry.run_first = slow_first
+    async with trio.open_nursery() as n:
+
+        async def request() -> None:
+            with pytest.raises(EngineError, match="split pipeline failed: test break"):
+                await text_of(model, PROMPTS[1], max_tokens=8)
+
+        n.start_soon(request)
+        await trio.sleep(0.2)  # the first stage is computing this request's prompt
+        batcher._broken("test break")
+    batcher.entry.run_first = run_first
+    # The batcher survived; the next request reconnects the chain and is served as before.
+    with trio.fail_after(60):
+        assert await text_of(model, PROMPTS[0]) == reference[0]
