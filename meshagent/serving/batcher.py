@@ -46,6 +46,7 @@ class Sequence:
         self.sampling = sampling
         self.opened = False  # a pipeline has told its stages about this sequence
         self.stage_ms: list[float] = []  # a pipeline's time per stage on this sequence
+        self.round = -1  # the pipeline round that last carried this sequence
         self.n_past = 0
         self.closed = False
         self._pending: list[int] = []

@@ -98,8 +98,6 @@ class PipelineBatcher(Batcher):
         self._send_lock = trio.Lock()
         self._in_flight: dict[int, Seq] = {}  # slot -> sequence waiting for its token
         self._pending_closes: list[int] = []  # released slots the stages must forget
-        self._round_of: dict[int, int] = {}  # slot in flight -> the round that carries it
-        self._round_left: dict[int, int] = {}  # round in flight -> its sequences not back yet
         self.peak_rounds_in_flight = 0
         self.largest_round = 0  # sequences in the biggest round so far
         self.failed: str | None = None
@@ -123,16 +121,7 @@ class PipelineBatcher(Batcher):
         share = -(-active // self.depth)  # ceil
         return batch[:share]
 
-    def _landed(self, slot: int) -> None:
-        """A sequence's token (or failure) came back: its round has one fewer outstanding."""
-        r = self._round_of.pop(slot, None)
-        if r is not None:
-            self._round_left[r] -= 1
-            if not self._round_left[r]:
-                del self._round_left[r]
-
     def _forget(self, seq: Seq) -> None:
-        self._landed(seq.slot)
         self._in_flight.pop(seq.slot, None)
         if seq.opened and self.failed is None:
             self._pending_closes.append(seq.slot)
@@ -200,9 +189,9 @@ class PipelineBatcher(Batcher):
         for seq, take in batch:
             if self._advance(seq, take):
                 self._in_flight[seq.slot] = seq
-                self._round_of[seq.slot] = self._batches
-                self._round_left[self._batches] = self._round_left.get(self._batches, 0) + 1
-        self.peak_rounds_in_flight = max(self.peak_rounds_in_flight, len(self._round_left))
+                seq.round = self._batches
+        rounds = len({seq.round for seq in self._in_flight.values()})
+        self.peak_rounds_in_flight = max(self.peak_rounds_in_flight, rounds)
         self.largest_round = max(self.largest_round, len(batch))
         self._batches += 1
         try:
@@ -219,8 +208,6 @@ class PipelineBatcher(Batcher):
             log.error("pipeline.broken", why=why)
         waiting = list(self._in_flight.values()) + list(self._runnable)
         self._in_flight.clear()
-        self._round_of.clear()
-        self._round_left.clear()
         self._fail(waiting, EngineError(f"the split pipeline failed: {why}"))
 
     async def handle_reply(self, stream: trio.abc.ReceiveStream) -> None:
@@ -242,7 +229,6 @@ class PipelineBatcher(Batcher):
 
     def _on_reply(self, msg: sm.Message) -> None:
         if isinstance(msg, sm.Token):
-            self._landed(msg.seq)
             seq = self._in_flight.pop(msg.seq, None)
             if seq is not None:
                 if len(seq.stage_ms) < len(msg.timing):
@@ -255,7 +241,6 @@ class PipelineBatcher(Batcher):
             if msg.seq is None:
                 self._broken(msg.message)
             else:
-                self._landed(msg.seq)
                 seq = self._in_flight.pop(msg.seq, None)
                 if seq is not None:
                     self._fail([seq], EngineError(f"a stage failed: {msg.message}"))
