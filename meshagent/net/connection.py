@@ -412,20 +412,25 @@ class Connection:
                     if drained:  # a small read took all there was: skip the doomed recv
                         await trio.lowlevel.wait_readable(sock)
                         waited = True
+                    room = records.writable(read_size)
                     try:
-                        n = sock.recv_into(records.writable(read_size))
+                        n = sock.recv_into(room)
                     except (BlockingIOError, InterruptedError):
                         await trio.lowlevel.wait_readable(sock)
                         waited = True
                         continue
                     records.written(n)
                     self.bytes_received += n
-                    if not waited:
+                    if not waited and len(room) >= read_size:
                         # The socket had more at once: a busy peer. Let the tasks reading
-                        # our streams run (and return credit) before reading on.
+                        # our streams run (and return credit) before reading on. (Not after
+                        # a read that only finished a record: that would yield twice a record.)
                         await trio.lowlevel.cancel_shielded_checkpoint()
                     waited = False
-                    drained = n < _SMALL_READ
+                    # Less than asked for, and little: the socket is empty. (A read that filled
+                    # the rest of a record, however small, says nothing.)
+                    drained = n < len(room) and n < _SMALL_READ
+                    room.release()
                 else:
                     data = await self._transport.receive_some(read_size)
                     n = len(data)

@@ -124,7 +124,7 @@ class RecordReader:
 
     Bytes come in either with `receive_data(data)` or, without that copy, by filling
     `writable(size)` (e.g. with `socket.recv_into`) and then calling `written(n)`. The
-    buffer is kept and reused; it grows only to hold one whole record.
+    buffer is kept and reused; it grows only to hold one whole record (or one read).
 
     Raises only ProtocolError: on a length outside 1..MAX (checked before buffering the body,
     so an oversized claim costs no memory) or on a record that fails authentication.
@@ -151,21 +151,29 @@ class RecordReader:
         return self._end - self._start
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        n = len(data)
-        self.writable(n)[:n] = data
-        self.written(n)
+        view = memoryview(data)
+        while view:
+            room = self.writable(len(view))
+            n = min(len(room), len(view))
+            room[:n] = view[:n]
+            self.written(n)
+            view = view[n:]
 
     def writable(self, size: int) -> memoryview:
-        """Room for at least `size` more bytes (more if the record being received needs it).
-        Fill a prefix, then call `written` with its length before any other call."""
+        """Room for the next bytes: exactly the rest of the record being received when its
+        length is known, else `size` bytes. A read into it never runs past a record's end, so
+        once the whole records are taken the buffer starts empty again and no partial record
+        is ever moved (a copy of nearly every byte when records are as big as reads). Fill a
+        prefix, then call `written` with its length before any other call."""
         if self._failed is not None:
             raise self._failed
         buf, start, end = self._buffer, self._start, self._end
         live = end - start
         if live >= HEADER_LEN:
             (length,) = _LEN.unpack_from(buf, start)
-            if length <= self._max_ciphertext:  # else next_record raises
-                size = max(size, HEADER_LEN + length - live)
+            rest = HEADER_LEN + length - live
+            if length <= self._max_ciphertext and rest > 0:  # else next_record acts first
+                size = rest
         if len(buf) - end < size:
             if live + size > len(buf):
                 # Replace rather than resize: the caller may still hold a view of the old one.
@@ -178,7 +186,7 @@ class RecordReader:
                 view.release()
             self._start, self._end = 0, live
             end = live
-        return memoryview(buf)[end:]
+        return memoryview(buf)[end : end + size]
 
     def written(self, n: int) -> None:
         """`n` bytes were placed at the start of the last `writable` buffer."""
