@@ -22,6 +22,24 @@ def test_records_round_trip_across_key_rolls(cipher):
 
 
 @pytest.mark.parametrize("cipher", CIPHERS)
+def test_big_head_body_frames_seal_as_their_concatenation_across_key_rolls(cipher):
+    # Bodies from 64 KiB up are sealed in pieces where the cipher allows it (AES-GCM):
+    # the records must be byte for byte those of the concatenated plaintexts.
+    bodies = [bytes([i]) * size for i, size in enumerate([65535, 65536, 300_001, 10, 1 << 18])]
+    pairs = [(bytes([0, i, 0, 0, i]), memoryview(b)) for i, b in enumerate(bodies)]
+    joined = RecordSealer(KEY, cipher, rekey_interval=2).seal_many([h + b for h, b in pairs])
+    sealer = RecordSealer(KEY, cipher, rekey_interval=2)
+    out = bytearray(sealer.sealed_size(pairs))
+    assert sealer.seal_into(pairs, out) == len(joined) and out == joined
+    reader = RecordReader(KEY, cipher, rekey_interval=2)
+    reader.receive_data(out)
+    got = []
+    while (record := reader.next_record()) is not None:
+        got.append(bytes(record))
+    assert got == [h + b for h, b in pairs]
+
+
+@pytest.mark.parametrize("cipher", CIPHERS)
 def test_a_reader_that_does_not_roll_its_key_fails_after_the_roll(cipher):
     sealer = RecordSealer(KEY, cipher, rekey_interval=2)
     reader = RecordReader(KEY, cipher, rekey_interval=1 << 20)
