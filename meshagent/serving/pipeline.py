@@ -114,11 +114,14 @@ class PipelineBatcher(Batcher):
             await stream.send_all(data)
 
     def _take_batch(self) -> list[tuple[Seq, int]]:
-        """The base batcher's choice, cut to this round's share of the active sequences so
-        that `depth` groups can be in the pipeline at once."""
+        """The base batcher's choice, cut to this round's share of the active sequences: at
+        most 1/depth of them, so that at least `depth` groups are in the pipeline (one per
+        stage, or more) whenever there are that many sequences. Fewer, bigger groups batch
+        better but leave stages idle while a group is elsewhere; on the 3-stage benchmark,
+        four requests as four groups of one beat two groups of two by about 7%."""
         batch = super()._take_batch()
         active = len(self._runnable) + len(self._in_flight)
-        share = -(-active // self.depth)  # ceil
+        share = max(1, active // self.depth)
         return batch[:share]
 
     def _forget(self, seq: Seq) -> None:
