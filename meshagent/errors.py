@@ -17,6 +17,11 @@ class EngineError(MeshError):
     """The inference engine failed to load or run."""
 
 
+class SplitUnavailable(EngineError):
+    """A split serving the model lost a stage or cannot reach one. Temporary: the mesh
+    replans or the stage comes back, and the split serves again; retry shortly."""
+
+
 class ContextOverflow(MeshError):
     """A request needs more context than the model's slot offers."""
 

@@ -17,7 +17,14 @@ from meshagent.api.exchange import ClientGone, Exchange
 from meshagent.api.inflight import InFlight
 from meshagent.api.replies import Reply
 from meshagent.api.schemas import ChatCompletionRequest, CompletionRequest, parse
-from meshagent.errors import ContextOverflow, EngineError, MeshError, QueueFull, ShuttingDown
+from meshagent.errors import (
+    ContextOverflow,
+    EngineError,
+    MeshError,
+    QueueFull,
+    ShuttingDown,
+    SplitUnavailable,
+)
 from meshagent.serving.chat import ChatMessage, TemplateError
 from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits, generate
 from meshagent.serving.local_model import LocalModel
@@ -52,6 +59,10 @@ class Router(Protocol):
     async def open_stream(self, peer_id: str) -> Any: ...
 
 
+# Seconds a client is asked to wait before retrying a request a split could not serve.
+SPLIT_RETRY_AFTER = 5
+
+
 def api_error_for(e: MeshError, *, prompt_param: str = "messages") -> ApiError:
     if isinstance(e, ContextOverflow):
         return errors.bad_request(str(e), param=prompt_param, code="context_length_exceeded")
@@ -59,6 +70,10 @@ def api_error_for(e: MeshError, *, prompt_param: str = "messages") -> ApiError:
         return errors.queue_full(str(e))
     if isinstance(e, ShuttingDown):
         return errors.unavailable(str(e), code="shutting_down")
+    if isinstance(e, SplitUnavailable):
+        # Temporary: the stage comes back or the mesh replans. Clients that honour
+        # Retry-After (the openai client does, for 503) wait and try again.
+        return errors.unavailable(str(e), code="split_unavailable", retry_after=SPLIT_RETRY_AFTER)
     if isinstance(e, EngineError):
         return errors.server_error(str(e), code="engine_error")
     return errors.server_error(str(e))

@@ -13,6 +13,12 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    retry_after: int | None = None  # seconds, sent as a Retry-After header
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        if self.retry_after is None:
+            return []
+        return [(b"retry-after", str(self.retry_after).encode())]
 
     def body(self) -> dict[str, Any]:
         return {
@@ -37,8 +43,10 @@ def queue_full(message: str) -> ApiError:
     return ApiError(429, message, type="requests", code="rate_limit_exceeded")
 
 
-def unavailable(message: str, *, code: str = "unavailable") -> ApiError:
-    return ApiError(503, message, type="server_error", code=code)
+def unavailable(
+    message: str, *, code: str = "unavailable", retry_after: int | None = None
+) -> ApiError:
+    return ApiError(503, message, type="server_error", code=code, retry_after=retry_after)
 
 
 def server_error(message: str, *, code: str = "internal_error") -> ApiError:

@@ -77,7 +77,7 @@ class Exchange:
         await self._body(data, more=False)
 
     async def send_error(self, err: ApiError) -> None:
-        await self.send_json(err.status, err.body())
+        await self.send_json(err.status, err.body(), err.headers())
 
     async def start_sse(self, headers: list | None = None) -> None:
         await self._start(200, SSE_HEADERS + (headers or []))

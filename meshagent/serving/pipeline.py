@@ -23,7 +23,7 @@ from meshagent.engine.base import ModelInfo
 from meshagent.engine.runtime import EmbdItem
 from meshagent.engine.stage import WIRE_DTYPES, StageEngine
 from meshagent.engine.vocab import Vocab, VocabDelegate
-from meshagent.errors import EngineError
+from meshagent.errors import EngineError, SplitUnavailable
 from meshagent.models.slicer import TokenEmbeddings
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.batcher import Batcher
@@ -154,7 +154,7 @@ class PipelineBatcher(Batcher):
             except Exception as e:
                 self._fail(
                     list(self._runnable),
-                    EngineError(
+                    SplitUnavailable(
                         f"the split pipeline failed: {self.failed}; reconnecting failed: {e}"
                     ),
                 )
@@ -211,7 +211,7 @@ class PipelineBatcher(Batcher):
             log.error("pipeline.broken", why=why)
         waiting = list(self._in_flight.values()) + list(self._runnable)
         self._in_flight.clear()
-        self._fail(waiting, EngineError(f"the split pipeline failed: {why}"))
+        self._fail(waiting, SplitUnavailable(f"the split pipeline failed: {why}"))
 
     async def handle_reply(self, stream: trio.abc.ReceiveStream) -> None:
         """Tokens from the last stage; a failure or a lost reply stream fails the waiters."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 import trio
 
+from meshagent.api.app import SPLIT_RETRY_AFTER, OpenAIApp
+from meshagent.api.inflight import InFlight
 from meshagent.engine.llama import LlamaEngine
 from meshagent.engine.stage import StageEngine
-from meshagent.errors import EngineError
+from meshagent.errors import EngineError, SplitUnavailable
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.models.layout import inspect_model
@@ -26,6 +29,7 @@ from meshagent.serving.pipeline import (
 )
 from meshagent.serving.stage_server import StageServer
 from meshagent.wire.handshake import LocalPeer
+from tests.api.test_forwarding import serve
 from tests.serving.conftest import PROMPTS, text_of
 
 MESH = MeshSecret.generate()
@@ -146,8 +150,26 @@ async def test_a_dead_stage_fails_requests_instead_of_hanging(model_path, store,
     model, nodes, _, _ = await start_split(nursery, model_path, store, "f16")
     assert await text_of(model, PROMPTS[3], max_tokens=4)
     await nodes[2].aclose(grace=0)  # the last stage goes away
-    with trio.fail_after(20), pytest.raises(EngineError, match="split pipeline failed"):
+    with trio.fail_after(20), pytest.raises(SplitUnavailable, match="split pipeline failed"):
         await text_of(model, PROMPTS[1], max_tokens=8)
+
+
+async def test_a_lost_stage_is_a_503_with_retry_after_over_http(model_path, store, nursery):
+    model, nodes, _, _ = await start_split(nursery, model_path, store, "f16")
+    url, stop = await serve(nursery, OpenAIApp([model], InFlight(), lambda: {}))
+    body = {"model": model.info.id, "prompt": "Hi", "max_tokens": 4}
+    async with httpx.AsyncClient(timeout=60) as client:
+        assert (await client.post(f"{url}/v1/completions", json=body)).status_code == 200
+        await nodes[2].aclose(grace=0)  # the last stage goes away
+        with trio.fail_after(30):
+            r = await client.post(f"{url}/v1/completions", json=body)
+    # Temporary, and said so: the client may retry after the time given.
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == str(SPLIT_RETRY_AFTER)
+    error = r.json()["error"]
+    assert error["code"] == "split_unavailable" and error["type"] == "server_error"
+    assert error["message"].startswith("the split pipeline failed")
+    stop.set()
 
 
 async def test_the_split_serves_again_when_its_lost_stage_comes_back(
