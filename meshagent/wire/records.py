@@ -66,7 +66,7 @@ def _seal_pieces(
     block: algorithms.AES,
     nonce: bytes,
     head: bytes,
-    body: Plaintext,
+    body: bytes | memoryview,
     aad: memoryview,
     out: memoryview,
 ) -> None:
@@ -107,8 +107,10 @@ class RecordSealer:
     def seal_into(self, frames: list[Plaintext], out: bytearray) -> int:
         """Seal one record per frame into `out` (at least `sealed_size(frames)` long) from
         offset 0, returning the bytes written. A frame is bytes-like, or a (head, body) pair
-        of bytes-likes whose concatenation is the plaintext: it is laid out in a scratch
-        buffer (the one copy its body gets) and encrypted from there."""
+        of bytes-likes whose concatenation is the plaintext: under AES-GCM a body of
+        `_PIECEWISE_MIN` bytes or more is encrypted straight from where it lies, head then
+        body; otherwise the pair is laid out in a scratch buffer (the one copy its body gets)
+        and encrypted from there."""
         view = memoryview(out)
         pos = 0
         keys = self._keys
