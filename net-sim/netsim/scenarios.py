@@ -132,74 +132,96 @@ def _start_mesh(mesh: Mesh) -> dict[str, Any]:
     }
 
 
+@dataclass
+class Running:
+    """A started 3-agent mesh in a lab, as `_running_mesh` yields it."""
+
+    lab: Lab
+    mesh: Mesh
+    driver: Driver
+    timeline: Timeline
+    plan: dict[str, Any]
+
+
+@contextlib.contextmanager
+def _running_mesh(
+    regime: str, root: Path, seed: int, wire_dtype: str, facts: dict[str, Any]
+) -> Iterator[Running]:
+    """A lab of `regime` (3 hosts and a relay) with the mesh started by invite and its plan
+    routable. Records the machine, the links and discovery times in `facts` on the way in,
+    and the timeline, the agents' log events and the emulator's counters on the way out,
+    however the scenario inside ends."""
+    tl = Timeline()
+    with _lab(topology(regime, 3, relay=True), root, seed) as lab:
+        facts["machine"] = _machine(lab)
+        facts["links"] = _links(lab)
+        mesh = Mesh(lab, root, tl, wire_dtype=wire_dtype)
+        try:
+            started = _start_mesh(mesh)
+            facts["discovery"] = started["times"]
+            yield Running(lab, mesh, Driver(mesh, root / "load"), tl, started["plan"])
+        finally:
+            facts["timeline"] = tl.events
+            facts["log_events"] = mesh.log_events()
+            facts["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+
+
 def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]:
     """Three small agents and a relay in `regime` (joined by invite, as a user would), split
     SmolLM2 three ways; the floor is measured with requests one at a time, then a soak."""
     s = settings
-    tl = Timeline()
     root = run_dir / regime
     out: dict[str, Any] = {"regime": regime, "settings": asdict(s)}
-    with _lab(topology(regime, 3, relay=True), root, s.seed) as lab:
-        out["machine"] = _machine(lab)
-        out["links"] = _links(lab)
-        mesh = Mesh(lab, root, tl, wire_dtype=s.wire_dtype)
-        driver = Driver(mesh, root / "load")
-        try:
-            started = _start_mesh(mesh)
-            plan = started["plan"]
-            out["discovery"] = started["times"]
-            entry = mesh.entry(plan)
-            hops = mesh.ring(plan)
-            out["plan"] = {
-                "entry": entry,
-                "stages": mesh.named_stages(plan),
-                "epoch": plan["epoch"],
-                "wire_dtype": plan.get("wire_dtype"),
-                "est_token_ms": plan.get("est_token_ms"),
-            }
-            out["ring"] = [h.to_dict() for h in hops]
-            out["paths"] = {n: mesh.paths(n) for n in HOSTS}
-            host = lab[entry]
-            common = ["--seed", str(s.seed), "--timeout", str(s.timeout_s)]
+    with _running_mesh(regime, root, s.seed, s.wire_dtype, out) as run:
+        lab, mesh, driver, tl, plan = run.lab, run.mesh, run.driver, run.timeline, run.plan
+        entry = mesh.entry(plan)
+        hops = mesh.ring(plan)
+        out["plan"] = {
+            "entry": entry,
+            "stages": mesh.named_stages(plan),
+            "epoch": plan["epoch"],
+            "wire_dtype": plan.get("wire_dtype"),
+            "est_token_ms": plan.get("est_token_ms"),
+        }
+        out["ring"] = [h.to_dict() for h in hops]
+        out["paths"] = {n: mesh.paths(n) for n in HOSTS}
+        host = lab[entry]
+        common = ["--seed", str(s.seed), "--timeout", str(s.timeout_s)]
 
-            c0 = lab.counters()
-            time.sleep(s.idle_s)
-            c1 = lab.counters()
-            idle = metrics.counters_window(c0, c1)
-            tl.mark("idle.window", seconds=s.idle_s)
+        c0 = lab.counters()
+        time.sleep(s.idle_s)
+        c1 = lab.counters()
+        idle = metrics.counters_window(c0, c1)
+        tl.mark("idle.window", seconds=s.idle_s)
 
-            warm = driver.run(
-                host, "warmup", "--mix", "count", "--requests", "1", "--max-tokens", "8",
-                "--concurrency", "1", *common, timeout=300,
-            )  # fmt: skip
-            prefill = driver.run(
-                host, "prefill", "--mix", "count-whole", "--requests", str(s.calibration),
-                "--max-tokens", "1", "--concurrency", "1", *common, timeout=600,
-            )  # fmt: skip
-            c2 = lab.counters()
-            decode = driver.run(
-                host, "decode", "--mix", "count", "--requests", str(s.calibration),
-                "--max-tokens", str(s.decode_tokens), "--concurrency", "1", *common,
-                timeout=1200,
-            )  # fmt: skip
-            c3 = lab.counters()
-            soak = driver.run(
-                host, "soak", "--mix", "soak", "--requests", str(s.requests),
-                "--concurrency", str(s.concurrency), *common, timeout=max(600, 20 * s.requests),
-            )  # fmt: skip
-            c4 = lab.counters()
-            forwarded: list[dict[str, Any]] = []
-            for name in HOSTS:
-                if name != entry and s.forwarded:
-                    forwarded += driver.run(
-                        lab[name], f"forwarded-{name}", "--mix", "stream", "--requests",
-                        str(s.forwarded), "--concurrency", "1", *common, timeout=600,
-                    )  # fmt: skip
-            out["final_paths"] = {n: mesh.paths(n) for n in HOSTS}
-        finally:
-            out["timeline"] = tl.events
-            out["log_events"] = mesh.log_events()
-            out["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+        warm = driver.run(
+            host, "warmup", "--mix", "count", "--requests", "1", "--max-tokens", "8",
+            "--concurrency", "1", *common, timeout=300,
+        )  # fmt: skip
+        prefill = driver.run(
+            host, "prefill", "--mix", "count-whole", "--requests", str(s.calibration),
+            "--max-tokens", "1", "--concurrency", "1", *common, timeout=600,
+        )  # fmt: skip
+        c2 = lab.counters()
+        decode = driver.run(
+            host, "decode", "--mix", "count", "--requests", str(s.calibration),
+            "--max-tokens", str(s.decode_tokens), "--concurrency", "1", *common,
+            timeout=1200,
+        )  # fmt: skip
+        c3 = lab.counters()
+        soak = driver.run(
+            host, "soak", "--mix", "soak", "--requests", str(s.requests),
+            "--concurrency", str(s.concurrency), *common, timeout=max(600, 20 * s.requests),
+        )  # fmt: skip
+        c4 = lab.counters()
+        forwarded: list[dict[str, Any]] = []
+        for name in HOSTS:
+            if name != entry and s.forwarded:
+                forwarded += driver.run(
+                    lab[name], f"forwarded-{name}", "--mix", "stream", "--requests",
+                    str(s.forwarded), "--concurrency", "1", *common, timeout=600,
+                )  # fmt: skip
+        out["final_paths"] = {n: mesh.paths(n) for n in HOSTS}
     out["isolation"] = isolation(prefill, decode, hops, metrics.counters_window(c2, c3))
     soak_window = metrics.counters_window(c3, c4)
     out["soak"] = metrics.summarise(soak)
@@ -381,61 +403,47 @@ def faults(run_dir: Path, settings: FaultSettings) -> dict[str, Any]:
 
 
 def _fault_phase(name: str, root: Path, s: FaultSettings, first: int) -> dict[str, Any]:
-    tl = Timeline()
     facts: dict[str, Any] = {"name": name}
     recs: list[dict[str, Any]] = []
-    with _lab(topology(s.regime, 3, relay=True), root, s.seed) as lab:
-        facts["machine"] = _machine(lab)
-        facts["links"] = _links(lab)
-        mesh = Mesh(lab, root, tl, wire_dtype=s.wire_dtype)
-        driver = Driver(mesh, root / "load")
-        try:
-            started = _start_mesh(mesh)
-            plan = started["plan"]
-            facts["discovery"] = started["times"]
-            entry = mesh.entry(plan)
-            stages = [st[0] for st in mesh.named_stages(plan)]
-            victim = stages[1]  # the middle stage: it neither owns requests nor answers them
-            survivors = [n for n in HOSTS if n != victim]
-            facts["plan"] = {"entry": entry, "stages": mesh.named_stages(plan), "victim": victim}
-            stop = root / "load" / f"{name}.stop"
-            proc, path = driver.start(
-                lab[entry], name, "--mix", "stream", "--concurrency", str(s.concurrency),
-                "--seed", str(s.seed), "--timeout", str(s.timeout_s), "--stop-file", str(stop),
-                "--first", str(first), "--fail-pause", str(s.fail_pause_s),
-            )  # fmt: skip
-            time.sleep(s.before_s)
-            if name == "kill":
-                facts["fault"] = f"kill -9 of every process on {victim} (the middle stage)"
-                facts["fault_t"] = mesh.kill(victim)
-                _watch(mesh, survivors, s.observe_s)
-                facts.update(_restart(mesh, victim, survivors, s))
-            elif name == "partition":
-                facts["fault"] = (
-                    f"link {entry} (entry) <-> {victim} (middle stage) cut both ways for "
-                    f"{s.partition_s:g} s"
-                )
-                lab.partition(entry, victim, seconds=s.partition_s)
-                facts["fault_t"] = tl.mark(
-                    "fault.partition", a=entry, b=victim, seconds=s.partition_s
-                )
-                _watch(mesh, list(HOSTS), s.partition_s)
-                facts["healed_t"] = facts["resumed_t"] = tl.mark("fault.healed", a=entry, b=victim)
-                _watch(mesh, list(HOSTS), s.after_s + s.observe_s)
-            else:
-                facts["fault"] = (
-                    f"every link of {victim} (the middle stage) cut, then its processes killed"
-                )
-                facts["fault_t"] = mesh.power_cut(victim)
-                _watch(mesh, survivors, s.observe_s)
-                mesh.restore_links(victim)
-                facts.update(_restart(mesh, victim, survivors, s))
-            stop.touch()
-            recs = driver.finish(proc, path, name, timeout=s.timeout_s + 120)
-        finally:
-            facts["timeline"] = tl.events
-            facts["log_events"] = mesh.log_events()
-            facts["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+    with _running_mesh(s.regime, root, s.seed, s.wire_dtype, facts) as run:
+        lab, mesh, driver, tl, plan = run.lab, run.mesh, run.driver, run.timeline, run.plan
+        entry = mesh.entry(plan)
+        stages = [st[0] for st in mesh.named_stages(plan)]
+        victim = stages[1]  # the middle stage: it neither owns requests nor answers them
+        survivors = [n for n in HOSTS if n != victim]
+        facts["plan"] = {"entry": entry, "stages": mesh.named_stages(plan), "victim": victim}
+        stop = root / "load" / f"{name}.stop"
+        proc, path = driver.start(
+            lab[entry], name, "--mix", "stream", "--concurrency", str(s.concurrency),
+            "--seed", str(s.seed), "--timeout", str(s.timeout_s), "--stop-file", str(stop),
+            "--first", str(first), "--fail-pause", str(s.fail_pause_s),
+        )  # fmt: skip
+        time.sleep(s.before_s)
+        if name == "kill":
+            facts["fault"] = f"kill -9 of every process on {victim} (the middle stage)"
+            facts["fault_t"] = mesh.kill(victim)
+            _watch(mesh, survivors, s.observe_s)
+            facts.update(_restart(mesh, victim, survivors, s))
+        elif name == "partition":
+            facts["fault"] = (
+                f"link {entry} (entry) <-> {victim} (middle stage) cut both ways for "
+                f"{s.partition_s:g} s"
+            )
+            lab.partition(entry, victim, seconds=s.partition_s)
+            facts["fault_t"] = tl.mark("fault.partition", a=entry, b=victim, seconds=s.partition_s)
+            _watch(mesh, list(HOSTS), s.partition_s)
+            facts["healed_t"] = facts["resumed_t"] = tl.mark("fault.healed", a=entry, b=victim)
+            _watch(mesh, list(HOSTS), s.after_s + s.observe_s)
+        else:
+            facts["fault"] = (
+                f"every link of {victim} (the middle stage) cut, then its processes killed"
+            )
+            facts["fault_t"] = mesh.power_cut(victim)
+            _watch(mesh, survivors, s.observe_s)
+            mesh.restore_links(victim)
+            facts.update(_restart(mesh, victim, survivors, s))
+        stop.touch()
+        recs = driver.finish(proc, path, name, timeout=s.timeout_s + 120)
     for r in recs:
         r["regime"] = s.regime
     facts["requests"] = metrics.summarise(recs)
