@@ -98,13 +98,8 @@ async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4, 
     return model, nodes, servers, stages
 
 
-async def test_split_over_three_nodes_matches_llama_cpp(model_path, store, reference, nursery):
-    model, *_ = await start_split(nursery, model_path, store, "f32")
-    assert [await text_of(model, p) for p in PROMPTS] == reference
-
-
-async def test_concurrent_requests_all_match(model_path, store, reference, nursery):
-    model, _, servers, _ = await start_split(nursery, model_path, store, "f32")
+async def all_at_once(model: LocalModel) -> list[str]:
+    """Every prompt's answer, the requests sent all at once."""
     got: dict[int, str] = {}
 
     async def one(i: int) -> None:
@@ -113,7 +108,17 @@ async def test_concurrent_requests_all_match(model_path, store, reference, nurse
     async with trio.open_nursery() as n:
         for i in range(len(PROMPTS)):
             n.start_soon(one, i)
-    assert [got[i] for i in range(len(PROMPTS))] == reference
+    return [got[i] for i in range(len(PROMPTS))]
+
+
+async def test_split_over_three_nodes_matches_llama_cpp(model_path, store, reference, nursery):
+    model, *_ = await start_split(nursery, model_path, store, "f32")
+    assert [await text_of(model, p) for p in PROMPTS] == reference
+
+
+async def test_concurrent_requests_all_match(model_path, store, reference, nursery):
+    model, _, servers, _ = await start_split(nursery, model_path, store, "f32")
+    assert await all_at_once(model) == reference
     assert model.batcher.largest_round > 2  # depth 1: one group, all four together
     # Requests shared rounds: far fewer stage calls than tokens generated.
     tokens = sum(len(model.engine.tokenize(t, add_bos=False)) for t in reference)
@@ -124,15 +129,7 @@ async def test_groups_take_turns_in_a_deep_pipeline_and_all_match(
     model_path, store, reference, nursery
 ):
     model, _, _, _ = await start_split(nursery, model_path, store, "f32", depth=3)
-    got: dict[int, str] = {}
-
-    async def one(i: int) -> None:
-        got[i] = await text_of(model, PROMPTS[i])
-
-    async with trio.open_nursery() as n:
-        for i in range(len(PROMPTS)):
-            n.start_soon(one, i)
-    assert [got[i] for i in range(len(PROMPTS))] == reference
+    assert await all_at_once(model) == reference
     # Four requests over three stages: a round takes at most 4 // 3 = 1 sequence, so each
     # travels as a group of its own and several are in flight at once.
     assert model.batcher.largest_round == 1
