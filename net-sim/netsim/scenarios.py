@@ -132,6 +132,25 @@ def _start_mesh(mesh: Mesh) -> dict[str, Any]:
     }
 
 
+def _record_end(facts: dict[str, Any], tl: Timeline, mesh: Mesh, lab: Lab) -> None:
+    """What every scenario keeps of a mesh when it ends, however it ends: the timeline, the
+    agents' log events and the emulator's counters."""
+    facts["timeline"] = tl.events
+    facts["log_events"] = mesh.log_events()
+    facts["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+
+
+def _tally(out: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """A scenario's requests, their totals and its failures, into `out`."""
+    out["requests"] = records
+    out["totals"] = {
+        "requests": len(records),
+        "ok": sum(1 for r in records if r["ok"]),
+        "failed": sum(1 for r in records if not r["ok"]),
+    }
+    out["failures"] = metrics.failures(records)
+
+
 @dataclass
 class Running:
     """A started 3-agent mesh in a lab, as `_running_mesh` yields it."""
@@ -161,9 +180,7 @@ def _running_mesh(
             facts["discovery"] = started["times"]
             yield Running(lab, mesh, Driver(mesh, root / "load"), tl, started["plan"])
         finally:
-            facts["timeline"] = tl.events
-            facts["log_events"] = mesh.log_events()
-            facts["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+            _record_end(facts, tl, mesh, lab)
 
 
 def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]:
@@ -237,15 +254,11 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
     records = warm + prefill + decode + soak + forwarded
     for r in records:
         r["regime"] = regime
-    out["requests"] = records
-    out["totals"] = {
-        "requests": len(records),
-        "ok": sum(1 for r in records if r["ok"]),
-        "failed": sum(1 for r in records if not r["ok"]),
+    _tally(out, records)
+    out["totals"] |= {
         "streams": sum(1 for r in records if r["stream"]),
         "streams_complete": sum(1 for r in records if r["stream"] and r["complete"]),
     }
-    out["failures"] = metrics.failures(records)
     return out
 
 
@@ -392,13 +405,7 @@ def faults(run_dir: Path, settings: FaultSettings) -> dict[str, Any]:
         phase = _fault_phase(name, run_dir / name, s, first=10_000 * n)
         records += phase.pop("records")
         out["phases"][name] = phase
-    out["requests"] = records
-    out["totals"] = {
-        "requests": len(records),
-        "ok": sum(1 for r in records if r["ok"]),
-        "failed": sum(1 for r in records if not r["ok"]),
-    }
-    out["failures"] = metrics.failures(records)
+    _tally(out, records)
     return out
 
 
@@ -552,17 +559,9 @@ def discovery(run_dir: Path, *, seed: int = 1, serve: int = 3) -> dict[str, Any]
                     requests += recs
                     res["serve"] = metrics.summarise(recs)
             finally:
-                res["timeline"] = tl.events
-                res["log_events"] = mesh.log_events()
-                res["emulator"] = metrics.counters_window(_zero(lab), lab.counters())
+                _record_end(res, tl, mesh, lab)
         out["parts"][part] = res
-    out["requests"] = requests
-    out["totals"] = {
-        "requests": len(requests),
-        "ok": sum(1 for r in requests if r["ok"]),
-        "failed": sum(1 for r in requests if not r["ok"]),
-    }
-    out["failures"] = metrics.failures(requests)
+    _tally(out, requests)
     return out
 
 
