@@ -4,7 +4,10 @@ several concurrent requests.
 Three agent processes on loopback, each offering too little memory to hold SmolLM2 alone, agree
 on a three-stage split; one agent with enough memory serves it whole. Every agent runs llama.cpp
 with one thread, so that the split (three processes) and the single agent use the same compute
-per token and the difference is the cost of splitting. Prints a table and writes JSON.
+per token and the difference is the cost of splitting. It also measures the CPU that one token
+costs with several requests in flight (all agents and the client, which share this machine's
+cores): the cores can give at most cores / that much tokens per second, which bounds what
+concurrency can gain here. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -151,6 +154,17 @@ def main() -> None:
 
         _, cpu_single = cpu_per_token([single], one(single.url))
         _, cpu_split = cpu_per_token(split, one(entry.url))
+
+        # The same with N concurrent requests, this process (the client) included: what the
+        # machine's cores allow the split's aggregate to reach at most.
+        def many() -> int:
+            trio.run(measure, entry.url, model, args.max_tokens, args.concurrent)
+            return args.max_tokens * args.concurrent
+
+        client0 = time.process_time()
+        _, cpu_split_n = cpu_per_token(split, many)
+        client_ms = (time.process_time() - client0) * 1000 / (args.max_tokens * args.concurrent)
+        cpu_n_total = sum(m + o for m, o in cpu_split_n) + client_ms
         for _ in range(args.rounds):
             rows["single 1"].append(trio.run(measure, single.url, model, args.max_tokens, 1))
             rows["split 1"].append(trio.run(measure, entry.url, model, args.max_tokens, 1))
@@ -186,6 +200,13 @@ def main() -> None:
     )
     r = pairs["concurrency_gain"]
     print(f"  per round: median {statistics.median(r):.2f}x, range {min(r):.2f}-{max(r):.2f}x")
+    cores = os.cpu_count() or 1
+    ceiling = cores * 1000 / cpu_n_total
+    print(
+        f"  CPU per token at {args.concurrent} concurrent: {cpu_n_total:.2f} ms (agents and "
+        f"client); {cores} cores allow at most {ceiling:.0f} tok/s, "
+        f"{ceiling / med['split 1']:.2f}x one request"
+    )
     print("CPU ms per token, one request (trio/Python thread + other threads, mostly llama.cpp):")
     for name, rows_ in (("single", cpu_single), ("split", cpu_split)):
         parts = ", ".join(f"{m:.2f} + {o:.2f}" for m, o in rows_)
@@ -201,6 +222,14 @@ def main() -> None:
         "split_vs_single": med["split 1"] / med["single 1"],
         "overhead_ms_per_token": overhead_ms,
         "concurrency_gain": med["split N"] / med["split 1"],
+        "concurrent_cpu_ms_per_token": {
+            "split_by_agent": cpu_split_n,
+            "client": client_ms,
+            "total": cpu_n_total,
+            "cores": cores,
+            "ceiling_tok_s": ceiling,
+            "ceiling_gain": ceiling / med["split 1"],
+        },
         "per_round": {k: [round(x, 4) for x in v] for k, v in pairs.items()},
         "cpu_ms_per_token": {
             "single": cpu_single,
