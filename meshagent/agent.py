@@ -18,7 +18,7 @@ from meshagent import __version__
 from meshagent.api import forwarding
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
-from meshagent.api.server import run_http
+from meshagent.api.server import HttpBinding, serve_http
 from meshagent.config import AgentConfig, DataDir, parse_size
 from meshagent.discovery import addresses, probe
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
@@ -41,7 +41,7 @@ from meshagent.net.address import Address
 from meshagent.net.errors import DialError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
-from meshagent.net.tcp import TcpTransport
+from meshagent.net.tcp import TcpTransport, check_listenable
 from meshagent.relay.client import RelayClient
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
@@ -262,6 +262,19 @@ class Agent:
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until `request_stop` or SIGINT/SIGTERM; then drain and return."""
         cfg = self.config
+        # Ports first, before this agent reads or writes anything: a busy one is an error at
+        # once, not after the model has been inspected.
+        check_listenable(Address.parse(cfg.listen), advice="Stop it or choose another --listen.")
+        http = HttpBinding(
+            cfg.api_host, cfg.api_port, graceful_timeout=cfg.grace + _HTTP_GRACE_MARGIN
+        )
+        try:
+            await self._run(http, task_status)
+        finally:
+            http.close()
+
+    async def _run(self, http: HttpBinding, task_status: trio.TaskStatus[str]) -> None:
+        cfg = self.config
         self.data_dir.ensure()
         self.identity, created = NodeIdentity.load_or_create(self.data_dir.identity_path)
         self.mesh, how = load_or_create_mesh(self.data_dir.mesh_path, self._join)
@@ -347,11 +360,9 @@ class Agent:
                 self._start_mdns(nursery)
                 nursery.start_soon(self._measure)
                 self.api_url = await nursery.start(
-                    lambda task_status: run_http(
+                    lambda task_status: serve_http(
                         app,
-                        cfg.api_host,
-                        cfg.api_port,
-                        graceful_timeout=cfg.grace + _HTTP_GRACE_MARGIN,
+                        http,
                         shutdown_trigger=self._stop_accepting.wait,
                         task_status=task_status,
                     )

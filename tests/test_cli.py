@@ -1,5 +1,9 @@
+import socket
 import subprocess
 import sys
+from contextlib import contextmanager
+
+import pytest
 
 from meshagent.cli.main import main
 
@@ -10,31 +14,67 @@ def test_status_without_an_agent_says_so(tmp_path, capsys):
 
 
 def test_up_with_a_missing_model_fails_clearly(tmp_path, capsys):
-    rc = main(["up", "--data-dir", str(tmp_path), "--model", str(tmp_path / "nope.gguf")])
+    rc = main(
+        [
+            "up",
+            "--data-dir",
+            str(tmp_path),
+            "--api-port",
+            "0",
+            "--listen",
+            "127.0.0.1:0",
+            "--model",
+            str(tmp_path / "nope.gguf"),
+        ]
+    )
     assert rc == 1
     assert "model file not found" in capsys.readouterr().err
 
 
-def test_up_on_a_busy_port_fails_clearly(spawn_agent, tmp_path):
-    agent = spawn_agent()
-    port = agent.url.rsplit(":", 1)[1]
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshagent",
-            "up",
-            "--api-port",
-            port,
-            "--data-dir",
-            str(tmp_path / "second"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+@contextmanager
+def listening_port():
+    """A port something else listens on, as another agent would."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_up_on_a_busy_port_fails_clearly(tmp_path):
+    with listening_port() as port:
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "meshagent",
+                "up",
+                "--api-port",
+                str(port),
+                "--data-dir",
+                str(tmp_path / "second"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert r.returncode == 1
     assert "already in use" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--api-port", "--listen"])
+def test_a_busy_port_is_refused_before_the_model_is_read(flag, tmp_path, capsys):
+    # The model does not exist: only an agent that checks its ports first says "in use".
+    with listening_port() as port:
+        ports = {"--api-port": "0", "--listen": "127.0.0.1:0"}
+        ports[flag] = str(port) if flag == "--api-port" else f"127.0.0.1:{port}"
+        args = [x for kv in ports.items() for x in kv]
+        rc = main(["up", "--data-dir", str(tmp_path), *args, "--model", str(tmp_path / "no.gguf")])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port} is already in use" in err
+    assert f"choose another {flag}" in err
+    assert "model file not found" not in err
 
 
 def test_status_of_a_running_agent(spawn_agent, capsys):

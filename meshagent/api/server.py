@@ -25,6 +25,54 @@ def hypercorn_config(host: str, port: int, *, graceful_timeout: float) -> Config
     return config
 
 
+class HttpBinding:
+    """The API's sockets, bound but not yet listening: an agent binds them first, so a busy
+    port fails at once rather than after the model is read, and connections made before it
+    serves are refused rather than left waiting."""
+
+    def __init__(self, host: str, port: int, *, graceful_timeout: float) -> None:
+        self.config = hypercorn_config(host, port, graceful_timeout=graceful_timeout)
+        try:
+            self.sockets = self.config.create_sockets()
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"{host}:{port} is already in use: is another agent running? "
+                    "Stop it or choose another --api-port."
+                ) from e
+            raise ConfigError(f"cannot serve the API on {host}:{port}: {e.strerror or e}") from e
+        bound = self.sockets.insecure_sockets[0].getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self.url = f"http://{shown}:{bound[1]}"
+
+    def close(self) -> None:
+        for sock in self.sockets.insecure_sockets:
+            sock.close()
+
+
+async def serve_http(
+    app: Any,
+    binding: HttpBinding,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve on `binding` until `shutdown_trigger` returns; reports the URL once listening."""
+    config = binding.config
+    try:
+        for sock in binding.sockets.insecure_sockets:
+            sock.listen(config.backlog)
+        await worker_serve(
+            wrap_app(app, config.wsgi_max_body_size, "asgi"),
+            config,
+            sockets=binding.sockets,
+            shutdown_trigger=shutdown_trigger,
+            task_status=_Rename(task_status, binding.url),
+        )
+    finally:
+        binding.close()
+
+
 async def run_http(
     app: Any,
     host: str,
@@ -34,29 +82,10 @@ async def run_http(
     shutdown_trigger: Callable[[], Awaitable[None]],
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until `shutdown_trigger` returns; reports the bound URL (port 0 picks one)."""
-    config = hypercorn_config(host, port, graceful_timeout=graceful_timeout)
-    # Bind here, not inside hypercorn, so a busy port becomes one clear error.
-    try:
-        sockets = config.create_sockets()
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise ConfigError(
-                f"{host}:{port} is already in use: is another agent running? "
-                "Stop it or choose another --api-port."
-            ) from e
-        raise ConfigError(f"cannot serve the API on {host}:{port}: {e.strerror or e}") from e
-    for sock in sockets.insecure_sockets:
-        sock.listen(config.backlog)
-    bound = sockets.insecure_sockets[0].getsockname()
-    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    await worker_serve(
-        wrap_app(app, config.wsgi_max_body_size, "asgi"),
-        config,
-        sockets=sockets,
-        shutdown_trigger=shutdown_trigger,
-        task_status=_Rename(task_status, f"http://{shown}:{bound[1]}"),
-    )
+    """Bind and serve until `shutdown_trigger` returns; reports the bound URL (port 0 picks
+    one)."""
+    binding = HttpBinding(host, port, graceful_timeout=graceful_timeout)
+    await serve_http(app, binding, shutdown_trigger=shutdown_trigger, task_status=task_status)
 
 
 class _Rename:
