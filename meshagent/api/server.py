@@ -37,8 +37,8 @@ class HttpBinding:
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise ConfigError(
-                    f"{host}:{port} is already in use: is another agent running? "
-                    "Stop it or choose another --api-port."
+                    f"{host}:{port} is already in use: another agent or program listens "
+                    "there. Stop it or choose another --api-port."
                 ) from e
             raise ConfigError(f"cannot serve the API on {host}:{port}: {e.strerror or e}") from e
         bound = self.sockets.insecure_sockets[0].getsockname()

@@ -24,7 +24,7 @@ def check_listenable(address: Address, *, advice: str = "") -> None:
     """Raise ConfigError now if `address` cannot be listened on (e.g. another process listens
     there), by binding it as a listener would and letting go at once; an agent checks this
     before the slow parts of its start. `advice` ends the message when the address is taken."""
-    host = None if address.host in ("", "0.0.0.0", "::") else address.host
+    host = address.host or None  # as trio.open_tcp_listeners resolves it
     try:
         infos = socket.getaddrinfo(
             host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
