@@ -149,20 +149,21 @@ def main() -> None:
 
         # CPU per token, one request of max_tokens, on each side (less sensitive to what else
         # the machine runs than wall time).
-        def one(url: str):
-            return lambda: trio.run(measure, url, model, args.max_tokens, 1) and args.max_tokens
+        def tokens_of(url: str, concurrent: int = 1):
+            """A run of `concurrent` requests of max_tokens; returns the tokens asked for."""
 
-        _, cpu_single = cpu_per_token([single], one(single.url))
-        _, cpu_split = cpu_per_token(split, one(entry.url))
+            def run() -> int:
+                trio.run(measure, url, model, args.max_tokens, concurrent)
+                return args.max_tokens * concurrent
 
+            return run
+
+        _, cpu_single = cpu_per_token([single], tokens_of(single.url))
+        _, cpu_split = cpu_per_token(split, tokens_of(entry.url))
         # The same with N concurrent requests, this process (the client) included: what the
         # machine's cores allow the split's aggregate to reach at most.
-        def many() -> int:
-            trio.run(measure, entry.url, model, args.max_tokens, args.concurrent)
-            return args.max_tokens * args.concurrent
-
         client0 = time.process_time()
-        _, cpu_split_n = cpu_per_token(split, many)
+        _, cpu_split_n = cpu_per_token(split, tokens_of(entry.url, args.concurrent))
         client_ms = (time.process_time() - client0) * 1000 / (args.max_tokens * args.concurrent)
         cpu_n_total = sum(m + o for m, o in cpu_split_n) + client_ms
         for _ in range(args.rounds):

@@ -73,21 +73,6 @@ async def serve_http(
         binding.close()
 
 
-async def run_http(
-    app: Any,
-    host: str,
-    port: int,
-    *,
-    graceful_timeout: float,
-    shutdown_trigger: Callable[[], Awaitable[None]],
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Bind and serve until `shutdown_trigger` returns; reports the bound URL (port 0 picks
-    one)."""
-    binding = HttpBinding(host, port, graceful_timeout=graceful_timeout)
-    await serve_http(app, binding, shutdown_trigger=shutdown_trigger, task_status=task_status)
-
-
 class _Rename:
     """Reports our URL when hypercorn reports its binds."""
 

@@ -11,7 +11,7 @@ from openai import OpenAI
 from meshagent.api import forwarding
 from meshagent.api.app import OpenAIApp, RemoteModel
 from meshagent.api.inflight import InFlight
-from meshagent.api.server import run_http
+from meshagent.api.server import HttpBinding, serve_http
 from meshagent.engine.llama import LlamaEngine
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
@@ -39,11 +39,9 @@ async def serve(nursery, app) -> tuple[str, trio.Event]:
     """Serve `app` over HTTP on a free loopback port; set the event to stop."""
     stop = trio.Event()
     url = await nursery.start(
-        lambda task_status: run_http(
+        lambda task_status: serve_http(
             app,
-            "127.0.0.1",
-            0,
-            graceful_timeout=1,
+            HttpBinding("127.0.0.1", 0, graceful_timeout=1),
             shutdown_trigger=stop.wait,
             task_status=task_status,
         )
