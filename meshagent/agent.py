@@ -129,7 +129,7 @@ class Agent:
                     "id": model.info.id,
                     "path": model.info.path,
                     "layers": self._local_layers(),
-                    "slots": asdict(model.batcher.stats()),
+                    "slots": asdict(model.runner.stats()),
                 }
             ]
             if model is not None
@@ -458,7 +458,7 @@ class Agent:
 
     async def _drain(self) -> None:
         if self.model is not None:
-            self.model.batcher.close()
+            self.model.runner.close()
         self.inflight.draining = True
         self._stop_accepting.set()
         stopped = await self.inflight.drain(self.config.grace)

@@ -26,7 +26,7 @@ from meshagent.errors import (
     SplitUnavailable,
 )
 from meshagent.serving.chat import ChatMessage, TemplateError
-from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits, generate
+from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import SamplingParams
 
@@ -354,7 +354,7 @@ class OpenAIApp:
         async def produce() -> None:
             async with send:
                 try:
-                    await generate(model.batcher, gen, send)
+                    await model.generate(gen, send)
                 except MeshError as e:
                     send.send_nowait(Failed(api_error_for(e, prompt_param=prompt_param)))
 

@@ -33,11 +33,9 @@ class ForwardItem:
     want_logits: bool  # logits for the last token of `tokens`
 
 
-class Engine(Protocol):
-    """A loaded model with `n_slots` independent sequences of up to `slot_ctx` tokens each.
-
-    `forward` blocks (run it off the event loop); everything else is cheap.
-    """
+class TokenModel(Protocol):
+    """What serving needs to turn text into tokens and back: a whole engine, or the entry of
+    a split (whose layers run elsewhere). `n_slots` sequences of up to `slot_ctx` tokens."""
 
     info: ModelInfo
     n_slots: int
@@ -48,6 +46,13 @@ class Engine(Protocol):
     def token_bytes(self, token: int) -> bytes: ...
 
     def is_end_of_generation(self, token: int) -> bool: ...
+
+
+class Engine(TokenModel, Protocol):
+    """A loaded model that computes logits for its slots' sequences.
+
+    `forward` blocks (run it off the event loop); everything else is cheap.
+    """
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
         """Run every item in one batch; returns, per item, its last token's logits or None."""

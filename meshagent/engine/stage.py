@@ -61,6 +61,7 @@ class StageEngine(RuntimeDelegate):
                 f"{layers_path} holds {self.runtime.n_layers} layers, expected {end - start}"
             )
         self.n_embd = self.runtime.n_embd
+        self.n_slots = slots
         self.slot_ctx = slot_ctx
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:

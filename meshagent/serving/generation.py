@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
-from meshagent.engine.base import Engine
 from meshagent.errors import ContextOverflow
-from meshagent.serving.batcher import Batcher
-from meshagent.serving.sampling import Sampler, SamplingParams
+from meshagent.serving.runner import ModelRunner
+from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.stops import StopMatcher
 
 
@@ -60,41 +60,44 @@ def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
 
 
 async def generate(
-    batcher: Batcher,
+    runner: ModelRunner,
+    token_bytes: Callable[[int], bytes],
     request: GenerationRequest,
     out: trio.MemorySendChannel[Delta | Finished],
 ) -> None:
     """Generate into `out` (never blocks on it: give it room for max_tokens + 1 events).
 
-    The engine slot is held only while tokens are computed, not while a slow client reads.
+    The runner computes and samples on its own thread; here tokens only become text, and stop
+    strings are matched. The slot is held only while tokens are computed, not while a slow
+    client reads.
     """
-    engine: Engine = batcher.engine
-    limit = check_fits(request, engine.slot_ctx)
-    sampler = Sampler(request.sampling)
+    limit = check_fits(request, runner.slot_ctx)
     stops = StopMatcher(request.stop)
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     produced = 0
     reason = "length"
-    async with batcher.sequence(request.sampling) as seq:
-        result = await seq.feed(list(request.prompt_tokens))
+    stage_ms: list[float] = []
+    async with runner.start(request.prompt_tokens, limit, request.sampling) as handle:
         while True:
-            # A pipeline's last stage samples; a local engine hands back logits.
-            token = result if isinstance(result, int) else sampler.sample(result)
-            if engine.is_end_of_generation(token):
+            ev = await handle.next()
+            if len(stage_ms) < len(ev.timing):
+                stage_ms += [0.0] * (len(ev.timing) - len(stage_ms))
+            for i, ms in enumerate(ev.timing):
+                stage_ms[i] += ms
+            if ev.finish == "stop":
                 reason = "stop"
                 break
             produced += 1
-            text = stops.feed(utf8.decode(engine.token_bytes(token)))
+            text = stops.feed(utf8.decode(token_bytes(ev.token)))
             if text:
                 out.send_nowait(Delta(text))
             if stops.stopped:
                 reason = "stop"
                 break
-            if produced >= limit:
+            if ev.finish is not None:
                 break
-            result = await seq.feed([token])
-        stage_ms = tuple(round(ms, 3) for ms in seq.stage_ms)
     tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
     if tail:
         out.send_nowait(Delta(tail))
-    out.send_nowait(Finished(reason, len(request.prompt_tokens), produced, stage_ms))
+    ms = tuple(round(t, 3) for t in stage_ms)
+    out.send_nowait(Finished(reason, len(request.prompt_tokens), produced, ms))

@@ -1,4 +1,5 @@
-"""A model this agent serves whole: engine, batcher and chat template together."""
+"""A model this agent serves (whole, or as the entry of a split): tokens, runner and chat
+template together."""
 
 from __future__ import annotations
 
@@ -6,16 +7,21 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from meshagent.engine.base import Engine, ModelInfo
-from meshagent.serving.batcher import Batcher
+from meshagent.engine.base import Engine, ModelInfo, TokenModel
 from meshagent.serving.chat import ChatMessage, ChatTemplate
+from meshagent.serving.executor import LocalExecutor
+from meshagent.serving.generation import Delta, Finished, GenerationRequest, generate
+from meshagent.serving.runner import ModelRunner
 
 
 class LocalModel:
-    def __init__(self, engine: Engine, *, max_queue: int, batcher: Batcher | None = None) -> None:
+    """`engine` answers the text side (tokens, template); `runner` computes. `whole` builds
+    one for a whole model; the entry of a split passes its pipeline's runner."""
+
+    def __init__(self, engine: TokenModel, runner: ModelRunner) -> None:
         self.engine = engine
         self.info: ModelInfo = engine.info
-        self.batcher = batcher or Batcher(engine, max_queue=max_queue)
+        self.runner = runner
         # Response headers saying who served a request (set for the entry of a split).
         self.receipt: Callable[[], list[tuple[bytes, bytes]]] | None = None
         self.template = ChatTemplate(
@@ -23,6 +29,13 @@ class LocalModel:
             bos_token=engine.info.bos_token,
             eos_token=engine.info.eos_token,
         )
+
+    @classmethod
+    def whole(cls, engine: Engine, *, max_queue: int) -> LocalModel:
+        runner = ModelRunner(
+            LocalExecutor(engine), max_queue=max_queue, is_end=engine.is_end_of_generation
+        )
+        return cls(engine, runner)
 
     def matches(self, name: str) -> bool:
         return name.casefold() == self.info.id.casefold()
@@ -35,5 +48,11 @@ class LocalModel:
     def text_tokens(self, prompt: str) -> tuple[int, ...]:
         return tuple(self.engine.tokenize(prompt, add_bos=True))
 
+    async def generate(
+        self, request: GenerationRequest, out: trio.MemorySendChannel[Delta | Finished]
+    ) -> None:
+        """Generate `request` into `out` (see `generation.generate`)."""
+        await generate(self.runner, self.engine.token_bytes, request, out)
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self.batcher.run(task_status=task_status)
+        await self.runner.run(task_status=task_status)

@@ -24,7 +24,7 @@ from meshagent.models.layout import ModelLayout
 from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService, Snapshot
 from meshagent.serving.local_model import LocalModel
-from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL, PipelineBatcher
+from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
 log = structlog.get_logger(__name__)
@@ -116,9 +116,10 @@ class MeshModel:
             split = self.split
             if split is None or split.model is None or self.placement.routable:
                 continue
-            batcher = split.model.batcher
-            if isinstance(batcher, PipelineBatcher):
-                batcher.interrupt("the split lost a stage (its peer is gone or left the plan)")
+            if split.pipeline is not None:
+                split.pipeline.interrupt(
+                    "the split lost a stage (its peer is gone or left the plan)"
+                )
 
     # ----- the router the API asks -----
 
@@ -189,7 +190,7 @@ class MeshModel:
                 )
             )
             self._whole = engine
-            self.local = LocalModel(engine, max_queue=s.max_queue)
+            self.local = LocalModel.whole(engine, max_queue=s.max_queue)
             here = [(b"x-meshagent-stages", f"{self.peer_id}:0-{self.layout.n_layers}".encode())]
             self.local.receipt = lambda: here
         elif any(st.peer_id == self.peer_id for st in plan.stages):
@@ -245,7 +246,7 @@ class MeshModel:
         engines are freed only once no computation uses them."""
         self.app.models[:] = []
         if self.local is not None:
-            self.local.batcher.abort("the mesh moved this model to a new placement; retry")
+            self.local.runner.abort("the mesh moved this model to a new placement; retry")
         if self._serving_scope is not None:
             self._serving_scope.cancel()
             self._serving_scope = None

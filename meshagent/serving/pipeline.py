@@ -1,18 +1,20 @@
 """The entry of a split model: tokenizer, embeddings and the first stage on this agent, the
 rest of the layers on other peers.
 
-`PipelineBatcher` keeps the slots, queue and continuous batching of `Batcher`; each round it
-runs the first stage locally and streams the hidden states to the next stage, without waiting
-for the round before it to come back, so several rounds (different sequences) are in the
-pipeline at once and the stages compute in parallel. To make that happen, a round takes at
-most 1/depth of the active sequences (depth = the number of stages): with four requests and
-three stages, two groups of two take turns, and while one group is in the second stage the
-other is in the first. Tokens come back straight from the last stage on a reply stream.
+`PipelineExecutor` runs each step's first stage on the runner's worker thread and streams the
+hidden states to the next stage, without waiting for the step before it to come back, so
+several rounds (different sequences) are in the pipeline at once and the stages compute in
+parallel. The scheduler makes that happen: with `depth` stages a step takes at most 1/depth
+of the active sequences, so with four requests and three stages each travels as a group of
+its own, and while one group is in the second stage another is in the first. Tokens come back
+straight from the last stage on a reply stream and go to the runner, which feeds them to the
+scheduler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +28,9 @@ from meshagent.engine.vocab import Vocab, VocabDelegate
 from meshagent.errors import EngineError, SplitUnavailable
 from meshagent.models.slicer import TokenEmbeddings
 from meshagent.serving import stage_messages as sm
-from meshagent.serving.batcher import Batcher
-from meshagent.serving.batcher import Sequence as Seq
-from meshagent.serving.sampling import SamplingParams
-
-_GREEDY = SamplingParams(temperature=0.0)
+from meshagent.serving.executor import SampledToken
+from meshagent.serving.runner import ModelRunner
+from meshagent.serving.scheduler import Step
 
 log = structlog.get_logger(__name__)
 
@@ -54,7 +54,7 @@ class EntryEngine(VocabDelegate):
         self.embed = TokenEmbeddings(entry_artifact)
         self.stage = first_stage
         self.info = info
-        self.n_slots = first_stage.runtime.slots
+        self.n_slots = first_stage.n_slots
         self.slot_ctx = first_stage.slot_ctx
 
     def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
@@ -75,143 +75,120 @@ class EntryEngine(VocabDelegate):
         self.vocab.close()
 
 
-class PipelineBatcher(Batcher):
+OpenDownstream = Callable[[], Awaitable[trio.abc.SendStream]]
+
+
+class PipelineExecutor:
+    """Runs steps as the entry of a split: the first stage here, the rest downstream."""
+
     def __init__(
         self,
-        engine: EntryEngine,
-        open_downstream: object,
+        entry: EntryEngine,
+        open_downstream: OpenDownstream,
         *,
-        max_queue: int,
         wire_dtype: str = "f16",
-        max_batch_tokens: int = 512,
         depth: int = 1,
     ) -> None:
-        super().__init__(engine, max_queue=max_queue, max_batch_tokens=max_batch_tokens)  # type: ignore[arg-type]
-        self.entry = engine
+        self.entry = entry
+        self.n_slots = entry.n_slots
+        self.slot_ctx = entry.slot_ctx
         self.depth = max(1, depth)
-        self._open_downstream = open_downstream  # async () -> stream to the second stage
+        self._open_downstream = open_downstream
         self._wire = WIRE_DTYPES[wire_dtype]
         self._down: trio.abc.SendStream | None = None
-        # Bumped each time the stream to the next stage is opened again after a failure; a
-        # reply stream from an older chain is then ignored, whatever it still says.
+        # Bumped each time the chain breaks; a reply stream from an older chain is then
+        # ignored, whatever it still says.
         self._generation = 0
         self._send_lock = trio.Lock()
-        self._in_flight: dict[int, Seq] = {}  # slot -> sequence waiting for its token
-        self._pending_closes: list[int] = []  # released slots the stages must forget
+        self._runner: ModelRunner | None = None
+        self._trio: trio.lowlevel.TrioToken | None = None
         self.peak_rounds_in_flight = 0
         self.largest_round = 0  # sequences in the biggest round so far
         self.failed: str | None = None
 
-    async def _downstream(self) -> trio.abc.SendStream:
-        if self._down is None:
-            self._down = await self._open_downstream()  # type: ignore[operator]
-        return self._down
+    async def run(self, runner: ModelRunner, *, task_status: trio.TaskStatus[None]) -> None:
+        self._runner = runner
+        self._trio = trio.lowlevel.current_trio_token()
+        task_status.started()
+
+    # ----- the worker thread -----
+
+    def run_step(self, step: Step) -> list[SampledToken]:
+        for slot in step.released:
+            self.entry.clear_sequence(slot)
+        if self.failed is not None:
+            if not step.items:
+                return []  # only slots to forget: the stages start afresh on a new chain
+            # A request needs the chain: open it again (the stage may be back by now).
+            self._on_loop(self._reconnect)
+        messages: list[sm.Message] = [sm.Close(slot) for slot in step.released]
+        messages += [sm.Open(op.slot, op.sampling) for op in step.opened]
+        if step.items:
+            generation = self._generation
+            t0 = time.perf_counter()
+            hidden = self.entry.run_first([(it.slot, it.pos, list(it.tokens)) for it in step.items])
+            if self.failed is not None or generation != self._generation:
+                return []  # the pipeline broke meanwhile; this step's requests failed with it
+            first_ms = round((time.perf_counter() - t0) * 1000, 3)
+            items = tuple(
+                sm.ForwardItem(it.slot, it.pos, len(it.tokens), it.last) for it in step.items
+            )
+            rows = np.concatenate(hidden).astype(self._wire, copy=False)
+            messages.append(sm.Forward(items, rows, (first_ms,)))
+            assert self._runner is not None
+            rounds = self._runner.steps_in_flight()
+            self.peak_rounds_in_flight = max(self.peak_rounds_in_flight, rounds)
+            self.largest_round = max(self.largest_round, len(step.items))
+        if messages:
+            self._on_loop(self._send, messages)
+        return []
+
+    def _on_loop(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        trio.from_thread.run(fn, *args, trio_token=self._trio)
+
+    # ----- the event loop -----
 
     async def _send(self, messages: list[sm.Message]) -> None:
         data = b"".join(sm.encode(m) for m in messages)
         async with self._send_lock:
-            stream = await self._downstream()
-            await stream.send_all(data)
-
-    def _take_batch(self) -> list[tuple[Seq, int]]:
-        """The base batcher's choice, cut to this round's share of the active sequences: at
-        most 1/depth of them, so that at least `depth` groups are in the pipeline (one per
-        stage, or more) whenever there are that many sequences. Fewer, bigger groups batch
-        better but leave stages idle while a group is elsewhere; on the 3-stage benchmark,
-        four requests as four groups of one beat two groups of two by about 7%."""
-        batch = super()._take_batch()
-        active = len(self._runnable) + len(self._in_flight)
-        share = max(1, active // self.depth)
-        return batch[:share]
-
-    def _forget(self, seq: Seq) -> None:
-        self._in_flight.pop(seq.slot, None)
-        if seq.opened and self.failed is None:
-            self._pending_closes.append(seq.slot)
+            try:
+                if self._down is None:
+                    self._down = await self._open_downstream()
+                await self._down.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                self._broken(f"the next stage is unreachable: {e}")
 
     async def _reconnect(self) -> None:
         """After a failure: open a new stream to the next stage (the stages behind it start
-        afresh on a new stream), so the split serves again once its peers are back. Raises
-        what opening raises."""
+        afresh on a new stream), so the split serves again once its peers are back. A
+        failure to reopen fails the step that asked (SplitUnavailable)."""
         old, self._down = self._down, None
         if old is not None:
             await trio.aclose_forcefully(old)
-        self._down = await self._open_downstream()  # type: ignore[operator]
-        self._generation += 1
+        try:
+            self._down = await self._open_downstream()
+        except Exception as e:
+            raise SplitUnavailable(
+                f"the split pipeline failed: {self.failed}; reconnecting failed: {e}"
+            ) from e
         log.info("pipeline.reconnected", after=self.failed, generation=self._generation)
         self.failed = None
 
     def interrupt(self, why: str) -> None:
         """The split cannot finish what is in flight (e.g. a stage's peer was declared dead):
         fail those requests now rather than when the transport notices."""
-        if self._in_flight:
+        if self._runner is not None and self._runner.busy():
             self._broken(why)
-
-    async def _round(self) -> None:
-        if self.failed is not None:
-            try:
-                await self._reconnect()
-            except Exception as e:
-                self._fail(
-                    list(self._runnable),
-                    SplitUnavailable(
-                        f"the split pipeline failed: {self.failed}; reconnecting failed: {e}"
-                    ),
-                )
-                return
-        messages: list[sm.Message] = [sm.Close(s) for s in self._pending_closes]
-        self._pending_closes.clear()
-        batch = self._take_batch()
-        for seq, _ in batch:
-            if not seq.opened:
-                messages.append(sm.Open(seq.slot, seq.sampling or _GREEDY))
-                seq.opened = True
-        items = [(seq.slot, seq.n_past, list(seq._pending[:take])) for seq, take in batch]
-        t0 = trio.current_time()
-        generation = self._generation
-        try:
-            hidden = await trio.to_thread.run_sync(self.entry.run_first, items)
-        except Exception as e:
-            log.error("pipeline.first_stage_failed", error=str(e))
-            self._fail([seq for seq, _ in batch], EngineError(f"inference failed: {e}"))
-            return
-        if self.failed is not None or generation != self._generation:
-            return  # the pipeline broke meanwhile; this batch's requests were failed with it
-        fwd_items = []
-        for seq, take in batch:
-            done = take == len(seq._pending)
-            fwd_items.append(sm.ForwardItem(seq.slot, seq.n_past, take, done))
-        first_ms = round((trio.current_time() - t0) * 1000, 3)
-        messages.append(
-            sm.Forward(
-                tuple(fwd_items),
-                np.concatenate(hidden).astype(self._wire, copy=False),
-                (first_ms,),
-            )
-        )
-        for seq, take in batch:
-            if self._advance(seq, take):
-                self._in_flight[seq.slot] = seq
-                seq.round = self._batches
-        rounds = len({seq.round for seq in self._in_flight.values()})
-        self.peak_rounds_in_flight = max(self.peak_rounds_in_flight, rounds)
-        self.largest_round = max(self.largest_round, len(batch))
-        self._batches += 1
-        try:
-            await self._send(messages)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            self._broken(f"the next stage is unreachable: {e}")
-
-    def _waiting(self) -> list[Seq]:
-        return list(self._runnable) + list(self._in_flight.values())
 
     def _broken(self, why: str) -> None:
         if self.failed is None:
             self.failed = why
+            # From here on the chain is history: whatever its streams still say (a late
+            # token, its reply stream closing as it tears down) is ignored.
+            self._generation += 1
             log.error("pipeline.broken", why=why)
-        waiting = list(self._in_flight.values()) + list(self._runnable)
-        self._in_flight.clear()
-        self._fail(waiting, SplitUnavailable(f"the split pipeline failed: {why}"))
+        if self._runner is not None:
+            self._runner.fail_all(SplitUnavailable(f"the split pipeline failed: {why}"))
 
     async def handle_reply(self, stream: trio.abc.ReceiveStream) -> None:
         """Tokens from the last stage; a failure or a lost reply stream fails the waiters."""
@@ -219,10 +196,10 @@ class PipelineBatcher(Batcher):
         decoder = sm.StageDecoder()
         try:
             while data := await stream.receive_some():
-                for msg in decoder.feed(data):
-                    if generation != self._generation:
-                        return  # a chain from before a reconnect: nothing it says applies
-                    self._on_reply(msg)
+                msgs = decoder.feed(data)
+                if generation != self._generation:
+                    return  # a chain from before a reconnect: nothing it says applies
+                self._on_replies(msgs)
         except (sm.StageProtocolError, trio.BrokenResourceError) as e:
             if generation == self._generation:
                 self._broken(f"reply stream from the last stage failed: {e}")
@@ -230,22 +207,18 @@ class PipelineBatcher(Batcher):
         if generation == self._generation:
             self._broken("the last stage closed its reply stream")
 
-    def _on_reply(self, msg: sm.Message) -> None:
-        if isinstance(msg, sm.Token):
-            seq = self._in_flight.pop(msg.seq, None)
-            if seq is not None:
-                if len(seq.stage_ms) < len(msg.timing):
-                    seq.stage_ms += [0.0] * (len(msg.timing) - len(seq.stage_ms))
-                for i, ms in enumerate(msg.timing):
-                    seq.stage_ms[i] += ms
-                self._deliver(seq, msg.token)
-                self._poke()
-        elif isinstance(msg, sm.StageFailure):
-            if msg.seq is None:
-                self._broken(msg.message)
+    def _on_replies(self, msgs: list[sm.Message]) -> None:
+        assert self._runner is not None
+        tokens: list[SampledToken] = []
+        for msg in msgs:
+            if isinstance(msg, sm.Token):
+                tokens.append((msg.seq, msg.token, msg.timing))
+            elif isinstance(msg, sm.StageFailure):
+                if msg.seq is None:
+                    self._broken(msg.message)
+                    return
+                self._runner.fail_slot(msg.seq, EngineError(f"a stage failed: {msg.message}"))
             else:
-                seq = self._in_flight.pop(msg.seq, None)
-                if seq is not None:
-                    self._fail([seq], EngineError(f"a stage failed: {msg.message}"))
-        else:
-            raise sm.StageProtocolError(f"unexpected {type(msg).__name__} on the reply stream")
+                raise sm.StageProtocolError(f"unexpected {type(msg).__name__} on the reply stream")
+        if tokens:
+            self._runner.tokens_ready(tokens)

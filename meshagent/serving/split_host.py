@@ -2,7 +2,7 @@
 
 `SplitHost.load(plan)` gets the artifacts (cut from the full model if this agent has it,
 else fetched from a peer that holds them), loads the stage engine off the event loop, and
-then serves: the entry stage as a `LocalModel` whose batcher is a `PipelineBatcher`, the
+then serves: the entry stage as a `LocalModel` whose runner executes with a `PipelineExecutor`, the
 other stages as `StageServer`s for inbound `stage/1` streams.
 """
 
@@ -29,8 +29,9 @@ from meshagent.serving.pipeline import (
     REPLY_LABEL,
     STAGE_LABEL,
     EntryEngine,
-    PipelineBatcher,
+    PipelineExecutor,
 )
+from meshagent.serving.runner import ModelRunner
 from meshagent.serving.stage_server import StageServer
 
 log = structlog.get_logger(__name__)
@@ -72,6 +73,7 @@ class SplitHost:
         self.plan: Plan | None = None
         self.part: StageAssignment | None = None
         self.model: LocalModel | None = None  # set on the entry
+        self.pipeline: PipelineExecutor | None = None  # set on the entry
         self.server: StageServer | None = None  # set on other stages
         self._engine: StageEngine | None = None
         self._entry: EntryEngine | None = None
@@ -121,14 +123,18 @@ class SplitHost:
                 lambda: EntryEngine(entry_path, engine, self.info)
             )
             assert nxt is not None
-            pipeline = PipelineBatcher(
+            self.pipeline = PipelineExecutor(
                 self._entry,
                 lambda: self._open_stream(nxt, STAGE_LABEL, **window),
-                max_queue=s.max_queue,
                 wire_dtype=s.wire_dtype,
                 depth=len(plan.stages),
             )
-            self.model = LocalModel(self._entry, max_queue=s.max_queue, batcher=pipeline)
+            runner = ModelRunner(
+                self.pipeline,
+                max_queue=s.max_queue,
+                is_end=self._entry.is_end_of_generation,
+            )
+            self.model = LocalModel(self._entry, runner)
         elif nxt is not None:
             self.server = StageServer(
                 engine,
@@ -155,8 +161,8 @@ class SplitHost:
         if self.model is None:
             stream.reset("this agent is not the entry of a split")
             return
-        assert isinstance(self.model.batcher, PipelineBatcher)
-        await self.model.batcher.handle_reply(stream)
+        assert self.pipeline is not None
+        await self.pipeline.handle_reply(stream)
 
     def close(self) -> None:
         if self._entry is not None:

@@ -41,14 +41,25 @@ class StageServer:
         self._open_reply = open_reply
         self._wire = WIRE_DTYPES[wire_dtype]
         self._samplers: dict[int, Sampler] = {}
+        self._serving: trio.CancelScope | None = None  # the upstream stream served now
+        self._engine_lock = trio.Lock()  # a forward, or the clearing for a new upstream
         self.forwards = 0
 
     async def handle(self, upstream: trio.abc.ReceiveStream) -> None:
         # A new upstream stream starts the chain afresh (the entry reconnected after a
-        # failure): no sequence of an earlier stream may leave its cache behind.
-        for seq in range(self.engine.runtime.slots):
-            self.engine.clear_sequence(seq)
-        self._samplers.clear()
+        # failure): the stream before it is served no more, and no sequence of it may leave
+        # its cache behind. A forward of the old stream still running finishes first.
+        if self._serving is not None:
+            self._serving.cancel()
+        scope = self._serving = trio.CancelScope()
+        with scope:
+            async with self._engine_lock:
+                for seq in range(self.engine.n_slots):
+                    self.engine.clear_sequence(seq)
+                self._samplers.clear()
+            await self._serve(upstream)
+
+    async def _serve(self, upstream: trio.abc.ReceiveStream) -> None:
         out = await (self._open_next or self._open_reply)()  # type: ignore[misc]
         decoder = sm.StageDecoder()
         try:
@@ -61,9 +72,7 @@ class StageServer:
             log.warning("stage.protocol_error", error=str(e))
             await out.send_all(sm.encode(sm.StageFailure(None, f"protocol error: {e}")))
         finally:
-            for seq in list(self._samplers):
-                self._samplers.pop(seq)
-            with trio.move_on_after(1):
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await out.aclose()
 
     async def _process(self, msgs: list[sm.Message]) -> list[sm.Message]:
@@ -101,7 +110,8 @@ class StageServer:
             batch.append(EmbdItem(it.seq, it.pos, rows[at : at + it.n], it.sample))
             at += it.n
         t0 = trio.current_time()
-        result = await trio.to_thread.run_sync(self.engine.forward, batch)
+        async with self._engine_lock:
+            result = await trio.to_thread.run_sync(self.engine.forward, batch)
         self.forwards += 1
         # Batches run together share this stage's time; earlier stages' times come along.
         upstream = max((f.timing for f in group), key=len)

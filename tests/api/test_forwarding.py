@@ -53,7 +53,7 @@ async def serve(nursery, app) -> tuple[str, trio.Event]:
 async def two_agents(model_path, nursery):
     """A serves the model; B serves nothing itself and routes to A. Yields B's API URL."""
     engine = LlamaEngine(model_path, slots=2, slot_ctx=512)
-    model = LocalModel(engine, max_queue=4)
+    model = LocalModel.whole(engine, max_queue=4)
     await nursery.start(model.run)
     app_a = OpenAIApp([model], InFlight(), lambda: {})
     a = ConnectionManager(
@@ -130,9 +130,9 @@ async def test_a_client_gone_mid_stream_frees_the_remote_slot(two_agents, model_
         async for line in lines:
             if line.startswith("data: "):
                 break
-        assert model.batcher.stats().active == 1
+        assert model.runner.stats().active == 1
     with trio.fail_after(10):
-        while model.batcher.stats().active:
+        while model.runner.stats().active:
             await trio.sleep(0.02)
 
 

@@ -8,7 +8,7 @@ import trio
 
 from meshagent.engine.llama import LlamaEngine
 from meshagent.serving.chat import ChatMessage
-from meshagent.serving.generation import Delta, Finished, GenerationRequest, generate
+from meshagent.serving.generation import Delta, Finished, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import SamplingParams
 
@@ -27,7 +27,7 @@ async def text_of(model: LocalModel, prompt: str, max_tokens: int = 40, **sampli
     params = SamplingParams(**({"temperature": 0.0} | sampling))
     send, recv = trio.open_memory_channel(max_tokens + 4)
     async with send:
-        await generate(model.batcher, GenerationRequest(tokens, max_tokens, params), send)
+        await model.generate(GenerationRequest(tokens, max_tokens, params), send)
     events = [e async for e in recv]
     assert isinstance(events[-1], Finished)
     return "".join(e.text for e in events if isinstance(e, Delta))
@@ -37,11 +37,11 @@ async def text_of(model: LocalModel, prompt: str, max_tokens: int = 40, **sampli
 def reference(model_path):
     """Greedy answers of single-process llama.cpp (flash attention off, as in the stages)."""
     engine = LlamaEngine(model_path, slots=1, slot_ctx=1024, flash_attn=False)
-    model = LocalModel(engine, max_queue=8)
+    model = LocalModel.whole(engine, max_queue=8)
 
     async def main():
         async with trio.open_nursery() as n:
-            await n.start(model.batcher.run)
+            await n.start(model.run)
             out = [await text_of(model, p) for p in PROMPTS]
             n.cancel_scope.cancel()
         return out

@@ -25,8 +25,9 @@ from meshagent.serving.pipeline import (
     REPLY_LABEL,
     STAGE_LABEL,
     EntryEngine,
-    PipelineBatcher,
+    PipelineExecutor,
 )
+from meshagent.serving.runner import ModelRunner
 from meshagent.serving.stage_server import StageServer
 from meshagent.wire.handshake import LocalPeer
 from tests.api.test_forwarding import serve
@@ -64,10 +65,9 @@ async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4, 
     ]
     a, b, c = nodes
     window = {"window_bytes": ACTIVATION_WINDOW_BYTES, "window_frames": ACTIVATION_WINDOW_FRAMES}
-    pipeline = PipelineBatcher(
+    pipeline = PipelineExecutor(
         entry_engine,
         lambda: a.open_stream(b.peer_id, STAGE_LABEL, **window),
-        max_queue=8,
         wire_dtype=wire,
         depth=depth,
     )
@@ -93,8 +93,9 @@ async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4, 
     await a.dial(b.listen_addresses[0], peer_id=b.peer_id)
     await b.dial(c.listen_addresses[0], peer_id=c.peer_id)
     await c.dial(a.listen_addresses[0], peer_id=a.peer_id)
-    model = LocalModel(entry_engine, max_queue=8, batcher=pipeline)
-    await nursery.start(pipeline.run)
+    runner = ModelRunner(pipeline, max_queue=8, is_end=entry_engine.is_end_of_generation)
+    model = LocalModel(entry_engine, runner)
+    await nursery.start(model.run)
     return model, nodes, servers, stages
 
 
@@ -119,7 +120,7 @@ async def test_split_over_three_nodes_matches_llama_cpp(model_path, store, refer
 async def test_concurrent_requests_all_match(model_path, store, reference, nursery):
     model, _, servers, _ = await start_split(nursery, model_path, store, "f32")
     assert await all_at_once(model) == reference
-    assert model.batcher.largest_round > 2  # depth 1: one group, all four together
+    assert model.runner.executor.largest_round > 2  # depth 1: one group, all four together
     # Requests shared rounds: far fewer stage calls than tokens generated.
     tokens = sum(len(model.engine.tokenize(t, add_bos=False)) for t in reference)
     assert servers[1].forwards < tokens
@@ -132,8 +133,8 @@ async def test_groups_take_turns_in_a_deep_pipeline_and_all_match(
     assert await all_at_once(model) == reference
     # Four requests over three stages: a round takes at most 4 // 3 = 1 sequence, so each
     # travels as a group of its own and several are in flight at once.
-    assert model.batcher.largest_round == 1
-    assert model.batcher.peak_rounds_in_flight >= 3
+    assert model.runner.executor.largest_round == 1
+    assert model.runner.executor.peak_rounds_in_flight >= 3
 
 
 async def test_seeded_sampling_is_reproducible_across_the_split(model_path, store, nursery):
@@ -193,14 +194,14 @@ async def test_a_break_while_the_first_stage_computes_fails_that_batch_only(
     model_path, store, reference, nursery
 ):
     model, *_ = await start_split(nursery, model_path, store, "f32")
-    batcher = model.batcher
-    run_first = batcher.entry.run_first
+    pipeline = model.runner.executor
+    run_first = pipeline.entry.run_first
 
     def slow_first(items):
         time.sleep(0.5)
         return run_first(items)
 
-    batcher.entry.run_first = slow_first
+    pipeline.entry.run_first = slow_first
     async with trio.open_nursery() as n:
 
         async def request() -> None:
@@ -209,8 +210,8 @@ async def test_a_break_while_the_first_stage_computes_fails_that_batch_only(
 
         n.start_soon(request)
         await trio.sleep(0.2)  # the first stage is computing this request's prompt
-        batcher._broken("test break")
-    batcher.entry.run_first = run_first
-    # The batcher survived; the next request reconnects the chain and is served as before.
+        pipeline._broken("test break")
+    pipeline.entry.run_first = run_first
+    # The runner survived; the next request reconnects the chain and is served as before.
     with trio.fail_after(60):
         assert await text_of(model, PROMPTS[0]) == reference[0]

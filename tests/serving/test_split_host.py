@@ -66,7 +66,7 @@ async def test_split_hosts_follow_a_plan(model_path, store, reference, nursery):
         await nodes[a].dial(nodes[b].listen_addresses[0], peer_id=nodes[b].peer_id)
     model = hosts[0].model
     assert model is not None and hosts[1].model is None
-    await nursery.start(model.batcher.run)
+    await nursery.start(model.run)
     try:
         assert [await text_of(model, p) for p in PROMPTS] == reference
     finally:

@@ -1,0 +1,72 @@
+"""Executors run the scheduler's steps: the per-token work next to the compute.
+
+`ModelRunner` calls `run_step` on its worker thread, one step at a time. An executor that
+samples itself (a local llama.cpp context) returns the tokens at once, and the runner feeds
+them to the scheduler and takes the next step without returning to the event loop. The entry
+of a split returns no tokens: they come back from the last stage later, through
+`ModelRunner.tokens_ready`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import trio
+
+from meshagent.engine.base import Engine, ForwardItem
+from meshagent.serving.sampling import Sampler
+from meshagent.serving.scheduler import Step
+
+# (slot, token, timing per stage)
+SampledToken = tuple[int, int, tuple[float, ...]]
+
+
+class Executor(Protocol):
+    n_slots: int
+    slot_ctx: int
+    depth: int  # stages a step passes through: the scheduler keeps this many groups in flight
+
+    def run_step(self, step: Step) -> list[SampledToken]:
+        """Run `step` (blocking, on the runner's worker thread). Returns the tokens sampled
+        now for the items that wanted one; an executor whose tokens come later returns []."""
+        ...
+
+    async def run(self, runner: object, *, task_status: trio.TaskStatus[None]) -> None:
+        """What the executor needs on the event loop while the runner serves (or nothing)."""
+        ...
+
+
+class LocalExecutor:
+    """A whole model in one engine context: forward, then sample, on the worker thread."""
+
+    depth = 1
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.n_slots = engine.n_slots
+        self.slot_ctx = engine.slot_ctx
+        self._samplers: dict[int, Sampler] = {}  # slot -> sampler of the sequence in it
+
+    def run_step(self, step: Step) -> list[SampledToken]:
+        for slot in step.released:
+            self.engine.clear_sequence(slot)
+            self._samplers.pop(slot, None)
+        for op in step.opened:
+            self._samplers[op.slot] = Sampler(op.sampling)
+        if not step.items:
+            return []
+        items = [ForwardItem(it.slot, it.pos, it.tokens, it.last) for it in step.items]
+        results = self.engine.forward(items)
+        out: list[SampledToken] = []
+        for it, logits in zip(step.items, results, strict=True):
+            if it.last:
+                assert logits is not None
+                out.append((it.slot, self._samplers[it.slot].sample(logits), ()))
+        return out
+
+    async def run(self, runner: object, *, task_status: trio.TaskStatus[None]) -> None:
+        # The runner owns every slot from now on: nothing an earlier runner left behind in
+        # the engine's cache may meet its sequences.
+        for slot in range(self.n_slots):
+            self.engine.clear_sequence(slot)
+        task_status.started()

@@ -1,0 +1,215 @@
+"""The serving loop of one model: a scheduler, an executor, and a worker thread between them.
+
+The worker thread takes a step from the scheduler, runs it with the executor, feeds the
+tokens it sampled back to the scheduler and takes the next step, all without the event loop:
+per token the event loop only receives the new token ids (one hand-off per step, not per
+sequence) and turns them into text for the clients. Requests enter with `start`, which
+returns a `SequenceHandle` to read the tokens from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import threading
+from collections.abc import Callable
+
+import structlog
+import trio
+
+from meshagent.errors import EngineError, MeshError
+from meshagent.serving.executor import Executor, SampledToken
+from meshagent.serving.sampling import SamplingParams
+from meshagent.serving.scheduler import Event, Failed, Scheduler, SchedulerStats, Step, Token
+
+log = structlog.get_logger(__name__)
+
+
+class SequenceHandle:
+    """One request's tokens, as the runner produces them. `close` (or leaving `async with`)
+    cancels the sequence if it has not finished."""
+
+    def __init__(self, runner: ModelRunner, seq: int) -> None:
+        self.seq = seq
+        self._runner = runner
+        self._send, self._recv = trio.open_memory_channel[Event](math.inf)
+        self.finished = False
+
+    def _put(self, event: Event) -> None:
+        self._send.send_nowait(event)
+
+    async def next(self) -> Token:
+        """The next token; raises the sequence's error if it failed."""
+        event = await self._recv.receive()
+        if isinstance(event, Failed):
+            self.finished = True
+            raise event.error
+        if event.finish is not None:
+            self.finished = True
+        return event
+
+    def close(self) -> None:
+        self._runner._forget(self.seq, cancel=not self.finished)
+
+    async def __aenter__(self) -> SequenceHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        executor: Executor,
+        *,
+        max_queue: int,
+        is_end: Callable[[int], bool],
+        max_batch_tokens: int = 512,
+    ) -> None:
+        self.executor = executor
+        self.slot_ctx = executor.slot_ctx
+        self.scheduler = Scheduler(
+            n_slots=executor.n_slots,
+            slot_ctx=executor.slot_ctx,
+            max_queue=max_queue,
+            is_end=is_end,
+            max_batch_tokens=max_batch_tokens,
+            depth=executor.depth,
+        )
+        self.aborted: str | None = None
+        self._lock = threading.Condition()
+        self._handles: dict[int, SequenceHandle] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._token: trio.lowlevel.TrioToken | None = None
+
+    # ----- the event loop's side -----
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            return self.scheduler.stats()
+
+    def start(
+        self, prompt: tuple[int, ...], limit: int, sampling: SamplingParams
+    ) -> SequenceHandle:
+        """Submit a request; its tokens arrive on the handle. Raises what
+        `Scheduler.submit` raises (QueueFull, ShuttingDown, ContextOverflow)."""
+        if self.aborted is not None:
+            raise EngineError(self.aborted)
+        handle = SequenceHandle(self, next(self._ids))
+        with self._lock:
+            self.scheduler.submit(handle.seq, prompt, limit, sampling)
+            self._handles[handle.seq] = handle
+            self._lock.notify()
+        return handle
+
+    def close(self) -> None:
+        """Refuse new requests; those admitted carry on."""
+        with self._lock:
+            self.scheduler.close()
+
+    def abort(self, reason: str) -> None:
+        """Stop for good: every request admitted or queued fails with `reason`."""
+        self.aborted = reason
+        self.fail_all(EngineError(reason), queued=True)
+
+    def fail_all(self, error: MeshError, *, queued: bool = False) -> None:
+        """Every active request (and with `queued`, every waiting one too) fails with
+        `error`: the engine or the chain behind them broke."""
+        with self._lock:
+            sched = self.scheduler
+            events = sched.abort(error) if queued else sched.fail_active(error)
+            self._lock.notify()
+        self._deliver(events)
+
+    def tokens_ready(self, tokens: list[SampledToken]) -> None:
+        """Tokens sampled elsewhere (a split's last stage), on the event loop."""
+        with self._lock:
+            events = [e for slot, tok, ms in tokens for e in self.scheduler.token(slot, tok, ms)]
+            self._lock.notify()
+        self._deliver(events)
+
+    def fail_slot(self, slot: int, error: MeshError) -> None:
+        """The sequence in `slot` fails with `error` (on the event loop)."""
+        with self._lock:
+            seq = self.scheduler.seq_in(slot)
+            events = [] if seq is None else self.scheduler.fail([seq], error)
+            self._lock.notify()
+        self._deliver(events)
+
+    def busy(self) -> bool:
+        """Some sequence waits for a token from its executor."""
+        with self._lock:
+            return bool(self.scheduler.busy_slots())
+
+    def steps_in_flight(self) -> int:
+        """Steps whose tokens are not all back yet (a split keeps several in flight)."""
+        with self._lock:
+            return self.scheduler.steps_in_flight()
+
+    def _forget(self, seq: int, *, cancel: bool) -> None:
+        self._handles.pop(seq, None)
+        if cancel:
+            with self._lock:
+                self.scheduler.cancel(seq)
+                self._lock.notify()
+
+    def _deliver(self, events: list[Event]) -> None:
+        for ev in events:
+            handle = self._handles.get(ev.seq)
+            if handle is not None:
+                handle._put(ev)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; a step in progress finishes first."""
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.executor.run, self)
+            nursery.start_soon(self._work_in_thread)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                with self._lock:
+                    self._stopping = True
+                    self._lock.notify()
+
+    async def _work_in_thread(self) -> None:
+        # Not abandoned on cancel: the engine must not be freed under a running step.
+        await trio.to_thread.run_sync(self._work)
+
+    # ----- the worker thread -----
+
+    def _next(self) -> Step | None:
+        with self._lock:
+            while not self._stopping:
+                step = self.scheduler.next_step()
+                if step is not None:
+                    return step
+                self._lock.wait()
+            return None
+
+    def _work(self) -> None:
+        while (step := self._next()) is not None:
+            try:
+                sampled = self.executor.run_step(step)
+            except Exception as e:  # an engine failure fails this step's requests, not the agent
+                log.error("engine.step_failed", error=str(e), sequences=len(step.items))
+                error = e if isinstance(e, MeshError) else EngineError(f"inference failed: {e}")
+                with self._lock:
+                    events = self.scheduler.fail([it.seq for it in step.items], error)
+            else:
+                if not sampled:
+                    continue
+                with self._lock:
+                    events = [e for s, t, ms in sampled for e in self.scheduler.token(s, t, ms)]
+            if events:
+                self.post(self._deliver, events)
+
+    def post(self, fn: Callable[..., object], *args: object) -> None:
+        """Run `fn(*args)` on the event loop soon (from the worker thread, without waiting)."""
+        assert self._token is not None
+        with contextlib.suppress(trio.RunFinishedError):  # the agent is exiting
+            self._token.run_sync_soon(fn, *args)

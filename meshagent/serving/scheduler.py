@@ -1,0 +1,318 @@
+"""Which sequences run next, and in what share: a sans-IO scheduler.
+
+A plain object with no I/O and no threads: callers feed it events (a sequence is submitted, a
+step is taken, a token is ready, a sequence is cancelled or fails) and it answers with the
+next `Step` to run and the `Event`s to deliver. Executors (a local llama.cpp context, the
+entry of a split) run the steps; `ModelRunner` guards the scheduler with a lock and moves the
+events to the requests.
+
+Policy:
+- Slots go first come, first served; past the slots, a FIFO queue bounded by `max_queue`.
+- A step packs one decode token per decoding sequence and chunks of prompts, within
+  `max_batch_tokens`; decode tokens are given budget first, so a long prompt never stalls the
+  sequences that are decoding.
+- A sequence that has waited longest to run is considered first, so none starves.
+- With a pipeline of `depth` stages a step takes at most 1/depth of the active sequences
+  (at least one), so that at least `depth` groups are in flight and no stage waits for work.
+- A sequence whose input is all in a step is *busy* until its token is ready. A cancelled
+  sequence frees its slot at once; a busy one frees it when its step's token comes back (a
+  slot reused earlier could be handed the old sequence's token).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meshagent.errors import ContextOverflow, MeshError, QueueFull, ShuttingDown
+from meshagent.serving.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepItem:
+    """Tokens of one sequence to run at positions pos..pos+len(tokens)-1."""
+
+    seq: int
+    slot: int
+    pos: int
+    tokens: tuple[int, ...]
+    last: bool  # the sequence's pending input ends here: a token is wanted after it
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A sequence got a slot and appears in steps from now on."""
+
+    seq: int
+    slot: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Step:
+    """One batch to run. `released` slots are forgotten first (their KV cleared), and
+    `opened` sequences are introduced, before `items` run."""
+
+    number: int
+    items: tuple[StepItem, ...]
+    opened: tuple[Opened, ...] = ()
+    released: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Token:
+    """A sequence produced `token`; `finish` says it ended with it ("stop": an end of
+    generation token, which is not part of the text; "length": it reached its limit)."""
+
+    seq: int
+    token: int
+    finish: str | None = None
+    timing: tuple[float, ...] = ()  # a split's time per stage on the step that made it
+
+
+@dataclass(frozen=True)
+class Failed:
+    seq: int
+    error: MeshError
+
+
+Event = Token | Failed
+
+
+@dataclass
+class SchedulerStats:
+    active: int
+    queued: int
+    slots: int
+    max_queue: int
+    tokens_processed: int
+    batches: int
+
+
+@dataclass
+class _Seq:
+    id: int
+    prompt: tuple[int, ...]
+    limit: int
+    sampling: SamplingParams
+    slot: int | None = None
+    pending: list[int] = field(default_factory=list)
+    n_past: int = 0
+    generated: int = 0
+    busy: bool = False  # all its input is in a step; its token is not back yet
+    busy_in: int = -1  # the step that made it busy
+    cancelled: bool = False
+    ready_since: int = 0  # the step count when its pending input arrived
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        n_slots: int,
+        slot_ctx: int,
+        max_queue: int,
+        is_end: Callable[[int], bool],
+        max_batch_tokens: int = 512,
+        depth: int = 1,
+    ) -> None:
+        if max_batch_tokens <= n_slots:
+            raise ValueError("the token budget of a step must exceed the number of slots")
+        self.n_slots = n_slots
+        self.slot_ctx = slot_ctx
+        self.max_queue = max_queue
+        self.max_batch_tokens = max_batch_tokens
+        self.depth = max(1, depth)
+        self._is_end = is_end
+        self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._queue: deque[_Seq] = deque()
+        self._by_slot: dict[int, _Seq] = {}
+        self._by_id: dict[int, _Seq] = {}
+        self._opened: list[Opened] = []
+        self._released: list[int] = []
+        self._steps = 0
+        self._tokens = 0
+        self.closed = False
+
+    # ----- what callers ask -----
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            active=len(self._by_slot),
+            queued=len(self._queue),
+            slots=self.n_slots,
+            max_queue=self.max_queue,
+            tokens_processed=self._tokens,
+            batches=self._steps,
+        )
+
+    def slot_of(self, seq: int) -> int | None:
+        s = self._by_id.get(seq)
+        return None if s is None else s.slot
+
+    def seq_in(self, slot: int) -> int | None:
+        s = self._by_slot.get(slot)
+        return None if s is None else s.id
+
+    def busy_slots(self) -> list[int]:
+        return [slot for slot, s in self._by_slot.items() if s.busy and not s.cancelled]
+
+    def steps_in_flight(self) -> int:
+        return len({s.busy_in for s in self._by_slot.values() if s.busy})
+
+    # ----- events in -----
+
+    def submit(self, seq: int, prompt: tuple[int, ...], limit: int, sampling: SamplingParams):
+        """A new request: it takes a free slot, or waits in the queue. Raises ShuttingDown
+        after `close`, QueueFull when the queue is at its bound, ContextOverflow when the
+        prompt and `limit` new tokens do not fit a slot."""
+        if self.closed:
+            raise ShuttingDown("the agent is shutting down and takes no new requests")
+        if not prompt or limit < 1:
+            raise ValueError("a sequence needs a prompt and room for one token")
+        if len(prompt) + limit > self.slot_ctx:
+            raise ContextOverflow(
+                f"sequence needs {len(prompt) + limit} tokens of context, "
+                f"the slot holds {self.slot_ctx}",
+                prompt_tokens=len(prompt),
+                limit=self.slot_ctx,
+            )
+        if not self._free and len(self._queue) >= self.max_queue:
+            raise QueueFull(
+                f"all {self.n_slots} slots are busy and {len(self._queue)} requests "
+                "are queued; retry shortly"
+            )
+        s = _Seq(seq, tuple(prompt), limit, sampling)
+        self._by_id[seq] = s
+        self._queue.append(s)
+        self._admit()
+
+    def cancel(self, seq: int) -> None:
+        """The request is gone: it leaves the queue, or frees its slot (a busy sequence when
+        its token comes back). Unknown or finished sequences are ignored."""
+        s = self._by_id.get(seq)
+        if s is None:
+            return
+        if s.slot is None:
+            self._queue.remove(s)
+            del self._by_id[seq]
+        elif s.busy:
+            s.cancelled = True
+        else:
+            self._release(s)
+
+    def next_step(self) -> Step | None:
+        """The next batch to run, or None when no sequence has input to run."""
+        ready = [s for s in self._by_slot.values() if s.pending and not s.cancelled]
+        if not ready:
+            if self._released:  # nothing to run, but slots to forget: a step of only that
+                return self._take_step(())
+            return None
+        ready.sort(key=lambda s: (s.ready_since, s.id))
+        active = sum(1 for s in self._by_slot.values() if not s.cancelled)
+        share = ready[: max(1, active // self.depth)]
+        budget = self.max_batch_tokens
+        takes: dict[int, int] = {}
+        for s in share:  # decode tokens first
+            if s.n_past >= len(s.prompt):
+                takes[s.id] = 1
+                budget -= 1
+        for s in share:
+            if s.id not in takes and budget > 0:
+                takes[s.id] = min(len(s.pending), budget)
+                budget -= takes[s.id]
+        items = []
+        for s in share:
+            take = takes.get(s.id, 0)
+            if take == 0:
+                continue
+            assert s.slot is not None
+            tokens = tuple(s.pending[:take])
+            del s.pending[:take]
+            last = not s.pending
+            items.append(StepItem(s.id, s.slot, s.n_past, tokens, last))
+            s.n_past += take
+            s.busy = last
+            s.busy_in = self._steps
+            s.ready_since = self._steps + 1  # a prompt's next chunk waits behind the others
+            self._tokens += take
+        return self._take_step(tuple(items))
+
+    def token(self, slot: int, token: int, timing: tuple[float, ...] = ()) -> list[Event]:
+        """The token sampled after a busy sequence's last step. Returns what to deliver:
+        nothing for a cancelled sequence or a slot with no sequence waiting."""
+        s = self._by_slot.get(slot)
+        if s is None or not s.busy:
+            return []
+        s.busy = False
+        if s.cancelled:
+            self._release(s)
+            return []
+        if self._is_end(token):
+            self._release(s)
+            return [Token(s.id, token, "stop", timing)]
+        s.generated += 1
+        if s.generated >= s.limit:
+            self._release(s)
+            return [Token(s.id, token, "length", timing)]
+        s.pending = [token]
+        s.ready_since = self._steps
+        return [Token(s.id, token, None, timing)]
+
+    def fail(self, seqs: list[int], error: MeshError) -> list[Event]:
+        """These sequences end with `error` (their slots are freed)."""
+        events: list[Event] = []
+        for seq in seqs:
+            s = self._by_id.get(seq)
+            if s is None:
+                continue
+            if not s.cancelled:
+                events.append(Failed(seq, error))
+            if s.slot is None:
+                self._queue.remove(s)
+                del self._by_id[seq]
+            else:
+                self._release(s)
+        return events
+
+    def fail_active(self, error: MeshError) -> list[Event]:
+        """Every sequence holding a slot ends with `error` (the engine behind them broke)."""
+        return self.fail([s.id for s in self._by_slot.values()], error)
+
+    def close(self) -> None:
+        """Refuse new sequences; those holding or waiting for a slot carry on."""
+        self.closed = True
+
+    def abort(self, error: MeshError) -> list[Event]:
+        """Stop for good: every sequence, active or queued, ends with `error`."""
+        self.closed = True
+        return self.fail([*self._by_id], error)
+
+    # ----- bookkeeping -----
+
+    def _take_step(self, items: tuple[StepItem, ...]) -> Step:
+        step = Step(self._steps, items, tuple(self._opened), tuple(self._released))
+        self._opened.clear()
+        self._released.clear()
+        self._steps += 1
+        return step
+
+    def _release(self, s: _Seq) -> None:
+        assert s.slot is not None
+        del self._by_slot[s.slot]
+        self._by_id.pop(s.id, None)
+        self._released.append(s.slot)
+        self._free.append(s.slot)
+        s.busy = False
+        s.cancelled = True  # whatever still names it is ignored from now on
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._queue and self._free:
+            s = self._queue.popleft()
+            s.slot = self._free.pop()
+            s.pending = list(s.prompt)
+            s.ready_since = self._steps
+            self._by_slot[s.slot] = s
+            self._opened.append(Opened(s.id, s.slot, s.sampling))

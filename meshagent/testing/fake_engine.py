@@ -1,0 +1,230 @@
+"""A fake model for tests: deterministic logits from token ids, in microseconds.
+
+The next-token logits of a sequence are a function of every token it holds and their
+positions, so a scheduler or executor that feeds a token twice, skips one, or mixes up two
+sequences' caches changes the text. Every call checks that a sequence's tokens arrive at the
+position its cache has reached, and raises otherwise. `delay` (seconds per forward) stands in
+for compute time.
+
+Three shapes share that arithmetic, so a split on fakes must give exactly what the whole fake
+gives: `FakeEngine` (a whole model, the `Engine` interface), `FakeEntry` (the entry of a split:
+text side and first stage) and `FakeStage` (any later stage; hidden rows carry the token ids
+and positions, and the last stage turns them into logits).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from meshagent.engine.base import ForwardItem, ModelInfo
+from meshagent.engine.runtime import EmbdItem
+from meshagent.engine.stage import StageOutput
+from meshagent.errors import EngineError
+
+EOS = 0
+BOS = 1
+WIDTH = 4  # hidden row: token id, position, then padding
+
+
+class FakeVocab:
+    """Token 0 ends generation, 1 begins text, 2.. are the letters a-z and the rest spaces."""
+
+    def __init__(self, n_vocab: int = 40, *, slots: int = 4, slot_ctx: int = 256) -> None:
+        if n_vocab < 28:
+            raise ValueError("a fake vocabulary needs at least 28 tokens")
+        self.n_vocab = n_vocab
+        self.n_slots = slots
+        self.slot_ctx = slot_ctx
+        self.info = ModelInfo(
+            id="fake",
+            path="",
+            architecture="fake",
+            n_layers=3,
+            n_vocab=n_vocab,
+            n_ctx_train=slot_ctx,
+            size_bytes=0,
+            chat_template=None,
+            bos_token="<s>",
+            eos_token="</s>",
+        )
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        ids = [2 + (ord(c) - ord("a")) if "a" <= c <= "z" else 28 for c in text.lower()]
+        return ([BOS] if add_bos else []) + [min(t, self.n_vocab - 1) for t in ids]
+
+    def token_bytes(self, token: int) -> bytes:
+        if token < 2:
+            return b""
+        return bytes([ord("a") + token - 2]) if token < 28 else b" "
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return token == EOS
+
+
+class _Caches:
+    """What each slot holds: (token, position) pairs, checked as they arrive."""
+
+    def __init__(self, slots: int, slot_ctx: int) -> None:
+        self.slot_ctx = slot_ctx
+        self.held: list[list[int]] = [[] for _ in range(slots)]
+
+    def add(self, slot: int, pos: int, tokens: Sequence[int]) -> None:
+        held = self.held[slot]
+        if pos != len(held):
+            raise EngineError(f"slot {slot} holds {len(held)} tokens, got a token at {pos}")
+        if pos + len(tokens) > self.slot_ctx:
+            raise EngineError(f"slot {slot} overflows its {self.slot_ctx} tokens")
+        held.extend(int(t) for t in tokens)
+
+    def clear(self, slot: int) -> None:
+        self.held[slot] = []
+
+    def trim(self, slot: int, keep: int) -> None:
+        del self.held[slot][keep:]
+
+
+def fake_logits(held: Sequence[int], n_vocab: int, *, eos_every: int = 0) -> np.ndarray:
+    """Logits after a sequence holding `held`: a clear favourite that depends on all of it,
+    and a spread that lets temperature sampling wander. With `eos_every`, the end token is
+    the favourite at every `eos_every`-th position."""
+    h = 0
+    for t in held:
+        h = (h * 31 + t + 7) % 1_000_003
+    favourite = 2 + h % (n_vocab - 2)
+    if eos_every and len(held) % eos_every == 0:
+        favourite = EOS
+    ids = np.arange(n_vocab, dtype=np.float32)
+    logits = -((ids - favourite) % n_vocab) * 0.5
+    logits[favourite] = 4.0
+    return logits
+
+
+class FakeEngine(FakeVocab):
+    """A whole fake model (the `Engine` interface)."""
+
+    def __init__(
+        self,
+        n_vocab: int = 40,
+        *,
+        slots: int = 4,
+        slot_ctx: int = 256,
+        delay: float = 0.0,
+        eos_every: int = 0,
+    ) -> None:
+        super().__init__(n_vocab, slots=slots, slot_ctx=slot_ctx)
+        self.caches = _Caches(slots, slot_ctx)
+        self.delay = delay
+        self.eos_every = eos_every
+        self.forwards = 0
+        self.fail_next: str | None = None  # the next forward raises this
+
+    def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
+        if self.fail_next is not None:
+            why, self.fail_next = self.fail_next, None
+            raise EngineError(why)
+        if self.delay:
+            time.sleep(self.delay)
+        self.forwards += 1
+        out: list[np.ndarray | None] = []
+        for it in items:
+            self.caches.add(it.seq_id, it.pos, it.tokens)
+            held = self.caches.held[it.seq_id]
+            logits = fake_logits(held, self.n_vocab, eos_every=self.eos_every)
+            out.append(logits if it.want_logits else None)
+        return out
+
+    def clear_sequence(self, seq_id: int) -> None:
+        self.caches.clear(seq_id)
+
+    def trim_sequence(self, seq_id: int, keep: int) -> None:
+        self.caches.trim(seq_id, keep)
+
+    def reset(self) -> None:
+        for slot in range(self.n_slots):
+            self.caches.clear(slot)
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEntry(FakeVocab):
+    """The entry of a fake split: text side, plus a first stage that checks positions and
+    encodes each token as a hidden row (token id, position)."""
+
+    def __init__(
+        self, n_vocab: int = 40, *, slots: int = 4, slot_ctx: int = 256, delay: float = 0.0
+    ) -> None:
+        super().__init__(n_vocab, slots=slots, slot_ctx=slot_ctx)
+        self.caches = _Caches(slots, slot_ctx)
+        self.delay = delay
+
+    def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
+        if self.delay:
+            time.sleep(self.delay)
+        rows = []
+        for slot, pos, tokens in items:
+            self.caches.add(slot, pos, tokens)
+            rows.append(_rows(tokens, pos))
+        return rows
+
+    def clear_sequence(self, seq_id: int) -> None:
+        self.caches.clear(seq_id)
+
+
+def _rows(tokens: Sequence[int], pos: int) -> np.ndarray:
+    out = np.zeros((len(tokens), WIDTH), dtype=np.float32)
+    out[:, 0] = tokens
+    out[:, 1] = np.arange(pos, pos + len(tokens))
+    return out
+
+
+class FakeStage:
+    """A later stage of a fake split (what `StageServer` needs of a `StageEngine`)."""
+
+    def __init__(
+        self,
+        *,
+        last: bool,
+        n_vocab: int = 40,
+        slots: int = 4,
+        slot_ctx: int = 256,
+        delay: float = 0.0,
+        eos_every: int = 0,
+    ) -> None:
+        self.last = last
+        self.n_vocab = n_vocab
+        self.n_slots = slots
+        self.slot_ctx = slot_ctx
+        self.n_embd = WIDTH
+        self.caches = _Caches(slots, slot_ctx)
+        self.delay = delay
+        self.eos_every = eos_every
+        self.forwards = 0
+
+    def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
+        if self.delay:
+            time.sleep(self.delay)
+        self.forwards += 1
+        hidden, logits = [], []
+        for it in items:
+            rows = np.asarray(it.hidden, dtype=np.float32)
+            tokens = [int(t) for t in rows[:, 0]]
+            if [int(p) for p in rows[:, 1]] != list(range(it.pos, it.pos + len(tokens))):
+                raise EngineError(f"hidden rows of slot {it.seq_id} carry the wrong positions")
+            self.caches.add(it.seq_id, it.pos, tokens)
+            hidden.append(rows)
+            held = self.caches.held[it.seq_id]
+            if self.last and it.want_logits:
+                logits.append(fake_logits(held, self.n_vocab, eos_every=self.eos_every))
+            else:
+                logits.append(None)
+        return StageOutput(None if self.last else hidden, logits)
+
+    def clear_sequence(self, seq_id: int) -> None:
+        self.caches.clear(seq_id)

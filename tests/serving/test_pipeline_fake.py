@@ -1,0 +1,113 @@
+"""The entry of a split, its stages and their messages on fake engines over in-memory streams:
+the split gives the whole fake model's text, groups take turns, and a broken chain fails its
+requests and serves again after reconnecting."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from meshagent.errors import SplitUnavailable
+from meshagent.serving.local_model import LocalModel
+from meshagent.serving.pipeline import PipelineExecutor
+from meshagent.serving.runner import ModelRunner
+from meshagent.serving.stage_server import StageServer
+from meshagent.testing.fake_engine import FakeEngine, FakeEntry, FakeStage
+from tests.serving.test_runner import complete
+
+PROMPTS = ["alpha", "beta", "gamma", "delta"]
+
+
+class FakeChain:
+    """Entry -> middle -> last -> entry, each hop a memory stream pair."""
+
+    def __init__(self, nursery: trio.Nursery, *, depth: int, delay: float = 0.0) -> None:
+        self.nursery = nursery
+        self.entry = FakeEntry(delay=delay)
+        self.stages = [FakeStage(last=False, delay=delay), FakeStage(last=True, delay=delay)]
+        self.opens = 0
+        self.pipeline = PipelineExecutor(
+            self.entry, self._open_first, wire_dtype="f32", depth=depth
+        )
+        self.servers = [
+            StageServer(self.stages[0], open_next=self._open_last, open_reply=None),
+            StageServer(self.stages[1], open_next=None, open_reply=self._open_reply),
+        ]
+        runner = ModelRunner(self.pipeline, max_queue=8, is_end=self.entry.is_end_of_generation)
+        self.model = LocalModel(self.entry, runner)
+        self.upstreams: list[trio.abc.Stream] = []
+
+    def _pair(self, handler):
+        a, b = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(handler, b)
+        return a
+
+    async def _open_first(self):
+        self.opens += 1
+        return self._pair(self.servers[0].handle)
+
+    async def _open_last(self):
+        return self._pair(self.servers[1].handle)
+
+    async def _open_reply(self):
+        return self._pair(self.pipeline.handle_reply)
+
+
+async def all_at_once(model, prompts, n=16):
+    got = {}
+
+    async def one(i):
+        got[i] = await complete(model, prompts[i], n)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return [got[i] for i in range(len(prompts))]
+
+
+@pytest.fixture
+async def whole(nursery):
+    model = LocalModel.whole(FakeEngine(), max_queue=8)
+    await nursery.start(model.run)
+    return [await complete(model, p, 16) for p in PROMPTS]
+
+
+async def test_a_split_gives_the_whole_models_text(nursery, whole):
+    chain = FakeChain(nursery, depth=1)
+    await nursery.start(chain.model.run)
+    alone = [await complete(chain.model, p, 16) for p in PROMPTS]
+    assert [(t, f.reason, f.completion_tokens) for t, f in alone] == [
+        (t, f.reason, f.completion_tokens) for t, f in whole
+    ]
+    assert len(alone[0][1].stage_ms) == 3  # each stage's time, in pipeline order
+    together = await all_at_once(chain.model, PROMPTS)
+    assert [t for t, _ in together] == [t for t, _ in whole]
+    assert chain.pipeline.largest_round > 2  # depth 1: all four together
+
+
+async def test_groups_take_turns_in_a_deep_pipeline(nursery, whole):
+    chain = FakeChain(nursery, depth=3, delay=0.002)
+    await nursery.start(chain.model.run)
+    got = await all_at_once(chain.model, PROMPTS)
+    assert [t for t, _ in got] == [t for t, _ in whole]
+    assert chain.pipeline.largest_round == 1  # 4 // 3: each sequence a group of its own
+    assert chain.pipeline.peak_rounds_in_flight >= 3
+
+
+async def test_a_broken_chain_fails_its_requests_then_serves_again(nursery, whole):
+    chain = FakeChain(nursery, depth=1, delay=0.005)
+    await nursery.start(chain.model.run)
+    async with trio.open_nursery() as n:
+
+        async def doomed():
+            with pytest.raises(SplitUnavailable):
+                await complete(chain.model, PROMPTS[0], 200)
+
+        n.start_soon(doomed)
+        await trio.sleep(0.05)
+        chain.pipeline.interrupt("a stage's peer is gone")
+    assert chain.model.runner.stats().active == 0
+    text, _ = await complete(chain.model, PROMPTS[1], 16)
+    assert text == whole[1][0]
+    assert chain.opens == 2  # reopened once
