@@ -37,12 +37,33 @@ def init_backend() -> None:
         _backend_ready = True
 
 
+def cpu_has_amx() -> bool:
+    """True on CPUs with Intel AMX tiles (Linux's /proc/cpuinfo; False where unknown)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_tile" in flags
+
+
+def model_params(*, vocab_only: bool = False) -> llama_cpp.llama_model_params:
+    """llama.cpp's model parameters as meshagent loads every model.
+
+    Extra buffer types (weights repacked for AMX, or for the CPU's wider kernels) are off on
+    AMX CPUs: llama.cpp 0.3.36's AMX matrix multiply crashes the process there (seen on a
+    Xeon with amx_tile, for any batch of more than one token of a Q4_1 model)."""
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = vocab_only
+    if cpu_has_amx():
+        params.use_extra_bufts = False
+    return params
+
+
 def load_model(path: Path, *, vocab_only: bool = False) -> ctypes.c_void_p:
     if not path.is_file():
         raise ModelError(f"model file not found: {path}")
     init_backend()
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = vocab_only
+    params = model_params(vocab_only=vocab_only)
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelError(f"llama.cpp could not load {path}: is it a valid GGUF model file?")
