@@ -29,6 +29,7 @@ from meshagent.serving.chat import ChatMessage, TemplateError
 from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import SamplingParams
+from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
@@ -307,10 +308,10 @@ class OpenAIApp:
         return True
 
     async def _relay(self, ex: Exchange, stream: Any, remote: RemoteModel) -> None:
-        buf = bytearray()
+        frames = LengthPrefixDecoder(forwarding.FRAMING)
         try:
             await forwarding.send_request(stream, ex.method, ex.path, ex.raw_body)
-            status, headers = await forwarding.read_response_head(stream, buf)
+            status, headers = await forwarding.read_response_head(stream, frames)
         except (MeshError, trio.BrokenResourceError) as e:
             raise errors.ApiError(
                 502,
@@ -321,8 +322,8 @@ class OpenAIApp:
         headers.append((b"x-meshagent-served-by", remote.peer_id.encode()))
         await ex.start(status, headers)
         try:
-            if buf:
-                await ex.send_raw(bytes(buf))
+            if body_start := frames.leftover():
+                await ex.send_raw(body_start)
             while data := await stream.receive_some():
                 await ex.send_raw(data)
         except trio.BrokenResourceError as e:

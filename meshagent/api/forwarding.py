@@ -9,7 +9,6 @@ through unchanged, chunk by chunk.
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import cbor2
@@ -17,6 +16,8 @@ import structlog
 import trio
 
 from meshagent.errors import MeshError
+from meshagent.net.framed import receive_frame
+from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
@@ -24,30 +25,25 @@ LABEL = "api/1"
 VERSION = 1
 MAX_HEAD = 16 * 1024 * 1024  # a request body is at most 8 MiB
 _LINGER = 30.0  # seconds the serving side waits for the asker to close after the response
-_LEN = struct.Struct(">I")
 
 
 class ForwardError(MeshError):
     """The forwarded request could not be carried; the message says why."""
 
 
-async def _read_exactly(stream: trio.abc.ReceiveStream, buf: bytearray, n: int) -> bytes:
-    while len(buf) < n:
-        data = await stream.receive_some()
-        if not data:
-            raise ForwardError("the peer closed the stream mid-message")
-        buf += data
-    out = bytes(buf[:n])
-    del buf[:n]
-    return out
+FRAMING = Framing("forwarded message", width=4, max_size=MAX_HEAD, error=ForwardError)
 
 
-async def _read_message(stream: trio.abc.ReceiveStream, buf: bytearray) -> dict[int, Any]:
-    (n,) = _LEN.unpack(await _read_exactly(stream, buf, 4))
-    if n > MAX_HEAD:
-        raise ForwardError(f"forwarded message of {n} bytes is over the limit")
+def _closed_mid_message() -> ForwardError:
+    return ForwardError("the peer closed the stream mid-message")
+
+
+async def _read_message(
+    stream: trio.abc.ReceiveStream, frames: LengthPrefixDecoder
+) -> dict[int, Any]:
+    body = await receive_frame(stream, frames, on_eof=_closed_mid_message)
     try:
-        msg = cbor2.loads(await _read_exactly(stream, buf, n))
+        msg = cbor2.loads(body)
     except Exception as e:  # cbor2 raises several unrelated types on garbage
         raise ForwardError(f"malformed forwarded message: {e}") from e
     if not isinstance(msg, dict) or msg.get(0) != VERSION:
@@ -56,8 +52,7 @@ async def _read_message(stream: trio.abc.ReceiveStream, buf: bytearray) -> dict[
 
 
 def _message(fields: dict[int, Any]) -> bytes:
-    body = cbor2.dumps({0: VERSION, **fields})
-    return _LEN.pack(len(body)) + body
+    return FRAMING.encode(cbor2.dumps({0: VERSION, **fields}))
 
 
 async def send_request(stream: trio.abc.SendStream, method: str, path: str, body: bytes) -> None:
@@ -65,9 +60,11 @@ async def send_request(stream: trio.abc.SendStream, method: str, path: str, body
 
 
 async def read_response_head(
-    stream: trio.abc.ReceiveStream, buf: bytearray
+    stream: trio.abc.ReceiveStream, frames: LengthPrefixDecoder
 ) -> tuple[int, list[tuple[bytes, bytes]]]:
-    head = await _read_message(stream, buf)
+    """The response's status and headers; body bytes read past them stay in `frames`
+    (`frames.leftover()`)."""
+    head = await _read_message(stream, frames)
     status, headers = head.get(1), head.get(2)
     if not isinstance(status, int) or not isinstance(headers, list):
         raise ForwardError("malformed forwarded response head")
@@ -76,9 +73,8 @@ async def read_response_head(
 
 async def serve_forwarded(stream: Any, app: Any, *, peer_id: str) -> None:
     """Answer one forwarded request on `stream` with the local ASGI `app`."""
-    buf = bytearray()
     try:
-        req = await _read_message(stream, buf)
+        req = await _read_message(stream, LengthPrefixDecoder(FRAMING))
     except ForwardError as e:
         log.warning("forward.bad_request", peer=peer_id, error=str(e))
         return

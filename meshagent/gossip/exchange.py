@@ -15,8 +15,9 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from meshagent.gossip.errors import ExchangeError
-from meshagent.gossip.messages import Busy, Delta, Digest, FrameBuffer, encode
+from meshagent.gossip.messages import Busy, Delta, Digest, decode, encode, framing
 from meshagent.gossip.state import Change, GossipState
+from meshagent.wire.framing import LengthPrefixDecoder
 
 
 class _Step(Enum):
@@ -36,7 +37,7 @@ class Exchange:
         self.busy: str | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._frames = FrameBuffer(state.config.max_message)
+        self._frames = LengthPrefixDecoder(framing(state.config.max_message))
         self._step = _Step.START if initiator else _Step.AWAIT_DIGEST
 
     @property
@@ -64,8 +65,8 @@ class Exchange:
         self.bytes_received += len(data)
         self._frames.feed(data)
         out = bytearray()
-        while self._step is not _Step.DONE and (msg := self._frames.next_message()) is not None:
-            out += self._handle(msg, now)
+        while self._step is not _Step.DONE and (frame := self._frames.next_frame()) is not None:
+            out += self._handle(decode(frame), now)
         if self._step is _Step.DONE and self._frames.pending:
             raise ExchangeError("data after the end of the exchange")
         return bytes(out)

@@ -10,17 +10,18 @@ A responder that refuses (rate limit) answers message 1 with BUSY.
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import cbor2
 
 from meshagent.gossip.errors import ExchangeError
+from meshagent.wire.framing import Framing
 
 MESSAGE_VERSION = 1
 T_DIGEST, T_DELTA, T_BUSY = 1, 2, 3
-_LEN = struct.Struct(">I")
+# The u32 is the only limit here: a receiver applies its own (`framing(max_message)`).
+FRAMING = Framing("gossip message", width=4, max_size=(1 << 32) - 1, error=ExchangeError)
 MAX_DIGEST_ENTRIES = 4096
 MAX_ITEMS = 4096
 
@@ -101,8 +102,7 @@ def encode(msg: Message) -> bytes:
         }
     else:
         body = {0: MESSAGE_VERSION, 1: T_BUSY, 7: msg.reason}
-    data = cbor2.dumps(body)
-    return _LEN.pack(len(data)) + data
+    return FRAMING.encode(cbor2.dumps(body))
 
 
 def _byte_strings(v: Any) -> tuple[bytes, ...]:
@@ -136,31 +136,6 @@ def decode(data: bytes) -> Message:
     raise ExchangeError(f"unknown gossip message type {kind!r}")
 
 
-@dataclass
-class FrameBuffer:
-    """Reassembles length-prefixed messages from received bytes; refuses oversize ones
-    before buffering them."""
-
-    max_message: int
-    _buf: bytearray = field(default_factory=bytearray)
-
-    def feed(self, data: bytes) -> None:
-        self._buf += data
-
-    def next_message(self) -> Message | None:
-        if len(self._buf) < 4:
-            return None
-        (n,) = _LEN.unpack_from(self._buf)
-        if n > self.max_message:
-            raise ExchangeError(
-                f"gossip message of {n} bytes is over the {self.max_message}-byte limit"
-            )
-        if len(self._buf) < 4 + n:
-            return None
-        data = bytes(self._buf[4 : 4 + n])
-        del self._buf[: 4 + n]
-        return decode(data)
-
-    @property
-    def pending(self) -> int:
-        return len(self._buf)
+def framing(max_message: int) -> Framing:
+    """Gossip's framing for a receiver that refuses messages over `max_message` bytes."""
+    return replace(FRAMING, max_size=max_message)

@@ -14,9 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,8 @@ import trio
 
 from meshagent.errors import MeshError
 from meshagent.models.artifacts import ArtifactStore, SliceManifest
+from meshagent.net.framed import receive_frame
+from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
@@ -33,7 +34,8 @@ LABEL = "artifact/1"
 VERSION = 1
 CHUNK_SIZE = 1 << 20
 MAX_MESSAGE = 1 << 20  # a header holds 32 bytes per chunk: enough for 32 GiB artifacts
-_LEN = struct.Struct(">I")
+_MAX_CHUNK = (1 << 32) - 1  # what a u32 length can say
+_RECEIVE = 65536  # bytes per receive, or the rest of a larger frame
 
 # message keys (cbor maps with small integer keys)
 K_VERSION, K_TYPE, K_KEY, K_FROM, K_MANIFEST, K_CHUNK, K_HASHES, K_ERROR = range(8)
@@ -57,38 +59,33 @@ class PeerRefused(TransferError):
 
 # ----- framing ------------------------------------------------------------------------------
 
+# Messages (GET, HEADER, ERROR) and then chunks: both `u32 length | bytes`.
+FRAMING = Framing("transfer message", width=4, max_size=MAX_MESSAGE, error=TransferError)
 
-class _Reader:
-    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
-        self._stream = stream
-        self._buf = bytearray()
 
-    async def exactly(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            data = await self._stream.receive_some(max(n - len(self._buf), 65536))
-            if not data:
-                raise TransferError("the peer ended the transfer early")
-            self._buf += data
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
+def _ended_early() -> TransferError:
+    return TransferError("the peer ended the transfer early")
 
-    async def message(self) -> dict[int, Any]:
-        (n,) = _LEN.unpack(await self.exactly(4))
-        if n > MAX_MESSAGE:
-            raise TransferError(f"transfer message of {n} bytes is over the {MAX_MESSAGE} limit")
-        try:
-            msg = cbor2.loads(await self.exactly(n))
-        except (cbor2.CBORDecodeError, ValueError) as e:
-            raise TransferError(f"malformed transfer message: {e}") from e
-        if not isinstance(msg, dict) or msg.get(K_VERSION) != VERSION:
-            raise TransferError("transfer message of an unknown version or shape")
-        return msg
+
+async def _read_frame(stream: trio.abc.ReceiveStream, frames: LengthPrefixDecoder) -> bytes:
+    return await receive_frame(stream, frames, on_eof=_ended_early, receive_size=_RECEIVE)
+
+
+async def _read_message(
+    stream: trio.abc.ReceiveStream, frames: LengthPrefixDecoder
+) -> dict[int, Any]:
+    body = await _read_frame(stream, frames)
+    try:
+        msg = cbor2.loads(body)
+    except (cbor2.CBORDecodeError, ValueError) as e:
+        raise TransferError(f"malformed transfer message: {e}") from e
+    if not isinstance(msg, dict) or msg.get(K_VERSION) != VERSION:
+        raise TransferError("transfer message of an unknown version or shape")
+    return msg
 
 
 def _message(fields: dict[int, Any]) -> bytes:
-    body = cbor2.dumps({K_VERSION: VERSION, **fields})
-    return _LEN.pack(len(body)) + body
+    return FRAMING.encode(cbor2.dumps({K_VERSION: VERSION, **fields}))
 
 
 def chunk_hashes(path: Path, chunk_size: int = CHUNK_SIZE) -> list[bytes]:
@@ -122,9 +119,8 @@ class ArtifactServer:
         self._corrupt = corrupt  # tests: damage chunks in transit, above the encryption
 
     async def handle(self, stream: trio.abc.HalfCloseableStream) -> None:
-        reader = _Reader(stream)
         try:
-            req = await reader.message()
+            req = await _read_message(stream, LengthPrefixDecoder(FRAMING))
         except TransferError as e:
             await stream.send_all(_message({K_TYPE: T_ERROR, K_ERROR: str(e)}))
             return
@@ -159,7 +155,7 @@ class ArtifactServer:
                     data = await trio.to_thread.run_sync(f.read, self.chunk_size)
                     if self._corrupt is not None:
                         data = self._corrupt(index, data)
-                    await stream.send_all(_LEN.pack(len(data)) + data)
+                    await stream.send_all(FRAMING.encode(data))
             await stream.send_eof()
 
 
@@ -254,8 +250,8 @@ async def _fetch_once(
     async with stream:
         await stream.send_all(_message({K_TYPE: T_GET, K_KEY: key, K_FROM: part.verified}))
         await stream.send_eof()
-        reader = _Reader(stream)
-        header = await reader.message()
+        frames = LengthPrefixDecoder(FRAMING)
+        header = await _read_message(stream, frames)
         if header.get(K_TYPE) == T_ERROR:
             raise PeerRefused(f"the peer refused: {header.get(K_ERROR)}")
         if header.get(K_TYPE) != T_HEADER:
@@ -266,6 +262,11 @@ async def _fetch_once(
         if expected_sha256 and manifest.sha256 != expected_sha256:
             raise TransferError(f"the peer's {key} is {manifest.sha256}, not {expected_sha256}")
         chunk_size = int(header[K_CHUNK])
+        if not 0 < chunk_size <= _MAX_CHUNK:
+            raise TransferError(f"the peer's chunk size {chunk_size} is out of range")
+        # After the HEADER the stream carries only chunks, each at most the chunk size.
+        chunk_framing = replace(FRAMING, what="chunk", max_size=chunk_size)
+        chunks = LengthPrefixDecoder(chunk_framing, frames.leftover())
         raw = header[K_HASHES]
         hashes = [raw[i : i + 32] for i in range(0, len(raw), 32)]
         if part.sha256 != manifest.sha256 or part.chunk_size != chunk_size:
@@ -277,10 +278,7 @@ async def _fetch_once(
             f.truncate(part.verified * chunk_size)
             f.seek(part.verified * chunk_size)
             for index in range(part.verified, len(hashes)):
-                (n,) = _LEN.unpack(await reader.exactly(4))
-                if n > chunk_size:
-                    raise TransferError(f"chunk of {n} bytes is over the chunk size")
-                data = await reader.exactly(n)
+                data = await _read_frame(stream, chunks)
                 if hashlib.sha256(data).digest() != hashes[index]:
                     raise ChunkCorrupt(f"chunk {index} of {key} failed its sha256")
                 f.write(data)

@@ -20,12 +20,14 @@ from meshagent.identity.mesh import MeshSecret
 from meshagent.net.address import Address
 from meshagent.net.backoff import Backoff
 from meshagent.net.connection import RELAYED, Connection
+from meshagent.net.framed import receive_frame
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.transport import Transport
 from meshagent.relay import protocol as p
 from meshagent.relay.errors import RelayError, RelayProtocolError, RelayRefused
 from meshagent.relay.spliced import SplicedStream
 from meshagent.wire.errors import HandshakeError
+from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
@@ -91,25 +93,25 @@ class RelayClient:
     async def dial(self, peer_id: str) -> Connection:
         """A connection to `peer_id` through this relay (path RELAYED). Raises RelayError
         (RelayRefused with the relay's reason) or the overlay's HandshakeError."""
-        stream, buf, nonce = await self._open()
+        stream, frames, nonce = await self._open()
         try:
             await stream.send_all(p.connect(self.identity, nonce, peer_id).encode())
             with trio.fail_after(self._timeout * 2):  # the relay waits for the target too
-                msg = await _read_message(stream, buf)
+                msg = await _read_message(stream, frames)
             p.raise_if_refused(msg)
             if msg.type != p.SPLICED:
                 raise RelayProtocolError(f"expected SPLICED, got {msg.name}")
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
-        spliced = SplicedStream(stream, buf.leftover(), remote=f"relay {self.address}")
+        spliced = SplicedStream(stream, frames.leftover(), remote=f"relay {self.address}")
         return await self.overlay.adopt(
             spliced, initiator=True, remote=spliced.remote, path=RELAYED, peer_id=peer_id
         )
 
     # ----- internals -----
 
-    async def _open(self) -> tuple[trio.abc.Stream, p.MessageBuffer, bytes]:
+    async def _open(self) -> tuple[trio.abc.Stream, LengthPrefixDecoder, bytes]:
         try:
             with trio.fail_after(self._timeout):
                 stream = await self._transport.dial(self.address)
@@ -119,25 +121,25 @@ class RelayClient:
             ) from e
         except OSError as e:
             raise RelayError(f"cannot reach relay {self.address}: {e}") from e
-        buf = p.MessageBuffer()
+        frames = LengthPrefixDecoder(p.FRAMING)
         try:
             with trio.fail_after(self._timeout):
-                msg = await _read_message(stream, buf)
+                msg = await _read_message(stream, frames)
             if msg.type != p.HELLO:
                 raise RelayProtocolError(f"expected HELLO, got {msg.name}")
             nonce = msg.get(2, bytes, size=p.NONCE_LEN)
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
-        return stream, buf, nonce
+        return stream, frames, nonce
 
     async def _session(self, nursery: trio.Nursery) -> None:
-        stream, buf, nonce = await self._open()
+        stream, frames, nonce = await self._open()
         lock = trio.Lock()
         try:
             await stream.send_all(p.register(self.identity, nonce, self._tag).encode())
             with trio.fail_after(self._timeout):
-                msg = await _read_message(stream, buf)
+                msg = await _read_message(stream, frames)
             p.raise_if_refused(msg)
             if msg.type != p.REGISTERED:
                 raise RelayProtocolError(f"expected REGISTERED, got {msg.name}")
@@ -150,7 +152,7 @@ class RelayClient:
                 inner.start_soon(self._pinger, stream, lock)
                 while True:
                     with trio.fail_after(PING_INTERVAL * 3):
-                        msg = await _read_message(stream, buf)
+                        msg = await _read_message(stream, frames)
                     if msg.type == p.MEMBERS:
                         self._set_members(p.peer_list(msg))
                     elif msg.type == p.INCOMING:
@@ -180,18 +182,18 @@ class RelayClient:
     async def _accept(self, circuit: bytes, from_peer: str) -> None:
         """Take the circuit `from_peer` opened to us and run the overlay over it."""
         try:
-            stream, buf, nonce = await self._open()
+            stream, frames, nonce = await self._open()
             try:
                 await stream.send_all(p.accept(self.identity, nonce, circuit).encode())
                 with trio.fail_after(self._timeout):
-                    msg = await _read_message(stream, buf)
+                    msg = await _read_message(stream, frames)
                 p.raise_if_refused(msg)
                 if msg.type != p.SPLICED:
                     raise RelayProtocolError(f"expected SPLICED, got {msg.name}")
             except BaseException:
                 await trio.aclose_forcefully(stream)
                 raise
-            spliced = SplicedStream(stream, buf.leftover(), remote=f"relay {self.address}")
+            spliced = SplicedStream(stream, frames.leftover(), remote=f"relay {self.address}")
             conn = await self.overlay.adopt(
                 spliced, initiator=False, remote=spliced.remote, path=RELAYED
             )
@@ -206,10 +208,9 @@ class RelayClient:
             log.warning("relay.accept_failed", relay=self.name, peer=from_peer, error=str(e))
 
 
-async def _read_message(stream: trio.abc.Stream, buf: p.MessageBuffer) -> p.Message:
-    while (msg := buf.next()) is None:
-        data = await stream.receive_some(_READ)
-        if not data:
-            raise RelayError("the relay closed the connection")
-        buf.feed(data)
-    return msg
+def _relay_closed() -> RelayError:
+    return RelayError("the relay closed the connection")
+
+
+async def _read_message(stream: trio.abc.Stream, frames: LengthPrefixDecoder) -> p.Message:
+    return p.decode(await receive_frame(stream, frames, on_eof=_relay_closed, receive_size=_READ))

@@ -17,12 +17,12 @@ you); the client sends PING, answered with PONG. A CONNECT or ACCEPT is answered
 SPLICED, after which the connection carries only the two agents' bytes (their overlay
 handshake and encrypted records: the relay never sees plaintext), or with REFUSED.
 
-Framing: `u16 length || CBOR map {0: version, 1: type, ...}`, at most 16 KiB.
+Framing: `u16 length || CBOR map {0: version, 1: type, ...}`, at most 16 KiB (`FRAMING`;
+read with a `LengthPrefixDecoder`, whose `leftover()` after SPLICED belongs to the splice).
 """
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,11 +33,12 @@ from nacl.signing import VerifyKey
 from meshagent.identity.keys import NodeIdentity, peer_id_for
 from meshagent.identity.mesh import MeshSecret
 from meshagent.relay.errors import Refusal, RelayProtocolError, RelayRefused
+from meshagent.wire.framing import Framing
 
 VERSION = 1
 MAX_MESSAGE = 16 * 1024
 NONCE_LEN = 32
-_LEN = struct.Struct(">H")
+FRAMING = Framing("relay message", width=2, max_size=MAX_MESSAGE, error=RelayProtocolError)
 _CONTEXT = b"meshagent/relay-request/v1\x00"
 
 HELLO, REGISTER, CONNECT, ACCEPT = 1, 2, 3, 4
@@ -76,9 +77,8 @@ class Message:
 
     def encode(self) -> bytes:
         data = cbor2.dumps({0: VERSION, 1: self.type, **self.fields})
-        if len(data) > MAX_MESSAGE:
-            raise RelayProtocolError(f"relay message of {len(data)} bytes is over the limit")
-        return _LEN.pack(len(data)) + data
+        FRAMING.check(len(data))  # the other side would refuse it
+        return FRAMING.encode(data)
 
     def get(self, key: int, kind: type, *, size: int | None = None) -> Any:
         v = self.fields.get(key)
@@ -99,34 +99,6 @@ def decode(data: bytes) -> Message:
     if d.get(0) != VERSION:
         raise RelayRefused(Refusal.VERSION, f"relay protocol version {d.get(0)!r} not supported")
     return Message(d[1], {k: v for k, v in d.items() if isinstance(k, int) and k >= 2})
-
-
-@dataclass
-class MessageBuffer:
-    """Reassembles framed messages. `leftover()` hands back bytes read past the last
-    message, which after SPLICED belong to the spliced stream."""
-
-    _buf: bytearray = field(default_factory=bytearray)
-
-    def feed(self, data: bytes) -> None:
-        self._buf += data
-
-    def next(self) -> Message | None:
-        if len(self._buf) < 2:
-            return None
-        (n,) = _LEN.unpack_from(self._buf)
-        if n > MAX_MESSAGE:
-            raise RelayProtocolError(f"relay message of {n} bytes is over the limit")
-        if len(self._buf) < 2 + n:
-            return None
-        data = bytes(self._buf[2 : 2 + n])
-        del self._buf[: 2 + n]
-        return decode(data)
-
-    def leftover(self) -> bytes:
-        out = bytes(self._buf)
-        self._buf.clear()
-        return out
 
 
 # ----- messages -----

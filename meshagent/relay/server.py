@@ -18,10 +18,12 @@ import structlog
 import trio
 
 from meshagent.net.address import Address
+from meshagent.net.framed import receive_frame
 from meshagent.net.transport import Transport
 from meshagent.relay import protocol as p
 from meshagent.relay.errors import Refusal, RelayProtocolError, RelayRefused
 from meshagent.relay.limits import RateLimiter, RelayLimits
+from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
@@ -56,13 +58,12 @@ class _Pending:
     leftover: bytes = b""
 
 
-async def _read_message(stream: trio.abc.Stream, buf: p.MessageBuffer) -> p.Message:
-    while (msg := buf.next()) is None:
-        data = await stream.receive_some(_READ)
-        if not data:
-            raise trio.BrokenResourceError("the client closed the connection")
-        buf.feed(data)
-    return msg
+def _client_closed() -> trio.BrokenResourceError:
+    return trio.BrokenResourceError("the client closed the connection")
+
+
+async def _read_message(stream: trio.abc.Stream, frames: LengthPrefixDecoder) -> p.Message:
+    return p.decode(await receive_frame(stream, frames, on_eof=_client_closed, receive_size=_READ))
 
 
 class RelayServer:
@@ -111,21 +112,21 @@ class RelayServer:
     async def _handle(self, stream: trio.abc.Stream) -> None:
         remote = Transport.remote_of(stream)
         nonce = os.urandom(p.NONCE_LEN)
-        buf = p.MessageBuffer()
+        frames = LengthPrefixDecoder(p.FRAMING)
         peer = "?"
         try:
             await stream.send_all(p.hello(nonce, self.name).encode())
             with trio.fail_after(self.limits.request_timeout):
-                msg = await _read_message(stream, buf)
+                msg = await _read_message(stream, frames)
             if msg.type not in (p.REGISTER, p.CONNECT, p.ACCEPT):
                 raise RelayProtocolError(f"expected REGISTER, CONNECT or ACCEPT, got {msg.name}")
             peer, subject = p.verify_request(msg, nonce)
             if msg.type == p.REGISTER:
-                await self._serve_control(stream, buf, peer, subject)
+                await self._serve_control(stream, frames, peer, subject)
             elif msg.type == p.CONNECT:
-                await self._serve_connect(stream, buf, peer, subject)
+                await self._serve_connect(stream, frames, peer, subject)
             else:
-                await self._serve_accept(stream, buf, peer, subject)
+                await self._serve_accept(stream, frames, peer, subject)
         except (RelayRefused, RelayProtocolError) as e:
             code = e.code if isinstance(e, RelayRefused) else Refusal.BAD_MESSAGE
             reason = e.reason if isinstance(e, RelayRefused) else str(e)
@@ -142,7 +143,7 @@ class RelayServer:
             await trio.aclose_forcefully(stream)
 
     async def _serve_control(
-        self, stream: trio.abc.Stream, buf: p.MessageBuffer, peer: str, tag: bytes
+        self, stream: trio.abc.Stream, frames: LengthPrefixDecoder, peer: str, tag: bytes
     ) -> None:
         if len(tag) != 32:
             raise RelayProtocolError("a rendezvous tag is 32 bytes")
@@ -165,7 +166,7 @@ class RelayServer:
                 await self._announce(tag, skip=peer)
                 while True:
                     with trio.fail_after(self.limits.control_timeout):
-                        msg = await _read_message(stream, buf)
+                        msg = await _read_message(stream, frames)
                     if msg.type != p.PING:
                         raise RelayProtocolError(f"unexpected {msg.name} on a control connection")
                     await agent.send(p.Message(p.PONG))
@@ -196,7 +197,7 @@ class RelayServer:
                     agent.scope.cancel()
 
     async def _serve_connect(
-        self, stream: trio.abc.Stream, buf: p.MessageBuffer, dialer: str, subject: bytes
+        self, stream: trio.abc.Stream, frames: LengthPrefixDecoder, dialer: str, subject: bytes
     ) -> None:
         target = subject.decode(errors="replace")
         d = self._agents.get(dialer)
@@ -248,7 +249,7 @@ class RelayServer:
             del self._pending[circuit]
             await stream.send_all(p.spliced(target).encode())
             await pending.stream.send_all(p.spliced(dialer).encode())
-            await self._splice(circuit, dialer, target, stream, buf.leftover(), pending)
+            await self._splice(circuit, dialer, target, stream, frames.leftover(), pending)
         finally:
             self._pending.pop(circuit, None)
             pending.done.set()
@@ -256,7 +257,7 @@ class RelayServer:
             t.circuits -= 1
 
     async def _serve_accept(
-        self, stream: trio.abc.Stream, buf: p.MessageBuffer, peer: str, circuit: bytes
+        self, stream: trio.abc.Stream, frames: LengthPrefixDecoder, peer: str, circuit: bytes
     ) -> None:
         pending = self._pending.get(circuit)
         if pending is None or pending.target != peer or pending.stream is not None:
@@ -264,7 +265,7 @@ class RelayServer:
                 Refusal.UNKNOWN_CIRCUIT, "no circuit with this id is waiting for you"
             )
         pending.stream = stream
-        pending.leftover = buf.leftover()
+        pending.leftover = frames.leftover()
         pending.accepted.set()
         await pending.done.wait()  # the dialer's task splices, and owns both streams until then
 

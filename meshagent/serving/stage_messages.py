@@ -1,14 +1,13 @@
 """Messages between the stages of a split model (sans-IO).
 
-A message is `u32 header length | cbor header | payload`. Headers are cbor maps with small
-integer keys and a version; activations travel as the payload in raw little-endian f16 or f32,
-never as cbor arrays. `StageDecoder` is fed bytes and returns messages, raising
-`StageProtocolError` on anything malformed.
+A message is `u32 header length (little-endian) | cbor header | payload`. Headers are cbor
+maps with small integer keys and a version; activations travel as the payload in raw
+little-endian f16 or f32, never as cbor arrays. `StageDecoder` is fed bytes and returns
+messages, raising `StageProtocolError` on anything malformed.
 """
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,11 +16,11 @@ import numpy as np
 
 from meshagent.errors import MeshError
 from meshagent.serving.sampling import SamplingParams
+from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 VERSION = 1
 MAX_HEADER = 64 * 1024
 MAX_PAYLOAD = 256 * 1024 * 1024
-_LEN = struct.Struct("<I")
 DTYPES = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4")}
 
 # header keys
@@ -35,6 +34,13 @@ T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR = 1, 2, 3, 4, 5
 
 class StageProtocolError(MeshError):
     """A malformed stage message: the stream it came on is closed."""
+
+
+# Only the header is framed (little-endian, unlike the other framings); the payload follows
+# it as is, its size in the header.
+FRAMING = Framing(
+    "stage header", width=4, max_size=MAX_HEADER, byteorder="little", error=StageProtocolError
+)
 
 
 @dataclass(frozen=True)
@@ -126,37 +132,28 @@ def encode(msg: Message) -> bytes:
         header |= {K_TYPE: T_ERROR, K_SEQ: msg.seq, K_ERROR: msg.message}
     else:  # pragma: no cover - the type union is closed
         raise TypeError(msg)
-    body = cbor2.dumps(header)
-    return _LEN.pack(len(body)) + body + payload
+    return FRAMING.encode(cbor2.dumps(header)) + payload
 
 
 @dataclass
 class StageDecoder:
     """Feed bytes in, take whole messages out."""
 
-    _buf: bytearray = field(default_factory=bytearray)
+    _frames: LengthPrefixDecoder = field(default_factory=lambda: LengthPrefixDecoder(FRAMING))
     _header: dict[int, Any] | None = None
-    _need: int = 0
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
-        self._buf += data
+        self._frames.feed(data)
         out: list[Message] = []
         while True:
             if self._header is None:
-                if len(self._buf) < 4:
+                raw = self._frames.next_frame()
+                if raw is None:
                     return out
-                (n,) = _LEN.unpack_from(self._buf)
-                if n > MAX_HEADER:
-                    raise StageProtocolError(f"stage header of {n} bytes is over {MAX_HEADER}")
-                if len(self._buf) < 4 + n:
-                    return out
-                self._header = _header(bytes(self._buf[4 : 4 + n]))
-                del self._buf[: 4 + n]
-                self._need = int(self._header.get(K_SIZE, 0))
-            if len(self._buf) < self._need:
+                self._header = _header(raw)
+            payload = self._frames.take(int(self._header.get(K_SIZE, 0)))
+            if payload is None:
                 return out
-            payload = bytes(self._buf[: self._need])
-            del self._buf[: self._need]
             header, self._header = self._header, None
             out.append(_message(header, payload))
 

@@ -43,5 +43,11 @@ class HandshakeError(ProtocolError):
     """The handshake failed: wrong mesh, bad identity proof, version mismatch or garbage."""
 
 
+class FramingError(MeshError):
+    """A length-prefixed frame is over its protocol's limit; what it came on cannot continue.
+
+    The default error of `meshagent.wire.framing`; each protocol names its own instead."""
+
+
 class LocalUsageError(MeshError):
     """The local application asked for something the connection state does not allow."""

@@ -81,10 +81,10 @@ async def test_refusals_carry_reasons(env, clock):
         nursery.cancel_scope.cancel()
 
 
-async def read_reply(stream, buf):
-    while (msg := buf.next()) is None:
-        buf.feed(await stream.receive_some(4096))
-    return msg
+async def read_reply(stream, frames):
+    while (body := frames.next_frame()) is None:
+        frames.feed(await stream.receive_some(4096))
+    return p.decode(body)
 
 
 async def test_accept_timeout_when_the_target_never_accepts(env, clock):

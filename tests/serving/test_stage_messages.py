@@ -76,3 +76,59 @@ def test_payload_size_must_match_the_items():
     msg = Forward((ForwardItem(0, 0, 2, True),), np.zeros((3, 4), np.float32))
     with pytest.raises(StageProtocolError, match="does not hold"):
         StageDecoder().feed(encode(msg))
+
+
+# Produced by the old code from the messages in golden_messages(), in that order.
+STAGE_OPEN = bytes.fromhex(
+    "33000000a400010101020303a500fb3fe666666666666601fb3feccccccccccccd020b03fb00000000000000"
+    "0004fb0000000000000000"
+)
+STAGE_FORWARD_F32 = bytes.fromhex(
+    "2f000000a700010102048284030a01f484010401f5056366333206040918200a82fb3ff8000000000000fb40"
+    "02000000000000000000000000803f0000004000004040000080400000a0400000c0400000e040"
+)
+STAGE_FORWARD_F16 = bytes.fromhex(
+    "17000000a700010102048184000002f50563663136060409100a800000003c004000420044004500460047"
+)
+STAGE_CLOSE = bytes.fromhex("07000000a3000101030203")
+STAGE_TOKEN = bytes.fromhex(
+    "28000000a5000101040201071910920a83fb3fe0000000000000fb3ff0000000000000fb400e000000000000"
+)
+STAGE_FAILURE = bytes.fromhex(
+    "1f000000a40001010502f6087673746167652032206c6f737420697473206d6f64656c"
+)
+
+
+def golden_messages():
+    hidden = np.arange(2 * 4, dtype=np.float32).reshape(2, 4)
+    return [
+        (Open(3, SamplingParams(temperature=0.7, top_p=0.9, seed=11)), STAGE_OPEN),
+        (
+            Forward(
+                (ForwardItem(3, 10, 1, False), ForwardItem(1, 4, 1, True)), hidden, (1.5, 2.25)
+            ),
+            STAGE_FORWARD_F32,
+        ),
+        (Forward((ForwardItem(0, 0, 2, True),), hidden.astype(np.float16)), STAGE_FORWARD_F16),
+        (Close(3), STAGE_CLOSE),
+        (Token(1, 4242, (0.5, 1.0, 3.75)), STAGE_TOKEN),
+        (StageFailure(None, "stage 2 lost its model"), STAGE_FAILURE),
+    ]
+
+
+def test_messages_are_framed_as_before():
+    for msg, old in golden_messages():
+        assert encode(msg) == old
+
+
+def test_old_messages_decode_byte_by_byte():
+    dec = StageDecoder()
+    got = []
+    for byte in b"".join(old for _, old in golden_messages()):
+        got += dec.feed(bytes([byte]))
+    assert all(same(m, g) for (m, _), g in zip(golden_messages(), got, strict=True))
+
+
+def test_an_oversize_header_length_is_refused_before_its_body():
+    with pytest.raises(StageProtocolError, match="stage header of 65537 bytes is over"):
+        StageDecoder().feed((64 * 1024 + 1).to_bytes(4, "little"))
