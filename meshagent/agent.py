@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 import trio
 
-from meshagent import __version__
+from meshagent import __version__, capacity
 from meshagent.api import forwarding
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
@@ -25,7 +25,6 @@ from meshagent.discovery.dialer import DialerConfig, PeerDialer
 from meshagent.discovery.mdns import MdnsDiscovery, Sighting
 from meshagent.discovery.mesh_view import peer_rows
 from meshagent.engine.llama import read_model_info
-from meshagent.gossip import capacity
 from meshagent.gossip import service as gossip_service
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, ModelHeld, Serving
