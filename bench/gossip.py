@@ -3,10 +3,10 @@ full membership view, what gossip costs per agent per second, how stale heartbea
 how long until a killed agent is dead everywhere.
 
 Each agent is a real ConnectionManager (Noise handshake, encrypted records) + GossipService +
-PeerDialer on `meshagent.net.sim` with 10 ms one-way links, bootstrapped by dialing agent 0;
-no models, no HTTP. Times are virtual seconds (trio MockClock), so they do not depend on this
-machine's load; the wall time of each run is reported too. Prints a table and writes JSON
-(default bench/results/gossip.json). Never asserts.
+PeerDialer on `meshagent.testing.sim_network` with 10 ms one-way links, bootstrapped by
+dialing agent 0; no models, no HTTP. Times are virtual seconds (trio MockClock), so they do not
+depend on this machine's load; the wall time of each run is reported too. Prints a table and
+writes JSON (default bench/results/gossip.json). Never asserts.
 
     .venv/bin/python bench/gossip.py [--sizes 3,10,30] [--window 60] [--out PATH]
 """
@@ -28,7 +28,7 @@ import trio.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshagent.gossip.config import GossipConfig
-from meshagent.net.sim import LinkSpec, SimNetwork
+from meshagent.testing.sim_network import LinkSpec, SimNetwork
 from tests.gossip.sim_mesh import start_sim_agent
 
 

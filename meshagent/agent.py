@@ -14,18 +14,17 @@ from typing import Any
 import structlog
 import trio
 
-from meshagent import __version__
+from meshagent import __version__, capacity
 from meshagent.api import forwarding
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.api.server import HttpBinding, serve_http
-from meshagent.config import AgentConfig, DataDir, parse_size
+from meshagent.config import AgentConfig, DataDir
 from meshagent.discovery import addresses, probe
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
 from meshagent.discovery.mdns import MdnsDiscovery, Sighting
 from meshagent.discovery.mesh_view import peer_rows
 from meshagent.engine.llama import read_model_info
-from meshagent.gossip import capacity
 from meshagent.gossip import service as gossip_service
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, ModelHeld, Serving
@@ -224,17 +223,17 @@ class Agent:
     def _static_fields(self, sha256: str = "") -> dict[str, Any]:
         info = self.info
         gib = 1 << 30
-        weights, kv = capacity.memory_budget(
-            int(self.config.mem_weights_gib * gib), int(self.config.mem_kv_gib * gib)
+        offer = capacity.memory_offer(
+            capacity.memory_available(),
+            limit=self.config.max_memory,
+            weights=int(self.config.mem_weights_gib * gib),
+            kv=int(self.config.mem_kv_gib * gib),
         )
-        cap = parse_size(self.config.max_memory) if self.config.max_memory else 0
-        if cap and weights + kv > cap:
-            weights, kv = int(cap * capacity.WEIGHTS_SHARE), cap - int(cap * capacity.WEIGHTS_SHARE)
         return {
             "name": self.config.name or os.uname().nodename,
             "agent_version": __version__,
-            "mem_weights_bytes": weights,
-            "mem_kv_bytes": kv,
+            "mem_weights_bytes": offer.weights,
+            "mem_kv_bytes": offer.kv,
             "models": (
                 ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),
             ),

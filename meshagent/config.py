@@ -35,6 +35,18 @@ def parse_size(text: str) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
+# Settings in bytes that the CLI and config.toml may also give as sizes ("300M", "1.5G"); they
+# are parsed once, when the config is merged, so a typo fails at start with its value named.
+_SIZE_KEYS = frozenset({"max_memory"})
+
+
+def _size_setting(key: str, text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise ConfigError(f"{key.replace('_', '-')}: {e}") from None
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """Every setting `meshagent up` uses. CLI flags override the config file, which overrides
@@ -60,7 +72,7 @@ class AgentConfig:
     upgrade_interval: float = 5.0  # seconds between direct attempts to a relayed peer
     mem_weights_gib: float = 0.0  # memory offered for model weights; 0: measured
     mem_kv_gib: float = 0.0  # memory offered for KV cache; 0: measured
-    max_memory: str = ""  # cap on all memory offered (weights + KV), e.g. "300M"; "": none
+    max_memory: int = 0  # bytes: cap on all memory offered (weights + KV); 0: none
     wire_dtype: str = "f16"  # activations between stages: f16 or f32
 
     def merged(self, overrides: dict[str, Any]) -> AgentConfig:
@@ -71,7 +83,9 @@ class AgentConfig:
         clean = {k: v for k, v in overrides.items() if v is not None}
         for k, v in clean.items():
             want = type(getattr(self, k))
-            if want is float and isinstance(v, int):
+            if k in _SIZE_KEYS and isinstance(v, str):
+                clean[k] = _size_setting(k, v)
+            elif want is float and isinstance(v, int):
                 clean[k] = float(v)
             elif want is tuple and isinstance(v, list | tuple):
                 clean[k] = tuple(str(x) for x in v)
@@ -97,8 +111,8 @@ class AgentConfig:
                 "gossip timers must satisfy 0 < gossip_interval < suspect_after < dead_after "
                 f"(got {self.gossip_interval}, {self.suspect_after}, {self.dead_after})"
             )
-        if self.max_memory:
-            parse_size(self.max_memory)  # a typo fails at start, with the value named
+        if self.max_memory < 0:
+            raise ConfigError(f"max-memory must be >= 0 bytes (0: no cap), got {self.max_memory}")
         if self.wire_dtype not in ("f16", "f32"):
             raise ConfigError("wire-dtype must be f16 or f32")
         if self.upgrade_interval <= 0 or self.mem_weights_gib < 0 or self.mem_kv_gib < 0:

@@ -51,3 +51,20 @@ def test_broken_config_file_names_the_file(tmp_path):
     dd.config_path.write_text("api_port = = 3")
     with pytest.raises(ConfigError, match=r"config\.toml"):
         dd.load_config()
+
+
+@pytest.mark.parametrize(
+    ("given", "want"), [("300M", 300_000_000), ("1.5G", 1_500_000_000), (1 << 20, 1 << 20)]
+)
+def test_max_memory_is_parsed_once_into_bytes(tmp_path, given, want):
+    dd = DataDir(tmp_path)
+    dd.config_path.write_text(f"max_memory = {given!r}\n".replace("'", '"'))
+    assert AgentConfig().merged(dd.load_config()).max_memory == want
+    assert AgentConfig().merged({"max_memory": given}).max_memory == want
+
+
+def test_a_bad_max_memory_is_refused_with_its_value_named():
+    with pytest.raises(ConfigError, match=r"max-memory: '300X' is not a size"):
+        AgentConfig().merged({"max_memory": "300X"})
+    with pytest.raises(ConfigError, match="max-memory must be >= 0"):
+        AgentConfig().merged({"max_memory": -1}).validate()

@@ -1,1 +1,3 @@
-"""Inference engines behind one interface: llama.cpp, and later the stage and numpy engines."""
+"""Inference engines behind one interface: whole models and stages on llama.cpp. The in-process
+staged pipeline and the numpy reference, used by tests and benchmarks, are in `meshagent.testing`.
+"""

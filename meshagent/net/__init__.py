@@ -1,4 +1,5 @@
-"""The overlay's trio side: transports (TCP, simulated), connections, listener, manager.
+"""The overlay's trio side: transports (TCP; a simulated one is in `meshagent.testing`),
+connections, listener, manager.
 
 Code here only moves bytes and events between sockets and the sans-IO state machines in
 `meshagent.wire`. See docs/protocol.md for the protocol itself. Typical use:
@@ -21,7 +22,6 @@ from meshagent.net.errors import (
     StreamResetError,
 )
 from meshagent.net.manager import ConnectionManager, PeerLink
-from meshagent.net.sim import LinkSpec, SimNetwork
 from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport
 from meshagent.net.transport import Transport
@@ -35,11 +35,9 @@ __all__ = [
     "ConnectionUnavailable",
     "DialError",
     "HandshakeInterrupted",
-    "LinkSpec",
     "MeshStream",
     "OverlayConfig",
     "PeerLink",
-    "SimNetwork",
     "StreamResetError",
     "TcpTransport",
     "Transport",

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import structlog
 import trio
 
+from meshagent.capacity import COMPUTE_UNIT, offered_memory
+from meshagent.gossip.failure import PeerState
 from meshagent.placement.negotiation import (
     Claim,
     ClaimError,
@@ -33,9 +35,7 @@ from meshagent.placement.planner import (
 
 log = structlog.get_logger(__name__)
 
-EXTRAS_KEY = "placement"
-GFLOPS_UNIT = "matmul_gflops_f32"
-DEAD = "dead"
+EXTRAS_KEY = "placement"  # this service's entry in the `extras` of a gossip record
 
 
 class Snapshot(Protocol):
@@ -60,14 +60,14 @@ def capacities(views: Mapping[str, Any], flops_per_layer: float = 0.0) -> list[P
     that compute time and RTTs add up in the same unit."""
     out = []
     for pid, view in views.items():
-        if str(view.state) == DEAD:
+        if view.state == PeerState.DEAD:
             continue
         r = view.record
-        memory = int(r.mem_weights_bytes) + int(r.mem_kv_bytes)
+        memory = offered_memory(r)
         if memory <= 0 or r.compute_speed <= 0:
             continue
         speed = float(r.compute_speed)
-        if flops_per_layer > 0 and getattr(r, "compute_unit", "") == GFLOPS_UNIT:
+        if flops_per_layer > 0 and getattr(r, "compute_unit", "") == COMPUTE_UNIT:
             speed = speed * 1e9 / flops_per_layer
         out.append(PeerCapacity(pid, memory, speed, dict(r.rtts_ms)))
     return out
@@ -76,7 +76,7 @@ def capacities(views: Mapping[str, Any], flops_per_layer: float = 0.0) -> list[P
 def claims_for(model_id: str, views: Mapping[str, Any]) -> dict[str, Claim]:
     out: dict[str, Claim] = {}
     for pid, view in views.items():
-        if str(view.state) == DEAD:
+        if view.state == PeerState.DEAD:
             continue
         raw = view.record.extras.get(EXTRAS_KEY, {})
         if not isinstance(raw, dict) or model_id not in raw:
@@ -176,7 +176,7 @@ class PlacementService:
                 self._publish(ready)
                 claims[me] = ready
         self.in_force = winner
-        alive = {pid for pid, v in views.items() if str(v.state) != DEAD}
+        alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD}
         was = self.routable
         self.routable = winner is not None and routable(winner, claims, alive | {me})
         if self.routable != was:

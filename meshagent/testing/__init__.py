@@ -1,4 +1,7 @@
-"""Test doubles that ship with the package so tests, benchmarks and net-sim share them.
+"""Code for tests and benchmarks, not for a running agent: the fake engine (deterministic
+logits, fake split stages), the simulated network, the staged in-process pipeline and the numpy
+reference engine.
 
-Nothing outside `meshagent.testing` imports from it.
+Modules here may import the rest of the package; nothing outside `meshagent.testing` may import
+them (tests/test_layering.py checks it).
 """

@@ -9,9 +9,9 @@ import pytest
 
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
-from meshagent.engine.numpy_ref import NumpyStage
 from meshagent.engine.runtime import EmbdItem
 from meshagent.models.slicer import TokenEmbeddings
+from meshagent.testing.numpy_ref import NumpyStage
 from tests.engine.test_stage_parity import PROMPT
 from tests.engine.tiny_models import write_tiny_model
 

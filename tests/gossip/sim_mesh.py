@@ -14,7 +14,7 @@ from meshagent.gossip.service import LABEL, GossipService
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.net.manager import ConnectionManager
-from meshagent.net.sim import SimNetwork
+from meshagent.testing.sim_network import SimNetwork
 from meshagent.wire.handshake import LocalPeer
 
 SECRET = MeshSecret(b"\x17" * 32)

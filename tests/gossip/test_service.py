@@ -7,7 +7,7 @@ import trio
 
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.failure import PeerState
-from meshagent.net.sim import LinkSpec, SimNetwork
+from meshagent.testing.sim_network import LinkSpec, SimNetwork
 from tests.gossip.sim_mesh import start_sim_agent
 
 CFG = GossipConfig(rtt_refresh=2.0)

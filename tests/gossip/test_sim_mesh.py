@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 
 from meshagent.gossip.failure import PeerState
-from meshagent.net.sim import LinkSpec, SimNetwork
+from meshagent.testing.sim_network import LinkSpec, SimNetwork
 from tests.gossip.sim_mesh import start_sim_agent
 
 N = 30

@@ -14,10 +14,10 @@ from meshagent.net.address import Address
 from meshagent.net.config import OverlayConfig
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.secure import secure_handshake
-from meshagent.net.sim import LinkSpec, SimNetwork
 from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport
 from meshagent.net.transport import Transport
+from meshagent.testing.sim_network import LinkSpec, SimNetwork
 from meshagent.wire.handshake import HandshakeResult, LocalPeer
 from meshagent.wire.records import RecordSealer
 from meshagent.wire.settings import StreamSettings

@@ -5,7 +5,7 @@ import random
 
 import trio
 
-from meshagent.net.sim import LinkSpec
+from meshagent.testing.sim_network import LinkSpec
 from tests.net.support import NetEnv, local_peer, node
 
 WINDOW = 256 * 1024

@@ -13,7 +13,7 @@ from meshagent.net.backoff import Backoff
 from meshagent.net.connection import DIRECT, RELAYED
 from meshagent.net.errors import ConnectionUnavailable, DialError, StreamResetError
 from meshagent.net.manager import ConnectionManager, choose_connection
-from meshagent.net.sim import LinkSpec
+from meshagent.testing.sim_network import LinkSpec
 from meshagent.wire.errors import ErrorCode
 from tests.net.support import (
     NetEnv,

@@ -4,7 +4,7 @@ import pytest
 import trio
 
 from meshagent.net.address import Address
-from meshagent.net.sim import LinkSpec, SimNetwork
+from meshagent.testing.sim_network import LinkSpec, SimNetwork
 from tests.net.support import NetEnv, hash_exchange, node, read_all
 
 
