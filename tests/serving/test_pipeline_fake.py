@@ -106,6 +106,8 @@ async def test_a_broken_chain_fails_its_requests_then_serves_again(nursery, whol
 
         n.start_soon(doomed)
         await trio.sleep(0.05)
+        while not chain.model.runner.busy():  # its token is on the way
+            await trio.sleep(0.001)
         chain.pipeline.interrupt("a stage's peer is gone")
     assert chain.model.runner.stats().active == 0
     text, _ = await complete(chain.model, PROMPTS[1], 16)
