@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from meshagent.launch import start_agent
+from meshagent.launch import cpu_seconds, start_agent
 
 PROMPT = "1, 2, 3, 4, 5, 6,"  # a greedy model keeps counting: every request runs to max_tokens
 SMALL = ["--max-memory", "80M", "--slots", "4", "--ctx-size", "512", "--threads", "1"]
@@ -67,25 +67,6 @@ async def measure(url: str, model: str, max_tokens: int, concurrent: int) -> flo
     last = max(r[-1] for r in results)
     tokens = sum(len(r) for r in results) - concurrent
     return tokens / (last - first)
-
-
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """CPU time (user + system) of a process: (its main thread, all its other threads).
-    The main thread runs trio (HTTP, overlay, serving logic); the others are mostly
-    llama.cpp compute, reached through trio.to_thread."""
-    tick = os.sysconf("SC_CLK_TCK")
-    main = other = 0.0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # a thread that just ended
-        seconds = (int(fields[11]) + int(fields[12])) / tick
-        if int(task.name) == pid:
-            main += seconds
-        else:
-            other += seconds
-    return main, other
 
 
 def cpu_per_token(agents, run) -> tuple[float, list[tuple[float, float]]]:

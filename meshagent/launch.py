@@ -77,3 +77,22 @@ def start_agent(
                 f"agent did not start within {timeout}s:\n{agent.log_text()[-3000:]}"
             )
         time.sleep(0.05)
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU time (user + system) of a process: (its main thread, all its other threads).
+    The main thread runs trio (HTTP, overlay, serving logic); the others are mostly
+    llama.cpp compute, reached through trio.to_thread."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main = other = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that just ended
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        if int(task.name) == pid:
+            main += seconds
+        else:
+            other += seconds
+    return main, other
