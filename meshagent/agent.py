@@ -43,6 +43,7 @@ from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport, check_listenable
 from meshagent.relay.client import RelayClient
+from meshagent.serving.directory import FORWARD_LABEL
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
 from meshagent.wire.handshake import LocalPeer
@@ -134,7 +135,9 @@ class Agent:
             ]
             if model is not None
             else [],
-            "placement": {self.info.id: self.mesh_model.receipt() if self.mesh_model else None},
+            "placement": {
+                self.info.id: self.mesh_model.placement_summary() if self.mesh_model else None
+            },
             "artifacts": [m.to_dict() for m in self.store.all()],
             "peers": peers,
             "advertised": self._advertised(),
@@ -289,7 +292,6 @@ class Agent:
         path = resolve_model(cfg.model)
         layout = await trio.to_thread.run_sync(inspect_model, path)
         self.info = await trio.to_thread.run_sync(read_model_info, path)
-        app = OpenAIApp([], self.inflight, self.status, peers=self.peers, probe=self.probe)
         self.overlay = ConnectionManager(
             LocalPeer.create(self.identity, self.mesh),
             TcpTransport(),
@@ -316,7 +318,6 @@ class Agent:
             store=self.store,
             overlay=self.overlay,
             gossip=self.gossip,
-            app=app,
             settings=MeshModelSettings(
                 slots=cfg.slots,
                 slot_ctx=cfg.ctx_size,
@@ -325,9 +326,11 @@ class Agent:
                 wire_dtype=cfg.wire_dtype,
             ),
         )
-        app.router = self.mesh_model
+        app = OpenAIApp(
+            self.mesh_model, self.inflight, self.status, peers=self.peers, probe=self.probe
+        )
         self._handlers.update(self.mesh_model.handlers())
-        self._handlers[forwarding.LABEL] = lambda s: forwarding.serve_forwarded(
+        self._handlers[FORWARD_LABEL] = lambda s: forwarding.serve_forwarded(
             s, app, peer_id=s.peer_id
         )
         self.relays = [

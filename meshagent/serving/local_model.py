@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import trio
 
@@ -16,8 +16,6 @@ class LocalModel:
         self.engine = engine
         self.info: ModelInfo = engine.info
         self.batcher = batcher or Batcher(engine, max_queue=max_queue)
-        # Response headers saying who served a request (set for the entry of a split).
-        self.receipt: Callable[[], list[tuple[bytes, bytes]]] | None = None
         self.template = ChatTemplate(
             engine.info.chat_template,
             bos_token=engine.info.bos_token,
