@@ -6,7 +6,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 import trio
@@ -26,6 +26,7 @@ from meshagent.errors import (
     SplitUnavailable,
 )
 from meshagent.serving.chat import ChatMessage, TemplateError
+from meshagent.serving.directory import ModelDirectory, RemoteModel
 from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import SamplingParams
@@ -37,27 +38,6 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class Failed:
     error: ApiError
-
-
-@dataclass(frozen=True)
-class RemoteModel:
-    """A model this agent does not run, served by a peer of the mesh (whole or as the entry
-    stage of a split)."""
-
-    id: str
-    peer_id: str
-    served_as: str  # "whole" or "split"
-    stages: tuple[tuple[str, int, int], ...] = ()  # (peer id, first layer, end) of a split
-    layers: int = 0
-    context_length: int = 0
-
-
-class Router(Protocol):
-    """Where models this agent does not serve itself run, and how to reach them."""
-
-    def remote_models(self) -> list[RemoteModel]: ...
-
-    async def open_stream(self, peer_id: str) -> Any: ...
 
 
 # Seconds a client is asked to wait before retrying a request a split could not serve.
@@ -83,18 +63,17 @@ def api_error_for(e: MeshError, *, prompt_param: str = "messages") -> ApiError:
 class OpenAIApp:
     def __init__(
         self,
-        models: list[LocalModel],
+        directory: ModelDirectory,
         inflight: InFlight,
         status: Callable[[], dict[str, Any]],
-        router: Router | None = None,
         *,
         peers: Callable[[], dict[str, Any]] | None = None,
         probe: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
-        self.models = models
+        """`directory` says which models this agent serves and where the others run."""
+        self.directory = directory
         self.inflight = inflight
         self.status = status
-        self.router = router
         self.peers = peers
         self.probe = probe
         self.started_at = int(time.time())
@@ -131,7 +110,7 @@ class OpenAIApp:
         if ex.method == "GET" and ex.path.startswith("/v1/models/"):
             name = ex.path.removeprefix("/v1/models/")
             remote = self._remote(name)
-            if remote is not None and not any(m.matches(name) for m in self.models):
+            if remote is not None and self._local(name) is None:
                 await ex.send_json(200, self._remote_card(remote))
                 return
             model = self._model(name, param=None)
@@ -181,19 +160,22 @@ class OpenAIApp:
         }
 
     async def _list_models(self, ex: Exchange) -> None:
-        data = [self._model_card(m) for m in self.models]
-        local = {m.info.id.casefold() for m in self.models}
-        for remote in self.router.remote_models() if self.router else []:
+        models = self.directory.local_models()
+        data = [self._model_card(m) for m in models]
+        local = {m.info.id.casefold() for m in models}
+        for remote in self.directory.remote_models():
             if remote.id.casefold() not in local:
                 data.append(self._remote_card(remote))
                 local.add(remote.id.casefold())
         await ex.send_json(200, {"object": "list", "data": data})
 
+    def _local(self, name: str) -> LocalModel | None:
+        return next((m for m in self.directory.local_models() if m.matches(name)), None)
+
     def _remote(self, name: str) -> RemoteModel | None:
-        if self.router is None:
-            return None
         return next(
-            (r for r in self.router.remote_models() if r.id.casefold() == name.casefold()), None
+            (r for r in self.directory.remote_models() if r.id.casefold() == name.casefold()),
+            None,
         )
 
     async def _control_status(self, ex: Exchange) -> None:
@@ -221,11 +203,11 @@ class OpenAIApp:
         await ex.send_json(200, result)
 
     def _model(self, name: str, *, param: str | None = "model") -> LocalModel:
-        for m in self.models:
-            if m.matches(name):
-                return m
-        names = [m.info.id for m in self.models]
-        names += [r.id for r in self.router.remote_models()] if self.router else []
+        model = self._local(name)
+        if model is not None:
+            return model
+        names = [m.info.id for m in self.directory.local_models()]
+        names += [r.id for r in self.directory.remote_models()]
         available = ", ".join(dict.fromkeys(names)) or "none"
         raise errors.not_found(
             f"The model '{name}' does not exist on this mesh. Available models: {available}.",
@@ -280,18 +262,17 @@ class OpenAIApp:
 
     async def _forwarded(self, ex: Exchange, name: str) -> bool:
         """Carry the request to the peer serving `name` if this agent does not; True if so."""
-        if any(m.matches(name) for m in self.models):
+        if self._local(name) is not None:
             return False
         remote = self._remote(name)
         if remote is None:
             return False
-        assert self.router is not None
         if self.inflight.draining:
             raise errors.unavailable(
                 "The agent is shutting down and takes no new requests.", code="shutting_down"
             )
         try:
-            stream = await self.router.open_stream(remote.peer_id)
+            stream = await self.directory.open_stream(remote.peer_id)
         except MeshError as e:
             raise errors.unavailable(
                 f"The peer serving '{remote.id}' ({remote.peer_id[:12]}) is unreachable: {e}",
@@ -364,7 +345,7 @@ class OpenAIApp:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
                     nursery.start_soon(produce)
-                    receipt = model.receipt() if model.receipt is not None else []
+                    receipt = self.directory.receipt(model)
                     if stream:
                         await _stream(ex, events, reply, include_usage, echo, receipt)
                     else:

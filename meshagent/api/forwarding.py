@@ -1,10 +1,11 @@
 """Carrying an API request to the peer that serves its model, over an overlay stream.
 
-The asking agent opens a stream labelled `api/1`, sends one request message (method, path,
-body) and keeps its side open: closing it means the client went away. The serving agent runs
-the request through its own ASGI app and streams the response back as one head message
-(status, headers) followed by the raw body, then ends its side. Streaming responses (SSE) pass
-through unchanged, chunk by chunk.
+The asking agent's model directory opens a stream labelled `api/1` (`FORWARD_LABEL` in
+`serving/directory.py`) to the peer serving the model; the asker sends one request message
+(method, path, body) and keeps its side open: closing it means the client went away. The
+serving agent runs the request through its own ASGI app and streams the response back as one
+head message (status, headers) followed by the raw body, then ends its side. Streaming
+responses (SSE) pass through unchanged, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
-LABEL = "api/1"
 VERSION = 1
 MAX_HEAD = 16 * 1024 * 1024  # a request body is at most 8 MiB
 _LINGER = 30.0  # seconds the serving side waits for the asker to close after the response

@@ -126,8 +126,9 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(agent.run)
-            print(f"meshagent: serving {agent.info.id} at {url}/v1", file=sys.stderr)
+            services = await nursery.start(agent.run)
+            model = services.model.info.id
+            print(f"meshagent: serving {model} at {services.api_url}/v1", file=sys.stderr)
 
     trio.run(main)
     return 0

@@ -3,7 +3,7 @@ template together."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import trio
 
@@ -22,8 +22,6 @@ class LocalModel:
         self.engine = engine
         self.info: ModelInfo = engine.info
         self.runner = runner
-        # Response headers saying who served a request (set for the entry of a split).
-        self.receipt: Callable[[], list[tuple[bytes, bytes]]] | None = None
         self.template = ChatTemplate(
             engine.info.chat_template,
             bos_token=engine.info.bos_token,

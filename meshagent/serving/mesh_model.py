@@ -2,8 +2,9 @@
 one stage of a split, or only routes requests to the peers that do.
 
 `MeshModel` owns the placement service for the model, loads what the plan in force gives this
-agent (a whole `LocalModel`, or a `SplitHost`'s part), keeps the API's list of local models
-current, and answers the API's routing questions for the models it does not run.
+agent (a whole `LocalModel`, or a `SplitHost`'s part), and is the agent's model directory
+(`serving/directory.py`): the API asks it which model is served here, with which receipt, and
+which peer serves the model when this agent does not.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from typing import Any
 import structlog
 import trio
 
-from meshagent.api.app import OpenAIApp, RemoteModel
-from meshagent.api.forwarding import LABEL as API_LABEL
 from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.layout import ModelLayout
+from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService, Snapshot
+from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 from meshagent.serving.split_host import SplitHost, SplitSettings
@@ -54,7 +55,6 @@ class MeshModel:
         store: ArtifactStore,
         overlay: Any,
         gossip: Snapshot,
-        app: OpenAIApp,
         settings: MeshModelSettings,
     ) -> None:
         self.peer_id = peer_id
@@ -63,7 +63,6 @@ class MeshModel:
         self.info = info
         self.store = store
         self.overlay = overlay
-        self.app = app
         self.settings = settings
         self.cost = ModelCost.from_layout(info.id, layout)
         self.placement = PlacementService(
@@ -77,6 +76,9 @@ class MeshModel:
         )
         self.local: LocalModel | None = None  # what this agent serves, whole or as entry
         self.split: SplitHost | None = None
+        # What the directory lists: `local` once its runner runs, with its receipt.
+        self._offered: LocalModel | None = None
+        self._receipt: Headers = []
         self._whole: LlamaEngine | None = None
         self._nursery: trio.Nursery | None = None
         self._serving_scope: trio.CancelScope | None = None
@@ -121,7 +123,13 @@ class MeshModel:
                     "the split lost a stage (its peer is gone or left the plan)"
                 )
 
-    # ----- the router the API asks -----
+    # ----- the directory the API asks -----
+
+    def local_models(self) -> list[LocalModel]:
+        return [self._offered] if self._offered is not None else []
+
+    def receipt(self, model: LocalModel) -> Headers:
+        return list(self._receipt) if model is self._offered else []
 
     def remote_models(self) -> list[RemoteModel]:
         claim = self.placement.in_force
@@ -152,10 +160,19 @@ class MeshModel:
             )
         ]
 
-    async def open_stream(self, peer_id: str) -> Any:
-        return await self.overlay.open_stream(peer_id, API_LABEL)
+    async def open_stream(self, peer_id: str) -> MeshStream:
+        return await self.overlay.open_stream(peer_id, FORWARD_LABEL)
 
-    def receipt(self) -> dict[str, Any]:
+    # ----- what the agent reports -----
+
+    def layers(self) -> tuple[int, int]:
+        """The layers of the model this agent runs: all of them unless it holds a stage."""
+        if self.split is not None and self.split.part is not None:
+            return self.split.part.start, self.split.part.end
+        return 0, self.layout.n_layers
+
+    def placement_summary(self) -> dict[str, Any]:
+        """The plan in force and whether it can serve, for the agent's status."""
         claim = self.placement.in_force
         if claim is None:
             return {
@@ -183,6 +200,7 @@ class MeshModel:
         assert self._nursery is not None
         s = self.settings
         await self._unload()
+        receipt: Headers = []
         if self.peer_id in plan.replicas:
             engine = await trio.to_thread.run_sync(
                 lambda: LlamaEngine(
@@ -191,8 +209,7 @@ class MeshModel:
             )
             self._whole = engine
             self.local = LocalModel.whole(engine, max_queue=s.max_queue)
-            here = [(b"x-meshagent-stages", f"{self.peer_id}:0-{self.layout.n_layers}".encode())]
-            self.local.receipt = lambda: here
+            receipt = [(b"x-meshagent-stages", f"{self.peer_id}:0-{self.layout.n_layers}".encode())]
         elif any(st.peer_id == self.peer_id for st in plan.stages):
             host = SplitHost(
                 peer_id=self.peer_id,
@@ -212,13 +229,11 @@ class MeshModel:
             await host.load(plan)
             self.split = host
             self.local = host.model
-            if self.local is not None:
-                stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
-                receipt = [
-                    (b"x-meshagent-stages", stages.encode()),
-                    (b"x-meshagent-wire-dtype", s.wire_dtype.encode()),
-                ]
-                self.local.receipt = lambda: receipt
+            stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
+            receipt = [
+                (b"x-meshagent-stages", stages.encode()),
+                (b"x-meshagent-wire-dtype", s.wire_dtype.encode()),
+            ]
         if self.local is not None:
             scope = trio.CancelScope()
             self._serving_scope = scope
@@ -233,7 +248,7 @@ class MeshModel:
                     served.set()
 
             await self._nursery.start(serve)
-            self.app.models[:] = [self.local]
+            self._offered, self._receipt = local, receipt
         log.info(
             "mesh_model.part",
             whole=self._whole is not None,
@@ -244,7 +259,7 @@ class MeshModel:
     async def _unload(self) -> None:
         """Stop serving the previous part: requests waiting on it fail with a clear error, and
         engines are freed only once no computation uses them."""
-        self.app.models[:] = []
+        self._offered, self._receipt = None, []
         if self.local is not None:
             self.local.runner.abort("the mesh moved this model to a new placement; retry")
         if self._serving_scope is not None:

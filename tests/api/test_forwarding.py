@@ -9,7 +9,7 @@ import trio
 from openai import OpenAI
 
 from meshagent.api import forwarding
-from meshagent.api.app import OpenAIApp, RemoteModel
+from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.api.server import HttpBinding, serve_http
 from meshagent.engine.llama import LlamaEngine
@@ -17,22 +17,42 @@ from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
+from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.local_model import LocalModel
 from meshagent.wire.handshake import LocalPeer
 
 MESH = MeshSecret.generate()
 
 
-class StaticRouter:
-    def __init__(self, node: ConnectionManager, remote: RemoteModel) -> None:
+class StaticDirectory:
+    """A model directory that never changes: `local` served here with `receipt`, `remote`
+    reached over `node`."""
+
+    def __init__(
+        self,
+        local: list[LocalModel] | None = None,
+        remote: list[RemoteModel] | None = None,
+        *,
+        node: ConnectionManager | None = None,
+        receipt: Headers | None = None,
+    ) -> None:
+        self.local = local or []
+        self.remote = remote or []
         self.node = node
-        self.remote = remote
+        self._receipt = receipt or []
+
+    def local_models(self) -> list[LocalModel]:
+        return self.local
 
     def remote_models(self) -> list[RemoteModel]:
-        return [self.remote]
+        return self.remote
+
+    def receipt(self, model: LocalModel) -> Headers:
+        return list(self._receipt)
 
     async def open_stream(self, peer_id: str):
-        return await self.node.open_stream(peer_id, forwarding.LABEL)
+        assert self.node is not None
+        return await self.node.open_stream(peer_id, FORWARD_LABEL)
 
 
 async def serve(nursery, app) -> tuple[str, trio.Event]:
@@ -55,7 +75,8 @@ async def two_agents(model_path, nursery):
     engine = LlamaEngine(model_path, slots=2, slot_ctx=512)
     model = LocalModel.whole(engine, max_queue=4)
     await nursery.start(model.run)
-    app_a = OpenAIApp([model], InFlight(), lambda: {})
+    receipt = [(b"x-meshagent-stages", b"a:0-30")]
+    app_a = OpenAIApp(StaticDirectory([model], receipt=receipt), InFlight(), lambda: {})
     a = ConnectionManager(
         LocalPeer.create(NodeIdentity.generate(), MESH),
         TcpTransport(),
@@ -67,7 +88,7 @@ async def two_agents(model_path, nursery):
     await nursery.start(b.run)
     await b.dial(a.listen_addresses[0], peer_id=a.peer_id)
     remote = RemoteModel(model.info.id, a.peer_id, "whole", layers=30, context_length=512)
-    app_b = OpenAIApp([], InFlight(), lambda: {}, router=StaticRouter(b, remote))
+    app_b = OpenAIApp(StaticDirectory(remote=[remote], node=b), InFlight(), lambda: {})
     url, stop = await serve(nursery, app_b)
     yield url, model, a
     stop.set()
@@ -96,6 +117,16 @@ async def test_chat_through_a_peer_streams_and_matches(two_agents, model_id):
     assert whole.choices[0].message.content == streamed
     assert whole.usage.completion_tokens > 0
     assert listed == [model_id]
+
+
+async def test_the_serving_agents_receipt_comes_back_with_who_served(two_agents, model_id):
+    url, _, a = two_agents
+    body = {"model": model_id, "prompt": "Hi", "max_tokens": 2}
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await client.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200
+    assert r.headers["x-meshagent-stages"] == "a:0-30"  # the directory's receipt, at A
+    assert r.headers["x-meshagent-served-by"] == a.peer_id  # added by B, which forwarded
 
 
 async def test_errors_come_back_with_their_status(two_agents, model_id):
@@ -140,7 +171,7 @@ async def test_an_unreachable_peer_is_a_503(model_path, nursery, model_id):
     b = ConnectionManager(LocalPeer.create(NodeIdentity.generate(), MESH), TcpTransport())
     await nursery.start(b.run)
     remote = RemoteModel(model_id, "nobody", "whole")
-    app_b = OpenAIApp([], InFlight(), lambda: {}, router=StaticRouter(b, remote))
+    app_b = OpenAIApp(StaticDirectory(remote=[remote], node=b), InFlight(), lambda: {})
     url, stop = await serve(nursery, app_b)
     async with httpx.AsyncClient() as client:
         r = await client.post(

@@ -30,7 +30,7 @@ from meshagent.serving.pipeline import (
 from meshagent.serving.runner import ModelRunner
 from meshagent.serving.stage_server import StageServer
 from meshagent.wire.handshake import LocalPeer
-from tests.api.test_forwarding import serve
+from tests.api.test_forwarding import StaticDirectory, serve
 from tests.serving.conftest import PROMPTS, text_of
 
 MESH = MeshSecret.generate()
@@ -154,7 +154,7 @@ async def test_a_dead_stage_fails_requests_instead_of_hanging(model_path, store,
 
 async def test_a_lost_stage_is_a_503_with_retry_after_over_http(model_path, store, nursery):
     model, nodes, _, _ = await start_split(nursery, model_path, store, "f16")
-    url, stop = await serve(nursery, OpenAIApp([model], InFlight(), lambda: {}))
+    url, stop = await serve(nursery, OpenAIApp(StaticDirectory([model]), InFlight(), lambda: {}))
     body = {"model": model.info.id, "prompt": "Hi", "max_tokens": 4}
     async with httpx.AsyncClient(timeout=60) as client:
         assert (await client.post(f"{url}/v1/completions", json=body)).status_code == 200

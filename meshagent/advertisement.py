@@ -1,0 +1,79 @@
+"""What this agent says about itself in its gossip record.
+
+Static fields (name, memory offered, the model held and what of it is served here) are
+published at start and again once measured; dynamic ones (addresses, registered relays,
+artifacts held) gossip reads each time it publishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from meshagent import __version__, capacity
+from meshagent.config import AgentConfig
+from meshagent.discovery import addresses
+from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, ModelHeld, Serving
+from meshagent.gossip.service import GossipService
+from meshagent.models.artifacts import ArtifactStore
+from meshagent.net.manager import ConnectionManager
+from meshagent.relay.client import RelayClient
+from meshagent.serving.mesh_model import MeshModel
+
+log = structlog.get_logger(__name__)
+
+
+def static_fields(
+    config: AgentConfig, name: str, model: MeshModel, sha256: str = ""
+) -> dict[str, Any]:
+    """Record fields that change only when measured: `sha256` is the model file's, once known."""
+    info = model.info
+    gib = 1 << 30
+    offer = capacity.memory_offer(
+        capacity.memory_available(),
+        limit=config.max_memory,
+        weights=int(config.mem_weights_gib * gib),
+        kv=int(config.mem_kv_gib * gib),
+    )
+    return {
+        "name": name,
+        "agent_version": __version__,
+        "mem_weights_bytes": offer.weights,
+        "mem_kv_bytes": offer.kv,
+        "models": (ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),),
+        "serving": _serving(model, sha256),
+    }
+
+
+def _serving(model: MeshModel, sha256: str) -> tuple[Serving, ...]:
+    if model.local is None:
+        return ()
+    a, b = model.layers()
+    return (Serving(model.info.id, sha256, a, b, model.info.n_layers),)
+
+
+def dynamic_fields(
+    overlay: ConnectionManager, relays: Sequence[RelayClient], store: ArtifactStore
+) -> dict[str, Any]:
+    """Record fields that can change while running; gossip polls them."""
+    return {
+        "addresses": tuple(addresses.advertised(overlay.listen_addresses)),
+        "relays": tuple(r.name for r in relays if r.registered),
+        "artifacts": tuple(ArtifactHeld.from_manifest(m) for m in store.all())[:MAX_ARTIFACTS],
+    }
+
+
+async def measure(
+    gossip: GossipService, config: AgentConfig, name: str, model: MeshModel, store: ArtifactStore
+) -> None:
+    """Measured once at start, off the event loop: compute speed, the model's hash."""
+    speed = await trio.to_thread.run_sync(capacity.matmul_gflops)
+    gossip.update_local(compute_speed=speed, compute_unit=capacity.COMPUTE_UNIT)
+    log.info("agent.measured", compute_speed=speed, unit=capacity.COMPUTE_UNIT)
+    path = Path(model.info.path)
+    sha = await trio.to_thread.run_sync(lambda: store.source_sha256(path))
+    gossip.update_local(**static_fields(config, name, model, sha))

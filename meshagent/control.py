@@ -1,0 +1,133 @@
+"""The control API's documents about one agent: its status (`GET /control/status`, shown by
+`meshagent status`), the peers it knows (`GET /control/peers`, `meshagent peers`), and path
+probes to a connected peer (`POST /control/probe`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from meshagent import __version__
+from meshagent.discovery import addresses
+from meshagent.discovery import probe as path_probe
+from meshagent.discovery.mesh_view import peer_rows
+from meshagent.identity.mesh import mesh_fingerprint
+from meshagent.net.manager import ConnectionManager
+
+if TYPE_CHECKING:
+    from meshagent.services import Services
+
+
+def status(services: Services) -> dict[str, Any]:
+    s = services
+    info = s.model.info
+    return {
+        "peer_id": s.identity.peer_id,
+        "name": s.name,
+        "version": __version__,
+        "pid": os.getpid(),
+        "mesh": mesh_fingerprint(s.mesh),
+        "api": s.api_url,
+        "listen": [str(a) for a in s.overlay.listen_addresses],
+        "uptime_s": round(time.time() - s.started_at, 1),
+        "state": "draining" if s.inflight.draining else "serving",
+        "in_flight": len(s.inflight),
+        "models": _models(s),
+        "placement": {info.id: s.model.placement_summary()},
+        "artifacts": [m.to_dict() for m in s.store.all()],
+        "peers": _links(s.overlay),
+        "advertised": addresses.advertised(s.overlay.listen_addresses),
+        "relays": [
+            {
+                "address": r.name,
+                "registered": r.registered,
+                "members": sorted(r.members),
+                "error": r.last_error,
+            }
+            for r in s.relays
+        ],
+        "mdns": _mdns(s),
+        "gossip": _gossip(s),
+    }
+
+
+def _models(s: Services) -> list[dict[str, Any]]:
+    model = s.model.local
+    if model is None:
+        return []
+    return [
+        {
+            "id": model.info.id,
+            "path": model.info.path,
+            "layers": list(s.model.layers()),
+            "slots": asdict(model.runner.stats()),
+        }
+    ]
+
+
+def _links(overlay: ConnectionManager) -> list[dict[str, Any]]:
+    out = []
+    for link in overlay.links():
+        rtt = link.rtt.smoothed if link.rtt is not None else None
+        out.append(
+            {
+                "peer_id": link.peer_id,
+                "path": link.path,
+                "address": str(link.remote),
+                "rtt_ms": None if rtt is None else round(rtt * 1000, 3),
+                "initiator": link.initiator,
+            }
+        )
+    return out
+
+
+def _mdns(s: Services) -> dict[str, Any]:
+    mdns = s.lan.mdns
+    return {
+        "enabled": mdns is not None,
+        "note": s.lan.note,
+        "advertised": mdns.registered if mdns else False,
+        "interfaces": mdns.interfaces if mdns else [],
+        "seen": [x.to_dict() for x in mdns.sightings.values()] if mdns else [],
+    }
+
+
+def _gossip(s: Services) -> dict[str, Any]:
+    cfg = s.gossip.config
+    states: dict[str, int] = {}
+    for e in s.gossip.state.entries.values():
+        states[e.state.value] = states.get(e.state.value, 0) + 1
+    return {
+        **s.gossip.stats(),
+        "states": states,
+        "interval_s": cfg.interval,
+        "suspect_after_s": cfg.suspect_after,
+        "dead_after_s": cfg.dead_after,
+    }
+
+
+def peers(services: Services) -> dict[str, Any]:
+    """Every peer gossip knows, with its link."""
+    s = services
+    return {
+        "self": s.identity.peer_id,
+        "mesh": mesh_fingerprint(s.mesh),
+        "peers": peer_rows(
+            s.identity.peer_id, s.gossip.snapshot(include_dead=True), s.overlay.links()
+        ),
+    }
+
+
+async def probe(overlay: ConnectionManager, body: dict[str, Any]) -> dict[str, Any]:
+    """Push bytes to the connected peer whose id starts with `body["peer"]` and verify them."""
+    want = str(body.get("peer", ""))
+    matches = [link.peer_id for link in overlay.links() if link.peer_id.startswith(want)]
+    if not want or len(matches) != 1:
+        raise path_probe.ProbeError(
+            f"peer {want!r} matches {len(matches)} connected peers; give more of its id"
+        )
+    total = int(body.get("bytes", 1 << 20))
+    seconds = float(body.get("seconds", 0.0))
+    return await path_probe.probe(overlay, matches[0], total=total, seconds=seconds)

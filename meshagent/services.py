@@ -1,0 +1,217 @@
+"""Every service of one agent, built from its configuration in one place.
+
+`Services.build` reads what they need (identity, mesh secret, the model's layout) and returns
+them all built and wired; `Agent` starts them in one nursery (`start`) and drains them. The
+services reach each other only through the callbacks wired here (a relay's new member goes to
+the dialer, an inbound stream to the service its label names), which run once they do.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from meshagent import advertisement, control
+from meshagent.api import forwarding
+from meshagent.api.app import OpenAIApp
+from meshagent.api.inflight import InFlight
+from meshagent.config import AgentConfig, DataDir
+from meshagent.discovery import probe
+from meshagent.discovery.dialer import DialerConfig, PeerDialer
+from meshagent.discovery.lan import LanDiscovery
+from meshagent.discovery.mdns import Sighting
+from meshagent.engine.base import ModelInfo
+from meshagent.engine.llama import read_model_info
+from meshagent.gossip import service as gossip_service
+from meshagent.gossip.config import GossipConfig
+from meshagent.gossip.service import GossipService
+from meshagent.identity.keys import NodeIdentity
+from meshagent.identity.mesh import MeshSecret, mesh_fingerprint
+from meshagent.identity.mesh_file import load_or_create_mesh
+from meshagent.models import transfer
+from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.default import resolve_model
+from meshagent.models.layout import ModelLayout, inspect_model
+from meshagent.net.manager import ConnectionManager
+from meshagent.net.stream import MeshStream
+from meshagent.net.tcp import TcpTransport
+from meshagent.relay.client import RelayClient
+from meshagent.serving.directory import FORWARD_LABEL
+from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
+from meshagent.wire.handshake import LocalPeer
+
+log = structlog.get_logger(__name__)
+
+StreamHandler = Callable[[MeshStream], Awaitable[None]]
+
+
+class Services:
+    """The services of one agent, every one built; none runs until `start`."""
+
+    @classmethod
+    async def build(
+        cls, config: AgentConfig, data_dir: DataDir, *, join: MeshSecret | None, api_url: str
+    ) -> Services:
+        """Load identity, mesh secret and model (creating the first two on first start), then
+        build the services; `api_url` is where the API will serve."""
+        data_dir.ensure()
+        identity, created = NodeIdentity.load_or_create(data_dir.identity_path)
+        mesh, how = load_or_create_mesh(data_dir.mesh_path, join)
+        log.info(
+            "agent.identity",
+            peer_id=identity.peer_id,
+            created=created,
+            mesh=mesh_fingerprint(mesh),
+            mesh_source=how,
+            data_dir=str(data_dir.root),
+        )
+        path = resolve_model(config.model)
+        layout = await trio.to_thread.run_sync(inspect_model, path)
+        info = await trio.to_thread.run_sync(read_model_info, path)
+        return cls(
+            config,
+            identity=identity,
+            mesh=mesh,
+            model_path=path,
+            layout=layout,
+            info=info,
+            store=ArtifactStore(data_dir.artifacts_path),
+            api_url=api_url,
+        )
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        identity: NodeIdentity,
+        mesh: MeshSecret,
+        model_path: Path,
+        layout: ModelLayout,
+        info: ModelInfo,
+        store: ArtifactStore,
+        api_url: str,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.mesh = mesh
+        self.store = store
+        self.api_url = api_url
+        self.name = config.name or os.uname().nodename
+        self.started_at = time.time()
+        self.inflight = InFlight()
+        self.overlay = ConnectionManager(
+            LocalPeer.create(identity, mesh),
+            TcpTransport(),
+            listen=[config.listen],
+            on_stream=self._route_stream,
+        )
+        self.relays = tuple(
+            RelayClient(a, identity, mesh, self.overlay, TcpTransport(), on_member=self._member)
+            for a in dict.fromkeys(config.relays)
+        )
+        self.gossip = self._gossip()
+        self.dialer = PeerDialer(
+            self.overlay,
+            gossip=self.gossip,
+            relay_dial=self._relay_dial,
+            local_relays=lambda: tuple(r.name for r in self.relays if r.registered),
+            config=DialerConfig(upgrade_interval=config.upgrade_interval),
+        )
+        self.lan = LanDiscovery(
+            enabled=config.mdns,
+            peer_id=identity.peer_id,
+            mesh=mesh_fingerprint(mesh),
+            name=self.name,
+            listening=lambda: self.overlay.listen_addresses,
+            on_peer=self._sighted,
+        )
+        self.model = self._mesh_model(model_path, layout, info)
+        self.app = OpenAIApp(
+            self.model,
+            self.inflight,
+            partial(control.status, self),
+            peers=partial(control.peers, self),
+            probe=partial(control.probe, self.overlay),
+        )
+        self._routes: dict[str, StreamHandler] = {
+            transfer.LABEL: transfer.ArtifactServer(store).handle,
+            probe.LABEL: probe.serve,
+            gossip_service.LABEL: self.gossip.handle,
+            FORWARD_LABEL: lambda s: forwarding.serve_forwarded(s, self.app, peer_id=s.peer_id),
+            **self.model.handlers(),
+        }
+
+    def _gossip(self) -> GossipService:
+        cfg = self.config
+        return GossipService(
+            self.identity,
+            mesh_fingerprint(self.mesh),
+            self.overlay,
+            GossipConfig(
+                interval=cfg.gossip_interval,
+                suspect_after=cfg.suspect_after,
+                dead_after=cfg.dead_after,
+            ),
+            local_fields=partial(
+                advertisement.dynamic_fields, self.overlay, self.relays, self.store
+            ),
+        )
+
+    def _mesh_model(self, path: Path, layout: ModelLayout, info: ModelInfo) -> MeshModel:
+        cfg = self.config
+        return MeshModel(
+            peer_id=self.identity.peer_id,
+            model_path=path,
+            layout=layout,
+            info=info,
+            store=self.store,
+            overlay=self.overlay,
+            gossip=self.gossip,
+            settings=MeshModelSettings(
+                slots=cfg.slots,
+                slot_ctx=cfg.ctx_size,
+                threads=cfg.threads,
+                max_queue=cfg.max_queue,
+                wire_dtype=cfg.wire_dtype,
+            ),
+        )
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start every service in `nursery`, each once what it needs runs (the API aside)."""
+        await nursery.start(self.overlay.run)
+        self.gossip.update_local(**advertisement.static_fields(self.config, self.name, self.model))
+        await nursery.start(self.gossip.run)
+        await nursery.start(self.dialer.run)
+        await nursery.start(self.model.run)
+        for relay in self.relays:
+            await nursery.start(relay.run)
+        await nursery.start(self.lan.run)  # mDNS advertises the port the overlay listens on
+        nursery.start_soon(
+            advertisement.measure, self.gossip, self.config, self.name, self.model, self.store
+        )
+
+    async def _route_stream(self, stream: MeshStream) -> None:
+        """Inbound overlay streams go to the service named by their label."""
+        handler = self._routes.get(stream.label.split(":", 1)[0])
+        if handler is None:
+            stream.reset(f"no service for stream label {stream.label!r}")
+            return
+        await handler(stream)
+
+    def _sighted(self, sighting: Sighting) -> None:
+        self.dialer.offer(sighting.peer_id, addresses=sighting.addresses, source="mdns", renew=True)
+
+    def _member(self, peer_id: str, relay: str) -> None:
+        # A (re)registration at the relay is a fresh sighting, like an mDNS announcement.
+        self.dialer.offer(peer_id, relays=(relay,), source="relay", renew=True)
+
+    async def _relay_dial(self, relay: str, peer_id: str) -> Any:
+        client = next(r for r in self.relays if r.name == relay)
+        return await client.dial(peer_id)

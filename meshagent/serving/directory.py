@@ -1,0 +1,54 @@
+"""The model directory: what the API asks to find a model.
+
+It answers three questions: which models this agent serves itself (ready to take requests),
+which models peers of the mesh serve instead, and a stream to such a peer. It also gives the
+receipt of a local model: the response headers saying who serves it. Serving keeps the answers
+current as placement moves models (`MeshModel` is the agent's directory); the API only asks, so
+serving never depends on the API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshagent.net.stream import MeshStream
+from meshagent.serving.local_model import LocalModel
+
+# The label of the overlay stream a request for a remote model travels on; the serving peer
+# answers it with its own API (meshagent.api.forwarding). The string is on the wire.
+FORWARD_LABEL = "api/1"
+
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class RemoteModel:
+    """A model this agent does not run, served by a peer of the mesh (whole or as the entry
+    stage of a split)."""
+
+    id: str
+    peer_id: str
+    served_as: str  # "whole" or "split"
+    stages: tuple[tuple[str, int, int], ...] = ()  # (peer id, first layer, end) of a split
+    layers: int = 0
+    context_length: int = 0
+
+
+class ModelDirectory(Protocol):
+    def local_models(self) -> Sequence[LocalModel]:
+        """The models this agent serves now, each ready to take requests."""
+        ...
+
+    def remote_models(self) -> Sequence[RemoteModel]:
+        """Models that peers serve and this agent does not."""
+        ...
+
+    def receipt(self, model: LocalModel) -> Headers:
+        """Response headers saying who serves `model` (one of `local_models()`)."""
+        ...
+
+    async def open_stream(self, peer_id: str) -> MeshStream:
+        """A `FORWARD_LABEL` stream to `peer_id`; raises MeshError if the peer is unreachable."""
+        ...

@@ -1,0 +1,57 @@
+"""The agent's model directory: what `MeshModel` tells the API as placement places the model."""
+
+from __future__ import annotations
+
+import trio
+
+from meshagent.engine.llama import read_model_info
+from meshagent.models.layout import inspect_model
+from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
+from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
+from tests.placement.test_service import GB, FakeGossip, Record, View, World
+
+
+class FakeOverlay:
+    async def open_stream(self, peer_id: str, label: str, **window):
+        return peer_id, label
+
+
+async def test_the_directory_lists_what_the_plan_in_force_serves_where(model_path, store, nursery):
+    world = World()
+    world.views["a"] = View(Record(8 * GB))
+    world.views["b"] = View(Record(0))  # offers no memory: it only routes
+    layout, info = inspect_model(model_path), read_model_info(model_path)
+    settings = MeshModelSettings(slots=1, slot_ctx=256, threads=1, max_queue=2)
+    a, b = (
+        MeshModel(
+            peer_id=pid,
+            model_path=model_path,
+            layout=layout,
+            info=info,
+            store=store,
+            overlay=FakeOverlay(),
+            gossip=FakeGossip(world, pid),
+            settings=settings,
+        )
+        for pid in ("a", "b")
+    )
+    await nursery.start(a.run)
+    await nursery.start(b.run)
+    with trio.fail_after(60):
+        while not (a.local_models() and b.remote_models()):
+            await trio.sleep(0.1)
+
+    # a serves the model whole, and its receipt says so.
+    [served] = a.local_models()
+    assert served.info.id == info.id and served is a.local
+    assert a.receipt(served) == [(b"x-meshagent-stages", f"a:0-{layout.n_layers}".encode())]
+    assert a.remote_models() == []
+    # b serves nothing itself and knows where the model runs.
+    assert b.local_models() == [] and b.receipt(served) == []
+    assert b.remote_models() == [RemoteModel(info.id, "a", "whole", (), layout.n_layers, 256)]
+    assert await b.open_stream("a") == ("a", FORWARD_LABEL)
+
+    # A part withdrawn is no longer listed, nor its receipt given.
+    await a.aclose()
+    assert a.local_models() == [] and a.receipt(served) == []
+    await b.aclose()
