@@ -102,7 +102,41 @@ def fake_logits(held: Sequence[int], n_vocab: int, *, eos_every: int = 0) -> np.
     return logits
 
 
-class FakeEngine(FakeVocab):
+class _FakeCompute:
+    """The compute side every fake shares: per-slot caches, a delay, a count of calls."""
+
+    def __init__(
+        self, *, n_vocab: int, slots: int, slot_ctx: int, delay: float, eos_every: int
+    ) -> None:
+        self.n_vocab = n_vocab
+        self.n_slots = slots
+        self.slot_ctx = slot_ctx
+        self.caches = _Caches(slots, slot_ctx)
+        self.delay = delay
+        self.eos_every = eos_every
+        self.forwards = 0
+        self.fail_next: str | None = None  # the next call raises this
+
+    def _compute(self) -> None:
+        if self.fail_next is not None:
+            why, self.fail_next = self.fail_next, None
+            raise EngineError(why)
+        if self.delay:
+            time.sleep(self.delay)
+        self.forwards += 1
+
+    def _run(self, slot: int, pos: int, tokens: Sequence[int], want: bool) -> np.ndarray | None:
+        """Add the tokens to the slot's cache; the logits after them if `want`."""
+        self.caches.add(slot, pos, tokens)
+        if not want:
+            return None
+        return fake_logits(self.caches.held[slot], self.n_vocab, eos_every=self.eos_every)
+
+    def clear_sequence(self, seq_id: int) -> None:
+        self.caches.clear(seq_id)
+
+
+class FakeEngine(FakeVocab, _FakeCompute):
     """A whole fake model (the `Engine` interface)."""
 
     def __init__(
@@ -114,30 +148,14 @@ class FakeEngine(FakeVocab):
         delay: float = 0.0,
         eos_every: int = 0,
     ) -> None:
-        super().__init__(n_vocab, slots=slots, slot_ctx=slot_ctx)
-        self.caches = _Caches(slots, slot_ctx)
-        self.delay = delay
-        self.eos_every = eos_every
-        self.forwards = 0
-        self.fail_next: str | None = None  # the next forward raises this
+        FakeVocab.__init__(self, n_vocab, slots=slots, slot_ctx=slot_ctx)
+        _FakeCompute.__init__(
+            self, n_vocab=n_vocab, slots=slots, slot_ctx=slot_ctx, delay=delay, eos_every=eos_every
+        )
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
-        if self.fail_next is not None:
-            why, self.fail_next = self.fail_next, None
-            raise EngineError(why)
-        if self.delay:
-            time.sleep(self.delay)
-        self.forwards += 1
-        out: list[np.ndarray | None] = []
-        for it in items:
-            self.caches.add(it.seq_id, it.pos, it.tokens)
-            held = self.caches.held[it.seq_id]
-            logits = fake_logits(held, self.n_vocab, eos_every=self.eos_every)
-            out.append(logits if it.want_logits else None)
-        return out
-
-    def clear_sequence(self, seq_id: int) -> None:
-        self.caches.clear(seq_id)
+        self._compute()
+        return [self._run(it.seq_id, it.pos, it.tokens, it.want_logits) for it in items]
 
     def trim_sequence(self, seq_id: int, keep: int) -> None:
         self.caches.trim(seq_id, keep)
@@ -153,28 +171,25 @@ class FakeEngine(FakeVocab):
         pass
 
 
-class FakeEntry(FakeVocab):
+class FakeEntry(FakeVocab, _FakeCompute):
     """The entry of a fake split: text side, plus a first stage that checks positions and
     encodes each token as a hidden row (token id, position)."""
 
     def __init__(
         self, n_vocab: int = 40, *, slots: int = 4, slot_ctx: int = 256, delay: float = 0.0
     ) -> None:
-        super().__init__(n_vocab, slots=slots, slot_ctx=slot_ctx)
-        self.caches = _Caches(slots, slot_ctx)
-        self.delay = delay
+        FakeVocab.__init__(self, n_vocab, slots=slots, slot_ctx=slot_ctx)
+        _FakeCompute.__init__(
+            self, n_vocab=n_vocab, slots=slots, slot_ctx=slot_ctx, delay=delay, eos_every=0
+        )
 
     def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
-        if self.delay:
-            time.sleep(self.delay)
+        self._compute()
         rows = []
         for slot, pos, tokens in items:
-            self.caches.add(slot, pos, tokens)
+            self._run(slot, pos, tokens, False)
             rows.append(_rows(tokens, pos))
         return rows
-
-    def clear_sequence(self, seq_id: int) -> None:
-        self.caches.clear(seq_id)
 
 
 def _rows(tokens: Sequence[int], pos: int) -> np.ndarray:
@@ -184,7 +199,7 @@ def _rows(tokens: Sequence[int], pos: int) -> np.ndarray:
     return out
 
 
-class FakeStage:
+class FakeStage(_FakeCompute):
     """A later stage of a fake split (what `StageServer` needs of a `StageEngine`)."""
 
     def __init__(
@@ -197,34 +212,20 @@ class FakeStage:
         delay: float = 0.0,
         eos_every: int = 0,
     ) -> None:
+        super().__init__(
+            n_vocab=n_vocab, slots=slots, slot_ctx=slot_ctx, delay=delay, eos_every=eos_every
+        )
         self.last = last
-        self.n_vocab = n_vocab
-        self.n_slots = slots
-        self.slot_ctx = slot_ctx
         self.n_embd = WIDTH
-        self.caches = _Caches(slots, slot_ctx)
-        self.delay = delay
-        self.eos_every = eos_every
-        self.forwards = 0
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
-        if self.delay:
-            time.sleep(self.delay)
-        self.forwards += 1
+        self._compute()
         hidden, logits = [], []
         for it in items:
             rows = np.asarray(it.hidden, dtype=np.float32)
             tokens = [int(t) for t in rows[:, 0]]
             if [int(p) for p in rows[:, 1]] != list(range(it.pos, it.pos + len(tokens))):
                 raise EngineError(f"hidden rows of slot {it.seq_id} carry the wrong positions")
-            self.caches.add(it.seq_id, it.pos, tokens)
             hidden.append(rows)
-            held = self.caches.held[it.seq_id]
-            if self.last and it.want_logits:
-                logits.append(fake_logits(held, self.n_vocab, eos_every=self.eos_every))
-            else:
-                logits.append(None)
+            logits.append(self._run(it.seq_id, it.pos, tokens, self.last and it.want_logits))
         return StageOutput(None if self.last else hidden, logits)
-
-    def clear_sequence(self, seq_id: int) -> None:
-        self.caches.clear(seq_id)
