@@ -74,7 +74,15 @@ async def two_agents(model_path, nursery):
     """A serves the model; B serves nothing itself and routes to A. Yields B's API URL."""
     engine = LlamaEngine(model_path, slots=2, slot_ctx=512)
     model = LocalModel.whole(engine, max_queue=4)
-    await nursery.start(model.run)
+    serving = trio.CancelScope()
+    stopped = trio.Event()
+
+    async def run_model(task_status=trio.TASK_STATUS_IGNORED):
+        with serving:
+            await model.run(task_status=task_status)
+        stopped.set()
+
+    await nursery.start(run_model)
     receipt = [(b"x-meshagent-stages", b"a:0-30")]
     app_a = OpenAIApp(StaticDirectory([model], receipt=receipt), InFlight(), lambda: {})
     a = ConnectionManager(
@@ -92,6 +100,8 @@ async def two_agents(model_path, nursery):
     url, stop = await serve(nursery, app_b)
     yield url, model, a
     stop.set()
+    serving.cancel()  # the runner stops before its engine is freed
+    await stopped.wait()
     engine.close()
 
 

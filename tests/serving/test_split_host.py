@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import trio
+
 from meshagent.engine.llama import LlamaEngine
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
@@ -66,9 +68,11 @@ async def test_split_hosts_follow_a_plan(model_path, store, reference, nursery):
         await nodes[a].dial(nodes[b].listen_addresses[0], peer_id=nodes[b].peer_id)
     model = hosts[0].model
     assert model is not None and hosts[1].model is None
-    await nursery.start(model.run)
     try:
-        assert [await text_of(model, p) for p in PROMPTS] == reference
+        async with trio.open_nursery() as serving:
+            await serving.start(model.run)
+            assert [await text_of(model, p) for p in PROMPTS] == reference
+            serving.cancel_scope.cancel()  # the runner stops before its engine is freed
     finally:
         for h in hosts:
             h.close()
