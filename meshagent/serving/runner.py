@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import sys
 import threading
 from collections.abc import Callable
 
@@ -24,6 +25,8 @@ from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.scheduler import Event, Failed, Scheduler, SchedulerStats, Step, Token
 
 log = structlog.get_logger(__name__)
+
+_SWITCH_INTERVAL = 0.0002  # seconds; see ModelRunner.run
 
 
 class SequenceHandle:
@@ -165,6 +168,10 @@ class ModelRunner:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; a step in progress finishes first."""
         self._token = trio.lowlevel.current_trio_token()
+        # When a step's compute ends, the worker needs the GIL at once to sample and start
+        # the next step; with CPython's default 5 ms switch interval it can wait that long
+        # for the event loop thread to let go of it, per token.
+        sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL))
         async with trio.open_nursery() as nursery:
             await nursery.start(self.executor.run, self)
             nursery.start_soon(self._work_in_thread)
