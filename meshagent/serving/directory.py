@@ -17,7 +17,8 @@ from meshagent.net.stream import MeshStream
 from meshagent.serving.local_model import LocalModel
 
 # The label of the overlay stream a request for a remote model travels on; the serving peer
-# answers it with its own API (meshagent.api.forwarding). The string is on the wire.
+# answers it with its own API (the forwarding module of the API package). The string is on the
+# wire.
 FORWARD_LABEL = "api/1"
 
 Headers = list[tuple[bytes, bytes]]
