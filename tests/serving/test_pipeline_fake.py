@@ -83,7 +83,25 @@ async def test_a_split_gives_the_whole_models_text(nursery, whole):
     assert len(alone[0][1].stage_ms) == 3  # each stage's time, in pipeline order
     together = await all_at_once(chain.model, PROMPTS)
     assert [t for t, _ in together] == [t for t, _ in whole]
-    assert chain.pipeline.largest_round > 2  # depth 1: all four together
+
+
+async def test_one_group_in_a_shallow_pipeline(nursery, whole):
+    """Depth 1: a step takes every ready sequence. The runner starts once all four requests
+    wait, so the first step holds them all whatever the machine's timing."""
+    chain = FakeChain(nursery, depth=1)
+    got: dict[int, str] = {}
+
+    async def one(i):
+        got[i] = (await complete(chain.model, PROMPTS[i], 16))[0]
+
+    async with trio.open_nursery() as n:
+        for i in range(len(PROMPTS)):
+            n.start_soon(one, i)
+        await trio.testing.wait_all_tasks_blocked()
+        assert chain.model.runner.stats().active == 4
+        await nursery.start(chain.model.run)
+    assert [got[i] for i in range(len(PROMPTS))] == [t for t, _ in whole]
+    assert chain.pipeline.largest_round == 4
 
 
 async def test_groups_take_turns_in_a_deep_pipeline(nursery, whole):
