@@ -120,7 +120,10 @@ async def test_split_over_three_nodes_matches_llama_cpp(model_path, store, refer
 async def test_concurrent_requests_all_match(model_path, store, reference, nursery):
     model, _, servers, _ = await start_split(nursery, model_path, store, "f32")
     assert await all_at_once(model) == reference
-    assert model.runner.executor.largest_round > 2  # depth 1: one group, all four together
+    # Depth 1: requests share steps (how many, depends on when each arrives; that a depth-1
+    # step takes every ready sequence is checked deterministically on fakes,
+    # test_pipeline_fake.py::test_one_group_in_a_shallow_pipeline).
+    assert model.runner.executor.largest_round > 1
     # Requests shared rounds: far fewer stage calls than tokens generated.
     tokens = sum(len(model.engine.tokenize(t, add_bos=False)) for t in reference)
     assert servers[1].forwards < tokens
