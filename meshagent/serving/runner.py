@@ -145,7 +145,7 @@ class ModelRunner:
     def busy(self) -> bool:
         """Some sequence waits for a token from its executor."""
         with self._lock:
-            return bool(self.scheduler.busy_slots())
+            return self.scheduler.any_busy()
 
     def steps_in_flight(self) -> int:
         """Steps whose tokens are not all back yet (a split keeps several in flight)."""

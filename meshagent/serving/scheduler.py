@@ -54,7 +54,6 @@ class Step:
     """One batch to run. `released` slots are forgotten first (their KV cleared), and
     `opened` sequences are introduced, before `items` run."""
 
-    number: int
     items: tuple[StepItem, ...]
     opened: tuple[Opened, ...] = ()
     released: tuple[int, ...] = ()
@@ -155,8 +154,9 @@ class Scheduler:
         s = self._by_slot.get(slot)
         return None if s is None else s.id
 
-    def busy_slots(self) -> list[int]:
-        return [slot for slot, s in self._by_slot.items() if s.busy and not s.cancelled]
+    def any_busy(self) -> bool:
+        """Some live sequence waits for the token of a step it is in."""
+        return any(s.busy and not s.cancelled for s in self._by_slot.values())
 
     def steps_in_flight(self) -> int:
         return len({s.busy_in for s in self._by_slot.values() if s.busy})
@@ -292,7 +292,7 @@ class Scheduler:
     # ----- bookkeeping -----
 
     def _take_step(self, items: tuple[StepItem, ...]) -> Step:
-        step = Step(self._steps, items, tuple(self._opened), tuple(self._released))
+        step = Step(items, tuple(self._opened), tuple(self._released))
         self._opened.clear()
         self._released.clear()
         self._steps += 1
