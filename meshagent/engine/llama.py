@@ -31,7 +31,7 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
         slot_ctx: int = 2048,
         threads: int = 0,
         max_batch_tokens: int = 512,
-        flash_attn: bool | None = None,
+        flash_attn: bool | None = False,
     ) -> None:
         self.runtime = LlamaRuntime(
             path,

@@ -46,9 +46,9 @@ class SplitSettings:
     threads: int = 0
     max_queue: int = 64
     wire_dtype: str = "f16"
-    # As whole-model serving: llama.cpp's choice (on for CPU). Deterministic for a fixed
-    # thread count, so a split computes what one agent with the same setting computes.
-    flash_attn: bool | None = None
+    # As whole-model serving: off. On CPUs llama.cpp's flash attention is slower for decode
+    # and its results change with the thread count, which peers do not share.
+    flash_attn: bool | None = False
 
 
 class SplitHost:

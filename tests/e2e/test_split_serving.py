@@ -36,7 +36,7 @@ def _chat(agent, model_id):
 
 @pytest.fixture(scope="module")
 def reference(model_path):
-    # As the agents: flash attention as llama.cpp chooses, one thread.
+    # As the agents: flash attention off, one thread.
     engine = LlamaEngine(model_path, slots=1, slot_ctx=512, threads=1)
     try:
         import numpy as np

@@ -35,7 +35,7 @@ async def text_of(model: LocalModel, prompt: str, max_tokens: int = 40, **sampli
 
 @pytest.fixture(scope="session")
 def reference(model_path):
-    """Greedy answers of single-process llama.cpp (flash attention off, as in the stages)."""
+    """Greedy answers of single-process llama.cpp (flash attention off, as agents run it)."""
     engine = LlamaEngine(model_path, slots=1, slot_ctx=1024, flash_attn=False)
     model = LocalModel.whole(engine, max_queue=8)
 
