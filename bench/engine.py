@@ -21,11 +21,11 @@ import numpy as np
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
 from meshagent.engine.runtime import EmbdItem
+from meshagent.engine.staged import StagedEngine
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.default import default_model_path
 from meshagent.models.slicer import TokenEmbeddings
 from meshagent.testing.numpy_ref import NumpyStage
-from meshagent.testing.staged import StagedEngine
 
 TEXT = "The keeper of the northern lighthouse kept a log of every ship that passed. " * 30
 

@@ -9,8 +9,8 @@ import pytest
 
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
+from meshagent.engine.staged import StagedEngine
 from meshagent.errors import ModelError
-from meshagent.testing.staged import StagedEngine
 from tests.engine.tiny_models import write_tiny_model
 
 PROMPT = (

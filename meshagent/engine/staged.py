@@ -1,8 +1,8 @@
 """A whole pipeline of stages in one process, behind the `Engine` interface.
 
 The entry (tokenizer and token embeddings) and every stage load their own artifacts, exactly as
-they would on separate peers; hidden states pass between stages in the wire dtype. Used for
-parity tests and benchmarks, and as the reference for split serving.
+they would on separate peers; hidden states pass between stages in the wire dtype. Used to
+certify a model for split serving (`models/certify.py`), by parity tests and by benchmarks.
 """
 
 from __future__ import annotations
