@@ -22,6 +22,7 @@ from meshagent.gossip.service import GossipService
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.net.manager import ConnectionManager
 from meshagent.relay.client import RelayClient
+from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.mesh_model import MeshModel
 
 log = structlog.get_logger(__name__)
@@ -57,13 +58,17 @@ def _serving(model: MeshModel, sha256: str) -> tuple[Serving, ...]:
 
 
 def dynamic_fields(
-    overlay: ConnectionManager, relays: Sequence[RelayClient], store: ArtifactStore
+    overlay: ConnectionManager,
+    relays: Sequence[RelayClient],
+    store: ArtifactStore,
+    capabilities: Capabilities,
 ) -> dict[str, Any]:
     """Record fields that can change while running; gossip polls them."""
     return {
         "addresses": tuple(addresses.advertised(overlay.listen_addresses)),
         "relays": tuple(r.name for r in relays if r.registered),
         "artifacts": tuple(ArtifactHeld.from_manifest(m) for m in store.all())[:MAX_ARTIFACTS],
+        "capabilities": capabilities.published(),
     }
 
 

@@ -73,7 +73,8 @@ class AgentConfig:
     mem_weights_gib: float = 0.0  # memory offered for model weights; 0: measured
     mem_kv_gib: float = 0.0  # memory offered for KV cache; 0: measured
     max_memory: int = 0  # bytes: cap on all memory offered (weights + KV); 0: none
-    wire_dtype: str = "f16"  # activations between stages: f16 or f32
+    # activations between stages: auto (cheapest certified exact, else f32), f16 or f32
+    wire_dtype: str = "auto"
 
     def merged(self, overrides: dict[str, Any]) -> AgentConfig:
         known = {f.name for f in fields(self)}
@@ -113,8 +114,8 @@ class AgentConfig:
             )
         if self.max_memory < 0:
             raise ConfigError(f"max-memory must be >= 0 bytes (0: no cap), got {self.max_memory}")
-        if self.wire_dtype not in ("f16", "f32"):
-            raise ConfigError("wire-dtype must be f16 or f32")
+        if self.wire_dtype not in ("auto", "f16", "f32"):
+            raise ConfigError("wire-dtype must be auto, f16 or f32")
         if self.upgrade_interval <= 0 or self.mem_weights_gib < 0 or self.mem_kv_gib < 0:
             raise ConfigError("upgrade_interval must be > 0 and memory sizes >= 0")
 

@@ -37,12 +37,14 @@ from meshagent.identity.mesh import MeshSecret, mesh_fingerprint
 from meshagent.identity.mesh_file import load_or_create_mesh
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.capability import CapabilityStore
 from meshagent.models.default import resolve_model
 from meshagent.models.layout import ModelLayout, inspect_model
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport
 from meshagent.relay.client import RelayClient
+from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL
 from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
 from meshagent.wire.handshake import LocalPeer
@@ -116,6 +118,9 @@ class Services:
             RelayClient(a, identity, mesh, self.overlay, TcpTransport(), on_member=self._member)
             for a in dict.fromkeys(config.relays)
         )
+        self.capabilities = Capabilities(
+            CapabilityStore(store.capabilities_path), lambda: self.gossip.snapshot()
+        )
         self.gossip = self._gossip()
         self.dialer = PeerDialer(
             self.overlay,
@@ -160,7 +165,11 @@ class Services:
                 dead_after=cfg.dead_after,
             ),
             local_fields=partial(
-                advertisement.dynamic_fields, self.overlay, self.relays, self.store
+                advertisement.dynamic_fields,
+                self.overlay,
+                self.relays,
+                self.store,
+                self.capabilities,
             ),
         )
 
@@ -174,6 +183,7 @@ class Services:
             store=self.store,
             overlay=self.overlay,
             gossip=self.gossip,
+            capabilities=self.capabilities,
             settings=MeshModelSettings(
                 slots=cfg.slots,
                 slot_ctx=cfg.ctx_size,

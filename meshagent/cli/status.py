@@ -56,6 +56,14 @@ def run(args: argparse.Namespace) -> int:
             f"model     {m['id']}  layers {m['layers'][0]}-{m['layers'][1]}  "
             f"slots {s['active']}/{s['slots']} busy, {s['queued']} queued"
         )
+    for model_id, p in (st.get("placement") or {}).items():
+        if p.get("stages"):
+            parts = ", ".join(f"{pid[:12]}:{a}-{b}" for pid, a, b in p["stages"])
+            print(f"split     {model_id}  {parts}")
+        wire = p.get("wire")
+        if wire:
+            exact = "certified exact" if wire["certified_exact"] else "not certified exact"
+            print(f"wire      {wire['dtype']}  {exact}: {wire['reason']}")
     peers = st.get("peers", [])
     print(f"peers     {len(peers)} connected")
     for p in peers:

@@ -65,8 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--wire-dtype",
-        choices=("f16", "f32"),
-        help="activations between the stages of a split (default f16)",
+        choices=("auto", "f16", "f32"),
+        help="activations between the stages of a split, as the entry stage sends them "
+        "(default auto: the cheapest dtype the model's capability record certifies exact, "
+        "else f32)",
     )
     p.add_argument(
         "--grace",

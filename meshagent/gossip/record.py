@@ -23,6 +23,8 @@ MAX_MODELS = 32
 MAX_ARTIFACTS = 128
 MAX_SERVING = 32
 MAX_EXTRAS = 32
+MAX_CAPABILITIES = 8
+MAX_CAPABILITY_BYTES = 8 * 1024
 MAX_TEXT = 255
 
 
@@ -141,6 +143,9 @@ class PeerRecord:
     models: tuple[ModelHeld, ...] = ()
     artifacts: tuple[ArtifactHeld, ...] = ()
     serving: tuple[Serving, ...] = ()
+    # Signed capability records of models this peer holds (`models/capability.py`), opaque
+    # here: whoever uses one verifies its signature.
+    capabilities: tuple[bytes, ...] = ()
     # Fields other services publish without a record format change (e.g. placement
     # leases): text keys, CBOR values.
     extras: dict[str, Any] = field(default_factory=dict)
@@ -150,29 +155,29 @@ class PeerRecord:
         return dict(self.rtts_ms).get(peer_id)
 
     def to_body(self) -> bytes:
-        body = cbor2.dumps(
-            {
-                0: self.version,
-                1: self.peer_id,
-                2: self.public_key,
-                3: self.seq,
-                4: float(self.issued_at),
-                5: self.name,
-                6: self.agent_version,
-                7: list(self.addresses),
-                8: list(self.relays),
-                9: self.mem_weights_bytes,
-                10: self.mem_kv_bytes,
-                11: float(self.compute_speed),
-                12: self.compute_unit,
-                13: [[p, float(ms)] for p, ms in self.rtts_ms],
-                14: [m.to_wire() for m in self.models],
-                15: [a.to_wire() for a in self.artifacts],
-                16: [s.to_wire() for s in self.serving],
-                17: dict(self.extras),
-            },
-            canonical=True,
-        )
+        wire: dict[int, Any] = {
+            0: self.version,
+            1: self.peer_id,
+            2: self.public_key,
+            3: self.seq,
+            4: float(self.issued_at),
+            5: self.name,
+            6: self.agent_version,
+            7: list(self.addresses),
+            8: list(self.relays),
+            9: self.mem_weights_bytes,
+            10: self.mem_kv_bytes,
+            11: float(self.compute_speed),
+            12: self.compute_unit,
+            13: [[p, float(ms)] for p, ms in self.rtts_ms],
+            14: [m.to_wire() for m in self.models],
+            15: [a.to_wire() for a in self.artifacts],
+            16: [s.to_wire() for s in self.serving],
+            17: dict(self.extras),
+        }
+        if self.capabilities:  # absent when empty: records without any keep their bytes
+            wire[18] = list(self.capabilities)
+        body = cbor2.dumps(wire, canonical=True)
         if len(body) > MAX_RECORD_BYTES:
             raise RecordRejected(
                 f"record of {len(body)} bytes is over the {MAX_RECORD_BYTES}-byte limit; "
@@ -222,6 +227,10 @@ class PeerRecord:
                 ),
                 serving=tuple(Serving.from_wire(s) for s in _bounded(d.get(16, []), MAX_SERVING)),
                 extras=dict(extras),
+                capabilities=tuple(
+                    _blob(c, MAX_CAPABILITY_BYTES)
+                    for c in _bounded(d.get(18, []), MAX_CAPABILITIES)
+                ),
             )
         except KeyError as e:
             raise RecordRejected(f"record lacks field {e}") from e
@@ -245,6 +254,7 @@ class PeerRecord:
             "artifacts": [a.__dict__ for a in self.artifacts],
             "serving": [s.__dict__ for s in self.serving],
             "extras": {k: _jsonable(v) for k, v in self.extras.items()},
+            "capabilities": len(self.capabilities),
         }
 
 
@@ -280,6 +290,12 @@ def _hash(v: Any) -> str:
 
 def _hash_or_empty(v: Any) -> str:
     return "" if v == "" else _hash(v)
+
+
+def _blob(v: Any, limit: int) -> bytes:
+    if not isinstance(v, bytes) or len(v) > limit:
+        raise RecordRejected(f"expected bytes of at most {limit}, got {type(v).__name__}")
+    return v
 
 
 def _uint(v: Any) -> int:

@@ -95,6 +95,11 @@ class ArtifactStore:
         self.blobs.mkdir(parents=True, exist_ok=True)
         self.manifests.mkdir(parents=True, exist_ok=True)
 
+    @property
+    def capabilities_path(self) -> Path:
+        """Where signed capability records live (`models/capability.py`)."""
+        return self.root / "capabilities"
+
     def blob_path(self, sha256: str) -> Path:
         return self.blobs / f"{sha256}.gguf"
 

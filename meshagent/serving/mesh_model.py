@@ -19,10 +19,12 @@ import trio
 from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
 from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.layout import ModelLayout
 from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService, Snapshot
+from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
@@ -39,7 +41,7 @@ class MeshModelSettings:
     slot_ctx: int
     threads: int
     max_queue: int
-    wire_dtype: str = "f16"
+    wire_dtype: str = "auto"  # --wire-dtype: auto, f16 or f32
     headroom: float = 0.1
     threshold: float = 0.25
 
@@ -55,6 +57,7 @@ class MeshModel:
         store: ArtifactStore,
         overlay: Any,
         gossip: Snapshot,
+        capabilities: Capabilities,
         settings: MeshModelSettings,
     ) -> None:
         self.peer_id = peer_id
@@ -64,6 +67,8 @@ class MeshModel:
         self.store = store
         self.overlay = overlay
         self.settings = settings
+        self.capabilities = capabilities
+        self.wire: WireChoice | None = None  # the split's wire dtype, when in one
         self.cost = ModelCost.from_layout(info.id, layout)
         self.placement = PlacementService(
             gossip,
@@ -190,7 +195,8 @@ class MeshModel:
             "replicas": list(plan.replicas),
             "stages": [[s.peer_id, s.start, s.end] for s in plan.stages],
             "est_token_ms": round(plan.est_token_ms, 2),
-            "wire_dtype": self.settings.wire_dtype if plan.split else None,
+            "wire_dtype": self.wire.dtype if plan.split and self.wire else None,
+            "wire": self.wire.to_dict() if plan.split and self.wire else None,
             "error": self.placement.error,
         }
 
@@ -211,6 +217,7 @@ class MeshModel:
             self.local = LocalModel.whole(engine, max_queue=s.max_queue)
             receipt = [(b"x-meshagent-stages", f"{self.peer_id}:0-{self.layout.n_layers}".encode())]
         elif any(st.peer_id == self.peer_id for st in plan.stages):
+            wire = self.wire = await self._wire_choice()
             host = SplitHost(
                 peer_id=self.peer_id,
                 model_path=self.model_path,
@@ -223,7 +230,7 @@ class MeshModel:
                     slot_ctx=s.slot_ctx,
                     threads=s.threads,
                     max_queue=s.max_queue,
-                    wire_dtype=s.wire_dtype,
+                    wire_dtype=wire.dtype,
                 ),
             )
             await host.load(plan)
@@ -232,7 +239,8 @@ class MeshModel:
             stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
             receipt = [
                 (b"x-meshagent-stages", stages.encode()),
-                (b"x-meshagent-wire-dtype", s.wire_dtype.encode()),
+                (b"x-meshagent-wire-dtype", wire.dtype.encode()),
+                (b"x-meshagent-wire-exact", b"certified" if wire.certified_exact else b"no"),
             ]
         if self.local is not None:
             scope = trio.CancelScope()
@@ -256,10 +264,19 @@ class MeshModel:
             entry=self.local is not None,
         )
 
+    async def _wire_choice(self) -> WireChoice:
+        """The dtype this agent sends activations in (the entry's choice holds for the chain)."""
+        sha = await trio.to_thread.run_sync(lambda: self.store.source_sha256(self.model_path))
+        signed = await trio.to_thread.run_sync(lambda: self.capabilities.for_model(sha))
+        choice = choose_wire_dtype(self.settings.wire_dtype, signed and signed.record)
+        log.info("mesh_model.wire", **choice.to_dict())
+        return choice
+
     async def _unload(self) -> None:
         """Stop serving the previous part: requests waiting on it fail with a clear error, and
         engines are freed only once no computation uses them."""
         self._offered, self._receipt = None, []
+        self.wire = None
         if self.local is not None:
             self.local.runner.abort("the mesh moved this model to a new placement; retry")
         if self._serving_scope is not None:

@@ -45,7 +45,7 @@ class SplitSettings:
     slot_ctx: int = 2048
     threads: int = 0
     max_queue: int = 64
-    wire_dtype: str = "f16"
+    wire_dtype: str = "f32"  # what the entry sends (the stages after it send on the same)
     # As whole-model serving: off. On CPUs llama.cpp's flash attention is slower for decode
     # and its results change with the thread count, which peers do not share.
     flash_attn: bool | None = False
@@ -140,14 +140,12 @@ class SplitHost:
                 engine,
                 open_next=lambda: self._open_stream(nxt, STAGE_LABEL, **window),
                 open_reply=None,
-                wire_dtype=s.wire_dtype,
             )
         else:
             self.server = StageServer(
                 engine,
                 open_next=None,
                 open_reply=lambda: self._open_stream(entry, REPLY_LABEL),
-                wire_dtype=s.wire_dtype,
             )
         log.info("split.loaded", layers=(part.start, part.end), entry=self.is_entry, next=nxt)
 

@@ -10,7 +10,7 @@ import structlog
 import trio
 
 from meshagent.engine.runtime import EmbdItem
-from meshagent.engine.stage import WIRE_DTYPES, StageEngine
+from meshagent.engine.stage import StageEngine
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.sampling import Sampler
 
@@ -20,7 +20,8 @@ OpenStream = Callable[[], Awaitable[trio.abc.SendStream]]
 
 
 class StageServer:
-    """Serves one upstream stream at a time for one stage of one plan.
+    """Serves one upstream stream at a time for one stage of one plan. Hidden states go on in
+    the dtype they came in: the entry chooses the wire dtype for the whole chain.
 
     `open_next` opens the stream to the next stage (middle stages); `open_reply` opens the
     reply stream to the entry (the last stage).
@@ -32,14 +33,12 @@ class StageServer:
         *,
         open_next: OpenStream | None,
         open_reply: OpenStream | None,
-        wire_dtype: str = "f16",
     ) -> None:
         if (open_next is None) == (open_reply is None):
             raise ValueError("a stage sends either to the next stage or back to the entry")
         self.engine = engine
         self._open_next = open_next
         self._open_reply = open_reply
-        self._wire = WIRE_DTYPES[wire_dtype]
         self._samplers: dict[int, Sampler] = {}
         self._serving: trio.CancelScope | None = None  # the upstream stream served now
         self._engine_lock = trio.Lock()  # a forward, or the clearing for a new upstream
@@ -118,7 +117,9 @@ class StageServer:
         timing = (*upstream, round((trio.current_time() - t0) * 1000, 3))
         if not self.engine.last:
             assert result.hidden is not None
-            hidden = np.concatenate(result.hidden).astype(self._wire, copy=False)
+            # Onwards in the dtype the entry chose (the widest, should a batch mix two).
+            wire = np.result_type(*(f.hidden.dtype for f in group))
+            hidden = np.concatenate(result.hidden).astype(wire, copy=False)
             return [sm.Forward(tuple(items), hidden, timing)]
         out: list[sm.Message] = []
         for it, logits in zip(items, result.logits, strict=True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import cbor2
 import pytest
 from hypothesis import given
@@ -55,6 +57,7 @@ def full_record(ident: NodeIdentity, seq: int = 5) -> PeerRecord:
         ),
         serving=(Serving("SmolLM2", H, 0, 30, 30),),
         extras={"lease": {"epoch": 3, "layers": [0, 10]}},
+        capabilities=(b"\xa4signed-capability-record",),
     )
 
 
@@ -112,6 +115,13 @@ def test_an_oversized_record_is_refused_by_its_owner_and_by_receivers():
         SignedRecord.from_cbor(b"\0" * (MAX_RECORD_BYTES + 1024), MESH)
 
 
+def test_a_record_without_capabilities_encodes_as_before():
+    ident = NodeIdentity.generate()
+    body = cbor2.loads(replace(full_record(ident), capabilities=()).to_body())
+    assert 18 not in body
+    assert 18 in cbor2.loads(full_record(ident).to_body())
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
@@ -121,6 +131,9 @@ def test_an_oversized_record_is_refused_by_its_owner_and_by_receivers():
         (5, "x" * 300),  # over-long name
         (15, [["k", "short-hash", "layers", "x", "n", 0, 1, 1, 1, 1, 1]]),
         (16, [["m", "", 5, 2, 30]]),  # start > end
+        (18, ["not bytes"]),
+        (18, [b"x"] * 9),  # too many capability records
+        (18, [b"x" * 9000]),  # one too large
     ],
 )
 def test_malformed_fields_are_refused_at_decode(field, value):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import trio
 
 from meshagent.engine.llama import read_model_info
+from meshagent.models.capability import CapabilityStore
 from meshagent.models.layout import inspect_model
+from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
 from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
 from tests.placement.test_service import GB, FakeGossip, Record, View, World
@@ -31,6 +33,9 @@ async def test_the_directory_lists_what_the_plan_in_force_serves_where(model_pat
             store=store,
             overlay=FakeOverlay(),
             gossip=FakeGossip(world, pid),
+            capabilities=Capabilities(
+                CapabilityStore(store.capabilities_path), FakeGossip(world, pid).snapshot
+            ),
             settings=settings,
         )
         for pid in ("a", "b")

@@ -76,13 +76,11 @@ async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4, 
             stages[1],
             open_next=lambda: b.open_stream(c.peer_id, STAGE_LABEL, **window),
             open_reply=None,
-            wire_dtype=wire,
         ),
         StageServer(
             stages[2],
             open_next=None,
             open_reply=lambda: c.open_stream(a.peer_id, REPLY_LABEL),
-            wire_dtype=wire,
         ),
     ]
     a._on_stream = pipeline.handle_reply
