@@ -115,6 +115,12 @@ class LlamaRuntime:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
         self.n_layers = int(llama_cpp.llama_model_n_layer(self.model))
+        # Recurrent and hybrid models keep one state per sequence, the summary after its last
+        # token: a sequence can be cleared but not cut back to an earlier position.
+        self.rewindable = not (
+            llama_cpp.llama_model_is_recurrent(self.model)
+            or llama_cpp.llama_model_is_hybrid(self.model)
+        )
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = slot_ctx * slots
         cp.n_batch = max_batch_tokens
@@ -241,8 +247,22 @@ class LlamaRuntime:
     def clear(self, seq_id: int) -> None:
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
 
+    def length(self, seq_id: int) -> int:
+        """How many positions of a sequence the context holds (0 for an empty one)."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
+
+    def check_trim(self, seq_id: int, keep: int) -> None:
+        """Raise if `trim(seq_id, keep)` would be refused; change nothing."""
+        if not self.rewindable and 0 < keep < self.length(seq_id):
+            raise EngineError(
+                f"cannot trim sequence {seq_id} to {keep} of {self.length(seq_id)} tokens: "
+                "this model keeps a recurrent state per sequence, which cannot be rewound "
+                "(clear the sequence and run its tokens again)"
+            )
+
     def trim(self, seq_id: int, keep: int) -> None:
         """Forget positions `keep` and later of a sequence (e.g. a rejected draft)."""
+        self.check_trim(seq_id, keep)
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq_id, keep, -1):
             raise EngineError(f"llama.cpp could not trim sequence {seq_id} to {keep} tokens")
 
