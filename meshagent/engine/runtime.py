@@ -269,6 +269,20 @@ class LlamaRuntime:
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._memory, True)
 
+    def export_sequence(self, seq_id: int) -> bytes:
+        """One sequence's state (its KV cells, its recurrent state, or both), as llama.cpp
+        serialises it for `import_sequence` into a context of the same model."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq_id))
+        return bytes(buf)[:n]
+
+    def import_sequence(self, seq_id: int, state: bytes) -> None:
+        """Replace a sequence's state with one from `export_sequence`."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if not llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(state), seq_id):
+            raise EngineError(f"llama.cpp could not load a state into sequence {seq_id}")
+
     def state_bytes(self) -> int:
         return int(llama_cpp.llama_state_get_size(self.ctx))
 
