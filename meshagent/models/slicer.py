@@ -143,7 +143,8 @@ def write_layers(
             writer.add_uint64(SLICE_KEY_PREFIX + key, value)
         else:
             writer.add_string(SLICE_KEY_PREFIX + key, value)
-    writer.add_uint32(SLICE_KEY_PREFIX + PAD_LAYERS_KEY, len(pads))
+    if pads:  # absent otherwise: artifacts of other models keep their bytes (and hashes)
+        writer.add_uint32(SLICE_KEY_PREFIX + PAD_LAYERS_KEY, len(pads))
     for t in reader.tensors:
         m = LAYER_TENSOR.match(t.name)
         if not m:
