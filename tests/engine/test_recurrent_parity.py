@@ -111,9 +111,9 @@ def reference(models):
         assert same(chunked, alone[0])
         assert len(set(tokens(alone[0]))) > 3  # not a degenerate model
         # Prompts prefilled together, or in a reused slot, give their lone logits. Batched
-        # decode steps: Mamba's logits are those of each sequence alone; Jamba's attention
-        # differs in the last bits (a batch's KV view is as long as its longest sequence,
-        # which changes the attention's summation order), its tokens do not.
+        # decode steps: Mamba's logits are those of each sequence alone; Jamba's differ in the
+        # last bits (so do the tiny llama's: llama.cpp's attention/FFN batching), its tokens
+        # do not.
         for run, logits in enumerate(together):
             n = len(logits)
             assert np.array_equal(logits[0], alone[run][0])
