@@ -115,6 +115,12 @@ class LlamaRuntime:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
         self.n_layers = int(llama_cpp.llama_model_n_layer(self.model))
+        # Recurrent and hybrid models keep one state per sequence, the summary after its last
+        # token: a sequence can be cleared but not cut back to an earlier position.
+        self.rewindable = not (
+            llama_cpp.llama_model_is_recurrent(self.model)
+            or llama_cpp.llama_model_is_hybrid(self.model)
+        )
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = slot_ctx * slots
         cp.n_batch = max_batch_tokens
@@ -241,13 +247,41 @@ class LlamaRuntime:
     def clear(self, seq_id: int) -> None:
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
 
+    def length(self, seq_id: int) -> int:
+        """How many positions of a sequence the context holds (0 for an empty one)."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
+
+    def check_trim(self, seq_id: int, keep: int) -> None:
+        """Raise if `trim(seq_id, keep)` would be refused; change nothing."""
+        if not self.rewindable and 0 < keep < self.length(seq_id):
+            raise EngineError(
+                f"cannot trim sequence {seq_id} to {keep} of {self.length(seq_id)} tokens: "
+                "this model keeps a recurrent state per sequence, which cannot be rewound "
+                "(clear the sequence and run its tokens again)"
+            )
+
     def trim(self, seq_id: int, keep: int) -> None:
         """Forget positions `keep` and later of a sequence (e.g. a rejected draft)."""
+        self.check_trim(seq_id, keep)
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq_id, keep, -1):
             raise EngineError(f"llama.cpp could not trim sequence {seq_id} to {keep} tokens")
 
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._memory, True)
+
+    def export_sequence(self, seq_id: int) -> bytes:
+        """One sequence's state (its KV cells, its recurrent state, or both), as llama.cpp
+        serialises it for `import_sequence` into a context of the same model."""
+        size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq_id))
+        return bytes(buf)[:n]
+
+    def import_sequence(self, seq_id: int, state: bytes) -> None:
+        """Replace a sequence's state with one from `export_sequence`."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if not llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(state), seq_id):
+            raise EngineError(f"llama.cpp could not load a state into sequence {seq_id}")
 
     def state_bytes(self) -> int:
         return int(llama_cpp.llama_state_get_size(self.ctx))

@@ -11,6 +11,7 @@ import numpy as np
 from meshagent.engine.native import Capture
 from meshagent.engine.runtime import EmbdItem, LlamaRuntime, RuntimeDelegate
 from meshagent.errors import EngineError
+from meshagent.models.slicer import slice_pad_layers
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
 
@@ -43,8 +44,11 @@ class StageEngine(RuntimeDelegate):
         self.start = start
         self.end = end
         self.last = end == total_layers
+        # A hybrid's slice may start with zero layers that pass their input on (see
+        # slicer.pad_layer); llama.cpp numbers them with the slice's own.
+        n_layers = slice_pad_layers(layers_path) + end - start
         # The residual after the slice's last layer; llama.cpp names it l_out-<layer>.
-        capture = None if self.last else Capture(f"l_out-{end - start - 1}")
+        capture = None if self.last else Capture(f"l_out-{n_layers - 1}")
         self.runtime = LlamaRuntime(
             layers_path,
             slots=slots,
@@ -55,10 +59,10 @@ class StageEngine(RuntimeDelegate):
             flash_attn=flash_attn,
             capture=capture,
         )
-        if self.runtime.n_layers != end - start:
+        if self.runtime.n_layers != n_layers:
             self.runtime.close()
             raise EngineError(
-                f"{layers_path} holds {self.runtime.n_layers} layers, expected {end - start}"
+                f"{layers_path} holds {self.runtime.n_layers} layers, expected {n_layers}"
             )
         self.n_embd = self.runtime.n_embd
         self.n_slots = slots

@@ -39,8 +39,9 @@ class StagedEngine(VocabDelegate):
         flash_attn: bool = False,
     ) -> None:
         layout = inspect_model(model)
-        if layout.split_refusal:
-            raise ModelError(f"cannot split {model.name}: {layout.split_refusal}")
+        # Certification runs this on families the planner does not split by default.
+        if layout.stage_refusal:
+            raise ModelError(f"cannot split {model.name}: {layout.stage_refusal}")
         bounds = list(boundaries)
         if bounds[0] != 0 or bounds[-1] != layout.n_layers or bounds != sorted(set(bounds)):
             raise EngineError(f"stage boundaries {bounds} must rise from 0 to {layout.n_layers}")
@@ -98,6 +99,9 @@ class StagedEngine(VocabDelegate):
             stage.clear_sequence(seq_id)
 
     def trim_sequence(self, seq_id: int, keep: int) -> None:
+        # Refused before any stage changes: stages must never disagree about a sequence.
+        for stage in self.stages:
+            stage.runtime.check_trim(seq_id, keep)
         for stage in self.stages:
             stage.trim_sequence(seq_id, keep)
 

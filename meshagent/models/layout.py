@@ -11,7 +11,7 @@ from typing import Any
 import gguf
 
 from meshagent.errors import ModelError
-from meshagent.models.architectures import split_refusal
+from meshagent.models.architectures import split_refusal, stage_refusal
 
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 KV_BYTES_F16 = 2
@@ -26,7 +26,7 @@ class ModelLayout:
     n_embd: int
     n_vocab: int
     n_head: int
-    n_head_kv: int
+    n_head_kv: int  # the most of any layer (a hybrid's state-space layers have none)
     head_dim: int
     context_length: int
     layer_bytes: tuple[int, ...]  # exact tensor bytes of each layer
@@ -36,7 +36,9 @@ class ModelLayout:
     other_bytes: int  # any other global tensor
     tied_embeddings: bool  # the output head is the token embedding matrix
     file_bytes: int
-    split_refusal: str | None
+    split_refusal: str | None  # why the planner may not split it by default
+    stage_refusal: str | None  # why the stage engine cannot run a slice of it at all
+    layer_n_head_kv: tuple[int, ...]  # KV heads of each layer
 
     @property
     def splittable(self) -> bool:
@@ -74,6 +76,7 @@ class ModelLayout:
             "kv_bytes_per_token_per_layer": self.kv_bytes_per_token_per_layer,
             "splittable": self.splittable,
             "split_refusal": self.split_refusal,
+            "stage_refusal": self.stage_refusal,
         }
 
 
@@ -98,8 +101,12 @@ def inspect_model(path: Path) -> ModelLayout:
         raise ModelError(f"{path} has no general.architecture: not a model GGUF")
     n_layers = int(field(r, f"{arch}.block_count", 0))
     n_embd = int(field(r, f"{arch}.embedding_length", 0))
-    n_head = int(field(r, f"{arch}.attention.head_count", 0) or 0)
-    n_head_kv = int(field(r, f"{arch}.attention.head_count_kv", n_head) or n_head)
+    n_head = max(per_layer(field(r, f"{arch}.attention.head_count", 0), n_layers), default=0)
+    # llama.cpp: head_count_kv defaults to head_count; a per-layer array of it marks a hybrid's
+    # state-space layers with 0.
+    head_kv = field(r, f"{arch}.attention.head_count_kv")
+    layer_n_head_kv = per_layer(n_head if head_kv is None else head_kv, n_layers)
+    n_head_kv = max(layer_n_head_kv, default=0)
     head_dim = int(field(r, f"{arch}.attention.key_length", 0) or (n_embd // max(n_head, 1)))
     layer_bytes = [0] * n_layers
     layer_params = [0] * n_layers
@@ -142,7 +149,18 @@ def inspect_model(path: Path) -> ModelLayout:
         tied_embeddings=tied,
         file_bytes=path.stat().st_size,
         split_refusal=split_refusal(arch, set(r.fields)),
+        stage_refusal=stage_refusal(arch, set(r.fields)),
+        layer_n_head_kv=layer_n_head_kv,
     )
+
+
+def per_layer(value: Any, n_layers: int) -> tuple[int, ...]:
+    """A hyperparameter llama.cpp reads as one number for every layer or an array of them."""
+    if isinstance(value, list):
+        if len(value) != n_layers:
+            raise ModelError(f"a per-layer array of {len(value)} values for {n_layers} layers")
+        return tuple(int(v) for v in value)
+    return (int(value or 0),) * n_layers
 
 
 def file_sha256(path: Path, *, chunk: int = 1 << 20) -> str:

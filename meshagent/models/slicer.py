@@ -9,7 +9,7 @@ stage needs besides its layers: the tokenizer, the chat template and the token e
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import gguf
@@ -17,25 +17,56 @@ import numpy as np
 from gguf import GGUFValueType
 
 from meshagent.errors import ModelError
+from meshagent.models.family import ATTENTION, RECURRENT, family_traits
 from meshagent.models.layout import LAYER_TENSOR, ModelLayout, open_gguf
 
 PLACEHOLDER_VOCAB = 8
 SLICE_KEY_PREFIX = "meshagent.slice."
+PAD_LAYERS_KEY = "pad_layers"
+# Hyperparameters llama.cpp reads as one value or an array of one per layer (get_key_or_arr with
+# n_layer): as arrays they are cut with the layers. Jamba's head_count_kv array is its layer
+# pattern (0 marks a Mamba layer).
+PER_LAYER_KEYS = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")
 
 Progress = Callable[[int, int], None]
 
 
 def _copy_metadata(
-    reader: gguf.GGUFReader, writer: gguf.GGUFWriter, *, skip: Callable[[str], bool]
+    reader: gguf.GGUFReader,
+    writer: gguf.GGUFWriter,
+    *,
+    skip: Callable[[str], bool],
+    layers: Sequence[int] = (),
+    per_layer: frozenset[str] = frozenset(),
 ) -> None:
+    """Copy every metadata key but the skipped ones; an array named in `per_layer` becomes its
+    values at `layers` (the source layer of each layer of the slice)."""
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or skip(key):
             continue
         vtype = f.types[0]
         if vtype == GGUFValueType.ARRAY:
-            writer.add_key_value(key, f.contents(), vtype, sub_type=f.types[-1])
+            value = f.contents()
+            if key in per_layer:
+                value = [value[i] for i in layers]
+            writer.add_key_value(key, value, vtype, sub_type=f.types[-1])
         else:
             writer.add_key_value(key, f.contents(), vtype)
+
+
+def _per_layer_arrays(reader: gguf.GGUFReader, arch: str, n_layers: int) -> frozenset[str]:
+    """The model's per-layer arrays, refusing an array of one value per layer that the slicer
+    does not know: copied whole, it would describe layers the slice does not hold."""
+    known = {f"{arch}.{k}" for k in PER_LAYER_KEYS}
+    found = set()
+    for key, f in reader.fields.items():
+        if not key.startswith(f"{arch}.") or f.types[0] != GGUFValueType.ARRAY:
+            continue
+        if key in known:
+            found.add(key)
+        elif len(f.data) == n_layers:
+            raise ModelError(f"cannot cut {key}: an array of one value per layer")
+    return frozenset(found)
 
 
 def _add_placeholder_vocab(writer: gguf.GGUFWriter, arch: str, n_embd: int) -> None:
@@ -60,16 +91,42 @@ def _finish(writer: gguf.GGUFWriter, dst: Path, tmp: Path) -> None:
     os.replace(tmp, dst)
 
 
+def pad_layer(layout: ModelLayout, start: int, end: int) -> int | None:
+    """The model layer whose zeroed copy pads the slice [start, end), or None.
+
+    llama.cpp's hybrid memory needs both kinds of layer in the graph: a slice of a hybrid with
+    no attention layer, or no state-space layer, fails inside llama_decode (an unallocated
+    input). Such a slice starts with a copy of the model's smallest layer of the missing kind,
+    every weight zero: its mixer and FFN add exact zeros, so it hands its input on unchanged.
+    """
+    traits = family_traits(layout)
+    if traits.state_kind != "hybrid":
+        return None
+    held = set(traits.layer_types[start:end])
+    missing = [k for k in (ATTENTION, RECURRENT) if k not in held]
+    if not missing:
+        return None
+    sources = [i for i, k in enumerate(traits.layer_types) if k == missing[0]]
+    if not sources:
+        return None  # the whole model lacks it too: nothing to borrow
+    return min(sources, key=lambda i: (layout.layer_bytes[i], i))
+
+
 def write_layers(
     layout: ModelLayout, start: int, end: int, dst: Path, *, provenance: dict[str, str | int]
 ) -> None:
     """Write the layers artifact for [start, end) of `layout`'s model to `dst`."""
     if not 0 <= start < end <= layout.n_layers:
         raise ModelError(f"layer range {start}:{end} is outside 0:{layout.n_layers}")
-    if layout.split_refusal and (start, end) != (0, layout.n_layers):
-        raise ModelError(f"cannot split {layout.name}: {layout.split_refusal}")
+    if layout.stage_refusal and (start, end) != (0, layout.n_layers):
+        raise ModelError(f"cannot split {layout.name}: {layout.stage_refusal}")
     reader = open_gguf(Path(layout.path))
     arch = layout.architecture
+    per_layer = _per_layer_arrays(reader, arch, layout.n_layers)
+    pad = pad_layer(layout, start, end)
+    pads = [] if pad is None else [pad]
+    # The slice's layers in order, as layers of the source model.
+    sources = pads + list(range(start, end))
     last = end == layout.n_layers
     tmp = dst.with_name(dst.name + ".partial")
     writer = gguf.GGUFWriter(tmp, arch)
@@ -79,24 +136,37 @@ def write_layers(
             return True
         return not last and (key.startswith("tokenizer.") or key == f"{arch}.vocab_size")
 
-    _copy_metadata(reader, writer, skip=skip)
-    writer.add_uint32(f"{arch}.block_count", end - start)
+    _copy_metadata(reader, writer, skip=skip, layers=sources, per_layer=per_layer)
+    writer.add_uint32(f"{arch}.block_count", len(sources))
     for key, value in provenance.items():
         if isinstance(value, int):
             writer.add_uint64(SLICE_KEY_PREFIX + key, value)
         else:
             writer.add_string(SLICE_KEY_PREFIX + key, value)
+    if pads:  # absent otherwise: artifacts of other models keep their bytes (and hashes)
+        writer.add_uint32(SLICE_KEY_PREFIX + PAD_LAYERS_KEY, len(pads))
     for t in reader.tensors:
         m = LAYER_TENSOR.match(t.name)
-        if m:
-            i = int(m.group(1))
-            if start <= i < end:
-                writer.add_tensor(f"blk.{i - start}.{m.group(2)}", t.data, raw_dtype=t.tensor_type)
-        elif last or t.name not in ("token_embd.weight", "output.weight"):
-            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        if not m:
+            if last or t.name not in ("token_embd.weight", "output.weight"):
+                writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        i = int(m.group(1))
+        if i == pad:
+            # All-zero bytes are a zero weight in every ggml type (float or quantised blocks).
+            writer.add_tensor(f"blk.0.{m.group(2)}", np.zeros_like(t.data), raw_dtype=t.tensor_type)
+        if start <= i < end:
+            j = i - start + len(pads)
+            writer.add_tensor(f"blk.{j}.{m.group(2)}", t.data, raw_dtype=t.tensor_type)
     if not last:
         _add_placeholder_vocab(writer, arch, layout.n_embd)
     _finish(writer, dst, tmp)
+
+
+def slice_pad_layers(path: Path) -> int:
+    """How many zero layers a layers artifact holds in front of its own (see `pad_layer`)."""
+    f = open_gguf(path).fields.get(SLICE_KEY_PREFIX + PAD_LAYERS_KEY)
+    return 0 if f is None else int(f.contents())
 
 
 def write_entry(layout: ModelLayout, dst: Path, *, provenance: dict[str, str | int]) -> None:

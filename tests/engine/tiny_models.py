@@ -1,13 +1,57 @@
-"""Tiny random-weight GGUF models of the split architectures, written with `gguf`."""
+"""Tiny random-weight GGUF models written with `gguf`: the split architectures (llama, qwen2,
+qwen3), a pure state-space model (mamba) and a hybrid of attention and state-space layers
+(jamba)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 N_VOCAB = 259  # 3 specials + 256 byte tokens
+
+# Jamba's layer types come from a per-layer head_count_kv array: 0 marks a state-space layer.
+# This pattern puts type boundaries at 1, 2 and 4, so a 3-stage cut at 2 and 4 gives a mixed
+# stage, a state-space-only stage and an attention-only stage.
+JAMBA_PATTERN = ("recurrent", "attention", "recurrent", "recurrent", "attention", "attention")
+
+
+class _Weights:
+    """Adds random float32 tensors to a writer, reproducibly from a seed."""
+
+    def __init__(self, writer: gguf.GGUFWriter, seed: int) -> None:
+        self.w = writer
+        self.rng = np.random.default_rng(seed)
+
+    def normal(self, name: str, *shape: int, scale: float = 0.08) -> None:
+        self.w.add_tensor(name, (self.rng.standard_normal(shape) * scale).astype(np.float32))
+
+    def ones(self, name: str, n: int) -> None:
+        self.w.add_tensor(name, (1.0 + 0.1 * self.rng.standard_normal(n)).astype(np.float32))
+
+    def array(self, name: str, values: np.ndarray) -> None:
+        self.w.add_tensor(name, values.astype(np.float32))
+
+
+def _add_vocab(w: gguf.GGUFWriter) -> None:
+    w.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * N_VOCAB)
+    w.add_token_types([2, 3, 3] + [6] * 256)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def _finish(w: gguf.GGUFWriter, path: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def write_tiny_model(
@@ -22,7 +66,6 @@ def write_tiny_model(
     seed: int = 0,
     sliding_window: int | None = None,
 ) -> Path:
-    rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"tiny-{arch}")
@@ -39,44 +82,144 @@ def write_tiny_model(
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if sliding_window:
         w.add_sliding_window(sliding_window)
-    w.add_tokenizer_model("llama")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * N_VOCAB)
-    w.add_token_types([2, 3, 3] + [6] * 256)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-
-    def t(name: str, *shape: int, scale: float = 0.08) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
-
-    def ones(name: str, n: int) -> None:
-        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-
-    t("token_embd.weight", N_VOCAB, n_embd, scale=0.5)
-    ones("output_norm.weight", n_embd)
-    t("output.weight", N_VOCAB, n_embd, scale=0.2)
+    _add_vocab(w)
+    g = _Weights(w, seed)
+    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=0.5)
+    g.ones("output_norm.weight", n_embd)
+    g.normal("output.weight", N_VOCAB, n_embd, scale=0.2)
     for i in range(n_layers):
         p = f"blk.{i}."
-        ones(p + "attn_norm.weight", n_embd)
-        t(p + "attn_q.weight", n_head * head_dim, n_embd)
-        t(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
-        t(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
-        t(p + "attn_output.weight", n_embd, n_head * head_dim)
+        g.ones(p + "attn_norm.weight", n_embd)
+        g.normal(p + "attn_q.weight", n_head * head_dim, n_embd)
+        g.normal(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
+        g.normal(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
+        g.normal(p + "attn_output.weight", n_embd, n_head * head_dim)
         if arch == "qwen2":
-            t(p + "attn_q.bias", n_head * head_dim, scale=0.05)
-            t(p + "attn_k.bias", n_head_kv * head_dim, scale=0.05)
-            t(p + "attn_v.bias", n_head_kv * head_dim, scale=0.05)
+            g.normal(p + "attn_q.bias", n_head * head_dim, scale=0.05)
+            g.normal(p + "attn_k.bias", n_head_kv * head_dim, scale=0.05)
+            g.normal(p + "attn_v.bias", n_head_kv * head_dim, scale=0.05)
         if arch == "qwen3":
-            ones(p + "attn_q_norm.weight", head_dim)
-            ones(p + "attn_k_norm.weight", head_dim)
-        ones(p + "ffn_norm.weight", n_embd)
-        t(p + "ffn_gate.weight", n_ff, n_embd)
-        t(p + "ffn_up.weight", n_ff, n_embd)
-        t(p + "ffn_down.weight", n_embd, n_ff)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+            g.ones(p + "attn_q_norm.weight", head_dim)
+            g.ones(p + "attn_k_norm.weight", head_dim)
+        _dense_ffn(g, p, n_embd, n_ff)
+    return _finish(w, path)
+
+
+def _dense_ffn(g: _Weights, p: str, n_embd: int, n_ff: int) -> None:
+    g.ones(p + "ffn_norm.weight", n_embd)
+    g.normal(p + "ffn_gate.weight", n_ff, n_embd)
+    g.normal(p + "ffn_up.weight", n_ff, n_embd)
+    g.normal(p + "ffn_down.weight", n_embd, n_ff)
+
+
+def _mamba_block(
+    g: _Weights, p: str, *, n_embd: int, d_conv: int, d_state: int, dt_rank: int, norms: bool
+) -> None:
+    """One Mamba(1) mixer, shapes as llama.cpp loads them (numpy order is ggml's reversed).
+    llama.cpp supports only d_inner = 2 * n_embd."""
+    d_inner = 2 * n_embd
+    g.normal(p + "ssm_in.weight", 2 * d_inner, n_embd)
+    g.normal(p + "ssm_conv1d.weight", d_inner, d_conv, scale=0.3)
+    g.normal(p + "ssm_conv1d.bias", d_inner, scale=0.05)
+    g.normal(p + "ssm_x.weight", dt_rank + 2 * d_state, d_inner)
+    g.normal(p + "ssm_dt.weight", d_inner, dt_rank, scale=0.3)
+    g.normal(p + "ssm_dt.bias", d_inner, scale=0.1)
+    # A = -exp(A_log) as the converter stores it: negative, so the state decays.
+    a_log = np.log(np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1)))
+    g.array(p + "ssm_a", -np.exp(a_log + 0.1 * g.rng.standard_normal(a_log.shape)))
+    g.ones(p + "ssm_d", d_inner)
+    g.normal(p + "ssm_out.weight", n_embd, d_inner)
+    if norms:
+        g.ones(p + "ssm_dt_norm.weight", dt_rank)
+        g.ones(p + "ssm_b_norm.weight", d_state)
+        g.ones(p + "ssm_c_norm.weight", d_state)
+
+
+def _add_ssm_hparams(w: gguf.GGUFWriter, n_embd: int, d_conv: int, d_state: int, dt_rank: int):
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(2 * n_embd)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+
+
+def write_tiny_mamba(
+    path: Path,
+    *,
+    n_layers: int = 6,
+    n_embd: int = 64,
+    d_conv: int = 4,
+    d_state: int = 16,
+    dt_rank: int = 8,
+    seed: int = 0,
+) -> Path:
+    """A Mamba(1) model: every layer is a state-space mixer, no attention, no FFN."""
+    w = gguf.GGUFWriter(path, "mamba")
+    w.add_name("tiny-mamba")
+    w.add_context_length(512)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_layer_norm_rms_eps(1e-5)
+    _add_ssm_hparams(w, n_embd, d_conv, d_state, dt_rank)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_vocab(w)
+    g = _Weights(w, seed)
+    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=0.5)
+    g.ones("output_norm.weight", n_embd)
+    g.normal("output.weight", N_VOCAB, n_embd, scale=0.2)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        g.ones(p + "attn_norm.weight", n_embd)
+        _mamba_block(
+            g, p, n_embd=n_embd, d_conv=d_conv, d_state=d_state, dt_rank=dt_rank, norms=False
+        )
+    return _finish(w, path)
+
+
+def write_tiny_jamba(
+    path: Path,
+    *,
+    layer_types: Sequence[str] = JAMBA_PATTERN,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    d_conv: int = 4,
+    d_state: int = 16,
+    dt_rank: int = 8,
+    seed: int = 0,
+) -> Path:
+    """A Jamba model: attention (no RoPE) or Mamba mixer per `layer_types`, each followed by a
+    dense SwiGLU FFN (real Jamba models put experts on every other layer; not needed here)."""
+    head_dim = n_embd // n_head
+    w = gguf.GGUFWriter(path, "jamba")
+    w.add_name("tiny-jamba")
+    w.add_context_length(512)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(len(layer_types))
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv([n_head_kv if t == "attention" else 0 for t in layer_types])
+    w.add_layer_norm_rms_eps(1e-6)
+    _add_ssm_hparams(w, n_embd, d_conv, d_state, dt_rank)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_vocab(w)
+    g = _Weights(w, seed)
+    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=0.5)
+    g.ones("output_norm.weight", n_embd)
+    g.normal("output.weight", N_VOCAB, n_embd, scale=0.2)
+    for i, kind in enumerate(layer_types):
+        p = f"blk.{i}."
+        g.ones(p + "attn_norm.weight", n_embd)
+        if kind == "attention":
+            g.normal(p + "attn_q.weight", n_head * head_dim, n_embd)
+            g.normal(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
+            g.normal(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
+            g.normal(p + "attn_output.weight", n_embd, n_head * head_dim)
+        else:
+            _mamba_block(
+                g, p, n_embd=n_embd, d_conv=d_conv, d_state=d_state, dt_rank=dt_rank, norms=True
+            )
+        _dense_ffn(g, p, n_embd, n_ff)
+    return _finish(w, path)
