@@ -8,6 +8,7 @@ from pathlib import Path
 
 import trio
 
+from meshagent.cli import certify
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.cli.progress import ProgressBar
 from meshagent.errors import ConfigError
@@ -55,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--sha256", help="refuse the artifact unless its sha256 is this")
     add_data_dir(f)
     f.set_defaults(run=run_fetch)
+
+    certify.register(msub)
 
     ls = msub.add_parser("list", help="the stage artifacts in the data dir's cache")
     ls.add_argument("--json", action="store_true")

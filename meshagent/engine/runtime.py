@@ -110,6 +110,8 @@ class LlamaRuntime:
         self.model = load_model(path)
         self.slots = slots
         self.slot_ctx = slot_ctx
+        # llama.cpp never batches more than the context holds (and aborts if asked to).
+        max_batch_tokens = min(max_batch_tokens, slot_ctx * slots)
         self.max_batch_tokens = max_batch_tokens
         self.capture = capture
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))

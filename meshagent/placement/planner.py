@@ -42,6 +42,7 @@ class ModelCost:
     kv_bytes_per_token_per_layer: int
     flops_per_layer: float = 0.0  # per token; turns a peer's GFLOP/s into layers per second
     tied_embeddings: bool = False  # a whole model holds the shared matrix once
+    split_refusal: str | None = None  # why it may only be served whole, if so
 
     @classmethod
     def from_layout(cls, model_id: str, layout: ModelLayout) -> ModelCost:
@@ -55,6 +56,7 @@ class ModelCost:
             kv_bytes_per_token_per_layer=layout.kv_bytes_per_token_per_layer,
             flops_per_layer=2.0 * sum(layout.layer_params) / max(layout.n_layers, 1),
             tied_embeddings=layout.tied_embeddings,
+            split_refusal=layout.split_refusal,
         )
 
     def stage_bytes(self, start: int, end: int, context_tokens: int) -> int:
@@ -142,6 +144,13 @@ def plan(
             context_tokens,
             replicas=tuple(p.peer_id for p in fits),
             est_token_ms=1000.0 * model.n_layers / max(fits[0].speed, 1e-9),
+        )
+    if model.split_refusal is not None:
+        most = max(_usable(p, headroom) for p in ordered)
+        raise PlanError(
+            f"{model.model_id} cannot be split ({model.split_refusal}) and no peer can hold it "
+            f"whole: it needs {whole / 1e9:.2f} GB on one peer, the largest offer is "
+            f"{most / 1e9:.2f} GB"
         )
     candidates = sorted(ordered, key=lambda p: (-_usable(p, headroom) * p.speed, p.peer_id))
     candidates = sorted(candidates[:MAX_CANDIDATES], key=lambda p: p.peer_id)

@@ -9,7 +9,7 @@ which peer serves the model when this agent does not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
+from meshagent.models.family import family_traits
 from meshagent.models.layout import ModelLayout
 from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import ModelCost, Plan
@@ -33,6 +34,7 @@ from meshagent.serving.split_host import SplitHost, SplitSettings
 log = structlog.get_logger(__name__)
 
 _WATCH_INTERVAL = 0.5  # seconds between checks that the split in force is still routable
+_CERTIFICATION_INTERVAL = 2.0  # seconds between looks for a record that allows a split
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class MeshModel:
             self._nursery = nursery
             await nursery.start(self.placement.run)
             nursery.start_soon(self._watch_split)
+            nursery.start_soon(self._watch_certification)
             task_status.started()
             await trio.sleep_forever()
 
@@ -127,6 +130,27 @@ class MeshModel:
                 split.pipeline.interrupt(
                     "the split lost a stage (its peer is gone or left the plan)"
                 )
+
+    async def _watch_certification(self) -> None:
+        """A family the stage engine runs but the planner splits only once certified (hybrid
+        and recurrent models): allow splits as soon as a capability record for this model
+        file is known, certified here or heard from a peer."""
+        if self.cost.split_refusal is None or not family_traits(self.layout).certifiable:
+            return
+        sha = await trio.to_thread.run_sync(lambda: self.store.source_sha256(self.model_path))
+        while True:
+            signed = self.capabilities.for_model(sha)
+            if signed is not None and signed.record.exact_dtypes():
+                self.cost = replace(self.cost, split_refusal=None)
+                self.placement.cost = self.cost
+                log.info(
+                    "mesh_model.certified",
+                    model=self.info.id,
+                    exact=list(signed.record.exact_dtypes()),
+                    certifier=signed.record.certifier,
+                )
+                return
+            await trio.sleep(_CERTIFICATION_INTERVAL)
 
     # ----- the directory the API asks -----
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -57,6 +58,14 @@ def test_a_model_that_fits_one_peer_is_never_split():
 def test_every_peer_that_fits_is_a_replica_fastest_first():
     peers = [peer("a", 4.0, speed=10), peer("b", 5.0, speed=50), peer("c", 1.0)]
     assert plan(MODEL, peers, context_tokens=CTX).replicas == ("b", "a")
+
+
+def test_a_model_that_may_not_be_split_is_served_whole_or_refused_with_the_reason():
+    whole_only = replace(MODEL, split_refusal="split only once certified")
+    assert plan(whole_only, [peer("a", 4.0), peer("b", 2.0)], context_tokens=CTX).replicas == ("a",)
+    with pytest.raises(PlanError, match="cannot be split \\(split only once certified\\)"):
+        plan(whole_only, [peer("a", 2.0), peer("b", 2.0)], context_tokens=CTX)
+    assert plan(MODEL, [peer("a", 2.0), peer("b", 2.0)], context_tokens=CTX).split
 
 
 def test_heterogeneous_memory_splits_into_the_fewest_stages_that_fit():

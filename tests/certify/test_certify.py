@@ -1,0 +1,96 @@
+"""`meshagent models certify`: staged against whole per wire dtype, a report, a signed record."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from meshagent.certify.checks import CutResult, default_cuts
+from meshagent.certify.report import wire_results
+from meshagent.cli.main import main
+from meshagent.config import DataDir
+from meshagent.models.capability import CapabilityStore
+from meshagent.models.family import family_traits
+from meshagent.models.layout import inspect_model
+from tests.engine.tiny_models import write_tiny_jamba, write_tiny_mamba, write_tiny_model
+
+QUICK = ["--tokens", "4", "--ctx-size", "96", "--threads", "1"]
+
+
+def certify(model, data_dir, *extra):
+    return main(
+        ["models", "certify", str(model), "--json", "--data-dir", str(data_dir), *QUICK, *extra]
+    )
+
+
+def test_default_cuts_are_two_and_three_stages_and_every_type_boundary():
+    assert default_cuts(30) == ((0, 15, 30), (0, 10, 20, 30))
+    assert default_cuts(6, (1, 2, 4)) == (
+        (0, 3, 6),
+        (0, 2, 4, 6),
+        (0, 1, 6),
+        (0, 2, 6),
+        (0, 4, 6),
+    )
+
+
+def test_a_dtype_is_exact_only_if_every_cut_gave_the_whole_models_output():
+    good = CutResult((0, 2, 4), "f16", positions=10, agree=10)
+    bad = CutResult((0, 1, 4), "f16", positions=10, agree=9)
+    f32 = CutResult((0, 2, 4), "f32", positions=10, agree=10)
+    (w16, w32) = wire_results([good, bad, f32], ("f16", "f32"))
+    assert (w16.dtype, w16.exact, w16.top1_agreement) == ("f16", False, 0.95)
+    assert w32.exact
+    chunk = CutResult((0, 2, 4), "f32", positions=10, agree=10, chunked_identical=False)
+    assert not wire_results([chunk], ("f32",))[0].exact
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba", "jamba"])
+def test_certify_writes_a_report_and_a_signed_record(tmp_path, capsys, arch):
+    path = tmp_path / f"tiny-{arch}.gguf"
+    if arch == "mamba":
+        write_tiny_mamba(path)
+    elif arch == "jamba":
+        write_tiny_jamba(path)
+    else:
+        write_tiny_model(path, arch)
+    assert certify(path, tmp_path / "dd") == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert "whole model: chat" in out.err  # progress, on stderr
+    record = report["record"]
+    traits = family_traits(inspect_model(path))
+    assert record["architecture"] == arch
+    assert record["state_kind"] == traits.state_kind
+    assert tuple(record["layer_types"]) == traits.layer_types
+    cuts = {tuple(r["cut"]) for r in report["results"]}
+    assert cuts == set(default_cuts(6, traits.type_boundaries))
+    # At f32 a split computes exactly what the whole model computes, for every family.
+    f32 = [r for r in report["results"] if r["dtype"] == "f32"]
+    assert all(r["max_logit_diff"] == 0.0 and r["greedy_identical"] for r in f32)
+    assert "f32" in [w["dtype"] for w in record["wire"] if w["exact"]]
+    # The record is stored signed, and verifies as the one the report shows.
+    store = CapabilityStore(DataDir(tmp_path / "dd").artifacts_path / "capabilities")
+    signed = store.get(record["model_sha256"])
+    assert signed is not None and json.loads(json.dumps(signed.record.to_dict())) == record
+    md = list((tmp_path / "dd" / "certifications").glob("*.md"))
+    assert len(md) == 1 and "| cut | wire |" in md[0].read_text()
+
+
+def test_certify_refuses_a_family_the_stage_engine_cannot_run(tmp_path, capsys):
+    path = tmp_path / "tiny-sliding.gguf"
+    write_tiny_model(path, "llama", sliding_window=16)
+    assert certify(path, tmp_path / "dd") != 0
+    assert "cannot certify" in capsys.readouterr().err
+
+
+def test_certify_checks_the_cuts_asked_for(tmp_path, capsys):
+    path = write_tiny_model(tmp_path / "tiny.gguf", "qwen3")
+    assert certify(path, tmp_path / "dd", "--cut", "0:1:6", "--wire-dtype", "f16") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["cut"], r["dtype"]) for r in report["results"]] == [([0, 1, 6], "f16")]
+    assert certify(path, tmp_path / "dd", "--cut", "0:7") != 0
+    assert "--cut 0:7" in capsys.readouterr().err
+    assert np.isfinite(report["results"][0]["max_logit_diff"])
