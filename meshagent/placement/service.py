@@ -15,6 +15,7 @@ import structlog
 import trio
 
 from meshagent.capacity import COMPUTE_UNIT, offered_memory
+from meshagent.errors import MeshError
 from meshagent.gossip.failure import PeerState
 from meshagent.placement.negotiation import (
     Claim,
@@ -116,6 +117,8 @@ class PlacementService:
         # proposals made at the same moment are resolved before anyone loads the loser.
         self.settle = settle
         self._seen: tuple[str, float] | None = None  # (digest of the plan in force, since)
+        self._failed: str | None = None  # digest of a plan this agent could not load
+        self._load_error: str | None = None  # and why
         self.in_force: Claim | None = None
         self.mine: Claim | None = None
         self.routable = False
@@ -146,6 +149,8 @@ class PlacementService:
             self.error = None
         except PlanError as e:
             candidate, self.error = None, str(e)
+        if self._failed is not None and self._seen is not None and self._failed == self._seen[0]:
+            self.error = self._load_error
         if candidate is not None and (
             winner is None
             or (
@@ -169,12 +174,20 @@ class PlacementService:
                     await self._release()
                 self._publish(pending)
             assert self._seen is not None
-            if now - self._seen[1] >= self.settle:
-                if me in winner.plan.peers:
-                    await self._take_part(winner.plan)
-                ready = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, True)
-                self._publish(ready)
-                claims[me] = ready
+            if now - self._seen[1] >= self.settle and self._failed != self._seen[0]:
+                try:
+                    if me in winner.plan.peers:
+                        await self._take_part(winner.plan)
+                except MeshError as e:
+                    # This agent cannot load its part: it stays out of the plan (never
+                    # claims it ready) instead of exiting; a later plan is tried afresh.
+                    self._failed = self._seen[0]
+                    self._load_error = f"could not load this agent's part of the plan: {e}"
+                    log.error("placement.take_part_failed", epoch=winner.epoch, error=str(e))
+                else:
+                    ready = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, True)
+                    self._publish(ready)
+                    claims[me] = ready
         self.in_force = winner
         alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD}
         was = self.routable

@@ -291,7 +291,7 @@ class MeshModel:
     async def _wire_choice(self) -> WireChoice:
         """The dtype this agent sends activations in (the entry's choice holds for the chain)."""
         sha = await trio.to_thread.run_sync(lambda: self.store.source_sha256(self.model_path))
-        signed = await trio.to_thread.run_sync(lambda: self.capabilities.for_model(sha))
+        signed = self.capabilities.for_model(sha)  # reads gossip: on the event loop
         choice = choose_wire_dtype(self.settings.wire_dtype, signed and signed.record)
         log.info("mesh_model.wire", **choice.to_dict())
         return choice

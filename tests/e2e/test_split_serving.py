@@ -2,21 +2,52 @@
 
 from __future__ import annotations
 
-import httpx
-import pytest
+import json
 
-from meshagent.engine.llama import LlamaEngine
-from meshagent.serving.chat import ChatMessage, ChatTemplate
+import httpx
+
 from tests.e2e.agents import invite, wait_for
 
 # SmolLM2 with 2 slots of 1024 tokens needs ~145 MB (weights + KV); with 10% headroom no
 # agent offering 80 MB can hold it, two cannot either, three can.
 SMALL = ["--max-memory", "80M", "--slots", "2", "--ctx-size", "1024", "--threads", "1"]
+WHOLE = ["--slots", "2", "--ctx-size", "1024", "--threads", "1"]
 PROMPT = "Name three rivers in Europe."
+COMPLETION_PROMPT = "The three longest rivers in Europe are"
 
 
 def _get(agent, path):
     return httpx.get(f"{agent.url}{path}", timeout=10).json()
+
+
+def _request(agent, model_id, kind: str, stream: bool) -> tuple[str, httpx.Headers]:
+    """One greedy request of 32 tokens; the text, assembled from the stream if streamed."""
+    chat = kind == "chat"
+    body = {"model": model_id, "max_tokens": 32, "temperature": 0, "stream": stream}
+    if chat:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        body["prompt"] = COMPLETION_PROMPT
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with httpx.stream("POST", f"{agent.url}{path}", json=body, timeout=120) as r:
+        if r.status_code != 200:
+            r.read()
+            raise AssertionError(r.text)
+        if not stream:
+            r.read()
+            choice = r.json()["choices"][0]
+            return (choice["message"]["content"] if chat else choice["text"]), r.headers
+        text, done = "", False
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                choices = json.loads(line[6:])["choices"]
+                if choices:
+                    part = choices[0]["delta"].get("content") if chat else choices[0]["text"]
+                    text += part or ""
+        assert done, "the stream ended without [DONE]"
+        return text, r.headers
 
 
 def _chat(agent, model_id):
@@ -34,42 +65,23 @@ def _chat(agent, model_id):
     return r
 
 
-@pytest.fixture(scope="module")
-def reference(model_path):
-    # As the agents: flash attention off, one thread.
-    engine = LlamaEngine(model_path, slots=1, slot_ctx=512, threads=1)
-    try:
-        import numpy as np
-
-        from meshagent.engine.base import ForwardItem
-
-        t = ChatTemplate(
-            engine.info.chat_template,
-            bos_token=engine.info.bos_token,
-            eos_token=engine.info.eos_token,
-        )
-        tokens = engine.tokenize(t.render([ChatMessage("user", PROMPT)]), add_bos=False)
-        out = b""
-        logits = engine.forward([ForwardItem(0, 0, tokens, True)])[0]
-        pos = len(tokens)
-        for _ in range(32):
-            tok = int(np.argmax(logits))
-            if engine.is_end_of_generation(tok):
-                break
-            out += engine.token_bytes(tok)
-            logits = engine.forward([ForwardItem(0, pos, [tok], True)])[0]
-            pos += 1
-        return out.decode("utf-8", errors="replace")
-    finally:
-        engine.close()
+def _show_logs(agents) -> None:
+    keys = ("placement.", "mesh_model", "split.", "stage.", "pipeline.", "conn.closed")
+    for y in agents:
+        print("----", y.data_dir.name)
+        print("\n".join(line for line in y.log_text().splitlines() if any(k in line for k in keys)))
 
 
-def test_three_small_agents_serve_a_split(spawn_agent, model_id, reference):
-    a = spawn_agent(*SMALL, "--wire-dtype", "f32", name="a", wait_model=False)
+def test_three_small_agents_serve_a_split(spawn_agent, model_id):
+    # Default flags: the split must give the whole model's answers without being asked to.
+    a = spawn_agent(*SMALL, name="a", wait_model=False)
     token = invite(a)
-    b = spawn_agent(*SMALL, "--wire-dtype", "f32", "--join", token, name="b", wait_model=False)
-    c = spawn_agent(*SMALL, "--wire-dtype", "f32", "--join", token, name="c", wait_model=False)
+    b = spawn_agent(*SMALL, "--join", token, name="b", wait_model=False)
+    c = spawn_agent(*SMALL, "--join", token, name="c", wait_model=False)
     agents = [a, b, c]
+    # One agent serving the model whole with the same slots, context and threads (a mesh of
+    # its own): the answers the split must give.
+    whole = spawn_agent(*WHOLE, name="whole")
 
     def routable():
         return all(_get(x, "/control/status")["placement"][model_id]["routable"] for x in agents)
@@ -79,39 +91,31 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id, reference):
     assert len(placement["stages"]) == 3
     ids = {_get(x, "/control/status")["peer_id"] for x in agents}
     assert {s[0] for s in placement["stages"]} == ids
-    # A request to any of the three agents is served by the split, with a receipt.
-    for x in agents:
-        try:
-            r = _chat(x, model_id)
-        except AssertionError:
-            for y in agents:
-                print("----", y.data_dir.name)
-                print(
-                    "\n".join(
-                        line
-                        for line in y.log_text().splitlines()
-                        if any(
-                            k in line
-                            for k in (
-                                "placement.",
-                                "mesh_model",
-                                "split.",
-                                "stage.",
-                                "handler_",
-                                "pipeline.",
-                                "conn.closed",
-                            )
-                        )
-                    )
-                )
-            raise
-        assert r.json()["choices"][0]["message"]["content"] == reference
-        stages = r.headers["x-meshagent-stages"].split(",")
-        assert len(stages) == 3
-        # The receipt: which peers ran which layers (header), time in each stage (usage).
-        stage_ms = r.json()["usage"]["meshagent"]["stage_ms"]
-        assert len(stage_ms) == 3 and all(ms > 0 for ms in stage_ms)
-        assert r.headers["x-meshagent-wire-dtype"] == "f32"
+    # No capability record for SmolLM2 here: f32 between stages, said to be uncertified.
+    assert placement["wire"] == {
+        "dtype": "f32",
+        "certified_exact": False,
+        "reason": "no certification record for this model: f32",
+    }
+    shapes = [(kind, stream) for kind in ("chat", "completion") for stream in (False, True)]
+    expected = {shape: _request(whole, model_id, *shape)[0] for shape in shapes}
+    assert all(expected.values())
+    # Every agent, every request shape: the split's text is the whole model's.
+    try:
+        for x in agents:
+            for shape in shapes:
+                text, headers = _request(x, model_id, *shape)
+                assert text == expected[shape], (x.data_dir.name, shape)
+                assert len(headers["x-meshagent-stages"].split(",")) == 3
+                assert headers["x-meshagent-wire-dtype"] == "f32"
+                assert headers["x-meshagent-wire-exact"] == "no"
+    except AssertionError:
+        _show_logs(agents)
+        raise
+    # The receipt: time in each stage (usage).
+    stage_ms = _chat(a, model_id).json()["usage"]["meshagent"]["stage_ms"]
+    assert len(stage_ms) == 3 and all(ms > 0 for ms in stage_ms)
+    whole.stop()
 
     # c dies; a fourth agent with room for the whole model joins: the mesh replans.
     c.proc.kill()

@@ -7,6 +7,7 @@ from typing import Any
 
 import trio
 
+from meshagent.errors import EngineError
 from meshagent.placement.negotiation import plan_digest
 from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService
@@ -120,3 +121,25 @@ async def test_no_plan_reports_what_is_missing(autojump_clock):
         await s.step()
     assert services[0].in_force is None
     assert "GB more memory" in services[0].error
+
+
+async def test_an_agent_that_cannot_load_its_part_says_why_and_keeps_running(autojump_clock):
+    world = World()
+    world.views["a"] = View(Record(int(4 * GB)))
+    tries = []
+
+    async def take_part(plan: Plan) -> None:
+        tries.append(plan_digest(plan))
+        raise EngineError("llama.cpp could not create a context")
+
+    service = PlacementService(
+        FakeGossip(world, "a"), MODEL, context_tokens=1000, take_part=take_part
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(service.run)
+        await trio.sleep(20)
+        assert len(tries) == 1  # the same plan is not retried every round
+        assert not service.routable
+        assert "could not load this agent's part" in service.error
+        assert "could not create a context" in service.error
+        nursery.cancel_scope.cancel()
