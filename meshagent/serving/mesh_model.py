@@ -35,6 +35,7 @@ log = structlog.get_logger(__name__)
 
 _WATCH_INTERVAL = 0.5  # seconds between checks that the split in force is still routable
 _CERTIFICATION_INTERVAL = 2.0  # seconds between looks for a record that allows a split
+_RECORD_WAIT = 10.0  # seconds a stage of a certified-only split waits for the record
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,13 @@ class MeshModel:
         """The dtype this agent sends activations in (the entry's choice holds for the chain)."""
         sha = await trio.to_thread.run_sync(lambda: self.store.source_sha256(self.model_path))
         signed = self.capabilities.for_model(sha)  # reads gossip: on the event loop
+        if signed is None and self.layout.split_refusal is not None:
+            # A split of a family split only once certified: a peer holds the record, and
+            # gossip brings it here shortly (the plan may have arrived first).
+            with trio.move_on_after(_RECORD_WAIT):
+                while signed is None:
+                    await trio.sleep(0.2)
+                    signed = self.capabilities.for_model(sha)
         choice = choose_wire_dtype(self.settings.wire_dtype, signed and signed.record)
         log.info("mesh_model.wire", **choice.to_dict())
         return choice
