@@ -3,8 +3,8 @@ import json
 from meshagent.cli.main import main
 
 
-def test_models_inspect_reports_layers_and_kv(capsys):
-    assert main(["models", "inspect", "--json"]) == 0
+def test_models_inspect_reports_layers_and_kv(tmp_path, capsys):
+    assert main(["models", "inspect", "--json", "--data-dir", str(tmp_path)]) == 0
     layout = json.loads(capsys.readouterr().out)
     assert layout["architecture"] == "llama"
     assert layout["layers"] == 30
@@ -25,7 +25,7 @@ def test_models_slice_caches_by_content(tmp_path, capsys):
     assert second["sha256"] == first["sha256"]
     assert second["path"] == first["path"]
     assert main(["models", "list", "--json", "--data-dir", str(tmp_path)]) == 0
-    listed = json.loads(capsys.readouterr().out)
+    listed = json.loads(capsys.readouterr().out)["artifacts"]
     assert [m["sha256"] for m in listed] == [first["sha256"]]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import trio
@@ -15,7 +16,9 @@ from meshagent.errors import ConfigError
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh_file import load_mesh
 from meshagent.models.artifacts import ArtifactStore, SliceManifest
+from meshagent.models.capability import CapabilityRecord, CapabilityStore
 from meshagent.models.default import resolve_model
+from meshagent.models.family import family_traits
 from meshagent.models.layout import inspect_model
 from meshagent.models.transfer import LABEL, fetch_artifact
 from meshagent.net.address import Address
@@ -31,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     i = msub.add_parser("inspect", help="layers, bytes per layer, KV cost, whether it splits")
     i.add_argument("model", nargs="?", default="", help="a GGUF file (default: embedded)")
     i.add_argument("--json", action="store_true", help="print the layout as JSON")
+    add_data_dir(i)
     i.set_defaults(run=run_inspect)
 
     s = msub.add_parser("slice", help="cut layers A:B (or the entry artifact) into the cache")
@@ -59,7 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     certify.register(msub)
 
-    ls = msub.add_parser("list", help="the stage artifacts in the data dir's cache")
+    ls = msub.add_parser(
+        "list", help="the stage artifacts and capability records in the data dir's cache"
+    )
     ls.add_argument("--json", action="store_true")
     add_data_dir(ls)
     ls.set_defaults(run=run_list)
@@ -69,10 +75,40 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _capability(model: Path, args: argparse.Namespace) -> CapabilityRecord | None:
+    """The record for this model file in the data dir's cache (certified here or learned by
+    gossip), if any."""
+    store = ArtifactStore(data_dir_from(args).artifacts_path)
+    signed = CapabilityStore(store.capabilities_path).get(store.source_sha256(model))
+    return None if signed is None else signed.record
+
+
+def _certified(record: CapabilityRecord) -> str:
+    exact = ", ".join(record.exact_dtypes()) or "no wire dtype"
+    when = time.strftime("%Y-%m-%d", time.gmtime(record.certified_at))
+    return (
+        f"exact with {exact} up to {record.certified_ctx} tokens "
+        f"(certified {when} by {record.certifier[:12]}, {record.llama_cpp_version})"
+    )
+
+
 def run_inspect(args: argparse.Namespace) -> int:
-    layout = inspect_model(resolve_model(args.model))
+    model = resolve_model(args.model)
+    layout = inspect_model(model)
+    traits = family_traits(layout)
+    record = _capability(model, args)
     if args.json:
-        print(json.dumps(layout.to_dict(), indent=2))
+        print(
+            json.dumps(
+                {
+                    **layout.to_dict(),
+                    "state_kind": traits.state_kind,
+                    "layer_types": list(traits.layer_types),
+                    "capability": None if record is None else record.to_dict(),
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"model          {layout.name}  ({layout.path})")
     print(f"architecture   {layout.architecture}")
@@ -87,10 +123,19 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"per layer      {per_layer}  ({layout.layer_bytes[0]} bytes for layer 0)")
     kv = layout.kv_bytes_per_token_per_layer
     print(f"KV per token   {kv} bytes per layer, {kv * layout.n_layers} for all layers (f16)")
+    print(f"state          {traits.state_kind} per sequence")
     if layout.splittable:
         print("split          yes: any contiguous layer range can run as a stage")
+    elif traits.certifiable and record is not None:
+        print("split          yes: certified (the stage engine runs it; a record allows it)")
+    elif traits.certifiable:
+        print(f"split          not yet: {layout.split_refusal} (`meshagent models certify`)")
     else:
         print(f"split          no: {layout.split_refusal} (it can still be served whole)")
+    if record is not None:
+        print(f"certified      {_certified(record)}")
+    else:
+        print("certified      no record (a split sends f32: `meshagent models certify`)")
     return 0
 
 
@@ -127,9 +172,16 @@ def run_slice(args: argparse.Namespace) -> int:
 def run_list(args: argparse.Namespace) -> int:
     store = ArtifactStore(data_dir_from(args).artifacts_path)
     manifests = store.all()
+    records = [s.record for s in CapabilityStore(store.capabilities_path).all()]
     if args.json:
-        print(json.dumps([m.to_dict() for m in manifests], indent=2))
+        data = {
+            "artifacts": [m.to_dict() for m in manifests],
+            "capabilities": [r.to_dict() for r in records],
+        }
+        print(json.dumps(data, indent=2))
         return 0
+    for r in records:
+        print(f"record   {r.model_name}  {r.model_sha256[:16]}  {_certified(r)}")
     if not manifests:
         print("no stage artifacts cached (cut one with `meshagent models slice`)")
         return 0

@@ -94,3 +94,26 @@ def test_certify_checks_the_cuts_asked_for(tmp_path, capsys):
     assert certify(path, tmp_path / "dd", "--cut", "0:7") != 0
     assert "--cut 0:7" in capsys.readouterr().err
     assert np.isfinite(report["results"][0]["max_logit_diff"])
+
+
+def test_models_list_and_inspect_show_the_record(tmp_path, capsys):
+    path = write_tiny_jamba(tmp_path / "tiny-jamba.gguf")
+    dd = ["--data-dir", str(tmp_path / "dd")]
+    assert main(["models", "inspect", str(path), *dd]) == 0
+    out = capsys.readouterr().out
+    assert "split          not yet:" in out and "certified      no record" in out
+    assert certify(path, tmp_path / "dd", "--cut", "0:2:6", "--wire-dtype", "f32") == 0
+    capsys.readouterr()
+    assert main(["models", "inspect", str(path), *dd]) == 0
+    out = capsys.readouterr().out
+    assert "split          yes: certified" in out
+    assert "certified      exact with f32 up to" in out
+    assert main(["models", "inspect", str(path), "--json", *dd]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["state_kind"] == "hybrid" and info["capability"]["architecture"] == "jamba"
+    assert main(["models", "list", "--json", *dd]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [r["model_name"] for r in listed["capabilities"]] == ["tiny-jamba"]
+    assert {a["kind"] for a in listed["artifacts"]} == {"entry", "layers"}
+    assert main(["models", "list", *dd]) == 0
+    assert "record   tiny-jamba" in capsys.readouterr().out

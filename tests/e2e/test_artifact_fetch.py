@@ -45,7 +45,7 @@ def test_fetch_from_a_running_agent(spawn_agent, tmp_path):
     assert manifest["sha256"] in r.stdout
     assert "100%" in r.stderr  # progress was reported
     fetched = json.loads(_cli("models", "list", "--json", "--data-dir", str(fetcher_dir)).stdout)
-    assert [m["sha256"] for m in fetched] == [manifest["sha256"]]
+    assert [m["sha256"] for m in fetched["artifacts"]] == [manifest["sha256"]]
 
     # A different mesh cannot fetch: the handshake is refused.
     stranger = tmp_path / "stranger"
