@@ -197,7 +197,13 @@ def certify_model(
     results = []
     for cut in cuts:
         staged = StagedEngine(
-            path, cut, store, slots=1, slot_ctx=settings.ctx, threads=settings.threads
+            path,
+            cut,
+            store,
+            slots=1,
+            slot_ctx=settings.ctx,
+            threads=settings.threads,
+            layout=layout,
         )
         try:
             for dtype in settings.dtypes:

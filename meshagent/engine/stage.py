@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from meshagent.engine.native import Capture
-from meshagent.engine.runtime import EmbdItem, LlamaRuntime, RuntimeDelegate
+from meshagent.engine.runtime import EmbdItem, LlamaRuntime, RuntimeDelegate, read_meta
 from meshagent.errors import EngineError
-from meshagent.models.slicer import slice_pad_layers
+from meshagent.models.slicer import PAD_LAYERS_KEY, SLICE_KEY_PREFIX
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
 
@@ -46,7 +46,8 @@ class StageEngine(RuntimeDelegate):
         self.last = end == total_layers
         # A hybrid's slice may start with zero layers that pass their input on (see
         # slicer.pad_layer); llama.cpp numbers them with the slice's own.
-        n_layers = slice_pad_layers(layers_path) + end - start
+        pads = read_meta(layers_path, SLICE_KEY_PREFIX + PAD_LAYERS_KEY)
+        n_layers = int(pads or 0) + end - start
         # The residual after the slice's last layer; llama.cpp names it l_out-<layer>.
         capture = None if self.last else Capture(f"l_out-{n_layers - 1}")
         self.runtime = LlamaRuntime(

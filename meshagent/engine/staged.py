@@ -20,7 +20,7 @@ from meshagent.engine.stage import WIRE_DTYPES, StageEngine
 from meshagent.engine.vocab import Vocab, VocabDelegate
 from meshagent.errors import EngineError, ModelError
 from meshagent.models.artifacts import ArtifactStore
-from meshagent.models.layout import inspect_model
+from meshagent.models.layout import ModelLayout, inspect_model
 from meshagent.models.slicer import TokenEmbeddings
 
 
@@ -37,8 +37,9 @@ class StagedEngine(VocabDelegate):
         wire_dtype: str = "f32",
         max_batch_tokens: int = 512,
         flash_attn: bool = False,
+        layout: ModelLayout | None = None,  # the model's, if the caller has it already
     ) -> None:
-        layout = inspect_model(model)
+        layout = layout or inspect_model(model)
         # Certification runs this on families the planner does not split by default.
         if layout.stage_refusal:
             raise ModelError(f"cannot split {model.name}: {layout.stage_refusal}")

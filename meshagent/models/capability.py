@@ -160,11 +160,11 @@ class CapabilityStore:
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def _path(self, model_sha256: str) -> Path:
+    def path_of(self, model_sha256: str) -> Path:
         return self.root / f"{model_sha256}.cbor"
 
     def put(self, signed: SignedRecord) -> Path:
-        path = self._path(signed.record.model_sha256)
+        path = self.path_of(signed.record.model_sha256)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(signed.to_bytes())
         os.replace(tmp, path)
@@ -173,7 +173,7 @@ class CapabilityStore:
     def get(self, model_sha256: str) -> SignedRecord | None:
         """The record for a model; None if there is none. ModelError if it fails to verify."""
         try:
-            data = self._path(model_sha256).read_bytes()
+            data = self.path_of(model_sha256).read_bytes()
         except OSError:
             return None
         return SignedRecord.from_bytes(data)

@@ -163,12 +163,6 @@ def write_layers(
     _finish(writer, dst, tmp)
 
 
-def slice_pad_layers(path: Path) -> int:
-    """How many zero layers a layers artifact holds in front of its own (see `pad_layer`)."""
-    f = open_gguf(path).fields.get(SLICE_KEY_PREFIX + PAD_LAYERS_KEY)
-    return 0 if f is None else int(f.contents())
-
-
 def write_entry(layout: ModelLayout, dst: Path, *, provenance: dict[str, str | int]) -> None:
     """Write the entry artifact: every metadata key (tokenizer, chat template) and the token
     embeddings, no layers."""

@@ -117,3 +117,24 @@ def test_models_list_and_inspect_show_the_record(tmp_path, capsys):
     assert {a["kind"] for a in listed["artifacts"]} == {"entry", "layers"}
     assert main(["models", "list", *dd]) == 0
     assert "record   tiny-jamba" in capsys.readouterr().out
+
+
+def test_certify_smollm2_writes_a_report_and_a_signed_record(model_path, store, tmp_path, capsys):
+    # Short settings (the default run takes minutes): one cut, two tokens per prompt. The data
+    # dir shares the session's artifact cache, so slices other tests cut are not cut again.
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "artifacts").symlink_to(store.root)
+    args = ["--tokens", "2", "--ctx-size", "128", "--cut", "0:10:20:30"]
+    assert certify(model_path, tmp_path / "dd", *args) == 0
+    report = json.loads(capsys.readouterr().out)
+    record = report["record"]
+    assert record["model_name"] == model_path.name.removesuffix(".gguf")
+    assert record["architecture"] == "llama" and record["state_kind"] == "kv"
+    f32 = next(w for w in record["wire"] if w["dtype"] == "f32")
+    assert f32["exact"] and f32["max_logit_diff"] == 0.0
+    f16 = next(w for w in record["wire"] if w["dtype"] == "f16")
+    assert f16["max_logit_diff"] > 0.0  # f16 rounds the residual stream
+    records = CapabilityStore(DataDir(tmp_path / "dd").artifacts_path / "capabilities")
+    assert records.get(record["model_sha256"]) is not None
+    # The shared cache must not hand a record to other tests' agents.
+    records.path_of(record["model_sha256"]).unlink()

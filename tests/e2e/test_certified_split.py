@@ -1,6 +1,7 @@
-"""A hybrid model (attention and Mamba layers) is split only once certified: three agents too
-small for it serve it whole nowhere until one certifies it; the record reaches the others by
-gossip, and the mesh splits it and serves it end to end with the whole model's answers."""
+"""Hybrid (attention and Mamba layers) and recurrent (Mamba) models are split only once
+certified: three agents too small for one serve it nowhere until one certifies it; the record
+reaches the others by gossip, and the mesh splits it and serves it end to end with the whole
+model's answers."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tests.e2e.agents import invite, status, wait_for
-from tests.engine.tiny_models import write_tiny_jamba
+from tests.engine.tiny_models import write_tiny_jamba, write_tiny_mamba
 
-# The tiny jamba model needs ~1.7 MB whole with 2 slots of 256 tokens; with 10% headroom no
-# agent offering 800 KB holds it, and no two do: it takes three stages.
-SMALL = ["--max-memory", "800K", "--slots", "2", "--ctx-size", "256", "--threads", "1"]
-WHOLE = ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
+# With 2 slots of 256 tokens the tiny jamba needs ~1.7 MB whole and the tiny mamba ~0.9 MB;
+# with 10% headroom no agent offering 800 KB (jamba) or 400 KB (mamba) holds one, and no two
+# do: it takes three stages.
+SMALL = {"jamba": "800K", "mamba": "400K"}
+SETTINGS = ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
 PROMPT = "The sea"
 
 
@@ -40,10 +43,12 @@ def _complete(agent, model_id: str, stream: bool) -> str:
     return text
 
 
-def test_a_certified_hybrid_model_is_split_and_served(spawn_agent, tmp_path):
-    model = write_tiny_jamba(tmp_path / "tiny-jamba.gguf")
-    model_id = "tiny-jamba"
-    args = ["--model", str(model), *SMALL]
+@pytest.mark.parametrize("arch", ["jamba", "mamba"])
+def test_a_certified_hybrid_or_recurrent_model_is_split_and_served(spawn_agent, tmp_path, arch):
+    write = write_tiny_jamba if arch == "jamba" else write_tiny_mamba
+    model = write(tmp_path / f"tiny-{arch}.gguf")
+    model_id = f"tiny-{arch}"
+    args = ["--model", str(model), "--max-memory", SMALL[arch], *SETTINGS]
     a = spawn_agent(*args, name="a", wait_model=False)
     token = invite(a)
     b = spawn_agent(*args, "--join", token, name="b", wait_model=False)
@@ -85,7 +90,7 @@ def test_a_certified_hybrid_model_is_split_and_served(spawn_agent, tmp_path):
     # b plans with the record it heard by gossip, keeps it, and says it is certified.
     assert plan["wire"]["certified_exact"] is True, plan["wire"]
     assert list((b.data_dir / "artifacts" / "capabilities").glob("*.cbor"))
-    whole = spawn_agent(*WHOLE, "--model", str(model), name="whole")
+    whole = spawn_agent(*SETTINGS, "--model", str(model), name="whole")
     expected = {s: _complete(whole, model_id, s) for s in (False, True)}
     assert expected[False] == expected[True] and expected[False]
     for x in agents:

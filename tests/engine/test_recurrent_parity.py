@@ -11,11 +11,12 @@ import pytest
 
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
+from meshagent.engine.runtime import read_meta
 from meshagent.engine.staged import StagedEngine
 from meshagent.errors import EngineError, ModelError
 from meshagent.models.family import family_traits
 from meshagent.models.layout import inspect_model, open_gguf
-from meshagent.models.slicer import slice_pad_layers, write_layers
+from meshagent.models.slicer import PAD_LAYERS_KEY, SLICE_KEY_PREFIX, write_layers
 from tests.engine.tiny_models import write_tiny_jamba, write_tiny_mamba, write_tiny_model
 
 STEPS = 12
@@ -209,7 +210,7 @@ def test_jamba_slices_cut_the_layer_pattern(models, tmp_path):
     for (a, b), (pad, head_kv) in cases.items():
         dst = tmp_path / f"jamba-{a}-{b}.gguf"
         write_layers(layout, a, b, dst, provenance={})
-        assert slice_pad_layers(dst) == pad
+        assert int(read_meta(dst, SLICE_KEY_PREFIX + PAD_LAYERS_KEY) or 0) == pad
         reader = open_gguf(dst)
         assert list(reader.fields[key].contents()) == head_kv
         if pad:
