@@ -9,6 +9,7 @@ from typing import Any
 import llama_cpp
 
 from meshagent.certify.checks import Certification, CutResult
+from meshagent.certify.soak import SoakResult
 from meshagent.models.capability import CapabilityRecord, WireResult
 
 
@@ -62,9 +63,12 @@ def build_record(
     )
 
 
-def report_json(cert: Certification, record: CapabilityRecord) -> dict[str, Any]:
+def report_json(
+    cert: Certification, record: CapabilityRecord, soaked: SoakResult | None = None
+) -> dict[str, Any]:
     return {
         "record": record.to_dict(),
+        "soak": None if soaked is None else soaked.to_dict(),
         "settings": {
             "tokens": cert.settings.tokens,
             "ctx": cert.settings.ctx,
@@ -96,7 +100,9 @@ def report_json(cert: Certification, record: CapabilityRecord) -> dict[str, Any]
     }
 
 
-def report_markdown(cert: Certification, record: CapabilityRecord) -> str:
+def report_markdown(
+    cert: Certification, record: CapabilityRecord, soaked: SoakResult | None = None
+) -> str:
     exact = ", ".join(record.exact_dtypes()) or "none"
     lines = [
         f"# Certification of {record.model_name}",
@@ -123,6 +129,17 @@ def report_markdown(cert: Certification, record: CapabilityRecord) -> str:
             f"{r.max_logit_diff:.4g} | {'yes' if r.greedy_identical else 'no'} | {div} | "
             f"{chunk} (max diff {r.chunked_max_diff:.3g}) |"
         )
+    if soaked is None:
+        lines += ["", "Soak: not run."]
+    else:
+        verdict = "passed" if soaked.passed else f"FAILED ({soaked.error or 'texts differ'})"
+        stages = ", ".join(f"{a}-{b}" for a, b in soaked.stages) or "-"
+        lines += [
+            "",
+            f"Soak ({soaked.wire_dtype} wire, 3 agent processes, stages {stages}, against one "
+            f"whole agent): {soaked.identical}/{soaked.requests} answers identical, "
+            f"{soaked.seconds:.0f} s: {verdict}.",
+        ]
     lines += [
         "",
         "Prompts: "

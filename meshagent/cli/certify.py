@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.errors import ConfigError
@@ -40,6 +41,12 @@ def register(msub: argparse._SubParsersAction) -> None:
         choices=("f32", "f16"),
         help="wire dtypes to check (repeatable; default: all)",
     )
+    c.add_argument(
+        "--no-soak",
+        action="store_true",
+        help="skip the soak: three agent processes on loopback serving the split against one "
+        "serving it whole",
+    )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     add_data_dir(c)
     c.set_defaults(run=run_certify)
@@ -55,6 +62,35 @@ def _parse_cut(text: str, n_layers: int) -> tuple[int, ...]:
             f"--cut {text}: boundaries must rise from 0 to {n_layers} with at least two stages"
         )
     return cut
+
+
+SOAK_CTX = 1024
+
+
+def _soak(layout, record, identity, settings, progress):
+    """Soak the cheapest dtype the checks found exact (what `--wire-dtype auto` would send);
+    None when no dtype is exact (nothing to serve split)."""
+    from meshagent.certify.prompts import PROMPTS
+    from meshagent.certify.soak import soak
+    from meshagent.models.capability import choose_wire_dtype
+
+    choice = choose_wire_dtype("auto", record)
+    if not choice.certified_exact:
+        progress("soak: skipped, no wire dtype is exact")
+        return None
+    prompts = [p for p in PROMPTS if not p.fill_to_ctx]
+    progress(f"soak: 3 agents split {layout.name}, wire {choice.dtype}, against a whole agent")
+    return soak(
+        layout,
+        record.sign(identity),
+        prompts,
+        wire_dtype=choice.dtype,
+        tokens=settings.tokens,
+        # Room for every soak prompt whole (a byte-level vocabulary spends one token a byte).
+        ctx=max(settings.ctx, SOAK_CTX),
+        threads=settings.threads,
+        progress=progress,
+    )
 
 
 def run_certify(args: argparse.Namespace) -> int:
@@ -103,13 +139,22 @@ def run_certify(args: argparse.Namespace) -> int:
         state_kind=traits.state_kind,
         state_portable=traits.state_portable,
     )
+    soaked = None
+    if not args.no_soak:
+        soaked = _soak(layout, record, identity, settings, progress)
+        if soaked is not None:
+            wire = tuple(
+                replace(w, soak_identical=soaked.passed) if w.dtype == soaked.wire_dtype else w
+                for w in record.wire
+            )
+            record = replace(record, wire=wire)
     record_path = CapabilityStore(store.capabilities_path).put(record.sign(identity))
     reports = dd.root / "certifications"
     reports.mkdir(parents=True, exist_ok=True)
     stem = f"{record.model_name}-{sha[:12]}"
-    data = report_json(cert, record)
+    data = report_json(cert, record, soaked)
     (reports / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
-    text = report_markdown(cert, record)
+    text = report_markdown(cert, record, soaked)
     (reports / f"{stem}.md").write_text(text)
     if args.json:
         print(json.dumps(data, indent=2))

@@ -42,10 +42,17 @@ class WireResult:
     greedy_identical: bool  # every prompt's greedy text identical to the whole model's
     chunked_prefill_identical: bool  # prefill in chunks gives the one-shot prefill's logits
     positions: int  # positions compared
+    # Real agent processes split the model with this dtype and answered as one whole agent:
+    # True or False where the soak ran with this dtype, None where it did not.
+    soak_identical: bool | None = None
 
     @property
     def exact(self) -> bool:
-        return self.greedy_identical and self.chunked_prefill_identical
+        return (
+            self.greedy_identical
+            and self.chunked_prefill_identical
+            and self.soak_identical is not False
+        )
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from meshagent.models.family import family_traits
 from meshagent.models.layout import inspect_model
 from tests.engine.tiny_models import write_tiny_jamba, write_tiny_mamba, write_tiny_model
 
-QUICK = ["--tokens", "4", "--ctx-size", "96", "--threads", "1"]
+QUICK = ["--tokens", "4", "--ctx-size", "96", "--threads", "1", "--no-soak"]
 
 
 def certify(model, data_dir, *extra):
@@ -138,3 +138,20 @@ def test_certify_smollm2_writes_a_report_and_a_signed_record(model_path, store, 
     assert records.get(record["model_sha256"]) is not None
     # The shared cache must not hand a record to other tests' agents.
     records.path_of(record["model_sha256"]).unlink()
+
+
+def test_the_soak_serves_the_split_over_three_agents_as_one_whole_agent(tmp_path, capsys):
+    path = write_tiny_jamba(tmp_path / "tiny-jamba.gguf")
+    args = ["--tokens", "4", "--ctx-size", "96", "--threads", "1", "--cut", "0:2:6"]
+    args += ["--wire-dtype", "f32", "--json", "--data-dir", str(tmp_path / "dd")]
+    assert main(["models", "certify", str(path), *args]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    soak = report["soak"]
+    assert soak["passed"], soak
+    assert soak["wire_dtype"] == "f32" and len(soak["stages"]) == 3
+    # 5 prompts (the context-filling one aside), streamed and not, on each of 3 agents.
+    assert soak["requests"] == 30 and soak["identical"] == 30
+    f32 = next(w for w in report["record"]["wire"] if w["dtype"] == "f32")
+    assert f32["soak_identical"] is True and f32["exact"]
+    assert "soak: split" in out.err

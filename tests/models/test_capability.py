@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import cbor2
 import pytest
 
@@ -103,3 +105,9 @@ def test_auto_takes_the_cheapest_exact_dtype_and_f32_without_a_record():
     forced = choose_wire_dtype("f16", record(me.peer_id))
     assert (forced.dtype, forced.certified_exact) == ("f16", False)
     assert "--wire-dtype" in forced.reason
+
+
+def test_a_failed_soak_takes_exactness_away():
+    w = WireResult("f32", 1.0, 0.0, True, True, 96)
+    assert w.exact and replace(w, soak_identical=True).exact
+    assert not replace(w, soak_identical=False).exact
