@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
 
+from meshagent.certify.checks import Progress
 from meshagent.certify.prompts import Prompt
 from meshagent.identity.mesh import Invite, encode_invite
 from meshagent.identity.mesh_file import load_mesh
@@ -27,7 +28,6 @@ from meshagent.models.capability import CapabilityStore, SignedRecord
 from meshagent.models.layout import ModelLayout
 from meshagent.placement.planner import ModelCost, PeerCapacity, PlanError, plan
 
-Progress = Callable[[str], None]
 AGENTS = 3
 HEADROOM = 0.1  # placement's default
 READY_TIMEOUT = 180.0

@@ -12,11 +12,10 @@ from typing import Any
 import structlog
 
 from meshagent.errors import ModelError
+from meshagent.gossip.record import MAX_CAPABILITIES
 from meshagent.models.capability import CapabilityStore, SignedRecord
 
 log = structlog.get_logger(__name__)
-
-MAX_PUBLISHED = 8  # records in one gossip record (gossip/record.py MAX_CAPABILITIES)
 
 
 class Capabilities:
@@ -62,4 +61,4 @@ class Capabilities:
 
     def published(self) -> tuple[bytes, ...]:
         """What this agent gossips: the records in its cache."""
-        return tuple(r.to_bytes() for r in self.store.all()[:MAX_PUBLISHED])
+        return tuple(r.to_bytes() for r in self.store.all()[:MAX_CAPABILITIES])
