@@ -79,7 +79,8 @@ def _soak(layout, record, identity, settings, progress):
         progress("soak: skipped, no wire dtype is exact")
         return None
     prompts = [p for p in PROMPTS if not p.fill_to_ctx]
-    progress(f"soak: 3 agents split {layout.name}, wire {choice.dtype}, against a whole agent")
+    name = record.model_name
+    progress(f"soak: 3 agents split {name}, wire {choice.dtype}, against a whole agent")
     return soak(
         layout,
         record.sign(identity),

@@ -133,11 +133,15 @@ class Capture:
     """One context's capture target: the tensor name and a growable float32 buffer."""
 
     def __init__(self, tensor_name: str, n_embd: int = 0) -> None:
+        self.state = CaptureState()
+        self.target(tensor_name)
+        self.bind(n_embd)
+
+    def target(self, tensor_name: str) -> None:
+        """The graph tensor to copy out (read by the hook at every decode)."""
         if len(tensor_name) >= NAME_LEN:
             raise EngineError(f"tensor name too long to capture: {tensor_name}")
-        self.state = CaptureState()
         self.state.name = tensor_name.encode()
-        self.bind(n_embd)
 
     def bind(self, n_embd: int) -> None:
         """Set the row width (the model's embedding length) once the model is loaded."""

@@ -70,18 +70,6 @@ def load_model(path: Path, *, vocab_only: bool = False) -> ctypes.c_void_p:
     return model
 
 
-def read_meta(path: Path, key: str) -> str | None:
-    """One metadata value of a GGUF file, read by llama.cpp without loading weights (the gguf
-    package's reader parses every field in Python: seconds for a large vocabulary)."""
-    model = load_model(path, vocab_only=True)
-    try:
-        buf = ctypes.create_string_buffer(512)
-        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-        return buf.value.decode(errors="replace") if n >= 0 else None
-    finally:
-        llama_cpp.llama_model_free(model)
-
-
 def _by_sequence(seq_ids: Sequence[int]) -> list[int]:
     """Item indices in ascending sequence id. With a KV stream per sequence, llama.cpp builds
     each micro-batch from a run of consecutive, increasing sequence ids starting at the first

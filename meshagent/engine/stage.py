@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from meshagent.engine.native import Capture
-from meshagent.engine.runtime import EmbdItem, LlamaRuntime, RuntimeDelegate, read_meta
+from meshagent.engine.runtime import EmbdItem, LlamaRuntime, RuntimeDelegate
 from meshagent.errors import EngineError
 from meshagent.models.slicer import PAD_LAYERS_KEY, SLICE_KEY_PREFIX
 
@@ -44,12 +44,8 @@ class StageEngine(RuntimeDelegate):
         self.start = start
         self.end = end
         self.last = end == total_layers
-        # A hybrid's slice may start with zero layers that pass their input on (see
-        # slicer.pad_layer); llama.cpp numbers them with the slice's own.
-        pads = read_meta(layers_path, SLICE_KEY_PREFIX + PAD_LAYERS_KEY)
-        n_layers = int(pads or 0) + end - start
-        # The residual after the slice's last layer; llama.cpp names it l_out-<layer>.
-        capture = None if self.last else Capture(f"l_out-{n_layers - 1}")
+        # Named once the slice is loaded: see below.
+        capture = None if self.last else Capture("l_out-0")
         self.runtime = LlamaRuntime(
             layers_path,
             slots=slots,
@@ -60,11 +56,18 @@ class StageEngine(RuntimeDelegate):
             flash_attn=flash_attn,
             capture=capture,
         )
+        # A hybrid's slice may start with zero layers that pass their input on (see
+        # slicer.pad_layer); llama.cpp numbers them with the slice's own.
+        n_layers = int(self.runtime.meta(SLICE_KEY_PREFIX + PAD_LAYERS_KEY) or 0) + end - start
         if self.runtime.n_layers != n_layers:
             self.runtime.close()
             raise EngineError(
                 f"{layers_path} holds {self.runtime.n_layers} layers, expected {n_layers}"
             )
+        if capture is not None:
+            # The residual after the slice's last layer; llama.cpp names it l_out-<layer>. The
+            # hook reads the name at every decode, so it may be set after the context exists.
+            capture.target(f"l_out-{n_layers - 1}")
         self.n_embd = self.runtime.n_embd
         self.n_slots = slots
         self.slot_ctx = slot_ctx
