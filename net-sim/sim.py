@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--calibration", type=int, default=d.calibration)
         sp.add_argument("--forwarded", type=int, default=d.forwarded)
         sp.add_argument("--seed", type=int, default=d.seed)
-        sp.add_argument("--wire-dtype", choices=("f16", "f32"), default=d.wire_dtype)
+        sp.add_argument("--wire-dtype", choices=("auto", "f16", "f32"), default=d.wire_dtype)
     f = scenarios.FaultSettings()
     fp = sub.add_parser("faults", help="kill, partition and power-cut a stage host under load")
     fp.add_argument("--regime", choices=REGIMES, default=f.regime)

@@ -120,7 +120,7 @@ class Mesh:
         timeline: Timeline,
         *,
         agent_args: Sequence[str] = SMALL_AGENT,
-        wire_dtype: str = "f16",
+        wire_dtype: str = "auto",
     ) -> None:
         self.lab = lab
         self.root = root

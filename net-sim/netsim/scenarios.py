@@ -35,7 +35,7 @@ class SplitSettings:
     forwarded: int = 2  # requests sent to each non-entry agent (carried to the entry)
     idle_s: float = 5.0  # a quiet window, for the background bytes on each link
     seed: int = 1
-    wire_dtype: str = "f16"
+    wire_dtype: str = "auto"  # as agents run by default: f32 unless certified
     timeout_s: float = 90.0  # a request with no byte for this long has failed
 
 
@@ -347,7 +347,7 @@ def breakdown(
 class FaultSettings:
     regime: str = "wan"
     seed: int = 1
-    wire_dtype: str = "f16"
+    wire_dtype: str = "auto"  # as agents run by default: f32 unless certified
     concurrency: int = 2
     before_s: float = 6.0  # load running before each fault
     observe_s: float = 25.0  # watching after a kill before restarting
