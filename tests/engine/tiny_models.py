@@ -67,11 +67,7 @@ def write_tiny_model(
     sliding_window: int | None = None,
 ) -> Path:
     head_dim = n_embd // n_head
-    w = gguf.GGUFWriter(path, arch)
-    w.add_name(f"tiny-{arch}")
-    w.add_context_length(512)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layers)
+    w = _begin(path, arch, n_embd=n_embd, n_layers=n_layers)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
@@ -84,16 +80,11 @@ def write_tiny_model(
         w.add_sliding_window(sliding_window)
     _add_vocab(w)
     g = _Weights(w, seed)
-    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=0.5)
-    g.ones("output_norm.weight", n_embd)
-    g.normal("output.weight", N_VOCAB, n_embd, scale=0.2)
+    _embeddings_and_head(g, n_embd)
     for i in range(n_layers):
         p = f"blk.{i}."
         g.ones(p + "attn_norm.weight", n_embd)
-        g.normal(p + "attn_q.weight", n_head * head_dim, n_embd)
-        g.normal(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
-        g.normal(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
-        g.normal(p + "attn_output.weight", n_embd, n_head * head_dim)
+        _attention(g, p, n_embd, n_head, n_head_kv)
         if arch == "qwen2":
             g.normal(p + "attn_q.bias", n_head * head_dim, scale=0.05)
             g.normal(p + "attn_k.bias", n_head_kv * head_dim, scale=0.05)
@@ -103,6 +94,29 @@ def write_tiny_model(
             g.ones(p + "attn_k_norm.weight", head_dim)
         _dense_ffn(g, p, n_embd, n_ff)
     return _finish(w, path)
+
+
+def _begin(path: Path, arch: str, *, n_embd: int, n_layers: int) -> gguf.GGUFWriter:
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(512)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layers)
+    return w
+
+
+def _embeddings_and_head(g: _Weights, n_embd: int) -> None:
+    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=0.5)
+    g.ones("output_norm.weight", n_embd)
+    g.normal("output.weight", N_VOCAB, n_embd, scale=0.2)
+
+
+def _attention(g: _Weights, p: str, n_embd: int, n_head: int, n_head_kv: int) -> None:
+    head_dim = n_embd // n_head
+    g.normal(p + "attn_q.weight", n_head * head_dim, n_embd)
+    g.normal(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
+    g.normal(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
+    g.normal(p + "attn_output.weight", n_embd, n_head * head_dim)
 
 
 def _dense_ffn(g: _Weights, p: str, n_embd: int, n_ff: int) -> None:
@@ -153,11 +167,7 @@ def write_tiny_mamba(
     seed: int = 0,
 ) -> Path:
     """A Mamba(1) model: every layer is a state-space mixer, no attention, no FFN."""
-    w = gguf.GGUFWriter(path, "mamba")
-    w.add_name("tiny-mamba")
-    w.add_context_length(512)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layers)
+    w = _begin(path, "mamba", n_embd=n_embd, n_layers=n_layers)
     w.add_feed_forward_length(0)
     w.add_head_count(0)
     w.add_layer_norm_rms_eps(1e-5)
@@ -165,9 +175,7 @@ def write_tiny_mamba(
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_vocab(w)
     g = _Weights(w, seed)
-    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=0.5)
-    g.ones("output_norm.weight", n_embd)
-    g.normal("output.weight", N_VOCAB, n_embd, scale=0.2)
+    _embeddings_and_head(g, n_embd)
     for i in range(n_layers):
         p = f"blk.{i}."
         g.ones(p + "attn_norm.weight", n_embd)
@@ -192,12 +200,7 @@ def write_tiny_jamba(
 ) -> Path:
     """A Jamba model: attention (no RoPE) or Mamba mixer per `layer_types`, each followed by a
     dense SwiGLU FFN (real Jamba models put experts on every other layer; not needed here)."""
-    head_dim = n_embd // n_head
-    w = gguf.GGUFWriter(path, "jamba")
-    w.add_name("tiny-jamba")
-    w.add_context_length(512)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(len(layer_types))
+    w = _begin(path, "jamba", n_embd=n_embd, n_layers=len(layer_types))
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv([n_head_kv if t == "attention" else 0 for t in layer_types])
@@ -206,17 +209,12 @@ def write_tiny_jamba(
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_vocab(w)
     g = _Weights(w, seed)
-    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=0.5)
-    g.ones("output_norm.weight", n_embd)
-    g.normal("output.weight", N_VOCAB, n_embd, scale=0.2)
+    _embeddings_and_head(g, n_embd)
     for i, kind in enumerate(layer_types):
         p = f"blk.{i}."
         g.ones(p + "attn_norm.weight", n_embd)
         if kind == "attention":
-            g.normal(p + "attn_q.weight", n_head * head_dim, n_embd)
-            g.normal(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
-            g.normal(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
-            g.normal(p + "attn_output.weight", n_embd, n_head * head_dim)
+            _attention(g, p, n_embd, n_head, n_head_kv)
         else:
             _mamba_block(
                 g, p, n_embd=n_embd, d_conv=d_conv, d_state=d_state, dt_rank=dt_rank, norms=True

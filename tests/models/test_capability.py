@@ -50,14 +50,18 @@ def test_a_signed_record_round_trips_and_names_its_exact_dtypes():
     assert back.record.to_dict()["wire"][1]["exact"] is False
 
 
-def test_a_tampered_record_is_refused():
-    me = NodeIdentity.generate()
-    signed = record(me.peer_id).sign(me)
+def claim_f16_exact(signed: SignedRecord) -> bytes:
+    """The signed record's bytes with its body changed to claim f16 exact, signature kept."""
     body = cbor2.loads(signed.body)
-    body["wire"][1]["greedy_identical"] = True  # claim f16 exact
-    forged = cbor2.dumps(
+    body["wire"][1]["greedy_identical"] = True
+    return cbor2.dumps(
         {0: 1, 1: cbor2.dumps(body, canonical=True), 2: signed.public_key, 3: signed.signature}
     )
+
+
+def test_a_tampered_record_is_refused():
+    me = NodeIdentity.generate()
+    forged = claim_f16_exact(record(me.peer_id).sign(me))
     with pytest.raises(ModelError, match="bad signature"):
         SignedRecord.from_bytes(forged)
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import cbor2
-
 from meshagent.identity.keys import NodeIdentity
 from meshagent.models.capability import CapabilityStore
 from meshagent.serving.capabilities import Capabilities
-from tests.models.test_capability import record
+from tests.models.test_capability import claim_f16_exact, record
 
 
 @dataclass
@@ -38,12 +36,7 @@ def test_a_record_heard_from_a_peer_is_verified_kept_and_gossiped_on(tmp_path):
 
 def test_a_tampered_record_from_a_peer_is_refused_and_not_kept(tmp_path):
     certifier = NodeIdentity.generate()
-    signed = record(certifier.peer_id).sign(certifier)
-    body = cbor2.loads(signed.body)
-    body["wire"][1]["greedy_identical"] = True  # claims f16 exact
-    forged = cbor2.dumps(
-        {0: 1, 1: cbor2.dumps(body, canonical=True), 2: signed.public_key, 3: signed.signature}
-    )
+    forged = claim_f16_exact(record(certifier.peer_id).sign(certifier))
     views = {"p": View(Record((forged, b"garbage")))}
     caps = Capabilities(CapabilityStore(tmp_path / "caps"), lambda: views)
     assert caps.for_model("ab" * 32) is None
