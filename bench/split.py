@@ -33,13 +33,18 @@ SMALL = ["--max-memory", "80M", "--slots", "4", "--ctx-size", "512", "--threads"
 BIG = ["--slots", "4", "--ctx-size", "512", "--threads", "1"]
 
 
-async def one_stream(url: str, model: str, max_tokens: int) -> list[float]:
+async def one_stream(
+    url: str, model: str, max_tokens: int, stage_ms: list[float] | None = None
+) -> list[float]:
+    """Arrival times of the streamed tokens; a split's compute milliseconds over all its stages
+    (the receipt in the usage chunk) are appended to `stage_ms`."""
     body = {
         "model": model,
         "prompt": PROMPT,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     arrivals = []
     async with (
@@ -47,18 +52,25 @@ async def one_stream(url: str, model: str, max_tokens: int) -> list[float]:
         client.stream("POST", f"{url}/v1/completions", json=body) as r,
     ):
         async for line in r.aiter_lines():
-            data = line.startswith("data: ") and line != "data: [DONE]"
-            if data and json.loads(line[6:])["choices"][0]["text"]:
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
                 arrivals.append(time.perf_counter())
+            receipt = (chunk.get("usage") or {}).get("meshagent")
+            if receipt and stage_ms is not None:
+                stage_ms.append(sum(receipt["stage_ms"]))
     return arrivals
 
 
-async def measure(url: str, model: str, max_tokens: int, concurrent: int) -> float:
+async def measure(
+    url: str, model: str, max_tokens: int, concurrent: int, stage_ms: list[float] | None = None
+) -> float:
     """Decode tokens/s: one request alone, or the aggregate of `concurrent` requests."""
     results: list[list[float]] = []
 
     async def run() -> None:
-        results.append(await one_stream(url, model, max_tokens))
+        results.append(await one_stream(url, model, max_tokens, stage_ms))
 
     async with trio.open_nursery() as n:
         for _ in range(concurrent):
@@ -105,6 +117,7 @@ def main() -> None:
     args = ap.parse_args()
     model = "SmolLM2-135M-Instruct.Q4_1"
     rows: dict[str, list[float]] = {"single 1": [], "single N": [], "split 1": [], "split N": []}
+    compute_ms: list[float] = []  # the split's compute per decode token, all stages, per round
     with tempfile.TemporaryDirectory(prefix="meshagent-bench-") as tmp:
         root = Path(tmp)
         a = start_agent(root / "a", *SMALL, "--wire-dtype", "f16", wait_model=False)
@@ -127,6 +140,12 @@ def main() -> None:
         single = start_agent(root / "single", *BIG)  # a mesh of its own
         trio.run(measure, entry.url, model, 8, 1)  # warm up both
         trio.run(measure, single.url, model, 8, 1)
+        # The stages' compute for the prompt and first token alone, to take out of each
+        # request's receipt: what is left is the compute of its decode steps.
+        first: list[float] = []
+        for _ in range(3):
+            trio.run(one_stream, entry.url, model, 1, first)
+        prefill_ms = statistics.median(first)
 
         # CPU per token, one request of max_tokens, on each side (less sensitive to what else
         # the machine runs than wall time).
@@ -149,7 +168,9 @@ def main() -> None:
         cpu_n_total = sum(m + o for m, o in cpu_split_n) + client_ms
         for _ in range(args.rounds):
             rows["single 1"].append(trio.run(measure, single.url, model, args.max_tokens, 1))
-            rows["split 1"].append(trio.run(measure, entry.url, model, args.max_tokens, 1))
+            receipt: list[float] = []
+            rows["split 1"].append(trio.run(measure, entry.url, model, args.max_tokens, 1, receipt))
+            compute_ms.append((receipt[0] - prefill_ms) / (args.max_tokens - 1))
             rows["single N"].append(
                 trio.run(measure, single.url, model, args.max_tokens, args.concurrent)
             )
@@ -165,6 +186,14 @@ def main() -> None:
     pairs = {
         "split_vs_single": [s / o for s, o in zip(rows["split 1"], rows["single 1"], strict=True)],
         "concurrency_gain": [n / o for n, o in zip(rows["split N"], rows["split 1"], strict=True)],
+        # What the stages' compute allows one request: the single agent's time per token
+        # over the split's compute per token (its three llama.cpp contexts, which on this
+        # one machine also share caches and cores), i.e. a split with no cost of its own.
+        "compute_ceiling": [
+            (1000 / o) / c for o, c in zip(rows["single 1"], compute_ms, strict=True)
+        ],
+        # The split's time per token spent computing: how close it comes to that ceiling.
+        "of_ceiling": [s * c / 1000 for s, c in zip(rows["split 1"], compute_ms, strict=True)],
     }
     print(f"{'run':<34}{'decode tok/s (median)':>22}")
     for k, v in med.items():
@@ -176,6 +205,19 @@ def main() -> None:
     r = pairs["split_vs_single"]
     print(f"  per round: median {statistics.median(r):.3f}, range {min(r):.3f}-{max(r):.3f}")
     print(f"per-token overhead of the split: {overhead_ms:.2f} ms")
+    cc, oc = pairs["compute_ceiling"], pairs["of_ceiling"]
+    print(
+        f"  what the stages' compute allows (ceiling): {statistics.median(cc):.3f} "
+        f"(range {min(cc):.3f}-{max(cc):.3f}); the split's compute "
+        f"{statistics.median(compute_ms):.2f} ms per token against the single agent's "
+        f"{1000 / med['single 1']:.2f} ms in all"
+    )
+    print(
+        f"  measured / ceiling: {statistics.median(oc):.0%} (range {min(oc):.0%}-{max(oc):.0%}; "
+        f"goal when the ceiling is below 0.90: >= 90%); the rest, "
+        f"{1000 / med['split 1'] - statistics.median(compute_ms):.2f} ms per token, is the "
+        "hops between stages"
+    )
     print(
         f"split, {args.concurrent} concurrent vs 1: {med['split N'] / med['split 1']:.2f}x "
         "(goal: >= 90% of what the cores allow, below)"
@@ -204,6 +246,10 @@ def main() -> None:
         "median_tok_s": med,
         "split_vs_single": med["split 1"] / med["single 1"],
         "overhead_ms_per_token": overhead_ms,
+        "split_compute_ms_per_token": compute_ms,
+        "prefill_compute_ms": prefill_ms,
+        "compute_ceiling": statistics.median(pairs["compute_ceiling"]),
+        "of_compute_ceiling": statistics.median(pairs["of_ceiling"]),
         "concurrency_gain": med["split N"] / med["split 1"],
         "concurrent_cpu_ms_per_token": {
             "split_by_agent": cpu_split_n,

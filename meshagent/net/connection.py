@@ -253,6 +253,19 @@ class Connection:
             self._log.info("conn.lost", during="write", error=str(e))
             self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
 
+    def _write_now(self) -> None:
+        """`_send_inline` for code that cannot wait: what the socket takes at once goes now,
+        the rest to the writer task."""
+        if self._writing or self.is_closed:
+            self._kick()
+            return
+        try:
+            if not self._writer_state.write_nowait(self.mux):
+                self._kick()
+        except _TRANSPORT_ERRORS as e:
+            self._log.info("conn.lost", during="write", error=str(e))
+            self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
+
     def _read(self, stream_id: int, max_bytes: int) -> bytes | bytearray | None:
         data = self.mux.read(stream_id, max_bytes)
         if self.mux.has_output:

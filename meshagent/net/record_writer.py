@@ -74,6 +74,24 @@ class RecordWriter:
             self._pending = pending[sent:]
             self.bytes_sent += sent
 
+    def write_nowait(self, mux: Multiplexer) -> bool:
+        """Write what the socket takes now, without waiting; True when nothing is left.
+        Transports other than a socket are written by `write` only (returns False)."""
+        if self._sock is None:
+            return not self._pending and not mux.has_output
+        while True:
+            pending = self._pending
+            if not pending:
+                if not mux.has_output:
+                    return True
+                pending = self._pending = self._seal(mux)
+            try:
+                sent = self._sock.send(pending)
+            except (BlockingIOError, InterruptedError):
+                return False
+            self._pending = pending[sent:]
+            self.bytes_sent += sent
+
     def _seal(self, mux: Multiplexer) -> memoryview:
         frames = mux.frames_to_seal(self._batch)
         size = self._sealer.sealed_size(frames)

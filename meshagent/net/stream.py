@@ -89,6 +89,18 @@ class MeshStream(trio.abc.HalfCloseableStream):
         finally:
             self._sending = False
 
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> int:
+        """Send what the peer's credit allows now, without waiting (for code on the event
+        loop that cannot: a callback). Returns how many bytes were taken; the caller sends
+        the rest, in order, with `send_all`. Raises what `send_all` raises."""
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        self._check_send()
+        n = self._conn._send(self.stream_id, memoryview(data).cast("B"))
+        if n:
+            self._conn._write_now()
+        return n
+
     async def wait_send_all_might_not_block(self) -> None:
         self._check_send()
         while self._conn.mux.send_credit(self.stream_id)[0] == 0:

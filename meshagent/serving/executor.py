@@ -52,7 +52,7 @@ class LocalExecutor:
             self.engine.clear_sequence(slot)
             self._samplers.pop(slot, None)
         for op in step.opened:
-            self._samplers[op.slot] = Sampler(op.sampling)
+            self._samplers[op.slot] = Sampler(op.sampling, op.history)
         if not step.items:
             return []
         items = [ForwardItem(it.slot, it.pos, it.tokens, it.last) for it in step.items]

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import structlog
 import trio
 
-from meshagent.errors import ContextOverflow
+from meshagent.errors import ContextOverflow, SplitUnavailable
 from meshagent.serving.runner import ModelRunner
 from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.stops import StopMatcher
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     stage_ms: tuple[float, ...] = ()  # a split's time per stage on this request
+    replays: tuple[Replay, ...] = ()  # lost stages this request survived
 
 
 def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
@@ -59,45 +63,104 @@ def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
     return request.max_tokens
 
 
+@dataclass(frozen=True)
+class Replay:
+    """A request continued on a new chain after it lost a stage."""
+
+    reason: str  # why the chain broke
+    tokens: int  # prompt and generated tokens prefilled again
+    ms: float  # from the break to the first token of the new chain
+
+
+# Returns the runner that serves the model now (after a lost stage: the same pipeline, or the
+# entry of a new plan), waiting while there is none.
+Reroute = Callable[[], Awaitable[ModelRunner]]
+
+_RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds between tries of a chain that is not back yet
+
+
 async def generate(
     runner: ModelRunner,
     token_bytes: Callable[[int], bytes],
     request: GenerationRequest,
     out: trio.MemorySendChannel[Delta | Finished],
+    *,
+    reroute: Reroute | None = None,
+    replay_deadline: float = 30.0,
 ) -> None:
     """Generate into `out` (never blocks on it: give it room for max_tokens + 1 events).
 
     The runner computes and samples on its own thread; here tokens only become text, and stop
     strings are matched. The slot is held only while tokens are computed, not while a slow
     client reads.
+
+    With `reroute`, a request whose split loses a stage (SplitUnavailable) is replayed: the
+    prompt and the tokens generated so far are prefilled on the chain `reroute` gives, with
+    the same seed, and generation continues from the next token, so `out` sees one unbroken
+    text. Past `replay_deadline` seconds without a chain that serves, the error is raised.
     """
     limit = check_fits(request, runner.slot_ctx)
+    sampling = request.sampling.seeded()  # a replay must draw what the first chain would have
     stops = StopMatcher(request.stop)
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    produced = 0
+    history: list[int] = []  # the tokens generated so far
     reason = "length"
     stage_ms: list[float] = []
-    async with runner.start(request.prompt_tokens, limit, request.sampling) as handle:
-        while True:
-            ev = await handle.next()
-            if len(stage_ms) < len(ev.timing):
-                stage_ms += [0.0] * (len(ev.timing) - len(stage_ms))
-            for i, ms in enumerate(ev.timing):
-                stage_ms[i] += ms
-            if ev.finish == "stop":
-                reason = "stop"
-                break
-            produced += 1
-            text = stops.feed(utf8.decode(token_bytes(ev.token)))
-            if text:
-                out.send_nowait(Delta(text))
-            if stops.stopped:
-                reason = "stop"
-                break
-            if ev.finish is not None:
-                break
+    replays: list[Replay] = []
+    broke: tuple[str, float] | None = None  # the break being replayed: why, and when
+    while True:
+        try:
+            async with runner.start(
+                request.prompt_tokens, limit - len(history), sampling, tuple(history)
+            ) as handle:
+                while True:
+                    ev = await handle.next()
+                    if broke is not None:
+                        why, since = broke
+                        ms = round((trio.current_time() - since) * 1000, 1)
+                        replays.append(Replay(why, len(request.prompt_tokens) + len(history), ms))
+                        broke = None
+                    if len(stage_ms) < len(ev.timing):
+                        stage_ms += [0.0] * (len(ev.timing) - len(stage_ms))
+                    for i, ms in enumerate(ev.timing):
+                        stage_ms[i] += ms
+                    if ev.finish == "stop":
+                        reason = "stop"
+                        break
+                    history.append(ev.token)
+                    text = stops.feed(utf8.decode(token_bytes(ev.token)))
+                    if text:
+                        out.send_nowait(Delta(text))
+                    if stops.stopped:
+                        reason = "stop"
+                        break
+                    if ev.finish is not None:
+                        break
+            break
+        except SplitUnavailable as e:
+            if reroute is None:
+                raise
+            if broke is None:
+                broke = (str(e), trio.current_time())
+                tries = 0
+            waited = trio.current_time() - broke[1]
+            if waited >= replay_deadline:
+                raise SplitUnavailable(
+                    f"{e} (no chain served this model again within {replay_deadline:g} s)"
+                ) from e
+            if tries:  # the chain was not back on the last try: wait a little longer each time
+                await trio.sleep(min(_RETRY_FIRST * 2 ** (tries - 1), _RETRY_MAX))
+            tries += 1
+            log.info("generation.replay", reason=str(e), tokens=len(history), tries=tries)
+            with trio.move_on_after(replay_deadline - waited) as wait:
+                runner = await reroute()
+            if wait.cancelled_caught:
+                raise SplitUnavailable(
+                    f"{e} (no chain served this model again within {replay_deadline:g} s)"
+                ) from e
     tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
     if tail:
         out.send_nowait(Delta(tail))
     ms = tuple(round(t, 3) for t in stage_ms)
-    out.send_nowait(Finished(reason, len(request.prompt_tokens), produced, ms))
+    finished = Finished(reason, len(request.prompt_tokens), len(history), ms, tuple(replays))
+    out.send_nowait(finished)

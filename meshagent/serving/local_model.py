@@ -10,13 +10,17 @@ import trio
 from meshagent.engine.base import Engine, ModelInfo, TokenModel
 from meshagent.serving.chat import ChatMessage, ChatTemplate
 from meshagent.serving.executor import LocalExecutor
-from meshagent.serving.generation import Delta, Finished, GenerationRequest, generate
+from meshagent.serving.generation import Delta, Finished, GenerationRequest, Reroute, generate
 from meshagent.serving.runner import ModelRunner
 
 
 class LocalModel:
     """`engine` answers the text side (tokens, template); `runner` computes. `whole` builds
-    one for a whole model; the entry of a split passes its pipeline's runner."""
+    one for a whole model; the entry of a split passes its pipeline's runner, and its owner
+    sets `reroute` so that requests survive a lost stage (`generation.generate`)."""
+
+    reroute: Reroute | None = None
+    replay_deadline: float = 30.0
 
     def __init__(self, engine: TokenModel, runner: ModelRunner) -> None:
         self.engine = engine
@@ -50,7 +54,14 @@ class LocalModel:
         self, request: GenerationRequest, out: trio.MemorySendChannel[Delta | Finished]
     ) -> None:
         """Generate `request` into `out` (see `generation.generate`)."""
-        await generate(self.runner, self.engine.token_bytes, request, out)
+        await generate(
+            self.runner,
+            self.engine.token_bytes,
+            request,
+            out,
+            reroute=self.reroute,
+            replay_deadline=self.replay_deadline,
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.runner.run(task_status=task_status)

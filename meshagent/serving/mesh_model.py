@@ -18,6 +18,7 @@ import trio
 
 from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
+from meshagent.errors import EngineError, SplitUnavailable
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits
@@ -29,6 +30,7 @@ from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
+from meshagent.serving.runner import ModelRunner
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
 log = structlog.get_logger(__name__)
@@ -36,6 +38,7 @@ log = structlog.get_logger(__name__)
 _WATCH_INTERVAL = 0.5  # seconds between checks that the split in force is still routable
 _CERTIFICATION_INTERVAL = 2.0  # seconds between looks for a record that allows a split
 _RECORD_WAIT = 10.0  # seconds a stage of a certified-only split waits for the record
+_REROUTE_POLL = 0.2  # seconds between looks for the model's new placement, during a replay
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,8 @@ class MeshModel:
             await host.load(plan)
             self.split = host
             self.local = host.model
+            if self.local is not None:
+                self.local.reroute = self._reroute
             stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
             receipt = [
                 (b"x-meshagent-stages", stages.encode()),
@@ -289,6 +294,14 @@ class MeshModel:
             entry=self.local is not None,
         )
 
+    async def _reroute(self) -> ModelRunner:
+        """For a request that lost a stage of the split this agent is the entry of: the runner
+        serving the model here now, the same pipeline (it reconnects on its next step) or a
+        new plan's; waits while placement moves the model."""
+        while self._offered is None or self.split is None:
+            await trio.sleep(_REROUTE_POLL)
+        return self._offered.runner
+
     async def _wire_choice(self) -> WireChoice:
         """The dtype this agent sends activations in (the entry's choice holds for the chain)."""
         sha = await trio.to_thread.run_sync(lambda: self.store.source_sha256(self.model_path))
@@ -310,7 +323,10 @@ class MeshModel:
         self._offered, self._receipt = None, []
         self.wire = None
         if self.local is not None:
-            self.local.runner.abort("the mesh moved this model to a new placement; retry")
+            # A split's requests are replayed on the new placement's entry when it is this
+            # agent (`_reroute`); a whole model's are not (they fail, and the client retries).
+            moved = "the mesh moved this model to a new placement; retry"
+            self.local.runner.abort(SplitUnavailable(moved) if self.split else EngineError(moved))
         if self._serving_scope is not None:
             self._serving_scope.cancel()
             self._serving_scope = None

@@ -27,6 +27,7 @@ from meshagent.engine.stage import WIRE_DTYPES, StageEngine
 from meshagent.engine.vocab import Vocab, VocabDelegate
 from meshagent.errors import EngineError, SplitUnavailable
 from meshagent.models.slicer import TokenEmbeddings
+from meshagent.net.outbox import Outbox
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.executor import SampledToken
 from meshagent.serving.runner import ModelRunner
@@ -96,10 +97,11 @@ class PipelineExecutor:
         self._open_downstream = open_downstream
         self._wire = WIRE_DTYPES[wire_dtype]
         self._down: trio.abc.SendStream | None = None
+        self._outbox: Outbox | None = None  # sends to _down from the worker's hand-offs
+        self._nursery: trio.Nursery | None = None
         # Bumped each time the chain breaks; a reply stream from an older chain is then
         # ignored, whatever it still says.
         self._generation = 0
-        self._send_lock = trio.Lock()
         self._runner: ModelRunner | None = None
         self._trio: trio.lowlevel.TrioToken | None = None
         self.peak_rounds_in_flight = 0
@@ -109,7 +111,15 @@ class PipelineExecutor:
     async def run(self, runner: ModelRunner, *, task_status: trio.TaskStatus[None]) -> None:
         self._runner = runner
         self._trio = trio.lowlevel.current_trio_token()
-        task_status.started()
+        async with trio.open_nursery() as nursery:  # the outbox's sends that had to wait
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+                if self._outbox is not None:
+                    self._outbox.close()
 
     # ----- the worker thread -----
 
@@ -122,7 +132,7 @@ class PipelineExecutor:
             # A request needs the chain: open it again (the stage may be back by now).
             self._on_loop(self._reconnect)
         messages: list[sm.Message] = [sm.Close(slot) for slot in step.released]
-        messages += [sm.Open(op.slot, op.sampling) for op in step.opened]
+        messages += [sm.Open(op.slot, op.sampling, op.history) for op in step.opened]
         if step.items:
             generation = self._generation
             t0 = time.perf_counter()
@@ -140,7 +150,11 @@ class PipelineExecutor:
             self.peak_rounds_in_flight = max(self.peak_rounds_in_flight, rounds)
             self.largest_round = max(self.largest_round, len(step.items))
         if messages:
-            self._on_loop(self._send, messages)
+            if self._outbox is None:
+                self._on_loop(self._open)
+            # Not waiting for the send: the event loop sends when it next runs.
+            assert self._runner is not None
+            self._runner.post(self._put, b"".join(sm.encode(m) for m in messages))
         return []
 
     def _on_loop(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
@@ -148,21 +162,36 @@ class PipelineExecutor:
 
     # ----- the event loop -----
 
-    async def _send(self, messages: list[sm.Message]) -> None:
-        data = b"".join(sm.encode(m) for m in messages)
-        async with self._send_lock:
-            try:
-                if self._down is None:
-                    self._down = await self._open_downstream()
-                await self._down.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-                self._broken(f"the next stage is unreachable: {e}")
+    async def _open(self) -> None:
+        try:
+            if self._down is None:
+                self._down = await self._open_downstream()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            self._broken(f"the next stage is unreachable: {e}")
+        else:
+            self._new_outbox()
+
+    def _new_outbox(self) -> None:
+        if self._nursery is None:
+            raise SplitUnavailable("the model is shutting down")
+        assert self._down is not None
+        outbox: Outbox
+
+        def lost(error: BaseException) -> None:
+            if outbox is self._outbox:  # not an old chain's, after a reconnect
+                self._broken(f"the next stage is unreachable: {error}")
+
+        outbox = self._outbox = Outbox(self._down, self._nursery, lost)
+
+    def _put(self, data: bytes) -> None:
+        if self._outbox is not None and self.failed is None and self._nursery is not None:
+            self._outbox.put(data)
 
     async def _reconnect(self) -> None:
         """After a failure: open a new stream to the next stage (the stages behind it start
         afresh on a new stream), so the split serves again once its peers are back. A
         failure to reopen fails the step that asked (SplitUnavailable)."""
-        old, self._down = self._down, None
+        old, self._down, self._outbox = self._down, None, None
         if old is not None:
             await trio.aclose_forcefully(old)
         try:
@@ -171,6 +200,7 @@ class PipelineExecutor:
             raise SplitUnavailable(
                 f"the split pipeline failed: {self.failed}; reconnecting failed: {e}"
             ) from e
+        self._new_outbox()
         log.info("pipeline.reconnected", after=self.failed, generation=self._generation)
         self.failed = None
 

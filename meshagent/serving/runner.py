@@ -81,7 +81,7 @@ class ModelRunner:
             max_batch_tokens=max_batch_tokens,
             depth=executor.depth,
         )
-        self.aborted: str | None = None
+        self.aborted: MeshError | None = None
         self._lock = threading.Condition()
         self._handles: dict[int, SequenceHandle] = {}
         self._ids = itertools.count()
@@ -95,15 +95,20 @@ class ModelRunner:
             return self.scheduler.stats()
 
     def start(
-        self, prompt: tuple[int, ...], limit: int, sampling: SamplingParams
+        self,
+        prompt: tuple[int, ...],
+        limit: int,
+        sampling: SamplingParams,
+        history: tuple[int, ...] = (),
     ) -> SequenceHandle:
-        """Submit a request; its tokens arrive on the handle. Raises what
-        `Scheduler.submit` raises (QueueFull, ShuttingDown, ContextOverflow)."""
+        """Submit a request (a replayed one with its `history`, see `Scheduler.submit`); its
+        tokens arrive on the handle. Raises what `Scheduler.submit` raises (QueueFull,
+        ShuttingDown, ContextOverflow)."""
         if self.aborted is not None:
-            raise EngineError(self.aborted)
+            raise self.aborted
         handle = SequenceHandle(self, next(self._ids))
         with self._lock:
-            self.scheduler.submit(handle.seq, prompt, limit, sampling)
+            self.scheduler.submit(handle.seq, prompt, limit, sampling, history)
             self._handles[handle.seq] = handle
             self._lock.notify()
         return handle
@@ -113,10 +118,12 @@ class ModelRunner:
         with self._lock:
             self.scheduler.close()
 
-    def abort(self, reason: str) -> None:
-        """Stop for good: every request admitted or queued fails with `reason`."""
-        self.aborted = reason
-        self.fail_all(EngineError(reason), queued=True)
+    def abort(self, reason: str | MeshError) -> None:
+        """Stop for good: every request admitted or queued fails with `reason` (an
+        EngineError, unless it is an error already)."""
+        error = reason if isinstance(reason, MeshError) else EngineError(reason)
+        self.aborted = error
+        self.fail_all(error, queued=True)
 
     def fail_all(self, error: MeshError, *, queued: bool = False) -> None:
         """Every active request (and with `queued`, every waiting one too) fails with

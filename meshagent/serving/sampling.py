@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import secrets
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 # Nucleus sampling looks at this many top candidates first and sorts the full vocabulary
 # only when they do not hold top_p of the probability mass.
 _NUCLEUS_CANDIDATES = 64
+_SEED_MASK = (1 << 64) - 1  # seeds may be negative; numpy's seed words may not
 
 
 @dataclass(frozen=True)
@@ -24,14 +27,24 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def seeded(self) -> SamplingParams:
+        """These parameters with a seed: a fresh random one where none was given, so that a
+        request replayed elsewhere draws the same randomness (`Sampler`)."""
+        if self.seed is not None or self.greedy:
+            return self
+        return replace(self, seed=secrets.randbits(63))
+
 
 class Sampler:
-    """Samples one request's tokens; seeded requests are reproducible."""
+    """Samples one request's tokens. The randomness of each draw is a function of the seed and
+    the token's index in the completion alone, and the penalties count the tokens sampled
+    before: so a sampler created with the `history` of a completion (its tokens so far, e.g.
+    on another stage after a replay) continues exactly as the first one would have."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, history: Sequence[int] = ()) -> None:
         self.params = params
-        self._rng = np.random.default_rng(params.seed)
-        self._counts: Counter[int] = Counter()
+        self._counts: Counter[int] = Counter(history)
+        self._index = len(history)  # the completion's index of the next token
 
     def sample(self, logits: np.ndarray) -> int:
         p = self.params
@@ -42,10 +55,17 @@ class Sampler:
             logits[ids] -= p.presence_penalty + p.frequency_penalty * n
         token = int(np.argmax(logits)) if p.greedy else self._sample_random(logits)
         self._counts[token] += 1
+        self._index += 1
         return token
+
+    def _rng(self) -> np.random.Generator:
+        if self.params.seed is None:
+            return np.random.default_rng()
+        return np.random.default_rng((self.params.seed & _SEED_MASK, self._index))
 
     def _sample_random(self, logits: np.ndarray) -> int:
         p = self.params
+        rng = self._rng()
         scaled = logits.astype(np.float64) / p.temperature
         scaled -= scaled.max()
         probs = np.exp(scaled)
@@ -53,8 +73,8 @@ class Sampler:
         if p.top_p < 1.0:
             ids = _nucleus(probs, p.top_p)
             kept = probs[ids]
-            return int(ids[self._rng.choice(len(ids), p=kept / kept.sum())])
-        return int(self._rng.choice(len(probs), p=probs))
+            return int(ids[rng.choice(len(ids), p=kept / kept.sum())])
+        return int(rng.choice(len(probs), p=probs))
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:

@@ -42,11 +42,13 @@ class StepItem:
 
 @dataclass(frozen=True)
 class Opened:
-    """A sequence got a slot and appears in steps from now on."""
+    """A sequence got a slot and appears in steps from now on. `history`: the tokens a
+    replayed completion had generated before (its sampler continues from them)."""
 
     seq: int
     slot: int
     sampling: SamplingParams
+    history: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,10 @@ class SchedulerStats:
 @dataclass
 class _Seq:
     id: int
-    prompt: tuple[int, ...]
+    prompt: tuple[int, ...]  # everything to prefill: the prompt, then any history
     limit: int
     sampling: SamplingParams
+    history: tuple[int, ...] = ()
     slot: int | None = None
     pending: list[int] = field(default_factory=list)
     n_past: int = 0
@@ -163,14 +166,24 @@ class Scheduler:
 
     # ----- events in -----
 
-    def submit(self, seq: int, prompt: tuple[int, ...], limit: int, sampling: SamplingParams):
-        """A new request: it takes a free slot, or waits in the queue. Raises ShuttingDown
-        after `close`, QueueFull when the queue is at its bound, ContextOverflow when the
-        prompt and `limit` new tokens do not fit a slot."""
+    def submit(
+        self,
+        seq: int,
+        prompt: tuple[int, ...],
+        limit: int,
+        sampling: SamplingParams,
+        history: tuple[int, ...] = (),
+    ):
+        """A new request: it takes a free slot, or waits in the queue. `history`: a replayed
+        completion's tokens so far, prefilled after the prompt; `limit` counts the tokens
+        still to generate. Raises ShuttingDown after `close`, QueueFull when the queue is at
+        its bound, ContextOverflow when the prompt, history and `limit` new tokens do not fit
+        a slot."""
         if self.closed:
             raise ShuttingDown("the agent is shutting down and takes no new requests")
         if not prompt or limit < 1:
             raise ValueError("a sequence needs a prompt and room for one token")
+        prompt = (*prompt, *history)
         if len(prompt) + limit > self.slot_ctx:
             raise ContextOverflow(
                 f"sequence needs {len(prompt) + limit} tokens of context, "
@@ -183,7 +196,7 @@ class Scheduler:
                 f"all {self.n_slots} slots are busy and {len(self._queue)} requests "
                 "are queued; retry shortly"
             )
-        s = _Seq(seq, tuple(prompt), limit, sampling)
+        s = _Seq(seq, tuple(prompt), limit, sampling, tuple(history))
         self._by_id[seq] = s
         self._queue.append(s)
         self._admit()
@@ -315,4 +328,4 @@ class Scheduler:
             s.pending = list(s.prompt)
             s.ready_since = self._steps
             self._by_slot[s.slot] = s
-            self._opened.append(Opened(s.id, s.slot, s.sampling))
+            self._opened.append(Opened(s.id, s.slot, s.sampling, s.history))

@@ -28,6 +28,7 @@ K_VERSION, K_TYPE, K_SEQ, K_SAMPLING, K_ITEMS, K_DTYPE, K_WIDTH, K_TOKEN, K_ERRO
     10
 )
 K_TIMING = 10  # milliseconds each stage spent on the batch, in pipeline order
+K_HISTORY = 11  # Open: the completion's tokens so far (a replay), u32 payload of K_SIZE bytes
 MAX_STAGES = 64
 T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR = 1, 2, 3, 4, 5
 
@@ -45,10 +46,13 @@ FRAMING = Framing(
 
 @dataclass(frozen=True)
 class Open:
-    """A sequence starts: the last stage creates its sampler with these parameters."""
+    """A sequence starts: the last stage creates its sampler with these parameters. A
+    sequence replayed after a lost stage carries the tokens it has generated so far (the
+    sampler continues from them)."""
 
     seq: int
     sampling: SamplingParams
+    history: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,9 @@ def encode(msg: Message) -> bytes:
     header: dict[int, Any] = {K_VERSION: VERSION}
     if isinstance(msg, Open):
         header |= {K_TYPE: T_OPEN, K_SEQ: msg.seq, K_SAMPLING: _sampling_to_cbor(msg.sampling)}
+        if msg.history:  # omitted when empty: a fresh Open is the bytes it always was
+            payload = np.asarray(msg.history, dtype="<u4").tobytes()
+            header |= {K_HISTORY: True, K_SIZE: len(payload)}
     elif isinstance(msg, Forward):
         dtype = "f16" if msg.hidden.dtype == np.float16 else "f32"
         payload = np.ascontiguousarray(msg.hidden, dtype=DTYPES[dtype]).tobytes()
@@ -190,7 +197,14 @@ def _timing(h: dict[int, Any]) -> tuple[float, ...]:
 def _message(h: dict[int, Any], payload: bytes) -> Message:
     t = h.get(K_TYPE)
     if t == T_OPEN:
-        return Open(_int(h, K_SEQ, "seq"), _sampling_from_cbor(h.get(K_SAMPLING)))
+        history: tuple[int, ...] = ()
+        if h.get(K_HISTORY):
+            if len(payload) % 4:
+                raise StageProtocolError("an open's history must be whole u32 token ids")
+            history = tuple(int(x) for x in np.frombuffer(payload, dtype="<u4"))
+        elif payload:
+            raise StageProtocolError("an open without history carries no payload")
+        return Open(_int(h, K_SEQ, "seq"), _sampling_from_cbor(h.get(K_SAMPLING)), history)
     if t == T_CLOSE:
         return Close(_int(h, K_SEQ, "seq"))
     if t == T_TOKEN:

@@ -3,7 +3,11 @@ last stage) sampled tokens straight back to the entry."""
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import numpy as np
 import structlog
@@ -11,6 +15,7 @@ import trio
 
 from meshagent.engine.runtime import EmbdItem
 from meshagent.engine.stage import StageEngine
+from meshagent.net.outbox import Outbox
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.sampling import Sampler
 
@@ -41,13 +46,13 @@ class StageServer:
         self._open_reply = open_reply
         self._samplers: dict[int, Sampler] = {}
         self._serving: trio.CancelScope | None = None  # the upstream stream served now
-        self._engine_lock = trio.Lock()  # a forward, or the clearing for a new upstream
+        self._engine_lock = trio.Lock()  # held by the stream served, its worker included
         self.forwards = 0
 
     async def handle(self, upstream: trio.abc.ReceiveStream) -> None:
         # A new upstream stream starts the chain afresh (the entry reconnected after a
         # failure): the stream before it is served no more, and no sequence of it may leave
-        # its cache behind. A forward of the old stream still running finishes first.
+        # its cache behind. The old stream's worker finishes its running forward first.
         if self._serving is not None:
             self._serving.cancel()
         scope = self._serving = trio.CancelScope()
@@ -56,26 +61,77 @@ class StageServer:
                 for seq in range(self.engine.n_slots):
                     self.engine.clear_sequence(seq)
                 self._samplers.clear()
-            await self._serve(upstream)
+                await self._serve(upstream)
 
     async def _serve(self, upstream: trio.abc.ReceiveStream) -> None:
+        """Messages are decoded here, run in order on a worker thread of this stream (one
+        batch at a time, the next one decoded meanwhile), and the worker's bytes go on
+        through an `Outbox` straight from its hand-back: no task wakes for them."""
         out = await (self._open_next or self._open_reply)()  # type: ignore[misc]
-        decoder = sm.StageDecoder()
+        jobs: queue.SimpleQueue[list[sm.Message] | sm.StageProtocolError | None]
+        jobs = queue.SimpleQueue()
+        stop = threading.Event()  # set: the worker skips what is still queued
+        token = trio.lowlevel.current_trio_token()
+        room = trio.Semaphore(1)  # batches handed to the worker and not yet back
+        reading = trio.CancelScope()
+
+        def done(data: bytes, error: BaseException | None) -> None:  # on the event loop
+            room.release()
+            outbox.put(data)
+            if error is not None:
+                if isinstance(error, sm.StageProtocolError):
+                    log.warning("stage.protocol_error", error=str(error))
+                else:
+                    log.error("stage.forward_failed", error=str(error))
+                stop.set()
+                reading.cancel()
+
+        def work() -> None:  # the worker thread
+            while (job := jobs.get()) is not None and not stop.is_set():
+                try:
+                    data, error = self._run(job), None
+                except sm.StageProtocolError as e:
+                    data, error = sm.encode(sm.StageFailure(None, f"protocol error: {e}")), e
+                except Exception as e:
+                    data, error = b"", e
+                token.run_sync_soon(done, data, error)
+
+        def lost(error: BaseException) -> None:
+            log.warning("stage.downstream_lost", error=str(error))
+            stop.set()
+            reading.cancel()
+
         try:
-            while data := await upstream.receive_some():
-                msgs = decoder.feed(data)
-                replies = await self._process(msgs)
-                if replies:
-                    await out.send_all(b"".join(sm.encode(m) for m in replies))
-        except sm.StageProtocolError as e:
-            log.warning("stage.protocol_error", error=str(e))
-            await out.send_all(sm.encode(sm.StageFailure(None, f"protocol error: {e}")))
+            async with trio.open_nursery() as nursery:
+                outbox = Outbox(out, nursery, lost)
+                nursery.start_soon(partial(trio.to_thread.run_sync, work))
+                try:
+                    with reading:
+                        decoder = sm.StageDecoder()
+                        while data := await upstream.receive_some():
+                            try:
+                                msgs: list[sm.Message] | sm.StageProtocolError
+                                msgs = decoder.feed(data)
+                            except sm.StageProtocolError as e:
+                                msgs = e
+                            if msgs:
+                                await room.acquire()
+                                jobs.put(msgs)
+                            if isinstance(msgs, sm.StageProtocolError):
+                                break
+                except BaseException:
+                    stop.set()  # cancelled (superseded, or the agent stops): drop the rest
+                    raise
+                finally:
+                    jobs.put(None)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await out.aclose()
 
-    async def _process(self, msgs: list[sm.Message]) -> list[sm.Message]:
-        """Handle messages in order; consecutive forwards run as one batch."""
+    def _run(self, msgs: list[sm.Message] | sm.StageProtocolError) -> bytes:
+        """One batch of messages, in order, on the worker thread; the bytes to send on."""
+        if isinstance(msgs, sm.StageProtocolError):
+            raise msgs
         out: list[sm.Message] = []
         i = 0
         while i < len(msgs):
@@ -85,10 +141,10 @@ class StageServer:
                 while i + 1 < len(msgs) and isinstance(msgs[i + 1], sm.Forward):
                     i += 1
                     group.append(msgs[i])  # type: ignore[arg-type]
-                out += await self._forward(group)
+                out += self._forward(group)
             elif isinstance(msg, sm.Open):
                 if self.engine.last:
-                    self._samplers[msg.seq] = Sampler(msg.sampling)
+                    self._samplers[msg.seq] = Sampler(msg.sampling, msg.history)
                 else:
                     out.append(msg)
             elif isinstance(msg, sm.Close):
@@ -99,22 +155,21 @@ class StageServer:
             else:
                 raise sm.StageProtocolError(f"unexpected {type(msg).__name__} from upstream")
             i += 1
-        return out
+        return b"".join(sm.encode(m) for m in out)
 
-    async def _forward(self, group: list[sm.Forward]) -> list[sm.Message]:
+    def _forward(self, group: list[sm.Forward]) -> list[sm.Message]:
         items: list[sm.ForwardItem] = [it for f in group for it in f.items]
         rows = np.concatenate([f.hidden for f in group])
         batch, at = [], 0
         for it in items:
             batch.append(EmbdItem(it.seq, it.pos, rows[at : at + it.n], it.sample))
             at += it.n
-        t0 = trio.current_time()
-        async with self._engine_lock:
-            result = await trio.to_thread.run_sync(self.engine.forward, batch)
+        t0 = time.perf_counter()
+        result = self.engine.forward(batch)
         self.forwards += 1
         # Batches run together share this stage's time; earlier stages' times come along.
         upstream = max((f.timing for f in group), key=len)
-        timing = (*upstream, round((trio.current_time() - t0) * 1000, 3))
+        timing = (*upstream, round((time.perf_counter() - t0) * 1000, 3))
         if not self.engine.last:
             assert result.hidden is not None
             # Onwards in the dtype the entry chose (the widest, should a batch mix two).
