@@ -184,6 +184,7 @@ class Services:
             overlay=self.overlay,
             gossip=self.gossip,
             capabilities=self.capabilities,
+            reach=self.dialer.reach,
             settings=MeshModelSettings(
                 slots=cfg.slots,
                 slot_ctx=cfg.ctx_size,

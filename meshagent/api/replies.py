@@ -16,10 +16,19 @@ def usage(done: Finished) -> dict[str, Any]:
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }
+    receipt: dict[str, Any] = {}
     if done.stage_ms:
         # The receipt of a split: milliseconds each stage (in pipeline order, the peers of
         # the x-meshagent-stages header) spent computing for this request.
-        out["meshagent"] = {"stage_ms": list(done.stage_ms)}
+        receipt["stage_ms"] = list(done.stage_ms)
+    if done.replays:
+        # Lost stages the request survived: why the chain broke, the tokens prefilled again
+        # on the new one, and the milliseconds from the break to its next token.
+        receipt["replays"] = [
+            {"reason": r.reason, "tokens": r.tokens, "ms": r.ms} for r in done.replays
+        ]
+    if receipt:
+        out["meshagent"] = receipt
     return out
 
 

@@ -30,6 +30,7 @@ log = structlog.get_logger(__name__)
 
 # (relay address, peer id) -> a connection to the peer through that relay
 RelayDial = Callable[[str, str], Awaitable[Connection]]
+_REACH_POLL = 0.05  # seconds between looks at an attempt already under way
 _DIAL_ERRORS = (DialError, RelayError, HandshakeError, OSError, trio.BrokenResourceError)
 
 
@@ -113,6 +114,19 @@ class PeerDialer:
 
     def candidates(self) -> dict[str, Candidate]:
         return dict(self._candidates)
+
+    async def reach(self, peer_id: str) -> None:
+        """Try to connect to `peer_id` now, whatever its backoff says (a stream must go to it:
+        a peer that came back after a crash is needed at once). Returns when connected or
+        when the attempt failed; the caller's open then says which."""
+        c = self._candidates.get(peer_id)
+        if c is None or self.overlay.connection(peer_id) is not None:
+            return
+        while c.attempting:  # the dialer is trying already: wait for that attempt
+            await trio.sleep(_REACH_POLL)
+        if self.overlay.connection(peer_id) is None:
+            c.attempting = True
+            await self._connect(c)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
         async with trio.open_nursery() as nursery:

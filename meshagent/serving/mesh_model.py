@@ -9,6 +9,7 @@ which peer serves the model when this agent does not.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits
 from meshagent.models.layout import ModelLayout
+from meshagent.net.errors import ConnectionUnavailable
 from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService, Snapshot
@@ -30,7 +32,6 @@ from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
-from meshagent.serving.runner import ModelRunner
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
 log = structlog.get_logger(__name__)
@@ -38,7 +39,6 @@ log = structlog.get_logger(__name__)
 _WATCH_INTERVAL = 0.5  # seconds between checks that the split in force is still routable
 _CERTIFICATION_INTERVAL = 2.0  # seconds between looks for a record that allows a split
 _RECORD_WAIT = 10.0  # seconds a stage of a certified-only split waits for the record
-_REROUTE_POLL = 0.2  # seconds between looks for the model's new placement, during a replay
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class MeshModel:
         gossip: Snapshot,
         capabilities: Capabilities,
         settings: MeshModelSettings,
+        reach: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.model_path = model_path
@@ -72,6 +73,7 @@ class MeshModel:
         self.info = info
         self.store = store
         self.overlay = overlay
+        self._reach = reach  # connect to a peer now (the dialer), for a stream that must go
         self.settings = settings
         self.capabilities = capabilities
         self.wire: WireChoice | None = None  # the split's wire dtype, when in one
@@ -252,7 +254,7 @@ class MeshModel:
                 layout=self.layout,
                 info=self.info,
                 store=self.store,
-                open_stream=self.overlay.open_stream,
+                open_stream=self._open_stream,
                 settings=SplitSettings(
                     slots=s.slots,
                     slot_ctx=s.slot_ctx,
@@ -264,8 +266,6 @@ class MeshModel:
             await host.load(plan)
             self.split = host
             self.local = host.model
-            if self.local is not None:
-                self.local.reroute = self._reroute
             stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
             receipt = [
                 (b"x-meshagent-stages", stages.encode()),
@@ -294,13 +294,16 @@ class MeshModel:
             entry=self.local is not None,
         )
 
-    async def _reroute(self) -> ModelRunner:
-        """For a request that lost a stage of the split this agent is the entry of: the runner
-        serving the model here now, the same pipeline (it reconnects on its next step) or a
-        new plan's; waits while placement moves the model."""
-        while self._offered is None or self.split is None:
-            await trio.sleep(_REROUTE_POLL)
-        return self._offered.runner
+    async def _open_stream(self, peer_id: str, label: str, **window: int) -> MeshStream:
+        """A stream of the split to `peer_id`; a peer this agent lost its connection to (it
+        crashed and came back, say) is dialled at once rather than on the dialer's backoff."""
+        try:
+            return await self.overlay.open_stream(peer_id, label, **window)
+        except ConnectionUnavailable:
+            if self._reach is None:
+                raise
+            await self._reach(peer_id)
+            return await self.overlay.open_stream(peer_id, label, **window)
 
     async def _wire_choice(self) -> WireChoice:
         """The dtype this agent sends activations in (the entry's choice holds for the chain)."""
@@ -323,8 +326,7 @@ class MeshModel:
         self._offered, self._receipt = None, []
         self.wire = None
         if self.local is not None:
-            # A split's requests are replayed on the new placement's entry when it is this
-            # agent (`_reroute`); a whole model's are not (they fail, and the client retries).
+            # Temporary for a split (503 with Retry-After): the mesh is moving it.
             moved = "the mesh moved this model to a new placement; retry"
             self.local.runner.abort(SplitUnavailable(moved) if self.split else EngineError(moved))
         if self._serving_scope is not None:

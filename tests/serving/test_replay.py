@@ -1,0 +1,164 @@
+"""Surviving a lost stage, on fakes: a request whose chain breaks is replayed on the chain
+that serves next and gives exactly the text it would have given (greedy, and seeded at
+temperature > 0); a chain that does not come back fails the request at the deadline; the
+pieces (samplers that resume, Open with history, the scheduler's replayed submit) on their own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from meshagent.errors import SplitUnavailable
+from meshagent.serving import stage_messages as sm
+from meshagent.serving.local_model import LocalModel
+from meshagent.serving.sampling import Sampler, SamplingParams
+from meshagent.serving.scheduler import Scheduler
+from meshagent.testing.fake_engine import FakeEngine
+from tests.serving.test_pipeline_fake import FakeChain
+from tests.serving.test_runner import complete
+
+GREEDY = SamplingParams(temperature=0.0)
+WARM = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, presence_penalty=0.3)
+PROMPT = "alpha"
+TOKENS = 120
+
+
+# ----- the pieces -----
+
+
+@pytest.mark.parametrize(
+    "params",
+    [WARM, SamplingParams(temperature=1.0, seed=-5, frequency_penalty=0.5), GREEDY],
+)
+def test_a_sampler_resumed_from_history_continues_exactly(params):
+    rng = np.random.default_rng(0)
+    steps = [rng.normal(size=300).astype(np.float32) for _ in range(40)]
+    first = Sampler(params)
+    alone = [first.sample(x) for x in steps]
+    for cut in (1, 17, 39):
+        again = Sampler(params, history=alone[:cut])
+        assert [again.sample(x) for x in steps[cut:]] == alone[cut:]
+
+
+def test_unseeded_requests_get_a_seed_and_greedy_ones_need_none():
+    seeded = SamplingParams(temperature=0.7).seeded()
+    assert seeded.seed is not None
+    assert seeded.seeded() == seeded
+    assert GREEDY.seeded().seed is None
+
+
+def test_open_carries_history_and_a_fresh_open_has_no_payload():
+    fresh = sm.encode(sm.Open(3, WARM))
+    replayed = sm.encode(sm.Open(3, WARM, (5, 0, 70000, 2**32 - 1)))
+    assert sm.StageDecoder().feed(fresh) == [sm.Open(3, WARM)]
+    assert sm.StageDecoder().feed(replayed) == [sm.Open(3, WARM, (5, 0, 70000, 2**32 - 1))]
+    history = np.array([5, 0, 70000, 2**32 - 1], dtype="<u4").tobytes()
+    assert replayed.endswith(history)  # the history is raw u32 after the header
+    assert len(replayed) == len(fresh) + 4 + len(history)  # two small header entries more
+
+
+def test_the_scheduler_prefills_prompt_and_history_and_counts_what_is_left():
+    sched = Scheduler(n_slots=2, slot_ctx=64, max_queue=4, is_end=lambda t: False)
+    sched.submit(0, (1, 2, 3), 2, WARM, history=(7, 8))
+    step = sched.next_step()
+    assert step is not None
+    assert [(op.slot, op.history) for op in step.opened] == [(0, (7, 8))]
+    assert [(it.pos, it.tokens, it.last) for it in step.items] == [(0, (1, 2, 3, 7, 8), True)]
+    assert sched.token(0, 9)[0].finish is None
+    step = sched.next_step()
+    assert [(it.pos, it.tokens) for it in step.items] == [(5, (9,))]
+    assert sched.token(0, 10)[0].finish == "length"  # two more tokens, as asked
+
+
+def test_history_counts_against_the_slot():
+    sched = Scheduler(n_slots=1, slot_ctx=8, max_queue=1, is_end=lambda t: False)
+    with pytest.raises(Exception, match="context"):
+        sched.submit(0, (1, 2, 3), 2, GREEDY, history=(4, 5, 6, 7))
+
+
+# ----- a request through a chain that breaks -----
+
+
+async def whole_text(nursery, params):
+    model = LocalModel.whole(FakeEngine(), max_queue=8)
+    await nursery.start(model.run)
+    return await complete(model, PROMPT, TOKENS, sampling=params)
+
+
+async def break_mid_stream(chain: FakeChain, params, *, after: int = 30, then=None):
+    """Run one request and break the chain once `after` tokens have come back (calling
+    `then` first). Returns its result or raises its error."""
+    got = {}
+
+    async def run():
+        try:
+            got["result"] = await complete(chain.model, PROMPT, TOKENS, sampling=params)
+        except SplitUnavailable as e:
+            got["error"] = e
+
+    async with trio.open_nursery() as n:
+        n.start_soon(run)
+        while chain.model.runner.stats().tokens_processed < after:
+            await trio.sleep(0.001)
+        while not chain.model.runner.busy():  # a token on the way is lost with the chain
+            await trio.sleep(0)
+        if then is not None:
+            then()
+        chain.pipeline.interrupt("a stage's peer is gone")
+    if "error" in got:
+        raise got["error"]
+    return got["result"]
+
+
+@pytest.mark.parametrize("params", [GREEDY, WARM], ids=["greedy", "seeded"])
+async def test_a_request_survives_a_broken_chain_with_the_same_text(nursery, params):
+    text, finished = await whole_text(nursery, params)
+    chain = FakeChain(nursery, depth=1, delay=0.001)
+    chain.model.reroute = lambda: _same(chain.model.runner)
+    await nursery.start(chain.model.run)
+    got, done = await break_mid_stream(chain, params)
+    assert got == text
+    assert (done.reason, done.completion_tokens) == (finished.reason, finished.completion_tokens)
+    assert chain.opens == 2  # the chain was opened again once
+    [replay] = done.replays
+    assert "peer is gone" in replay.reason
+    assert replay.tokens > len(chain.model.text_tokens(PROMPT))  # prompt and tokens so far
+
+
+async def test_a_chain_that_stays_down_fails_the_request_at_the_deadline(nursery):
+    chain = FakeChain(nursery, depth=1, delay=0.001)
+    chain.model.reroute = lambda: _same(chain.model.runner)
+    chain.model.replay_deadline = 1.0
+    await nursery.start(chain.model.run)
+    real_open = chain.pipeline._open_downstream
+
+    async def refused():
+        chain.opens += 1
+        raise OSError("connection refused")
+
+    def stay_down():
+        chain.pipeline._open_downstream = refused
+        times.append(trio.current_time())
+
+    times = []
+    with pytest.raises(SplitUnavailable, match="within 1 s"):
+        await break_mid_stream(chain, GREEDY, then=stay_down)
+    assert 1.0 <= trio.current_time() - times[0] < 5
+    assert chain.opens >= 3  # it kept trying, backing off
+    chain.pipeline._open_downstream = real_open  # back: the next request is served
+    text, _ = await complete(chain.model, PROMPT, 8)
+    assert len(text) > 0
+
+
+async def test_without_reroute_a_broken_chain_fails_as_before(nursery):
+    chain = FakeChain(nursery, depth=1, delay=0.001)
+    await nursery.start(chain.model.run)
+    with pytest.raises(SplitUnavailable):
+        await break_mid_stream(chain, GREEDY)
+
+
+async def _same(runner):
+    await trio.sleep(0)
+    return runner
