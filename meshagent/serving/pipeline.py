@@ -57,6 +57,7 @@ class EntryEngine(VocabDelegate):
         self.info = info
         self.n_slots = first_stage.n_slots
         self.slot_ctx = first_stage.slot_ctx
+        self.end_layer: int | None = first_stage.end  # where the next stage must start
 
     def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
         """items: (seq, pos, tokens). Returns the first stage's output rows per item."""
@@ -144,7 +145,7 @@ class PipelineExecutor:
                 sm.ForwardItem(it.slot, it.pos, len(it.tokens), it.last) for it in step.items
             )
             rows = np.concatenate(hidden).astype(self._wire, copy=False)
-            messages.append(sm.Forward(items, rows, (first_ms,)))
+            messages.append(sm.Forward(items, rows, (first_ms,), self.entry.end_layer))
             assert self._runner is not None
             rounds = self._runner.steps_in_flight()
             self.peak_rounds_in_flight = max(self.peak_rounds_in_flight, rounds)

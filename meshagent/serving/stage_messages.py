@@ -29,6 +29,7 @@ K_VERSION, K_TYPE, K_SEQ, K_SAMPLING, K_ITEMS, K_DTYPE, K_WIDTH, K_TOKEN, K_ERRO
 )
 K_TIMING = 10  # milliseconds each stage spent on the batch, in pipeline order
 K_HISTORY = 11  # Open: the completion's tokens so far (a replay), u32 payload of K_SIZE bytes
+K_LAYER = 12  # Forward: the first layer its rows are input to (the sender's end layer)
 MAX_STAGES = 64
 T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR = 1, 2, 3, 4, 5
 
@@ -70,6 +71,9 @@ class Forward:
     items: tuple[ForwardItem, ...]
     hidden: np.ndarray  # [sum n, width], f16 or f32
     timing: tuple[float, ...] = ()  # ms each stage so far spent on this batch
+    # The first layer these rows are input to: a stage that does not start there belongs to
+    # another plan (the mesh replanned while the chain was being opened) and refuses them.
+    layer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ def encode(msg: Message) -> bytes:
             K_SIZE: len(payload),
             K_TIMING: list(msg.timing),
         }
+        if msg.layer is not None:
+            header[K_LAYER] = msg.layer
     elif isinstance(msg, Close):
         header |= {K_TYPE: T_CLOSE, K_SEQ: msg.seq}
     elif isinstance(msg, Token):
@@ -234,5 +240,8 @@ def _message(h: dict[int, Any], payload: bytes) -> Message:
                 f"forward payload of {len(payload)} bytes does not hold {rows}x{width} {dtype}"
             )
         hidden = np.frombuffer(payload, dtype=dtype).reshape(rows, width)
-        return Forward(tuple(items), hidden, _timing(h))
+        layer = h.get(K_LAYER)
+        if layer is not None:
+            layer = _int(h, K_LAYER, "layer")
+        return Forward(tuple(items), hidden, _timing(h), layer)
     raise StageProtocolError(f"unknown stage message type {t!r}")

@@ -175,6 +175,8 @@ class FakeEntry(FakeVocab, _FakeCompute):
     """The entry of a fake split: text side, plus a first stage that checks positions and
     encodes each token as a hidden row (token id, position)."""
 
+    end_layer: int | None = None  # fakes have no layers: stages check nothing
+
     def __init__(
         self, n_vocab: int = 40, *, slots: int = 4, slot_ctx: int = 256, delay: float = 0.0
     ) -> None:

@@ -4,6 +4,7 @@ requests and serves again after reconnecting."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -131,3 +132,44 @@ async def test_a_broken_chain_fails_its_requests_then_serves_again(nursery, whol
     text, _ = await complete(chain.model, PROMPTS[1], 16)
     assert text == whole[1][0]
     assert chain.opens == 2  # reopened once
+
+
+async def test_a_stage_refuses_hidden_states_meant_for_another_layer():
+    """A stage of another plan (a replan moved the cut) answers with a failure naming both
+    layers, never computes on the wrong input."""
+    from meshagent.serving import stage_messages as sm
+    from meshagent.serving.sampling import SamplingParams
+
+    stage = FakeStage(last=True)
+    stage.start = 20  # what a StageEngine says: the first layer it runs
+    replies: list = []
+
+    async def open_reply():
+        a, b = trio.testing.memory_stream_pair()
+
+        async def read():
+            decoder = sm.StageDecoder()
+            while data := await b.receive_some():
+                replies.extend(decoder.feed(data))
+
+        nursery.start_soon(read)
+        return a
+
+    server = StageServer(stage, open_next=None, open_reply=open_reply)
+    up, down = trio.testing.memory_stream_pair()
+    rows = np.zeros((1, 4), dtype=np.float32)
+    item = sm.ForwardItem(0, 0, 1, True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.handle, down)
+        await up.send_all(
+            sm.encode(sm.Open(0, SamplingParams(temperature=0.0)))
+            + sm.encode(sm.Forward((item,), rows, (), layer=23))
+        )
+        with trio.fail_after(10):
+            while not replies:
+                await trio.sleep(0.01)
+        await up.aclose()
+    [failure] = replies
+    assert isinstance(failure, sm.StageFailure) and failure.seq is None
+    assert "layer 23 reached the stage starting at layer 20" in failure.message
+    assert stage.forwards == 0
