@@ -13,6 +13,7 @@ concurrency can gain here. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -118,9 +119,13 @@ def main() -> None:
     model = "SmolLM2-135M-Instruct.Q4_1"
     rows: dict[str, list[float]] = {"single 1": [], "single N": [], "split 1": [], "split N": []}
     compute_ms: list[float] = []  # the split's compute per decode token, all stages, per round
-    with tempfile.TemporaryDirectory(prefix="meshagent-bench-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="meshagent-bench-") as tmp,
+        contextlib.ExitStack() as agents,  # stopped however the run ends
+    ):
         root = Path(tmp)
         a = start_agent(root / "a", *SMALL, "--wire-dtype", "f16", wait_model=False)
+        agents.callback(a.stop)
         token = subprocess.run(
             [sys.executable, "-m", "meshagent", "invite", "--data-dir", str(root / "a")],
             capture_output=True,
@@ -128,7 +133,9 @@ def main() -> None:
             check=True,
         ).stdout.strip()
         b = start_agent(root / "b", *SMALL, "--join", token, wait_model=False)
+        agents.callback(b.stop)
         c = start_agent(root / "c", *SMALL, "--join", token, wait_model=False)
+        agents.callback(c.stop)
         split = [a, b, c]
         wait_routable(split, model)
         stages = httpx.get(f"{a.url}/control/status").json()["placement"][model]["stages"]
@@ -138,6 +145,7 @@ def main() -> None:
             if httpx.get(f"{x.url}/control/status").json()["peer_id"] == stages[0][0]
         )
         single = start_agent(root / "single", *BIG)  # a mesh of its own
+        agents.callback(single.stop)
         trio.run(measure, entry.url, model, 8, 1)  # warm up both
         trio.run(measure, single.url, model, 8, 1)
         # The stages' compute for the prompt and first token alone, to take out of each
@@ -177,8 +185,6 @@ def main() -> None:
             rows["split N"].append(
                 trio.run(measure, entry.url, model, args.max_tokens, args.concurrent)
             )
-        for x in [*split, single]:
-            x.stop()
     med = {k: statistics.median(v) for k, v in rows.items()}
     overhead_ms = 1000 / med["split 1"] - 1000 / med["single 1"]
     # Each round measures its contenders back to back: the ratio within a round sees one
