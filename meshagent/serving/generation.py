@@ -108,6 +108,7 @@ async def generate(
     stage_ms: list[float] = []
     replays: list[Replay] = []
     broke: tuple[str, float] | None = None  # the break being replayed: why, and when
+    tries = 0  # chains tried since that break
     while True:
         try:
             async with runner.start(
