@@ -79,6 +79,10 @@ Reroute = Callable[[], Awaitable[ModelRunner]]
 _RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds between tries of a chain that is not back yet
 
 
+def _gave_up(error: SplitUnavailable, deadline: float) -> SplitUnavailable:
+    return SplitUnavailable(f"{error} (no chain served this model again within {deadline:g} s)")
+
+
 async def generate(
     runner: ModelRunner,
     token_bytes: Callable[[int], bytes],
@@ -146,9 +150,7 @@ async def generate(
                 tries = 0
             waited = trio.current_time() - broke[1]
             if waited >= replay_deadline:
-                raise SplitUnavailable(
-                    f"{e} (no chain served this model again within {replay_deadline:g} s)"
-                ) from e
+                raise _gave_up(e, replay_deadline) from e
             if tries:  # the chain was not back on the last try: wait a little longer each time
                 await trio.sleep(min(_RETRY_FIRST * 2 ** (tries - 1), _RETRY_MAX))
             tries += 1
@@ -156,9 +158,7 @@ async def generate(
             with trio.move_on_after(replay_deadline - waited) as wait:
                 runner = await reroute()
             if wait.cancelled_caught:
-                raise SplitUnavailable(
-                    f"{e} (no chain served this model again within {replay_deadline:g} s)"
-                ) from e
+                raise _gave_up(e, replay_deadline) from e
     tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
     if tail:
         out.send_nowait(Delta(tail))

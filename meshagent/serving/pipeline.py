@@ -185,7 +185,7 @@ class PipelineExecutor:
         outbox = self._outbox = Outbox(self._down, self._nursery, lost)
 
     def _put(self, data: bytes) -> None:
-        if self._outbox is not None and self.failed is None and self._nursery is not None:
+        if self._outbox is not None and self.failed is None:  # closed with the executor
             self._outbox.put(data)
 
     async def _reconnect(self) -> None:

@@ -158,7 +158,7 @@ class StageServer:
         return b"".join(sm.encode(m) for m in out)
 
     def _forward(self, group: list[sm.Forward]) -> list[sm.Message]:
-        start = getattr(self.engine, "start", None)
+        start = self.engine.start
         for f in group:
             if f.layer is not None and start is not None and f.layer != start:
                 raise sm.StageProtocolError(
@@ -182,7 +182,7 @@ class StageServer:
             # Onwards in the dtype the entry chose (the widest, should a batch mix two).
             wire = np.result_type(*(f.hidden.dtype for f in group))
             hidden = np.concatenate(result.hidden).astype(wire, copy=False)
-            return [sm.Forward(tuple(items), hidden, timing, getattr(self.engine, "end", None))]
+            return [sm.Forward(tuple(items), hidden, timing, self.engine.end)]
         out: list[sm.Message] = []
         for it, logits in zip(items, result.logits, strict=True):
             if not it.sample:

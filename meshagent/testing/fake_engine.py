@@ -219,6 +219,9 @@ class FakeStage(_FakeCompute):
         )
         self.last = last
         self.n_embd = WIDTH
+        # Fakes have no layers: a stage checks a Forward's layer only where both say one.
+        self.start: int | None = None
+        self.end: int | None = None
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
         self._compute()
