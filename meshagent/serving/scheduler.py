@@ -17,6 +17,12 @@ Policy:
 - A sequence whose input is all in a step is *busy* until its token is ready. A cancelled
   sequence frees its slot at once; a busy one frees it when its step's token comes back (a
   slot reused earlier could be handed the old sequence's token).
+- A replayed sequence (`history`: the tokens it had generated before its chain broke) runs
+  its prompt as before, then its history one token per step, as those tokens first ran, and
+  wants a token only after the last. Those steps need no token back, so they follow each
+  other into a pipeline without waiting; and since every token runs in a batch of the shape
+  it first ran in, an engine whose results depend on the batch shape (llama.cpp's do, in the
+  last bits) computes the same cache, and a seeded sampler draws the same next token.
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ class SchedulerStats:
 @dataclass
 class _Seq:
     id: int
-    prompt: tuple[int, ...]  # everything to prefill: the prompt, then any history
+    prompt: tuple[int, ...]  # prefilled in chunks; any history follows one token per step
     limit: int
     sampling: SamplingParams
     history: tuple[int, ...] = ()
@@ -175,20 +181,20 @@ class Scheduler:
         history: tuple[int, ...] = (),
     ):
         """A new request: it takes a free slot, or waits in the queue. `history`: a replayed
-        completion's tokens so far, prefilled after the prompt; `limit` counts the tokens
-        still to generate. Raises ShuttingDown after `close`, QueueFull when the queue is at
+        completion's tokens so far, run after the prompt one per step; `limit` counts the
+        tokens still to generate. Raises ShuttingDown after `close`, QueueFull when the queue is at
         its bound, ContextOverflow when the prompt, history and `limit` new tokens do not fit
         a slot."""
         if self.closed:
             raise ShuttingDown("the agent is shutting down and takes no new requests")
         if not prompt or limit < 1:
             raise ValueError("a sequence needs a prompt and room for one token")
-        prompt = (*prompt, *history)
-        if len(prompt) + limit > self.slot_ctx:
+        held = len(prompt) + len(history)
+        if held + limit > self.slot_ctx:
             raise ContextOverflow(
-                f"sequence needs {len(prompt) + limit} tokens of context, "
+                f"sequence needs {held + limit} tokens of context, "
                 f"the slot holds {self.slot_ctx}",
-                prompt_tokens=len(prompt),
+                prompt_tokens=held,
                 limit=self.slot_ctx,
             )
         if not self._free and len(self._queue) >= self.max_queue:
@@ -227,13 +233,13 @@ class Scheduler:
         share = ready[: max(1, active // self.depth)]
         budget = self.max_batch_tokens
         takes: dict[int, int] = {}
-        for s in share:  # decode tokens first
+        for s in share:  # decode (and replayed) tokens first
             if s.n_past >= len(s.prompt):
                 takes[s.id] = 1
                 budget -= 1
-        for s in share:
+        for s in share:  # prompt chunks, never past the prompt's end
             if s.id not in takes and budget > 0:
-                takes[s.id] = min(len(s.pending), budget)
+                takes[s.id] = min(len(s.prompt) - s.n_past, budget)
                 budget -= takes[s.id]
         items = []
         for s in share:
@@ -325,7 +331,7 @@ class Scheduler:
         while self._queue and self._free:
             s = self._queue.popleft()
             s.slot = self._free.pop()
-            s.pending = list(s.prompt)
+            s.pending = [*s.prompt, *s.history]
             s.ready_since = self._steps
             self._by_slot[s.slot] = s
             self._opened.append(Opened(s.id, s.slot, s.sampling, s.history))

@@ -137,10 +137,16 @@ class StageServer:
         while i < len(msgs):
             msg = msgs[i]
             if isinstance(msg, sm.Forward):
-                group = [msg]
-                while i + 1 < len(msgs) and isinstance(msgs[i + 1], sm.Forward):
+                # Forwards that arrived together run as one batch, unless two carry the same
+                # sequence: its tokens then run in the batches the entry made, as they would
+                # in the whole model (a batch's shape shows in llama.cpp's last bits).
+                group, seqs = [msg], {it.seq for it in msg.items}
+                while i + 1 < len(msgs) and isinstance(nxt := msgs[i + 1], sm.Forward):
+                    if any(it.seq in seqs for it in nxt.items):
+                        break
+                    seqs.update(it.seq for it in nxt.items)
+                    group.append(nxt)
                     i += 1
-                    group.append(msgs[i])  # type: ignore[arg-type]
                 out += self._forward(group)
             elif isinstance(msg, sm.Open):
                 if self.engine.last:

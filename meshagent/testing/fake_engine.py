@@ -4,7 +4,10 @@ The next-token logits of a sequence are a function of every token it holds and t
 positions, so a scheduler or executor that feeds a token twice, skips one, or mixes up two
 sequences' caches changes the text. Every call checks that a sequence's tokens arrive at the
 position its cache has reached, and raises otherwise. `delay` (seconds per forward) stands in
-for compute time.
+for compute time. With `batch_sensitive`, the logits also depend on how a sequence's tokens
+were batched (how many ran in each forward call), by less than it takes to change the
+favourite: like llama.cpp, whose last bits change with a batch's shape, greedy text stays the
+same while a sampled one may not.
 
 Three shapes share that arithmetic, so a split on fakes must give exactly what the whole fake
 gives: `FakeEngine` (a whole model, the `Engine` interface), `FakeEntry` (the entry of a split:
@@ -70,26 +73,52 @@ class _Caches:
     def __init__(self, slots: int, slot_ctx: int) -> None:
         self.slot_ctx = slot_ctx
         self.held: list[list[int]] = [[] for _ in range(slots)]
+        # Per slot, [call, tokens] for each forward call that added to it: the batch shapes.
+        self.shapes: list[list[list[int]]] = [[] for _ in range(slots)]
 
-    def add(self, slot: int, pos: int, tokens: Sequence[int]) -> None:
+    def add(self, slot: int, pos: int, tokens: Sequence[int], call: int = 0) -> None:
         held = self.held[slot]
         if pos != len(held):
             raise EngineError(f"slot {slot} holds {len(held)} tokens, got a token at {pos}")
         if pos + len(tokens) > self.slot_ctx:
             raise EngineError(f"slot {slot} overflows its {self.slot_ctx} tokens")
         held.extend(int(t) for t in tokens)
+        shape = self.shapes[slot]
+        if shape and shape[-1][0] == call:
+            shape[-1][1] += len(tokens)
+        else:
+            shape.append([call, len(tokens)])
+
+    def batches(self, slot: int) -> tuple[int, ...]:
+        """How many of the slot's tokens ran in each forward call, in order."""
+        return tuple(n for _, n in self.shapes[slot])
 
     def clear(self, slot: int) -> None:
         self.held[slot] = []
+        self.shapes[slot] = []
 
     def trim(self, slot: int, keep: int) -> None:
         del self.held[slot][keep:]
+        kept, left = [], keep
+        for call, n in self.shapes[slot]:
+            if left <= 0:
+                break
+            kept.append([call, min(n, left)])
+            left -= n
+        self.shapes[slot] = kept
 
 
-def fake_logits(held: Sequence[int], n_vocab: int, *, eos_every: int = 0) -> np.ndarray:
+def fake_logits(
+    held: Sequence[int],
+    n_vocab: int,
+    *,
+    eos_every: int = 0,
+    batches: tuple[int, ...] | None = None,
+) -> np.ndarray:
     """Logits after a sequence holding `held`: a clear favourite that depends on all of it,
     and a spread that lets temperature sampling wander. With `eos_every`, the end token is
-    the favourite at every `eos_every`-th position."""
+    the favourite at every `eos_every`-th position. With `batches` (how the tokens were
+    batched), every other token moves by up to 1, the favourite stays."""
     h = 0
     for t in held:
         h = (h * 31 + t + 7) % 1_000_003
@@ -98,6 +127,8 @@ def fake_logits(held: Sequence[int], n_vocab: int, *, eos_every: int = 0) -> np.
         favourite = EOS
     ids = np.arange(n_vocab, dtype=np.float32)
     logits = -((ids - favourite) % n_vocab) * 0.5
+    if batches is not None:
+        logits += np.random.default_rng(batches).uniform(-1, 1, n_vocab).astype(np.float32)
     logits[favourite] = 4.0
     return logits
 
@@ -106,8 +137,16 @@ class _FakeCompute:
     """The compute side every fake shares: per-slot caches, a delay, a count of calls."""
 
     def __init__(
-        self, *, n_vocab: int, slots: int, slot_ctx: int, delay: float, eos_every: int
+        self,
+        *,
+        n_vocab: int,
+        slots: int,
+        slot_ctx: int,
+        delay: float,
+        eos_every: int,
+        batch_sensitive: bool = False,
     ) -> None:
+        self.batch_sensitive = batch_sensitive
         self.n_vocab = n_vocab
         self.n_slots = slots
         self.slot_ctx = slot_ctx
@@ -127,10 +166,13 @@ class _FakeCompute:
 
     def _run(self, slot: int, pos: int, tokens: Sequence[int], want: bool) -> np.ndarray | None:
         """Add the tokens to the slot's cache; the logits after them if `want`."""
-        self.caches.add(slot, pos, tokens)
+        self.caches.add(slot, pos, tokens, self.forwards)
         if not want:
             return None
-        return fake_logits(self.caches.held[slot], self.n_vocab, eos_every=self.eos_every)
+        batches = self.caches.batches(slot) if self.batch_sensitive else None
+        return fake_logits(
+            self.caches.held[slot], self.n_vocab, eos_every=self.eos_every, batches=batches
+        )
 
     def clear_sequence(self, seq_id: int) -> None:
         self.caches.clear(seq_id)
@@ -147,10 +189,17 @@ class FakeEngine(FakeVocab, _FakeCompute):
         slot_ctx: int = 256,
         delay: float = 0.0,
         eos_every: int = 0,
+        batch_sensitive: bool = False,
     ) -> None:
         FakeVocab.__init__(self, n_vocab, slots=slots, slot_ctx=slot_ctx)
         _FakeCompute.__init__(
-            self, n_vocab=n_vocab, slots=slots, slot_ctx=slot_ctx, delay=delay, eos_every=eos_every
+            self,
+            n_vocab=n_vocab,
+            slots=slots,
+            slot_ctx=slot_ctx,
+            delay=delay,
+            eos_every=eos_every,
+            batch_sensitive=batch_sensitive,
         )
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
@@ -213,9 +262,15 @@ class FakeStage(_FakeCompute):
         slot_ctx: int = 256,
         delay: float = 0.0,
         eos_every: int = 0,
+        batch_sensitive: bool = False,
     ) -> None:
         super().__init__(
-            n_vocab=n_vocab, slots=slots, slot_ctx=slot_ctx, delay=delay, eos_every=eos_every
+            n_vocab=n_vocab,
+            slots=slots,
+            slot_ctx=slot_ctx,
+            delay=delay,
+            eos_every=eos_every,
+            batch_sensitive=batch_sensitive,
         )
         self.last = last
         self.n_embd = WIDTH

@@ -23,10 +23,21 @@ PROMPTS = ["alpha", "beta", "gamma", "delta"]
 class FakeChain:
     """Entry -> middle -> last -> entry, each hop a memory stream pair."""
 
-    def __init__(self, nursery: trio.Nursery, *, depth: int, delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        *,
+        depth: int,
+        delay: float = 0.0,
+        batch_sensitive: bool = False,
+        max_batch_tokens: int = 512,
+    ) -> None:
         self.nursery = nursery
         self.entry = FakeEntry(delay=delay)
-        self.stages = [FakeStage(last=False, delay=delay), FakeStage(last=True, delay=delay)]
+        self.stages = [
+            FakeStage(last=False, delay=delay),
+            FakeStage(last=True, delay=delay, batch_sensitive=batch_sensitive),
+        ]
         self.opens = 0
         self.pipeline = PipelineExecutor(
             self.entry, self._open_first, wire_dtype="f32", depth=depth
@@ -35,7 +46,12 @@ class FakeChain:
             StageServer(self.stages[0], open_next=self._open_last, open_reply=None),
             StageServer(self.stages[1], open_next=None, open_reply=self._open_reply),
         ]
-        runner = ModelRunner(self.pipeline, max_queue=8, is_end=self.entry.is_end_of_generation)
+        runner = ModelRunner(
+            self.pipeline,
+            max_queue=8,
+            is_end=self.entry.is_end_of_generation,
+            max_batch_tokens=max_batch_tokens,
+        )
         self.model = LocalModel(self.entry, runner)
         self.upstreams: list[trio.abc.Stream] = []
 

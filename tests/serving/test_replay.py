@@ -15,7 +15,8 @@ from meshagent.serving import stage_messages as sm
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import Sampler, SamplingParams
 from meshagent.serving.scheduler import Scheduler
-from meshagent.testing.fake_engine import FakeEngine
+from meshagent.serving.stage_server import StageServer
+from meshagent.testing.fake_engine import FakeEngine, FakeStage
 from tests.serving.test_pipeline_fake import FakeChain
 from tests.serving.test_runner import complete
 
@@ -59,23 +60,72 @@ def test_open_carries_history_and_a_fresh_open_has_no_payload():
     assert len(replayed) == len(fresh) + 4 + len(history)  # two small header entries more
 
 
-def test_the_scheduler_prefills_prompt_and_history_and_counts_what_is_left():
+def test_the_scheduler_runs_history_a_token_a_step_as_it_first_ran():
     sched = Scheduler(n_slots=2, slot_ctx=64, max_queue=4, is_end=lambda t: False)
-    sched.submit(0, (1, 2, 3), 2, WARM, history=(7, 8))
-    step = sched.next_step()
-    assert step is not None
-    assert [(op.slot, op.history) for op in step.opened] == [(0, (7, 8))]
-    assert [(it.pos, it.tokens, it.last) for it in step.items] == [(0, (1, 2, 3, 7, 8), True)]
+    sched.submit(0, (1, 2, 3), 2, WARM, history=(7, 8, 4))
+    steps = [sched.next_step() for _ in range(4)]
+    assert [(op.slot, op.history) for op in steps[0].opened] == [(0, (7, 8, 4))]
+    # The prompt in one chunk, then each token of the history in a step of its own, none
+    # waiting for a token until the last: they follow each other into a pipeline.
+    assert [[(it.pos, it.tokens, it.last) for it in st.items] for st in steps] == [
+        [(0, (1, 2, 3), False)],
+        [(3, (7,), False)],
+        [(4, (8,), False)],
+        [(5, (4,), True)],
+    ]
+    assert sched.next_step() is None  # now it waits for its token
     assert sched.token(0, 9)[0].finish is None
     step = sched.next_step()
-    assert [(it.pos, it.tokens) for it in step.items] == [(5, (9,))]
+    assert [(it.pos, it.tokens) for it in step.items] == [(6, (9,))]
     assert sched.token(0, 10)[0].finish == "length"  # two more tokens, as asked
+
+
+def test_a_long_prompt_is_chunked_up_to_its_end_and_history_still_goes_alone():
+    sched = Scheduler(
+        n_slots=1, slot_ctx=64, max_queue=1, is_end=lambda t: False, max_batch_tokens=4
+    )
+    sched.submit(0, tuple(range(10, 16)), 1, GREEDY, history=(7, 8))
+    shapes = []
+    while (step := sched.next_step()) is not None:
+        shapes += [(it.pos, len(it.tokens), it.last) for it in step.items]
+    assert shapes == [(0, 4, False), (4, 2, False), (6, 1, False), (7, 1, True)]
 
 
 def test_history_counts_against_the_slot():
     sched = Scheduler(n_slots=1, slot_ctx=8, max_queue=1, is_end=lambda t: False)
     with pytest.raises(Exception, match="context"):
         sched.submit(0, (1, 2, 3), 2, GREEDY, history=(4, 5, 6, 7))
+
+
+def _forward(*items: tuple[int, int, int, bool]) -> sm.Forward:
+    """A Forward of fake hidden rows (token id, position) for (seq, pos, n, sample) items."""
+    rows = [
+        np.array([[10 + seq, p, 0, 0] for p in range(pos, pos + n)]) for seq, pos, n, _ in items
+    ]
+    fitems = tuple(sm.ForwardItem(*it) for it in items)
+    return sm.Forward(fitems, np.concatenate(rows).astype(np.float32))
+
+
+async def _never():
+    raise AssertionError("not opened here")
+
+
+def test_a_stage_runs_one_sequences_batches_apart_and_other_sequences_together():
+    stage = FakeStage(last=True, batch_sensitive=True)
+    server = StageServer(stage, open_next=None, open_reply=_never)
+    out = server._run(
+        [
+            sm.Open(0, GREEDY),
+            sm.Open(1, GREEDY),
+            _forward((0, 0, 3, False)),
+            _forward((0, 3, 2, True)),  # the same sequence: not in the batch before it
+            _forward((1, 0, 2, True)),  # another: joins the batch before it
+        ]
+    )
+    assert stage.caches.batches(0) == (3, 2)
+    assert stage.caches.batches(1) == (2,)
+    assert stage.forwards == 2
+    assert [m.seq for m in sm.StageDecoder().feed(out)] == [0, 1]
 
 
 # ----- a request through a chain that breaks -----
@@ -125,6 +175,25 @@ async def test_a_request_survives_a_broken_chain_with_the_same_text(nursery, par
     [replay] = done.replays
     assert "peer is gone" in replay.reason
     assert replay.tokens > len(chain.model.text_tokens(PROMPT))  # prompt and tokens so far
+
+
+async def test_a_sampled_request_survives_where_batching_moves_the_logits(nursery):
+    """Here the fakes' logits move with how the tokens were batched, as llama.cpp's do in
+    their last bits: a replay that prefilled the history in one batch would draw other
+    tokens; one that runs each token as it first ran gives the same text."""
+    hot = SamplingParams(temperature=1.5, seed=99)
+    whole = LocalModel.whole(FakeEngine(batch_sensitive=True), max_queue=8)
+    await nursery.start(whole.run)
+    text, finished = await complete(whole, PROMPT, TOKENS, sampling=hot)
+    greedy, _ = await complete(whole, PROMPT, TOKENS)
+    assert text != greedy  # the draws do wander from the favourites
+    chain = FakeChain(nursery, depth=1, delay=0.001, batch_sensitive=True)
+    chain.model.reroute = lambda: _same(chain.model.runner)
+    await nursery.start(chain.model.run)
+    got, done = await break_mid_stream(chain, hot)
+    assert len(done.replays) == 1
+    assert got == text
+    assert done.completion_tokens == finished.completion_tokens
 
 
 async def test_a_chain_that_stays_down_fails_the_request_at_the_deadline(nursery):
