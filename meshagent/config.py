@@ -63,6 +63,7 @@ class AgentConfig:
     max_queue: int = 64  # requests waiting for a slot before 429
     threads: int = 0  # 0: one per core
     grace: float = 10.0  # seconds in-flight requests get to finish on shutdown
+    replay_deadline: float = 30.0  # seconds a request waits for a split that lost a stage
     log_level: str = "info"
     relays: tuple[str, ...] = ()  # relay servers to register with (host:port)
     mdns: bool = True  # advertise and browse on the local network (not when listening on loopback)
@@ -107,6 +108,8 @@ class AgentConfig:
             raise ConfigError("max-queue must be >= 0")
         if self.grace < 0:
             raise ConfigError("grace must be >= 0 seconds")
+        if self.replay_deadline < 0:
+            raise ConfigError("replay-deadline must be >= 0 seconds")
         if not 0 < self.gossip_interval < self.suspect_after < self.dead_after:
             raise ConfigError(
                 "gossip timers must satisfy 0 < gossip_interval < suspect_after < dead_after "
@@ -139,6 +142,7 @@ CONFIG_TEMPLATE = """\
 # slots = 4
 # max_queue = 64
 # grace = 10.0
+# replay_deadline = 30.0
 # relays = ["relay.example.org:9339"]
 # mdns = true
 # gossip_interval = 1.0

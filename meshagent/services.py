@@ -191,6 +191,7 @@ class Services:
                 threads=cfg.threads,
                 max_queue=cfg.max_queue,
                 wire_dtype=cfg.wire_dtype,
+                replay_deadline=cfg.replay_deadline,
             ),
         )
 

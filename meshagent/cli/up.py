@@ -75,6 +75,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         help=f"seconds in-flight requests get to finish on shutdown (default {d.grace})",
     )
+    p.add_argument(
+        "--replay-deadline",
+        type=float,
+        metavar="SECONDS",
+        help="how long a request whose split lost a stage waits for the split to serve again "
+        f"before it fails (default {d.replay_deadline}; 0: fail at once)",
+    )
     p.add_argument("--log-level", choices=logs.LEVELS, help="default info")
     p.add_argument(
         "--log-format",
@@ -104,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             "max_memory",
             "wire_dtype",
             "grace",
+            "replay_deadline",
             "log_level",
             "mdns",
         )

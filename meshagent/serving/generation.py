@@ -99,9 +99,10 @@ async def generate(
     client reads.
 
     With `reroute`, a request whose split loses a stage (SplitUnavailable) is replayed: the
-    prompt and the tokens generated so far are prefilled on the chain `reroute` gives, with
-    the same seed, and generation continues from the next token, so `out` sees one unbroken
-    text. Past `replay_deadline` seconds without a chain that serves, the error is raised.
+    prompt and the tokens generated so far run again on the chain `reroute` gives, in the
+    batches they first ran in (`Scheduler.submit`), with the same seed, and generation
+    continues from the next token, so `out` sees one unbroken text. Past `replay_deadline`
+    seconds without a chain that serves, the error is raised.
     """
     limit = check_fits(request, runner.slot_ctx)
     sampling = request.sampling.seeded()  # a replay must draw what the first chain would have

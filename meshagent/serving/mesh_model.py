@@ -32,6 +32,7 @@ from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
+from meshagent.serving.runner import ModelRunner
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
 log = structlog.get_logger(__name__)
@@ -39,6 +40,7 @@ log = structlog.get_logger(__name__)
 _WATCH_INTERVAL = 0.5  # seconds between checks that the split in force is still routable
 _CERTIFICATION_INTERVAL = 2.0  # seconds between looks for a record that allows a split
 _RECORD_WAIT = 10.0  # seconds a stage of a certified-only split waits for the record
+_REROUTE_POLL = 0.25  # seconds between looks for what serves a request being replayed
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class MeshModelSettings:
     threads: int
     max_queue: int
     wire_dtype: str = "auto"  # --wire-dtype: auto, f16 or f32
+    replay_deadline: float = 30.0  # seconds a request waits for its split to serve again
     headroom: float = 0.1
     threshold: float = 0.25
 
@@ -92,6 +95,7 @@ class MeshModel:
         # What the directory lists: `local` once its runner runs, with its receipt.
         self._offered: LocalModel | None = None
         self._receipt: Headers = []
+        self._offers = trio.Event()  # set (and replaced) whenever `_offered` is set
         self._whole: LlamaEngine | None = None
         self._nursery: trio.Nursery | None = None
         self._serving_scope: trio.CancelScope | None = None
@@ -266,6 +270,9 @@ class MeshModel:
             await host.load(plan)
             self.split = host
             self.local = host.model
+            if self.local is not None:  # the entry: requests survive a lost stage
+                self.local.reroute = self._reroute
+                self.local.replay_deadline = s.replay_deadline
             stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
             receipt = [
                 (b"x-meshagent-stages", stages.encode()),
@@ -287,12 +294,30 @@ class MeshModel:
 
             await self._nursery.start(serve)
             self._offered, self._receipt = local, receipt
+            self._offers.set()
+            self._offers = trio.Event()
         log.info(
             "mesh_model.part",
             whole=self._whole is not None,
             stage=None if self.split is None else (self.split.part.start, self.split.part.end),
             entry=self.local is not None,
         )
+
+    async def _reroute(self) -> ModelRunner:
+        """For a request whose split lost a stage: the runner that serves the model here now,
+        waiting while there is none. The same plan keeps its runner (the pipeline opens its
+        chain again on the next step); a new plan that keeps this agent the entry (or makes
+        it a replica) brings a new one. The request bounds the wait (`replay_deadline`)."""
+        while True:
+            local = self._offered
+            if local is not None and local.runner.aborted is None:
+                return local.runner
+            if self.placement.routable:  # a plan in force serves it, from another entry
+                raise SplitUnavailable(
+                    "the mesh moved this model: another agent serves it now; retry"
+                )
+            with trio.move_on_after(_REROUTE_POLL):
+                await self._offers.wait()
 
     async def _open_stream(self, peer_id: str, label: str, **window: int) -> MeshStream:
         """A stream of the split to `peer_id`; a peer this agent lost its connection to (it

@@ -192,8 +192,7 @@ class Scheduler:
         held = len(prompt) + len(history)
         if held + limit > self.slot_ctx:
             raise ContextOverflow(
-                f"sequence needs {held + limit} tokens of context, "
-                f"the slot holds {self.slot_ctx}",
+                f"sequence needs {held + limit} tokens of context, the slot holds {self.slot_ctx}",
                 prompt_tokens=held,
                 limit=self.slot_ctx,
             )

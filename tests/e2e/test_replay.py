@@ -1,0 +1,110 @@
+"""A stream survives a lost stage: three agent processes split the model; a stage host is
+killed (SIGKILL) in the middle of a streamed completion and started again at its address; the
+stream goes on and its text is the text of an undisturbed run, greedy and seeded at
+temperature 0.8."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import httpx
+
+from tests.e2e.agents import invite, wait_for
+from tests.e2e.test_split_serving import SMALL, _get, _show_logs
+
+PROMPT = "1, 2, 3, 4, 5, 6,"  # greedy counting: the completion runs to max_tokens
+KILL_AT = 40  # streamed chunks before the kill
+
+
+def _stream(agent, model_id, sampling: dict, on_chunk=None) -> tuple[str, dict]:
+    body = {
+        "model": model_id,
+        "prompt": PROMPT,
+        "max_tokens": 160,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **sampling,
+    }
+    text, usage, done, chunks = "", None, False, 0
+    with httpx.stream("POST", f"{agent.url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                usage = chunk.get("usage") or usage
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    text += chunk["choices"][0]["text"]
+                    chunks += 1
+                    if on_chunk is not None:
+                        on_chunk(chunks)
+    assert done, "the stream ended without [DONE]"
+    return text, usage
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_stream_survives_a_killed_stage_host(spawn_agent, model_id):
+    # Fixed overlay ports, as agents have outside tests: a host restarted after a crash is
+    # found again where it was.
+    listen = {n: ["--listen", f"127.0.0.1:{_free_port()}"] for n in "abc"}
+    a = spawn_agent(*SMALL, *listen["a"], name="a", wait_model=False)
+    token = invite(a)
+    agents = {
+        "a": a,
+        "b": spawn_agent(*SMALL, *listen["b"], "--join", token, name="b", wait_model=False),
+        "c": spawn_agent(*SMALL, *listen["c"], "--join", token, name="c", wait_model=False),
+    }
+
+    def routable():
+        return all(
+            _get(x, "/control/status")["placement"][model_id]["routable"] for x in agents.values()
+        )
+
+    wait_for(routable, timeout=120)
+    names = {_get(x, "/control/status")["peer_id"]: n for n, x in agents.items()}
+    stages = _get(a, "/control/status")["placement"][model_id]["stages"]
+    order = [names[s[0]] for s in stages]
+    entry = agents[order[0]]
+    greedy, warm = {"temperature": 0}, {"temperature": 0.8, "seed": 77}
+    expected = {k: _stream(entry, model_id, s)[0] for k, s in (("greedy", greedy), ("warm", warm))}
+    assert len(expected["greedy"]) > 100
+
+    def kill_at(victim: str):
+        restarted = threading.Event()
+
+        def on_chunk(n: int) -> None:
+            if n == KILL_AT:
+                agents[victim].proc.kill()
+
+                def restart() -> None:
+                    agents[victim] = spawn_agent(
+                        *SMALL, *listen[victim], "--join", token, name=victim, wait_model=False
+                    )
+                    restarted.set()
+
+                threading.Thread(target=restart, daemon=True).start()
+
+        return on_chunk, restarted
+
+    try:
+        # The middle stage dies during a greedy stream, the last one during a seeded one.
+        for victim, kind, sampling in ((order[1], "greedy", greedy), (order[2], "warm", warm)):
+            on_chunk, restarted = kill_at(victim)
+            text, usage = _stream(entry, model_id, sampling, on_chunk)
+            assert restarted.wait(60)
+            assert text == expected[kind], (victim, kind, text, expected[kind], usage)
+            [replay] = usage["meshagent"]["replays"]
+            assert replay["tokens"] >= KILL_AT  # the prompt and the tokens so far, again
+            wait_for(routable, timeout=120)
+    except AssertionError:
+        _show_logs(list(agents.values()))
+        raise
