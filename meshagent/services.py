@@ -113,6 +113,7 @@ class Services:
             TcpTransport(),
             listen=[config.listen],
             on_stream=self._route_stream,
+            on_lost=lambda conn: self.dialer.lost(conn),
         )
         self.relays = tuple(
             RelayClient(a, identity, mesh, self.overlay, TcpTransport(), on_member=self._member)

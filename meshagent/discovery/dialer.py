@@ -6,6 +6,11 @@ with it; for a peer reached only through a relay it keeps trying the direct addr
 (every `upgrade_interval`), and a direct connection that comes up replaces the relayed one
 (the overlay drains and closes the old one). Peers that gossip declares dead are left alone
 until a newer sighting of them arrives.
+
+A connection the transport ended (a reset, EOF without BYE) is how a crashed peer shows
+first: the dialer then looks at once whether anything still listens at the peer's direct
+addresses, and if every one refuses (the host is up, the process is gone), gossip declares
+the peer dead now rather than after `dead_after`, so placement can replan in seconds.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class DialerConfig:
     retry_max: float = 30.0
     upgrade_interval: float = 5.0  # how often a relayed peer's direct addresses are retried
     yield_delay: float = 1.5  # the higher peer id waits this long, so both don't dial at once
+    gone_timeout: float = 1.0  # per address, when checking whether a lost peer is gone
 
 
 @dataclass
@@ -111,6 +117,12 @@ class PeerDialer:
             c.next_attempt = min(c.next_attempt, now) if c.failures else c.next_attempt
             self._wake.set()
         c.sources.add(source)
+
+    def lost(self, conn: Connection) -> None:
+        """The transport ended `conn` (the overlay's `on_lost`): find out now whether its
+        peer is gone."""
+        if self._nursery is not None and conn.path == DIRECT:
+            self._nursery.start_soon(self._check_gone, conn.peer_id)
 
     def candidates(self) -> dict[str, Candidate]:
         return dict(self._candidates)
@@ -198,6 +210,22 @@ class PeerDialer:
                 c.next_upgrade = trio.current_time() + self.config.upgrade_interval
         finally:
             c.attempting = False
+
+    async def _check_gone(self, peer_id: str) -> None:
+        c = self._candidates.get(peer_id)
+        if c is None or not c.addresses or self.gossip is None:
+            return
+        timeout = self.config.gone_timeout
+        answers = [await self.overlay.listening_at(a, timeout=timeout) for a in c.addresses]
+        if self.overlay.connection(peer_id) is not None:
+            return  # it is back (it dialled us)
+        if all(a is False for a in answers):
+            self.gossip.declare_dead(
+                peer_id, "its connection broke and nothing listens at its addresses"
+            )
+        elif any(answers):  # something listens there: a restart, probably; connect now
+            c.next_attempt = trio.current_time()
+            self._wake.set()
 
     async def _upgrade(self, c: Candidate) -> None:
         try:

@@ -86,6 +86,7 @@ class GossipService:
         self._busy_with: set[str] = set()
         self._published_rtts: dict[str, float] = {}
         self._last_refresh = -float("inf")
+        self._nursery: trio.Nursery | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
         self.exchanges = 0
@@ -144,6 +145,7 @@ class GossipService:
         self.state.beat(now=now, wall_time=self._wall())
         self._refresh(now)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             task_status.started()
             while True:
                 jitter = self._rng.uniform(0.9, 1.1)
@@ -186,6 +188,20 @@ class GossipService:
         finally:
             self._account(ex)
         await stream.aclose()
+
+    def declare_dead(self, peer_id: str, reason: str) -> None:
+        """`peer_id` is gone for certain (its process no longer listens where it did): it is
+        dead here now, and every connected peer hears so at once rather than after
+        `dead_after`. A peer that is alive after all refutes it with its next heartbeat."""
+        changes = self.state.declare_dead(peer_id, now=trio.current_time(), reason=reason)
+        if not changes:
+            return
+        self._notify(changes)
+        if self._nursery is not None:
+            for link in self.overlay.links():
+                if link.peer_id != peer_id and link.peer_id not in self._busy_with:
+                    self._busy_with.add(link.peer_id)
+                    self._nursery.start_soon(self._exchange_with, link.peer_id)
 
     async def leave(self, *, timeout: float = 2.0, peers: int = 3) -> None:
         """Tell a few connected peers we are leaving (they spread it), so the mesh stops

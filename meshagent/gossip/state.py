@@ -236,6 +236,19 @@ class GossipState:
                 changes.append(Change(e.peer_id, "forgotten", PeerState.DEAD))
         return changes
 
+    def declare_dead(self, peer_id: str, *, now: float, reason: str) -> list[Change]:
+        """`peer_id` is gone for certain (say, nothing listens where its process did): sign
+        its obituary now instead of waiting out `dead_after`. A peer that is in fact alive
+        refutes it with its next heartbeat. Returns what changed."""
+        e = self.entries.get(peer_id)
+        if e is None or peer_id == self.self_id or e.obituary is not None:
+            return []
+        e.obituary = Obituary.sign(self.identity, peer_id, e.beat, self.mesh)
+        log.info("gossip.peer_dead", peer=peer_id, reason=reason, announced_by="us")
+        changes: list[Change] = []
+        self._set_state(e, PeerState.DEAD, now, changes)
+        return changes
+
     # ----- queries -----
 
     def views(self, *, now: float, include_dead: bool = False) -> dict[str, PeerView]:

@@ -109,6 +109,8 @@ class Connection:
         self._closing = False
         self._dead = False
         self.draining = False
+        # Ended by the transport (a reset, EOF without BYE): neither side chose to close it.
+        self.lost = False
         self.close_code: ErrorCode | None = None
         self.close_reason: str | None = None
         self.established_at = trio.current_time()
@@ -251,7 +253,7 @@ class Connection:
             await self._write_pending()
         except _TRANSPORT_ERRORS as e:
             self._log.info("conn.lost", during="write", error=str(e))
-            self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
+            self._lose(str(e))
 
     def _write_now(self) -> None:
         """`_send_inline` for code that cannot wait: what the socket takes at once goes now,
@@ -264,7 +266,7 @@ class Connection:
                 self._kick()
         except _TRANSPORT_ERRORS as e:
             self._log.info("conn.lost", during="write", error=str(e))
-            self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
+            self._lose(str(e))
 
     def _read(self, stream_id: int, max_bytes: int) -> bytes | bytearray | None:
         data = self.mux.read(stream_id, max_bytes)
@@ -342,6 +344,11 @@ class Connection:
             await self._flush()
         self._cancel()
 
+    def _lose(self, why: str) -> None:
+        """The transport failed or ended without BYE: the peer did not choose to close."""
+        self.lost = True
+        self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {why}")
+
     def _abort(self, code: ErrorCode, reason: str) -> None:
         """Immediate end (transport gone, or the peer said BYE): no flush possible/needed."""
         if self.close_reason is None:
@@ -398,7 +405,7 @@ class Connection:
                 self._writer_wakeup = trio.Event()
         except _TRANSPORT_ERRORS as e:
             self._log.info("conn.lost", during="write", error=str(e))
-            self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
+            self._lose(str(e))
 
     async def _reader(self) -> None:
         data, self._leftover = self._leftover, b""
@@ -449,14 +456,14 @@ class Connection:
                     n = len(data)
                 if not n:
                     self._log.info("conn.lost", during="read", error="EOF without BYE")
-                    self._abort(ErrorCode.INTERNAL_ERROR, "connection lost: EOF without BYE")
+                    self._lose("EOF without BYE")
                     return
         except ProtocolError as e:
             self._log.warning("conn.protocol_error", code=e.code.name, reason=str(e))
             await self._close(e.code, f"protocol error: {e}")
         except _TRANSPORT_ERRORS as e:
             self._log.info("conn.lost", during="read", error=str(e))
-            self._abort(ErrorCode.INTERNAL_ERROR, f"connection lost: {e}")
+            self._lose(str(e))
 
     def _process_frames(self) -> None:
         decoder, mux, dispatch = self._decoder, self.mux, self._dispatch

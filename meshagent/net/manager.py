@@ -3,8 +3,9 @@ and retires replaced connections with drain-and-close."""
 
 from __future__ import annotations
 
+import errno
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -41,6 +42,17 @@ class PeerLink:
     established_at: float
 
 
+def _refused(error: BaseException) -> bool:
+    """Whether a failed connect was refused, at every address tried (trio's TCP connect
+    wraps each attempt's error in a group)."""
+    if getattr(error, "errno", None) == errno.ECONNREFUSED:  # ConnectionRefusedError too
+        return True
+    cause = error.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        return all(_refused(e) for e in cause.exceptions)
+    return False
+
+
 def choose_connection(current: Connection, new: Connection) -> tuple[Connection, str]:
     """Which of two live connections to the same peer to keep, and why. Both peers reach
     the same answer from their own view, so they keep the same connection."""
@@ -61,7 +73,9 @@ class ConnectionManager:
     `run` listens on `listen` addresses; `dial` connects out (with backoff); at most one
     connection per peer is active, and `open_stream(peer_id)` always uses it. A connection
     that loses to a newer or better one gets GOAWAY, `drain_grace` seconds for its open
-    streams, then closes with reason `replaced`. Inbound streams go to `on_stream`.
+    streams, then closes with reason `replaced`. Inbound streams go to `on_stream`;
+    `on_lost` hears of a peer's active connection that the transport ended (a reset, EOF
+    without BYE), which is how a crashed peer shows first.
     """
 
     def __init__(
@@ -71,10 +85,12 @@ class ConnectionManager:
         *,
         listen: Sequence[Address | str] = (),
         on_stream: StreamAcceptor | None = None,
+        on_lost: Callable[[Connection], None] | None = None,
         config: OverlayConfig | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.local = local
+        self._on_lost = on_lost
         self.config = config or OverlayConfig()
         self._transport = transport
         self._listen = [Address.parse(a) for a in listen]
@@ -196,6 +212,21 @@ class ConnectionManager:
                 log.warning("dial.refused", address=str(address), reason=str(e))
                 raise DialError(f"{address} refused the handshake: {e}") from e
 
+    async def listening_at(self, address: Address | str, *, timeout: float) -> bool | None:
+        """Whether anything accepts connections at `address`: True, False when the host
+        refuses (nothing listens there: a process that was there is gone), None when there
+        is no answer within `timeout` or the attempt fails otherwise. Opens and closes a bare
+        transport connection; no handshake."""
+        try:
+            with trio.fail_after(timeout):
+                stream = await self._transport.dial(Address.parse(address))
+        except trio.TooSlowError:
+            return None
+        except OSError as e:
+            return False if _refused(e) else None
+        await trio.aclose_forcefully(stream)
+        return True
+
     async def adopt(
         self,
         stream: trio.abc.Stream,
@@ -314,6 +345,8 @@ class ConnectionManager:
             if self._active.get(conn.peer_id) is conn:
                 del self._active[conn.peer_id]
                 log.info("peer.disconnected", peer=conn.peer_id, reason=conn.close_reason)
+                if conn.lost and self._on_lost is not None:
+                    self._on_lost(conn)
             self._signal()
 
     def _adopt(self, conn: Connection) -> None:

@@ -55,16 +55,17 @@ async def start_sim_agent(
             return
         await handler(stream)
 
+    scope = trio.CancelScope()
+    ready = trio.Event()
+    agent: list[SimAgent] = []
     overlay = ConnectionManager(
         LocalPeer.create(identity, SECRET),
         net.transport(name),
         listen=[f"{name}:0"],
         on_stream=route,
+        on_lost=lambda conn: agent[0].dialer.lost(conn) if agent else None,
         rng=random.Random(seed),
     )
-    scope = trio.CancelScope()
-    ready = trio.Event()
-    agent: list[SimAgent] = []
 
     async def serve():
         with scope:

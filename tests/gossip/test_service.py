@@ -63,6 +63,38 @@ async def test_inbound_exchanges_are_rate_limited(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def test_a_crashed_agent_is_dead_everywhere_within_seconds(autojump_clock):
+    # Its connections end without BYE and nothing listens where it did: the peers that were
+    # connected to it declare it dead at once instead of waiting out dead_after.
+    async with trio.open_nursery() as nursery:
+        a, b, c = await _three(nursery)
+        c.scope.cancel()  # no leave(): a crash
+        crashed = trio.current_time()
+        with trio.fail_after(CFG.dead_after):
+            while any(c.peer_id in x.alive_view() for x in (a, b)):
+                await trio.sleep(0.05)
+        assert trio.current_time() - crashed < 2.5 < CFG.dead_after
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_broken_connection_to_a_live_agent_is_no_death(autojump_clock):
+    # The transport drops a connection but the agent still listens: it is dialled again,
+    # and nobody declares it dead.
+    async with trio.open_nursery() as nursery:
+        a, b, c = await _three(nursery)
+        for x in (a, b):
+            conn = x.overlay.connection(c.peer_id)
+            if conn is not None:
+                await trio.aclose_forcefully(conn._transport)
+        await trio.sleep(2 * CFG.dead_after)
+        for x in (a, b):
+            assert c.peer_id in x.alive_view()
+            assert x.overlay.connection(c.peer_id) is not None
+        dead = [x.gossip.snapshot(include_dead=True)[c.peer_id].state for x in (a, b)]
+        assert dead == [PeerState.ALIVE, PeerState.ALIVE]
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_leaving_agent_is_dead_everywhere_at_once(autojump_clock):
     async with trio.open_nursery() as nursery:
         a, b, c = await _three(nursery)

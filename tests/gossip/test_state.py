@@ -231,3 +231,17 @@ def test_a_leaving_peer_is_dead_at_once_and_a_restart_outgrows_it():
     back.beat(now=1.0, wall_time=2000.0)
     exchange(back, a, now=1.0)
     assert a.entries[c.self_id].state is PeerState.ALIVE
+
+
+def test_a_peer_declared_dead_is_dead_at_once_until_it_beats_again():
+    a, b = make_state("a"), make_state("b")
+    exchange(a, b, now=1.0)
+    changes = a.declare_dead(b.self_id, now=1.5, reason="nothing listens where it did")
+    assert [(c.peer_id, c.state) for c in changes] == [(b.self_id, PeerState.DEAD)]
+    assert a.declare_dead(b.self_id, now=1.6, reason="again") == []  # once is enough
+    assert a.declare_dead(a.self_id, now=1.6, reason="never ourselves") == []
+    # b was alive after all: it hears of its obituary and outgrows it.
+    for t in (2.0, 3.0):
+        b.beat(now=t, wall_time=1000.0 + t)
+        exchange(a, b, now=t)
+    assert a.entries[b.self_id].state is PeerState.ALIVE

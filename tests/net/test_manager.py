@@ -216,3 +216,38 @@ async def test_relayed_inbound_handshakes_are_bounded_like_a_listeners(autojump_
         await trio.sleep(0.1)
         assert len(failures) == 2  # ...and a new one is admitted again
         nursery.cancel_scope.cancel()
+
+
+async def test_a_crashed_peer_is_reported_lost_and_nothing_listens_where_it_did(env, clock):
+    lost = []
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "a", nursery, on_lost=lost.append) as (a, _),
+    ):
+        async with trio.open_nursery() as b_nursery, node(env, "b", b_nursery) as (b, b_addr):
+            await a.dial(b_addr)
+            assert await a.listening_at(b_addr, timeout=5) is True
+            b_nursery.cancel_scope.cancel()  # b's process dies: no BYE, its listener gone
+        with trio.fail_after(10):
+            while not lost:
+                await trio.sleep(0.01)
+        [conn] = lost
+        assert conn.peer_id == b.peer_id and conn.lost
+        assert await a.listening_at(b_addr, timeout=5) is False
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_closes_on_purpose_is_not_reported_lost(env, clock):
+    lost = []
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "a", nursery, on_lost=lost.append) as (a, _),
+        node(env, "b", nursery) as (b, b_addr),
+    ):
+        conn = await a.dial(b_addr)
+        await (await b.wait_connected(a.peer_id)).aclose(reason="done")  # BYE
+        with trio.fail_after(10):
+            await conn.wait_closed()
+        await trio.sleep(0.1)
+        assert lost == [] and not conn.lost
+        nursery.cancel_scope.cancel()
