@@ -130,8 +130,10 @@ def plan(
     *,
     context_tokens: int,
     headroom: float = 0.1,
+    current: Plan | None = None,
 ) -> Plan:
-    """The plan for `model` on `peers`; raises PlanError naming what is missing."""
+    """The plan for `model` on `peers`; raises PlanError naming what is missing. A split
+    `current` plan that lost peers is repaired when it can be (`repair`)."""
     if not peers:
         raise PlanError(f"no peer can host {model.model_id}: the mesh is empty")
     ordered = sorted(peers, key=lambda p: p.peer_id)
@@ -152,6 +154,10 @@ def plan(
             f"whole: it needs {whole / 1e9:.2f} GB on one peer, the largest offer is "
             f"{most / 1e9:.2f} GB"
         )
+    if current is not None and current.split:
+        repaired = repair(model, current, ordered, headroom=headroom)
+        if repaired is not None:
+            return repaired
     candidates = sorted(ordered, key=lambda p: (-_usable(p, headroom) * p.speed, p.peer_id))
     candidates = sorted(candidates[:MAX_CANDIDATES], key=lambda p: p.peer_id)
     for k in range(2, min(len(candidates), model.n_layers) + 1):
@@ -178,6 +184,42 @@ def plan(
         f"{model.model_id} needs {need / 1e9:.2f} GB across the mesh (weights and KV cache for "
         f"{context_tokens} tokens), the mesh offers {total / 1e9:.2f} GB: it needs "
         f"{missing / 1e9:.2f} GB more memory"
+    )
+
+
+def repair(
+    model: ModelCost, current: Plan, peers: Sequence[PeerCapacity], *, headroom: float = 0.1
+) -> Plan | None:
+    """`current` with each of its stages whose peer is gone (not among `peers`) given to a
+    peer outside the plan that can hold that same stage, fastest first; None when no stage is
+    missing or one cannot be placed so. The stages that stay keep their layers, so their
+    agents keep what they loaded, and only the newcomers load: the quickest way back to a
+    routable split after a loss."""
+    live = {p.peer_id: p for p in peers}
+    if all(s.peer_id in live for s in current.stages):
+        return None
+    spares = sorted(
+        (p for p in peers if p.peer_id not in current.peers), key=lambda p: (-p.speed, p.peer_id)
+    )
+    stages = []
+    for s in current.stages:
+        if s.peer_id not in live:
+            need = model.stage_bytes(s.start, s.end, current.context_tokens)
+            taker = next((p for p in spares if _usable(p, headroom) >= need), None)
+            if taker is None:
+                return None
+            spares.remove(taker)
+            s = StageAssignment(taker.peer_id, s.start, s.end)
+        stages.append(s)
+    order = [live[s.peer_id] for s in stages]
+    compute_ms = sum(
+        1000.0 * s.layers / max(p.speed, 1e-9) for s, p in zip(stages, order, strict=True)
+    )
+    return Plan(
+        model.model_id,
+        current.context_tokens,
+        stages=tuple(stages),
+        est_token_ms=compute_ms + _ring_ms(order),
     )
 
 

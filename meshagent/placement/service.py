@@ -99,7 +99,7 @@ class PlacementService:
         *,
         context_tokens: int,
         take_part: Callable[[Plan], Awaitable[None]],
-        release: Callable[[], Awaitable[None]] | None = None,
+        release: Callable[[Plan], Awaitable[None]] | None = None,
         headroom: float = 0.1,
         threshold: float = 0.25,
         tick: float = 1.0,
@@ -109,7 +109,8 @@ class PlacementService:
         self.cost = cost
         self.context_tokens = context_tokens
         self._take_part = take_part  # load this agent's part of a plan (may take a while)
-        self._release = release  # stop serving the part of a plan no longer in force
+        # Stop serving the part of a plan no longer in force (given the plan replacing it).
+        self._release = release
         self.headroom = headroom
         self.threshold = threshold
         self.tick = tick
@@ -144,7 +145,11 @@ class PlacementService:
         winner = plan_in_force(claims)
         try:
             candidate: Plan | None = plan(
-                self.cost, caps, context_tokens=self.context_tokens, headroom=self.headroom
+                self.cost,
+                caps,
+                context_tokens=self.context_tokens,
+                headroom=self.headroom,
+                current=winner.plan if winner is not None else None,
             )
             self.error = None
         except PlanError as e:
@@ -171,7 +176,7 @@ class PlacementService:
                 if self.mine is not None and self.mine.ready and self._release is not None:
                     # The plan this agent serves is no longer in force: stop serving it now,
                     # not after the settling time (its peers may be gone).
-                    await self._release()
+                    await self._release(winner.plan)
                 self._publish(pending)
             assert self._seen is not None
             if now - self._seen[1] >= self.settle and self._failed != self._seen[0]:

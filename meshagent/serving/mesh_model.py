@@ -86,7 +86,7 @@ class MeshModel:
             self.cost,
             context_tokens=settings.slots * settings.slot_ctx,
             take_part=self._take_part,
-            release=self._unload,
+            release=self._release,
             headroom=settings.headroom,
             threshold=settings.threshold,
         )
@@ -239,6 +239,14 @@ class MeshModel:
     async def _take_part(self, plan: Plan) -> None:
         assert self._nursery is not None
         s = self.settings
+        if self.split is not None and self.split.keeps_part(plan):
+            # The plan was repaired around a lost peer and this agent's part is unchanged:
+            # nothing to load, and requests replayed on this entry find its runner.
+            self.split.rewire(plan)
+            if self.local is not None:
+                self._offer(self.local, self._split_receipt(plan))
+            log.info("mesh_model.part", kept=True, stage=self.split.layers)
+            return
         await self._unload()
         receipt: Headers = []
         if self.peer_id in plan.replicas:
@@ -273,12 +281,7 @@ class MeshModel:
             if self.local is not None:  # the entry: requests survive a lost stage
                 self.local.reroute = self._reroute
                 self.local.replay_deadline = s.replay_deadline
-            stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
-            receipt = [
-                (b"x-meshagent-stages", stages.encode()),
-                (b"x-meshagent-wire-dtype", wire.dtype.encode()),
-                (b"x-meshagent-wire-exact", b"certified" if wire.certified_exact else b"no"),
-            ]
+            receipt = self._split_receipt(plan)
         if self.local is not None:
             scope = trio.CancelScope()
             self._serving_scope = scope
@@ -293,15 +296,39 @@ class MeshModel:
                     served.set()
 
             await self._nursery.start(serve)
-            self._offered, self._receipt = local, receipt
-            self._offers.set()
-            self._offers = trio.Event()
+            self._offer(local, receipt)
         log.info(
             "mesh_model.part",
             whole=self._whole is not None,
             stage=None if self.split is None else (self.split.part.start, self.split.part.end),
             entry=self.local is not None,
         )
+
+    def _split_receipt(self, plan: Plan) -> Headers:
+        assert self.wire is not None
+        stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
+        return [
+            (b"x-meshagent-stages", stages.encode()),
+            (b"x-meshagent-wire-dtype", self.wire.dtype.encode()),
+            (b"x-meshagent-wire-exact", b"certified" if self.wire.certified_exact else b"no"),
+        ]
+
+    def _offer(self, local: LocalModel, receipt: Headers) -> None:
+        self._offered, self._receipt = local, receipt
+        self._offers.set()
+        self._offers = trio.Event()
+
+    async def _release(self, plan: Plan) -> None:
+        """The plan this agent serves is no longer in force; `plan` replaces it. When this
+        agent keeps its part of a split there (a repair around a lost peer), its engines stay
+        loaded: the chain in flight is interrupted (its requests replay once the new chain
+        serves) and nothing is offered until then. Otherwise everything is unloaded."""
+        if self.split is None or not self.split.keeps_part(plan):
+            await self._unload()
+            return
+        self._offered, self._receipt = None, []
+        if self.split.pipeline is not None:
+            self.split.pipeline.rechain("the mesh is replacing a lost stage")
 
     async def _reroute(self) -> ModelRunner:
         """For a request whose split lost a stage: the runner that serves the model here now,

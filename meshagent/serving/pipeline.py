@@ -211,6 +211,11 @@ class PipelineExecutor:
         if self._runner is not None and self._runner.busy():
             self._broken(why)
 
+    def rechain(self, why: str) -> None:
+        """The chain changes (its plan was repaired around a lost peer): what is in flight
+        fails now, and the next step opens the new chain."""
+        self._broken(why)
+
     def _broken(self, why: str) -> None:
         if self.failed is None:
             self.failed = why

@@ -77,16 +77,44 @@ class SplitHost:
         self.server: StageServer | None = None  # set on other stages
         self._engine: StageEngine | None = None
         self._entry: EntryEngine | None = None
+        self._next: str | None = None  # the peer of the next stage (None: this is the last)
+        self._entry_peer = ""  # the peer of the entry, where the last stage replies
+
+    @property
+    def layers(self) -> tuple[int, int] | None:
+        return None if self.part is None else (self.part.start, self.part.end)
 
     @property
     def is_entry(self) -> bool:
         return self.part is not None and self.part.start == 0
 
-    def _neighbours(self, plan: Plan, part: StageAssignment) -> tuple[str | None, str]:
+    def _neighbours(self, plan: Plan) -> tuple[str | None, str]:
         order = [s.peer_id for s in plan.stages]
         i = order.index(self.peer_id)
         nxt = order[i + 1] if i + 1 < len(order) else None
         return nxt, order[0]
+
+    def keeps_part(self, plan: Plan) -> bool:
+        """Whether `plan` gives this agent the part it has loaded, in a chain as long (only
+        its neighbours may differ): then `rewire` serves it without loading anything."""
+        mine = next((s for s in plan.stages if s.peer_id == self.peer_id), None)
+        return (
+            self.plan is not None
+            and self.part is not None
+            and mine is not None
+            and (mine.start, mine.end) == (self.part.start, self.part.end)
+            and len(plan.stages) == len(self.plan.stages)
+            and plan.context_tokens == self.plan.context_tokens
+        )
+
+    def rewire(self, plan: Plan) -> None:
+        """Serve the same part in `plan` (see `keeps_part`): streams go to its neighbours
+        from the next one opened on."""
+        if not self.keeps_part(plan):
+            raise EngineError(f"peer {self.peer_id} has another part in this plan")
+        self.plan = plan
+        self._next, self._entry_peer = self._neighbours(plan)
+        log.info("split.rewired", layers=(self.part.start, self.part.end), next=self._next)
 
     async def load(self, plan: Plan) -> None:
         """Load this agent's stage of `plan` (blocking work off the event loop)."""
@@ -110,7 +138,7 @@ class SplitHost:
             )
         )
         self.plan, self.part, self._engine = plan, part, engine
-        nxt, entry = self._neighbours(plan, part)
+        self._next, self._entry_peer = nxt, _ = self._neighbours(plan)
         window = {
             "window_bytes": ACTIVATION_WINDOW_BYTES,
             "window_frames": ACTIVATION_WINDOW_FRAMES,
@@ -125,7 +153,7 @@ class SplitHost:
             assert nxt is not None
             self.pipeline = PipelineExecutor(
                 self._entry,
-                lambda: self._open_stream(nxt, STAGE_LABEL, **window),
+                lambda: self._open_stream(self._next, STAGE_LABEL, **window),
                 wire_dtype=s.wire_dtype,
                 depth=len(plan.stages),
             )
@@ -138,14 +166,14 @@ class SplitHost:
         elif nxt is not None:
             self.server = StageServer(
                 engine,
-                open_next=lambda: self._open_stream(nxt, STAGE_LABEL, **window),
+                open_next=lambda: self._open_stream(self._next, STAGE_LABEL, **window),
                 open_reply=None,
             )
         else:
             self.server = StageServer(
                 engine,
                 open_next=None,
-                open_reply=lambda: self._open_stream(entry, REPLY_LABEL),
+                open_reply=lambda: self._open_stream(self._entry_peer, REPLY_LABEL),
             )
         log.info("split.loaded", layers=(part.start, part.end), entry=self.is_entry, next=nxt)
 

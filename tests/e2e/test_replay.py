@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import httpx
 
@@ -105,6 +106,50 @@ def test_a_stream_survives_a_killed_stage_host(spawn_agent, model_id):
             [replay] = usage["meshagent"]["replays"]
             assert replay["tokens"] >= KILL_AT  # the prompt and the tokens so far, again
             wait_for(routable, timeout=120)
+    except AssertionError:
+        _show_logs(list(agents.values()))
+        raise
+
+
+def test_a_stream_survives_a_lost_stage_host_that_never_comes_back(spawn_agent, model_id):
+    # Four agents where three hold the split: one is spare. A stage host is killed for good;
+    # the mesh repairs the plan with the spare (the other two keep what they loaded), the
+    # entry replays, and the stream ends with the undisturbed text.
+    a = spawn_agent(*SMALL, name="a", wait_model=False)
+    token = invite(a)
+    agents = {"a": a}
+    for name in "bcd":
+        agents[name] = spawn_agent(*SMALL, "--join", token, name=name, wait_model=False)
+    ids = {_get(x, "/control/status")["peer_id"]: n for n, x in agents.items()}
+
+    def placement(x):
+        return _get(x, "/control/status")["placement"][model_id]
+
+    wait_for(lambda: placement(a)["routable"], timeout=120)
+    order = [ids[s[0]] for s in placement(a)["stages"]]
+    assert len(order) == 3
+    entry, victim = agents[order[0]], order[1]
+    expected = _stream(entry, model_id, {"temperature": 0})[0]
+    chunks: list[float] = []
+
+    def on_chunk(n: int) -> None:
+        chunks.append(time.monotonic())
+        if n == KILL_AT:
+            agents[victim].proc.kill()
+            chunks.append(-time.monotonic())  # the kill, marked
+
+    try:
+        text, usage = _stream(entry, model_id, {"temperature": 0}, on_chunk)
+        assert text == expected
+        [replay] = usage["meshagent"]["replays"]
+        assert replay["tokens"] >= KILL_AT
+        killed = next(-t for t in chunks if t < 0)
+        resumed = next(t for t in chunks if t > killed)
+        print(f"kill to next token: {resumed - killed:.2f} s; replay {replay}")
+        stages = [ids[s[0]] for s in placement(entry)["stages"]]
+        assert victim not in stages and stages[0] == order[0] and stages[2] == order[2]
+        # And the mesh keeps serving.
+        assert _stream(entry, model_id, {"temperature": 0})[0] == expected
     except AssertionError:
         _show_logs(list(agents.values()))
         raise

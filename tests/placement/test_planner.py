@@ -168,3 +168,26 @@ def test_many_peers_plan_quickly():
     peers = [peer(f"p{i:02}", rng.uniform(0.6, 1.2), rng.uniform(50, 200)) for i in range(20)]
     p = plan(MODEL, peers, context_tokens=CTX)
     check_fits(p, peers)
+
+
+def test_a_split_that_lost_a_peer_is_repaired_with_a_spare_keeping_the_others_parts():
+    three = [peer("a", 1.3), peer("b", 1.3), peer("c", 1.3)]
+    before = plan(MODEL, three, context_tokens=CTX)
+    assert len(before.stages) == 3
+    lost = before.stages[1].peer_id
+    left = [p for p in three if p.peer_id != lost] + [peer("spare", 1.3, speed=50.0)]
+    after = plan(MODEL, left, context_tokens=CTX, current=before)
+    assert [(s.start, s.end) for s in after.stages] == [(s.start, s.end) for s in before.stages]
+    assert [s.peer_id for s in after.stages] == [
+        "spare" if s.peer_id == lost else s.peer_id for s in before.stages
+    ]
+    check_fits(after, left)
+    # Unbroken, the plan in force is not "repaired"; a spare too small for the lost part
+    # leaves the choice to the full search.
+    assert plan(MODEL, three, context_tokens=CTX, current=before) == before
+    tiny = [p for p in three if p.peer_id != lost] + [peer("spare", 0.2), peer("big", 4.0)]
+    fresh = plan(MODEL, tiny, context_tokens=CTX, current=before)
+    assert fresh.replicas == ("big",)
+    small = [p for p in three if p.peer_id != lost] + [peer("spare", 0.2)]
+    with pytest.raises(PlanError):
+        plan(MODEL, small, context_tokens=CTX, current=before)
