@@ -339,12 +339,21 @@ class MeshModel:
             local = self._offered
             if local is not None and local.runner.aborted is None:
                 return local.runner
-            if self.placement.routable:  # a plan in force serves it, from another entry
+            if self._served_elsewhere():
                 raise SplitUnavailable(
                     "the mesh moved this model: another agent serves it now; retry"
                 )
             with trio.move_on_after(_REROUTE_POLL):
                 await self._offers.wait()
+
+    def _served_elsewhere(self) -> bool:
+        """A routable plan is in force and requests enter it at other agents only."""
+        claim = self.placement.in_force
+        if not self.placement.routable or claim is None:
+            return False
+        plan = claim.plan
+        entries = plan.replicas if not plan.split else (plan.stages[0].peer_id,)
+        return self.peer_id not in entries
 
     async def _open_stream(self, peer_id: str, label: str, **window: int) -> MeshStream:
         """A stream of the split to `peer_id`; a peer this agent lost its connection to (it
