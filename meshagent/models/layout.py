@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
-
 from meshagent.errors import ModelError
 from meshagent.models.architectures import split_refusal, stage_refusal
+from meshagent.models.gguf_file import GGUFFile
 
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 KV_BYTES_F16 = 2
@@ -80,16 +79,16 @@ class ModelLayout:
         }
 
 
-def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelError(f"model file not found: {path}")
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except (ValueError, OSError, IndexError) as e:
         raise ModelError(f"{path} is not a readable GGUF file: {e}") from e
 

@@ -18,6 +18,7 @@ from gguf import GGUFValueType
 
 from meshagent.errors import ModelError
 from meshagent.models.family import ATTENTION, RECURRENT, family_traits
+from meshagent.models.gguf_file import GGUFFile
 from meshagent.models.layout import LAYER_TENSOR, ModelLayout, open_gguf
 
 PLACEHOLDER_VOCAB = 8
@@ -32,7 +33,7 @@ Progress = Callable[[int, int], None]
 
 
 def _copy_metadata(
-    reader: gguf.GGUFReader,
+    reader: GGUFFile,
     writer: gguf.GGUFWriter,
     *,
     skip: Callable[[str], bool],
@@ -54,7 +55,7 @@ def _copy_metadata(
             writer.add_key_value(key, f.contents(), vtype)
 
 
-def _per_layer_arrays(reader: gguf.GGUFReader, arch: str, n_layers: int) -> frozenset[str]:
+def _per_layer_arrays(reader: GGUFFile, arch: str, n_layers: int) -> frozenset[str]:
     """The model's per-layer arrays, refusing an array of one value per layer that the slicer
     does not know: copied whole, it would describe layers the slice does not hold."""
     known = {f"{arch}.{k}" for k in PER_LAYER_KEYS}
@@ -64,7 +65,7 @@ def _per_layer_arrays(reader: gguf.GGUFReader, arch: str, n_layers: int) -> froz
             continue
         if key in known:
             found.add(key)
-        elif len(f.data) == n_layers:
+        elif len(f.contents()) == n_layers:
             raise ModelError(f"cannot cut {key}: an array of one value per layer")
     return frozenset(found)
 

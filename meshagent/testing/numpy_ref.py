@@ -18,6 +18,7 @@ import numpy as np
 from meshagent.engine.runtime import EmbdItem
 from meshagent.engine.stage import StageOutput
 from meshagent.errors import EngineError, ModelError
+from meshagent.models.gguf_file import Tensor
 from meshagent.models.layout import LAYER_TENSOR, inspect_model, open_gguf
 
 # llama.cpp's rope modes: llama rotates adjacent pairs; the qwen family rotates the two halves.
@@ -49,7 +50,7 @@ class _Cache:
     v: list[np.ndarray] = field(default_factory=list)
 
 
-def _tensor(t: gguf.ReaderTensor) -> np.ndarray:
+def _tensor(t: Tensor) -> np.ndarray:
     data = gguf.quants.dequantize(t.data, t.tensor_type)
     return np.ascontiguousarray(data, dtype=np.float32)
 
