@@ -108,6 +108,10 @@ class Plan:
         return tuple(s.peer_id for s in self.stages) if self.stages else self.replicas
 
 
+# A plan change must save at least this much per token (see `should_replan`).
+MIN_GAIN_MS = 5.0
+
+
 def _usable(peer: PeerCapacity, headroom: float) -> int:
     return int(peer.memory_bytes * (1.0 - headroom))
 
@@ -330,11 +334,14 @@ def should_replan(
     threshold: float = 0.25,
 ) -> bool:
     """Move to `candidate` only if the current plan is broken or the gain passes `threshold`
-    (0.25: at least 25% faster per token), so the mesh does not flap on small changes."""
+    (0.25: at least 25% faster per token) and `MIN_GAIN_MS`, so the mesh does not flap on
+    small changes: moving layers stops the split for seconds, and for a small model the
+    estimate is mostly measured RTTs, which swing by milliseconds on their own."""
     if current is None:
         return True
     by_id = {p.peer_id: p for p in peers}
     now = estimated_token_ms(model, current, by_id, current.context_tokens)
     if now is None:
         return True
-    return candidate.est_token_ms * (1.0 + threshold) < now
+    gain = now - candidate.est_token_ms
+    return candidate.est_token_ms * (1.0 + threshold) < now and gain >= MIN_GAIN_MS
