@@ -66,7 +66,15 @@ def _chat(agent, model_id):
 
 
 def _show_logs(agents) -> None:
-    keys = ("placement.", "mesh_model", "split.", "stage.", "pipeline.", "conn.closed")
+    keys = (
+        "placement.",
+        "mesh_model",
+        "split.",
+        "stage.",
+        "pipeline.",
+        "conn.closed",
+        "gossip.peer",
+    )
     for y in agents:
         print("----", y.data_dir.name)
         print("\n".join(line for line in y.log_text().splitlines() if any(k in line for k in keys)))
