@@ -15,6 +15,7 @@ import httpx
 from tests.e2e.agents import invite, wait_for
 from tests.e2e.test_split_serving import SMALL, _get, _show_logs
 
+GREEDY = {"temperature": 0}
 PROMPT = "1, 2, 3, 4, 5, 6,"  # greedy counting: the completion runs to max_tokens
 KILL_AT = 40  # streamed chunks before the kill
 
@@ -111,59 +112,108 @@ def test_a_stream_survives_a_killed_stage_host(spawn_agent, model_id):
         raise
 
 
-def test_a_stream_survives_a_lost_stage_host_that_never_comes_back(spawn_agent, model_id):
-    # Four agents where three hold the split: one is spare. A stage host is killed for good;
-    # the mesh repairs the plan with the spare (the other two keep what they loaded), the
-    # entry replays, and the stream ends with the undisturbed text.
-    a = spawn_agent(*SMALL, name="a", wait_model=False)
-    token = invite(a)
-    agents = {"a": a}
-    for name in "bcd":
-        agents[name] = spawn_agent(*SMALL, "--join", token, name=name, wait_model=False)
-    ids = {_get(x, "/control/status")["peer_id"]: n for n, x in agents.items()}
+class FourAgents:
+    """Four agents where three hold the split: one is spare. Waits for a split every agent
+    agrees on and that stays put (agents measure their speed while the others load, and a late
+    measurement can move a split once)."""
 
-    def placement(x):
-        return _get(x, "/control/status")["placement"][model_id]
+    def __init__(self, spawn_agent, model_id: str) -> None:
+        self.model_id = model_id
+        a = spawn_agent(*SMALL, name="a", wait_model=False)
+        token = invite(a)
+        self.agents = {"a": a}
+        for name in "bcd":
+            self.agents[name] = spawn_agent(*SMALL, "--join", token, name=name, wait_model=False)
+        self.ids = {_get(x, "/control/status")["peer_id"]: n for n, x in self.agents.items()}
+        while True:
+            wait_for(self.settled, timeout=120)
+            stages = self.placement(a)["stages"]
+            time.sleep(5)
+            if self.settled() and self.placement(a)["stages"] == stages:
+                break
+        self.order = [self.ids[s[0]] for s in stages]
+        assert len(self.order) == 3
 
-    def settled():  # every agent routes the same split
-        views = [placement(x) for x in agents.values()]
+    def placement(self, x):
+        return _get(x, "/control/status")["placement"][self.model_id]
+
+    def settled(self) -> bool:  # every agent routes the same split
+        views = [self.placement(x) for x in self.agents.values()]
         return all(v["routable"] for v in views) and all(
             v["stages"] == views[0]["stages"] for v in views
         )
 
-    # Settled, and still the same split a few seconds later: agents measure their speed while
-    # the others load, and a late measurement can move a split once.
-    while True:
-        wait_for(settled, timeout=120)
-        stages = placement(a)["stages"]
-        time.sleep(5)
-        if settled() and placement(a)["stages"] == stages:
-            break
-    order = [ids[s[0]] for s in stages]
-    assert len(order) == 3
-    entry, victim = agents[order[0]], order[1]
-    expected = _stream(entry, model_id, {"temperature": 0})[0]
+    def stages_of(self, x) -> list[str]:
+        return [self.ids[s[0]] for s in self.placement(x)["stages"]]
+
+    def show_logs(self) -> None:
+        print("peers:", self.ids, "order:", self.order)
+        _show_logs(list(self.agents.values()))
+
+
+def test_a_stream_survives_a_lost_stage_host_that_never_comes_back(spawn_agent, model_id):
+    # A stage host is killed for good; the mesh repairs the plan with the spare (the other two
+    # keep what they loaded), the entry replays, and the stream ends with the undisturbed text.
+    mesh = FourAgents(spawn_agent, model_id)
+    entry, victim = mesh.agents[mesh.order[0]], mesh.order[1]
+    expected = _stream(entry, model_id, GREEDY)[0]
     chunks: list[float] = []
 
     def on_chunk(n: int) -> None:
         chunks.append(time.monotonic())
         if n == KILL_AT:
-            agents[victim].proc.kill()
+            mesh.agents[victim].proc.kill()
             chunks.append(-time.monotonic())  # the kill, marked
 
     try:
-        text, usage = _stream(entry, model_id, {"temperature": 0}, on_chunk)
+        text, usage = _stream(entry, model_id, GREEDY, on_chunk)
         assert text == expected
         [replay] = usage["meshagent"].get("replays", [None])
-        assert replay is not None and replay["tokens"] >= KILL_AT, (order, victim, usage)
+        assert replay is not None and replay["tokens"] >= KILL_AT, usage
         killed = next(-t for t in chunks if t < 0)
         resumed = next(t for t in chunks if t > killed)
         print(f"kill to next token: {resumed - killed:.2f} s; replay {replay}")
-        stages = [ids[s[0]] for s in placement(entry)["stages"]]
-        assert victim not in stages and stages[0] == order[0] and stages[2] == order[2]
+        stages = mesh.stages_of(entry)
+        assert victim not in stages and stages[0] == mesh.order[0] and stages[2] == mesh.order[2]
         # And the mesh keeps serving.
-        assert _stream(entry, model_id, {"temperature": 0})[0] == expected
+        assert _stream(entry, model_id, GREEDY)[0] == expected
     except (AssertionError, KeyError, StopIteration):
-        print("peers:", ids, "order:", order, "victim:", victim)
-        _show_logs(list(agents.values()))
+        mesh.show_logs()
+        raise
+
+
+def test_a_stage_host_stopped_with_sigint_under_load_fails_nothing(spawn_agent, model_id):
+    # SIGINT on a stage host while two streams run: it says it leaves, the mesh repairs the
+    # plan with the spare, both streams replay and end with the undisturbed text, and the
+    # host exits 0 within its grace (10 s by default).
+    mesh = FourAgents(spawn_agent, model_id)
+    entry, victim = mesh.agents[mesh.order[0]], mesh.order[1]
+    expected = _stream(entry, model_id, GREEDY)[0]
+    stopped: list[float] = []
+
+    def on_chunk(n: int) -> None:
+        if n == KILL_AT:
+            mesh.agents[victim].interrupt()
+            stopped.append(time.monotonic())
+
+    results: dict[int, tuple[str, dict]] = {}
+
+    def run(i: int) -> None:
+        results[i] = _stream(entry, model_id, GREEDY, on_chunk if i == 0 else None)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        assert sorted(results) == [0, 1], "a stream failed (its error is printed above)"
+        assert [results[i][0] for i in (0, 1)] == [expected, expected]
+        code = mesh.agents[victim].proc.wait(timeout=30)
+        exited = time.monotonic() - stopped[0]
+        print(f"SIGINT to exit: {exited:.2f} s (code {code})")
+        assert code == 0 and exited < 10.0
+        assert victim not in mesh.stages_of(entry)
+    except AssertionError:
+        mesh.show_logs()
         raise
