@@ -112,6 +112,9 @@ class Agent:
         stop_accepting.set()
         stopped = await services.inflight.drain(grace)
         log.info("agent.drained", stopped=stopped)
+        # Leaving: no more plans or parts, no more dialling; then the mesh hears of it.
+        services.model.placement.stop()
+        services.dialer.stop()
         await services.gossip.leave()
         with trio.move_on_after(grace + 1):
             await services.overlay.aclose(grace=min(grace, 5.0))

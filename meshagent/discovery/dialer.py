@@ -85,6 +85,7 @@ class PeerDialer:
         self._candidates: dict[str, Candidate] = {}
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._running = trio.CancelScope()
 
     @property
     def self_id(self) -> str:
@@ -140,16 +141,27 @@ class PeerDialer:
             c.attempting = True
             await self._connect(c)
 
+    def stop(self) -> None:
+        """This agent is leaving: dial no one from now on."""
+        self._running.cancel()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            while True:
-                self._from_gossip()
-                self._review(nursery, trio.current_time())
-                with trio.move_on_after(self.config.check_interval):
-                    await self._wake.wait()
-                self._wake = trio.Event()
+        with self._running:
+            await self._run(task_status)
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                while True:
+                    self._from_gossip()
+                    self._review(nursery, trio.current_time())
+                    with trio.move_on_after(self.config.check_interval):
+                        await self._wake.wait()
+                    self._wake = trio.Event()
+        finally:
+            self._nursery = None  # `lost` starts nothing once stopped
 
     # ----- internals -----
 

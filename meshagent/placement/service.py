@@ -125,6 +125,7 @@ class PlacementService:
         self.routable = False
         self.error: str | None = None  # why no plan can host the model, if none can
         self.changed = trio.Event()
+        self._running = trio.CancelScope()
 
     def _publish(self, claim: Claim) -> None:
         self.mine = claim
@@ -226,8 +227,14 @@ class PlacementService:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         seen = -1
-        while True:
-            seen = self.gossip.generation
-            await self.step()
-            with trio.move_on_after(self._next_wake()):
-                await self.gossip.wait_changed(seen)
+        with self._running:
+            while True:
+                seen = self.gossip.generation
+                await self.step()
+                with trio.move_on_after(self._next_wake()):
+                    await self.gossip.wait_changed(seen)
+
+    def stop(self) -> None:
+        """This agent is leaving: it proposes no plan and takes no part from now on (what it
+        serves keeps serving until it closes)."""
+        self._running.cancel()

@@ -398,7 +398,9 @@ class MeshModel:
             self._whole.close()
             self._whole = None
         if self.split is not None:
-            self.split.close()
+            # A stage's stream may be computing on its worker thread right now: freeing the
+            # engine under it crashed the agent (a segfault in llama.cpp) when a plan moved.
+            await self.split.aclose()
             self.split = None
         self.local = None
 

@@ -190,6 +190,14 @@ class SplitHost:
         assert self.pipeline is not None
         await self.pipeline.handle_reply(stream)
 
+    async def aclose(self) -> None:
+        """Free the engines once nothing computes with them: a middle or last stage first
+        ends the stream it serves (a forward running on its worker thread finishes). The
+        entry's runner must be stopped by its owner before."""
+        if self.server is not None:
+            await self.server.aclose()
+        self.close()
+
     def close(self) -> None:
         if self._entry is not None:
             self._entry.close()

@@ -47,21 +47,35 @@ class StageServer:
         self._samplers: dict[int, Sampler] = {}
         self._serving: trio.CancelScope | None = None  # the upstream stream served now
         self._engine_lock = trio.Lock()  # held by the stream served, its worker included
+        self._closed = False
         self.forwards = 0
 
     async def handle(self, upstream: trio.abc.ReceiveStream) -> None:
         # A new upstream stream starts the chain afresh (the entry reconnected after a
         # failure): the stream before it is served no more, and no sequence of it may leave
         # its cache behind. The old stream's worker finishes its running forward first.
+        if self._closed:
+            return
         if self._serving is not None:
             self._serving.cancel()
         scope = self._serving = trio.CancelScope()
         with scope:
             async with self._engine_lock:
+                if self._closed:
+                    return
                 for seq in range(self.engine.n_slots):
                     self.engine.clear_sequence(seq)
                 self._samplers.clear()
                 await self._serve(upstream)
+
+    async def aclose(self) -> None:
+        """Serve no more: the stream served now ends (its running forward finishes first)
+        and no other starts. After this the engine may be freed."""
+        self._closed = True
+        if self._serving is not None:
+            self._serving.cancel()
+        async with self._engine_lock:
+            pass
 
     async def _serve(self, upstream: trio.abc.ReceiveStream) -> None:
         """Messages are decoded here, run in order on a worker thread of this stream (one

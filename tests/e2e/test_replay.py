@@ -189,12 +189,17 @@ def test_a_stage_host_stopped_with_sigint_under_load_fails_nothing(spawn_agent, 
     mesh = FourAgents(spawn_agent, model_id)
     entry, victim = mesh.agents[mesh.order[0]], mesh.order[1]
     expected = _stream(entry, model_id, GREEDY)[0]
-    stopped: list[float] = []
+    stopped: list[float] = []  # when SIGINT was sent, and when the process ended
+
+    def wait_exit() -> None:
+        mesh.agents[victim].proc.wait()
+        stopped.append(time.monotonic())
 
     def on_chunk(n: int) -> None:
         if n == KILL_AT:
-            mesh.agents[victim].interrupt()
             stopped.append(time.monotonic())
+            mesh.agents[victim].interrupt()
+            threading.Thread(target=wait_exit, daemon=True).start()
 
     results: dict[int, tuple[str, dict]] = {}
 
@@ -210,7 +215,8 @@ def test_a_stage_host_stopped_with_sigint_under_load_fails_nothing(spawn_agent, 
         assert sorted(results) == [0, 1], "a stream failed (its error is printed above)"
         assert [results[i][0] for i in (0, 1)] == [expected, expected]
         code = mesh.agents[victim].proc.wait(timeout=30)
-        exited = time.monotonic() - stopped[0]
+        time.sleep(0.1)  # the waiter thread notes the time
+        exited = stopped[1] - stopped[0]
         print(f"SIGINT to exit: {exited:.2f} s (code {code})")
         assert code == 0 and exited < 10.0
         assert victim not in mesh.stages_of(entry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from meshagent.errors import SplitUnavailable
 from meshagent.serving import stage_messages as sm
@@ -231,3 +232,30 @@ async def test_without_reroute_a_broken_chain_fails_as_before(nursery):
 async def _same(runner):
     await trio.sleep(0)
     return runner
+
+
+async def test_a_closed_stage_server_waits_for_its_running_forward_and_serves_no_more(nursery):
+    # The engine is freed after aclose: a forward still running on the worker thread then
+    # would crash the agent.
+    stage = FakeStage(last=True, delay=0.3)
+    replies = []
+
+    async def open_reply():
+        send, recv = trio.testing.memory_stream_pair()
+        replies.append(recv)
+        return send
+
+    server = StageServer(stage, open_next=None, open_reply=open_reply)
+    up_send, up_recv = trio.testing.memory_stream_pair()
+    nursery.start_soon(server.handle, up_recv)
+    await up_send.send_all(sm.encode(sm.Open(0, GREEDY)) + sm.encode(_forward((0, 0, 2, True))))
+    while not replies:
+        await trio.sleep(0.01)
+    await trio.sleep(0.05)  # the forward runs on the worker thread now
+    assert stage.forwards == 0
+    await server.aclose()
+    assert stage.forwards == 1  # it finished before aclose returned
+    _, again = trio.testing.memory_stream_pair()
+    with trio.fail_after(1):
+        await server.handle(again)  # refused at once
+    assert stage.forwards == 1
