@@ -138,7 +138,8 @@ class SplitHost:
             )
         )
         self.plan, self.part, self._engine = plan, part, engine
-        self._next, self._entry_peer = nxt, _ = self._neighbours(plan)
+        nxt, entry = self._neighbours(plan)
+        self._next, self._entry_peer = nxt, entry
         window = {
             "window_bytes": ACTIVATION_WINDOW_BYTES,
             "window_frames": ACTIVATION_WINDOW_FRAMES,
