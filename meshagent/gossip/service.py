@@ -155,9 +155,7 @@ class GossipService:
                 self._refresh(now)
                 self._notify(self.state.tick(now=now))
                 for peer in self._partners():
-                    if peer not in self._busy_with:
-                        self._busy_with.add(peer)
-                        nursery.start_soon(self._exchange_with, peer)
+                    self._exchange_soon(peer)
 
     async def handle(self, stream: MeshStream) -> None:
         """Serve an exchange another peer started (`gossip/1` streams)."""
@@ -197,11 +195,9 @@ class GossipService:
         if not changes:
             return
         self._notify(changes)
-        if self._nursery is not None:
-            for link in self.overlay.links():
-                if link.peer_id != peer_id and link.peer_id not in self._busy_with:
-                    self._busy_with.add(link.peer_id)
-                    self._nursery.start_soon(self._exchange_with, link.peer_id)
+        for link in self.overlay.links():
+            if link.peer_id != peer_id:
+                self._exchange_soon(link.peer_id)
 
     async def leave(self, *, timeout: float = 2.0, peers: int = 3) -> None:
         """Tell a few connected peers we are leaving (they spread it), so the mesh stops
@@ -216,6 +212,12 @@ class GossipService:
         log.info("gossip.left", told=len(chosen))
 
     # ----- internals -----
+
+    def _exchange_soon(self, peer: str) -> None:
+        """Start an exchange with `peer` unless one is under way."""
+        if self._nursery is not None and peer not in self._busy_with:
+            self._busy_with.add(peer)
+            self._nursery.start_soon(self._exchange_with, peer)
 
     def _partners(self) -> list[str]:
         """`fanout` random connected peers, plus every peer connected since the last round."""

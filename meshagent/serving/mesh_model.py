@@ -318,6 +318,10 @@ class MeshModel:
         self._offers.set()
         self._offers = trio.Event()
 
+    def _withdraw(self) -> None:
+        """Offer nothing here until a part serves again (requests go elsewhere or wait)."""
+        self._offered, self._receipt = None, []
+
     async def _release(self, plan: Plan) -> None:
         """The plan this agent serves is no longer in force; `plan` replaces it. When this
         agent keeps its part of a split there (a repair around a lost peer), its engines stay
@@ -326,7 +330,7 @@ class MeshModel:
         if self.split is None or not self.split.keeps_part(plan):
             await self._unload()
             return
-        self._offered, self._receipt = None, []
+        self._withdraw()
         if self.split.pipeline is not None:
             self.split.pipeline.rechain("the mesh is replacing a lost stage")
 
@@ -384,7 +388,7 @@ class MeshModel:
     async def _unload(self) -> None:
         """Stop serving the previous part: requests waiting on it fail with a clear error, and
         engines are freed only once no computation uses them."""
-        self._offered, self._receipt = None, []
+        self._withdraw()
         self.wire = None
         if self.local is not None:
             # Temporary for a split (503 with Retry-After): the mesh is moving it.
