@@ -114,6 +114,7 @@ class Services:
             listen=[config.listen],
             on_stream=self._route_stream,
             on_lost=lambda conn: self.dialer.lost(conn),
+            on_silent=lambda conn: self.dialer.silent(conn),
         )
         self.relays = tuple(
             RelayClient(a, identity, mesh, self.overlay, TcpTransport(), on_member=self._member)

@@ -11,6 +11,13 @@ A connection the transport ended (a reset, EOF without BYE) is how a crashed pee
 first: the dialer then looks at once whether anything still listens at the peer's direct
 addresses, and if every one refuses (the host is up, the process is gone), gossip declares
 the peer dead now rather than after `dead_after`, so placement can replan in seconds.
+
+A connection whose peer stopped answering PINGs (the overlay's `on_silent`: a power cut, a
+partition, a broken path) gets the same treatment without a reset to go by: the dialer asks
+every other connected peer at once (a gossip exchange) and waits `silence_confirm`. If the
+peer's heartbeat advanced meanwhile, someone still hears it: only our path is bad, so the
+connection is dropped and a new one (direct, else through a relay) replaces it. If not, the
+peer is declared dead.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class DialerConfig:
     upgrade_interval: float = 5.0  # how often a relayed peer's direct addresses are retried
     yield_delay: float = 1.5  # the higher peer id waits this long, so both don't dial at once
     gone_timeout: float = 1.0  # per address, when checking whether a lost peer is gone
+    silence_confirm: float = 1.0  # asking the others about a silent peer before judging
 
 
 @dataclass
@@ -83,6 +91,7 @@ class PeerDialer:
         self._local_relays = local_relays
         self._rng = rng or random.Random()
         self._candidates: dict[str, Candidate] = {}
+        self._judging: set[str] = set()  # peers whose silence is being looked into
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._running = trio.CancelScope()
@@ -124,6 +133,13 @@ class PeerDialer:
         peer is gone."""
         if self._nursery is not None and conn.path == DIRECT:
             self._nursery.start_soon(self._check_gone, conn.peer_id)
+
+    def silent(self, conn: Connection) -> None:
+        """`conn`'s peer stopped answering (the overlay's `on_silent`): find out whether the
+        peer is gone or only this path to it."""
+        if self._nursery is not None and conn.peer_id not in self._judging:
+            self._judging.add(conn.peer_id)
+            self._nursery.start_soon(self._judge_silence, conn)
 
     def candidates(self) -> dict[str, Candidate]:
         return dict(self._candidates)
@@ -238,6 +254,31 @@ class PeerDialer:
         elif any(answers):  # something listens there: a restart, probably; connect now
             c.next_attempt = trio.current_time()
             self._wake.set()
+
+    async def _judge_silence(self, conn: Connection) -> None:
+        peer, gossip = conn.peer_id, self.gossip
+        try:
+            since = trio.current_time()
+            beat = gossip.beat_of(peer) if gossip is not None else 0
+            for _ in range(2):  # twice: an exchange already under way may predate the silence
+                if gossip is not None:
+                    gossip.exchange_with_all(but=peer)
+                await trio.sleep(self.config.silence_confirm / 2)
+            if conn.is_closed or conn.silent_for() < trio.current_time() - since:
+                return  # it answered after all (or this connection is gone anyway)
+            silent = round(conn.silent_for(), 1)
+            if gossip is not None and gossip.beat_of(peer) <= beat:
+                gossip.declare_dead(peer, f"no answer for {silent} s, and no peer heard from it")
+                conn.abort(f"no answer for {silent} s: the peer is gone")
+                return
+            log.info("dialer.path_silent", peer=peer, silent=silent, path=conn.path)
+            conn.abort(f"no answer for {silent} s on this path, though the peer lives")
+            c = self._candidates.get(peer)
+            if c is not None:
+                c.next_attempt = trio.current_time()
+                self._wake.set()
+        finally:
+            self._judging.discard(peer)
 
     async def _upgrade(self, c: Candidate) -> None:
         try:

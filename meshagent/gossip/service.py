@@ -195,8 +195,18 @@ class GossipService:
         if not changes:
             return
         self._notify(changes)
+        self.exchange_with_all(but=peer_id)
+
+    def beat_of(self, peer_id: str) -> int:
+        """The latest heartbeat of `peer_id` known here (0: none)."""
+        entry = self.state.entries.get(peer_id)
+        return entry.beat if entry is not None else 0
+
+    def exchange_with_all(self, *, but: str) -> None:
+        """Exchange now with every connected peer but `but`: what they heard from it
+        lately arrives here within a round trip (is it silent for everyone, or only to us?)."""
         for link in self.overlay.links():
-            if link.peer_id != peer_id:
+            if link.peer_id != but:
                 self._exchange_soon(link.peer_id)
 
     async def leave(self, *, timeout: float = 2.0, peers: int = 3) -> None:

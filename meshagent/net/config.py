@@ -11,12 +11,15 @@ from meshagent.net.backoff import Backoff
 class OverlayConfig:
     """Seconds unless noted. There is deliberately no idle or credit timeout: a peer whose
     application is busy (a stage computing for a minute) is never cut off. Only a peer that
-    stops answering PINGs at the transport level for `dead_peer_timeout` is dropped."""
+    stops answering PINGs at the transport level for `dead_peer_timeout` is dropped. One that
+    has not answered for `silent_after` (or 8 round trips, if longer) is reported to the
+    overlay's `on_silent` (the dialer then finds out whether it is gone, or only its path)."""
 
     handshake_timeout: float = 10.0
     max_pending_handshakes: int = 256  # inbound handshakes in progress at once, per listener
     drain_grace: float = 5.0
-    ping_interval: float = 5.0
+    ping_interval: float = 0.5
+    silent_after: float | None = 1.25
     dead_peer_timeout: float | None = 60.0
     close_flush_timeout: float = 5.0  # how long a closing connection waits to send its BYE
     read_size: int = 256 * 1024  # bytes asked of the transport per receive

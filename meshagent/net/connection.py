@@ -59,6 +59,7 @@ class Connection:
         *,
         config: OverlayConfig | None = None,
         on_stream: StreamAcceptor | None = None,
+        on_silent: Callable[[Connection], None] | None = None,
         remote: str = "?",
         path: str = DIRECT,
         leftover: bytes = b"",
@@ -81,6 +82,7 @@ class Connection:
         )
         self._transport = transport
         self._on_stream = on_stream
+        self._on_silent = on_silent
         # On a socket, reads and writes go through a non-blocking duplicate of its descriptor
         # without trio's per-call checkpoints; we wait on it only when it would block.
         self._sock: socket.socket | None = None
@@ -131,6 +133,22 @@ class Connection:
     @property
     def rtt(self) -> RttSnapshot:
         return self.mux.rtt
+
+    def silent_for(self) -> float:
+        """Seconds since the peer last answered a PING (or since the connection began)."""
+        return trio.current_time() - self.mux.last_pong_at
+
+    def silence_bound(self) -> float | None:
+        """How long without an answer makes this connection silent: `silent_after`, or 8
+        smoothed round trips on a slow path."""
+        after = self.config.silent_after
+        if after is None:
+            return None
+        return max(after, 8 * (self.rtt.smoothed or 0.0))
+
+    def abort(self, reason: str) -> None:
+        """End now, without a BYE (the peer is not answering, so none would arrive)."""
+        self._abort(ErrorCode.UNRESPONSIVE, reason)
 
     @property
     def is_closed(self) -> bool:
@@ -522,15 +540,23 @@ class Connection:
 
     async def _pinger(self) -> None:
         interval, timeout = self.config.ping_interval, self.config.dead_peer_timeout
+        reported = False
         while True:
             self.mux.ping()
             self._kick()
             await trio.sleep(interval)
-            silent = trio.current_time() - self.mux.last_pong_at
+            silent = self.silent_for()
             if timeout is not None and silent > timeout:
                 self._log.warning("conn.unresponsive", silent=round(silent, 1))
                 await self._close(ErrorCode.UNRESPONSIVE, f"no reply to PING for {silent:.0f} s")
                 return
+            bound = self.silence_bound()
+            if bound is None or silent <= bound:
+                reported = False
+            elif not reported and self._on_silent is not None:
+                reported = True  # once per silence: the listener decides what it means
+                self._log.info("conn.silent", silent=round(silent, 2))
+                self._on_silent(self)
 
     def __repr__(self) -> str:
         return (

@@ -75,7 +75,8 @@ class ConnectionManager:
     that loses to a newer or better one gets GOAWAY, `drain_grace` seconds for its open
     streams, then closes with reason `replaced`. Inbound streams go to `on_stream`;
     `on_lost` hears of a peer's active connection that the transport ended (a reset, EOF
-    without BYE), which is how a crashed peer shows first.
+    without BYE), which is how a crashed peer shows first; `on_silent` of one whose peer
+    stopped answering PINGs (a power cut, a partition, or only a bad path).
     """
 
     def __init__(
@@ -86,11 +87,13 @@ class ConnectionManager:
         listen: Sequence[Address | str] = (),
         on_stream: StreamAcceptor | None = None,
         on_lost: Callable[[Connection], None] | None = None,
+        on_silent: Callable[[Connection], None] | None = None,
         config: OverlayConfig | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.local = local
         self._on_lost = on_lost
+        self._on_silent = on_silent
         self.config = config or OverlayConfig()
         self._transport = transport
         self._listen = [Address.parse(a) for a in listen]
@@ -315,6 +318,7 @@ class ConnectionManager:
             self.local,
             config=self.config,
             on_stream=self._on_stream,
+            on_silent=self._silent,
             remote=remote,
             path=path,
             leftover=leftover,
@@ -348,6 +352,10 @@ class ConnectionManager:
                 if conn.lost and self._on_lost is not None:
                     self._on_lost(conn)
             self._signal()
+
+    def _silent(self, conn: Connection) -> None:
+        if self._on_silent is not None and self._active.get(conn.peer_id) is conn:
+            self._on_silent(conn)
 
     def _adopt(self, conn: Connection) -> None:
         current = self._active.get(conn.peer_id)

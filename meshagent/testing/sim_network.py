@@ -57,6 +57,15 @@ class _Pipe:
         self._writer_gone = False
         self._wake_reader = trio.lowlevel.ParkingLot()
         self._wake_sender = trio.lowlevel.ParkingLot()
+        # A cut link delivers nothing, not even an EOF or a reset, until it heals: what a
+        # partition or a pulled cable looks like to TCP (bytes wait to be retransmitted).
+        self.cut = False
+
+    def set_cut(self, cut: bool) -> None:
+        self.cut = cut
+        if not cut:
+            self._wake_reader.unpark_all()
+            self._wake_sender.unpark_all()
 
     async def send_some(self, data: bytes | bytearray | memoryview) -> int:
         """Queue a prefix of `data` and return its length. While the buffer is full it
@@ -65,12 +74,14 @@ class _Pipe:
         view = memoryview(data).cast("B")
         spec = self.spec
         parked = False
-        while self._unread >= spec.buffer and not (self._reader_gone or self._writer_gone):
+        while self._unread >= spec.buffer and not (
+            (self._reader_gone and not self.cut) or self._writer_gone
+        ):
             await self._wake_sender.park()
             parked = True
         if self._writer_gone:
             raise trio.ClosedResourceError("the stream was closed while sending")
-        if self._reader_gone:
+        if self._reader_gone and not self.cut:
             raise trio.BrokenResourceError("the peer closed the simulated connection")
         take = min(len(view), spec.buffer - self._unread)
         pos = 0
@@ -119,6 +130,9 @@ class _Pipe:
 
     async def receive(self, max_bytes: int) -> bytes:
         while True:
+            if self.cut:
+                await self._wake_reader.park()
+                continue
             if self._queue:
                 due = self._queue[0][0]
                 if due > trio.current_time():
@@ -233,6 +247,8 @@ class SimNetwork:
     _links: dict[tuple[str, str], LinkSpec] = field(default_factory=dict)
     _listening: dict[Address, _Listening] = field(default_factory=dict)
     _next_port: int = 40000
+    _cut: set[tuple[str, str]] = field(default_factory=set)
+    _pipes: dict[tuple[str, str], list[_Pipe]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -245,6 +261,30 @@ class SimNetwork:
     def link(self, src: str, dst: str) -> LinkSpec:
         return self._links.get((src, dst), self.default)
 
+    def cut(self, a: str, b: str) -> None:
+        """Partition a and b, both ways: nothing sent either way arrives (no reset, no EOF)
+        and a connect between them waits, until `heal`."""
+        for key in ((a, b), (b, a)):
+            self._cut.add(key)
+            for pipe in self._pipes.get(key, []):
+                pipe.set_cut(True)
+
+    def heal(self, a: str, b: str) -> None:
+        """Undo `cut`: what waited is delivered now."""
+        for key in ((a, b), (b, a)):
+            self._cut.discard(key)
+            for pipe in self._pipes.get(key, []):
+                pipe.set_cut(False)
+
+    def isolate(self, host: str) -> None:
+        """Cut every link of `host` (a power cut, or its cable pulled): its peers hear
+        nothing more from it, not even a reset when its processes then die."""
+        hosts = {h for pair in (*self._links, *self._pipes) for h in pair} | {
+            a.host for a in self._listening
+        }
+        for other in hosts - {host}:
+            self.cut(host, other)
+
     def transport(self, host: str) -> SimTransport:
         return SimTransport(self, host)
 
@@ -256,11 +296,15 @@ class SimNetwork:
         forward, back = self.link(src, address.host), self.link(address.host, src)
         # A TCP connect costs one round trip before the first byte can be sent.
         await trio.sleep(forward.latency + back.latency)
+        while (src, address.host) in self._cut:  # no answer to the SYN (until healed)
+            await trio.sleep(0.1)
         entry = self._listening.get(address)
         if entry is None:
             raise OSError(errno.ECONNREFUSED, f"connection refused by {address}")
         local = Address(src, self._port())
         out_pipe, in_pipe = _Pipe(forward, self._rng), _Pipe(back, self._rng)
+        self._pipes.setdefault((src, address.host), []).append(out_pipe)
+        self._pipes.setdefault((address.host, src), []).append(in_pipe)
         client = SimStream(out_pipe, in_pipe, local=local, remote=address)
         server = SimStream(in_pipe, out_pipe, local=address, remote=local)
         try:

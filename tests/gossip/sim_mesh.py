@@ -64,6 +64,7 @@ async def start_sim_agent(
         listen=[f"{name}:0"],
         on_stream=route,
         on_lost=lambda conn: agent[0].dialer.lost(conn) if agent else None,
+        on_silent=lambda conn: agent[0].dialer.silent(conn) if agent else None,
         rng=random.Random(seed),
     )
 

@@ -14,6 +14,10 @@ CFG = GossipConfig(rtt_refresh=2.0)
 
 
 async def _three(nursery, config=CFG):
+    return (await _three_on(nursery, config))[1]
+
+
+async def _three_on(nursery, config=CFG):
     net = SimNetwork(default=LinkSpec(latency=0.025), seed=1)
     agents = [
         await start_sim_agent(nursery, net, f"h{i}", seed=i, gossip_config=config) for i in range(3)
@@ -24,7 +28,7 @@ async def _three(nursery, config=CFG):
     with trio.fail_after(10):
         while not all(a.alive_view() == everyone for a in agents):
             await trio.sleep(0.1)
-    return agents
+    return net, agents
 
 
 async def test_update_local_reaches_everyone_and_wakes_waiters(autojump_clock):
@@ -106,4 +110,43 @@ async def test_a_leaving_agent_is_dead_everywhere_at_once(autojump_clock):
                 await trio.sleep(0.05)
         assert trio.current_time() - left < 2.5 < CFG.dead_after
         assert a.gossip.snapshot(include_dead=True)[c.peer_id].state is PeerState.DEAD
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_agent_is_dead_everywhere_within_three_seconds(autojump_clock):
+    # A power cut: every link of c goes quiet, then its processes die. No reset reaches
+    # anyone; the peers see PINGs go unanswered, ask each other, and nobody heard from c.
+    async with trio.open_nursery() as nursery:
+        net, (a, b, c) = await _three_on(nursery)
+        net.isolate("h2")
+        c.scope.cancel()
+        cut = trio.current_time()
+        with trio.fail_after(CFG.dead_after):
+            while any(c.peer_id in x.alive_view() for x in (a, b)):
+                await trio.sleep(0.05)
+        assert trio.current_time() - cut <= 3.0 < CFG.dead_after
+        reason = a.gossip.snapshot(include_dead=True)[c.peer_id]
+        assert reason.state is PeerState.DEAD
+        assert a.overlay.connection(c.peer_id) is None  # the silent connection is dropped
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_partition_between_two_agents_is_no_death(autojump_clock):
+    # a and c cannot reach each other for 10 s, but b hears both: c's heartbeats reach a
+    # through b, so nobody declares c (or a) dead. a drops the silent connection, and once
+    # the link heals it is connected to c again.
+    async with trio.open_nursery() as nursery:
+        net, (a, b, c) = await _three_on(nursery)
+        net.cut("h0", "h2")
+        for _ in range(20):
+            await trio.sleep(0.5)
+            for x in (a, b, c):
+                assert {a.peer_id, b.peer_id, c.peer_id} <= x.alive_view() | {x.peer_id}
+        assert a.overlay.connection(c.peer_id) is None  # the silent path was dropped
+        net.heal("h0", "h2")
+        with trio.fail_after(10):
+            while a.overlay.connection(c.peer_id) is None:
+                await trio.sleep(0.1)
+        states = [x.gossip.snapshot(include_dead=True)[c.peer_id].state for x in (a, b)]
+        assert states == [PeerState.ALIVE, PeerState.ALIVE]
         nursery.cancel_scope.cancel()

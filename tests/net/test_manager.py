@@ -2,6 +2,7 @@
 backoff, dead-peer detection, stream handler failures, shutdown."""
 
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import trio
@@ -250,4 +251,51 @@ async def test_a_peer_that_closes_on_purpose_is_not_reported_lost(env, clock):
             await conn.wait_closed()
         await trio.sleep(0.1)
         assert lost == [] and not conn.lost
+        nursery.cancel_scope.cancel()
+
+
+async def _frozen_path(env: NetEnv, nursery: trio.Nursery, to: Address):
+    """An address that reaches `to`, and a function that makes that path go silent both
+    ways (no reset, no EOF): a simulated cut, or on TCP a proxy that stops forwarding."""
+    if env.sim is not None:
+        return to, lambda: env.sim.cut("a", "b")
+    frozen = trio.Event()
+
+    async def pump(src, dst):
+        while data := await src.receive_some(65536):
+            if frozen.is_set():
+                await trio.sleep_forever()
+            await dst.send_all(data)
+
+    async def handler(client):
+        upstream = await trio.open_tcp_stream(to.host, to.port)
+        async with trio.open_nursery() as pumps:
+            pumps.start_soon(pump, client, upstream)
+            pumps.start_soon(pump, upstream, client)
+
+    [listener] = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    return Address("127.0.0.1", listener.socket.getsockname()[1]), frozen.set
+
+
+async def test_a_peer_that_stops_answering_is_reported_silent_once(env, clock):
+    silent = []
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "a", nursery, on_silent=silent.append) as (a, _),
+        node(env, "b", nursery) as (_b, b_addr),
+    ):
+        address, freeze = await _frozen_path(env, nursery, b_addr)
+        conn = await a.dial(address)
+        await trio.sleep(3)  # pings answered: nothing to report
+        assert silent == []
+        freeze()
+        frozen_at = trio.current_time()
+        with trio.fail_after(5):
+            while not silent:
+                await trio.sleep(0.01)
+        assert silent == [conn] and conn.silent_for() > conn.config.silent_after
+        assert trio.current_time() - frozen_at < conn.config.silent_after + 1.0
+        await trio.sleep(3)
+        assert silent == [conn]  # once per silence, and the connection is left to the caller
+        assert not conn.is_closed
         nursery.cancel_scope.cancel()
