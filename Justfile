@@ -31,6 +31,10 @@ sim-soak *ARGS:
 sim-faults *ARGS:
     {{venv}}/python net-sim/sim.py faults {{ARGS}}
 
+# net-sim (root): 200 requests over 4 agents in wan while stage hosts are killed, stopped, cut
+sim-churn *ARGS:
+    {{venv}}/python net-sim/sim.py churn {{ARGS}}
+
 # net-sim (root): mDNS on a LAN, and the relay between isolated hosts
 sim-discovery *ARGS:
     {{venv}}/python net-sim/sim.py discovery {{ARGS}}

@@ -6,6 +6,7 @@ a new folder under net-sim/reports/ (or --out). Needs root. See docs/net-sim.md.
     sudo .venv/bin/python net-sim/sim.py soak --requests 200           # `just sim-soak`
     sudo .venv/bin/python net-sim/sim.py faults                        # `just sim-faults`
     sudo .venv/bin/python net-sim/sim.py discovery                     # `just sim-discovery`
+    sudo .venv/bin/python net-sim/sim.py churn                         # `just sim-churn`
     .venv/bin/python net-sim/sim.py render net-sim/reports/<run>       # report.md and plots again
 """
 
@@ -68,6 +69,13 @@ def run_faults(settings: scenarios.FaultSettings, out: Path, argv: list[str]) ->
     return rep
 
 
+def run_churn(settings: scenarios.ChurnSettings, out: Path, argv: list[str]) -> dict[str, Any]:
+    c = scenarios.churn(out, settings)
+    rep = {**_header("churn", argv), "churn": c, **scenarios.churn_scope(c, settings)}
+    report.churn_report(out, rep)
+    return rep
+
+
 def run_discovery(seed: int, serve: int, out: Path, argv: list[str]) -> dict[str, Any]:
     d = scenarios.discovery(out, seed=seed, serve=serve)
     rep = {**_header("discovery", argv), "discovery": d, **scenarios.discovery_scope(d)}
@@ -99,6 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     fp.add_argument("--partition-s", type=float, default=f.partition_s)
     fp.add_argument("--observe-s", type=float, default=f.observe_s)
     fp.add_argument("--no-power-cut", dest="power_cut", action="store_false")
+    c = scenarios.ChurnSettings()
+    cp = sub.add_parser("churn", help="a long mixed load over 4 agents while stage hosts fail")
+    cp.add_argument("--regime", choices=REGIMES, default=c.regime)
+    cp.add_argument("--seed", type=int, default=c.seed)
+    cp.add_argument("--requests", type=int, default=c.requests)
+    cp.add_argument("--concurrency", type=int, default=c.concurrency)
+    cp.add_argument("--period-s", type=float, default=c.period_s, help="seconds between faults")
+    cp.add_argument("--down-s", type=float, default=c.down_s, help="seconds a victim stays down")
+    cp.add_argument(
+        "--kinds",
+        default=",".join(c.kinds),
+        help="the faults, in turn (kill, sigint, power_cut, partition)",
+    )
     dp = sub.add_parser("discovery", help="mDNS on a LAN, and the relay between isolated hosts")
     dp.add_argument("--seed", type=int, default=1)
     dp.add_argument("--serve", type=int, default=3, help="requests through each mesh formed")
@@ -118,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.scenario in ("split", "soak"):
         label = "-".join(args.regime) if len(args.regime) < len(REGIMES) else "all"
-    elif args.scenario == "faults":
+    elif args.scenario in ("faults", "churn"):
         label = args.regime
     else:
         label = "lan-relay"
@@ -154,6 +175,27 @@ def main(argv: list[str] | None = None) -> int:
         rep = run_faults(fs, out, argv)
         t = rep["faults"]["totals"]
         print(f"faults: {t['ok']} ok / {t['failed']} failed requests")
+    elif args.scenario == "churn":
+        kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+        bad = [k for k in kinds if k not in ("kill", "sigint", "power_cut", "partition")]
+        if bad or not kinds:
+            p.error(f"unknown fault kind(s): {', '.join(bad) or args.kinds!r}")
+        cs = scenarios.ChurnSettings(
+            regime=args.regime,
+            seed=args.seed,
+            requests=args.requests,
+            concurrency=args.concurrency,
+            period_s=args.period_s,
+            down_s=args.down_s,
+            kinds=kinds,
+        )
+        rep = run_churn(cs, out, argv)
+        t, g = rep["churn"]["totals"], rep["churn"]["greedy"]
+        print(
+            f"churn: {t['ok']} ok / {t['failed']} failed, streams complete "
+            f"{t['streams_complete']}/{t['streams']}, replayed {t['replayed']}; greedy identical "
+            f"{g['identical']}/{g['checked']}"
+        )
     else:
         rep = run_discovery(args.seed, args.serve, out, argv)
         for name, part in rep["discovery"]["parts"].items():

@@ -72,9 +72,18 @@ class Replay:
     ms: float  # from the break to the first token of the new chain
 
 
-# Returns the runner that serves the model now (after a lost stage: the same pipeline, or the
-# entry of a new plan), waiting while there is none.
-Reroute = Callable[[], Awaitable[ModelRunner]]
+@dataclass(frozen=True)
+class Route:
+    """What serves a model here now: its runner, and the token text of that runner's model
+    (a new plan brings a new engine; the old one's vocabulary may be freed already)."""
+
+    runner: ModelRunner
+    token_bytes: Callable[[int], bytes]
+
+
+# Returns what serves the model now (after a lost stage: the same pipeline, or the entry of a
+# new plan), waiting while there is none.
+Reroute = Callable[[], Awaitable[Route]]
 
 _RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds between tries of a chain that is not back yet
 
@@ -157,9 +166,10 @@ async def generate(
             tries += 1
             log.info("generation.replay", reason=str(e), tokens=len(history), tries=tries)
             with trio.move_on_after(replay_deadline - waited) as wait:
-                runner = await reroute()
+                route = await reroute()
             if wait.cancelled_caught:
                 raise _gave_up(e, replay_deadline) from e
+            runner, token_bytes = route.runner, route.token_bytes
     tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
     if tail:
         out.send_nowait(Delta(tail))

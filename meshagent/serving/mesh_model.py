@@ -30,9 +30,9 @@ from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService, Snapshot
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
+from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
-from meshagent.serving.runner import ModelRunner
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
 log = structlog.get_logger(__name__)
@@ -334,7 +334,7 @@ class MeshModel:
         if self.split.pipeline is not None:
             self.split.pipeline.rechain("the mesh is replacing a lost stage")
 
-    async def _reroute(self) -> ModelRunner:
+    async def _reroute(self) -> Route:
         """For a request whose split lost a stage: the runner that serves the model here now,
         waiting while there is none. The same plan keeps its runner (the pipeline opens its
         chain again on the next step); a new plan that keeps this agent the entry (or makes
@@ -342,7 +342,7 @@ class MeshModel:
         while True:
             local = self._offered
             if local is not None and local.runner.aborted is None:
-                return local.runner
+                return Route(local.runner, local.engine.token_bytes)
             if self._served_elsewhere():
                 raise SplitUnavailable(
                     "the mesh moved this model: another agent serves it now; retry"

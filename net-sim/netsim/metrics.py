@@ -333,3 +333,107 @@ def _count(items: Iterable[str]) -> dict[str, int]:
     for x in items:
         out[x] = out.get(x, 0) + 1
     return out
+
+
+# ----- churn -----
+
+
+def stall_s(r: Mapping[str, Any], fault_t: float) -> float | None:
+    """For a streamed request in flight at `fault_t`: seconds from its last token before the
+    fault (or its send, if none came yet) to its first token after it; None when it is not
+    streamed or no token came after the fault."""
+    if not r["stream"]:
+        return None
+    chunks = [r["t0"] + c for c in r.get("chunks") or []]
+    after = [c for c in chunks if c > fault_t]
+    if not after:
+        return None
+    before = [c for c in chunks if c <= fault_t]
+    return after[0] - (before[-1] if before else r["t0"])
+
+
+def churn_faults(
+    records: Sequence[Mapping[str, Any]], faults: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each fault with the requests in flight at it: how many failed, and for the streamed
+    ones the stall (last token before the fault to first after) and the extra latency (the
+    stall less the request's median gap between tokens)."""
+    out = []
+    for f in faults:
+        t = f["t"]
+        flight = [r for r in records if r["t0"] < t < r["t0"] + (r["t_end"] or 0)]
+        stalls, extras = [], []
+        for r in flight:
+            s = stall_s(r, t)
+            if s is None:
+                continue
+            gaps = gaps_ms(r)
+            stalls.append(s)
+            extras.append(max(0.0, s - (statistics.median(gaps) / 1000 if gaps else 0.0)))
+        out.append(
+            {
+                **f,
+                "in_flight": len(flight),
+                "in_flight_failed": sum(1 for r in flight if not r["ok"]),
+                "stalls_s": [round(s, 3) for s in stalls],
+                "extra_s": round(max(extras), 3) if extras else None,
+            }
+        )
+    return out
+
+
+def churn_by_kind(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind of fault: how many, requests in flight and failed, and the spread of the
+    worst extra latency each fault caused a streamed request."""
+    kinds: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        kinds.setdefault(row["kind"], []).append(row)
+    return {
+        kind: {
+            "faults": len(rs),
+            "skipped": sum(1 for r in rs if r.get("skipped")),
+            "in_flight": sum(r["in_flight"] for r in rs),
+            "in_flight_failed": sum(r["in_flight_failed"] for r in rs),
+            "extra_s": spread([r["extra_s"] for r in rs if r["extra_s"] is not None]),
+        }
+        for kind, rs in kinds.items()
+    }
+
+
+def greedy_identity(
+    records: Sequence[Mapping[str, Any]], references: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Each completed greedy request against the reference for its prompt (made one at a
+    time, undisturbed): identical or not, and whether it was replayed."""
+    ref = {(r["shape"], r["prompt_no"]): r["text"] for r in references if r["ok"]}
+    checked, mismatches = 0, []
+    for r in records:
+        key = (r["shape"], r.get("prompt_no"))
+        if r.get("temperature") != 0.0 or not r["ok"] or key not in ref:
+            continue
+        checked += 1
+        want, got = ref[key], r.get("text") or ""
+        if got != want:
+            at = next((k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+            mismatches.append(
+                {
+                    "i": r["i"],
+                    "shape": r["shape"],
+                    "prompt_no": r.get("prompt_no"),
+                    "replayed": bool(r.get("replays")),
+                    "first_difference_at_char": min(len(want), len(got)) if at is None else at,
+                }
+            )
+    return {
+        "checked": checked,
+        "identical": checked - len(mismatches),
+        "replayed_checked": sum(
+            1
+            for r in records
+            if r.get("temperature") == 0.0
+            and r["ok"]
+            and r.get("replays")
+            and (r["shape"], r.get("prompt_no")) in ref
+        ),
+        "mismatches": mismatches,
+    }

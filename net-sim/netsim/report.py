@@ -876,6 +876,100 @@ def discovery_report(out: Path, report: dict[str, Any]) -> None:
     (out / "report.md").write_text("\n".join(md) + "\n")
 
 
+# ----- churn -----
+
+
+def churn_report(out: Path, report: dict[str, Any]) -> None:
+    c = report["churn"]
+    _write_data(out, report, [c.get("requests", [])])
+    t = c.get("totals", {})
+    g = c.get("greedy") or {}
+    form = c.get("formation") or {}
+    st = c["settings"]
+    md = [
+        f"# net-sim certification: churn ({c['regime']})",
+        "",
+        f"Run `{out.name}`, {report['created']}, commit {report['git']}, command "
+        f"`{report['command']}`.",
+        "",
+        "## Result",
+        "",
+        f"{t.get('requests')} requests, {st['concurrency']} at a time at {c.get('client')}'s "
+        f"API, while a fault hit a stage host every {st['period_s']:g} s "
+        f"({', '.join(st['kinds'])} in turn): **{t.get('ok')} ok, {t.get('failed')} failed**; "
+        f"streams complete (finish_reason and `[DONE]`) {t.get('streams_complete')} of "
+        f"{t.get('streams')}; {t.get('replayed')} requests replayed (their receipts say so).",
+        "",
+        f"Greedy outputs identical to their references (each prompt run alone on the "
+        f"undisturbed mesh first): **{g.get('identical')} of {g.get('checked')}** "
+        f"({g.get('replayed_checked')} of them replayed).",
+        "",
+        f"Formation: membership {_f(form.get('membership_after_last_start_s'), 2, ' s')} and "
+        f"a routable plan {_f(form.get('routable_after_last_start_s'), 2, ' s')} after the "
+        f"last agent started; first plan {form.get('stages')}.",
+        "",
+        "Per kind of fault (extra latency: for each fault, the worst stall of a streamed request "
+        "in flight at it, from its last token before the fault to its first after, less that "
+        "request's median gap between tokens):",
+        "",
+    ]
+    rows = []
+    for kind, k in (c.get("by_kind") or {}).items():
+        ex = k.get("extra_s") or {}
+        rows.append(
+            [
+                kind,
+                f"{k['faults'] - k['skipped']} (+{k['skipped']} skipped)",
+                k["in_flight"],
+                k["in_flight_failed"],
+                _f(ex.get("p50"), 2, " s"),
+                _f(ex.get("max"), 2, " s"),
+            ]
+        )
+    md += _table(
+        ["fault", "injected", "requests in flight", "of them failed", "extra, median", "worst"],
+        rows,
+    )
+    md += ["", "## Every fault", ""]
+    md += _table(
+        ["t (s)", "kind", "host", "in flight", "failed", "stalls (s)", "stopped host exited"],
+        [
+            [
+                f["t"],
+                f["kind"] + (" (skipped: no candidate)" if f.get("skipped") else ""),
+                f.get("host", "-") + (f" / {f['with']}" if f.get("with") else ""),
+                f["in_flight"],
+                f["in_flight_failed"],
+                ", ".join(f"{x:.2f}" for x in f["stalls_s"]) or "-",
+                (
+                    f"code {f['exit_code']} after {f['exit_s']} s"
+                    if "exit_code" in f
+                    else f.get("exit", "-")
+                ),
+            ]
+            for f in c.get("faults") or []
+        ],
+    )
+    if g.get("mismatches"):
+        md += ["", "## Greedy outputs that differ from their reference", ""]
+        md += _table(
+            ["request", "shape", "prompt", "replayed", "first difference at char"],
+            [
+                [m["i"], m["shape"], m["prompt_no"], m["replayed"], m["first_difference_at_char"]]
+                for m in g["mismatches"]
+            ],
+        )
+    md += ["", *_tested_md(report), "", "## Network", ""]
+    md += _links_md(c.get("links", {}))
+    md += ["", "## Failed requests", ""]
+    md += _failures_md(c.get("failures") or [])
+    md += ["", "## Warnings and errors in the agents' and relay's logs", ""]
+    md += _log_events_md(c.get("log_events") or [])
+    md += ["", "## Timeline", ""]
+    md += _timeline_md(c.get("timeline", []))
+    (out / "report.md").write_text("\n".join(md) + "\n")
+
+
 # ----- writing, and writing again -----
 
 WRITERS = {
@@ -883,6 +977,7 @@ WRITERS = {
     "soak": split_report,
     "faults": faults_report,
     "discovery": discovery_report,
+    "churn": churn_report,
 }
 
 
@@ -899,6 +994,8 @@ def load(out: Path) -> dict[str, Any]:
             r["requests"] = [x for x in recs if x.get("regime") == name]
     elif rep["scenario"] == "faults":
         rep["faults"]["requests"] = recs
+    elif rep["scenario"] == "churn":
+        rep["churn"]["requests"] = recs
     else:
         rep["discovery"]["requests"] = recs
     return rep

@@ -486,6 +486,180 @@ def _restart(mesh: Mesh, victim: str, survivors: Sequence[str], s: FaultSettings
     return facts
 
 
+# ----- churn -----
+
+
+@dataclass(frozen=True)
+class ChurnSettings:
+    regime: str = "wan"
+    seed: int = 1
+    wire_dtype: str = "auto"
+    agents: int = 4  # three hold the model: one is spare
+    requests: int = 200
+    concurrency: int = 2
+    period_s: float = 15.0  # a fault every period, the kinds in turn
+    kinds: tuple[str, ...] = ("kill", "sigint", "power_cut", "partition")
+    down_s: float = 8.0  # a killed, stopped or cut host is back (restarted) after this
+    partition_s: float = 8.0
+    grace_s: float = 10.0  # the agents' --grace: a stopped one must exit within it
+    timeout_s: float = 90.0  # a request with no byte for this long has failed
+
+
+@dataclass
+class _Pending:
+    """Something the churn loop does later: restart a host, or watch one stop."""
+
+    due: float
+    host: str
+    what: str  # "restart", "restore" (links, then restart) or "exit" (watch a SIGINT)
+    fault: dict[str, Any]
+
+
+def churn(run_dir: Path, settings: ChurnSettings) -> dict[str, Any]:
+    """Four agents (three hold the model) under a long mixed load while, every `period_s`,
+    a stage host other than the client's is killed, stopped with SIGINT, powered off, or cut
+    from the entry, then brought back. Greedy outputs are checked against references made
+    one at a time on the undisturbed mesh first."""
+    s = settings
+    root = run_dir / s.regime
+    out: dict[str, Any] = {"regime": s.regime, "settings": asdict(s)}
+    tl = Timeline()
+    hosts = [f"h{i}" for i in range(s.agents)]
+    refs: list[dict[str, Any]] = []
+    recs: list[dict[str, Any]] = []
+    faults: list[dict[str, Any]] = []
+    with _lab(topology(s.regime, s.agents, relay=True), root, s.seed) as lab:
+        out["machine"] = _machine(lab)
+        out["links"] = _links(lab)
+        mesh = Mesh(lab, root, tl, wire_dtype=s.wire_dtype)
+        try:
+            mesh.start_relay()
+            mesh.start_by_invite(hosts)
+            last_start = max(e["t"] for e in tl.events if e["what"] == "agent.start")
+            mesh.wait_membership()
+            plan = mesh.wait_routable()
+            out["formation"] = {
+                "membership_after_last_start_s": round(tl.last("membership") - last_start, 3),
+                "routable_after_last_start_s": round(tl.last("routable") - last_start, 3),
+                "stages": mesh.named_stages(plan),
+            }
+            client = mesh.entry(plan)
+            out["client"] = client
+            driver = Driver(mesh, root / "load")
+            common = ("--mix", "churn", "--seed", str(s.seed), "--timeout", str(s.timeout_s))
+            refs = driver.run(lab[client], "reference", *common, "--references", timeout=900)
+            proc, path = driver.start(
+                lab[client], "churn", *common, "--requests", str(s.requests),
+                "--concurrency", str(s.concurrency), "--first", "1000",
+            )  # fmt: skip
+            faults = _churn_loop(mesh, client, proc, s)
+            recs = driver.finish(proc, path, "churn", timeout=60)
+        finally:
+            _record_end(out, tl, mesh, lab)
+    for r in (*refs, *recs):
+        r["regime"] = s.regime
+    out["references"] = refs
+    _tally(out, recs)
+    streamed = [r for r in recs if r["stream"]]
+    out["totals"]["streams"] = len(streamed)
+    out["totals"]["streams_complete"] = sum(1 for r in streamed if r["complete"])
+    out["totals"]["replayed"] = sum(1 for r in recs if r.get("replays"))
+    out["summary"] = metrics.summarise(recs)
+    out["faults"] = metrics.churn_faults(recs, faults)
+    out["by_kind"] = metrics.churn_by_kind(out["faults"])
+    out["greedy"] = metrics.greedy_identity(recs, refs)
+    return out
+
+
+def _churn_loop(mesh: Mesh, client: str, load: Any, s: ChurnSettings) -> list[dict[str, Any]]:
+    """Inject a fault every `period_s` while the load runs, and bring each victim back after
+    `down_s`; at the end every host is running again. Returns the faults, each with its
+    run time `t`, `kind` and `host`."""
+    import random
+    import signal
+
+    rng = random.Random(s.seed)
+    faults: list[dict[str, Any]] = []
+    pending: list[_Pending] = []
+    next_fault = time.monotonic() + s.period_s
+    n = 0
+    while load.alive:
+        now = time.monotonic()
+        for p in [p for p in pending if p.due <= now]:
+            pending.remove(p)
+            pending.extend(_churn_step(mesh, p, s))
+        if now >= next_fault:
+            kind = s.kinds[n % len(s.kinds)]
+            n += 1
+            next_fault += s.period_s
+            busy = {p.host for p in pending}
+            f, later = _churn_fault(mesh, client, kind, busy, rng, s)
+            faults.append(f)
+            if later is not None:
+                pending.append(later)
+            if kind == "sigint" and "host" in f:
+                mesh.agents[f["host"]].proc.signal(signal.SIGINT)  # type: ignore[union-attr]
+        mesh.check_crashes()
+        time.sleep(0.2)
+    while pending:  # the load is done: bring everyone back, as promised
+        p = pending.pop(0)
+        time.sleep(max(0.0, p.due - time.monotonic()))
+        pending.extend(_churn_step(mesh, p, s))
+    return faults
+
+
+def _churn_fault(
+    mesh: Mesh, client: str, kind: str, busy: set[str], rng: Any, s: ChurnSettings
+) -> tuple[dict[str, Any], _Pending | None]:
+    """One fault of `kind` on a stage host that is neither the client's agent nor the
+    entry, nor still down from an earlier fault."""
+    tl = mesh.timeline
+    plan = mesh.placement(client)
+    stages = [st[0] for st in mesh.named_stages(plan)] if plan and plan["routable"] else []
+    entry = stages[0] if stages else client
+    candidates = [h for h in stages if h not in (client, entry, *busy) and mesh.agents[h].running]
+    if not candidates:
+        t = tl.mark("fault.skipped", kind=kind, stages=stages, busy=sorted(busy))
+        return {"t": t, "kind": kind, "skipped": True}, None
+    victim = rng.choice(candidates)
+    due = time.monotonic() + s.down_s
+    if kind == "kill":
+        t = mesh.kill(victim)
+        return {"t": t, "kind": kind, "host": victim}, _Pending(due, victim, "restart", {})
+    if kind == "power_cut":
+        t = mesh.power_cut(victim)
+        return {"t": t, "kind": kind, "host": victim}, _Pending(due, victim, "restore", {})
+    if kind == "partition":
+        mesh.lab.partition(entry, victim, seconds=s.partition_s)
+        t = tl.mark("fault.partition", a=entry, b=victim, seconds=s.partition_s)
+        return {"t": t, "kind": kind, "host": victim, "with": entry}, None
+    mesh.agents[victim].down = True  # sigint: the caller sends it once this is recorded
+    t = tl.mark("fault.sigint", host=victim)
+    f = {"t": t, "kind": kind, "host": victim}
+    return f, _Pending(time.monotonic(), victim, "exit", f)
+
+
+def _churn_step(mesh: Mesh, p: _Pending, s: ChurnSettings) -> list[_Pending]:
+    """Do what was pending; what is pending after it."""
+    agent = mesh.agents[p.host]
+    if p.what == "exit":  # a stopped agent: note when it exited, then restart it later
+        assert agent.proc is not None
+        if agent.proc.alive:
+            waited = time.monotonic() - (p.fault["t"] + mesh.timeline.t0)
+            if waited < s.grace_s + 5:
+                return [_Pending(time.monotonic() + 0.1, p.host, "exit", p.fault)]
+            agent.proc.kill()
+            p.fault["exit"] = "killed: still running past the grace"
+        else:
+            p.fault["exit_code"] = agent.proc.returncode
+            p.fault["exit_s"] = round(mesh.timeline.now() - p.fault["t"], 3)
+        return [_Pending(time.monotonic() + s.down_s, p.host, "restart", {})]
+    if p.what == "restore":
+        mesh.restore_links(p.host)
+    mesh.start_agent(p.host)
+    return []
+
+
 # ----- discovery -----
 
 
@@ -678,6 +852,45 @@ def discovery_scope(d: dict[str, Any]) -> dict[str, Any]:
         "mDNS across routers or Wi-Fi (multicast here is delivered by the emulator within a "
         "segment, without loss)",
         "hole punching or upgrading a relayed path to a direct one (there is no direct route)",
+        *COMMON_NOT_TESTED,
+    ]
+    return {"tested": tested, "not_tested": not_tested}
+
+
+def churn_scope(c: dict[str, Any], s: ChurnSettings) -> dict[str, Any]:
+    tested = [
+        f"regime `{s.regime}`: {_describe_links(c.get('links', {}))}",
+        f"{s.agents} agents (`meshagent up`: 80 MB offered each, 2 slots of 1024 tokens, 1 "
+        "compute thread; three can hold the model, so one is spare) and a relay, each in its "
+        "own network namespace, started from empty data dirs, joined by invite",
+        "SmolLM2-135M-Instruct Q4_1 (the embedded default), split by placement",
+        f"references: every greedy request of the mix once, one at a time, before any fault; "
+        f"then {s.requests} requests, {s.concurrency} at a time, at the API of the agent that "
+        "was the entry when the mesh formed: short (~37 prompt tokens, 16 completion tokens) "
+        "and long (~147, 128) prompts, streamed and whole, greedy and at temperature 0.7 with "
+        f"a seed per request, shuffled in blocks of 8; a request with no byte for "
+        f"{s.timeout_s:g} s counts as failed",
+        f"every {s.period_s:g} s a fault on a stage host that is neither the client's agent "
+        "nor the entry, nor still down: "
+        + "; ".join(
+            {
+                "kill": f"kill: SIGKILL to every process of the host, restarted {s.down_s:g} s "
+                "later (same data dir and command line)",
+                "sigint": "sigint: SIGINT to the agent (it leaves gracefully; its exit code and "
+                f"time are recorded), restarted {s.down_s:g} s after it exited",
+                "power_cut": "power cut: every link of the host cut, then its processes killed "
+                f"(its peers get silence, no reset); links restored and the agent restarted "
+                f"{s.down_s:g} s later",
+                "partition": f"partition: the link between the entry and the host cut both ways "
+                f"for {s.partition_s:g} s",
+            }[k]
+            for k in s.kinds
+        ),
+    ]
+    not_tested = [
+        "killing the entry or the client's own agent (a client connected to a lost machine "
+        "loses its stream; continuing a request whose entry was lost is not built)",
+        "two faults at once (each victim is back before the next fault may pick it)",
         *COMMON_NOT_TESTED,
     ]
     return {"tested": tested, "not_tested": not_tested}

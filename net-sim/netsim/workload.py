@@ -67,6 +67,10 @@ SHAPES = {
     "long": Shape(LONG_PROMPTS, 128),
     # Greedy counting runs to max_tokens: a decode of known length, for calibration.
     "count": Shape((COUNT_PROMPT,), 64, temperature=0.0),
+    # Greedy: the same prompt always gives the same text, so a run can be checked against a
+    # reference made undisturbed.
+    "short-greedy": Shape(SHORT_PROMPTS, 16, temperature=0.0),
+    "long-greedy": Shape(LONG_PROMPTS, 128, temperature=0.0),
 }
 # A mix: the (shape, streamed) pairs it cycles through, shuffled in blocks, so N requests
 # hold each pair N/len times.
@@ -76,6 +80,16 @@ MIXES: dict[str, tuple[tuple[str, bool], ...]] = {
     "long-stream": (("long", True),),
     "count": (("count", True),),
     "count-whole": (("count", False),),
+    "churn": (
+        ("short", True),
+        ("short", False),
+        ("long", True),
+        ("long", False),
+        ("short-greedy", True),
+        ("short-greedy", False),
+        ("long-greedy", True),
+        ("long-greedy", False),
+    ),
 }
 
 
@@ -88,6 +102,7 @@ class RequestSpec:
     max_tokens: int
     temperature: float
     seed: int
+    prompt_no: int = 0  # which of its shape's prompts
 
 
 def request_spec(mix: str, i: int, seed: int, max_tokens: int | None = None) -> RequestSpec:
@@ -99,15 +114,41 @@ def request_spec(mix: str, i: int, seed: int, max_tokens: int | None = None) -> 
     shape = SHAPES[shape_name]
     rng = random.Random(f"{seed}:{mix}:prompt:{i}")
     temperature = 0.7 if shape.temperature is None else shape.temperature
+    prompt_no = rng.randrange(len(shape.prompts))
     return RequestSpec(
         i=i,
         shape=shape_name,
         stream=stream,
-        prompt=rng.choice(shape.prompts),
+        prompt=shape.prompts[prompt_no],
         max_tokens=max_tokens or shape.max_tokens,
         temperature=temperature,
         seed=seed * 100_003 + i,
+        prompt_no=prompt_no,
     )
+
+
+def reference_specs(mix: str, first: int, max_tokens: int | None = None) -> list[RequestSpec]:
+    """Every greedy request `mix` can make, once each (streamed): run one at a time on an
+    undisturbed mesh, they are what the same requests must answer under any fault."""
+    specs = []
+    for name in dict.fromkeys(shape for shape, _ in MIXES[mix]):
+        shape = SHAPES[name]
+        if shape.temperature != 0.0:
+            continue
+        for n, prompt in enumerate(shape.prompts):
+            specs.append(
+                RequestSpec(
+                    i=first + len(specs),
+                    shape=name,
+                    stream=True,
+                    prompt=prompt,
+                    max_tokens=max_tokens or shape.max_tokens,
+                    temperature=0.0,
+                    seed=0,
+                    prompt_no=n,
+                )
+            )
+    return specs
 
 
 def _body(spec: RequestSpec, model: str) -> bytes:
@@ -144,6 +185,8 @@ def run_one(port: int, model: str, spec: RequestSpec, timeout: float) -> dict[st
     rec: dict[str, Any] = {
         "i": spec.i,
         "shape": spec.shape,
+        "prompt_no": spec.prompt_no,
+        "temperature": spec.temperature,
         "stream": spec.stream,
         "max_tokens": spec.max_tokens,
         "t_send": time.monotonic(),
@@ -164,6 +207,8 @@ def run_one(port: int, model: str, spec: RequestSpec, timeout: float) -> dict[st
         "wire_dtype": None,
         "served_by": None,
         "text_chars": 0,
+        "text": "",
+        "replays": None,
         "error": None,
         "cause": None,
     }
@@ -229,6 +274,7 @@ def _read_whole(resp: http.client.HTTPResponse, rec: dict[str, Any], rel) -> Non
         ) from e
     rec["finish_reason"] = choice.get("finish_reason")
     rec["text_chars"] = len(text)
+    rec["text"] = text
     _usage(rec, usage)
     rec["complete"] = rec["finish_reason"] is not None
     if not rec["complete"]:
@@ -238,7 +284,9 @@ def _read_whole(resp: http.client.HTTPResponse, rec: dict[str, Any], rel) -> Non
 def _usage(rec: dict[str, Any], usage: dict[str, Any]) -> None:
     rec["prompt_tokens"] = usage.get("prompt_tokens")
     rec["completion_tokens"] = usage.get("completion_tokens")
-    rec["stage_ms"] = (usage.get("meshagent") or {}).get("stage_ms")
+    receipt = usage.get("meshagent") or {}
+    rec["stage_ms"] = receipt.get("stage_ms")
+    rec["replays"] = receipt.get("replays")
 
 
 def _read_stream(resp: http.client.HTTPResponse, rec: dict[str, Any], rel) -> None:
@@ -277,6 +325,7 @@ def _read_stream(resp: http.client.HTTPResponse, rec: dict[str, Any], rel) -> No
                             rec["t_first"] = now
                         chunks.append(now)
                         rec["text_chars"] += len(content)
+                        rec["text"] += content
                     if choice.get("finish_reason"):
                         rec["finish_reason"] = choice["finish_reason"]
     rec["complete"] = rec["finish_reason"] is not None and rec["done"]
@@ -321,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-tokens", type=int, help="override the shapes' completion lengths")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--references",
+        action="store_true",
+        help="instead: every greedy request of the mix once, one at a time",
+    )
     p.add_argument("--first", type=int, default=0, help="index of the first request")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds without a byte: failed")
     p.add_argument("--gap", type=float, default=0.0, help="seconds a worker waits between requests")
@@ -332,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         "that spins on a broken server)",
     )
     args = p.parse_args(argv)
+    references = reference_specs(args.mix, args.first, args.max_tokens) if args.references else []
+    if references:
+        args.requests, args.concurrency = len(references), 1
     if args.requests is None and args.duration is None and args.stop_file is None:
         p.error("give --requests, --duration or --stop-file")
     model = args.model or wait_for_model(args.port, 60)
@@ -354,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def worker(w: int) -> None:
         while (i := next_index()) is not None:
-            spec = request_spec(args.mix, i, args.seed, args.max_tokens)
+            if references:
+                spec = references[i - args.first]
+            else:
+                spec = request_spec(args.mix, i, args.seed, args.max_tokens)
             rec = run_one(args.port, model, spec, args.timeout)
             rec["worker"] = w
             with lock:

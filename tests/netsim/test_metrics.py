@@ -136,3 +136,45 @@ def test_tokens_that_stop_after_the_fault_never_resumed():
     assert stall["resumed_after_fault_s"] is None
     assert stall["last_token_after_fault_s"] == pytest.approx(0.02)
     assert stall["observed_s"] == pytest.approx(30.01)
+
+
+def test_churn_measures_each_faults_stall_beyond_the_usual_gap():
+    steady = [0.1 * k for k in range(1, 11)]  # a token every 100 ms ...
+    stalled = [*steady[:5], 3.5, 3.6, 3.7]  # ... then 3 s without one across the fault
+    records = [
+        rec(0, t0=10.0, chunks=stalled, t_end=3.8),
+        rec(1, t0=10.0, chunks=steady, t_end=1.1),  # in flight too, never stalled
+        rec(2, t0=10.0, stream=False, t_end=4.0),  # whole: no tokens to time
+        rec(3, t0=11.0, ok=False, chunks=[0.1], t_end=0.5, cause="stream_error"),
+        rec(4, t0=20.0, chunks=steady, t_end=1.1),  # after every fault
+    ]
+    faults = [{"t": 10.55, "kind": "kill", "host": "h1"}, {"t": 11.2, "kind": "sigint"}]
+    rows = metrics.churn_faults(records, faults)
+    kill, sigint = rows
+    assert kill["in_flight"] == 3 and kill["in_flight_failed"] == 0
+    assert kill["stalls_s"] == [pytest.approx(3.0), pytest.approx(0.1)]
+    assert kill["extra_s"] == pytest.approx(2.9)  # the stall less its 100 ms median gap
+    assert sigint["in_flight"] == 3 and sigint["in_flight_failed"] == 1  # 0, 2 and 3
+    by_kind = metrics.churn_by_kind(rows)
+    assert by_kind["kill"]["extra_s"]["max"] == pytest.approx(2.9)
+    assert by_kind["sigint"]["in_flight_failed"] == 1
+
+
+def test_greedy_identity_compares_with_the_reference_of_the_same_prompt():
+    def g(i, prompt_no, text, *, ok=True, temperature=0.0, replays=None):
+        return rec(
+            i, shape="long-greedy", prompt_no=prompt_no, text=text, ok=ok,
+            temperature=temperature, replays=replays,
+        )  # fmt: skip
+
+    refs = [g(-1, 0, "the keeper waited"), g(-2, 1, "a letter home")]
+    runs = [
+        g(0, 0, "the keeper waited", replays=[{"tokens": 40}]),
+        g(1, 1, "a letter hom!"),
+        g(2, 1, "anything", temperature=0.7),  # sampled: not checked here
+        g(3, 0, "cut sh", ok=False),  # failed: counted as failed elsewhere
+    ]
+    out = metrics.greedy_identity(runs, refs)
+    assert out["checked"] == 2 and out["identical"] == 1 and out["replayed_checked"] == 1
+    [m] = out["mismatches"]
+    assert m["i"] == 1 and m["first_difference_at_char"] == 12 and not m["replayed"]

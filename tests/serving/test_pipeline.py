@@ -18,7 +18,7 @@ from meshagent.identity.mesh import MeshSecret
 from meshagent.models.layout import inspect_model
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
-from meshagent.serving.generation import Delta, GenerationRequest
+from meshagent.serving.generation import Delta, GenerationRequest, Route
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import (
     ACTIVATION_WINDOW_BYTES,
@@ -228,7 +228,7 @@ async def test_a_request_in_flight_survives_a_broken_chain(model_path, store, nu
     model, *_ = await start_split(nursery, model_path, store, "f32")
 
     async def same():
-        return model.runner
+        return Route(model.runner, model.engine.token_bytes)
 
     model.reroute = same
     tokens = model.text_tokens("1, 2, 3, 4, 5, 6,")

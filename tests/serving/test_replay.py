@@ -13,6 +13,7 @@ import trio.testing
 
 from meshagent.errors import SplitUnavailable
 from meshagent.serving import stage_messages as sm
+from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import Sampler, SamplingParams
 from meshagent.serving.scheduler import Scheduler
@@ -167,7 +168,7 @@ async def break_mid_stream(chain: FakeChain, params, *, after: int = 30, then=No
 async def test_a_request_survives_a_broken_chain_with_the_same_text(nursery, params):
     text, finished = await whole_text(nursery, params)
     chain = FakeChain(nursery, depth=1, delay=0.001)
-    chain.model.reroute = lambda: _same(chain.model.runner)
+    chain.model.reroute = lambda: _same(chain.model)
     await nursery.start(chain.model.run)
     got, done = await break_mid_stream(chain, params)
     assert got == text
@@ -176,6 +177,25 @@ async def test_a_request_survives_a_broken_chain_with_the_same_text(nursery, par
     [replay] = done.replays
     assert "peer is gone" in replay.reason
     assert replay.tokens > len(chain.model.text_tokens(PROMPT))  # prompt and tokens so far
+
+
+async def test_after_a_reroute_tokens_become_text_by_the_new_models_vocabulary(nursery):
+    # A new plan brings a new engine, and the old one (whose vocabulary the request began
+    # with) may be freed by then: text after the break must come from the new route's.
+    text, _ = await whole_text(nursery, GREEDY)
+    chain = FakeChain(nursery, depth=1, delay=0.001)
+    old = chain.model.engine.token_bytes
+
+    async def new_engine():
+        await trio.sleep(0)
+        return Route(chain.model.runner, lambda t: old(t).upper())
+
+    chain.model.reroute = new_engine
+    await nursery.start(chain.model.run)
+    got, done = await break_mid_stream(chain, GREEDY)
+    assert len(done.replays) == 1
+    assert got.lower() == text.lower() and got != text
+    assert got.endswith(text[-8:].upper()) and got.startswith(text[:4])
 
 
 async def test_a_sampled_request_survives_where_batching_moves_the_logits(nursery):
@@ -189,7 +209,7 @@ async def test_a_sampled_request_survives_where_batching_moves_the_logits(nurser
     greedy, _ = await complete(whole, PROMPT, TOKENS)
     assert text != greedy  # the draws do wander from the favourites
     chain = FakeChain(nursery, depth=1, delay=0.001, batch_sensitive=True)
-    chain.model.reroute = lambda: _same(chain.model.runner)
+    chain.model.reroute = lambda: _same(chain.model)
     await nursery.start(chain.model.run)
     got, done = await break_mid_stream(chain, hot)
     assert len(done.replays) == 1
@@ -199,7 +219,7 @@ async def test_a_sampled_request_survives_where_batching_moves_the_logits(nurser
 
 async def test_a_chain_that_stays_down_fails_the_request_at_the_deadline(nursery):
     chain = FakeChain(nursery, depth=1, delay=0.001)
-    chain.model.reroute = lambda: _same(chain.model.runner)
+    chain.model.reroute = lambda: _same(chain.model)
     chain.model.replay_deadline = 1.0
     await nursery.start(chain.model.run)
     real_open = chain.pipeline._open_downstream
@@ -229,9 +249,9 @@ async def test_without_reroute_a_broken_chain_fails_as_before(nursery):
         await break_mid_stream(chain, GREEDY)
 
 
-async def _same(runner):
+async def _same(model):
     await trio.sleep(0)
-    return runner
+    return Route(model.runner, model.engine.token_bytes)
 
 
 async def test_a_closed_stage_server_waits_for_its_running_forward_and_serves_no_more(nursery):
