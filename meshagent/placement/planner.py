@@ -14,13 +14,13 @@ stage + one trip around the ring of measured RTTs) wins.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshagent.errors import MeshError
 from meshagent.models.layout import ModelLayout
 
-DEFAULT_RTT_MS = 5.0  # assumed for a pair of peers that has not measured its RTT yet
+DEFAULT_RTT_MS = 5.0  # assumed for a pair not measured yet, while no pair is measured
 MAX_CANDIDATES = 8  # peers considered for a split (the largest memory x speed first)
 MAX_ORDERS = 720  # orders tried per peer set (6! = every order of 6 stages)
 
@@ -116,16 +116,24 @@ def _usable(peer: PeerCapacity, headroom: float) -> int:
     return int(peer.memory_bytes * (1.0 - headroom))
 
 
-def _rtt(a: PeerCapacity, b: PeerCapacity) -> float:
+def _rtt(a: PeerCapacity, b: PeerCapacity, unknown: float) -> float:
     if a.peer_id == b.peer_id:
         return 0.0
     ab, ba = a.rtt_ms.get(b.peer_id), b.rtt_ms.get(a.peer_id)
     known = [x for x in (ab, ba) if x is not None]
-    return max(known) if known else DEFAULT_RTT_MS
+    return max(known) if known else unknown
 
 
-def _ring_ms(order: Sequence[PeerCapacity]) -> float:
-    return sum(_rtt(order[i], order[(i + 1) % len(order)]) for i in range(len(order)))
+def _unknown_rtt(peers: Iterable[PeerCapacity]) -> float:
+    """What a pair that has not measured its RTT is taken to cost: as much as the farthest
+    pair that has. A guess any lower would make a peer that just (re)joined, before its
+    probes, look closer than every measured one, and move a working split onto it."""
+    return max((ms for p in peers for ms in p.rtt_ms.values()), default=DEFAULT_RTT_MS)
+
+
+def _ring_ms(order: Sequence[PeerCapacity], unknown: float) -> float:
+    n = len(order)
+    return sum(_rtt(order[i], order[(i + 1) % n], unknown) for i in range(n))
 
 
 def plan(
@@ -162,6 +170,7 @@ def plan(
         repaired = repair(model, current, ordered, headroom=headroom)
         if repaired is not None:
             return repaired
+    unknown = _unknown_rtt(ordered)
     candidates = sorted(ordered, key=lambda p: (-_usable(p, headroom) * p.speed, p.peer_id))
     candidates = sorted(candidates[:MAX_CANDIDATES], key=lambda p: p.peer_id)
     for k in range(2, min(len(candidates), model.n_layers) + 1):
@@ -175,7 +184,7 @@ def plan(
                     1000.0 * s.layers / max(p.speed, 1e-9)
                     for s, p in zip(stages, order, strict=True)
                 )
-                score = compute_ms + _ring_ms(order)
+                score = compute_ms + _ring_ms(order, unknown)
                 key = (score, tuple(p.peer_id for p in order), stages)
                 if best is None or key[:2] < best[:2]:
                     best = key
@@ -223,7 +232,7 @@ def repair(
         model.model_id,
         current.context_tokens,
         stages=tuple(stages),
-        est_token_ms=compute_ms + _ring_ms(order),
+        est_token_ms=compute_ms + _ring_ms(order, _unknown_rtt(peers)),
     )
 
 
@@ -322,7 +331,7 @@ def estimated_token_ms(
     compute = sum(
         1000.0 * s.layers / max(p.speed, 1e-9) for s, p in zip(current.stages, live, strict=True)
     )
-    return compute + _ring_ms(live)
+    return compute + _ring_ms(live, _unknown_rtt(peers.values()))
 
 
 def should_replan(

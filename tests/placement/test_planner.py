@@ -207,3 +207,31 @@ def test_a_gain_of_a_few_milliseconds_moves_nothing():
     assert current.est_token_ms - candidate.est_token_ms < 5
     assert not should_replan(MODEL, current, candidate, mesh(3.0))
     assert should_replan(MODEL, current, replace(candidate, est_token_ms=1.0), mesh(30.0))
+
+
+def test_a_peer_that_has_not_measured_its_rtts_does_not_look_closer():
+    # A WAN split of a small model (fast peers: the estimate is mostly RTT) whose pairs
+    # measured 30 ms; a spare restarts and has measured nothing yet. Unknown pairs count as
+    # the farthest measured one, so the spare draws no split to it before its probes say
+    # where it is.
+    ms, fast = 30.0, 3000.0
+
+    def mesh(d_rtt: float | None) -> list[PeerCapacity]:
+        out = []
+        for pid in "abc":
+            rtts = {o: ms for o in "abc" if o != pid}
+            if d_rtt is not None:
+                rtts["d"] = d_rtt
+            out.append(peer(pid, 1.3, speed=fast, **rtts))
+        d = {o: d_rtt for o in "abc"} if d_rtt is not None else {}
+        return [*out, peer("d", 1.3, speed=fast * 1.05, **d)]
+
+    three = mesh(None)[:3]
+    current = plan(MODEL, three, context_tokens=CTX)
+    assert current.est_token_ms >= 3 * ms
+    restarted = mesh(None)
+    assert not should_replan(MODEL, current, plan(MODEL, restarted, context_tokens=CTX), restarted)
+    # Measured, and much nearer than the rest: now it is worth moving.
+    near = mesh(1.0)
+    better = plan(MODEL, near, context_tokens=CTX)
+    assert "d" in better.peers and should_replan(MODEL, current, better, near)
