@@ -23,6 +23,9 @@ from meshagent.models.layout import ModelLayout
 DEFAULT_RTT_MS = 5.0  # assumed for a pair not measured yet, while no pair is measured
 MAX_CANDIDATES = 8  # peers considered for a split (the largest memory x speed first)
 MAX_ORDERS = 720  # orders tried per peer set (6! = every order of 6 stages)
+# A new split keeps the current one's entry unless another entry is this much faster: the
+# entry holds the clients' requests, and a request whose entry moves cannot be replayed.
+KEEP_ENTRY = 0.25
 
 
 class PlanError(MeshError):
@@ -145,7 +148,8 @@ def plan(
     current: Plan | None = None,
 ) -> Plan:
     """The plan for `model` on `peers`; raises PlanError naming what is missing. A split
-    `current` plan that lost peers is repaired when it can be (`repair`)."""
+    `current` plan that lost peers is repaired when it can be (`repair`); otherwise a new
+    split keeps its entry unless another is faster by more than `KEEP_ENTRY`."""
     if not peers:
         raise PlanError(f"no peer can host {model.model_id}: the mesh is empty")
     ordered = sorted(peers, key=lambda p: p.peer_id)
@@ -173,8 +177,10 @@ def plan(
     unknown = _unknown_rtt(ordered)
     candidates = sorted(ordered, key=lambda p: (-_usable(p, headroom) * p.speed, p.peer_id))
     candidates = sorted(candidates[:MAX_CANDIDATES], key=lambda p: p.peer_id)
+    entry = current.stages[0].peer_id if current is not None and current.split else None
     for k in range(2, min(len(candidates), model.n_layers) + 1):
         best: tuple[float, tuple[str, ...], tuple[StageAssignment, ...]] | None = None
+        kept: tuple[float, tuple[str, ...], tuple[StageAssignment, ...]] | None = None
         for subset in itertools.combinations(candidates, k):
             for order in itertools.islice(itertools.permutations(subset), MAX_ORDERS):
                 stages = _assign(model, order, context_tokens, headroom)
@@ -188,6 +194,10 @@ def plan(
                 key = (score, tuple(p.peer_id for p in order), stages)
                 if best is None or key[:2] < best[:2]:
                     best = key
+                if order[0].peer_id == entry and (kept is None or key[:2] < kept[:2]):
+                    kept = key
+        if kept is not None and best is not None and kept[0] <= best[0] * (1.0 + KEEP_ENTRY):
+            best = kept
         if best is not None:
             return Plan(model.model_id, context_tokens, stages=best[2], est_token_ms=best[0])
     total = sum(_usable(p, headroom) for p in ordered)

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from meshagent.placement.planner import (
     ModelCost,
     PeerCapacity,
+    Plan,
     PlanError,
+    StageAssignment,
     plan,
     should_replan,
 )
@@ -235,3 +237,20 @@ def test_a_peer_that_has_not_measured_its_rtts_does_not_look_closer():
     near = mesh(1.0)
     better = plan(MODEL, near, context_tokens=CTX)
     assert "d" in better.peers and should_replan(MODEL, current, better, near)
+
+
+def test_a_new_split_keeps_the_entry_unless_another_is_much_faster():
+    # The split loses a stage that no spare can hold (20 layers): the peers left are split
+    # anew, and the entry (where the clients' requests are) stays where it was.
+    peers = [peer(p, 1.3, speed=100.0) for p in ("b", "c", "d", "e")]
+    current = Plan(
+        "m", CTX, stages=(StageAssignment("e", 0, 5), StageAssignment("x", 5, 25),
+                          StageAssignment("b", 25, 30)),
+    )  # fmt: skip
+    after = plan(MODEL, peers, context_tokens=CTX, current=current)
+    assert after.stages[0].peer_id == "e"
+    alone = plan(MODEL, peers, context_tokens=CTX)
+    assert alone.stages[0].peer_id == "b"  # without a current plan: the smallest order
+    # An entry much slower than the others gives way.
+    slow = [*peers[:3], peer("e", 1.3, speed=20.0)]
+    assert plan(MODEL, slow, context_tokens=CTX, current=current).stages[0].peer_id != "e"
