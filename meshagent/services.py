@@ -23,7 +23,7 @@ from meshagent.api import forwarding
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.config import AgentConfig, DataDir
-from meshagent.discovery import probe
+from meshagent.discovery import hearing, probe
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
 from meshagent.discovery.lan import LanDiscovery
 from meshagent.discovery.mdns import Sighting
@@ -150,6 +150,7 @@ class Services:
         self._routes: dict[str, StreamHandler] = {
             transfer.LABEL: transfer.ArtifactServer(store).handle,
             probe.LABEL: probe.serve,
+            hearing.LABEL: partial(hearing.serve, self.overlay),
             gossip_service.LABEL: self.gossip.handle,
             FORWARD_LABEL: lambda s: forwarding.serve_forwarded(s, self.app, peer_id=s.peer_id),
             **self.model.handlers(),

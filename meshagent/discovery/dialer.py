@@ -13,11 +13,12 @@ addresses, and if every one refuses (the host is up, the process is gone), gossi
 the peer dead now rather than after `dead_after`, so placement can replan in seconds.
 
 A connection whose peer stopped answering PINGs (the overlay's `on_silent`: a power cut, a
-partition, a broken path) gets the same treatment without a reset to go by: the dialer asks
-every other connected peer at once (a gossip exchange) and waits `silence_confirm`. If the
-peer's heartbeat advanced meanwhile, someone still hears it: only our path is bad, so the
-connection is dropped and a new one (direct, else through a relay) replaces it. If not, the
-peer is declared dead.
+partition, a broken path) has no reset to go by. The dialer waits `silence_confirm`, then
+asks every other connected peer whether it still hears the peer (`hearing.ask`). If one
+does (or the peer's heartbeat reached us meanwhile), only our path is bad: the connection is
+dropped and a new one (direct, else through a relay) replaces it. If none does and one of
+them finds it silent too (or there is no one else to ask), the peer is declared dead. With
+no answer to go by, nothing is declared: gossip's `dead_after` decides.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
+from meshagent.discovery import hearing
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.service import GossipService
 from meshagent.net.address import Address
@@ -55,7 +57,8 @@ class DialerConfig:
     upgrade_interval: float = 5.0  # how often a relayed peer's direct addresses are retried
     yield_delay: float = 1.5  # the higher peer id waits this long, so both don't dial at once
     gone_timeout: float = 1.0  # per address, when checking whether a lost peer is gone
-    silence_confirm: float = 1.0  # asking the others about a silent peer before judging
+    silence_confirm: float = 1.0  # waited before asking the others about a silent peer
+    hears_within: float = 1.25  # a peer that had a PONG this recently still hears it
 
 
 @dataclass
@@ -260,25 +263,51 @@ class PeerDialer:
         try:
             since = trio.current_time()
             beat = gossip.beat_of(peer) if gossip is not None else 0
-            for _ in range(2):  # twice: an exchange already under way may predate the silence
-                if gossip is not None:
-                    gossip.exchange_with_all(but=peer)
-                await trio.sleep(self.config.silence_confirm / 2)
+            await trio.sleep(self.config.silence_confirm)  # the others' silence grows too
             if conn.is_closed or conn.silent_for() < trio.current_time() - since:
                 return  # it answered after all (or this connection is gone anyway)
+            others = [link.peer_id for link in self.overlay.links() if link.peer_id != peer]
+            answers = await self._ask_all(others, peer)
             silent = round(conn.silent_for(), 1)
-            if gossip is not None and gossip.beat_of(peer) <= beat:
-                gossip.declare_dead(peer, f"no answer for {silent} s, and no peer heard from it")
+            hears = [a for a in answers if a is not None and a < self.config.hears_within]
+            beat_moved = gossip is not None and gossip.beat_of(peer) > beat
+            if not hears and not beat_moved and gossip is not None and (answers or not others):
+                confirmed = len([a for a in answers if a is not None])
+                gossip.declare_dead(
+                    peer, f"no answer for {silent} s, and {confirmed} other peer(s) hear nothing"
+                )
                 conn.abort(f"no answer for {silent} s: the peer is gone")
                 return
-            log.info("dialer.path_silent", peer=peer, silent=silent, path=conn.path)
-            conn.abort(f"no answer for {silent} s on this path, though the peer lives")
+            log.info(
+                "dialer.path_silent",
+                peer=peer,
+                silent=silent,
+                path=conn.path,
+                others_hear=len(hears),
+                heartbeat_moved=beat_moved,
+            )
+            conn.abort(f"no answer for {silent} s on this path")
             c = self._candidates.get(peer)
             if c is not None:
                 c.next_attempt = trio.current_time()
                 self._wake.set()
         finally:
             self._judging.discard(peer)
+
+    async def _ask_all(self, others: list[str], about: str) -> list[float | None]:
+        """What each of `others` says of `about` (`hearing.ask`); only those that answered
+        with a connection to it."""
+        answers: dict[str, float | None] = {}
+
+        async def one(other: str) -> None:
+            answers[other] = await hearing.ask(
+                self.overlay, other, about, timeout=self.config.hears_within
+            )
+
+        async with trio.open_nursery() as nursery:
+            for other in others:
+                nursery.start_soon(one, other)
+        return [a for a in answers.values() if a is not None]
 
     async def _upgrade(self, c: Candidate) -> None:
         try:

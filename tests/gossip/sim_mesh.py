@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
+from meshagent.discovery import hearing
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.failure import PeerState
@@ -49,7 +51,7 @@ async def start_sim_agent(
     handlers = {}
 
     async def route(stream):
-        handler = handlers.get(stream.label)
+        handler = handlers.get(stream.label.partition(":")[0])
         if handler is None:
             stream.reset("no service")
             return
@@ -81,6 +83,7 @@ async def start_sim_agent(
                     rng=random.Random(seed + 1),
                 )
                 handlers[LABEL] = gossip.handle
+                handlers[hearing.LABEL] = partial(hearing.serve, overlay)
                 dialer = PeerDialer(
                     overlay, gossip=gossip, config=DialerConfig(), rng=random.Random(seed + 2)
                 )

@@ -31,6 +31,14 @@ async def _three_on(nursery, config=CFG):
     return net, agents
 
 
+async def _full_mesh(agents):
+    """Wait until every agent has a connection to every other (the dialer makes them)."""
+    with trio.fail_after(10):
+        pairs = [(a, b) for a in agents for b in agents if a is not b]
+        while not all(a.overlay.connection(b.peer_id) is not None for a, b in pairs):
+            await trio.sleep(0.1)
+
+
 async def test_update_local_reaches_everyone_and_wakes_waiters(autojump_clock):
     async with trio.open_nursery() as nursery:
         a, _b, c = await _three(nursery)
@@ -118,6 +126,7 @@ async def test_a_silent_agent_is_dead_everywhere_within_three_seconds(autojump_c
     # anyone; the peers see PINGs go unanswered, ask each other, and nobody heard from c.
     async with trio.open_nursery() as nursery:
         net, (a, b, c) = await _three_on(nursery)
+        await _full_mesh((a, b, c))
         net.isolate("h2")
         c.scope.cancel()
         cut = trio.current_time()
@@ -137,6 +146,7 @@ async def test_a_partition_between_two_agents_is_no_death(autojump_clock):
     # the link heals it is connected to c again.
     async with trio.open_nursery() as nursery:
         net, (a, b, c) = await _three_on(nursery)
+        await _full_mesh((a, b, c))
         net.cut("h0", "h2")
         for _ in range(20):
             await trio.sleep(0.5)
