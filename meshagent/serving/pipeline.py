@@ -90,8 +90,14 @@ class PipelineExecutor:
         *,
         wire_dtype: str = "f16",
         depth: int = 1,
+        stall_after: float = 20.0,
     ) -> None:
         self.entry = entry
+        # A chain that returns no token for this long while steps wait for one has lost
+        # them somewhere (a stage reloaded under them, a message dropped): it is broken, and
+        # the requests are replayed, rather than waiting for ever.
+        self.stall_after = stall_after
+        self._progress_at = 0.0  # when a reply last came, or a step went out to an idle chain
         self.n_slots = entry.n_slots
         self.slot_ctx = entry.slot_ctx
         self.depth = max(1, depth)
@@ -116,11 +122,23 @@ class PipelineExecutor:
             self._nursery = nursery
             task_status.started()
             try:
-                await trio.sleep_forever()
+                await self._watch_progress(runner)
             finally:
                 self._nursery = None
                 if self._outbox is not None:
                     self._outbox.close()
+
+    async def _watch_progress(self, runner: ModelRunner) -> None:
+        idle = True
+        while True:
+            await trio.sleep(min(1.0, self.stall_after / 4))
+            now = trio.current_time()
+            waiting = runner.steps_in_flight() > 0
+            if waiting and idle:
+                self._progress_at = max(self._progress_at, now - 1.0)
+            idle = not waiting
+            if waiting and self.failed is None and now - self._progress_at > self.stall_after:
+                self._broken(f"no token from the split for {now - self._progress_at:.0f} s")
 
     # ----- the worker thread -----
 
@@ -245,6 +263,7 @@ class PipelineExecutor:
 
     def _on_replies(self, msgs: list[sm.Message]) -> None:
         assert self._runner is not None
+        self._progress_at = trio.current_time()
         tokens: list[SampledToken] = []
         for msg in msgs:
             if isinstance(msg, sm.Token):

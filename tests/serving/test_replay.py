@@ -217,6 +217,38 @@ async def test_a_sampled_request_survives_where_batching_moves_the_logits(nurser
     assert done.completion_tokens == finished.completion_tokens
 
 
+async def test_a_chain_that_loses_a_step_silently_is_broken_and_the_request_replayed(nursery):
+    # A message lost on the way (a stage reloaded under it) leaves the request waiting for a
+    # token that never comes: after `stall_after` without one the chain counts as broken and
+    # the request is replayed, instead of hanging.
+    text, finished = await whole_text(nursery, GREEDY)
+    chain = FakeChain(nursery, depth=1, delay=0.001)
+    chain.pipeline.stall_after = 0.5
+    chain.model.reroute = lambda: _same(chain.model)
+    await nursery.start(chain.model.run)
+    put, lost = chain.pipeline._put, []
+
+    def lose_one(data):
+        lost.append(data)
+        chain.pipeline._put = put
+
+    got = {}
+
+    async def run():
+        got["result"] = await complete(chain.model, PROMPT, TOKENS, sampling=GREEDY)
+
+    with trio.fail_after(20):  # without the watchdog: waits for ever
+        async with trio.open_nursery() as n:
+            n.start_soon(run)
+            while chain.model.runner.stats().tokens_processed < 30:
+                await trio.sleep(0.001)
+            chain.pipeline._put = lose_one
+    out, done = got["result"]
+    assert lost and out == text and done.completion_tokens == finished.completion_tokens
+    [replay] = done.replays
+    assert "no token from the split" in replay.reason
+
+
 async def test_a_chain_that_stays_down_fails_the_request_at_the_deadline(nursery):
     chain = FakeChain(nursery, depth=1, delay=0.001)
     chain.model.reroute = lambda: _same(chain.model)
