@@ -23,9 +23,11 @@ def usage(done: Finished) -> dict[str, Any]:
         receipt["stage_ms"] = list(done.stage_ms)
     if done.replays:
         # Lost stages the request survived: why the chain broke, the tokens prefilled again
-        # on the new one, and the milliseconds from the break to its next token.
+        # on the new one, the milliseconds from the break to its next token, and of those
+        # the wait for a chain that serves (the rest is the replay itself).
         receipt["replays"] = [
-            {"reason": r.reason, "tokens": r.tokens, "ms": r.ms} for r in done.replays
+            {"reason": r.reason, "tokens": r.tokens, "ms": r.ms, "wait_ms": r.wait_ms}
+            for r in done.replays
         ]
     if receipt:
         out["meshagent"] = receipt

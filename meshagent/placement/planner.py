@@ -210,6 +210,15 @@ def plan(
     )
 
 
+def is_repair(before: Plan, after: Plan) -> bool:
+    """`after` is `before` with some stages' peers replaced and nothing else changed."""
+    if not (before.split and after.split) or len(before.stages) != len(after.stages):
+        return False
+    pairs = list(zip(before.stages, after.stages, strict=True))
+    same_layers = all((a.start, a.end) == (b.start, b.end) for a, b in pairs)
+    return same_layers and any(a.peer_id != b.peer_id for a, b in pairs)
+
+
 def repair(
     model: ModelCost, current: Plan, peers: Sequence[PeerCapacity], *, headroom: float = 0.1
 ) -> Plan | None:

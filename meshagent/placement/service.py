@@ -30,6 +30,7 @@ from meshagent.placement.planner import (
     PeerCapacity,
     Plan,
     PlanError,
+    is_repair,
     plan,
     should_replan,
 )
@@ -104,6 +105,7 @@ class PlacementService:
         threshold: float = 0.25,
         tick: float = 1.0,
         settle: float = 2.0,
+        repair_settle: float = 0.5,
     ) -> None:
         self.gossip = gossip
         self.cost = cost
@@ -117,6 +119,11 @@ class PlacementService:
         # A plan must stay in force this long before agents load their parts, so that rival
         # proposals made at the same moment are resolved before anyone loads the loser.
         self.settle = settle
+        # A repair (the same stages, a lost peer's given to a spare) is what every agent
+        # computes alike from the plan in force, so rivals are rare and it settles sooner:
+        # requests wait for it.
+        self.repair_settle = min(repair_settle, settle)
+        self._seen_settle = settle  # the settling time of the plan `_seen` holds
         self._seen: tuple[str, float] | None = None  # (digest of the plan in force, since)
         self._failed: str | None = None  # digest of a plan this agent could not load
         self._load_error: str | None = None  # and why
@@ -170,6 +177,9 @@ class PlacementService:
         if winner is not None:
             digest = plan_digest(winner.plan)
             if self._seen is None or self._seen[0] != digest:
+                before = self.in_force.plan if self.in_force is not None else None
+                repair = before is not None and is_repair(before, winner.plan)
+                self._seen_settle = self.repair_settle if repair else self.settle
                 self._seen = (digest, now)
         if winner is not None and not self._follows(winner):
             pending = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, False)
@@ -180,7 +190,7 @@ class PlacementService:
                     await self._release(winner.plan)
                 self._publish(pending)
             assert self._seen is not None
-            if now - self._seen[1] >= self.settle and self._failed != self._seen[0]:
+            if now - self._seen[1] >= self._seen_settle and self._failed != self._seen[0]:
                 try:
                     if me in winner.plan.peers:
                         await self._take_part(winner.plan)
@@ -211,8 +221,8 @@ class PlacementService:
         """Seconds until the next decision is due even without a gossip change."""
         if self._seen is not None and not (self.mine is not None and self.mine.ready):
             waited = trio.current_time() - self._seen[1]
-            if waited < self.settle:
-                return min(self.tick, max(self.settle - waited, 0.01))
+            if waited < self._seen_settle:
+                return min(self.tick, max(self._seen_settle - waited, 0.01))
         return self.tick
 
     def _follows(self, winner: Claim) -> bool:

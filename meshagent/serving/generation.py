@@ -70,6 +70,7 @@ class Replay:
     reason: str  # why the chain broke
     tokens: int  # prompt and generated tokens prefilled again
     ms: float  # from the break to the first token of the new chain
+    wait_ms: float = 0.0  # of which waiting for a chain that serves (the rest: the replay)
 
 
 @dataclass(frozen=True)
@@ -128,12 +129,15 @@ async def generate(
             async with runner.start(
                 request.prompt_tokens, limit - len(history), sampling, tuple(history)
             ) as handle:
+                submitted = trio.current_time()
                 while True:
                     ev = await handle.next()
                     if broke is not None:
                         why, since = broke
                         ms = round((trio.current_time() - since) * 1000, 1)
-                        replays.append(Replay(why, len(request.prompt_tokens) + len(history), ms))
+                        wait_ms = round((submitted - since) * 1000, 1)
+                        tokens = len(request.prompt_tokens) + len(history)
+                        replays.append(Replay(why, tokens, ms, wait_ms))
                         broke = None
                     if len(stage_ms) < len(ev.timing):
                         stage_ms += [0.0] * (len(ev.timing) - len(stage_ms))

@@ -40,7 +40,7 @@ log = structlog.get_logger(__name__)
 _WATCH_INTERVAL = 0.5  # seconds between checks that the split in force is still routable
 _CERTIFICATION_INTERVAL = 2.0  # seconds between looks for a record that allows a split
 _RECORD_WAIT = 10.0  # seconds a stage of a certified-only split waits for the record
-_REROUTE_POLL = 0.25  # seconds between looks for what serves a request being replayed
+_REROUTE_POLL = 0.1  # seconds between looks for what serves a request being replayed
 
 
 @dataclass(frozen=True)
@@ -336,12 +336,14 @@ class MeshModel:
 
     async def _reroute(self) -> Route:
         """For a request whose split lost a stage: the runner that serves the model here now,
-        waiting while there is none. The same plan keeps its runner (the pipeline opens its
-        chain again on the next step); a new plan that keeps this agent the entry (or makes
-        it a replica) brings a new one. The request bounds the wait (`replay_deadline`)."""
+        waiting while there is none or the plan in force is not routable (a request tried on
+        a chain that is not back would only fail again). The same plan keeps its runner (the
+        pipeline opens its chain again on the next step); a new plan that keeps this agent
+        the entry (or makes it a replica) brings a new one. The request bounds the wait
+        (`replay_deadline`)."""
         while True:
             local = self._offered
-            if local is not None and local.runner.aborted is None:
+            if local is not None and local.runner.aborted is None and self.placement.routable:
                 return Route(local.runner, local.engine.token_bytes)
             if self._served_elsewhere():
                 raise SplitUnavailable(

@@ -9,7 +9,7 @@ import trio
 
 from meshagent.errors import EngineError
 from meshagent.placement.negotiation import plan_digest
-from meshagent.placement.planner import ModelCost, Plan
+from meshagent.placement.planner import ModelCost, Plan, StageAssignment, is_repair
 from meshagent.placement.service import PlacementService
 
 GB = 1_000_000_000
@@ -143,3 +143,43 @@ async def test_an_agent_that_cannot_load_its_part_says_why_and_keeps_running(aut
         assert "could not load this agent's part" in service.error
         assert "could not create a context" in service.error
         nursery.cancel_scope.cancel()
+
+
+async def test_a_repair_settles_sooner_than_a_new_plan(autojump_clock):
+    # The split loses a stage and a spare takes its layers: every agent computes that same
+    # repair, so the spare loads after `repair_settle` rather than the full `settle`.
+    world = World()
+    loads: list = []
+    services = [agent(world, p, 1.3, loads) for p in ("a", "b", "c")]
+    async with trio.open_nursery() as nursery:
+        for s in services:
+            nursery.start_soon(s.run)
+        await settle(services)
+        before = services[0].in_force.plan
+        lost = before.stages[1].peer_id
+        spare = agent(world, "s", 1.3, loads)
+        nursery.start_soon(spare.run)
+        world.bump()
+        await trio.sleep(5)
+        assert services[0].in_force.plan == before  # a spare alone changes nothing
+        world.views[lost] = replace(world.views[lost], state="dead")
+        world.bump()
+        died = trio.current_time()
+        with trio.fail_after(10):
+            while not any(pid == "s" for pid, _ in loads):
+                await trio.sleep(0.01)
+        waited = trio.current_time() - died
+        after = services[0].in_force.plan
+        assert is_repair(before, after) and "s" in after.peers
+        assert waited < services[0].settle <= 2 * waited + 2  # sooner, yet not at once
+        assert waited >= services[0].repair_settle
+        nursery.cancel_scope.cancel()
+
+
+def test_a_repair_is_the_same_layers_on_other_peers():
+    one = Plan("m", 10, stages=(StageAssignment("a", 0, 5), StageAssignment("b", 5, 9)))
+    swapped = Plan("m", 10, stages=(StageAssignment("a", 0, 5), StageAssignment("s", 5, 9)))
+    moved = Plan("m", 10, stages=(StageAssignment("a", 0, 4), StageAssignment("s", 4, 9)))
+    assert is_repair(one, swapped)
+    assert not is_repair(one, one) and not is_repair(one, moved)
+    assert not is_repair(one, Plan("m", 10, replicas=("a",)))

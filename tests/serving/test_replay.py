@@ -176,6 +176,7 @@ async def test_a_request_survives_a_broken_chain_with_the_same_text(nursery, par
     assert chain.opens == 2  # the chain was opened again once
     [replay] = done.replays
     assert "peer is gone" in replay.reason
+    assert 0 <= replay.wait_ms <= replay.ms  # waiting for a chain, then the replay itself
     assert replay.tokens > len(chain.model.text_tokens(PROMPT))  # prompt and tokens so far
 
 
