@@ -501,9 +501,13 @@ class Connection:
             if stream is not None:
                 stream._wake_reader()
         elif kind is CreditGranted:
-            stream = self._streams.get(ev.stream_id)
-            if stream is not None:
-                stream._wake_writer()
+            if ev.stream_id == 0:  # connection credit: any stream may be waiting for it
+                for stream in list(self._streams.values()):
+                    stream._wake_writer()
+            else:
+                stream = self._streams.get(ev.stream_id)
+                if stream is not None:
+                    stream._wake_writer()
         elif kind is StreamOpened:
             self._accept(ev)
         elif kind is StreamReset:

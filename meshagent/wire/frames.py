@@ -2,9 +2,9 @@
 
     frame = type (u8) || stream id (u32, big-endian) || body
 
-Stream id 0 is the connection itself (PING, PONG, GOAWAY, BYE); every other frame names a
-stream. DATA bodies are raw bytes (activations travel as-is); CREDIT is two u32; control
-bodies are CBOR maps (see control.py).
+Stream id 0 is the connection itself (PING, PONG, GOAWAY, BYE, and CREDIT for the
+connection window); every other frame names a stream. DATA bodies are raw bytes (activations
+travel as-is); CREDIT is two u32; control bodies are CBOR maps (see control.py).
 """
 
 from __future__ import annotations
@@ -180,8 +180,7 @@ def decode_frame(plaintext: bytes | bytearray) -> Frame:
             return DataFrame(stream_id, plaintext)
         return DataFrame(stream_id, memoryview(plaintext)[FRAME_HEADER_LEN:])
     body = memoryview(plaintext)[FRAME_HEADER_LEN:]
-    if kind == FrameType.CREDIT:
-        _need_stream(stream_id, "CREDIT")
+    if kind == FrameType.CREDIT:  # on stream 0: credit for the connection as a whole
         if len(body) != _CREDIT.size:
             raise ProtocolError("CREDIT frame body must be 8 bytes")
         nbytes, nframes = _CREDIT.unpack(body)

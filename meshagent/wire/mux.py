@@ -4,6 +4,11 @@ Frames come in through `handle_frame` (returning events); the application's acti
 (`open_stream`, `send_data`, `read`, `send_eof`, `reset`, `go_away`, `close`, `ping`) queue
 frames that the I/O layer collects with `frames_to_send`. Nothing here blocks: a sender with
 no credit gets 0 from `send_data` and waits for a CreditGranted event, for as long as it takes.
+
+Credit is per stream and for the connection as a whole: DATA spends both, and the receiver
+returns the connection's (CREDIT on stream 0) as the application reads or drops data, so
+what one connection can make its receiver buffer is bounded by `connection_window_bytes`
+however many streams the peer opens.
 """
 
 from __future__ import annotations
@@ -121,6 +126,11 @@ class Multiplexer:
         # record sealer, rather than again into a frame; CLOSE and BYE queue as bytes.
         self._data: deque[bytes | tuple[bytes, bytes | memoryview]] = deque()
         self._control_bytes = 0
+        # The connection window: bytes we may still send on all streams together; bytes the
+        # peer may still send us; bytes read or dropped here and not yet credited back.
+        self._conn_send = remote_settings.connection_window_bytes
+        self._conn_peer_credit = local_settings.connection_window_bytes
+        self._conn_grant = 0
         self._pings: dict[bytes, float] = {}
         self._rtt = RttEstimator()
         self.last_pong_at = clock()  # start of the connection counts as a sign of life
@@ -152,9 +162,14 @@ class Multiplexer:
         return st is not None and st.remote_open
 
     def send_credit(self, stream_id: int) -> tuple[int, int]:
-        """(bytes, frames) we may still send on the stream."""
+        """(bytes, frames) we may still send on the stream (the connection's window too)."""
         st = self._streams.get(stream_id)
-        return (0, 0) if st is None else (st.send_bytes, st.send_frames)
+        return (0, 0) if st is None else (min(st.send_bytes, self._conn_send), st.send_frames)
+
+    @property
+    def connection_credit(self) -> tuple[int, int]:
+        """(bytes we may still send on all streams, bytes the peer may still send us)."""
+        return self._conn_send, self._conn_peer_credit
 
     @property
     def control_backlog(self) -> int:
@@ -244,12 +259,13 @@ class Multiplexer:
         header = data_header(stream_id)
         sent = 0
         queue = self._data
-        while sent < total and st.send_frames > 0 and st.send_bytes > 0:
-            n = min(total - sent, st.send_bytes, max_payload)
+        while sent < total and st.send_frames > 0 and st.send_bytes > 0 and self._conn_send > 0:
+            n = min(total - sent, st.send_bytes, self._conn_send, max_payload)
             chunk = view[sent : sent + n]
             queue.append((header, chunk if immutable else bytes(chunk)))
             st.send_bytes -= n
             st.send_frames -= 1
+            self._conn_send -= n
             sent += n
         return sent
 
@@ -301,8 +317,26 @@ class Multiplexer:
         st.buffered -= size
         st.grant_bytes += size
         self._maybe_grant(st)
+        self._release(size)
         self._maybe_forget(st)
         return out
+
+    def _release(self, n: int) -> None:
+        """`n` received bytes left our buffers (read, or dropped with their stream): credit
+        them back to the connection, batched like a stream's (half the window)."""
+        self._conn_grant += n
+        if self._conn_grant * 2 >= self.local_settings.connection_window_bytes:
+            self._conn_peer_credit += self._conn_grant
+            self._queue_control(encode_frame(CreditFrame(0, self._conn_grant, 0)))
+            self._conn_grant = 0
+
+    def _drop(self, st: _Stream) -> None:
+        """Forget a stream; the bytes it still buffered go back to the connection window."""
+        self._streams.pop(st.id, None)
+        if st.buffered:
+            self._release(st.buffered)
+            st.buffer.clear()
+            st.buffered = 0
 
     def _maybe_grant(self, st: _Stream) -> None:
         if not st.remote_open:
@@ -315,8 +349,11 @@ class Multiplexer:
 
     def reset(self, stream_id: int, code: ErrorCode, reason: str) -> None:
         """Abort the stream both ways; buffered data is dropped and the peer is told why."""
-        st = self._streams.pop(stream_id, None)
-        if st is None or st.finished or self.closed is not None:
+        st = self._streams.get(stream_id)
+        if st is None:
+            return
+        self._drop(st)
+        if st.finished or self.closed is not None:
             return
         self._queue_control(encode_frame(ResetFrame(stream_id, code, reason)))
 
@@ -324,7 +361,7 @@ class Multiplexer:
         """The application is done with a finished stream: drop any unread data."""
         st = self._streams.get(stream_id)
         if st is not None and st.finished:
-            del self._streams[stream_id]
+            self._drop(st)
 
     def go_away(self, code: ErrorCode = ErrorCode.NO_ERROR, reason: str = "") -> None:
         """Take no new streams from the peer; existing streams continue. Idempotent."""
@@ -407,14 +444,11 @@ class Multiplexer:
         return (stream_id % 2 == 1) == self.initiator
 
     def _stream_error(self, st: _Stream, code: ErrorCode, reason: str) -> list[Event]:
-        del self._streams[st.id]
+        self._drop(st)
         self._queue_control(encode_frame(ResetFrame(st.id, code, reason)))
         return [StreamReset(st.id, code, reason, by_peer=False)]
 
     def _on_data(self, frame: DataFrame) -> list[Event]:
-        st = self._stream_for(frame.stream_id, "DATA")
-        if st is None:
-            return []
         n = len(frame.payload)
         limit = self.local_settings.max_frame_payload
         if n > limit:
@@ -422,9 +456,22 @@ class Multiplexer:
                 f"DATA frame of {n} bytes exceeds the maximum {limit}",
                 ErrorCode.FRAME_TOO_LARGE,
             )
+        if n > self._conn_peer_credit:
+            raise ProtocolError(
+                f"DATA of {n} bytes beyond the connection window ({self._conn_peer_credit} "
+                "bytes left)",
+                ErrorCode.FLOW_CONTROL_ERROR,
+            )
+        self._conn_peer_credit -= n
+        st = self._stream_for(frame.stream_id, "DATA")
+        if st is None:
+            self._release(n)  # a stream that ended: the bytes are dropped, the credit returns
+            return []
         if not st.remote_open:
+            self._release(n)
             return self._stream_error(st, ErrorCode.STREAM_CLOSED, "DATA after CLOSE")
         if n > st.peer_credit_bytes or st.peer_credit_frames < 1:
+            self._release(n)
             return self._stream_error(
                 st,
                 ErrorCode.FLOW_CONTROL_ERROR,
@@ -438,6 +485,11 @@ class Multiplexer:
         return [DataReceived(st.id, n)]
 
     def _on_credit(self, frame: CreditFrame) -> list[Event]:
+        if frame.stream_id == 0:  # the connection window
+            self._conn_send += frame.bytes
+            if self._conn_send > MAX_CREDIT:
+                raise ProtocolError("connection credit overflow", ErrorCode.FLOW_CONTROL_ERROR)
+            return [CreditGranted(0)]
         st = self._stream_for(frame.stream_id, "CREDIT")
         if st is None or not st.local_open:
             return []
@@ -490,7 +542,7 @@ class Multiplexer:
         st = self._stream_for(frame.stream_id, "RESET")
         if st is None or st.finished:
             return []  # both sides already sent CLOSE: the data we hold is complete
-        del self._streams[st.id]
+        self._drop(st)
         return [StreamReset(st.id, frame.code, frame.reason, by_peer=True)]
 
     def _on_pong(self, frame: PongFrame) -> list[Event]:

@@ -1,6 +1,7 @@
 """Connection manager: one connection per peer, deterministic simultaneous dial, dial
 backoff, dead-peer detection, stream handler failures, shutdown."""
 
+import hashlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,6 +20,7 @@ from meshagent.wire.errors import ErrorCode
 from tests.net.support import (
     NetEnv,
     hash_exchange,
+    hash_reply,
     honest_handshake,
     local_peer,
     node,
@@ -298,4 +300,45 @@ async def test_a_peer_that_stops_answering_is_reported_silent_once(env, clock):
         await trio.sleep(3)
         assert silent == [conn]  # once per silence, and the connection is left to the caller
         assert not conn.is_closed
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_stops_reading_holds_at_most_the_connection_window(env, clock):
+    # b accepts 8 streams and reads none of them. Each stream's window is 1 MiB, the
+    # connection's 3 MiB: a's senders stop after 3 MiB in all, and wait (no error, no reset)
+    # until b reads; then everything arrives.
+    budget = 3 << 20
+    stuck = trio.Event()
+    accepted = []
+
+    async def hold(stream):
+        accepted.append(stream)
+        await stuck.wait()
+        await hash_reply(stream)
+
+    b_local = local_peer(window_bytes=1 << 20, connection_window_bytes=budget)
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "a", nursery) as (a, _),
+        node(env, "b", nursery, on_stream=hold, local=b_local) as (b, b_addr),
+    ):
+        await a.dial(b_addr)
+        payload = bytes(range(256)) * 4096  # 1 MiB per stream, 8 MiB in all
+        streams = [await a.open_stream(b.peer_id) for _ in range(8)]
+
+        async def send(stream):
+            await stream.send_all(payload)
+            await stream.send_eof()
+
+        async with trio.open_nursery() as senders:
+            for s in streams:
+                senders.start_soon(send, s)
+            await trio.sleep(2)
+            conn = b.connection(a.peer_id)
+            held = sum(conn.mux.buffered(sid) for sid in conn.mux.open_stream_ids())
+            assert budget - (512 << 10) <= held <= budget
+            stuck.set()  # b reads now: every byte goes through
+        replies = [await read_all(s) for s in streams]
+        expected = hashlib.sha256(payload).digest() + len(payload).to_bytes(8, "big")
+        assert replies == [expected] * 8
         nursery.cancel_scope.cancel()

@@ -302,3 +302,73 @@ def test_sent_data_is_what_the_buffer_held_at_send_time():
     events = pump(a, b)
     assert [type(e) for e in events] == [DataReceived, DataReceived]
     assert b.read(sid, 100) == b"before" and b.read(sid, 100) == b"as is"
+
+
+# ----- the connection window -----
+
+BUDGET = StreamSettings(
+    window_bytes=1000, window_frames=16, max_frame_payload=300, connection_window_bytes=1500
+)
+
+
+def test_the_connection_window_bounds_what_all_streams_together_may_send():
+    # Three streams of 1000-byte windows, one 1500-byte budget for the connection: the
+    # receiver never buffers more than 1500, and a reader frees room for every stream.
+    a, b, _ = mux_pair(BUDGET, BUDGET)
+    sids = [a.open_stream() for _ in range(3)]
+    sent = [a.send_data(sid, bytes(1000)) for sid in sids]
+    assert sent == [1000, 500, 0]
+    assert a.send_credit(sids[2]) == (0, 16)
+    pump(a, b)
+    assert sum(b.buffered(sid) for sid in sids) == 1500
+    assert b.connection_credit == (1500, 0)  # the peer may send nothing more
+    read = len(read_everything(b, sids[0]))  # 1000 bytes read: over half the budget
+    assert read == 1000
+    events = pump(b, a)
+    assert CreditGranted(0) in events
+    # Stream 3 goes on with the room; credit returns in batches of at least half the budget
+    # (the 900 bytes of three reads; the fourth read's 100 wait for the next batch).
+    assert a.send_data(sids[2], bytes(1000)) == 900
+    pump(a, b)
+    assert sum(b.buffered(sid) for sid in sids) <= 1500
+
+
+def test_bytes_dropped_with_a_stream_return_to_the_connection_window():
+    a, b, _ = mux_pair(BUDGET, BUDGET)
+    sid = a.open_stream()
+    assert a.send_data(sid, bytes(1000)) == 1000
+    pump(a, b)
+    b.reset(sid, ErrorCode.CANCEL, "not wanted")  # 1000 unread bytes go with the stream
+    events = pump(b, a)
+    assert CreditGranted(0) in events
+    assert a.connection_credit[0] == 1500
+    # Data for a stream that has ended is dropped, and its credit comes back too.
+    other = a.open_stream()
+    pump(a, b)
+    b.reset(other, ErrorCode.CANCEL, "gone")  # before its data arrives
+    assert a.send_data(other, bytes(900)) == 900
+    pump(a, b)
+    pump(b, a)
+    assert a.connection_credit[0] == 1500
+
+
+def test_data_beyond_the_connection_window_is_a_connection_error():
+    tight = StreamSettings(
+        window_bytes=1000, window_frames=16, max_frame_payload=300, connection_window_bytes=500
+    )
+    a, b, _ = mux_pair(tight, tight)
+    sid = a.open_stream()
+    pump(a, b)
+    b.handle_frame(DataFrame(sid, bytes(300)))
+    with pytest.raises(ProtocolError, match="connection window") as e:
+        b.handle_frame(DataFrame(sid, bytes(300)))  # within the stream's window, not the budget
+    assert e.value.code is ErrorCode.FLOW_CONTROL_ERROR
+
+
+def test_settings_carry_the_connection_window_and_a_peer_without_one_sets_no_limit():
+    s = StreamSettings(connection_window_bytes=1 << 20)
+    assert StreamSettings.from_cbor(s.to_cbor()) == s
+    old = {k: v for k, v in s.to_cbor().items() if k != 5}
+    assert StreamSettings.from_cbor(old).connection_window_bytes == (1 << 32) - 1
+    with pytest.raises(ValueError):
+        StreamSettings(max_frame_payload=1000, connection_window_bytes=999)
