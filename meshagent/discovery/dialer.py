@@ -267,14 +267,14 @@ class PeerDialer:
             if conn.is_closed or conn.silent_for() < trio.current_time() - since:
                 return  # it answered after all (or this connection is gone anyway)
             others = [link.peer_id for link in self.overlay.links() if link.peer_id != peer]
-            answers = await self._ask_all(others, peer)
+            answers = await self._ask_all(others, peer)  # seconds each has not heard it
             silent = round(conn.silent_for(), 1)
-            hears = [a for a in answers if a is not None and a < self.config.hears_within]
+            hears = [a for a in answers if a < self.config.hears_within]
             beat_moved = gossip is not None and gossip.beat_of(peer) > beat
-            if not hears and not beat_moved and gossip is not None and (answers or not others):
-                confirmed = len([a for a in answers if a is not None])
+            gone = not hears and not beat_moved and (bool(answers) or not others)
+            if gone and gossip is not None:
                 gossip.declare_dead(
-                    peer, f"no answer for {silent} s, and {confirmed} other peer(s) hear nothing"
+                    peer, f"no answer for {silent} s, and {len(answers)} other peer(s) hear nothing"
                 )
                 conn.abort(f"no answer for {silent} s: the peer is gone")
                 return
@@ -294,9 +294,9 @@ class PeerDialer:
         finally:
             self._judging.discard(peer)
 
-    async def _ask_all(self, others: list[str], about: str) -> list[float | None]:
-        """What each of `others` says of `about` (`hearing.ask`); only those that answered
-        with a connection to it."""
+    async def _ask_all(self, others: list[str], about: str) -> list[float]:
+        """How long each of `others` has not heard from `about` (`hearing.ask`), for those
+        that answered and have a connection to it."""
         answers: dict[str, float | None] = {}
 
         async def one(other: str) -> None:

@@ -20,11 +20,13 @@ PROMPT = "1, 2, 3, 4, 5, 6,"  # greedy counting: the completion runs to max_toke
 KILL_AT = 40  # streamed chunks before the kill
 
 
-def _stream(agent, model_id, sampling: dict, on_chunk=None) -> tuple[str, dict]:
+def _stream(
+    agent, model_id, sampling: dict, on_chunk=None, *, prompt=PROMPT, max_tokens=160
+) -> tuple[str, dict]:
     body = {
         "model": model_id,
-        "prompt": PROMPT,
-        "max_tokens": 160,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
         **sampling,
@@ -107,6 +109,42 @@ def test_a_stream_survives_a_killed_stage_host(spawn_agent, model_id):
             [replay] = usage["meshagent"]["replays"]
             assert replay["tokens"] >= KILL_AT  # the prompt and the tokens so far, again
             wait_for(routable, timeout=120)
+        # The middle stage dies while a long prompt is prefilled (before any token): the
+        # request starts again on the chain that serves next, with the same answer.
+        long_prompt = ", ".join(str(i) for i in range(1, 260)) + ","
+        sent: list[float] = []
+        first: list[float] = []
+
+        def time_first(n: int) -> None:
+            if n == 1:
+                first.append(time.monotonic())
+
+        sent.append(time.monotonic())
+        long_expected, long_usage = _stream(
+            entry, model_id, greedy, time_first, prompt=long_prompt, max_tokens=24
+        )
+        ttft = first[0] - sent[0]
+        assert long_usage["prompt_tokens"] > 500
+        victim = order[1]
+        restarted = threading.Event()
+
+        def kill_in_prefill() -> None:
+            time.sleep(ttft / 3)
+            agents[victim].proc.kill()
+            agents[victim] = spawn_agent(
+                *SMALL, *listen[victim], "--join", token, name=victim, wait_model=False
+            )
+            restarted.set()
+
+        threading.Thread(target=kill_in_prefill, daemon=True).start()
+        text, usage = _stream(
+            entry, model_id, greedy, time_first, prompt=long_prompt, max_tokens=24
+        )
+        assert restarted.wait(60)
+        assert text == long_expected
+        [replay] = usage["meshagent"]["replays"]
+        print(f"prefill of {long_usage['prompt_tokens']} tokens: {ttft:.2f} s; replay {replay}")
+        assert replay["tokens"] < long_usage["prompt_tokens"] + 3  # it broke in the prefill
     except AssertionError:
         _show_logs(list(agents.values()))
         raise
