@@ -533,12 +533,14 @@ class Connection:
         assert self._on_stream is not None
         try:
             await self._on_stream(stream)
-        except StreamResetError as e:
-            self._log.info("stream.handler_reset", stream=stream.stream_id, reason=str(e))
         except Exception as e:
-            self._log.exception("stream.handler_failed", stream=stream.stream_id)
-            why = f"stream handler failed: {type(e).__name__}: {e}"
-            stream.reset(why, ErrorCode.INTERNAL_ERROR)
+            resets = reset_reasons(e)
+            if resets is not None:  # a peer went or gave up: routine, not a bug
+                self._log.info("stream.handler_reset", stream=stream.stream_id, reason=resets)
+            else:
+                self._log.exception("stream.handler_failed", stream=stream.stream_id)
+                why = f"stream handler failed: {type(e).__name__}: {e}"
+                stream.reset(why, ErrorCode.INTERNAL_ERROR)
         finally:
             await stream.aclose()
 
@@ -567,3 +569,15 @@ class Connection:
             f"Connection(peer={self.peer_id}, session={self.session_id}, path={self.path}, "
             f"initiator={self.initiator}, closed={self.close_reason!r})"
         )
+
+
+def reset_reasons(error: BaseException) -> str | None:
+    """The reason when `error` is a stream reset, or a group of nothing but resets (a
+    handler's own tasks, such as a stage's upstream and downstream); None otherwise."""
+    if isinstance(error, StreamResetError):
+        return str(error)
+    if isinstance(error, BaseExceptionGroup):
+        reasons = [reset_reasons(e) for e in error.exceptions]
+        if all(r is not None for r in reasons):
+            return "; ".join(r for r in reasons if r is not None)
+    return None

@@ -830,7 +830,8 @@ def faults_scope(f: dict[str, Any], s: FaultSettings) -> dict[str, Any]:
     not_tested = [
         "killing the entry agent or the last stage (the middle stage was the one killed)",
         "a fault during prefill of a long prompt specifically (faults land wherever the load is)",
-        "requests surviving a lost stage (replay on a new plan): not built yet",
+        "a spare agent: with 3 agents a lost stage comes back only with its host, so requests "
+        "in flight wait (replay) for the restart; the churn scenario has a spare",
         *COMMON_NOT_TESTED,
     ]
     return {"tested": tested, "not_tested": not_tested}

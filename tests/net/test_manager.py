@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 
 from meshagent.net.address import Address
 from meshagent.net.backoff import Backoff
-from meshagent.net.connection import DIRECT, RELAYED
+from meshagent.net.connection import DIRECT, RELAYED, reset_reasons
 from meshagent.net.errors import ConnectionUnavailable, DialError, StreamResetError
 from meshagent.net.manager import ConnectionManager, choose_connection
 from meshagent.testing.sim_network import LinkSpec
@@ -342,3 +342,15 @@ async def test_a_peer_that_stops_reading_holds_at_most_the_connection_window(env
         expected = hashlib.sha256(payload).digest() + len(payload).to_bytes(8, "big")
         assert replies == [expected] * 8
         nursery.cancel_scope.cancel()
+
+
+def test_a_handler_ended_by_resets_alone_is_routine_not_a_failure():
+    # A stage's handler runs its upstream and downstream in a nursery: when a peer goes, it
+    # ends with a group of resets. That is logged as a reset, not as a failed handler with a
+    # traceback; a real error in the group still is one.
+    reset = StreamResetError(3, ErrorCode.CANCEL, "closed by the application", by_peer=True)
+    assert reset_reasons(reset) == str(reset)
+    nested = ExceptionGroup("handler", [reset, ExceptionGroup("stage", [reset])])
+    assert reset_reasons(nested) == f"{reset}; {reset}"
+    assert reset_reasons(ExceptionGroup("handler", [reset, RuntimeError("a bug")])) is None
+    assert reset_reasons(RuntimeError("a bug")) is None
