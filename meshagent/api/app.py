@@ -42,6 +42,7 @@ class Failed:
 
 # Seconds a client is asked to wait before retrying a request a split could not serve.
 SPLIT_RETRY_AFTER = 5
+_SERVED_POLL = 0.1  # seconds between looks for a model being placed again
 
 
 def api_error_for(e: MeshError, *, prompt_param: str = "messages") -> ApiError:
@@ -217,8 +218,29 @@ class OpenAIApp:
 
     # -- generation ------------------------------------------------------------------------
 
+    async def _await_served(self, name: str) -> None:
+        """A model of this mesh that no one serves at this moment (its placement is changing
+        after a lost peer) is waited for, as a replay waits, rather than reported missing;
+        past the directory's bound, the request fails as temporarily unavailable."""
+        if self._local(name) is not None or self._remote(name) is not None:
+            return
+        bound = 0.0 if self.inflight.draining else self.directory.unserved_for_now(name)
+        if bound <= 0:
+            return  # not this mesh's: `_model` says so
+        with trio.move_on_after(bound):
+            while self._local(name) is None and self._remote(name) is None:
+                await trio.sleep(_SERVED_POLL)
+            return
+        raise errors.unavailable(
+            f"The model '{name}' is being placed again (a peer was lost) and no agent "
+            f"serves it yet after {bound:g} s; retry shortly.",
+            code="split_unavailable",
+            retry_after=SPLIT_RETRY_AFTER,
+        )
+
     async def _chat(self, ex: Exchange) -> None:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await ex.json_body())
+        await self._await_served(req.model)
         if await self._forwarded(ex, req.model):
             return
         model = self._model(req.model)
@@ -233,6 +255,7 @@ class OpenAIApp:
 
     async def _completions(self, ex: Exchange) -> None:
         req: CompletionRequest = parse(CompletionRequest, await ex.json_body())
+        await self._await_served(req.model)
         if await self._forwarded(ex, req.model):
             return
         model = self._model(req.model)

@@ -46,6 +46,12 @@ class ModelDirectory(Protocol):
         """Models that peers serve and this agent does not."""
         ...
 
+    def unserved_for_now(self, name: str) -> float:
+        """Seconds worth waiting for `name` when no one serves it at the moment: for a
+        model of this mesh whose placement is changing (a lost peer being replaced), how
+        long requests may wait for it; 0 for a model this mesh does not have."""
+        ...
+
     def receipt(self, model: LocalModel) -> Headers:
         """Response headers saying who serves `model` (one of `local_models()`)."""
         ...

@@ -170,6 +170,11 @@ class MeshModel:
     def receipt(self, model: LocalModel) -> Headers:
         return list(self._receipt) if model is self._offered else []
 
+    def unserved_for_now(self, name: str) -> float:
+        if name.casefold() != self.info.id.casefold():
+            return 0.0
+        return self.settings.replay_deadline
+
     def remote_models(self) -> list[RemoteModel]:
         claim = self.placement.in_force
         if claim is None or not self.placement.routable or self.local is not None:

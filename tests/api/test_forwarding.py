@@ -47,6 +47,9 @@ class StaticDirectory:
     def remote_models(self) -> list[RemoteModel]:
         return self.remote
 
+    def unserved_for_now(self, name: str) -> float:
+        return 0.0
+
     def receipt(self, model: LocalModel) -> Headers:
         return list(self._receipt)
 
