@@ -74,6 +74,7 @@ class Candidate:
     next_upgrade: float = 0.0
     failures: int = 0
     attempting: bool = False
+    direct_bad_until: float = 0.0  # its direct path just went silent: relays first till then
 
 
 class PeerDialer:
@@ -220,7 +221,10 @@ class PeerDialer:
 
     async def _connect(self, c: Candidate) -> None:
         try:
-            conn = await self._try_direct(c, replace=False)
+            conn = None
+            relays_first = trio.current_time() < c.direct_bad_until and self._has_relay(c)
+            if not relays_first:
+                conn = await self._try_direct(c, replace=False)
             if conn is None:
                 conn = await self._try_relays(c)
             if conn is None:
@@ -289,7 +293,10 @@ class PeerDialer:
             conn.abort(f"no answer for {silent} s on this path")
             c = self._candidates.get(peer)
             if c is not None:
-                c.next_attempt = trio.current_time()
+                now = trio.current_time()
+                c.next_attempt = now
+                if conn.path == DIRECT:  # the same path would stall the redial: relays first
+                    c.direct_bad_until = now + self.config.upgrade_interval
                 self._wake.set()
         finally:
             self._judging.discard(peer)
@@ -332,6 +339,9 @@ class PeerDialer:
             except Exception as e:  # a malformed address from a record must not stop us
                 log.warning("dialer.bad_address", peer=c.peer_id, address=address, error=str(e))
         return None
+
+    def _has_relay(self, c: Candidate) -> bool:
+        return self._relay_dial is not None and bool(c.relays or self._local_relays())
 
     async def _try_relays(self, c: Candidate) -> Connection | None:
         if self._relay_dial is None:

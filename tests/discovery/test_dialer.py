@@ -80,3 +80,31 @@ async def test_unreachable_peer_is_retried_with_backoff(sim_env, autojump_clock)
         assert 3 <= len(attempts) <= 10, attempts
         assert max(gaps) >= 8  # backing off, not hammering
         nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_direct_path_is_replaced_through_the_relay_at_once(sim_env, autojump_clock):
+    # The direct path between a and b goes quiet (a partition between them; both still reach
+    # the relay). Judged a bad path, the connection is dropped and the next one goes through
+    # the relay straight away, without first waiting out a direct connect to the cut path;
+    # once the path is back, the connection is upgraded to direct again.
+    async with trio.open_nursery() as nursery:
+        a, b, dialer = await _pair(sim_env, nursery)
+        address = str(b.overlay.listen_addresses[0])
+        dialer.offer(b.peer_id, addresses=(address,), relays=(a.client.name,), source="test")
+        with trio.fail_after(10):
+            direct = await a.overlay.wait_connected(b.peer_id)
+        assert direct.path == DIRECT
+        sim_env.sim.cut("a", "b")
+        await trio.sleep(2)  # PINGs go unanswered
+        judged = trio.current_time()
+        dialer.silent(direct)
+        with trio.fail_after(20):
+            while (c := a.overlay.connection(b.peer_id)) is None or c.path != RELAYED:
+                await trio.sleep(0.05)
+        took = trio.current_time() - judged
+        assert took < QUICK.silence_confirm + QUICK.connect_timeout  # no direct try first
+        sim_env.sim.heal("a", "b")
+        with trio.fail_after(QUICK.upgrade_interval + 15):
+            while (c := a.overlay.connection(b.peer_id)) is None or c.path != DIRECT:
+                await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
