@@ -113,6 +113,9 @@ class Plan:
 
 # A plan change must save at least this much per token (see `should_replan`).
 MIN_GAIN_MS = 5.0
+# A working split's entry moves only for a plan at least this much faster (1.0: twice as
+# fast): the entry holds the clients' requests, which fail when it moves.
+MOVE_ENTRY_GAIN = 1.0
 
 
 def _usable(peer: PeerCapacity, headroom: float) -> int:
@@ -364,7 +367,9 @@ def should_replan(
     """Move to `candidate` only if the current plan is broken or the gain passes `threshold`
     (0.25: at least 25% faster per token) and `MIN_GAIN_MS`, so the mesh does not flap on
     small changes: moving layers stops the split for seconds, and for a small model the
-    estimate is mostly measured RTTs, which swing by milliseconds on their own."""
+    estimate is mostly measured RTTs, which swing by milliseconds on their own (a path that
+    falls back to a relay for a few seconds doubles its RTT). A candidate that moves the
+    entry of a working plan must be `MOVE_ENTRY_GAIN` faster: requests in flight there fail."""
     if current is None:
         return True
     by_id = {p.peer_id: p for p in peers}
@@ -372,4 +377,11 @@ def should_replan(
     if now is None:
         return True
     gain = now - candidate.est_token_ms
+    if _entries(candidate).isdisjoint(_entries(current)):
+        threshold = max(threshold, MOVE_ENTRY_GAIN)
     return candidate.est_token_ms * (1.0 + threshold) < now and gain >= MIN_GAIN_MS
+
+
+def _entries(p: Plan) -> set[str]:
+    """The peers where requests for `p` start: a split's first stage, or its replicas."""
+    return {p.stages[0].peer_id} if p.split else set(p.replicas)

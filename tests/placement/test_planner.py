@@ -254,3 +254,24 @@ def test_a_new_split_keeps_the_entry_unless_another_is_much_faster():
     # An entry much slower than the others gives way.
     slow = [*peers[:3], peer("e", 1.3, speed=20.0)]
     assert plan(MODEL, slow, context_tokens=CTX, current=current).stages[0].peer_id != "e"
+
+
+def test_a_working_split_moves_its_entry_only_for_a_much_faster_plan():
+    # The entry holds the requests in flight: a plan entered elsewhere must be twice as fast
+    # to replace a working split; one that keeps the entry needs the usual 25%.
+    peers = [peer(p, 1.3, speed=100.0) for p in "abcd"]
+    current = Plan(
+        "m", CTX, stages=(StageAssignment("a", 0, 10), StageAssignment("b", 10, 20),
+                          StageAssignment("c", 20, 30)),
+        est_token_ms=300.0,
+    )  # fmt: skip
+    now = 300.0  # 30 layers at 100 layers/s, the RTTs unmeasured count as 5 ms each
+    moved = Plan("m", CTX, stages=(StageAssignment("d", 0, 15), StageAssignment("b", 15, 30)))
+
+    def faster(plan: Plan, by: float) -> Plan:
+        return replace(plan, est_token_ms=now / by)
+
+    assert not should_replan(MODEL, current, faster(moved, 1.6), peers)
+    assert should_replan(MODEL, current, faster(moved, 2.5), peers)
+    kept = replace(moved, stages=(StageAssignment("a", 0, 15), StageAssignment("d", 15, 30)))
+    assert should_replan(MODEL, current, faster(kept, 1.6), peers)
