@@ -437,3 +437,36 @@ def greedy_identity(
         ),
         "mismatches": mismatches,
     }
+
+
+def churn_detection(
+    faults: Sequence[Mapping[str, Any]],
+    log_events: Sequence[Mapping[str, Any]],
+    entry: str,
+    within_s: float = 15.0,
+) -> list[float | None]:
+    """For each fault, seconds until the entry's pipeline broke after it (`pipeline.broken`
+    in the entry's log, within `within_s`), or None when it did not (the fault touched no
+    leg of the chain in use, or a later fault came first)."""
+    broke = sorted(
+        e["t"]
+        for e in log_events
+        if e.get("host") == entry and e.get("event") == "pipeline.broken" and e.get("t") is not None
+    )
+    out: list[float | None] = []
+    for f in faults:
+        t = f["t"]
+        first = next((b for b in broke if t <= b <= t + within_s), None)
+        out.append(None if first is None else round(first - t, 3))
+    return out
+
+
+def replay_times(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """From the receipts of replayed requests: how long each waited for a chain that serves
+    (`wait_ms`) and how long the replay itself took (the rest of `ms`), in seconds."""
+    replays = [x for r in records for x in (r.get("replays") or [])]
+    return {
+        "replays": len(replays),
+        "wait_s": spread([x.get("wait_ms", 0.0) / 1000 for x in replays]),
+        "replay_s": spread([(x["ms"] - x.get("wait_ms", 0.0)) / 1000 for x in replays]),
+    }

@@ -20,6 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from netsim import metrics
+
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
 
@@ -913,23 +915,56 @@ def churn_report(out: Path, report: dict[str, Any]) -> None:
         "request's median gap between tokens):",
         "",
     ]
+    faults = c.get("faults") or []
+    # The client's agent is the entry the mesh formed with (and keeps, unless it moves).
+    detect = metrics.churn_detection(faults, c.get("log_events") or [], c.get("client", ""))
     rows = []
     for kind, k in (c.get("by_kind") or {}).items():
         ex = k.get("extra_s") or {}
+        seen = (
+            metrics.spread(
+                [
+                    d
+                    for f, d in zip(faults, detect, strict=True)
+                    if f["kind"] == kind and d is not None
+                ]
+            )
+            or {}
+        )
         rows.append(
             [
                 kind,
                 f"{k['faults'] - k['skipped']} (+{k['skipped']} skipped)",
                 k["in_flight"],
                 k["in_flight_failed"],
-                _f(ex.get("p50"), 2, " s"),
+                f"{_f(seen.get('median'), 2, ' s')} / {_f(seen.get('max'), 2, ' s')}"
+                f" ({seen.get('n', 0)})",
+                _f(ex.get("median"), 2, " s"),
                 _f(ex.get("max"), 2, " s"),
             ]
         )
     md += _table(
-        ["fault", "injected", "requests in flight", "of them failed", "extra, median", "worst"],
+        [
+            "fault",
+            "injected",
+            "requests in flight",
+            "of them failed",
+            "entry's chain broke after, median / worst (faults)",
+            "extra latency, median",
+            "worst",
+        ],
         rows,
     )
+    rt = metrics.replay_times(c.get("requests") or [])
+    wait, replay = rt["wait_s"] or {}, rt["replay_s"] or {}
+    md += [
+        "",
+        f"Replays, from the receipts ({rt['replays']} in all): waiting for a chain that serves "
+        f"{_f(wait.get('median'), 2, ' s')} median (p90 {_f(wait.get('p90'), 2, ' s')}, worst "
+        f"{_f(wait.get('max'), 2, ' s')}); the replay itself (prefilling the prompt and the "
+        f"tokens so far again) {_f(replay.get('median'), 2, ' s')} median (worst "
+        f"{_f(replay.get('max'), 2, ' s')}).",
+    ]
     md += ["", "## Every fault", ""]
     md += _table(
         ["t (s)", "kind", "host", "in flight", "failed", "stalls (s)", "stopped host exited"],

@@ -178,3 +178,25 @@ def test_greedy_identity_compares_with_the_reference_of_the_same_prompt():
     assert out["checked"] == 2 and out["identical"] == 1 and out["replayed_checked"] == 1
     [m] = out["mismatches"]
     assert m["i"] == 1 and m["first_difference_at_char"] == 12 and not m["replayed"]
+
+
+def test_churn_detection_is_the_entrys_first_break_after_each_fault():
+    faults = [{"t": 10.0, "kind": "kill"}, {"t": 30.0, "kind": "partition"}]
+    events = [
+        {"host": "h2", "t": 10.4, "event": "pipeline.broken"},
+        {"host": "h2", "t": 11.0, "event": "pipeline.broken"},  # the same fault, again
+        {"host": "h1", "t": 30.2, "event": "pipeline.broken"},  # another agent's
+        {"host": "h2", "t": 31.0, "event": "stream.handler_failed"},
+    ]
+    assert metrics.churn_detection(faults, events, "h2") == [0.4, None]
+
+
+def test_replay_times_split_the_wait_from_the_replay():
+    records = [
+        rec(0, replays=[{"ms": 3000.0, "wait_ms": 1000.0}, {"ms": 500.0, "wait_ms": 400.0}]),
+        rec(1),
+    ]
+    out = metrics.replay_times(records)
+    assert out["replays"] == 2
+    assert out["wait_s"]["max"] == pytest.approx(1.0)
+    assert out["replay_s"]["max"] == pytest.approx(2.0)
