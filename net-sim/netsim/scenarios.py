@@ -892,6 +892,6 @@ def churn_scope(c: dict[str, Any], s: ChurnSettings) -> dict[str, Any]:
         "killing the entry or the client's own agent (a client connected to a lost machine "
         "loses its stream; continuing a request whose entry was lost is not built)",
         "two faults at once (each victim is back before the next fault may pick it)",
-        *COMMON_NOT_TESTED,
+        *(x.replace("more than 3 agents", "more than 4 agents") for x in COMMON_NOT_TESTED),
     ]
     return {"tested": tested, "not_tested": not_tested}
