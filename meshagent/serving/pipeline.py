@@ -152,8 +152,8 @@ class PipelineExecutor:
             self._on_loop(self._reconnect)
         messages: list[sm.Message] = [sm.Close(slot) for slot in step.released]
         messages += [sm.Open(op.slot, op.sampling, op.history) for op in step.opened]
+        generation = self._generation
         if step.items:
-            generation = self._generation
             t0 = time.perf_counter()
             hidden = self.entry.run_first([(it.slot, it.pos, list(it.tokens)) for it in step.items])
             if self.failed is not None or generation != self._generation:
@@ -173,7 +173,7 @@ class PipelineExecutor:
                 self._on_loop(self._open)
             # Not waiting for the send: the event loop sends when it next runs.
             assert self._runner is not None
-            self._runner.post(self._put, b"".join(sm.encode(m) for m in messages))
+            self._runner.post(self._put, generation, b"".join(sm.encode(m) for m in messages))
         return []
 
     def _on_loop(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
@@ -202,7 +202,11 @@ class PipelineExecutor:
 
         outbox = self._outbox = Outbox(self._down, self._nursery, lost)
 
-    def _put(self, data: bytes) -> None:
+    def _put(self, generation: int, data: bytes) -> None:
+        """Send a step's messages, unless the chain they were made for broke meanwhile: a
+        new chain must not get a Forward for a sequence it was never told to open."""
+        if generation != self._generation:
+            return
         if self._outbox is not None and self.failed is None:  # closed with the executor
             self._outbox.put(data)
 

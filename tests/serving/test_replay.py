@@ -229,7 +229,7 @@ async def test_a_chain_that_loses_a_step_silently_is_broken_and_the_request_repl
     await nursery.start(chain.model.run)
     put, lost = chain.pipeline._put, []
 
-    def lose_one(data):
+    def lose_one(generation, data):
         lost.append(data)
         chain.pipeline._put = put
 
@@ -248,6 +248,24 @@ async def test_a_chain_that_loses_a_step_silently_is_broken_and_the_request_repl
     assert lost and out == text and done.completion_tokens == finished.completion_tokens
     [replay] = done.replays
     assert "no token from the split" in replay.reason
+
+
+async def test_a_step_made_for_a_broken_chain_never_reaches_the_next_one(nursery):
+    # The worker computes a step while the chain breaks and is opened again: its messages
+    # (a Forward for a sequence the new chain was never told to open) are dropped, not sent.
+    chain = FakeChain(nursery, depth=1, delay=0.001)
+    chain.model.reroute = lambda: _same(chain.model)
+    await nursery.start(chain.model.run)
+    sent = []
+    chain.pipeline._new_outbox = lambda: None  # no real chain: watch what would go out
+    outbox = {"put": lambda self, data: sent.append(data), "close": lambda self: None}
+    chain.pipeline._outbox = type("Outbox", (), outbox)()
+    old = chain.pipeline._generation
+    chain.pipeline._broken("a stage's peer is gone")
+    chain.pipeline.failed = None  # reopened, as `_reconnect` leaves it
+    chain.pipeline._put(old, b"a Forward of the old chain")
+    chain.pipeline._put(chain.pipeline._generation, b"a Forward of the new chain")
+    assert sent == [b"a Forward of the new chain"]
 
 
 async def test_a_chain_that_stays_down_fails_the_request_at_the_deadline(nursery):
