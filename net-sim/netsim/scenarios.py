@@ -350,7 +350,8 @@ class FaultSettings:
     wire_dtype: str = "auto"  # as agents run by default: f32 unless certified
     concurrency: int = 2
     before_s: float = 6.0  # load running before each fault
-    observe_s: float = 25.0  # watching after a kill before restarting
+    observe_s: float = 20.0  # watching after a kill before restarting (3 agents, no spare:
+    # the outage and the restart must fit in the agents' 30 s replay deadline)
     partition_s: float = 10.0
     after_s: float = 12.0  # load running once service is back
     power_cut: bool = True
