@@ -470,3 +470,22 @@ def replay_times(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "wait_s": spread([x.get("wait_ms", 0.0) / 1000 for x in replays]),
         "replay_s": spread([(x["ms"] - x.get("wait_ms", 0.0)) / 1000 for x in replays]),
     }
+
+
+def churn_back(
+    faults: Sequence[Mapping[str, Any]],
+    entry_events: Sequence[Mapping[str, Any]],
+    within_s: float = 15.0,
+) -> list[float | None]:
+    """For each fault that broke the entry's chain (within `within_s`), seconds from the fault
+    until the entry opened a chain again (`pipeline.reconnected`): the chain serves again
+    from there, and what follows is the replay itself. None for the others."""
+    broke = sorted(e["t"] for e in entry_events if e["event"] == "pipeline.broken" and e["t"])
+    back = sorted(e["t"] for e in entry_events if e["event"] == "pipeline.reconnected" and e["t"])
+    out: list[float | None] = []
+    for f in faults:
+        t = f["t"]
+        b = next((x for x in broke if t <= x <= t + within_s), None)
+        r = None if b is None else next((x for x in back if x >= b), None)
+        out.append(None if r is None or r - t > 2 * within_s else round(r - t, 3))
+    return out

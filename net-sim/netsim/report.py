@@ -918,19 +918,16 @@ def churn_report(out: Path, report: dict[str, Any]) -> None:
     faults = c.get("faults") or []
     # The client's agent is the entry the mesh formed with (and keeps, unless it moves).
     detect = metrics.churn_detection(faults, c.get("log_events") or [], c.get("client", ""))
+    back = metrics.churn_back(faults, c.get("entry_events") or [])
     rows = []
+
+    def of_kind(kind: str, values: list[float | None]) -> dict[str, Any]:
+        mine = [v for f, v in zip(faults, values, strict=True) if f["kind"] == kind]
+        return metrics.spread(v for v in mine if v is not None) or {}
+
     for kind, k in (c.get("by_kind") or {}).items():
         ex = k.get("extra_s") or {}
-        seen = (
-            metrics.spread(
-                [
-                    d
-                    for f, d in zip(faults, detect, strict=True)
-                    if f["kind"] == kind and d is not None
-                ]
-            )
-            or {}
-        )
+        seen, up = of_kind(kind, detect), of_kind(kind, back)
         rows.append(
             [
                 kind,
@@ -939,6 +936,8 @@ def churn_report(out: Path, report: dict[str, Any]) -> None:
                 k["in_flight_failed"],
                 f"{_f(seen.get('median'), 2, ' s')} / {_f(seen.get('max'), 2, ' s')}"
                 f" ({seen.get('n', 0)})",
+                f"{_f(up.get('median'), 2, ' s')} / {_f(up.get('p90'), 2, ' s')} / "
+                f"{_f(up.get('max'), 2, ' s')}",
                 _f(ex.get("median"), 2, " s"),
                 _f(ex.get("max"), 2, " s"),
             ]
@@ -950,6 +949,7 @@ def churn_report(out: Path, report: dict[str, Any]) -> None:
             "requests in flight",
             "of them failed",
             "entry's chain broke after, median / worst (faults)",
+            "a chain serves again after, median / p90 / worst",
             "extra latency, median",
             "worst",
         ],

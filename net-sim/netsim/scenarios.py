@@ -557,6 +557,13 @@ def churn(run_dir: Path, settings: ChurnSettings) -> dict[str, Any]:
             recs = driver.finish(proc, path, "churn", timeout=60)
         finally:
             _record_end(out, tl, mesh, lab)
+            # When the entry's chain broke and when it was opened again (info events).
+            out["entry_events"] = [
+                e
+                for e in mesh.log_events(levels=("info", "error"))
+                if e["host"] == out.get("client")
+                and e["event"] in ("pipeline.broken", "pipeline.reconnected")
+            ]
     for r in (*refs, *recs):
         r["regime"] = s.regime
     out["references"] = refs

@@ -200,3 +200,13 @@ def test_replay_times_split_the_wait_from_the_replay():
     assert out["replays"] == 2
     assert out["wait_s"]["max"] == pytest.approx(1.0)
     assert out["replay_s"]["max"] == pytest.approx(2.0)
+
+
+def test_churn_back_is_from_the_fault_to_the_chain_opened_again():
+    faults = [{"t": 10.0, "kind": "power_cut"}, {"t": 30.0, "kind": "partition"}]
+    events = [
+        {"t": 12.1, "event": "pipeline.broken"},
+        {"t": 13.1, "event": "pipeline.reconnected"},
+        {"t": 14.0, "event": "pipeline.reconnected"},
+    ]
+    assert metrics.churn_back(faults, events) == [3.1, None]
