@@ -505,15 +505,7 @@ def _plot_boxes(path: Path, regimes: Mapping[str, Any], what: str, title: str, u
 def split_report(out: Path, report: dict[str, Any]) -> None:
     regimes = report["regimes"]
     _write_data(out, report, (r.get("requests", []) for r in regimes.values()))
-    md = [
-        f"# net-sim certification: {report['scenario']} ({', '.join(regimes)})",
-        "",
-        f"Run `{out.name}`, {report['created']}, commit {report['git']}, command "
-        f"`{report['command']}`.",
-        "",
-        "## Result",
-        "",
-    ]
+    md = _opening(out, report, f"{report['scenario']} ({', '.join(regimes)})")
     md += _table(
         [
             "regime",
@@ -536,6 +528,19 @@ def split_report(out: Path, report: dict[str, Any]) -> None:
     )
     _plot_boxes(out / "ttft.png", regimes, "ttft", "soak: time to first token (streams)", "ms")
     (out / "report.md").write_text("\n".join(md) + "\n")
+
+
+def _opening(out: Path, report: Mapping[str, Any], title: str) -> list[str]:
+    """A report's title, which run it is and how it was made, and the Result heading."""
+    return [
+        f"# net-sim certification: {title}",
+        "",
+        f"Run `{out.name}`, {report['created']}, commit {report['git']}, command "
+        f"`{report['command']}`.",
+        "",
+        "## Result",
+        "",
+    ]
 
 
 def _tested_md(report: Mapping[str, Any]) -> list[str]:
@@ -633,13 +638,7 @@ def faults_report(out: Path, report: dict[str, Any]) -> None:
     t = f.get("totals", {})
     phases = f.get("phases") or {}
     md = [
-        f"# net-sim certification: faults ({f['regime']})",
-        "",
-        f"Run `{out.name}`, {report['created']}, commit {report['git']}, command "
-        f"`{report['command']}`.",
-        "",
-        "## Result",
-        "",
+        *_opening(out, report, f"faults ({f['regime']})"),
         f"Each fault ran in a mesh of its own, started from nothing: {len(phases)} meshes, "
         f"{t.get('requests')} streamed requests in all, {f['settings']['concurrency']} at a "
         f"time at the entry agent's API (ok / failed: {t.get('ok')} / {t.get('failed')}). A "
@@ -810,15 +809,7 @@ def _plot_discovery(path: Path, d: Mapping[str, Any]) -> None:
 def discovery_report(out: Path, report: dict[str, Any]) -> None:
     d = report["discovery"]
     _write_data(out, report, [d.get("requests", [])])
-    md = [
-        "# net-sim certification: discovery",
-        "",
-        f"Run `{out.name}`, {report['created']}, commit {report['git']}, command "
-        f"`{report['command']}`.",
-        "",
-        "## Result",
-        "",
-    ]
+    md = _opening(out, report, "discovery")
     rows = []
     for name, p in (d.get("parts") or {}).items():
         t = p.get("times") or {}
@@ -889,13 +880,7 @@ def churn_report(out: Path, report: dict[str, Any]) -> None:
     form = c.get("formation") or {}
     st = c["settings"]
     md = [
-        f"# net-sim certification: churn ({c['regime']})",
-        "",
-        f"Run `{out.name}`, {report['created']}, commit {report['git']}, command "
-        f"`{report['command']}`.",
-        "",
-        "## Result",
-        "",
+        *_opening(out, report, f"churn ({c['regime']})"),
         f"{t.get('requests')} requests, {st['concurrency']} at a time at {c.get('client')}'s "
         f"API, while a fault hit a stage host every {st['period_s']:g} s "
         f"({', '.join(st['kinds'])} in turn): **{t.get('ok')} ok, {t.get('failed')} failed**; "

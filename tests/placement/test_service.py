@@ -78,6 +78,15 @@ def agent(world: World, pid: str, gb: float, loads: list):
     return PlacementService(FakeGossip(world, pid), MODEL, context_tokens=1000, take_part=take_part)
 
 
+async def three_agreed(world: World, loads: list, nursery: trio.Nursery) -> list:
+    """Agents a, b and c of 1.3 GB each, running until they agree on a plan."""
+    services = [agent(world, p, 1.3, loads) for p in ("a", "b", "c")]
+    for s in services:
+        nursery.start_soon(s.run)
+    await settle(services)
+    return services
+
+
 async def settle(services, seconds: float = 20.0) -> None:
     await trio.sleep(seconds)
     digests = {plan_digest(s.in_force.plan) for s in services if s.in_force}
@@ -87,11 +96,8 @@ async def settle(services, seconds: float = 20.0) -> None:
 async def test_three_agents_agree_on_a_split_then_replan_when_one_dies(autojump_clock):
     world = World()
     loads: list = []
-    services = [agent(world, p, 1.3, loads) for p in ("a", "b", "c")]
     async with trio.open_nursery() as nursery:
-        for s in services:
-            nursery.start_soon(s.run)
-        await settle(services)
+        services = await three_agreed(world, loads, nursery)
         plan = services[0].in_force.plan
         assert plan.split and {st.peer_id for st in plan.stages} == {"a", "b", "c"}
         assert all(s.routable for s in services)
@@ -150,11 +156,8 @@ async def test_a_repair_settles_sooner_than_a_new_plan(autojump_clock):
     # repair, so the spare loads after `repair_settle` rather than the full `settle`.
     world = World()
     loads: list = []
-    services = [agent(world, p, 1.3, loads) for p in ("a", "b", "c")]
     async with trio.open_nursery() as nursery:
-        for s in services:
-            nursery.start_soon(s.run)
-        await settle(services)
+        services = await three_agreed(world, loads, nursery)
         before = services[0].in_force.plan
         lost = before.stages[1].peer_id
         spare = agent(world, "s", 1.3, loads)
