@@ -57,7 +57,7 @@ class DialerConfig:
     upgrade_interval: float = 5.0  # how often a relayed peer's direct addresses are retried
     yield_delay: float = 1.5  # the higher peer id waits this long, so both don't dial at once
     gone_timeout: float = 1.0  # per address, when checking whether a lost peer is gone
-    silence_confirm: float = 1.0  # waited before asking the others about a silent peer
+    silence_confirm: float = 0.5  # waited before asking the others about a silent peer
     hears_within: float = 1.25  # a peer that had a PONG this recently still hears it
 
 

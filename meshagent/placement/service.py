@@ -105,7 +105,7 @@ class PlacementService:
         threshold: float = 0.25,
         tick: float = 1.0,
         settle: float = 2.0,
-        repair_settle: float = 0.5,
+        repair_settle: float = 0.25,
     ) -> None:
         self.gossip = gossip
         self.cost = cost
