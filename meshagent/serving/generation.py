@@ -23,11 +23,16 @@ class GenerationRequest:
     max_tokens: int | None  # None: up to the end of the slot's context
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
+    # A continuation (the request's entry was lost): the tokens generated before, and how many
+    # characters of their text the client already has; only what follows is emitted.
+    history: tuple[int, ...] = ()
+    delivered: int = 0
 
 
 @dataclass(frozen=True)
 class Delta:
     text: str
+    tokens: tuple[int, ...] = ()  # the tokens generated since the previous delta
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,83 @@ Reroute = Callable[[], Awaitable[Route]]
 _RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds between tries of a chain that is not back yet
 
 
+class _Text:
+    """Token ids to the text a client gets: UTF-8 decoded across token boundaries, stop
+    strings held back and cut; each delta carries the tokens since the previous one."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], stop: tuple[str, ...]) -> None:
+        self.token_bytes = token_bytes
+        self.stops = StopMatcher(stop)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._tokens: list[int] = []
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    def feed(self, token: int) -> Delta | None:
+        self._tokens.append(token)
+        text = self.stops.feed(self._utf8.decode(self.token_bytes(token)))
+        if not text:
+            return None
+        delta = Delta(text, tuple(self._tokens))
+        self._tokens.clear()
+        return delta
+
+    def resume(self, history: tuple[int, ...], delivered: int) -> Delta | None:
+        """Feed the tokens of a continuation: their text, less the `delivered` characters
+        the client has, is what is still owed (nothing, when the break fell between deltas)."""
+        text = "".join(d.text for t in history if (d := self.feed(t)) is not None)
+        self._tokens.clear()
+        owed = text[delivered:]
+        return Delta(owed) if owed else None
+
+    def tail(self) -> Delta | None:
+        text = self.stops.feed(self._utf8.decode(b"", final=True)) + self.stops.flush()
+        return Delta(text, tuple(self._tokens)) if text else None
+
+
 def _gave_up(error: SplitUnavailable, deadline: float) -> SplitUnavailable:
     return SplitUnavailable(f"{error} (no chain served this model again within {deadline:g} s)")
+
+
+class _Breaks:
+    """The replays of one request: the break being recovered from, the chains tried since,
+    and a `Replay` for each break once a new chain produced a token."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.done: list[Replay] = []
+        self._broke: tuple[str, float] | None = None  # why, and when
+        self._tries = 0
+
+    async def wait_after(self, error: SplitUnavailable, reroute: Reroute, tokens: int) -> Route:
+        """What serves the model after `error`, once it is worth trying; raises the error
+        (with the deadline) when nothing serves within it."""
+        if self._broke is None:
+            self._broke = (str(error), trio.current_time())
+            self._tries = 0
+        waited = trio.current_time() - self._broke[1]
+        if waited >= self.deadline:
+            raise _gave_up(error, self.deadline) from error
+        if self._tries:  # the chain was not back on the last try: wait longer each time
+            await trio.sleep(min(_RETRY_FIRST * 2 ** (self._tries - 1), _RETRY_MAX))
+        self._tries += 1
+        log.info("generation.replay", reason=str(error), tokens=tokens, tries=self._tries)
+        with trio.move_on_after(self.deadline - waited) as wait:
+            route = await reroute()
+        if wait.cancelled_caught:
+            raise _gave_up(error, self.deadline) from error
+        return route
+
+    def served(self, submitted: float, tokens: int) -> None:
+        """A token came from the chain submitted to at `submitted`: a break, if any, is over."""
+        if self._broke is None:
+            return
+        why, since = self._broke
+        ms = round((trio.current_time() - since) * 1000, 1)
+        self.done.append(Replay(why, tokens, ms, round((submitted - since) * 1000, 1)))
+        self._broke = None
 
 
 async def generate(
@@ -113,18 +193,20 @@ async def generate(
     batches they first ran in (`Scheduler.submit`), with the same seed, and generation
     continues from the next token, so `out` sees one unbroken text. Past `replay_deadline`
     seconds without a chain that serves, the error is raised.
+
+    A request with a `history` continues one that another entry began: those tokens are
+    prefilled after the prompt, and only text the client does not have yet is emitted.
     """
     limit = check_fits(request, runner.slot_ctx)
     sampling = request.sampling.seeded()  # a replay must draw what the first chain would have
-    stops = StopMatcher(request.stop)
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    history: list[int] = []  # the tokens generated so far
-    reason = "length"
+    text = _Text(token_bytes, request.stop)
+    history = list(request.history)  # the tokens generated so far
+    if (owed := text.resume(request.history, request.delivered)) is not None:
+        out.send_nowait(owed)
+    reason = "stop" if text.stopped else "length"
     stage_ms: list[float] = []
-    replays: list[Replay] = []
-    broke: tuple[str, float] | None = None  # the break being replayed: why, and when
-    tries = 0  # chains tried since that break
-    while True:
+    breaks = _Breaks(replay_deadline)
+    while not text.stopped and len(history) < limit:
         try:
             async with runner.start(
                 request.prompt_tokens, limit - len(history), sampling, tuple(history)
@@ -132,13 +214,7 @@ async def generate(
                 submitted = trio.current_time()
                 while True:
                     ev = await handle.next()
-                    if broke is not None:
-                        why, since = broke
-                        ms = round((trio.current_time() - since) * 1000, 1)
-                        wait_ms = round((submitted - since) * 1000, 1)
-                        tokens = len(request.prompt_tokens) + len(history)
-                        replays.append(Replay(why, tokens, ms, wait_ms))
-                        broke = None
+                    breaks.served(submitted, len(request.prompt_tokens) + len(history))
                     if len(stage_ms) < len(ev.timing):
                         stage_ms += [0.0] * (len(ev.timing) - len(stage_ms))
                     for i, ms in enumerate(ev.timing):
@@ -147,10 +223,9 @@ async def generate(
                         reason = "stop"
                         break
                     history.append(ev.token)
-                    text = stops.feed(utf8.decode(token_bytes(ev.token)))
-                    if text:
-                        out.send_nowait(Delta(text))
-                    if stops.stopped:
+                    if (delta := text.feed(ev.token)) is not None:
+                        out.send_nowait(delta)
+                    if text.stopped:
                         reason = "stop"
                         break
                     if ev.finish is not None:
@@ -159,24 +234,11 @@ async def generate(
         except SplitUnavailable as e:
             if reroute is None:
                 raise
-            if broke is None:
-                broke = (str(e), trio.current_time())
-                tries = 0
-            waited = trio.current_time() - broke[1]
-            if waited >= replay_deadline:
-                raise _gave_up(e, replay_deadline) from e
-            if tries:  # the chain was not back on the last try: wait a little longer each time
-                await trio.sleep(min(_RETRY_FIRST * 2 ** (tries - 1), _RETRY_MAX))
-            tries += 1
-            log.info("generation.replay", reason=str(e), tokens=len(history), tries=tries)
-            with trio.move_on_after(replay_deadline - waited) as wait:
-                route = await reroute()
-            if wait.cancelled_caught:
-                raise _gave_up(e, replay_deadline) from e
-            runner, token_bytes = route.runner, route.token_bytes
-    tail = stops.feed(utf8.decode(b"", final=True)) + stops.flush()
-    if tail:
-        out.send_nowait(Delta(tail))
+            tokens = len(request.prompt_tokens) + len(history)
+            route = await breaks.wait_after(e, reroute, tokens)
+            runner, text.token_bytes = route.runner, route.token_bytes
+    if (tail := text.tail()) is not None:
+        out.send_nowait(tail)
     ms = tuple(round(t, 3) for t in stage_ms)
-    finished = Finished(reason, len(request.prompt_tokens), len(history), ms, tuple(replays))
+    finished = Finished(reason, len(request.prompt_tokens), len(history), ms, tuple(breaks.done))
     out.send_nowait(finished)
