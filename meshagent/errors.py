@@ -22,6 +22,11 @@ class SplitUnavailable(EngineError):
     replans or the stage comes back, and the split serves again; retry shortly."""
 
 
+class ModelMoved(SplitUnavailable):
+    """The mesh moved the model: another agent serves it now. A request carried here from
+    another agent's API continues there (`api/resumable.py`); others retry."""
+
+
 class ContextOverflow(MeshError):
     """A request needs more context than the model's slot offers."""
 

@@ -19,7 +19,7 @@ import structlog
 import trio
 
 from meshagent import advertisement, control
-from meshagent.api import forwarding
+from meshagent.api import forwarding, resumable
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.config import AgentConfig, DataDir
@@ -45,7 +45,7 @@ from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport
 from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
-from meshagent.serving.directory import FORWARD_LABEL
+from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL
 from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
 from meshagent.wire.handshake import LocalPeer
 
@@ -153,6 +153,7 @@ class Services:
             hearing.LABEL: partial(hearing.serve, self.overlay),
             gossip_service.LABEL: self.gossip.handle,
             FORWARD_LABEL: lambda s: forwarding.serve_forwarded(s, self.app, peer_id=s.peer_id),
+            GENERATE_LABEL: lambda s: resumable.serve(s, self.app, peer_id=s.peer_id),
             **self.model.handlers(),
         }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -12,24 +13,17 @@ import structlog
 import trio
 
 from meshagent.api import errors, forwarding
-from meshagent.api.errors import ApiError
+from meshagent.api.errors import SPLIT_RETRY_AFTER, ApiError, api_error_for
 from meshagent.api.exchange import ClientGone, Exchange
 from meshagent.api.inflight import InFlight
+from meshagent.api.prepare import KINDS, CompletionKind, Prepared, parse_completion, prepare
 from meshagent.api.replies import Reply
-from meshagent.api.schemas import ChatCompletionRequest, CompletionRequest, parse
-from meshagent.errors import (
-    ContextOverflow,
-    EngineError,
-    MeshError,
-    QueueFull,
-    ShuttingDown,
-    SplitUnavailable,
-)
-from meshagent.serving.chat import ChatMessage, TemplateError
+from meshagent.api.resumable import Ask, Carried, Head
+from meshagent.api.schemas import ChatCompletionRequest
+from meshagent.errors import ContextOverflow, MeshError
 from meshagent.serving.directory import ModelDirectory, RemoteModel
-from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits
+from meshagent.serving.generation import Delta, Finished, check_fits
 from meshagent.serving.local_model import LocalModel
-from meshagent.serving.sampling import SamplingParams
 from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
@@ -40,25 +34,7 @@ class Failed:
     error: ApiError
 
 
-# Seconds a client is asked to wait before retrying a request a split could not serve.
-SPLIT_RETRY_AFTER = 5
 _SERVED_POLL = 0.1  # seconds between looks for a model being placed again
-
-
-def api_error_for(e: MeshError, *, prompt_param: str = "messages") -> ApiError:
-    if isinstance(e, ContextOverflow):
-        return errors.bad_request(str(e), param=prompt_param, code="context_length_exceeded")
-    if isinstance(e, QueueFull):
-        return errors.queue_full(str(e))
-    if isinstance(e, ShuttingDown):
-        return errors.unavailable(str(e), code="shutting_down")
-    if isinstance(e, SplitUnavailable):
-        # Temporary: the stage comes back or the mesh replans. Clients that honour
-        # Retry-After (the openai client does, for 503) wait and try again.
-        return errors.unavailable(str(e), code="split_unavailable", retry_after=SPLIT_RETRY_AFTER)
-    if isinstance(e, EngineError):
-        return errors.server_error(str(e), code="engine_error")
-    return errors.server_error(str(e))
 
 
 class OpenAIApp:
@@ -81,8 +57,8 @@ class OpenAIApp:
         self._routes: dict[tuple[str, str], Callable[[Exchange], Any]] = {
             ("GET", "/health"): self._health,
             ("GET", "/v1/models"): self._list_models,
-            ("POST", "/v1/chat/completions"): self._chat,
-            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._generate,
+            ("POST", "/v1/completions"): self._generate,
             ("GET", "/control/status"): self._control_status,
             ("GET", "/control/peers"): self._control_peers,
             ("POST", "/control/probe"): self._control_probe,
@@ -238,62 +214,97 @@ class OpenAIApp:
             retry_after=SPLIT_RETRY_AFTER,
         )
 
-    async def _chat(self, ex: Exchange) -> None:
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, await ex.json_body())
+    async def _generate(self, ex: Exchange) -> None:
+        req = parse_completion(ex.path, await ex.json_body())
         await self._await_served(req.model)
-        if await self._forwarded(ex, req.model):
+        if self._local(req.model) is None and self._remote(req.model) is not None:
+            await self._carry(ex, req)
             return
-        model = self._model(req.model)
-        messages = [ChatMessage(m.role, m.text()) for m in req.messages]
+        await self._serve(ex, prepare(req, self._model(req.model)))
+
+    def prepare_here(self, path: str, body: bytes) -> Prepared | None:
+        """A completion carried here by another agent (`api/resumable.py`), prepared on the
+        model this agent serves; None if it serves that model no more (or is stopping), and
+        an `ApiError` if the request is bad."""
+        if path not in KINDS:
+            raise errors.not_found(f"Unknown endpoint POST {path}.", code="unknown_url")
         try:
-            tokens = model.chat_tokens(messages)
-        except TemplateError as e:
-            raise errors.bad_request(str(e), param="messages") from e
-        gen = _generation_request(req, tokens, req.token_limit())
-        reply = Reply(chat=True, model=model.info.id)
-        await self._serve(ex, model, gen, reply, req.stream, req.include_usage(), "messages")
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise errors.bad_request(f"We could not parse the JSON body ({e}).") from e
+        req = parse_completion(path, data)
+        model = self._local(req.model)
+        if model is None or self.inflight.draining:
+            return None
+        return prepare(req, model)
 
-    async def _completions(self, ex: Exchange) -> None:
-        req: CompletionRequest = parse(CompletionRequest, await ex.json_body())
-        await self._await_served(req.model)
-        if await self._forwarded(ex, req.model):
-            return
-        model = self._model(req.model)
-        if isinstance(req.prompt, str):
-            prompt_text = req.prompt
-            tokens = model.text_tokens(prompt_text)
-        elif isinstance(req.prompt[0], str):
-            prompt_text = str(req.prompt[0])
-            tokens = model.text_tokens(prompt_text)
-        else:
-            tokens = tuple(int(t) for t in req.prompt)
-            bad = [t for t in tokens if not 0 <= t < model.info.n_vocab]
-            if bad:
-                raise errors.bad_request(
-                    f"Token id {bad[0]} is outside the vocabulary (0-{model.info.n_vocab - 1}).",
-                    param="prompt",
-                )
-            prompt_text = b"".join(model.engine.token_bytes(t) for t in tokens).decode(
-                errors="replace"
-            )
-        if not tokens:
-            raise errors.bad_request("The prompt is empty.", param="prompt")
-        gen = _generation_request(req, tokens, req.max_tokens)
-        reply = Reply(chat=False, model=model.info.id)
-        echo = prompt_text if req.echo else ""
-        await self._serve(ex, model, gen, reply, req.stream, req.include_usage(), "prompt", echo)
-
-    async def _forwarded(self, ex: Exchange, name: str) -> bool:
-        """Carry the request to the peer serving `name` if this agent does not; True if so."""
-        if self._local(name) is not None:
-            return False
-        remote = self._remote(name)
-        if remote is None:
-            return False
+    async def _carry(self, ex: Exchange, req: CompletionKind) -> None:
+        """Carry the request to the peer serving its model, and on to the next one if that
+        peer is lost (`api/resumable.py`); an agent that predates that gets it over `api/1`."""
+        remote = self._remote(req.model)
+        assert remote is not None
         if self.inflight.draining:
             raise errors.unavailable(
                 "The agent is shutting down and takes no new requests.", code="shutting_down"
             )
+
+        def here() -> Prepared | None:
+            model = self._local(req.model)
+            return None if model is None else prepare(req, model)
+
+        carried = Carried(
+            self.directory,
+            Ask(ex.method, ex.path, ex.raw_body),
+            req.model,
+            self.directory.unserved_for_now(req.model),
+            here,
+        )
+        failure: ApiError | None = None  # raised out of the nursery, not in a group
+        with self.inflight.track() as grace:
+            with grace:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+                        try:
+                            head = await carried.start(remote)
+                            if head is None:
+                                await self._forward(ex, remote)
+                            else:
+                                await self._relay_carried(ex, req, carried, head)
+                        except ApiError as e:
+                            failure = e
+                        nursery.cancel_scope.cancel()
+                finally:
+                    await carried.aclose()
+            if grace.cancelled_caught:
+                await self._stopped_by_shutdown(ex)
+        if failure is not None:
+            raise failure
+
+    async def _relay_carried(
+        self, ex: Exchange, req: CompletionKind, carried: Carried, head: Head
+    ) -> None:
+        send, events = trio.open_memory_channel[Delta | Finished | Failed](math.inf)
+
+        async def produce() -> None:
+            async with send:
+                try:
+                    await carried.run(send)
+                except ApiError as e:
+                    send.send_nowait(Failed(e))
+
+        reply = Reply(chat=isinstance(req, ChatCompletionRequest), model=head.model)
+        receipt = [*head.headers, (b"x-meshagent-served-by", carried.entry.encode())]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(produce)
+            if req.stream:
+                await _stream(ex, events, reply, req.include_usage(), head.echo, receipt)
+            else:
+                await _whole(ex, events, reply, head.echo, receipt)
+            nursery.cancel_scope.cancel()
+
+    async def _forward(self, ex: Exchange, remote: RemoteModel) -> None:
+        """The request over `api/1`: the peer's HTTP response, passed through."""
         try:
             stream = await self.directory.open_stream(remote.peer_id)
         except MeshError as e:
@@ -301,15 +312,8 @@ class OpenAIApp:
                 f"The peer serving '{remote.id}' ({remote.peer_id[:12]}) is unreachable: {e}",
                 code="peer_unavailable",
             ) from e
-        with self.inflight.track() as grace:
-            with grace:
-                async with stream, trio.open_nursery() as nursery:
-                    nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
-                    await self._relay(ex, stream, remote)
-                    nursery.cancel_scope.cancel()
-            if grace.cancelled_caught:
-                await self._stopped_by_shutdown(ex)
-        return True
+        async with stream:
+            await self._relay(ex, stream, remote)
 
     async def _relay(self, ex: Exchange, stream: Any, remote: RemoteModel) -> None:
         frames = LengthPrefixDecoder(forwarding.FRAMING)
@@ -325,30 +329,33 @@ class OpenAIApp:
             ) from e
         headers.append((b"x-meshagent-served-by", remote.peer_id.encode()))
         await ex.start(status, headers)
+        sse = (b"content-type", b"text/event-stream") in headers
+        last = b"\n\n"
         try:
             if body_start := frames.leftover():
                 await ex.send_raw(body_start)
+                last = body_start
             while data := await stream.receive_some():
                 await ex.send_raw(data)
+                last = data
         except trio.BrokenResourceError as e:
             log.warning("forward.broken", peer=remote.peer_id, error=str(e))
+            if sse:  # a stream ends with [DONE] or an error event, never just stops
+                if not last.endswith(b"\n\n"):
+                    await ex.send_raw(b"\n\n")
+                lost = errors.unavailable(
+                    f"The peer serving '{remote.id}' was lost mid-response: {e}",
+                    code="split_unavailable",
+                )
+                await ex.send_event(lost.body())
         await ex.end()
 
-    async def _serve(
-        self,
-        ex: Exchange,
-        model: LocalModel,
-        gen: GenerationRequest,
-        reply: Reply,
-        stream: bool,
-        include_usage: bool,
-        prompt_param: str,
-        echo: str = "",
-    ) -> None:
+    async def _serve(self, ex: Exchange, p: Prepared) -> None:
         if self.inflight.draining:
             raise errors.unavailable(
                 "The agent is shutting down and takes no new requests.", code="shutting_down"
             )
+        model, gen, prompt_param = p.model, p.gen, p.prompt_param
         try:
             check_fits(gen, model.engine.slot_ctx)
         except ContextOverflow as e:
@@ -369,10 +376,11 @@ class OpenAIApp:
                     nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
                     nursery.start_soon(produce)
                     receipt = self.directory.receipt(model)
-                    if stream:
-                        await _stream(ex, events, reply, include_usage, echo, receipt)
+                    reply = Reply(chat=p.chat, model=model.info.id)
+                    if p.stream:
+                        await _stream(ex, events, reply, p.include_usage, p.echo, receipt)
                     else:
-                        await _whole(ex, events, reply, echo, receipt)
+                        await _whole(ex, events, reply, p.echo, receipt)
                     nursery.cancel_scope.cancel()
             if grace.cancelled_caught:
                 await self._stopped_by_shutdown(ex)
@@ -389,19 +397,6 @@ class OpenAIApp:
         elif not ex.finished:
             await ex.send_event(err.body())
             await ex.end()
-
-
-def _generation_request(
-    req: ChatCompletionRequest | CompletionRequest, tokens: tuple[int, ...], limit: int | None
-) -> GenerationRequest:
-    sampling = SamplingParams(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-    )
-    return GenerationRequest(tokens, limit, sampling, req.stop_list())
 
 
 async def _stream(

@@ -20,6 +20,9 @@ from meshagent.serving.local_model import LocalModel
 # answers it with its own API (the forwarding module of the API package). The string is on the
 # wire.
 FORWARD_LABEL = "api/1"
+# The label of the stream a completion travels on so that it survives losing its entry: the
+# asker keeps the client's connection and the tokens delivered (`api/resumable.py`).
+GENERATE_LABEL = "gen/1"
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -56,6 +59,7 @@ class ModelDirectory(Protocol):
         """Response headers saying who serves `model` (one of `local_models()`)."""
         ...
 
-    async def open_stream(self, peer_id: str) -> MeshStream:
-        """A `FORWARD_LABEL` stream to `peer_id`; raises MeshError if the peer is unreachable."""
+    async def open_stream(self, peer_id: str, label: str = FORWARD_LABEL) -> MeshStream:
+        """A stream to `peer_id` for the API (`FORWARD_LABEL` or `GENERATE_LABEL`); raises
+        MeshError if the peer is unreachable."""
         ...

@@ -19,7 +19,7 @@ import trio
 
 from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
-from meshagent.errors import EngineError, SplitUnavailable
+from meshagent.errors import EngineError, ModelMoved
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits
@@ -204,8 +204,8 @@ class MeshModel:
             )
         ]
 
-    async def open_stream(self, peer_id: str) -> MeshStream:
-        return await self.overlay.open_stream(peer_id, FORWARD_LABEL)
+    async def open_stream(self, peer_id: str, label: str = FORWARD_LABEL) -> MeshStream:
+        return await self.overlay.open_stream(peer_id, label)
 
     # ----- what the agent reports -----
 
@@ -351,9 +351,7 @@ class MeshModel:
             if local is not None and local.runner.aborted is None and self.placement.routable:
                 return Route(local.runner, local.engine.token_bytes)
             if self._served_elsewhere():
-                raise SplitUnavailable(
-                    "the mesh moved this model: another agent serves it now; retry"
-                )
+                raise ModelMoved("the mesh moved this model: another agent serves it now; retry")
             with trio.move_on_after(_REROUTE_POLL):
                 await self._offers.wait()
 
@@ -400,7 +398,7 @@ class MeshModel:
         if self.local is not None:
             # Temporary for a split (503 with Retry-After): the mesh is moving it.
             moved = "the mesh moved this model to a new placement; retry"
-            self.local.runner.abort(SplitUnavailable(moved) if self.split else EngineError(moved))
+            self.local.runner.abort(ModelMoved(moved) if self.split else EngineError(moved))
         if self._serving_scope is not None:
             self._serving_scope.cancel()
             self._serving_scope = None

@@ -8,7 +8,7 @@ import pytest
 import trio
 from openai import OpenAI
 
-from meshagent.api import forwarding
+from meshagent.api import forwarding, resumable
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.api.server import HttpBinding, serve_http
@@ -17,7 +17,7 @@ from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
-from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
+from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL, Headers, RemoteModel
 from meshagent.serving.local_model import LocalModel
 from meshagent.wire.handshake import LocalPeer
 
@@ -53,9 +53,20 @@ class StaticDirectory:
     def receipt(self, model: LocalModel) -> Headers:
         return list(self._receipt)
 
-    async def open_stream(self, peer_id: str):
+    async def open_stream(self, peer_id: str, label: str = FORWARD_LABEL):
         assert self.node is not None
-        return await self.node.open_stream(peer_id, FORWARD_LABEL)
+        return await self.node.open_stream(peer_id, label)
+
+
+async def route_api(stream, app, *, labels=(FORWARD_LABEL, GENERATE_LABEL)) -> None:
+    """Route an inbound stream as an agent does; an agent that predates `gen/1` serves only
+    `api/1` (`labels`) and resets the rest."""
+    if stream.label not in labels:
+        stream.reset(f"no service for stream label {stream.label!r}")
+    elif stream.label == GENERATE_LABEL:
+        await resumable.serve(stream, app, peer_id=stream.peer_id)
+    else:
+        await forwarding.serve_forwarded(stream, app, peer_id=stream.peer_id)
 
 
 async def serve(nursery, app) -> tuple[str, trio.Event]:
@@ -92,7 +103,7 @@ async def two_agents(model_path, nursery):
         LocalPeer.create(NodeIdentity.generate(), MESH),
         TcpTransport(),
         listen=["127.0.0.1:0"],
-        on_stream=lambda s: forwarding.serve_forwarded(s, app_a, peer_id=s.peer_id),
+        on_stream=lambda s: route_api(s, app_a),
     )
     await nursery.start(a.run)
     b = ConnectionManager(LocalPeer.create(NodeIdentity.generate(), MESH), TcpTransport())

@@ -1,0 +1,93 @@
+"""From a parsed completion request to what a model generates: prompt tokens (the chat template
+applied), limits, sampling and stops, and the shape of the reply. The agent that holds a
+client's connection and the entry that computes for it both prepare the same request the same
+way, which is what lets a request lost with its entry continue on another."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshagent.api import errors
+from meshagent.api.schemas import ChatCompletionRequest, CompletionRequest, parse
+from meshagent.serving.chat import ChatMessage, TemplateError
+from meshagent.serving.generation import GenerationRequest
+from meshagent.serving.local_model import LocalModel
+from meshagent.serving.sampling import SamplingParams
+
+CompletionKind = ChatCompletionRequest | CompletionRequest
+
+# The endpoints that generate, and the request each takes.
+KINDS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One request ready to generate on `model`, and how its reply is shaped."""
+
+    model: LocalModel
+    gen: GenerationRequest
+    chat: bool
+    stream: bool
+    include_usage: bool
+    prompt_param: str  # the request field the prompt came in, for errors about it
+    echo: str = ""  # text completions with echo: the prompt, sent before the completion
+
+
+def parse_completion(path: str, body: object) -> CompletionKind:
+    """The request of a generating endpoint (`KINDS`); an OpenAI-shaped 400 if malformed."""
+    return parse(KINDS[path], body)
+
+
+def prepare(req: CompletionKind, model: LocalModel) -> Prepared:
+    if isinstance(req, ChatCompletionRequest):
+        return _chat(req, model)
+    return _completion(req, model)
+
+
+def _chat(req: ChatCompletionRequest, model: LocalModel) -> Prepared:
+    messages = [ChatMessage(m.role, m.text()) for m in req.messages]
+    try:
+        tokens = model.chat_tokens(messages)
+    except TemplateError as e:
+        raise errors.bad_request(str(e), param="messages") from e
+    gen = _generation_request(req, tokens, req.token_limit())
+    return Prepared(model, gen, True, req.stream, req.include_usage(), "messages")
+
+
+def _completion(req: CompletionRequest, model: LocalModel) -> Prepared:
+    if isinstance(req.prompt, str):
+        prompt_text = req.prompt
+        tokens = model.text_tokens(prompt_text)
+    elif isinstance(req.prompt[0], str):
+        prompt_text = str(req.prompt[0])
+        tokens = model.text_tokens(prompt_text)
+    else:
+        tokens = tuple(int(t) for t in req.prompt)
+        bad = [t for t in tokens if not 0 <= t < model.info.n_vocab]
+        if bad:
+            raise errors.bad_request(
+                f"Token id {bad[0]} is outside the vocabulary (0-{model.info.n_vocab - 1}).",
+                param="prompt",
+            )
+        prompt_text = b"".join(model.engine.token_bytes(t) for t in tokens).decode(errors="replace")
+    if not tokens:
+        raise errors.bad_request("The prompt is empty.", param="prompt")
+    gen = _generation_request(req, tokens, req.max_tokens)
+    echo = prompt_text if req.echo else ""
+    return Prepared(model, gen, False, req.stream, req.include_usage(), "prompt", echo)
+
+
+def _generation_request(
+    req: CompletionKind, tokens: tuple[int, ...], limit: int | None
+) -> GenerationRequest:
+    sampling = SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+    )
+    return GenerationRequest(tokens, limit, sampling, req.stop_list())

@@ -1,0 +1,466 @@
+"""A completion carried to the peer that serves its model so that it survives losing that peer.
+
+The agent holding the client's connection (the asker) opens a `gen/1` stream to the entry that
+serves the model (`GENERATE_LABEL`) and sends the request (`Ask`: method, path, body). The entry
+prepares it as its own API would and answers with a `Head` (its receipt, the canonical model
+name, the seed it samples with, the prompt's length) or a `Fail`, then streams generation
+events: each `delta` carries its text and the token ids behind it; `done` ends it with the
+usage, or `fail` with an OpenAI-shaped error. The asker formats the client's response itself,
+so it knows exactly which tokens and characters the client has.
+
+When the entry is lost (its stream breaks, or it answers `fail` marked resumable: it is
+shutting down, or the mesh moved the model), the asker asks the entry that serves the model
+next (or serves it itself, if the mesh moved the model here) with the same request plus a
+continuation: the tokens so far, the characters delivered and the seed. The new entry prefills
+prompt and tokens and goes on from the next token (`generation.generate`), and the client
+sees one stream: the same text an undisturbed run gives, greedy or seeded. Past the deadline
+with no entry, the request fails as temporarily unavailable.
+
+Messages are `u32 length | cbor map` (the framing of `api/1`), key 0 the version and key 1 the
+kind; docs/protocol.md lists the keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import cbor2
+import structlog
+import trio
+
+from meshagent.api import errors
+from meshagent.api.errors import ApiError, api_error_for, from_body
+from meshagent.api.forwarding import FRAMING
+from meshagent.api.prepare import Prepared
+from meshagent.errors import MeshError, ModelMoved, ShuttingDown
+from meshagent.net.errors import StreamResetError
+from meshagent.net.framed import receive_frame
+from meshagent.serving.directory import GENERATE_LABEL, Headers, ModelDirectory, RemoteModel
+from meshagent.serving.generation import Delta, Finished, Replay, check_fits
+from meshagent.wire.framing import LengthPrefixDecoder
+
+log = structlog.get_logger(__name__)
+
+VERSION = 1
+_RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds between looks for an entry after a loss
+_LINGER = 5.0  # seconds an entry waits for the asker to close after the last message
+
+
+class Broken(MeshError):
+    """The stream to the entry broke or carried something unreadable."""
+
+
+@dataclass(frozen=True)
+class Ask:
+    method: str
+    path: str
+    body: bytes
+    history: tuple[int, ...] = ()  # a continuation: the tokens generated so far
+    delivered: int = 0  # and the characters of their text the client has
+    seed: int | None = None  # the seed the first entry sampled with
+
+
+@dataclass(frozen=True)
+class Head:
+    headers: Headers  # the entry's receipt
+    model: str
+    seed: int | None
+    prompt_tokens: int
+    echo: str = ""
+
+
+@dataclass(frozen=True)
+class Fail:
+    error: ApiError
+    resumable: bool  # another entry may take the request over
+
+
+Message = Ask | Head | Fail | Delta | Finished
+Events = trio.MemorySendChannel[Delta | Finished]
+
+
+# ----- the messages (sans-IO) -----
+
+
+def encode(msg: Message) -> bytes:
+    return FRAMING.encode(cbor2.dumps({0: VERSION, **_fields(msg)}))
+
+
+def _fields(msg: Message) -> dict[int, Any]:
+    if isinstance(msg, Ask):
+        return {1: "ask", 2: msg.method, 3: msg.path, 4: msg.body}  # continuation below
+    if isinstance(msg, Head):
+        headers = [[k, v] for k, v in msg.headers]
+        return {1: "head", 2: headers, 3: msg.model, 4: msg.seed, 5: msg.prompt_tokens, 6: msg.echo}
+    if isinstance(msg, Fail):
+        e = msg.error
+        return {1: "fail", 2: e.status, 3: e.body(), 4: e.retry_after, 5: msg.resumable}
+    if isinstance(msg, Delta):
+        return {1: "delta", 2: msg.text, 3: list(msg.tokens)}
+    replays = [[r.reason, r.tokens, r.ms, r.wait_ms] for r in msg.replays]
+    return {
+        1: "done",
+        2: msg.reason,
+        3: msg.prompt_tokens,
+        4: msg.completion_tokens,
+        5: list(msg.stage_ms),
+        6: replays,
+    }
+
+
+def encode_ask(ask: Ask) -> bytes:
+    fields = _fields(ask)
+    if ask.history or ask.delivered or ask.seed is not None:
+        fields.update({5: list(ask.history), 6: ask.delivered, 7: ask.seed})
+    return FRAMING.encode(cbor2.dumps({0: VERSION, **fields}))
+
+
+def decode(body: bytes) -> Message:
+    """One message from its frame's body; `Broken` if it is not a message of this version."""
+    try:
+        m = cbor2.loads(body)
+        if not isinstance(m, dict) or m.get(0) != VERSION:
+            raise Broken("a gen/1 message of an unknown version or shape")
+        return _message(m)
+    except Broken:
+        raise
+    except Exception as e:  # cbor2 and the field checks raise several unrelated types
+        raise Broken(f"malformed gen/1 message: {e}") from e
+
+
+def _message(m: dict[int, Any]) -> Message:
+    kind = m[1]
+    if kind == "delta":
+        return Delta(_str(m[2]), tuple(_int(t) for t in m[3]))
+    if kind == "done":
+        replays = tuple(Replay(_str(r[0]), _int(r[1]), float(r[2]), float(r[3])) for r in m[6])
+        return Finished(_str(m[2]), _int(m[3]), _int(m[4]), tuple(float(x) for x in m[5]), replays)
+    if kind == "head":
+        headers = [(bytes(k), bytes(v)) for k, v in m[2]]
+        seed = None if m[4] is None else _int(m[4])
+        return Head(headers, _str(m[3]), seed, _int(m[5]), _str(m[6]))
+    if kind == "fail":
+        retry = None if m[4] is None else _int(m[4])
+        return Fail(from_body(_int(m[2]), m[3], retry), bool(m[5]))
+    if kind == "ask":
+        seed = m.get(7)
+        return Ask(
+            _str(m[2]),
+            _str(m[3]),
+            bytes(m[4]),
+            tuple(_int(t) for t in m.get(5, ())),
+            _int(m.get(6, 0)),
+            None if seed is None else _int(seed),
+        )
+    raise Broken(f"unknown gen/1 message kind {kind!r}")
+
+
+def _int(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+async def _read(stream: Any, frames: LengthPrefixDecoder) -> Message:
+    try:
+        body = await receive_frame(
+            stream, frames, on_eof=lambda: Broken("the peer ended the stream mid-generation")
+        )
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+        raise Broken(str(e)) from e
+    except MeshError as e:  # the framing's limit
+        raise Broken(str(e)) from e
+    return decode(body)
+
+
+# ----- the entry: serving a carried request -----
+
+
+async def serve(stream: Any, app: Any, *, peer_id: str) -> None:
+    """Answer one `gen/1` stream with the local model (`app` is the agent's `OpenAIApp`)."""
+    try:
+        ask = await _read(stream, LengthPrefixDecoder(FRAMING))
+        if not isinstance(ask, Ask):
+            raise Broken("a gen/1 stream must begin with an ask")
+    except Broken as e:
+        log.warning("gen.bad_request", peer=peer_id, error=str(e))
+        stream.reset(str(e))
+        return
+    try:
+        with app.inflight.track() as grace:
+            with grace:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_watch_asker, stream, nursery.cancel_scope)
+                    await _answer(stream, app, ask)
+                    nursery.cancel_scope.cancel()
+            if grace.cancelled_caught:  # the shutdown grace expired: another entry goes on
+                gone = errors.unavailable("the entry shut down", code="shutting_down")
+                await _send_quietly(stream, Fail(gone, True))
+        with trio.move_on_after(_LINGER):  # the asker closes first (see api/forwarding.py)
+            await _watch_asker(stream, None)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        log.info("gen.asker_gone", peer=peer_id, path=ask.path)
+
+
+async def _answer(stream: Any, app: Any, ask: Ask) -> None:
+    try:
+        prepared: Prepared | None = app.prepare_here(ask.path, ask.body)
+        if prepared is None:  # the mesh moved the model, or this agent is stopping
+            why = "this agent does not serve the model now"
+            await stream.send_all(encode(Fail(errors.unavailable(why), True)))
+            return
+        sampling = prepared.gen.sampling
+        sampling = replace(sampling, seed=ask.seed) if ask.seed is not None else sampling.seeded()
+        gen = replace(prepared.gen, sampling=sampling, history=ask.history, delivered=ask.delivered)
+        check_fits(gen, prepared.model.engine.slot_ctx)
+    except ApiError as e:
+        await stream.send_all(encode(Fail(e, False)))
+        return
+    except MeshError as e:  # the prompt does not fit
+        await stream.send_all(encode(Fail(api_error_for(e, prompt_param="prompt"), False)))
+        return
+    model = prepared.model
+    receipt = app.directory.receipt(model)
+    head = Head(receipt, model.info.id, sampling.seed, len(gen.prompt_tokens), prepared.echo)
+    await stream.send_all(encode(head))
+    failed: list[MeshError] = []
+    async with trio.open_nursery() as nursery:
+        events = _generating(nursery, model, gen, failed)
+        async for ev in events:
+            await stream.send_all(encode(ev))
+    for e in failed:
+        resumable = isinstance(e, (ShuttingDown, ModelMoved))
+        err = api_error_for(e, prompt_param=prepared.prompt_param)
+        await _send_quietly(stream, Fail(err, resumable))
+
+
+def _generating(
+    nursery: trio.Nursery, model: Any, gen: Any, failed: list[MeshError]
+) -> trio.MemoryReceiveChannel[Delta | Finished]:
+    """`model` generating `gen` in `nursery`: its events, and its error put in `failed`."""
+    send, events = trio.open_memory_channel[Delta | Finished](math.inf)
+
+    async def produce() -> None:
+        async with send:
+            try:
+                await model.generate(gen, send)
+            except MeshError as e:
+                failed.append(e)
+
+    nursery.start_soon(produce)
+    return events
+
+
+async def _watch_asker(stream: Any, scope: trio.CancelScope | None) -> None:
+    """Return (cancelling `scope`) when the asker closes its side: its client went away."""
+    try:
+        while await stream.receive_some():
+            pass
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    if scope is not None:
+        scope.cancel()
+
+
+async def _send_quietly(stream: Any, msg: Message) -> None:
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.send_all(encode(msg))
+
+
+# ----- the asker: one client's request, across entries -----
+
+
+def _knows_no_gen(e: BaseException) -> bool:
+    """An agent from before `gen/1` resets the stream as a label it does not serve."""
+    return isinstance(e.__cause__, StreamResetError) and "no service" in e.__cause__.reason
+
+
+@dataclass
+class Carried:
+    """One request carried to entries of the mesh, from the agent that holds its client.
+
+    `start` finds the first entry and returns its `Head` (None when that entry predates
+    `gen/1`: carry the request over `api/1` instead); `run` then sends the events to `out`
+    until `Finished`, continuing on another entry when one is lost, and raises `ApiError` when
+    the request fails."""
+
+    directory: ModelDirectory
+    ask: Ask
+    name: str  # the model requested
+    deadline: float  # seconds to find a new entry after a loss
+    # A continuation prepared on this agent, if it serves the model itself now.
+    local: Callable[[], Prepared | None]
+    entry: str = ""  # the peer serving the request now
+    history: list[int] = field(default_factory=list)
+    delivered: int = 0
+    prompt_tokens: int = 0
+    replays: list[Replay] = field(default_factory=list)
+    _stream: Any = None
+    _frames: LengthPrefixDecoder = field(default_factory=lambda: LengthPrefixDecoder(FRAMING))
+    _broke: tuple[str, float, float] | None = None  # why, when, when the new entry was asked
+    _first_here: Prepared | None = None
+    _unreachable: bool = False  # the last entry tried could not be reached at all
+
+    async def start(self, remote: RemoteModel) -> Head | None:
+        try:
+            return await self._ask(remote.peer_id)
+        except Broken as e:
+            await self._close()
+            if _knows_no_gen(e):
+                return None
+            first = await self._resume(f"the entry {remote.peer_id[:12]} failed: {e}")
+        if isinstance(first, Prepared):  # this agent serves it by now
+            self._first_here = first
+            model, tokens = first.model, len(first.gen.prompt_tokens)
+            return Head(self.directory.receipt(model), model.info.id, None, tokens, first.echo)
+        return first
+
+    async def run(self, out: Events) -> None:
+        if self._first_here is not None:
+            await self._here(self._first_here, out)
+            return
+        while True:
+            try:
+                msg = await _read(self._stream, self._frames)
+            except Broken as e:
+                await self._close()
+                how = await self._resume(f"the entry {self.entry[:12]} was lost: {e}")
+                if isinstance(how, Prepared):
+                    await self._here(how, out)
+                    return
+                continue
+            if isinstance(msg, Fail):
+                if not msg.resumable:
+                    raise msg.error
+                await self._close()
+                how = await self._resume(f"the entry {self.entry[:12]} let go: {msg.error.message}")
+                if isinstance(how, Prepared):
+                    await self._here(how, out)
+                    return
+                continue
+            if not isinstance(msg, Delta | Finished):
+                raise ApiError(502, "the entry sent an unexpected message", "server_error")
+            self._served()
+            if isinstance(msg, Finished):
+                out.send_nowait(replace(msg, replays=(*self.replays, *msg.replays)))
+                await self._close()
+                return
+            self.history += msg.tokens
+            self.delivered += len(msg.text)
+            out.send_nowait(msg)
+
+    async def aclose(self) -> None:
+        await self._close()
+
+    # -- finding an entry --
+
+    async def _ask(self, peer_id: str) -> Head:
+        """Open `gen/1` to `peer_id`, send the request (with the continuation so far) and read
+        its head; `Broken` if that fails or the entry let go of the request, the entry's error as
+        `ApiError` if it refused the request."""
+        try:
+            stream = await self.directory.open_stream(peer_id, GENERATE_LABEL)
+        except MeshError as e:
+            self._unreachable = True
+            raise Broken(f"unreachable: {e}") from e
+        self._unreachable = False
+        self._stream, self._frames, self.entry = stream, LengthPrefixDecoder(FRAMING), peer_id
+        ask = replace(self.ask, history=tuple(self.history), delivered=self.delivered)
+        try:
+            await stream.send_all(encode_ask(ask))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            raise Broken(str(e)) from e
+        first = await _read(stream, self._frames)
+        if isinstance(first, Fail):
+            await self._close()
+            if first.resumable:
+                raise Broken(first.error.message)
+            raise first.error
+        if not isinstance(first, Head):
+            raise Broken("the entry answered without a head")
+        self.ask = replace(self.ask, seed=first.seed)
+        self.prompt_tokens = first.prompt_tokens
+        return first
+
+    async def _resume(self, why: str) -> Head | Prepared:
+        """The next entry for the request, asked with its continuation: a peer's `Head`, or
+        the request prepared here when this agent serves the model now."""
+        since = trio.current_time()
+        log.info("gen.entry_lost", reason=why, tokens=len(self.history))
+        tries = 0
+        while (waited := trio.current_time() - since) < self.deadline:
+            if tries:
+                await trio.sleep(min(_RETRY_FIRST * 2 ** (tries - 1), _RETRY_MAX))
+            tries += 1
+            prepared = self.local()
+            if prepared is not None:
+                self._broke = (why, since, trio.current_time())
+                return prepared
+            remote = self._remote()
+            if remote is None:
+                continue
+            asked = trio.current_time()
+            try:
+                with trio.move_on_after(self.deadline - waited):
+                    head = await self._ask(remote.peer_id)
+                    self._broke = (why, since, asked)
+                    return head
+            except Broken as e:
+                log.info("gen.entry_not_ready", peer=remote.peer_id, error=str(e), tries=tries)
+            await self._close()
+        if self._unreachable:
+            raise errors.unavailable(
+                f"The peer serving '{self.name}' is unreachable ({why}).", code="peer_unavailable"
+            )
+        raise errors.unavailable(
+            f"{why}; no agent took the request over within {self.deadline:g} s",
+            code="split_unavailable",
+            retry_after=errors.SPLIT_RETRY_AFTER,
+        )
+
+    def _remote(self) -> RemoteModel | None:
+        name = self.name.casefold()
+        return next((r for r in self.directory.remote_models() if r.id.casefold() == name), None)
+
+    def _served(self) -> None:
+        """An event came from the entry asked after a loss: that loss is over."""
+        if self._broke is None:
+            return
+        why, since, asked = self._broke
+        now = trio.current_time()
+        tokens = self.prompt_tokens + len(self.history)
+        ms, wait_ms = round((now - since) * 1000, 1), round((asked - since) * 1000, 1)
+        self.replays.append(Replay(why, tokens, ms, wait_ms))
+        self._broke = None
+
+    async def _here(self, prepared: Prepared, out: Events) -> None:
+        """Go on with the model this agent serves now."""
+        gen, seed = prepared.gen, self.ask.seed
+        sampling = gen.sampling if seed is None else replace(gen.sampling, seed=seed)
+        gen = replace(gen, sampling=sampling, history=tuple(self.history), delivered=self.delivered)
+        self.prompt_tokens = len(gen.prompt_tokens)
+        failed: list[MeshError] = []
+        async with trio.open_nursery() as nursery:
+            async for ev in _generating(nursery, prepared.model, gen, failed):
+                self._served()
+                if isinstance(ev, Finished):
+                    ev = replace(ev, replays=(*self.replays, *ev.replays))
+                out.send_nowait(ev)
+        for e in failed:
+            raise api_error_for(e, prompt_param=prepared.prompt_param) from e
+
+    async def _close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()

@@ -1,0 +1,276 @@
+"""A completion carried to another agent survives losing that agent: over real overlay
+connections on loopback, with fake models, the agent holding the client continues the request
+on the next entry (or on itself) with the tokens the client has, and the client gets the text
+of an undisturbed run, once, ending in [DONE]. Plus the `gen/1` messages on their own, and an
+entry from before `gen/1`."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import trio
+
+from meshagent.api import resumable
+from meshagent.api.app import OpenAIApp
+from meshagent.api.errors import ApiError, unavailable
+from meshagent.api.inflight import InFlight
+from meshagent.errors import ModelMoved
+from meshagent.identity.keys import NodeIdentity
+from meshagent.net.manager import ConnectionManager
+from meshagent.net.tcp import TcpTransport
+from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
+from meshagent.serving.generation import Delta, Finished, Replay
+from meshagent.serving.local_model import LocalModel
+from meshagent.testing.fake_engine import FakeEngine
+from meshagent.wire.framing import LengthPrefixDecoder
+from meshagent.wire.handshake import LocalPeer
+from tests.api.test_forwarding import MESH, StaticDirectory, route_api, serve
+
+PROMPT = "tell me a story"
+TOKENS = 120
+
+# ----- the messages -----
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        resumable.Ask("POST", "/v1/completions", b'{"a": 1}'),
+        resumable.Ask("POST", "/v1/chat/completions", b"{}", (5, 0, 2**40), 17, 2**62),
+        resumable.Head([(b"x-meshagent-stages", b"a:0-30")], "m", 99, 12, "echo"),
+        resumable.Head([], "m", None, 3),
+        resumable.Fail(unavailable("gone", code="shutting_down", retry_after=5), True),
+        Delta("héllo", (1, 2, 3)),
+        Delta("", ()),
+        Finished("stop", 10, 20, (1.5, 2.25), (Replay("lost", 30, 1200.5, 800.0),)),
+    ],
+)
+def test_messages_round_trip(msg):
+    data = resumable.encode_ask(msg) if isinstance(msg, resumable.Ask) else resumable.encode(msg)
+    frames = LengthPrefixDecoder(resumable.FRAMING)
+    frames.feed(data)
+    got = resumable.decode(frames.next_frame())
+    if isinstance(msg, resumable.Fail):
+        assert (got.error.body(), got.error.status, got.resumable) == (
+            msg.error.body(),
+            503,
+            True,
+        )
+        assert got.error.retry_after == 5
+    else:
+        assert got == msg
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xff\xfe",
+        b"\x80",
+        b"\xa1\x00\x02",
+        b"\xa2\x00\x01\x01\x64nope",
+        b"\xa2\x00\x01\x01\x65delta",
+    ],
+    ids=["garbage", "not-a-map", "wrong-version", "unknown-kind", "missing-fields"],
+)
+def test_malformed_messages_are_refused_with_a_reason(body):
+    with pytest.raises(resumable.Broken):
+        resumable.decode(body)
+
+
+# ----- a mesh on loopback -----
+
+
+class Entry:
+    """An agent serving the fake model whole, reached over the overlay."""
+
+    def __init__(self, nursery, *, delay=0.002):
+        self.model = LocalModel.whole(FakeEngine(slots=2, delay=delay), max_queue=4)
+        self.app = OpenAIApp(StaticDirectory([self.model]), InFlight(), lambda: {})
+        self.node = ConnectionManager(
+            LocalPeer.create(NodeIdentity.generate(), MESH),
+            TcpTransport(),
+            listen=["127.0.0.1:0"],
+            on_stream=lambda s: route_api(s, self.app, labels=self.labels),
+        )
+        self.labels = (FORWARD_LABEL, resumable.GENERATE_LABEL)
+        self.scope = trio.CancelScope()
+        self.nursery = nursery
+
+    async def start(self):
+        async def run(task_status=trio.TASK_STATUS_IGNORED):
+            with self.scope:
+                async with trio.open_nursery() as n:
+                    await n.start(self.model.run)
+                    await n.start(self.node.run)
+                    task_status.started()
+
+        await self.nursery.start(run)
+        return self
+
+    def kill(self):
+        self.scope.cancel()  # its connections end and the requests it was serving with them
+
+
+class Moving(StaticDirectory):
+    """The asker's view of where the model runs, which the test changes."""
+
+    def __init__(self, node, deadline=5.0):
+        super().__init__(node=node)
+        self.deadline = deadline
+
+    def unserved_for_now(self, name):
+        return self.deadline
+
+    def serve_from(self, entry: Entry | None):
+        self.remote = [] if entry is None else [RemoteModel("fake", entry.node.peer_id, "whole")]
+
+
+@pytest.fixture
+async def mesh(nursery):
+    entries = [await Entry(nursery).start() for _ in range(2)]
+    asker = ConnectionManager(LocalPeer.create(NodeIdentity.generate(), MESH), TcpTransport())
+    await nursery.start(asker.run)
+    for e in entries:
+        await asker.dial(e.node.listen_addresses[0], peer_id=e.node.peer_id)
+    directory = Moving(asker)
+    directory.serve_from(entries[0])
+    app = OpenAIApp(directory, InFlight(), lambda: {})
+    url, _ = await serve(nursery, app)
+    return url, entries, directory, app
+
+
+async def stream_text(url, sampling, on_chunk=None) -> tuple[str, dict, list[str]]:
+    body = {
+        "model": "fake",
+        "prompt": PROMPT,
+        "max_tokens": TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **sampling,
+    }
+    text, usage, events = "", {}, []
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200, await r.aread()
+        served_by = r.headers["x-meshagent-served-by"]
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                continue
+            usage = chunk.get("usage") or usage
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+                if on_chunk is not None:
+                    await on_chunk(len(events))
+    usage["served_by"] = served_by
+    return text, usage, events
+
+
+SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 4}, {"temperature": 1}]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded", "unseeded"])
+async def test_a_request_continues_on_the_next_entry_when_its_entry_is_lost(mesh, sampling):
+    url, (first, second), directory, _ = mesh
+    undisturbed, usage, _ = await stream_text(url, sampling)
+    assert usage["completion_tokens"] == TOKENS and "replays" not in usage.get("meshagent", {})
+
+    async def lose_entry(n):
+        if n == 30:
+            first.kill()
+            directory.serve_from(second)
+
+    text, usage, events = await stream_text(url, sampling, lose_entry)
+    assert events[-1] == "[DONE]"
+    assert usage["completion_tokens"] == TOKENS
+    [replay] = usage["meshagent"]["replays"]
+    assert "was lost" in replay["reason"] and replay["tokens"] >= 29
+    assert 0 <= replay["wait_ms"] <= replay["ms"]
+    if "seed" in sampling or sampling["temperature"] == 0:
+        assert text == undisturbed
+    else:  # the seed the first entry drew went on with the request
+        assert len(text) == len(undisturbed)
+
+
+async def test_the_asker_goes_on_itself_when_the_mesh_moved_the_model_to_it(mesh):
+    url, (first, _), directory, app = mesh
+    undisturbed, _, _ = await stream_text(url, {"temperature": 0})
+    here = LocalModel.whole(FakeEngine(slots=2), max_queue=4)
+    async with trio.open_nursery() as n:
+        await n.start(here.run)
+
+        async def moved_here(count):
+            if count == 30:
+                first.kill()
+                directory.serve_from(None)
+                directory.local = [here]
+
+        text, usage, _ = await stream_text(url, {"temperature": 0}, moved_here)
+        n.cancel_scope.cancel()
+    assert text == undisturbed
+    assert len(usage["meshagent"]["replays"]) == 1
+    assert here.runner.stats().tokens_processed > 0
+
+
+async def test_an_entry_that_lets_go_of_the_request_hands_it_on(mesh):
+    url, (first, second), directory, _ = mesh
+    undisturbed, _, _ = await stream_text(url, {"temperature": 0})
+
+    async def moved(n):
+        if n == 20:  # the mesh moves the model away from the entry, which stays up
+            directory.serve_from(second)
+            first.model.runner.abort(ModelMoved("the mesh moved this model"))
+
+    text, usage, _ = await stream_text(url, {"temperature": 0}, moved)
+    assert text == undisturbed
+    [replay] = usage["meshagent"]["replays"]
+    assert "let go" in replay["reason"]
+    assert usage["served_by"] == first.node.peer_id  # the headers went out before the move
+
+
+async def test_with_no_entry_to_continue_on_the_stream_ends_with_an_error_event(mesh):
+    url, (first, _), directory, _ = mesh
+    directory.deadline = 1.0
+
+    async def lost(n):
+        if n == 10:
+            first.kill()
+            directory.serve_from(None)
+
+    with trio.fail_after(10):
+        text, _, events = await stream_text(url, {"temperature": 0}, lost)
+    assert text and events[-1] != "[DONE]"
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "split_unavailable" and "within 1 s" in error["message"]
+
+
+async def test_an_entry_from_before_gen_1_gets_the_request_over_api_1(mesh):
+    url, (first, _), _, _ = mesh
+    first.labels = (FORWARD_LABEL,)
+    text, usage, events = await stream_text(url, {"temperature": 0})
+    assert events[-1] == "[DONE]" and usage["completion_tokens"] == TOKENS and text
+    assert first.model.runner.stats().tokens_processed >= TOKENS
+
+
+async def test_a_bad_request_is_refused_by_the_entry_with_its_own_error(mesh):
+    url, *_ = mesh
+    async with httpx.AsyncClient() as client:
+        r = await client.post(
+            f"{url}/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 10**6}
+        )
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_carried_error_keeps_its_shape():
+    err = ApiError(429, "busy", "requests", None, "rate_limit_exceeded")
+    assert resumable.from_body(429, err.body()) == err
