@@ -261,3 +261,38 @@ def test_a_stage_host_stopped_with_sigint_under_load_fails_nothing(spawn_agent, 
     except AssertionError:
         mesh.show_logs()
         raise
+
+
+def test_a_stream_survives_losing_its_entry_when_the_client_is_on_another_agent(
+    spawn_agent, model_id
+):
+    # The client talks to the spare agent, which carries the request to the split's entry;
+    # the entry is killed for good. The spare continues the request on the entry of the
+    # repaired plan (or on itself) with the tokens its client has: the text is the
+    # undisturbed one, sent once.
+    mesh = FourAgents(spawn_agent, model_id)
+    spare = next(n for n in mesh.agents if n not in mesh.order)
+    asker, victim = mesh.agents[spare], mesh.order[0]
+    expected, usage = _stream(asker, model_id, GREEDY)
+    assert "replays" not in usage.get("meshagent", {})
+    chunks: list[float] = []
+
+    def on_chunk(n: int) -> None:
+        chunks.append(time.monotonic())
+        if n == KILL_AT:
+            mesh.agents[victim].proc.kill()
+            chunks.append(-time.monotonic())
+
+    try:
+        text, usage = _stream(asker, model_id, GREEDY, on_chunk)
+        assert text == expected
+        replays = usage["meshagent"]["replays"]
+        assert any("entry" in r["reason"] for r in replays), replays
+        killed = next(-t for t in chunks if t < 0)
+        resumed = next(t for t in chunks if t > killed)
+        print(f"entry kill to next token: {resumed - killed:.2f} s; replays {replays}")
+        wait_for(lambda: victim not in mesh.stages_of(asker), timeout=60)
+        assert _stream(asker, model_id, GREEDY)[0] == expected  # and the mesh serves on
+    except (AssertionError, KeyError, StopIteration):
+        mesh.show_logs()
+        raise
