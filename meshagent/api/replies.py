@@ -22,11 +22,18 @@ def usage(done: Finished) -> dict[str, Any]:
         # the x-meshagent-stages header) spent computing for this request.
         receipt["stage_ms"] = list(done.stage_ms)
     if done.replays:
-        # Lost stages the request survived: why the chain broke, the tokens prefilled again
-        # on the new one, the milliseconds from the break to its next token, and of those
-        # the wait for a chain that serves (the rest is the replay itself).
+        # Lost stages the request survived: why the chain broke, the stages found lost
+        # (`<peer id>:<first layer>-<end>`), the tokens prefilled again on the new chain, the
+        # milliseconds from the break to its next token, and of those the wait for a chain
+        # that serves (the rest is the replay itself).
         receipt["replays"] = [
-            {"reason": r.reason, "tokens": r.tokens, "ms": r.ms, "wait_ms": r.wait_ms}
+            {
+                "reason": r.reason,
+                "lost": list(r.lost),
+                "tokens": r.tokens,
+                "ms": r.ms,
+                "wait_ms": r.wait_ms,
+            }
             for r in done.replays
         ]
     if receipt:

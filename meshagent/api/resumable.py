@@ -101,7 +101,7 @@ def _fields(msg: Message) -> dict[int, Any]:
         return {1: "fail", 2: e.status, 3: e.body(), 4: e.retry_after, 5: msg.resumable}
     if isinstance(msg, Delta):
         return {1: "delta", 2: msg.text, 3: list(msg.tokens)}
-    replays = [[r.reason, r.tokens, r.ms, r.wait_ms] for r in msg.replays]
+    replays = [[r.reason, r.tokens, r.ms, r.wait_ms, list(r.lost)] for r in msg.replays]
     return {
         1: "done",
         2: msg.reason,
@@ -137,7 +137,10 @@ def _message(m: dict[int, Any]) -> Message:
     if kind == "delta":
         return Delta(_str(m[2]), tuple(_int(t) for t in m[3]))
     if kind == "done":
-        replays = tuple(Replay(_str(r[0]), _int(r[1]), float(r[2]), float(r[3])) for r in m[6])
+        replays = tuple(
+            Replay(_str(r[0]), _int(r[1]), float(r[2]), float(r[3]), tuple(map(_str, r[4])))
+            for r in m[6]
+        )
         return Finished(_str(m[2]), _int(m[3]), _int(m[4]), tuple(float(x) for x in m[5]), replays)
     if kind == "head":
         headers = [(bytes(k), bytes(v)) for k, v in m[2]]
@@ -307,18 +310,21 @@ class Carried:
     replays: list[Replay] = field(default_factory=list)
     _stream: Any = None
     _frames: LengthPrefixDecoder = field(default_factory=lambda: LengthPrefixDecoder(FRAMING))
-    _broke: tuple[str, float, float] | None = None  # why, when, when the new entry was asked
+    # Why, when, when the next entry was asked, and what was lost: the request's break.
+    _broke: tuple[str, float, float, tuple[str, ...]] | None = None
+    _entry_stage: str = ""  # the entry as receipts name a stage
     _first_here: Prepared | None = None
     _unreachable: bool = False  # the last entry tried could not be reached at all
 
     async def start(self, remote: RemoteModel) -> Head | None:
         try:
-            return await self._ask(remote.peer_id)
+            return await self._ask(remote)
         except Broken as e:
             await self._close()
             if _knows_no_gen(e):
                 return None
-            first = await self._resume(f"the entry {remote.peer_id[:12]} failed: {e}")
+            lost = (self._entry_stage,)
+            first = await self._resume(f"the entry {remote.peer_id[:12]} failed: {e}", lost)
         if isinstance(first, Prepared):  # this agent serves it by now
             self._first_here = first
             model, tokens = first.model, len(first.gen.prompt_tokens)
@@ -334,7 +340,8 @@ class Carried:
                 msg = await _read(self._stream, self._frames)
             except Broken as e:
                 await self._close()
-                how = await self._resume(f"the entry {self.entry[:12]} was lost: {e}")
+                lost = (self._entry_stage,)
+                how = await self._resume(f"the entry {self.entry[:12]} was lost: {e}", lost)
                 if isinstance(how, Prepared):
                     await self._here(how, out)
                     return
@@ -343,7 +350,8 @@ class Carried:
                 if not msg.resumable:
                     raise msg.error
                 await self._close()
-                how = await self._resume(f"the entry {self.entry[:12]} let go: {msg.error.message}")
+                why = f"the entry {self.entry[:12]} let go: {msg.error.message}"
+                how = await self._resume(why, ())
                 if isinstance(how, Prepared):
                     await self._here(how, out)
                     return
@@ -364,10 +372,13 @@ class Carried:
 
     # -- finding an entry --
 
-    async def _ask(self, peer_id: str) -> Head:
+    async def _ask(self, remote: RemoteModel) -> Head:
         """Open `gen/1` to `peer_id`, send the request (with the continuation so far) and read
         its head; `Broken` if that fails or the entry let go of the request, the entry's error as
         `ApiError` if it refused the request."""
+        peer_id = remote.peer_id
+        first_stage = remote.stages[0] if remote.stages else (peer_id, 0, remote.layers)
+        self._entry_stage = "{}:{}-{}".format(*first_stage)
         try:
             stream = await self.directory.open_stream(peer_id, GENERATE_LABEL)
         except MeshError as e:
@@ -392,7 +403,7 @@ class Carried:
         self.prompt_tokens = first.prompt_tokens
         return first
 
-    async def _resume(self, why: str) -> Head | Prepared:
+    async def _resume(self, why: str, lost: tuple[str, ...]) -> Head | Prepared:
         """The next entry for the request, asked with its continuation: a peer's `Head`, or
         the request prepared here when this agent serves the model now."""
         since = trio.current_time()
@@ -404,7 +415,7 @@ class Carried:
             tries += 1
             prepared = self.local()
             if prepared is not None:
-                self._broke = (why, since, trio.current_time())
+                self._broke = (why, since, trio.current_time(), lost)
                 return prepared
             remote = self._remote()
             if remote is None:
@@ -412,8 +423,8 @@ class Carried:
             asked = trio.current_time()
             try:
                 with trio.move_on_after(self.deadline - waited):
-                    head = await self._ask(remote.peer_id)
-                    self._broke = (why, since, asked)
+                    head = await self._ask(remote)
+                    self._broke = (why, since, asked, lost)
                     return head
             except Broken as e:
                 log.info("gen.entry_not_ready", peer=remote.peer_id, error=str(e), tries=tries)
@@ -436,11 +447,11 @@ class Carried:
         """An event came from the entry asked after a loss: that loss is over."""
         if self._broke is None:
             return
-        why, since, asked = self._broke
+        why, since, asked, lost = self._broke
         now = trio.current_time()
         tokens = self.prompt_tokens + len(self.history)
         ms, wait_ms = round((now - since) * 1000, 1), round((asked - since) * 1000, 1)
-        self.replays.append(Replay(why, tokens, ms, wait_ms))
+        self.replays.append(Replay(why, tokens, ms, wait_ms, lost))
         self._broke = None
 
     async def _here(self, prepared: Prepared, out: Events) -> None:

@@ -76,6 +76,7 @@ class Replay:
     tokens: int  # prompt and generated tokens prefilled again
     ms: float  # from the break to the first token of the new chain
     wait_ms: float = 0.0  # of which waiting for a chain that serves (the rest: the replay)
+    lost: tuple[str, ...] = ()  # the stages found lost, as `<peer id>:<first layer>-<end>`
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Route:
 
     runner: ModelRunner
     token_bytes: Callable[[int], bytes]
+    lost: tuple[str, ...] = ()  # the stages found lost since the request broke
 
 
 # Returns what serves the model now (after a lost stage: the same pipeline, or the entry of a
@@ -143,6 +145,7 @@ class _Breaks:
         self.done: list[Replay] = []
         self._broke: tuple[str, float] | None = None  # why, and when
         self._tries = 0
+        self._lost: tuple[str, ...] = ()
 
     async def wait_after(self, error: SplitUnavailable, reroute: Reroute, tokens: int) -> Route:
         """What serves the model after `error`, once it is worth trying; raises the error
@@ -161,6 +164,7 @@ class _Breaks:
             route = await reroute()
         if wait.cancelled_caught:
             raise _gave_up(error, self.deadline) from error
+        self._lost = tuple(sorted({*self._lost, *route.lost}))
         return route
 
     def served(self, submitted: float, tokens: int) -> None:
@@ -169,8 +173,9 @@ class _Breaks:
             return
         why, since = self._broke
         ms = round((trio.current_time() - since) * 1000, 1)
-        self.done.append(Replay(why, tokens, ms, round((submitted - since) * 1000, 1)))
-        self._broke = None
+        wait_ms = round((submitted - since) * 1000, 1)
+        self.done.append(Replay(why, tokens, ms, wait_ms, self._lost))
+        self._broke, self._lost = None, ()
 
 
 async def generate(

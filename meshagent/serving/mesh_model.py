@@ -20,6 +20,7 @@ import trio
 from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
 from meshagent.errors import EngineError, ModelMoved
+from meshagent.gossip.failure import PeerState
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits
@@ -96,6 +97,7 @@ class MeshModel:
         self._offered: LocalModel | None = None
         self._receipt: Headers = []
         self._offers = trio.Event()  # set (and replaced) whenever `_offered` is set
+        self._offered_plan: Plan | None = None  # the plan `_offered` serves (or last served)
         self._whole: LlamaEngine | None = None
         self._nursery: trio.Nursery | None = None
         self._serving_scope: trio.CancelScope | None = None
@@ -249,7 +251,7 @@ class MeshModel:
             # nothing to load, and requests replayed on this entry find its runner.
             self.split.rewire(plan)
             if self.local is not None:
-                self._offer(self.local, self._split_receipt(plan))
+                self._offer(self.local, self._split_receipt(plan), plan)
             log.info("mesh_model.part", kept=True, stage=self.split.layers)
             return
         await self._unload()
@@ -301,7 +303,7 @@ class MeshModel:
                     served.set()
 
             await self._nursery.start(serve)
-            self._offer(local, receipt)
+            self._offer(local, receipt, plan)
         log.info(
             "mesh_model.part",
             whole=self._whole is not None,
@@ -318,8 +320,8 @@ class MeshModel:
             (b"x-meshagent-wire-exact", b"certified" if self.wire.certified_exact else b"no"),
         ]
 
-    def _offer(self, local: LocalModel, receipt: Headers) -> None:
-        self._offered, self._receipt = local, receipt
+    def _offer(self, local: LocalModel, receipt: Headers, plan: Plan) -> None:
+        self._offered, self._receipt, self._offered_plan = local, receipt, plan
         self._offers.set()
         self._offers = trio.Event()
 
@@ -345,15 +347,33 @@ class MeshModel:
         a chain that is not back would only fail again). The same plan keeps its runner (the
         pipeline opens its chain again on the next step); a new plan that keeps this agent
         the entry (or makes it a replica) brings a new one. The request bounds the wait
-        (`replay_deadline`)."""
+        (`replay_deadline`). The route names the stages found lost meanwhile: declared dead
+        by gossip, or left out of the plan that serves now."""
+        served = self._offered_plan
+        lost: set[str] = set()
         while True:
+            lost |= self._dead_stages()
             local = self._offered
             if local is not None and local.runner.aborted is None and self.placement.routable:
-                return Route(local.runner, local.engine.token_bytes)
+                now = self._offered_plan
+                if served is not None and now is not None and served.split:
+                    lost |= {_stage(s) for s in served.stages if s.peer_id not in now.peers}
+                return Route(local.runner, local.engine.token_bytes, tuple(sorted(lost)))
             if self._served_elsewhere():
                 raise ModelMoved("the mesh moved this model: another agent serves it now; retry")
             with trio.move_on_after(_REROUTE_POLL):
                 await self._offers.wait()
+
+    def _dead_stages(self) -> set[str]:
+        claim = self.placement.in_force
+        if claim is None or not claim.plan.split:
+            return set()
+        views = self.placement.gossip.snapshot()
+        return {
+            _stage(s)
+            for s in claim.plan.stages
+            if (v := views.get(s.peer_id)) is not None and v.state == PeerState.DEAD
+        }
 
     def _served_elsewhere(self) -> bool:
         """A routable plan is in force and requests enter it at other agents only."""
@@ -415,3 +435,8 @@ class MeshModel:
 
     async def aclose(self) -> None:
         await self._unload()
+
+
+def _stage(stage: Any) -> str:
+    """A stage as receipts name it: `<peer id>:<first layer>-<end>`."""
+    return f"{stage.peer_id}:{stage.start}-{stage.end}"

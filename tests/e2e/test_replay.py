@@ -208,6 +208,7 @@ def test_a_stream_survives_a_lost_stage_host_that_never_comes_back(spawn_agent, 
         assert text == expected
         [replay] = usage["meshagent"].get("replays", [None])
         assert replay is not None and replay["tokens"] >= KILL_AT, usage
+        assert [mesh.ids[s.split(":")[0]] for s in replay["lost"]] == [victim], replay
         killed = next(-t for t in chunks if t < 0)
         resumed = next(t for t in chunks if t > killed)
         print(f"kill to next token: {resumed - killed:.2f} s; replay {replay}")
@@ -287,7 +288,8 @@ def test_a_stream_survives_losing_its_entry_when_the_client_is_on_another_agent(
         text, usage = _stream(asker, model_id, GREEDY, on_chunk)
         assert text == expected
         replays = usage["meshagent"]["replays"]
-        assert any("entry" in r["reason"] for r in replays), replays
+        lost = [mesh.ids[s.split(":")[0]] for r in replays for s in r["lost"]]
+        assert any("entry" in r["reason"] for r in replays) and victim in lost, replays
         killed = next(-t for t in chunks if t < 0)
         resumed = next(t for t in chunks if t > killed)
         print(f"entry kill to next token: {resumed - killed:.2f} s; replays {replays}")
