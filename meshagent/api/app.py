@@ -6,7 +6,7 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -18,11 +18,11 @@ from meshagent.api.exchange import ClientGone, Exchange
 from meshagent.api.inflight import InFlight
 from meshagent.api.prepare import KINDS, CompletionKind, Prepared, parse_completion, prepare
 from meshagent.api.replies import Reply
-from meshagent.api.resumable import Ask, Carried, Head
+from meshagent.api.resumable import Ask, Carried, Head, generate_counted
 from meshagent.api.schemas import ChatCompletionRequest
-from meshagent.errors import ContextOverflow, MeshError
+from meshagent.errors import ContextOverflow, MeshError, ModelMoved
 from meshagent.serving.directory import ModelDirectory, RemoteModel
-from meshagent.serving.generation import Delta, Finished, check_fits
+from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits
 from meshagent.serving.local_model import LocalModel
 from meshagent.wire.framing import LengthPrefixDecoder
 
@@ -361,14 +361,19 @@ class OpenAIApp:
         except ContextOverflow as e:
             raise api_error_for(e, prompt_param=prompt_param) from e
 
+        gen = replace(gen, sampling=gen.sampling.seeded())  # kept if the request moves
         send, events = trio.open_memory_channel[Delta | Finished | Failed](math.inf)
 
         async def produce() -> None:
             async with send:
+                tokens, chars, error = await generate_counted(model, gen, send)
                 try:
-                    await model.generate(gen, send)
-                except MeshError as e:
-                    send.send_nowait(Failed(api_error_for(e, prompt_param=prompt_param)))
+                    if isinstance(error, ModelMoved):
+                        await self._hand_on(ex, p, gen, (tokens, chars), error, send)
+                    elif error is not None:
+                        raise api_error_for(error, prompt_param=prompt_param)
+                except ApiError as e:
+                    send.send_nowait(Failed(e))
 
         with self.inflight.track() as grace:
             with grace:
@@ -386,6 +391,33 @@ class OpenAIApp:
                 await self._stopped_by_shutdown(ex)
             elif ex.disconnected and not ex.finished:
                 log.info("request.client_gone", id=reply.id)
+
+    async def _hand_on(
+        self,
+        ex: Exchange,
+        p: Prepared,
+        gen: GenerationRequest,
+        sent: tuple[list[int], int],
+        error: ModelMoved,
+        out: trio.MemorySendChannel[Delta | Finished],
+    ) -> None:
+        """The mesh moved the model away from this agent mid-request: the request goes on at
+        the entry that serves it now, from the tokens and characters sent so far."""
+        name = p.model.info.id
+        carried = Carried(
+            self.directory,
+            Ask(ex.method, ex.path, ex.raw_body, seed=gen.sampling.seed),
+            name,
+            self.directory.unserved_for_now(name),
+            lambda: None,  # the model left this agent
+            history=sent[0],
+            delivered=sent[1],
+            prompt_tokens=len(gen.prompt_tokens),
+        )
+        try:
+            await carried.hand_on(str(error), out)
+        finally:
+            await carried.aclose()
 
     async def _stopped_by_shutdown(self, ex: Exchange) -> None:
         err = errors.unavailable(

@@ -247,6 +247,23 @@ async def _answer(stream: Any, app: Any, ask: Ask) -> None:
         await _send_quietly(stream, Fail(err, resumable))
 
 
+async def generate_counted(
+    model: Any, gen: Any, out: Events
+) -> tuple[list[int], int, MeshError | None]:
+    """`model` generating `gen` into `out`: the tokens and the characters sent, and the error
+    it ended with, if any (what a request needs to be handed on: `Carried.hand_on`)."""
+    failed: list[MeshError] = []
+    tokens: list[int] = []
+    chars = 0
+    async with trio.open_nursery() as nursery:
+        async for ev in _generating(nursery, model, gen, failed):
+            if isinstance(ev, Delta):
+                tokens += ev.tokens
+                chars += len(ev.text)
+            out.send_nowait(ev)
+    return tokens, chars, failed[0] if failed else None
+
+
 def _generating(
     nursery: trio.Nursery, model: Any, gen: Any, failed: list[MeshError]
 ) -> trio.MemoryReceiveChannel[Delta | Finished]:
@@ -335,15 +352,23 @@ class Carried:
         if self._first_here is not None:
             await self._here(self._first_here, out)
             return
+        await self._follow(out)
+
+    async def hand_on(self, why: str, out: Events) -> None:
+        """Continue, on the entry that serves the model now, a request this agent served
+        until the mesh moved the model (`history`, `delivered` and the ask's seed set)."""
+        if not await self._moved_on(why, (), out):
+            await self._follow(out)
+
+    async def _follow(self, out: Events) -> None:
+        """The events of the entry asked last, to `out`, moving on when it is lost."""
         while True:
             try:
                 msg = await _read(self._stream, self._frames)
             except Broken as e:
                 await self._close()
-                lost = (self._entry_stage,)
-                how = await self._resume(f"the entry {self.entry[:12]} was lost: {e}", lost)
-                if isinstance(how, Prepared):
-                    await self._here(how, out)
+                why = f"the entry {self.entry[:12]} was lost: {e}"
+                if await self._moved_on(why, (self._entry_stage,), out):
                     return
                 continue
             if isinstance(msg, Fail):
@@ -351,9 +376,7 @@ class Carried:
                     raise msg.error
                 await self._close()
                 why = f"the entry {self.entry[:12]} let go: {msg.error.message}"
-                how = await self._resume(why, ())
-                if isinstance(how, Prepared):
-                    await self._here(how, out)
+                if await self._moved_on(why, (), out):
                     return
                 continue
             if not isinstance(msg, Delta | Finished):
@@ -366,6 +389,15 @@ class Carried:
             self.history += msg.tokens
             self.delivered += len(msg.text)
             out.send_nowait(msg)
+
+    async def _moved_on(self, why: str, lost: tuple[str, ...], out: Events) -> bool:
+        """Find the next entry (`_resume`); True when it was this agent and the request has
+        run to its end here."""
+        how = await self._resume(why, lost)
+        if isinstance(how, Prepared):
+            await self._here(how, out)
+            return True
+        return False
 
     async def aclose(self) -> None:
         await self._close()

@@ -89,13 +89,15 @@ class Entry:
 
     def __init__(self, nursery, *, delay=0.002):
         self.model = LocalModel.whole(FakeEngine(slots=2, delay=delay), max_queue=4)
-        self.app = OpenAIApp(StaticDirectory([self.model]), InFlight(), lambda: {})
         self.node = ConnectionManager(
             LocalPeer.create(NodeIdentity.generate(), MESH),
             TcpTransport(),
             listen=["127.0.0.1:0"],
             on_stream=lambda s: route_api(s, self.app, labels=self.labels),
         )
+        self.directory = Moving(self.node)
+        self.directory.local = [self.model]
+        self.app = OpenAIApp(self.directory, InFlight(), lambda: {})
         self.labels = (FORWARD_LABEL, resumable.GENERATE_LABEL)
         self.scope = trio.CancelScope()
         self.nursery = nursery
@@ -159,7 +161,7 @@ async def stream_text(url, sampling, on_chunk=None) -> tuple[str, dict, list[str
         client.stream("POST", f"{url}/v1/completions", json=body) as r,
     ):
         assert r.status_code == 200, await r.aread()
-        served_by = r.headers["x-meshagent-served-by"]
+        served_by = r.headers.get("x-meshagent-served-by")
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -252,6 +254,34 @@ async def test_an_entry_that_lets_go_of_the_request_hands_it_on(mesh):
     [replay] = usage["meshagent"]["replays"]
     assert "let go" in replay["reason"] and replay["lost"] == []
     assert usage["served_by"] == first.node.peer_id  # the headers went out before the move
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["greedy", "unseeded"])
+async def test_a_request_on_the_entry_itself_goes_on_where_the_mesh_moved_the_model(
+    mesh, monkeypatch, warm
+):
+    _, (first, second), _, _ = mesh
+    draws = iter(range(1000, 1100))
+    monkeypatch.setattr(sampling_module.secrets, "randbits", lambda _: next(draws))
+    sampling = {"temperature": 0.8, "top_p": 0.9} if warm else {"temperature": 0}
+    await first.node.dial(second.node.listen_addresses[0], peer_id=second.node.peer_id)
+    async with trio.open_nursery() as n:
+        url, stop = await serve(n, first.app)
+
+        async def moved(count):
+            if count == 25:
+                first.directory.local = []
+                first.directory.serve_from(second)
+                first.model.runner.abort(ModelMoved("the mesh moved this model"))
+
+        text, usage, events = await stream_text(url, sampling, moved)  # draws 1000 if warm
+        assert events[-1] == "[DONE]"
+        [replay] = usage["meshagent"]["replays"]
+        assert "moved" in replay["reason"] and replay["lost"] == []
+        assert second.model.runner.stats().tokens_processed > replay["tokens"]
+        # The same text as an undisturbed run on the new entry with the seed drawn first.
+        assert text == (await stream_text(url, {**sampling, "seed": 1000}))[0]
+        stop.set()
 
 
 async def test_with_no_entry_to_continue_on_the_stream_ends_with_an_error_event(mesh):
