@@ -897,8 +897,9 @@ def churn_scope(c: dict[str, Any], s: ChurnSettings) -> dict[str, Any]:
         ),
     ]
     not_tested = [
-        "killing the entry or the client's own agent (a client connected to a lost machine "
-        "loses its stream; continuing a request whose entry was lost is not built)",
+        "killing the entry or the client's own agent: clients connect to the entry here, and a "
+        "client connected to a lost machine loses its stream (a request carried from another "
+        "agent continues at the next entry: tests/e2e/test_replay.py)",
         "two faults at once (each victim is back before the next fault may pick it)",
         *(x.replace("more than 3 agents", "more than 4 agents") for x in COMMON_NOT_TESTED),
     ]
