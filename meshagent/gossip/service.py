@@ -84,6 +84,7 @@ class GossipService:
         self._buckets: dict[str, _Bucket] = {}
         self._known_links: set[str] = set()
         self._busy_with: set[str] = set()
+        self._again: set[str] = set()  # asked for while busy: exchange again once it ends
         self._published_rtts: dict[str, float] = {}
         self._last_refresh = -float("inf")
         self._nursery: trio.Nursery | None = None
@@ -202,12 +203,18 @@ class GossipService:
         entry = self.state.entries.get(peer_id)
         return entry.beat if entry is not None else 0
 
-    def exchange_with_all(self, *, but: str) -> None:
+    def exchange_with_all(self, *, but: str | None = None) -> None:
         """Exchange now with every connected peer but `but`: what they heard from it
         lately arrives here within a round trip (is it silent for everyone, or only to us?)."""
         for link in self.overlay.links():
             if link.peer_id != but:
-                self._exchange_soon(link.peer_id)
+                self._exchange_soon(link.peer_id, again=True)
+
+    def spread_now(self) -> None:
+        """Exchange with every connected peer now: a change the others wait on (a placement
+        claim: a split serves once every stage's claim says ready) reaches them within a
+        round trip instead of in the next rounds, a second or more later."""
+        self.exchange_with_all()
 
     async def leave(self, *, timeout: float = 2.0, peers: int = 3) -> None:
         """Tell a few connected peers we are leaving (they spread it), so the mesh stops
@@ -223,11 +230,17 @@ class GossipService:
 
     # ----- internals -----
 
-    def _exchange_soon(self, peer: str) -> None:
-        """Start an exchange with `peer` unless one is under way."""
-        if self._nursery is not None and peer not in self._busy_with:
-            self._busy_with.add(peer)
-            self._nursery.start_soon(self._exchange_with, peer)
+    def _exchange_soon(self, peer: str, *, again: bool = False) -> None:
+        """Start an exchange with `peer` unless one is under way; with `again`, start
+        another once that one ends (it may have begun before what must be sent now)."""
+        if self._nursery is None:
+            return
+        if peer in self._busy_with:
+            if again:
+                self._again.add(peer)
+            return
+        self._busy_with.add(peer)
+        self._nursery.start_soon(self._exchange_with, peer)
 
     def _partners(self) -> list[str]:
         """`fanout` random connected peers, plus every peer connected since the last round."""
@@ -261,6 +274,9 @@ class GossipService:
         finally:
             self._account(ex)
             self._busy_with.discard(peer)
+            if peer in self._again:
+                self._again.discard(peer)
+                self._exchange_soon(peer)
 
     async def _converse(self, stream: MeshStream, ex: Exchange) -> None:
         while not ex.done:

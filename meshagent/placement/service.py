@@ -50,6 +50,10 @@ class Snapshot(Protocol):
 
     def update_local(self, **fields: Any) -> None: ...
 
+    def spread_now(self) -> None:
+        """Send what changed here to the other peers now, not in the next rounds."""
+        ...
+
     async def wait_changed(self, after: int) -> int: ...
 
     @property
@@ -143,6 +147,7 @@ class PlacementService:
         placement[self.cost.model_id] = claim.to_cbor()
         extras[EXTRAS_KEY] = placement
         self.gossip.update_local(extras=extras)
+        self.gossip.spread_now()  # the others wait on claims: a split routes once all are ready
 
     async def step(self) -> None:
         """One decision on the current snapshot."""

@@ -3,6 +3,8 @@ limits, leaving."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import trio
 
 from meshagent.gossip.config import GossipConfig
@@ -49,6 +51,34 @@ async def test_update_local_reaches_everyone_and_wakes_waiters(autojump_clock):
             while c.gossip.snapshot()[a.peer_id].record.mem_kv_bytes != 12345:
                 gen = await c.gossip.wait_changed(gen)
         assert c.gossip.snapshot()[a.peer_id].record.extras == {"claims": [1, 2]}
+        nursery.cancel_scope.cancel()
+
+
+async def test_spread_now_sends_a_change_at_once_where_rounds_would_wait(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        agents = await _three(nursery)
+        a, _b, c = agents
+        for x in agents:  # no more rounds from here (the ones under way still run)
+            x.gossip.config = replace(
+                x.gossip.config, interval=600, suspect_after=900, dead_after=1200
+            )
+        await trio.sleep(2)
+
+        async def seen(kv: int, within: float) -> bool:
+            with trio.move_on_after(within):
+                while c.gossip.snapshot()[a.peer_id].record.mem_kv_bytes != kv:
+                    await c.gossip.wait_changed(c.gossip.generation)
+                return True
+            return False
+
+        a.gossip.update_local(mem_kv_bytes=111)
+        assert not await seen(111, 5.0)  # published, but no round carries it
+        a.gossip.update_local(mem_kv_bytes=222)
+        a.gossip.spread_now()
+        await trio.sleep(0.06)  # that exchange is under way (25 ms links), past its delta
+        a.gossip.update_local(mem_kv_bytes=333)
+        a.gossip.spread_now()
+        assert await seen(333, 0.5)  # a few round trips of 50 ms
         nursery.cancel_scope.cancel()
 
 

@@ -58,6 +58,9 @@ class FakeGossip:
         self.world.views[self.peer_id] = replace(view, record=replace(view.record, **fields))
         self.world.bump()
 
+    def spread_now(self) -> None:
+        pass  # every agent of the world sees an update at once already
+
     @property
     def generation(self) -> int:
         return self.world.generation
