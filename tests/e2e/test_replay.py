@@ -206,17 +206,22 @@ def test_a_stream_survives_a_lost_stage_host_that_never_comes_back(spawn_agent, 
     try:
         text, usage = _stream(entry, model_id, GREEDY, on_chunk)
         assert text == expected
-        [replay] = usage["meshagent"].get("replays", [None])
+        # The loss, replayed; a second replay can follow when the mesh, having measured the
+        # spare in its new place, moves to a split over the three that is 25% faster.
+        replay, *later = usage["meshagent"].get("replays", [None])
         assert replay is not None and replay["tokens"] >= KILL_AT, usage
         assert [mesh.ids[s.split(":")[0]] for s in replay["lost"]] == [victim], replay
+        assert len(later) <= 1, later
         killed = next(-t for t in chunks if t < 0)
         resumed = next(t for t in chunks if t > killed)
-        print(f"kill to next token: {resumed - killed:.2f} s; replay {replay}")
+        print(f"kill to next token: {resumed - killed:.2f} s; replays {[replay, *later]}")
         stages = mesh.stages_of(entry)
-        assert victim not in stages and stages[0] == mesh.order[0] and stages[2] == mesh.order[2]
+        assert victim not in stages and stages[0] == mesh.order[0]
+        if not later:  # repaired: the other two keep their stages
+            assert stages[2] == mesh.order[2]
         # And the mesh keeps serving.
         assert _stream(entry, model_id, GREEDY)[0] == expected
-    except (AssertionError, KeyError, StopIteration):
+    except (AssertionError, KeyError, StopIteration, ValueError):
         mesh.show_logs()
         raise
 
@@ -295,6 +300,6 @@ def test_a_stream_survives_losing_its_entry_when_the_client_is_on_another_agent(
         print(f"entry kill to next token: {resumed - killed:.2f} s; replays {replays}")
         wait_for(lambda: victim not in mesh.stages_of(asker), timeout=60)
         assert _stream(asker, model_id, GREEDY)[0] == expected  # and the mesh serves on
-    except (AssertionError, KeyError, StopIteration):
+    except (AssertionError, KeyError, StopIteration, ValueError):
         mesh.show_logs()
         raise
