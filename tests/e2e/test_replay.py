@@ -191,7 +191,8 @@ class FourAgents:
 
 def test_a_stream_survives_a_lost_stage_host_that_never_comes_back(spawn_agent, model_id):
     # A stage host is killed for good; the mesh repairs the plan with the spare (the other two
-    # keep what they loaded), the entry replays, and the stream ends with the undisturbed text.
+    # keep what they loaded: tests/placement), the entry replays, and the stream ends with the
+    # undisturbed text.
     mesh = FourAgents(spawn_agent, model_id)
     entry, victim = mesh.agents[mesh.order[0]], mesh.order[1]
     expected = _stream(entry, model_id, GREEDY)[0]
@@ -217,8 +218,6 @@ def test_a_stream_survives_a_lost_stage_host_that_never_comes_back(spawn_agent, 
         print(f"kill to next token: {resumed - killed:.2f} s; replays {[replay, *later]}")
         stages = mesh.stages_of(entry)
         assert victim not in stages and stages[0] == mesh.order[0]
-        if not later:  # repaired: the other two keep their stages
-            assert stages[2] == mesh.order[2]
         # And the mesh keeps serving.
         assert _stream(entry, model_id, GREEDY)[0] == expected
     except (AssertionError, KeyError, StopIteration, ValueError):
