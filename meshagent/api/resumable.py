@@ -16,8 +16,7 @@ prompt and tokens and goes on from the next token (`generation.generate`), and t
 sees one stream: the same text an undisturbed run gives, greedy or seeded. Past the deadline
 with no entry, the request fails as temporarily unavailable.
 
-Messages are `u32 length | cbor map` (the framing of `api/1`), key 0 the version and key 1 the
-kind; docs/protocol.md lists the keys.
+The messages are in `api/gen_messages.py`.
 """
 
 from __future__ import annotations
@@ -28,150 +27,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import cbor2
 import structlog
 import trio
 
 from meshagent.api import errors
-from meshagent.api.errors import ApiError, api_error_for, from_body
+from meshagent.api.errors import ApiError, api_error_for
 from meshagent.api.forwarding import FRAMING
+from meshagent.api.gen_messages import Ask, Fail, GenMessageError, Head, Message, decode, encode
 from meshagent.api.prepare import Prepared
 from meshagent.errors import MeshError, ModelMoved, ShuttingDown
 from meshagent.net.errors import StreamResetError
 from meshagent.net.framed import receive_frame
-from meshagent.serving.directory import GENERATE_LABEL, Headers, ModelDirectory, RemoteModel
+from meshagent.serving.directory import GENERATE_LABEL, ModelDirectory, RemoteModel
 from meshagent.serving.generation import Delta, Finished, Replay, check_fits
 from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
-VERSION = 1
 _RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds between looks for an entry after a loss
 _LINGER = 5.0  # seconds an entry waits for the asker to close after the last message
 
-
-class Broken(MeshError):
-    """The stream to the entry broke or carried something unreadable."""
-
-
-@dataclass(frozen=True)
-class Ask:
-    method: str
-    path: str
-    body: bytes
-    history: tuple[int, ...] = ()  # a continuation: the tokens generated so far
-    delivered: int = 0  # and the characters of their text the client has
-    seed: int | None = None  # the seed the first entry sampled with
-
-
-@dataclass(frozen=True)
-class Head:
-    headers: Headers  # the entry's receipt
-    model: str
-    seed: int | None
-    prompt_tokens: int
-    echo: str = ""
-
-
-@dataclass(frozen=True)
-class Fail:
-    error: ApiError
-    resumable: bool  # another entry may take the request over
-
-
-Message = Ask | Head | Fail | Delta | Finished
 Events = trio.MemorySendChannel[Delta | Finished]
 
 
-# ----- the messages (sans-IO) -----
-
-
-def encode(msg: Message) -> bytes:
-    return FRAMING.encode(cbor2.dumps({0: VERSION, **_fields(msg)}))
-
-
-def _fields(msg: Message) -> dict[int, Any]:
-    if isinstance(msg, Ask):
-        return {1: "ask", 2: msg.method, 3: msg.path, 4: msg.body}  # continuation below
-    if isinstance(msg, Head):
-        headers = [[k, v] for k, v in msg.headers]
-        return {1: "head", 2: headers, 3: msg.model, 4: msg.seed, 5: msg.prompt_tokens, 6: msg.echo}
-    if isinstance(msg, Fail):
-        e = msg.error
-        return {1: "fail", 2: e.status, 3: e.body(), 4: e.retry_after, 5: msg.resumable}
-    if isinstance(msg, Delta):
-        return {1: "delta", 2: msg.text, 3: list(msg.tokens)}
-    replays = [[r.reason, r.tokens, r.ms, r.wait_ms, list(r.lost)] for r in msg.replays]
-    return {
-        1: "done",
-        2: msg.reason,
-        3: msg.prompt_tokens,
-        4: msg.completion_tokens,
-        5: list(msg.stage_ms),
-        6: replays,
-    }
-
-
-def encode_ask(ask: Ask) -> bytes:
-    fields = _fields(ask)
-    if ask.history or ask.delivered or ask.seed is not None:
-        fields.update({5: list(ask.history), 6: ask.delivered, 7: ask.seed})
-    return FRAMING.encode(cbor2.dumps({0: VERSION, **fields}))
-
-
-def decode(body: bytes) -> Message:
-    """One message from its frame's body; `Broken` if it is not a message of this version."""
-    try:
-        m = cbor2.loads(body)
-        if not isinstance(m, dict) or m.get(0) != VERSION:
-            raise Broken("a gen/1 message of an unknown version or shape")
-        return _message(m)
-    except Broken:
-        raise
-    except Exception as e:  # cbor2 and the field checks raise several unrelated types
-        raise Broken(f"malformed gen/1 message: {e}") from e
-
-
-def _message(m: dict[int, Any]) -> Message:
-    kind = m[1]
-    if kind == "delta":
-        return Delta(_str(m[2]), tuple(_int(t) for t in m[3]))
-    if kind == "done":
-        replays = tuple(
-            Replay(_str(r[0]), _int(r[1]), float(r[2]), float(r[3]), tuple(map(_str, r[4])))
-            for r in m[6]
-        )
-        return Finished(_str(m[2]), _int(m[3]), _int(m[4]), tuple(float(x) for x in m[5]), replays)
-    if kind == "head":
-        headers = [(bytes(k), bytes(v)) for k, v in m[2]]
-        seed = None if m[4] is None else _int(m[4])
-        return Head(headers, _str(m[3]), seed, _int(m[5]), _str(m[6]))
-    if kind == "fail":
-        retry = None if m[4] is None else _int(m[4])
-        return Fail(from_body(_int(m[2]), m[3], retry), bool(m[5]))
-    if kind == "ask":
-        seed = m.get(7)
-        return Ask(
-            _str(m[2]),
-            _str(m[3]),
-            bytes(m[4]),
-            tuple(_int(t) for t in m.get(5, ())),
-            _int(m.get(6, 0)),
-            None if seed is None else _int(seed),
-        )
-    raise Broken(f"unknown gen/1 message kind {kind!r}")
-
-
-def _int(v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise TypeError(f"expected an integer, got {type(v).__name__}")
-    return v
-
-
-def _str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {type(v).__name__}")
-    return v
+class Broken(MeshError):
+    """The stream to the entry broke or carried something that is not a message."""
 
 
 async def _read(stream: Any, frames: LengthPrefixDecoder) -> Message:
@@ -183,7 +63,10 @@ async def _read(stream: Any, frames: LengthPrefixDecoder) -> Message:
         raise Broken(str(e)) from e
     except MeshError as e:  # the framing's limit
         raise Broken(str(e)) from e
-    return decode(body)
+    try:
+        return decode(body)
+    except GenMessageError as e:
+        raise Broken(str(e)) from e
 
 
 # ----- the entry: serving a carried request -----
@@ -420,7 +303,7 @@ class Carried:
         self._stream, self._frames, self.entry = stream, LengthPrefixDecoder(FRAMING), peer_id
         ask = replace(self.ask, history=tuple(self.history), delivered=self.delivered)
         try:
-            await stream.send_all(encode_ask(ask))
+            await stream.send_all(encode(ask))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise Broken(str(e)) from e
         first = await _read(stream, self._frames)

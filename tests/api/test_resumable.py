@@ -1,8 +1,8 @@
 """A completion carried to another agent survives losing that agent: over real overlay
 connections on loopback, with fake models, the agent holding the client continues the request
 on the next entry (or on itself) with the tokens the client has, and the client gets the text
-of an undisturbed run, once, ending in [DONE]. Plus the `gen/1` messages on their own, and an
-entry from before `gen/1`."""
+of an undisturbed run, once, ending in [DONE]; and an entry from before `gen/1` gets the
+request over `api/1`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import trio
 
 from meshagent.api import resumable
 from meshagent.api.app import OpenAIApp
-from meshagent.api.errors import ApiError, unavailable
 from meshagent.api.inflight import InFlight
 from meshagent.errors import ModelMoved
 from meshagent.identity.keys import NodeIdentity
@@ -22,64 +21,13 @@ from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
 from meshagent.serving import sampling as sampling_module
 from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
-from meshagent.serving.generation import Delta, Finished, Replay
 from meshagent.serving.local_model import LocalModel
 from meshagent.testing.fake_engine import FakeEngine
-from meshagent.wire.framing import LengthPrefixDecoder
 from meshagent.wire.handshake import LocalPeer
 from tests.api.test_forwarding import MESH, StaticDirectory, route_api, serve
 
 PROMPT = "tell me a story"
 TOKENS = 120
-
-# ----- the messages -----
-
-
-@pytest.mark.parametrize(
-    "msg",
-    [
-        resumable.Ask("POST", "/v1/completions", b'{"a": 1}'),
-        resumable.Ask("POST", "/v1/chat/completions", b"{}", (5, 0, 2**40), 17, 2**62),
-        resumable.Head([(b"x-meshagent-stages", b"a:0-30")], "m", 99, 12, "echo"),
-        resumable.Head([], "m", None, 3),
-        resumable.Fail(unavailable("gone", code="shutting_down", retry_after=5), True),
-        Delta("héllo", (1, 2, 3)),
-        Delta("", ()),
-        Finished("stop", 10, 20, (1.5, 2.25), (Replay("lost", 30, 1200.5, 800.0),)),
-        Finished("length", 1, 2, (), (Replay("a", 3, 4.0, 1.0, ("p:0-10", "q:10-30")),)),
-    ],
-)
-def test_messages_round_trip(msg):
-    data = resumable.encode_ask(msg) if isinstance(msg, resumable.Ask) else resumable.encode(msg)
-    frames = LengthPrefixDecoder(resumable.FRAMING)
-    frames.feed(data)
-    got = resumable.decode(frames.next_frame())
-    if isinstance(msg, resumable.Fail):
-        assert (got.error.body(), got.error.status, got.resumable) == (
-            msg.error.body(),
-            503,
-            True,
-        )
-        assert got.error.retry_after == 5
-    else:
-        assert got == msg
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        b"\xff\xfe",
-        b"\x80",
-        b"\xa1\x00\x02",
-        b"\xa2\x00\x01\x01\x64nope",
-        b"\xa2\x00\x01\x01\x65delta",
-    ],
-    ids=["garbage", "not-a-map", "wrong-version", "unknown-kind", "missing-fields"],
-)
-def test_malformed_messages_are_refused_with_a_reason(body):
-    with pytest.raises(resumable.Broken):
-        resumable.decode(body)
-
 
 # ----- a mesh on loopback -----
 
@@ -316,8 +264,3 @@ async def test_a_bad_request_is_refused_by_the_entry_with_its_own_error(mesh):
         )
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
-
-
-def test_a_carried_error_keeps_its_shape():
-    err = ApiError(429, "busy", "requests", None, "rate_limit_exceeded")
-    assert resumable.from_body(429, err.body()) == err
