@@ -74,5 +74,7 @@ async def test_split_hosts_follow_a_plan(model_path, store, reference, nursery):
             assert [await text_of(model, p) for p in PROMPTS] == reference
             serving.cancel_scope.cancel()  # the runner stops before its engine is freed
     finally:
+        # A stage's worker may still be clearing the sequences the stopped runner released:
+        # `aclose` ends its stream before freeing the engine (`close` alone crashed here).
         for h in hosts:
-            h.close()
+            await h.aclose()
