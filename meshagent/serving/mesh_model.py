@@ -98,6 +98,7 @@ class MeshModel:
         self._receipt: Headers = []
         self._offers = trio.Event()  # set (and replaced) whenever `_offered` is set
         self._offered_plan: Plan | None = None  # the plan `_offered` serves (or last served)
+        self._replaced: tuple[Plan, float] | None = None  # the plan before it, and until when
         self._whole: LlamaEngine | None = None
         self._nursery: trio.Nursery | None = None
         self._serving_scope: trio.CancelScope | None = None
@@ -321,6 +322,8 @@ class MeshModel:
         ]
 
     def _offer(self, local: LocalModel, receipt: Headers, plan: Plan) -> None:
+        if self._offered_plan is not None and self._offered_plan != plan:
+            self._replaced = (self._offered_plan, trio.current_time())
         self._offered, self._receipt, self._offered_plan = local, receipt, plan
         self._offers.set()
         self._offers = trio.Event()
@@ -347,32 +350,33 @@ class MeshModel:
         a chain that is not back would only fail again). The same plan keeps its runner (the
         pipeline opens its chain again on the next step); a new plan that keeps this agent
         the entry (or makes it a replica) brings a new one. The request bounds the wait
-        (`replay_deadline`). The route names the stages found lost meanwhile: declared dead
-        by gossip, or left out of the plan that serves now."""
-        served = self._offered_plan
+        (`replay_deadline`). The route names the stages found lost meanwhile."""
         lost: set[str] = set()
         while True:
-            lost |= self._dead_stages()
+            lost |= self._lost_stages()
             local = self._offered
             if local is not None and local.runner.aborted is None and self.placement.routable:
-                now = self._offered_plan
-                if served is not None and now is not None and served.split:
-                    lost |= {_stage(s) for s in served.stages if s.peer_id not in now.peers}
                 return Route(local.runner, local.engine.token_bytes, tuple(sorted(lost)))
             if self._served_elsewhere():
                 raise ModelMoved("the mesh moved this model: another agent serves it now; retry")
             with trio.move_on_after(_REROUTE_POLL):
                 await self._offers.wait()
 
-    def _dead_stages(self) -> set[str]:
-        claim = self.placement.in_force
-        if claim is None or not claim.plan.split:
-            return set()
-        views = self.placement.gossip.snapshot()
+    def _lost_stages(self) -> set[str]:
+        """The stages of the plan served here, and of the one it replaced lately (a request
+        may have broken on that one), whose peers gossip has declared dead (or forgotten)."""
+        plans = [self._offered_plan]
+        if self._replaced is not None:
+            plan, until = self._replaced
+            if trio.current_time() - until < self.settings.replay_deadline:
+                plans.append(plan)
+        views = self.placement.gossip.snapshot()  # alive and suspect peers only
         return {
             _stage(s)
-            for s in claim.plan.stages
-            if (v := views.get(s.peer_id)) is not None and v.state == PeerState.DEAD
+            for p in plans
+            if p is not None and p.split
+            for s in p.stages
+            if (v := views.get(s.peer_id)) is None or v.state == PeerState.DEAD
         }
 
     def _served_elsewhere(self) -> bool:

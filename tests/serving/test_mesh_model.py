@@ -5,12 +5,31 @@ from __future__ import annotations
 import trio
 
 from meshagent.engine.llama import read_model_info
+from meshagent.gossip.failure import PeerState
 from meshagent.models.capability import CapabilityStore
 from meshagent.models.layout import inspect_model
+from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
 from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
 from tests.placement.test_service import GB, FakeGossip, Record, View, World
+
+
+def _mesh_model(pid, world, model_path, store, settings):
+    layout, info = inspect_model(model_path), read_model_info(model_path)
+    return MeshModel(
+        peer_id=pid,
+        model_path=model_path,
+        layout=layout,
+        info=info,
+        store=store,
+        overlay=FakeOverlay(),
+        gossip=FakeGossip(world, pid),
+        capabilities=Capabilities(
+            CapabilityStore(store.capabilities_path), FakeGossip(world, pid).snapshot
+        ),
+        settings=settings,
+    )
 
 
 class FakeOverlay:
@@ -24,22 +43,7 @@ async def test_the_directory_lists_what_the_plan_in_force_serves_where(model_pat
     world.views["b"] = View(Record(0))  # offers no memory: it only routes
     layout, info = inspect_model(model_path), read_model_info(model_path)
     settings = MeshModelSettings(slots=1, slot_ctx=256, threads=1, max_queue=2)
-    a, b = (
-        MeshModel(
-            peer_id=pid,
-            model_path=model_path,
-            layout=layout,
-            info=info,
-            store=store,
-            overlay=FakeOverlay(),
-            gossip=FakeGossip(world, pid),
-            capabilities=Capabilities(
-                CapabilityStore(store.capabilities_path), FakeGossip(world, pid).snapshot
-            ),
-            settings=settings,
-        )
-        for pid in ("a", "b")
-    )
+    a, b = (_mesh_model(pid, world, model_path, store, settings) for pid in ("a", "b"))
     await nursery.start(a.run)
     await nursery.start(b.run)
     with trio.fail_after(60):
@@ -60,3 +64,29 @@ async def test_the_directory_lists_what_the_plan_in_force_serves_where(model_pat
     await a.aclose()
     assert a.local_models() == [] and a.receipt(served) == []
     await b.aclose()
+
+
+async def test_a_replay_names_the_stages_whose_peers_were_declared_dead(model_path, store):
+    world = World()
+    for pid in "abcd":
+        world.views[pid] = View(Record(GB))
+    settings = MeshModelSettings(slots=1, slot_ctx=256, threads=1, max_queue=2)
+    m = _mesh_model("a", world, model_path, store, settings)
+    split = [
+        StageAssignment("a", 0, 10),
+        StageAssignment("b", 10, 20),
+        StageAssignment("c", 20, 30),
+    ]
+    broken = Plan("m", 256, stages=tuple(split))
+    m._offered_plan = broken
+    assert m._lost_stages() == set()
+    world.views["b"] = View(Record(GB), state=PeerState.DEAD)
+    assert m._lost_stages() == {"b:10-20"}
+    # The plan was repaired before the request asked: the one it broke on still counts.
+    repaired = Plan("m", 256, stages=(split[0], StageAssignment("d", 10, 20), split[2]))
+    m._replaced, m._offered_plan = (broken, trio.current_time()), repaired
+    del world.views["b"]  # forgotten, as a dead peer leaves the snapshot
+    assert m._lost_stages() == {"b:10-20"}
+    # A peer that left a plan alive (the mesh moved its layers) was not lost.
+    world.views["b"] = View(Record(GB))
+    assert m._lost_stages() == set()
