@@ -24,7 +24,7 @@ DEFAULT_RTT_MS = 5.0  # assumed for a pair not measured yet, while no pair is me
 MAX_CANDIDATES = 8  # peers considered for a split (the largest memory x speed first)
 MAX_ORDERS = 720  # orders tried per peer set (6! = every order of 6 stages)
 # A new split keeps the current one's entry unless another entry is this much faster: the
-# entry holds the clients' requests, and a request whose entry moves cannot be replayed.
+# entry holds the clients' requests, and a request whose entry moves starts its prefill again.
 KEEP_ENTRY = 0.25
 
 
@@ -114,7 +114,7 @@ class Plan:
 # A plan change must save at least this much per token (see `should_replan`).
 MIN_GAIN_MS = 5.0
 # A working split's entry moves only for a plan at least this much faster (1.0: twice as
-# fast): the entry holds the clients' requests, which fail when it moves.
+# fast): the entry holds the clients' requests, which are prefilled again when it moves.
 MOVE_ENTRY_GAIN = 1.0
 
 
@@ -369,7 +369,8 @@ def should_replan(
     small changes: moving layers stops the split for seconds, and for a small model the
     estimate is mostly measured RTTs, which swing by milliseconds on their own (a path that
     falls back to a relay for a few seconds doubles its RTT). A candidate that moves the
-    entry of a working plan must be `MOVE_ENTRY_GAIN` faster: requests in flight there fail."""
+    entry of a working plan must be `MOVE_ENTRY_GAIN` faster: requests in flight there are
+    handed on to the new entry and prefilled there again."""
     if current is None:
         return True
     by_id = {p.peer_id: p for p in peers}
