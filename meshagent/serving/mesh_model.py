@@ -41,7 +41,7 @@ log = structlog.get_logger(__name__)
 _WATCH_INTERVAL = 0.5  # seconds between checks that the split in force is still routable
 _CERTIFICATION_INTERVAL = 2.0  # seconds between looks for a record that allows a split
 _RECORD_WAIT = 10.0  # seconds a stage of a certified-only split waits for the record
-_REROUTE_POLL = 0.1  # seconds between looks for what serves a request being replayed
+_REROUTE_POLL = 0.05  # seconds between looks for what serves a request being replayed
 
 
 @dataclass(frozen=True)
