@@ -44,7 +44,8 @@ from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
-_RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds between looks for an entry after a loss
+_RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds before asking again after an entry failed
+_LOOK = 0.05  # seconds between looks at the directory for an entry that serves
 _LINGER = 5.0  # seconds an entry waits for the asker to close after the last message
 
 Events = trio.MemorySendChannel[Delta | Finished]
@@ -323,17 +324,16 @@ class Carried:
         the request prepared here when this agent serves the model now."""
         since = trio.current_time()
         log.info("gen.entry_lost", reason=why, tokens=len(self.history))
-        tries = 0
+        failed = 0  # asks that an entry did not take
+        last, next_ask = "", since  # the entry that failed last, and when to ask it again
         while (waited := trio.current_time() - since) < self.deadline:
-            if tries:
-                await trio.sleep(min(_RETRY_FIRST * 2 ** (tries - 1), _RETRY_MAX))
-            tries += 1
             prepared = self.local()
             if prepared is not None:
                 self._broke = (why, since, trio.current_time(), lost)
                 return prepared
             remote = self._remote()
-            if remote is None:
+            if remote is None or (remote.peer_id == last and trio.current_time() < next_ask):
+                await trio.sleep(_LOOK)  # no entry serves yet, or it is the one that just failed
                 continue
             asked = trio.current_time()
             try:
@@ -342,7 +342,10 @@ class Carried:
                     self._broke = (why, since, asked, lost)
                     return head
             except Broken as e:
-                log.info("gen.entry_not_ready", peer=remote.peer_id, error=str(e), tries=tries)
+                failed += 1
+                log.info("gen.entry_not_ready", peer=remote.peer_id, error=str(e), tries=failed)
+                last = remote.peer_id
+                next_ask = trio.current_time() + min(_RETRY_FIRST * 2 ** (failed - 1), _RETRY_MAX)
             await self._close()
         if self._unreachable:
             raise errors.unavailable(
