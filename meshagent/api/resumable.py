@@ -95,7 +95,7 @@ async def serve(stream: Any, app: Any, *, peer_id: str) -> None:
                 await _send_quietly(stream, Fail(gone, True))
         with trio.move_on_after(_LINGER):  # the asker closes first (see api/forwarding.py)
             await _watch_asker(stream, None)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
+    except* (trio.BrokenResourceError, trio.ClosedResourceError):  # alone or from a nursery
         log.info("gen.asker_gone", peer=peer_id, path=ask.path)
 
 
