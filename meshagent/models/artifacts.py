@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,9 @@ class ArtifactStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        # One writer at a time: a cut and its index go through fixed temporary names, and a
+        # spare cutting ahead of time may race a load that needs the same artifact now.
+        self._writing = threading.RLock()
         self.blobs = root / "blobs"
         self.manifests = root / "manifests"
         self.blobs.mkdir(parents=True, exist_ok=True)
@@ -104,6 +108,10 @@ class ArtifactStore:
         return self.blobs / f"{sha256}.gguf"
 
     def source_sha256(self, path: Path) -> str:
+        with self._writing:
+            return self._source_sha256(path)
+
+    def _source_sha256(self, path: Path) -> str:
         st = path.stat()
         key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
         index_path = self.root / "sources.json"
@@ -131,6 +139,10 @@ class ArtifactStore:
 
     def install(self, manifest: SliceManifest, file: Path) -> Path:
         """Move a verified artifact file into the store under its manifest."""
+        with self._writing:
+            return self._install(manifest, file)
+
+    def _install(self, manifest: SliceManifest, file: Path) -> Path:
         actual = file_sha256(file)
         if actual != manifest.sha256:
             file.unlink(missing_ok=True)
@@ -155,6 +167,12 @@ class ArtifactStore:
         return self._ensure(model, "entry", 0, 0, layout)
 
     def _ensure(
+        self, model: Path, kind: str, start: int, end: int, layout: ModelLayout | None
+    ) -> tuple[Path, SliceManifest]:
+        with self._writing:
+            return self._cut(model, kind, start, end, layout)
+
+    def _cut(
         self, model: Path, kind: str, start: int, end: int, layout: ModelLayout | None
     ) -> tuple[Path, SliceManifest]:
         source = self.source_sha256(model)
@@ -190,7 +208,7 @@ class ArtifactStore:
             weight_bytes=weights,
             kv_bytes_per_token_per_layer=layout.kv_bytes_per_token_per_layer,
         )
-        return self.install(manifest, tmp), manifest
+        return self._install(manifest, tmp), manifest
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -11,7 +11,7 @@ from meshagent.models.layout import inspect_model
 from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
-from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
+from meshagent.serving.mesh_model import MeshModel, MeshModelSettings, spare_cuts
 from tests.placement.test_service import GB, FakeGossip, Record, View, World
 
 
@@ -90,3 +90,16 @@ async def test_a_replay_names_the_stages_whose_peers_were_declared_dead(model_pa
     # A peer that left a plan alive (the mesh moved its layers) was not lost.
     world.views["b"] = View(Record(GB))
     assert m._lost_stages() == set()
+
+
+def test_a_spare_cuts_every_stage_of_the_split_it_may_join_and_nothing_else():
+    stages = (StageAssignment("a", 0, 9), StageAssignment("b", 9, 21), StageAssignment("c", 21, 30))
+    split = Plan("m", 256, stages=stages)
+    assert spare_cuts(split, "d") == [
+        ("entry", 0, 0),
+        ("layers", 0, 9),
+        ("layers", 9, 21),
+        ("layers", 21, 30),
+    ]
+    assert spare_cuts(split, "b") == []  # in the plan: it has its own part
+    assert spare_cuts(Plan("m", 256, replicas=("a",)), "d") == []  # nothing to take over
