@@ -402,13 +402,13 @@ class MeshModel:
             if trio.current_time() - until < self.settings.replay_deadline:
                 plans.append(plan)
         views = self.placement.gossip.snapshot()  # alive and suspect peers only
-        return {
-            _stage(s)
-            for p in plans
-            if p is not None and p.split
-            for s in p.stages
-            if (v := views.get(s.peer_id)) is None or v.state == PeerState.DEAD
-        }
+        lost: dict[str, str] = {}  # peer -> its stage, in the newest plan that has it
+        for p in plans:
+            for st in p.stages if p is not None and p.split else ():
+                v = views.get(st.peer_id)
+                if (v is None or v.state == PeerState.DEAD) and st.peer_id not in lost:
+                    lost[st.peer_id] = _stage(st)
+        return set(lost.values())
 
     def _served_elsewhere(self) -> bool:
         """A routable plan is in force and requests enter it at other agents only."""

@@ -87,6 +87,12 @@ async def test_a_replay_names_the_stages_whose_peers_were_declared_dead(model_pa
     m._replaced, m._offered_plan = (broken, trio.current_time()), repaired
     del world.views["b"]  # forgotten, as a dead peer leaves the snapshot
     assert m._lost_stages() == {"b:10-20"}
+    # A peer in both plans is named once, by its stage in the plan served now.
+    moved = Plan(
+        "m", 256, stages=(split[0], StageAssignment("b", 10, 22), StageAssignment("c", 22, 30))
+    )
+    m._replaced, m._offered_plan = (broken, trio.current_time()), moved
+    assert m._lost_stages() == {"b:10-22"}
     # A peer that left a plan alive (the mesh moved its layers) was not lost.
     world.views["b"] = View(Record(GB))
     assert m._lost_stages() == set()
