@@ -4,8 +4,11 @@ Candidates come from mDNS, relay rendezvous, bootstrap addresses and gossip reco
 peer without a connection it tries the peer's direct addresses, then the relays it shares
 with it; for a peer reached only through a relay it keeps trying the direct addresses
 (every `upgrade_interval`), and a direct connection that comes up replaces the relayed one
-(the overlay drains and closes the old one). Peers that gossip declares dead are left alone
-until a newer sighting of them arrives.
+(the overlay drains and closes the old one). Peers that gossip declares dead are not dialled
+until a newer sighting of them arrives; only their direct addresses are looked at now and
+then (a bare connect, no handshake: every `dead_probe_max` at most), and a peer restarted
+there is dialled. A restarted agent whose only way into the mesh was a peer that declared it
+dead (it was the inviter, say) is found again this way.
 
 A connection the transport ended (a reset, EOF without BYE) is how a crashed peer shows
 first: the dialer then looks at once whether anything still listens at the peer's direct
@@ -59,6 +62,7 @@ class DialerConfig:
     gone_timeout: float = 1.0  # per address, when checking whether a lost peer is gone
     silence_confirm: float = 0.5  # waited before asking the others about a silent peer
     hears_within: float = 1.25  # a peer that had a PONG this recently still hears it
+    dead_probe_max: float = 10.0  # the longest gap between looks at a dead peer's addresses
 
 
 @dataclass
@@ -75,6 +79,7 @@ class Candidate:
     failures: int = 0
     attempting: bool = False
     direct_bad_until: float = 0.0  # its direct path just went silent: relays first till then
+    next_probe: float = 0.0  # dead: when its direct addresses are looked at next
 
 
 class PeerDialer:
@@ -193,20 +198,29 @@ class PeerDialer:
             if pid != self.self_id and (rec.addresses or rec.relays):
                 self.offer(pid, addresses=rec.addresses, relays=rec.relays, source="gossip")
 
-    def _dead(self, c: Candidate) -> bool:
-        """Gossip says dead, and no sighting since it died."""
+    def _dead_since(self, c: Candidate) -> float | None:
+        """When gossip says `c` died, if it does and there was no sighting since."""
         if self.gossip is None:
-            return False
+            return None
         entry = self.gossip.state.entries.get(c.peer_id)
-        return (
-            entry is not None
-            and entry.state is PeerState.DEAD
-            and c.offered_at <= entry.state_since
-        )
+        if entry is None or entry.state is not PeerState.DEAD or c.offered_at > entry.state_since:
+            return None
+        return entry.state_since
 
     def _review(self, nursery: trio.Nursery, now: float) -> None:
         for c in self._candidates.values():
-            if c.attempting or self._dead(c):
+            if c.attempting:
+                continue
+            died = self._dead_since(c)
+            if died is not None:
+                if c.addresses and now >= max(c.next_probe, died):
+                    # The gap grows with the time it has been dead: about half of it.
+                    gap = min(
+                        self.config.dead_probe_max, max(self.config.retry_initial, (now - died) / 2)
+                    )
+                    c.next_probe = now + gap
+                    c.attempting = True
+                    nursery.start_soon(self._probe, c)
                 continue
             conn = self.overlay.connection(c.peer_id)
             if conn is None and now >= c.next_attempt:
@@ -243,6 +257,19 @@ class PeerDialer:
             else:
                 c.failures = 0
                 c.next_upgrade = trio.current_time() + self.config.upgrade_interval
+        finally:
+            c.attempting = False
+
+    async def _probe(self, c: Candidate) -> None:
+        """Dial dead `c` if something listens at one of its direct addresses again."""
+        try:
+            timeout = self.config.gone_timeout
+            for address in c.addresses:
+                if await self.overlay.listening_at(address, timeout=timeout):
+                    conn = await self._try_direct(c, replace=False)
+                    if conn is not None:
+                        log.info("dialer.dead_peer_back", peer=c.peer_id, address=address)
+                    return
         finally:
             c.attempting = False
 

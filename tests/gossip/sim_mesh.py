@@ -46,6 +46,7 @@ async def start_sim_agent(
     gossip_config: GossipConfig | None = None,
     seed: int = 0,
     identity: NodeIdentity | None = None,
+    port: int = 0,
 ) -> SimAgent:
     identity = identity or NodeIdentity.generate()
     handlers = {}
@@ -63,7 +64,7 @@ async def start_sim_agent(
     overlay = ConnectionManager(
         LocalPeer.create(identity, SECRET),
         net.transport(name),
-        listen=[f"{name}:0"],
+        listen=[f"{name}:{port}"],
         on_stream=route,
         on_lost=lambda conn: agent[0].dialer.lost(conn) if agent else None,
         on_silent=lambda conn: agent[0].dialer.silent(conn) if agent else None,

@@ -7,8 +7,10 @@ from dataclasses import replace
 
 import trio
 
+from meshagent.discovery.dialer import DialerConfig
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.failure import PeerState
+from meshagent.identity.keys import NodeIdentity
 from meshagent.testing.sim_network import LinkSpec, SimNetwork
 from tests.gossip.sim_mesh import start_sim_agent
 
@@ -116,6 +118,52 @@ async def test_a_crashed_agent_is_dead_everywhere_within_seconds(autojump_clock)
             while any(c.peer_id in x.alive_view() for x in (a, b)):
                 await trio.sleep(0.05)
         assert trio.current_time() - crashed < 2.5 < CFG.dead_after
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_crashed_agent_restarted_where_it_was_is_found_again(autojump_clock):
+    # The agent everyone joined through crashes and comes back at its address, knowing no
+    # one (its only bootstrap address is its own): the others, having declared it dead, look
+    # at its address now and then, find it listening and dial it.
+    async with trio.open_nursery() as nursery:
+        net = SimNetwork(default=LinkSpec(latency=0.025), seed=1)
+        identity = NodeIdentity.generate()
+        a = await start_sim_agent(nursery, net, "h0", seed=0, identity=identity, port=7000)
+        b, c = [await start_sim_agent(nursery, net, f"h{i}", seed=i) for i in (1, 2)]
+        for x in (b, c):
+            await x.overlay.dial(a.overlay.listen_addresses[0])
+        await _full_mesh((a, b, c))
+        a.scope.cancel()
+        with trio.fail_after(5):
+            while a.peer_id in b.alive_view() or a.peer_id in c.alive_view():
+                await trio.sleep(0.05)
+        await trio.sleep(30)  # dead for a while: the looks are some seconds apart by now
+        a = await start_sim_agent(nursery, net, "h0", seed=3, identity=identity, port=7000)
+        back = trio.current_time()
+        with trio.fail_after(15):
+            while {b.peer_id, c.peer_id} - a.alive_view() or any(
+                a.peer_id not in x.alive_view() for x in (b, c)
+            ):
+                await trio.sleep(0.1)
+        assert trio.current_time() - back <= DialerConfig().dead_probe_max + 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_agent_is_not_dialled_while_nothing_listens_at_its_address(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        a, _b, c = await _three(nursery)
+        dials = []
+        real_dial = a.overlay.dial
+
+        async def counting_dial(*args, **kwargs):
+            dials.append(kwargs.get("peer_id"))
+            return await real_dial(*args, **kwargs)
+
+        a.overlay.dial = counting_dial
+        c.scope.cancel()
+        await trio.sleep(120)
+        assert c.peer_id not in dials  # looked at (a bare connect), never dialled
+        assert c.peer_id not in a.alive_view()
         nursery.cancel_scope.cancel()
 
 
