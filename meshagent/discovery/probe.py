@@ -11,11 +11,14 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import structlog
 import trio
 
 from meshagent.errors import MeshError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
+
+log = structlog.get_logger(__name__)
 
 LABEL = "probe/1"
 PAYLOAD = b"MESHAGENT PROBE PLAINTEXT: every byte of this is checked at the other end. "
@@ -54,6 +57,7 @@ async def probe(
         raise ProbeError(f"probe size must be 1 byte to {MAX_BYTES} bytes")
     stream = await overlay.open_stream(peer_id, LABEL)
     conn = stream.connection
+    log.info("probe.started", peer=peer_id, path=conn.path, session=conn.session_id, bytes=total)
     started = trio.current_time()
     digest, sent = hashlib.sha256(), 0
     chunk = _chunk()

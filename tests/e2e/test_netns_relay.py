@@ -92,7 +92,9 @@ def test_relay_then_direct_without_plaintext_or_loss(tmp_path: Path):
              "--json", "--data-dir", str(agents["a"].data_dir)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        time.sleep(1.5)
+        # The route appears once the stream is under way (the CLI may take seconds to start).
+        wait_until(lambda: '"probe.started"' in agents["a"].log_text(), 30, "probe started")
+        time.sleep(0.5)
         lab.sysctl(r, "net.ipv4.ip_forward", "1")
         lab.run(a, "ip", "route", "add", "10.232.2.0/24", "via", "10.232.1.1")
         lab.run(b, "ip", "route", "add", "10.232.1.0/24", "via", "10.232.2.1")
