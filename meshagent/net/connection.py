@@ -16,7 +16,8 @@ import structlog
 import trio
 
 from meshagent.net.config import OverlayConfig
-from meshagent.net.errors import ConnectionUnavailable, StreamResetError
+from meshagent.net.errors import ConnectionUnavailable, StreamResetError, reset_reasons
+from meshagent.net.reading import SocketReader
 from meshagent.net.record_writer import RecordWriter
 from meshagent.net.stream import MeshStream
 from meshagent.wire.errors import ErrorCode, LocalUsageError, ProtocolError
@@ -43,9 +44,6 @@ StreamAcceptor = Callable[[MeshStream], Awaitable[None]]
 DIRECT = "direct"
 RELAYED = "relayed"
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
-# A read this small most likely emptied the socket (a message, not a stream of them), so the
-# reader waits for the next one rather than trying a recv that would fail.
-_SMALL_READ = 16 * 1024
 
 
 class Connection:
@@ -97,6 +95,17 @@ class Connection:
         )
         self._decoder = FrameDecoder(RecordReader(result.recv_key, result.cipher))
         self._leftover = leftover
+        self._bytes_read = 0  # from a transport other than a socket
+        self._socket_reader: SocketReader | None = None
+        if self._sock is not None:
+            self._socket_reader = SocketReader(
+                self._sock,
+                self._decoder.records,
+                read_size=self.config.read_size,
+                process=self._process_records,
+                backlogged=self._backlogged,
+                flush=self._flush,
+            )
         self._streams: dict[int, MeshStream] = {}
         self._nursery: trio.Nursery | None = None
         self._writer_wakeup = trio.Event()
@@ -110,6 +119,7 @@ class Connection:
         self._done = trio.Event()
         self._closing = False
         self._dead = False
+        self._broken = False  # the peer broke the protocol
         self.draining = False
         # Ended by the transport (a reset, EOF without BYE): neither side chose to close it.
         self.lost = False
@@ -117,7 +127,6 @@ class Connection:
         self.close_reason: str | None = None
         self.established_at = trio.current_time()
         self.closed_at: float | None = None
-        self.bytes_received = 0
         self._log = log.bind(peer=self.peer_id, session=self.session_id)
 
     # ----- public state -----
@@ -129,6 +138,11 @@ class Connection:
     @property
     def bytes_sent(self) -> int:
         return self._writer_state.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        reader = self._socket_reader
+        return reader.bytes_received if reader is not None else self._bytes_read
 
     @property
     def rtt(self) -> RttSnapshot:
@@ -426,62 +440,70 @@ class Connection:
             self._lose(str(e))
 
     async def _reader(self) -> None:
-        data, self._leftover = self._leftover, b""
-        limit = self.config.max_control_backlog
-        read_size = self.config.read_size
-        records = self._decoder.records
-        # On a socket, receive straight into the record reader's buffer (no per-read bytes
-        # object, no copy); other transports hand us bytes.
-        sock = self._sock
-        waited = drained = False
         try:
-            while True:
-                if data:
-                    self.bytes_received += len(data)
-                    records.receive_data(data)
-                if records.buffered:
-                    self._process_frames()
-                    if self.is_closed:
-                        return
-                    while self.mux.control_backlog > limit and not self._dead:
-                        await self._flush()  # the peer must read our replies before we read on
-                if sock is not None:
-                    data = b""
-                    if drained:  # a small read took all there was: skip the doomed recv
-                        await trio.lowlevel.wait_readable(sock)
-                        waited = True
-                    room = records.writable(read_size)
-                    try:
-                        n = sock.recv_into(room)
-                    except (BlockingIOError, InterruptedError):
-                        await trio.lowlevel.wait_readable(sock)
-                        waited = True
-                        continue
-                    records.written(n)
-                    self.bytes_received += n
-                    if not waited and len(room) >= read_size:
-                        # The socket had more at once: a busy peer. Let the tasks reading
-                        # our streams run (and return credit) before reading on. (Not after
-                        # a read that only finished a record: that would yield twice a record.)
-                        await trio.lowlevel.cancel_shielded_checkpoint()
-                    waited = False
-                    # Less than asked for, and little: the socket is empty. (A read that filled
-                    # the rest of a record, however small, says nothing.)
-                    drained = n < len(room) and n < _SMALL_READ
-                    room.release()
-                else:
-                    data = await self._transport.receive_some(read_size)
-                    n = len(data)
-                if not n:
-                    self._log.info("conn.lost", during="read", error="EOF without BYE")
-                    self._lose("EOF without BYE")
-                    return
+            if self._socket_reader is not None:
+                await self._socket_reader.run(self._leftover)
+            else:
+                await self._read_transport()
+        except EOFError:
+            self._log.info("conn.lost", during="read", error="EOF without BYE")
+            self._lose("EOF without BYE")
         except ProtocolError as e:
-            self._log.warning("conn.protocol_error", code=e.code.name, reason=str(e))
-            await self._close(e.code, f"protocol error: {e}")
+            if self._protocol_error(e):
+                await self._close(e.code, f"protocol error: {e}")
         except _TRANSPORT_ERRORS as e:
             self._log.info("conn.lost", during="read", error=str(e))
             self._lose(str(e))
+
+    def _protocol_error(self, e: ProtocolError) -> bool:
+        """Log the peer's protocol error; False if one was seen already (by another task)."""
+        if self._broken:
+            return False
+        self._broken = True
+        self._log.warning("conn.protocol_error", code=e.code.name, reason=str(e))
+        return True
+
+    async def _read_transport(self) -> None:
+        """The reader for a transport other than a socket (a relay splice in tests)."""
+        data, self._leftover = self._leftover, b""
+        records = self._decoder.records
+        while True:
+            if data:
+                self._bytes_read += len(data)
+                records.receive_data(data)
+            if records.buffered and not self._process_records():
+                return
+            while self._backlogged() and not self._dead:
+                await self._flush()  # the peer must read our replies before we read on
+            data = await self._transport.receive_some(self.config.read_size)
+            if not data:
+                raise EOFError
+
+    async def _read_for(self, stream: MeshStream) -> None:
+        """Return once `stream` has something to read (data, EOF or an error). While the
+        reader task is idle, this task reads the socket itself (`net/reading.py`)."""
+        reader = self._socket_reader
+        if reader is not None and not self.is_closed:
+            try:
+                await reader.read_for(stream, stream._readable.is_set)
+            except EOFError:
+                self._log.info("conn.lost", during="read", error="EOF without BYE")
+                self._lose("EOF without BYE")
+            except ProtocolError as e:
+                if self._protocol_error(e) and self._nursery is not None:
+                    self._nursery.start_soon(self._close, e.code, f"protocol error: {e}")
+            except _TRANSPORT_ERRORS as e:
+                self._log.info("conn.lost", during="read", error=str(e))
+                self._lose(str(e))
+        if not stream._readable.is_set():  # (waiting on a set event would still yield)
+            await stream._readable.wait()
+
+    def _process_records(self) -> bool:
+        self._process_frames()
+        return not self.is_closed
+
+    def _backlogged(self) -> bool:
+        return self.mux.control_backlog > self.config.max_control_backlog and not self._dead
 
     def _process_frames(self) -> None:
         decoder, mux, dispatch = self._decoder, self.mux, self._dispatch
@@ -569,15 +591,3 @@ class Connection:
             f"Connection(peer={self.peer_id}, session={self.session_id}, path={self.path}, "
             f"initiator={self.initiator}, closed={self.close_reason!r})"
         )
-
-
-def reset_reasons(error: BaseException) -> str | None:
-    """The reason when `error` is a stream reset, or a group of nothing but resets (a
-    handler's own tasks, such as a stage's upstream and downstream); None otherwise."""
-    if isinstance(error, StreamResetError):
-        return str(error)
-    if isinstance(error, BaseExceptionGroup):
-        reasons = [reset_reasons(e) for e in error.exceptions]
-        if all(r is not None for r in reasons):
-            return "; ".join(r for r in reasons if r is not None)
-    return None

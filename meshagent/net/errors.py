@@ -21,6 +21,18 @@ class StreamResetError(MeshError, trio.BrokenResourceError):
         self.by_peer = by_peer
 
 
+def reset_reasons(error: BaseException) -> str | None:
+    """The reason when `error` is a stream reset, or a group of nothing but resets (a
+    handler's own tasks, such as a stage's upstream and downstream); None otherwise."""
+    if isinstance(error, StreamResetError):
+        return str(error)
+    if isinstance(error, BaseExceptionGroup):
+        reasons = [reset_reasons(e) for e in error.exceptions]
+        if all(r is not None for r in reasons):
+            return "; ".join(r for r in reasons if r is not None)
+    return None
+
+
 class ConnectionUnavailable(MeshError):
     """No new stream can be opened on this connection (closing, going away, or absent)."""
 

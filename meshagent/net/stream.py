@@ -130,7 +130,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
                         await trio.lowlevel.cancel_shielded_checkpoint()
                     return data
                 self._readable = trio.Event()
-                await self._readable.wait()
+                await self._conn._read_for(self)
                 waited = True
         finally:
             self._receiving = False

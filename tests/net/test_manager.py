@@ -12,8 +12,8 @@ from structlog.testing import capture_logs
 
 from meshagent.net.address import Address
 from meshagent.net.backoff import Backoff
-from meshagent.net.connection import DIRECT, RELAYED, reset_reasons
-from meshagent.net.errors import ConnectionUnavailable, DialError, StreamResetError
+from meshagent.net.connection import DIRECT, RELAYED
+from meshagent.net.errors import ConnectionUnavailable, DialError, StreamResetError, reset_reasons
 from meshagent.net.manager import ConnectionManager, choose_connection
 from meshagent.testing.sim_network import LinkSpec
 from meshagent.wire.errors import ErrorCode
