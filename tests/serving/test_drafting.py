@@ -1,0 +1,173 @@
+"""Drafting and verification for speculative decoding (`serving/drafting.py`): what the
+drafter proposes, and that decoding with drafts, however bad, gives exactly the tokens
+decoding without them gives."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshagent.serving.drafting import DraftLength, SuffixDrafter, verify
+from meshagent.serving.sampling import Sampler, SamplingParams
+from meshagent.testing.fake_engine import EOS, fake_logits
+
+V = 40
+
+
+def test_proposes_what_followed_the_suffix_before():
+    d = SuffixDrafter([1, 2, 3, 4, 1, 2])
+    assert d.propose(3) == (3, 4, 1)
+    assert d.propose(10) == (3, 4, 1, 2)  # no further than the sequence goes
+    assert d.propose(0) == ()
+
+
+def test_the_most_recent_occurrence_and_the_longest_suffix_win():
+    assert SuffixDrafter([1, 2, 3, 1, 2, 4, 1, 2]).propose(1) == (4,)
+    assert SuffixDrafter([5, 1, 2, 3, 9, 1, 2, 4, 5, 1, 2]).propose(1) == (3,)
+
+
+def test_no_proposal_without_an_earlier_occurrence():
+    assert SuffixDrafter([1, 2, 3, 4]).propose(4) == ()
+    assert SuffixDrafter([7, 7]).propose(2) == ()  # (7, 7) never occurred before its end
+    assert SuffixDrafter([7, 7, 7]).propose(2) == (7,)
+    assert SuffixDrafter().propose(3) == ()
+    with pytest.raises(ValueError):
+        SuffixDrafter(min_n=3, max_n=2)
+
+
+@given(st.lists(st.integers(0, 4), max_size=60), st.integers(0, 60), st.integers(1, 8))
+def test_extending_token_by_token_is_building_at_once(tokens, cut, k):
+    d = SuffixDrafter(tokens[:cut])
+    d.extend(tokens[cut:])
+    assert d.propose(k) == SuffixDrafter(tokens).propose(k)
+    # and what it proposes did follow that suffix somewhere before
+    proposal = d.propose(k)
+    if proposal:
+        n = 2
+        suffix = tuple(tokens[len(tokens) - n :])
+        starts = [i for i in range(len(tokens) - n) if tuple(tokens[i : i + n]) == suffix]
+        assert any(tuple(tokens[i + n : i + n + len(proposal)]) == proposal for i in starts)
+
+
+def test_draft_length_grows_on_success_and_shrinks_on_failure():
+    length = DraftLength(4, max_k=16)
+    length.update(4, 4)
+    assert length.k == 8
+    length.update(8, 8)
+    length.update(16, 16)
+    assert length.k == 16
+    length.update(16, 2)
+    assert length.k == 3
+    length.update(3, 0)
+    assert length.k == 1
+    length.update(0, 0)  # nothing proposed: nothing learned
+    assert length.k == 1
+
+
+def test_verify_wants_one_row_more_than_the_draft():
+    with pytest.raises(ValueError):
+        verify(Sampler(SamplingParams(temperature=0)), [np.zeros(V)], [3])
+
+
+# ----- decoding with drafts against decoding without -----
+
+
+def copying_logits(held: list[int]) -> np.ndarray:
+    """Logits whose favourite repeats the token 7 back: copy-shaped text, where drafts
+    from the sequence itself are right."""
+    logits = fake_logits(held, V)
+    if len(held) >= 7:
+        logits[held[-7]] = 5.0
+    return logits
+
+
+def plain(prompt, limit, params, logits_of) -> list[int]:
+    sampler, held, out = Sampler(params), list(prompt), []
+    while len(out) < limit:
+        token = sampler.sample(logits_of(held))
+        out.append(token)
+        held.append(token)
+        if token == EOS:
+            break
+    return out
+
+
+def speculative(
+    prompt, limit, params, logits_of, draft_of, length: DraftLength | None = None
+) -> tuple[list[int], int]:
+    """Decode with a draft per step; returns the tokens and the number of windows run."""
+    sampler, held, out, windows = Sampler(params), list(prompt), [], 0
+    while len(out) < limit:
+        draft = tuple(draft_of(held))[: limit - len(out) - 1]
+        rows = [logits_of(held + list(draft[:i])) for i in range(len(draft) + 1)]
+        got = verify(sampler, rows, draft, is_end=lambda t: t == EOS)
+        windows += 1
+        if length is not None:
+            length.update(len(draft), len(got) - 1)
+        out += got
+        held += got
+        if got[-1] == EOS:
+            break
+    return out, windows
+
+
+SAMPLINGS = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=0.3),
+    SamplingParams(temperature=0.8, seed=5),
+    SamplingParams(temperature=1.3, top_p=0.9, seed=11, frequency_penalty=0.4),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.lists(st.integers(2, V - 1), min_size=1, max_size=12),
+    sampling=st.sampled_from(SAMPLINGS),
+    copying=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_adversarial_drafts_change_nothing(prompt, sampling, copying, seed):
+    logits_of = copying_logits if copying else (lambda held: fake_logits(held, V))
+    rng = random.Random(seed)
+
+    def adversarial(held):  # random tokens, sometimes the end token, of random length
+        return [rng.choice([EOS, *range(2, V)]) for _ in range(rng.randrange(0, 6))]
+
+    expected = plain(prompt, 40, sampling, logits_of)
+    got, _ = speculative(prompt, 40, sampling, logits_of, adversarial)
+    assert got == expected
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+def test_drafts_from_the_sequence_change_nothing_and_save_windows_on_copied_text(sampling):
+    prompt = [5, 9, 12, 3, 7, 20, 14, 5, 9, 12]
+    length = DraftLength()
+    drafter = SuffixDrafter(prompt)
+
+    def from_sequence(held):
+        drafter.extend(held[len(drafter) :])
+        return drafter.propose(length.k)
+
+    expected = plain(prompt, 120, sampling, copying_logits)
+    got, windows = speculative(prompt, 120, sampling, copying_logits, from_sequence, length)
+    assert got == expected
+    if sampling == SamplingParams(temperature=0):
+        assert windows < len(got) / 3, (windows, len(got))  # most drafts were accepted
+
+
+def test_without_a_seed_the_first_token_keeps_its_distribution():
+    # Whatever the draft, the token kept at a position is the sampler's draw from the row
+    # plain decoding would use: its distribution is the model's.
+    probs = np.array([0.05, 0.1, 0.4, 0.25, 0.2])
+    row = np.log(probs)
+    params = SamplingParams(temperature=1.0)
+    n = 20_000
+    counts = Counter(verify(Sampler(params), [row, row], [2])[0] for _ in range(n))
+    expected = probs * n
+    chi2 = sum((counts[i] - expected[i]) ** 2 / expected[i] for i in range(len(probs)))
+    assert chi2 < 18.5  # 4 degrees of freedom, p = 0.001
