@@ -31,6 +31,7 @@ class ForwardItem:
     pos: int
     tokens: Sequence[int]
     want_logits: bool  # logits for the last token of `tokens`
+    rows: int = 1  # with want_logits: logits for this many last tokens (a draft's window)
 
 
 class TokenModel(Protocol):
@@ -55,7 +56,8 @@ class Engine(TokenModel, Protocol):
     """
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
-        """Run every item in one batch; returns, per item, its last token's logits or None."""
+        """Run every item in one batch; returns, per item, its last token's logits or None
+        (an item with `rows` > 1: an array of that many rows, one per last token)."""
         ...
 
     def clear_sequence(self, seq_id: int) -> None:

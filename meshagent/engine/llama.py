@@ -70,7 +70,7 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
         return self.runtime.decode_tokens(
-            [(it.seq_id, it.pos, it.tokens, it.want_logits) for it in items]
+            [(it.seq_id, it.pos, it.tokens, it.rows if it.want_logits else 0) for it in items]
         )
 
 

@@ -173,14 +173,15 @@ class LlamaRuntime:
             raise EngineError(f"batch of {n} tokens exceeds {self.max_batch_tokens}")
 
     def decode_tokens(
-        self, items: Sequence[tuple[int, int, Sequence[int], bool]]
+        self, items: Sequence[tuple[int, int, Sequence[int], int]]
     ) -> list[np.ndarray | None]:
-        """items: (seq_id, pos, tokens, want_logits). Returns last-token logits per item."""
+        """items: (seq_id, pos, tokens, rows). Returns per item the logits of its last token
+        (rows 1), of its last `rows` tokens as one array (rows > 1), or None (rows 0)."""
         batch = self._tokens
         self._check_size(sum(len(tokens) for _, _, tokens, _ in items))
         order = _by_sequence([seq for seq, _, _, _ in items])
         n = 0
-        rows: list[int | None] = [None] * len(items)
+        wanted: list[range | None] = [None] * len(items)
         for idx in order:
             seq, pos, tokens, want = items[idx]
             for i, tok in enumerate(tokens):
@@ -188,11 +189,21 @@ class LlamaRuntime:
                 self._set_row(batch, n, seq, pos + i, False)
                 n += 1
             if want:
-                batch.logits[n - 1] = True
-                rows[idx] = n - 1
+                first = n - min(int(want), len(tokens))
+                for r in range(first, n):
+                    batch.logits[r] = True
+                wanted[idx] = range(first, n)
         batch.n_tokens = n
         self._decode(batch, n)
-        return [None if r is None else self.logits(r) for r in rows]
+        out: list[np.ndarray | None] = []
+        for idx, r in enumerate(wanted):
+            if r is None:
+                out.append(None)
+            elif int(items[idx][3]) == 1:
+                out.append(self.logits(r[-1]))
+            else:
+                out.append(np.stack([self.logits(i) for i in r]))
+        return out
 
     def decode_embd(
         self, items: Sequence[EmbdItem]

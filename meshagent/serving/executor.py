@@ -1,9 +1,10 @@
 """Executors run the scheduler's steps: the per-token work next to the compute.
 
 `ModelRunner` calls `run_step` on its worker thread, one step at a time. An executor that
-samples itself (a local llama.cpp context) returns the tokens at once, and the runner feeds
-them to the scheduler and takes the next step without returning to the event loop. The entry
-of a split returns no tokens: they come back from the last stage later, through
+samples itself (a local llama.cpp context) returns the tokens at once (for an item with a
+draft, the tokens `verify` keeps, after dropping the rest of the window from its cache), and
+the runner feeds them to the scheduler and takes the next step without returning to the event
+loop. The entry of a split returns no tokens: they come back from the last stage later, through
 `ModelRunner.tokens_ready`.
 """
 
@@ -14,6 +15,7 @@ from typing import Protocol
 import trio
 
 from meshagent.engine.base import Engine, ForwardItem
+from meshagent.serving.drafting import verify
 from meshagent.serving.sampling import Sampler
 from meshagent.serving.scheduler import Step
 
@@ -25,6 +27,7 @@ class Executor(Protocol):
     n_slots: int
     slot_ctx: int
     depth: int  # stages a step passes through: the scheduler keeps this many groups in flight
+    speculates: bool  # verifies steps with drafts (StepItem.draft)
 
     def run_step(self, step: Step) -> list[SampledToken]:
         """Run `step` (blocking, on the runner's worker thread). Returns the tokens sampled
@@ -40,6 +43,7 @@ class LocalExecutor:
     """A whole model in one engine context: forward, then sample, on the worker thread."""
 
     depth = 1
+    speculates = True
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -55,13 +59,24 @@ class LocalExecutor:
             self._samplers[op.slot] = Sampler(op.sampling, op.history)
         if not step.items:
             return []
-        items = [ForwardItem(it.slot, it.pos, it.tokens, it.last) for it in step.items]
+        items = [
+            ForwardItem(it.slot, it.pos, it.tokens, it.last, it.draft + 1) for it in step.items
+        ]
         results = self.engine.forward(items)
         out: list[SampledToken] = []
         for it, logits in zip(step.items, results, strict=True):
-            if it.last:
-                assert logits is not None
-                out.append((it.slot, self._samplers[it.slot].sample(logits), ()))
+            if not it.last:
+                continue
+            assert logits is not None
+            sampler = self._samplers[it.slot]
+            if not it.draft:
+                out.append((it.slot, sampler.sample(logits), ()))
+                continue
+            draft = it.tokens[-it.draft :]
+            tokens = verify(sampler, logits, draft, is_end=self.engine.is_end_of_generation)
+            # Keep the cache up to the last accepted draft token; the one after it is not in.
+            self.engine.trim_sequence(it.slot, it.pos + len(it.tokens) - it.draft + len(tokens) - 1)
+            out += [(it.slot, token, ()) for token in tokens]
         return out
 
     async def run(self, runner: object, *, task_status: trio.TaskStatus[None]) -> None:

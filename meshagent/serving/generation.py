@@ -27,6 +27,7 @@ class GenerationRequest:
     # characters of their text the client already has; only what follows is emitted.
     history: tuple[int, ...] = ()
     delivered: int = 0
+    speculate: bool = False  # draft from the sequence's own text (`serving/drafting.py`)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Finished:
     completion_tokens: int
     stage_ms: tuple[float, ...] = ()  # a split's time per stage on this request
     replays: tuple[Replay, ...] = ()  # lost stages this request survived
+    speculation: Speculation | None = None  # what drafting did, when it was on
 
 
 def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
@@ -66,6 +68,15 @@ def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
             limit=slot_ctx,
         )
     return request.max_tokens
+
+
+@dataclass
+class Speculation:
+    """Drafts of one request: windows verified, draft tokens sent, and how many were right."""
+
+    windows: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,11 +221,16 @@ async def generate(
         out.send_nowait(owed)
     reason = "stop" if text.stopped else "length"
     stage_ms: list[float] = []
+    spec = Speculation() if request.speculate else None
     breaks = _Breaks(replay_deadline)
     while not text.stopped and len(history) < limit:
         try:
             async with runner.start(
-                request.prompt_tokens, limit - len(history), sampling, tuple(history)
+                request.prompt_tokens,
+                limit - len(history),
+                sampling,
+                tuple(history),
+                speculate=request.speculate,
             ) as handle:
                 submitted = trio.current_time()
                 while True:
@@ -224,6 +240,10 @@ async def generate(
                         stage_ms += [0.0] * (len(ev.timing) - len(stage_ms))
                     for i, ms in enumerate(ev.timing):
                         stage_ms[i] += ms
+                    if spec is not None and ev.drafted:
+                        spec.windows += 1
+                        spec.drafted += ev.drafted
+                        spec.accepted += ev.accepted
                     if ev.finish == "stop":
                         reason = "stop"
                         break
@@ -245,5 +265,7 @@ async def generate(
     if (tail := text.tail()) is not None:
         out.send_nowait(tail)
     ms = tuple(round(t, 3) for t in stage_ms)
-    finished = Finished(reason, len(request.prompt_tokens), len(history), ms, tuple(breaks.done))
+    finished = Finished(
+        reason, len(request.prompt_tokens), len(history), ms, tuple(breaks.done), spec
+    )
     out.send_nowait(finished)

@@ -83,6 +83,8 @@ OpenDownstream = Callable[[], Awaitable[trio.abc.SendStream]]
 class PipelineExecutor:
     """Runs steps as the entry of a split: the first stage here, the rest downstream."""
 
+    speculates = False  # the last stage samples one token per sequence and step
+
     def __init__(
         self,
         entry: EntryEngine,

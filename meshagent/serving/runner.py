@@ -100,15 +100,21 @@ class ModelRunner:
         limit: int,
         sampling: SamplingParams,
         history: tuple[int, ...] = (),
+        *,
+        speculate: bool = False,
     ) -> SequenceHandle:
         """Submit a request (a replayed one with its `history`, see `Scheduler.submit`); its
-        tokens arrive on the handle. Raises what `Scheduler.submit` raises (QueueFull,
-        ShuttingDown, ContextOverflow)."""
+        tokens arrive on the handle. `speculate` is honoured where the executor verifies
+        drafts. Raises what `Scheduler.submit` raises (QueueFull, ShuttingDown,
+        ContextOverflow)."""
         if self.aborted is not None:
             raise self.aborted
         handle = SequenceHandle(self, next(self._ids))
         with self._lock:
-            self.scheduler.submit(handle.seq, prompt, limit, sampling, history)
+            speculate = speculate and self.executor.speculates
+            self.scheduler.submit(
+                handle.seq, prompt, limit, sampling, history, speculate=speculate
+            )
             self._handles[handle.seq] = handle
             self._lock.notify()
         return handle

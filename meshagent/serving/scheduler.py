@@ -23,6 +23,13 @@ Policy:
   other into a pipeline without waiting; and since every token runs in a batch of the shape
   it first ran in, an engine whose results depend on the batch shape (llama.cpp's do, in the
   last bits) computes the same cache, and a seeded sampler draws the same next token.
+- A speculating sequence (`speculate`) sends a draft after its last token when its own text
+  proposes one (`serving/drafting.py`): the step's item holds the token and the draft, and the
+  executor returns the tokens plain decoding would have made from that window, one to
+  len(draft) + 1 of them (`verify`). The scheduler knows the draft, so it reads the window's
+  end from the tokens themselves: the first that differs from the draft, or the one after it.
+  The executor keeps the accepted positions of its cache and drops the rest. Drafts take
+  budget after the decode tokens and at most half of it, so prompts keep moving.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshagent.errors import ContextOverflow, MeshError, QueueFull, ShuttingDown
+from meshagent.serving.drafting import DraftLength, SuffixDrafter
 from meshagent.serving.sampling import SamplingParams
 
 
@@ -44,6 +52,7 @@ class StepItem:
     pos: int
     tokens: tuple[int, ...]
     last: bool  # the sequence's pending input ends here: a token is wanted after it
+    draft: int = 0  # the last `draft` tokens are a draft: logits are wanted for each
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,8 @@ class Token:
     token: int
     finish: str | None = None
     timing: tuple[float, ...] = ()  # a split's time per stage on the step that made it
+    drafted: int = 0  # on the token that ends a window: the draft's length...
+    accepted: int = 0  # ...and how many of its tokens were right
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,11 @@ class _Seq:
     busy_in: int = -1  # the step that made it busy
     cancelled: bool = False
     ready_since: int = 0  # the step count when its pending input arrived
+    drafter: SuffixDrafter | None = None  # speculating: its text so far, indexed
+    length: DraftLength | None = None
+    window: tuple[int, ...] = ()  # the draft of the step it is busy in
+    window_pos: int = 0  # the position of the token before that draft
+    window_at: int = 0  # the index in the window of the next token to come back
 
 
 class Scheduler:
@@ -179,12 +195,14 @@ class Scheduler:
         limit: int,
         sampling: SamplingParams,
         history: tuple[int, ...] = (),
+        *,
+        speculate: bool = False,
     ):
         """A new request: it takes a free slot, or waits in the queue. `history`: a replayed
         completion's tokens so far, run after the prompt one per step; `limit` counts the
-        tokens still to generate. Raises ShuttingDown after `close`, QueueFull when the queue is at
-        its bound, ContextOverflow when the prompt, history and `limit` new tokens do not fit
-        a slot."""
+        tokens still to generate; `speculate`: send drafts (see the module's docstring).
+        Raises ShuttingDown after `close`, QueueFull when the queue is at its bound,
+        ContextOverflow when the prompt, history and `limit` new tokens do not fit a slot."""
         if self.closed:
             raise ShuttingDown("the agent is shutting down and takes no new requests")
         if not prompt or limit < 1:
@@ -202,6 +220,9 @@ class Scheduler:
                 "are queued; retry shortly"
             )
         s = _Seq(seq, tuple(prompt), limit, sampling, tuple(history))
+        if speculate:
+            s.drafter = SuffixDrafter((*prompt, *history))
+            s.length = DraftLength()
         self._by_id[seq] = s
         self._queue.append(s)
         self._admit()
@@ -236,6 +257,15 @@ class Scheduler:
             if s.n_past >= len(s.prompt):
                 takes[s.id] = 1
                 budget -= 1
+        drafts: dict[int, tuple[int, ...]] = {}
+        draft_budget = budget // 2
+        for s in share:  # then drafts, within half of what is left
+            if takes.get(s.id) == 1 and len(s.pending) == 1 and s.drafter is not None:
+                draft = self._draft(s, draft_budget)
+                if draft:
+                    drafts[s.id] = draft
+                    draft_budget -= len(draft)
+                    budget -= len(draft)
         for s in share:  # prompt chunks, never past the prompt's end
             if s.id not in takes and budget > 0:
                 takes[s.id] = min(len(s.prompt) - s.n_past, budget)
@@ -246,37 +276,63 @@ class Scheduler:
             if take == 0:
                 continue
             assert s.slot is not None
-            tokens = tuple(s.pending[:take])
+            draft = drafts.get(s.id, ())
+            tokens = (*s.pending[:take], *draft)
             del s.pending[:take]
             last = not s.pending
-            items.append(StepItem(s.id, s.slot, s.n_past, tokens, last))
-            s.n_past += take
+            items.append(StepItem(s.id, s.slot, s.n_past, tokens, last, len(draft)))
+            s.window, s.window_at = draft, 0
+            s.window_pos = s.n_past + take - 1
+            s.n_past += len(tokens)
             s.busy = last
             s.busy_in = self._steps
             s.ready_since = self._steps + 1  # a prompt's next chunk waits behind the others
-            self._tokens += take
+            self._tokens += len(tokens)
         return self._take_step(tuple(items))
 
+    def _draft(self, s: _Seq, budget: int) -> tuple[int, ...]:
+        assert s.drafter is not None and s.length is not None
+        room = min(s.length.k, budget, s.limit - s.generated - 1, self.slot_ctx - s.n_past - 1)
+        # The drafter holds the prompt, the history and every token since: the pending one
+        # is its last.
+        return s.drafter.propose(room) if room > 0 else ()
+
     def token(self, slot: int, token: int, timing: tuple[float, ...] = ()) -> list[Event]:
-        """The token sampled after a busy sequence's last step. Returns what to deliver:
-        nothing for a cancelled sequence or a slot with no sequence waiting."""
+        """A token sampled after a busy sequence's step: the only one, or the next of its
+        window (see the module's docstring). Returns what to deliver: nothing for a
+        cancelled sequence or a slot with no sequence waiting."""
         s = self._by_slot.get(slot)
         if s is None or not s.busy:
             return []
-        s.busy = False
         if s.cancelled:
             self._release(s)
             return []
+        at, window = s.window_at, s.window
+        s.window_at += 1
+        right = at < len(window) and token == window[at]
+        timing = timing if at == 0 else ()
+        finish = None
         if self._is_end(token):
+            finish = "stop"
+        else:
+            s.generated += 1
+            if s.generated >= s.limit:
+                finish = "length"
+        if finish is not None:
             self._release(s)
-            return [Token(s.id, token, "stop", timing)]
-        s.generated += 1
-        if s.generated >= s.limit:
-            self._release(s)
-            return [Token(s.id, token, "length", timing)]
+            return [Token(s.id, token, finish, timing, len(window), at + right)]
+        if s.drafter is not None:
+            s.drafter.extend((token,))
+        if right:  # more of the window is coming
+            return [Token(s.id, token, None, timing)]
+        # The window's last token: the first off the draft, or the one after it.
+        s.busy = False
+        s.n_past = s.window_pos + 1 + at
+        if s.length is not None and window:
+            s.length.update(len(window), at)
         s.pending = [token]
         s.ready_since = self._steps
-        return [Token(s.id, token, None, timing)]
+        return [Token(s.id, token, None, timing, len(window), at)]
 
     def fail(self, seqs: list[int], error: MeshError) -> list[Event]:
         """These sequences end with `error` (their slots are freed)."""

@@ -114,15 +114,19 @@ def fake_logits(
     *,
     eos_every: int = 0,
     batches: tuple[int, ...] | None = None,
+    copy_back: int = 0,
 ) -> np.ndarray:
     """Logits after a sequence holding `held`: a clear favourite that depends on all of it,
     and a spread that lets temperature sampling wander. With `eos_every`, the end token is
     the favourite at every `eos_every`-th position. With `batches` (how the tokens were
-    batched), every other token moves by up to 1, the favourite stays."""
+    batched), every other token moves by up to 1, the favourite stays. With `copy_back`, the
+    favourite is the token that many back (copy-shaped text: it repeats itself)."""
     h = 0
     for t in held:
         h = (h * 31 + t + 7) % 1_000_003
     favourite = 2 + h % (n_vocab - 2)
+    if copy_back and len(held) >= copy_back:
+        favourite = held[-copy_back]
     if eos_every and len(held) % eos_every == 0:
         favourite = EOS
     ids = np.arange(n_vocab, dtype=np.float32)
@@ -145,8 +149,10 @@ class _FakeCompute:
         delay: float,
         eos_every: int,
         batch_sensitive: bool = False,
+        copy_back: int = 0,
     ) -> None:
         self.batch_sensitive = batch_sensitive
+        self.copy_back = copy_back
         self.n_vocab = n_vocab
         self.n_slots = slots
         self.slot_ctx = slot_ctx
@@ -171,7 +177,11 @@ class _FakeCompute:
             return None
         batches = self.caches.batches(slot) if self.batch_sensitive else None
         return fake_logits(
-            self.caches.held[slot], self.n_vocab, eos_every=self.eos_every, batches=batches
+            self.caches.held[slot],
+            self.n_vocab,
+            eos_every=self.eos_every,
+            batches=batches,
+            copy_back=self.copy_back,
         )
 
     def clear_sequence(self, seq_id: int) -> None:
@@ -190,6 +200,7 @@ class FakeEngine(FakeVocab, _FakeCompute):
         delay: float = 0.0,
         eos_every: int = 0,
         batch_sensitive: bool = False,
+        copy_back: int = 0,
     ) -> None:
         FakeVocab.__init__(self, n_vocab, slots=slots, slot_ctx=slot_ctx)
         _FakeCompute.__init__(
@@ -200,11 +211,24 @@ class FakeEngine(FakeVocab, _FakeCompute):
             delay=delay,
             eos_every=eos_every,
             batch_sensitive=batch_sensitive,
+            copy_back=copy_back,
         )
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
         self._compute()
-        return [self._run(it.seq_id, it.pos, it.tokens, it.want_logits) for it in items]
+        out: list[np.ndarray | None] = []
+        for it in items:
+            if it.want_logits and it.rows > 1:  # a window: logits after each of its last tokens
+                head = len(it.tokens) - it.rows
+                self._run(it.seq_id, it.pos, it.tokens[:head], False)
+                rows = [
+                    self._run(it.seq_id, it.pos + i, it.tokens[i : i + 1], True)
+                    for i in range(head, len(it.tokens))
+                ]
+                out.append(np.stack(rows))
+            else:
+                out.append(self._run(it.seq_id, it.pos, it.tokens, it.want_logits))
+        return out
 
     def trim_sequence(self, seq_id: int, keep: int) -> None:
         self.caches.trim(seq_id, keep)

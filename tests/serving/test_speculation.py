@@ -1,0 +1,110 @@
+"""Speculative decoding through the runner and the local executor, on the fake engine:
+drafts from the sequence's own text change no token (greedy, seeded, penalties, stop strings,
+limits, batching), save steps on copy-shaped text, and show in the receipt."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from meshagent.serving.generation import Delta, Finished, GenerationRequest
+from meshagent.serving.local_model import LocalModel
+from meshagent.serving.sampling import SamplingParams
+from meshagent.testing.fake_engine import FakeEngine
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLINGS = [
+    GREEDY,
+    SamplingParams(temperature=0.0, frequency_penalty=0.8, presence_penalty=0.2),
+    SamplingParams(temperature=0.9, seed=3),
+    SamplingParams(temperature=1.2, top_p=0.8, seed=8, presence_penalty=0.5),
+]
+
+
+async def run(model: LocalModel, prompt: str, max_tokens: int, **kw) -> tuple[str, Finished]:
+    req = GenerationRequest(model.text_tokens(prompt), max_tokens, **kw)
+    send, recv = trio.open_memory_channel(max_tokens + 4)
+    async with send:
+        await model.generate(req, send)
+    events = [e async for e in recv]
+    assert isinstance(events[-1], Finished)
+    return "".join(e.text for e in events if isinstance(e, Delta)), events[-1]
+
+
+@pytest.fixture(params=[0, 6], ids=["novel", "copying"])
+async def served(request, nursery):
+    engine = FakeEngine(slots=3, slot_ctx=512, copy_back=request.param)
+    model = LocalModel.whole(engine, max_queue=4)
+    await nursery.start(model.run)
+    return engine, model
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+async def test_drafts_change_no_token(served, sampling):
+    _, model = served
+    for prompt in ("abcdef abcdef abc", "the cat sat on the mat, the cat"):
+        plain, p_fin = await run(model, prompt, 80, sampling=sampling)
+        spec, s_fin = await run(model, prompt, 80, sampling=sampling, speculate=True)
+        assert spec == plain
+        assert (s_fin.reason, s_fin.completion_tokens) == (p_fin.reason, p_fin.completion_tokens)
+        assert p_fin.speculation is None and s_fin.speculation is not None
+
+
+async def test_greedy_text_holds_where_batch_shapes_move_the_last_bits(nursery):
+    # Like llama.cpp, whose results change in the last bits with a batch's shape: a window
+    # is one batch where plain decoding ran one token per step. The favourite holds (as it
+    # does for llama.cpp's greedy text away from near ties); with penalties or sampling it
+    # may not, which is the price of any batched verification.
+    engine = FakeEngine(slots=2, slot_ctx=512, copy_back=6, batch_sensitive=True)
+    model = LocalModel.whole(engine, max_queue=2)
+    await nursery.start(model.run)
+    plain, _ = await run(model, "abcdef abcdef", 100, sampling=GREEDY)
+    spec, fin = await run(model, "abcdef abcdef", 100, sampling=GREEDY, speculate=True)
+    assert spec == plain and fin.speculation.accepted > 50
+
+
+async def test_copied_text_takes_fewer_steps_and_the_receipt_counts_the_drafts(nursery):
+    engine = FakeEngine(slots=2, slot_ctx=512, copy_back=6)
+    model = LocalModel.whole(engine, max_queue=2)
+    await nursery.start(model.run)
+    before = engine.forwards
+    plain, _ = await run(model, "abcdef abcdef", 120, sampling=GREEDY)
+    plain_steps = engine.forwards - before
+    before = engine.forwards
+    spec, fin = await run(model, "abcdef abcdef", 120, sampling=GREEDY, speculate=True)
+    spec_steps = engine.forwards - before
+    assert spec == plain
+    assert spec_steps * 4 < plain_steps, (spec_steps, plain_steps)
+    s = fin.speculation
+    assert s.windows >= 1 and s.drafted >= s.accepted > 90
+    # every token came from a window or a plain step: accepted drafts save that many steps
+    assert fin.completion_tokens == 120
+
+
+async def test_stop_strings_and_limits_cut_inside_a_window(served):
+    _, model = served
+    plain, _ = await run(model, "abcdef abcdef", 150, sampling=GREEDY)
+    stop = plain[40:43]
+    cut, c_fin = await run(model, "abcdef abcdef", 150, sampling=GREEDY, stop=(stop,))
+    spec_cut, s_fin = await run(
+        model, "abcdef abcdef", 150, sampling=GREEDY, stop=(stop,), speculate=True
+    )
+    assert spec_cut == cut and s_fin.reason == c_fin.reason == "stop"
+    for limit in (1, 2, 7, 33):
+        spec, fin = await run(model, "abcdef abcdef", limit, sampling=GREEDY, speculate=True)
+        assert (spec, fin.completion_tokens) == (plain[:limit], limit)
+
+
+async def test_concurrent_speculating_and_plain_requests_match_each_alone(served):
+    _, model = served
+    prompts = ["abcdef abcdef", "xyz xyz xyz", "hello there", "mnop mnop mn"]
+    alone = [await run(model, p, 60, sampling=GREEDY) for p in prompts]
+    got: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        got[i] = (await run(model, prompts[i], 60, sampling=GREEDY, speculate=i % 2 == 0))[0]
+
+    async with trio.open_nursery() as n:
+        for i in range(len(prompts)):  # more requests than slots: one waits in the queue
+            n.start_soon(one, i)
+    assert [got[i] for i in range(len(prompts))] == [text for text, _ in alone]
