@@ -72,19 +72,39 @@ class SuffixDrafter:
 
 class DraftLength:
     """How many tokens to propose: doubled after a draft accepted whole, cut to one more
-    than was accepted otherwise; between 1 and `max_k`."""
+    than was accepted otherwise; between 1 and `max_k`. With `backoff`, a draft of which
+    nothing was accepted also pauses drafting for 2, 4, 8... up to `max_pause` steps (the
+    count restarts after a draft that was at least partly right), so text the drafts do not
+    fit costs few wasted windows."""
 
-    def __init__(self, initial: int = 4, *, max_k: int = 16) -> None:
+    def __init__(
+        self, initial: int = 4, *, max_k: int = 16, backoff: bool = False, max_pause: int = 64
+    ) -> None:
         self.max_k = max_k
         self.k = max(1, min(initial, max_k))
+        self.backoff = backoff
+        self.max_pause = max_pause
+        self._misses = 0
+        self._resume_at = 0
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def ready(self, step: int) -> bool:
+        """Whether to draft at `step` (a count of the caller's steps)."""
+        return step >= self._resume_at
+
+    def update(self, proposed: int, accepted: int, step: int = 0) -> None:
         if proposed <= 0:
             return
         if accepted >= proposed:
             self.k = min(self.max_k, self.k * 2)
         else:
             self.k = max(1, min(self.max_k, accepted + 1))
+        if not self.backoff:
+            return
+        if accepted:
+            self._misses = 0
+        else:
+            self._misses += 1
+            self._resume_at = step + min(self.max_pause, 2**self._misses)
 
 
 def verify(

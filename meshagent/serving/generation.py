@@ -27,7 +27,9 @@ class GenerationRequest:
     # characters of their text the client already has; only what follows is emitted.
     history: tuple[int, ...] = ()
     delivered: int = 0
-    speculate: bool = False  # draft from the sequence's own text (`serving/drafting.py`)
+    # Drafts from the sequence's own text (`serving/drafting.py`): "auto", "on" or "off";
+    # None: what the model serving it is set to.
+    speculation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,8 @@ async def generate(
         out.send_nowait(owed)
     reason = "stop" if text.stopped else "length"
     stage_ms: list[float] = []
-    spec = Speculation() if request.speculate else None
+    mode = request.speculation or "off"
+    spec = Speculation() if mode != "off" and runner.executor.speculates else None
     breaks = _Breaks(replay_deadline)
     while not text.stopped and len(history) < limit:
         try:
@@ -230,7 +233,7 @@ async def generate(
                 limit - len(history),
                 sampling,
                 tuple(history),
-                speculate=request.speculate,
+                speculation=mode,
             ) as handle:
                 submitted = trio.current_time()
                 while True:

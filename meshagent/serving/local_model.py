@@ -4,6 +4,7 @@ template together."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import trio
 
@@ -21,6 +22,7 @@ class LocalModel:
 
     reroute: Reroute | None = None
     replay_deadline: float = 30.0
+    speculation: str = "auto"  # for requests that do not choose (`--speculation`)
 
     def __init__(self, engine: TokenModel, runner: ModelRunner) -> None:
         self.engine = engine
@@ -54,6 +56,8 @@ class LocalModel:
         self, request: GenerationRequest, out: trio.MemorySendChannel[Delta | Finished]
     ) -> None:
         """Generate `request` into `out` (see `generation.generate`)."""
+        if request.speculation is None:
+            request = replace(request, speculation=self.speculation)
         await generate(
             self.runner,
             self.engine.token_bytes,

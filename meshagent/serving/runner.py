@@ -101,19 +101,20 @@ class ModelRunner:
         sampling: SamplingParams,
         history: tuple[int, ...] = (),
         *,
-        speculate: bool = False,
+        speculation: str = "off",
     ) -> SequenceHandle:
         """Submit a request (a replayed one with its `history`, see `Scheduler.submit`); its
-        tokens arrive on the handle. `speculate` is honoured where the executor verifies
-        drafts. Raises what `Scheduler.submit` raises (QueueFull, ShuttingDown,
-        ContextOverflow)."""
+        tokens arrive on the handle. `speculation` ("auto", "on", "off") is honoured where
+        the executor verifies drafts. Raises what `Scheduler.submit` raises (QueueFull,
+        ShuttingDown, ContextOverflow)."""
         if self.aborted is not None:
             raise self.aborted
         handle = SequenceHandle(self, next(self._ids))
         with self._lock:
-            speculate = speculate and self.executor.speculates
+            if not self.executor.speculates:
+                speculation = "off"
             self.scheduler.submit(
-                handle.seq, prompt, limit, sampling, history, speculate=speculate
+                handle.seq, prompt, limit, sampling, history, speculation=speculation
             )
             self._handles[handle.seq] = handle
             self._lock.notify()

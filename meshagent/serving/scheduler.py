@@ -23,13 +23,15 @@ Policy:
   other into a pipeline without waiting; and since every token runs in a batch of the shape
   it first ran in, an engine whose results depend on the batch shape (llama.cpp's do, in the
   last bits) computes the same cache, and a seeded sampler draws the same next token.
-- A speculating sequence (`speculate`) sends a draft after its last token when its own text
-  proposes one (`serving/drafting.py`): the step's item holds the token and the draft, and the
-  executor returns the tokens plain decoding would have made from that window, one to
-  len(draft) + 1 of them (`verify`). The scheduler knows the draft, so it reads the window's
-  end from the tokens themselves: the first that differs from the draft, or the one after it.
-  The executor keeps the accepted positions of its cache and drops the rest. Drafts take
-  budget after the decode tokens and at most half of it, so prompts keep moving.
+- A speculating sequence (`speculation` "on" or "auto") sends a draft after its last token
+  when its own text proposes one (`serving/drafting.py`): the step's item holds the token and
+  the draft, and the executor returns the tokens plain decoding would have made from that
+  window, one to len(draft) + 1 of them (`verify`). The scheduler knows the draft, so it
+  reads the window's end from the tokens themselves: the first that differs from the draft,
+  or the one after it. The executor keeps the accepted positions of its cache and drops the
+  rest. Drafts take budget after the decode tokens and at most half of it, so prompts keep
+  moving. With "auto", a draft of which nothing was accepted pauses that sequence's drafting
+  for a growing number of steps (`DraftLength`).
 """
 
 from __future__ import annotations
@@ -196,11 +198,12 @@ class Scheduler:
         sampling: SamplingParams,
         history: tuple[int, ...] = (),
         *,
-        speculate: bool = False,
+        speculation: str = "off",
     ):
         """A new request: it takes a free slot, or waits in the queue. `history`: a replayed
         completion's tokens so far, run after the prompt one per step; `limit` counts the
-        tokens still to generate; `speculate`: send drafts (see the module's docstring).
+        tokens still to generate; `speculation`: "on" or "auto" to send drafts (see the
+        module's docstring), "off" not to.
         Raises ShuttingDown after `close`, QueueFull when the queue is at its bound,
         ContextOverflow when the prompt, history and `limit` new tokens do not fit a slot."""
         if self.closed:
@@ -220,9 +223,11 @@ class Scheduler:
                 "are queued; retry shortly"
             )
         s = _Seq(seq, tuple(prompt), limit, sampling, tuple(history))
-        if speculate:
+        if speculation not in ("auto", "on", "off"):
+            raise ValueError(f"speculation must be auto, on or off, not {speculation!r}")
+        if speculation != "off":
             s.drafter = SuffixDrafter((*prompt, *history))
-            s.length = DraftLength()
+            s.length = DraftLength(backoff=speculation == "auto")
         self._by_id[seq] = s
         self._queue.append(s)
         self._admit()
@@ -292,6 +297,8 @@ class Scheduler:
 
     def _draft(self, s: _Seq, budget: int) -> tuple[int, ...]:
         assert s.drafter is not None and s.length is not None
+        if not s.length.ready(self._steps):
+            return ()
         room = min(s.length.k, budget, s.limit - s.generated - 1, self.slot_ctx - s.n_past - 1)
         # The drafter holds the prompt, the history and every token since: the pending one
         # is its last.
@@ -329,7 +336,7 @@ class Scheduler:
         s.busy = False
         s.n_past = s.window_pos + 1 + at
         if s.length is not None and window:
-            s.length.update(len(window), at)
+            s.length.update(len(window), at, self._steps)
         s.pending = [token]
         s.ready_since = self._steps
         return [Token(s.id, token, None, timing, len(window), at)]

@@ -69,6 +69,21 @@ def test_draft_length_grows_on_success_and_shrinks_on_failure():
     assert length.k == 1
 
 
+def test_backoff_pauses_drafting_after_misses_and_resumes_after_a_hit():
+    length = DraftLength(4, backoff=True, max_pause=8)
+    assert length.ready(0)
+    length.update(4, 0, step=10)
+    assert not length.ready(11) and length.ready(12)  # 2 steps
+    length.update(1, 0, step=12)
+    assert not length.ready(15) and length.ready(16)  # 4
+    length.update(1, 0, step=16)
+    length.update(1, 0, step=16)
+    assert not length.ready(23) and length.ready(24)  # at most max_pause
+    length.update(1, 1, step=24)  # a hit: the count restarts
+    length.update(2, 0, step=30)
+    assert length.ready(32)
+
+
 def test_verify_wants_one_row_more_than_the_draft():
     with pytest.raises(ValueError):
         verify(Sampler(SamplingParams(temperature=0)), [np.zeros(V)], [3])

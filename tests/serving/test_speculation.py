@@ -22,6 +22,7 @@ SAMPLINGS = [
 
 
 async def run(model: LocalModel, prompt: str, max_tokens: int, **kw) -> tuple[str, Finished]:
+    kw.setdefault("speculation", "off")
     req = GenerationRequest(model.text_tokens(prompt), max_tokens, **kw)
     send, recv = trio.open_memory_channel(max_tokens + 4)
     async with send:
@@ -44,7 +45,7 @@ async def test_drafts_change_no_token(served, sampling):
     _, model = served
     for prompt in ("abcdef abcdef abc", "the cat sat on the mat, the cat"):
         plain, p_fin = await run(model, prompt, 80, sampling=sampling)
-        spec, s_fin = await run(model, prompt, 80, sampling=sampling, speculate=True)
+        spec, s_fin = await run(model, prompt, 80, sampling=sampling, speculation="on")
         assert spec == plain
         assert (s_fin.reason, s_fin.completion_tokens) == (p_fin.reason, p_fin.completion_tokens)
         assert p_fin.speculation is None and s_fin.speculation is not None
@@ -59,7 +60,7 @@ async def test_greedy_text_holds_where_batch_shapes_move_the_last_bits(nursery):
     model = LocalModel.whole(engine, max_queue=2)
     await nursery.start(model.run)
     plain, _ = await run(model, "abcdef abcdef", 100, sampling=GREEDY)
-    spec, fin = await run(model, "abcdef abcdef", 100, sampling=GREEDY, speculate=True)
+    spec, fin = await run(model, "abcdef abcdef", 100, sampling=GREEDY, speculation="on")
     assert spec == plain and fin.speculation.accepted > 50
 
 
@@ -71,7 +72,7 @@ async def test_copied_text_takes_fewer_steps_and_the_receipt_counts_the_drafts(n
     plain, _ = await run(model, "abcdef abcdef", 120, sampling=GREEDY)
     plain_steps = engine.forwards - before
     before = engine.forwards
-    spec, fin = await run(model, "abcdef abcdef", 120, sampling=GREEDY, speculate=True)
+    spec, fin = await run(model, "abcdef abcdef", 120, sampling=GREEDY, speculation="on")
     spec_steps = engine.forwards - before
     assert spec == plain
     assert spec_steps * 4 < plain_steps, (spec_steps, plain_steps)
@@ -87,11 +88,11 @@ async def test_stop_strings_and_limits_cut_inside_a_window(served):
     stop = plain[40:43]
     cut, c_fin = await run(model, "abcdef abcdef", 150, sampling=GREEDY, stop=(stop,))
     spec_cut, s_fin = await run(
-        model, "abcdef abcdef", 150, sampling=GREEDY, stop=(stop,), speculate=True
+        model, "abcdef abcdef", 150, sampling=GREEDY, stop=(stop,), speculation="on"
     )
     assert spec_cut == cut and s_fin.reason == c_fin.reason == "stop"
     for limit in (1, 2, 7, 33):
-        spec, fin = await run(model, "abcdef abcdef", limit, sampling=GREEDY, speculate=True)
+        spec, fin = await run(model, "abcdef abcdef", limit, sampling=GREEDY, speculation="on")
         assert (spec, fin.completion_tokens) == (plain[:limit], limit)
 
 
@@ -102,9 +103,43 @@ async def test_concurrent_speculating_and_plain_requests_match_each_alone(served
     got: dict[int, str] = {}
 
     async def one(i: int) -> None:
-        got[i] = (await run(model, prompts[i], 60, sampling=GREEDY, speculate=i % 2 == 0))[0]
+        mode = "on" if i % 2 == 0 else "off"
+        got[i] = (await run(model, prompts[i], 60, sampling=GREEDY, speculation=mode))[0]
 
     async with trio.open_nursery() as n:
         for i in range(len(prompts)):  # more requests than slots: one waits in the queue
             n.start_soon(one, i)
     assert [got[i] for i in range(len(prompts))] == [text for text, _ in alone]
+
+
+async def test_auto_backs_off_where_drafts_miss_and_the_model_default_applies(nursery):
+    engine = FakeEngine(slots=2, slot_ctx=512)  # novel text: drafts from it rarely fit
+    model = LocalModel.whole(engine, max_queue=2)
+    await nursery.start(model.run)
+    prompt = "ab ab ab ab cd cd cd cd ef ef"
+    plain, _ = await run(model, prompt, 200, sampling=GREEDY)
+    on, on_fin = await run(model, prompt, 200, sampling=GREEDY, speculation="on")
+    auto, auto_fin = await run(model, prompt, 200, sampling=GREEDY, speculation="auto")
+    assert on == auto == plain
+    assert auto_fin.speculation.windows < on_fin.speculation.windows
+    model.speculation = "auto"  # --speculation: what a request that does not choose gets
+    req = GenerationRequest(model.text_tokens(prompt), 20, GREEDY)
+    send, recv = trio.open_memory_channel(30)
+    async with send:
+        await model.generate(req, send)
+    *_, fin = [e async for e in recv]
+    assert fin.speculation is not None
+    model.speculation = "off"
+    send, recv = trio.open_memory_channel(30)
+    async with send:
+        await model.generate(req, send)
+    *_, fin = [e async for e in recv]
+    assert fin.speculation is None
+
+
+def test_a_mode_other_than_auto_on_off_is_refused():
+    from meshagent.serving.scheduler import Scheduler
+
+    sched = Scheduler(n_slots=1, slot_ctx=64, max_queue=1, is_end=lambda t: False)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        sched.submit(0, (1, 2), 4, GREEDY, speculation="maybe")
