@@ -64,6 +64,7 @@ class AgentConfig:
     threads: int = 0  # 0: one per core
     grace: float = 10.0  # seconds in-flight requests get to finish on shutdown
     replay_deadline: float = 30.0  # seconds a request waits for a split that lost a stage
+    speculation: str = "auto"  # drafts from a request's own text: auto, on or off
     log_level: str = "info"
     relays: tuple[str, ...] = ()  # relay servers to register with (host:port)
     mdns: bool = True  # advertise and browse on the local network (not when listening on loopback)
@@ -117,6 +118,8 @@ class AgentConfig:
             )
         if self.max_memory < 0:
             raise ConfigError(f"max-memory must be >= 0 bytes (0: no cap), got {self.max_memory}")
+        if self.speculation not in ("auto", "on", "off"):
+            raise ConfigError("speculation must be auto, on or off")
         if self.wire_dtype not in ("auto", "f16", "f32"):
             raise ConfigError("wire-dtype must be auto, f16 or f32")
         if self.upgrade_interval <= 0 or self.mem_weights_gib < 0 or self.mem_kv_gib < 0:
@@ -143,6 +146,7 @@ CONFIG_TEMPLATE = """\
 # max_queue = 64
 # grace = 10.0
 # replay_deadline = 30.0
+# speculation = "auto"
 # relays = ["relay.example.org:9339"]
 # mdns = true
 # gossip_interval = 1.0

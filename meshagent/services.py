@@ -196,6 +196,7 @@ class Services:
                 max_queue=cfg.max_queue,
                 wire_dtype=cfg.wire_dtype,
                 replay_deadline=cfg.replay_deadline,
+                speculation=cfg.speculation,
             ),
         )
 

@@ -17,7 +17,7 @@ from meshagent.api.errors import ApiError, from_body
 from meshagent.api.forwarding import FRAMING
 from meshagent.errors import MeshError
 from meshagent.serving.directory import Headers
-from meshagent.serving.generation import Delta, Finished, Replay
+from meshagent.serving.generation import Delta, Finished, Replay, Speculation
 
 VERSION = 1
 
@@ -74,7 +74,7 @@ def _fields(msg: Message) -> dict[int, Any]:
     if isinstance(msg, Delta):
         return {1: "delta", 2: msg.text, 3: list(msg.tokens)}
     replays = [[r.reason, r.tokens, r.ms, r.wait_ms, list(r.lost)] for r in msg.replays]
-    return {
+    done = {
         1: "done",
         2: msg.reason,
         3: msg.prompt_tokens,
@@ -82,6 +82,9 @@ def _fields(msg: Message) -> dict[int, Any]:
         5: list(msg.stage_ms),
         6: replays,
     }
+    if (s := msg.speculation) is not None:
+        done[7] = [s.windows, s.drafted, s.accepted]
+    return done
 
 
 def decode(body: bytes) -> Message:
@@ -106,7 +109,9 @@ def _message(m: dict[int, Any]) -> Message:
             Replay(_str(r[0]), _int(r[1]), float(r[2]), float(r[3]), tuple(map(_str, r[4])))
             for r in m[6]
         )
-        return Finished(_str(m[2]), _int(m[3]), _int(m[4]), tuple(float(x) for x in m[5]), replays)
+        spec = None if m.get(7) is None else Speculation(*(_int(x) for x in m[7][:3]))
+        stage_ms = tuple(float(x) for x in m[5])
+        return Finished(_str(m[2]), _int(m[3]), _int(m[4]), stage_ms, replays, spec)
     if kind == "head":
         headers = [(bytes(k), bytes(v)) for k, v in m[2]]
         seed = None if m[4] is None else _int(m[4])

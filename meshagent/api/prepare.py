@@ -90,4 +90,6 @@ def _generation_request(
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
     )
-    return GenerationRequest(tokens, limit, sampling, req.stop_list())
+    return GenerationRequest(
+        tokens, limit, sampling, req.stop_list(), speculation=req.speculation()
+    )

@@ -36,6 +36,15 @@ def usage(done: Finished) -> dict[str, Any]:
             }
             for r in done.replays
         ]
+    if done.speculation is not None:
+        # Drafts from the request's own text: windows verified, draft tokens sent, and how
+        # many of them were right (each one a step saved).
+        s = done.speculation
+        receipt["speculation"] = {
+            "windows": s.windows,
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+        }
     if receipt:
         out["meshagent"] = receipt
     return out

@@ -11,6 +11,13 @@ from meshagent.api.errors import ApiError, bad_request
 MAX_STOPS = 4
 
 
+class MeshagentOptions(BaseModel):
+    """The `meshagent` extension object of a request: this project's own choices."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt option is an error, not ignored
+    speculation: Literal["auto", "on", "off"] | None = None
+
+
 class _Request(BaseModel):
     # Unknown fields are ignored, as many clients send extras we have no use for.
     model_config = ConfigDict(extra="ignore")
@@ -26,6 +33,7 @@ class _Request(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     stream_options: dict[str, Any] | None = None
+    meshagent: MeshagentOptions | None = None
 
     @field_validator("stop")
     @classmethod
@@ -38,6 +46,9 @@ class _Request(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def speculation(self) -> str | None:
+        return None if self.meshagent is None else self.meshagent.speculation
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))

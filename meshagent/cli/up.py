@@ -82,6 +82,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how long a request whose split lost a stage waits for the split to serve again "
         f"before it fails (default {d.replay_deadline}; 0: fail at once)",
     )
+    p.add_argument(
+        "--speculation",
+        choices=("auto", "on", "off"),
+        help="speculative decoding with drafts from each request's own text, for requests "
+        "that do not choose (default auto: drafts while they are accepted; on: whenever "
+        "the text proposes one; off: never)",
+    )
     p.add_argument("--log-level", choices=logs.LEVELS, help="default info")
     p.add_argument(
         "--log-format",
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             "wire_dtype",
             "grace",
             "replay_deadline",
+            "speculation",
             "log_level",
             "mdns",
         )

@@ -54,6 +54,7 @@ class MeshModelSettings:
     max_queue: int
     wire_dtype: str = "auto"  # --wire-dtype: auto, f16 or f32
     replay_deadline: float = 30.0  # seconds a request waits for its split to serve again
+    speculation: str = "auto"  # --speculation, for requests that do not choose
     headroom: float = 0.1
     threshold: float = 0.25
 
@@ -296,6 +297,7 @@ class MeshModel:
             )
             self._whole = engine
             self.local = LocalModel.whole(engine, max_queue=s.max_queue)
+            self.local.speculation = s.speculation
             receipt = [(b"x-meshagent-stages", f"{self.peer_id}:0-{self.layout.n_layers}".encode())]
         elif any(st.peer_id == self.peer_id for st in plan.stages):
             wire = self.wire = await self._wire_choice()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from meshagent.api.errors import ApiError, from_body, unavailable
 from meshagent.api.forwarding import FRAMING
 from meshagent.api.gen_messages import Ask, Fail, GenMessageError, Head, decode, encode
-from meshagent.serving.generation import Delta, Finished, Replay
+from meshagent.serving.generation import Delta, Finished, Replay, Speculation
 from meshagent.wire.framing import LengthPrefixDecoder
 
 
@@ -38,6 +38,7 @@ def _body(data: bytes) -> bytes:
         Delta("", ()),
         Finished("stop", 10, 20, (1.5, 2.25), (Replay("lost", 30, 1200.5, 800.0),)),
         Finished("length", 1, 2, (), (Replay("a", 3, 4.0, 1.0, ("p:0-10", "q:10-30")),)),
+        Finished("stop", 4, 9, (), (), Speculation(3, 12, 7)),
     ],
 )
 def test_messages_round_trip(msg):

@@ -35,6 +35,11 @@ def test_valid_chat_request_with_content_parts():
         ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"model": "m", "messages": MSGS, "n": 2}, "n"),
         ({"model": "m", "messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
+        (
+            {"model": "m", "messages": MSGS, "meshagent": {"speculation": "x"}},
+            "meshagent.speculation",
+        ),
+        ({"model": "m", "messages": MSGS, "meshagent": {"speculate": "on"}}, "meshagent.speculate"),
     ],
 )
 def test_invalid_chat_requests_name_the_parameter(body, param):

@@ -292,3 +292,61 @@ def test_sse_is_incremental(agent: AgentProcess, model_id: str) -> None:
         assert st["in_flight"] == 1
         rest = list(lines)
     assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+
+
+DOC = json.dumps(
+    {"name": "meshagent", "version": "0.1.0", "tags": ["mesh", "llm", "p2p"], "port": 9337},
+    indent=2,
+)
+COPY = [
+    {
+        "role": "user",
+        "content": f"Here is a JSON document:\n{DOC}\nRepeat it exactly, with the port set to "
+        "9400.",
+    }
+]
+
+
+def test_speculation_changes_no_token_and_its_receipt_counts_the_drafts(
+    client: OpenAI, model_id: str
+) -> None:
+    # Copy-shaped text: drafts from the request's own text are mostly right. The text is the
+    # same with drafts and without, chat and text completions, whole and streamed.
+    def ask(mode: str, **kw):
+        extra = {"meshagent": {"speculation": mode}}
+        return client.chat.completions.create(
+            model=model_id, messages=COPY, max_tokens=80, temperature=0, extra_body=extra, **kw
+        )
+
+    plain, spec = ask("off"), ask("on")
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    receipt = spec.usage.model_extra["meshagent"]["speculation"]
+    assert receipt["accepted"] > 20 and receipt["drafted"] >= receipt["accepted"]
+    assert "meshagent" not in (plain.usage.model_extra or {})
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in ask("on", stream=True) if c.choices
+    )
+    assert streamed == plain.choices[0].message.content
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(x, y):\n    return"
+    text = {
+        mode: client.completions.create(
+            model=model_id,
+            prompt=prompt,
+            max_tokens=60,
+            temperature=0,
+            extra_body={"meshagent": {"speculation": mode}},
+        )
+        .choices[0]
+        .text
+        for mode in ("off", "on", "auto")
+    }
+    assert text["on"] == text["off"] == text["auto"]
+
+
+def test_a_bad_speculation_choice_is_a_400(agent: AgentProcess, model_id: str) -> None:
+    r = httpx.post(
+        f"{agent.url}/v1/completions",
+        json={"model": model_id, "prompt": "x", "meshagent": {"speculation": "always"}},
+    )
+    assert r.status_code == 400
+    assert _error(r)["param"] == "meshagent.speculation"
