@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import trio
 
-from meshagent.serving.generation import Delta, Finished, GenerationRequest
+from meshagent.serving.generation import Finished, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import SamplingParams
 from meshagent.testing.fake_engine import FakeEngine
+from tests.serving.test_runner import complete
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLINGS = [
@@ -22,14 +23,8 @@ SAMPLINGS = [
 
 
 async def run(model: LocalModel, prompt: str, max_tokens: int, **kw) -> tuple[str, Finished]:
-    kw.setdefault("speculation", "off")
-    req = GenerationRequest(model.text_tokens(prompt), max_tokens, **kw)
-    send, recv = trio.open_memory_channel(max_tokens + 4)
-    async with send:
-        await model.generate(req, send)
-    events = [e async for e in recv]
-    assert isinstance(events[-1], Finished)
-    return "".join(e.text for e in events if isinstance(e, Delta)), events[-1]
+    kw.setdefault("speculation", "off")  # not the model's default
+    return await complete(model, prompt, max_tokens, **kw)
 
 
 @pytest.fixture(params=[0, 6], ids=["novel", "copying"])
