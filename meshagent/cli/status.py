@@ -56,6 +56,12 @@ def run(args: argparse.Namespace) -> int:
             f"model     {m['id']}  layers {m['layers'][0]}-{m['layers'][1]}  "
             f"slots {s['active']}/{s['slots']} busy, {s['queued']} queued"
         )
+        if s.get("draft_windows"):
+            share = s["draft_accepted"] / max(1, s["draft_tokens"])
+            print(
+                f"drafts    {s['draft_windows']} windows, {s['draft_accepted']} of "
+                f"{s['draft_tokens']} draft tokens accepted ({share:.0%}): that many steps saved"
+            )
     for model_id, p in (st.get("placement") or {}).items():
         if p.get("stages"):
             parts = ", ".join(f"{pid[:12]}:{a}-{b}" for pid, a, b in p["stages"])

@@ -108,6 +108,9 @@ class SchedulerStats:
     max_queue: int
     tokens_processed: int
     batches: int
+    draft_windows: int = 0  # windows verified with a draft, since the model was loaded
+    draft_tokens: int = 0  # draft tokens sent in them
+    draft_accepted: int = 0  # and of those, the ones that were right
 
 
 @dataclass
@@ -159,6 +162,7 @@ class Scheduler:
         self._released: list[int] = []
         self._steps = 0
         self._tokens = 0
+        self._drafts = [0, 0, 0]  # windows, tokens drafted, tokens accepted
         self.closed = False
 
     # ----- what callers ask -----
@@ -171,6 +175,9 @@ class Scheduler:
             max_queue=self.max_queue,
             tokens_processed=self._tokens,
             batches=self._steps,
+            draft_windows=self._drafts[0],
+            draft_tokens=self._drafts[1],
+            draft_accepted=self._drafts[2],
         )
 
     def slot_of(self, seq: int) -> int | None:
@@ -317,6 +324,10 @@ class Scheduler:
         at, window = s.window_at, s.window
         s.window_at += 1
         right = at < len(window) and token == window[at]
+        if window and at == 0:
+            self._drafts[0] += 1
+            self._drafts[1] += len(window)
+        self._drafts[2] += right
         timing = timing if at == 0 else ()
         finish = None
         if self._is_end(token):

@@ -73,6 +73,12 @@ async def test_copied_text_takes_fewer_steps_and_the_receipt_counts_the_drafts(n
     assert spec_steps * 4 < plain_steps, (spec_steps, plain_steps)
     s = fin.speculation
     assert s.windows >= 1 and s.drafted >= s.accepted > 90
+    totals = model.runner.stats()  # what `meshagent status` shows
+    assert (totals.draft_windows, totals.draft_tokens, totals.draft_accepted) == (
+        s.windows,
+        s.drafted,
+        s.accepted,
+    )
     # every token came from a window or a plain step: accepted drafts save that many steps
     assert fin.completion_tokens == 120
 
