@@ -3,6 +3,7 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
+import httpx
 import pytest
 
 from meshagent.cli.main import main
@@ -77,12 +78,21 @@ def test_a_busy_port_is_refused_before_the_model_is_read(flag, tmp_path, capsys)
     assert "model file not found" not in err
 
 
-def test_status_of_a_running_agent(spawn_agent, capsys):
+def test_status_of_a_running_agent(spawn_agent, model_id, capsys):
     agent = spawn_agent()
     assert main(["status", "--data-dir", str(agent.data_dir)]) == 0
     out = capsys.readouterr().out
     assert "SmolLM2-135M-Instruct" in out
     assert agent.url in out
+    assert "drafts" not in out
+    # A request served with speculation shows in the model's totals.
+    prompt = "one two three four five six seven eight; one two three four five six seven eight;"
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    usage = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=120).json()["usage"]
+    accepted = usage["meshagent"]["speculation"]["accepted"]  # the default: auto
+    assert main(["status", "--data-dir", str(agent.data_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"drafts    {usage['meshagent']['speculation']['windows']} windows, {accepted} of" in out
 
 
 def test_invite_needs_a_mesh_first(tmp_path, capsys):
