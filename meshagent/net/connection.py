@@ -17,7 +17,7 @@ import trio
 
 from meshagent.net.config import OverlayConfig
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError, reset_reasons
-from meshagent.net.reading import SocketReader
+from meshagent.net.reading import SocketReader, TransportReader
 from meshagent.net.record_writer import RecordWriter
 from meshagent.net.stream import MeshStream
 from meshagent.wire.errors import ErrorCode, LocalUsageError, ProtocolError
@@ -95,17 +95,15 @@ class Connection:
         )
         self._decoder = FrameDecoder(RecordReader(result.recv_key, result.cipher))
         self._leftover = leftover
-        self._bytes_read = 0  # from a transport other than a socket
-        self._socket_reader: SocketReader | None = None
-        if self._sock is not None:
-            self._socket_reader = SocketReader(
-                self._sock,
-                self._decoder.records,
-                read_size=self.config.read_size,
-                process=self._process_records,
-                backlogged=self._backlogged,
-                flush=self._flush,
-            )
+        # Reads and processes what arrives: the reader task, or a task waiting on a stream.
+        how = {"read_size": self.config.read_size, "process": self._process_records}
+        how |= {"backlogged": self._backlogged, "flush": self._flush}
+        records = self._decoder.records
+        self._input: SocketReader | TransportReader = (
+            TransportReader(transport, records, **how)
+            if self._sock is None
+            else SocketReader(self._sock, records, **how)
+        )
         self._streams: dict[int, MeshStream] = {}
         self._nursery: trio.Nursery | None = None
         self._writer_wakeup = trio.Event()
@@ -141,8 +139,7 @@ class Connection:
 
     @property
     def bytes_received(self) -> int:
-        reader = self._socket_reader
-        return reader.bytes_received if reader is not None else self._bytes_read
+        return self._input.bytes_received
 
     @property
     def rtt(self) -> RttSnapshot:
@@ -322,13 +319,20 @@ class Connection:
         stream = self._streams.pop(stream_id, None)
         if stream is not None:
             stream._fail(StreamResetError(stream_id, code, reason, by_peer=False))
+            self._wake(stream)
         self._kick()
         self._notify()
 
     def _forget(self, stream_id: int) -> None:
         self.mux.forget(stream_id)
-        self._streams.pop(stream_id, None)
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:  # closed here: a task still reading it raises at once
+            self._wake(stream)
         self._notify()
+
+    def _wake(self, stream: MeshStream) -> None:
+        stream._wake_reader()
+        self._input.wake_holder(stream)  # it may wait on the socket, not on its event
 
     # ----- internals -----
 
@@ -396,6 +400,7 @@ class Connection:
             self._nursery.cancel_scope.cancel()
 
     def _fail_streams(self, resets: list[StreamReset]) -> None:
+        self._input.retire()  # before the streams' tasks are cancelled
         for ev in resets:
             stream = self._streams.pop(ev.stream_id, None)
             if stream is not None:
@@ -411,6 +416,7 @@ class Connection:
         self._write_done.set()
         self._progress.set()
         self.closed_at = trio.current_time()
+        self._input.close()
         if self._sock is not None:
             trio.lowlevel.notify_closing(self._sock)
             self._sock.close()
@@ -441,10 +447,7 @@ class Connection:
 
     async def _reader(self) -> None:
         try:
-            if self._socket_reader is not None:
-                await self._socket_reader.run(self._leftover)
-            else:
-                await self._read_transport()
+            await self._input.run(self._leftover)
         except EOFError:
             self._log.info("conn.lost", during="read", error="EOF without BYE")
             self._lose("EOF without BYE")
@@ -463,29 +466,12 @@ class Connection:
         self._log.warning("conn.protocol_error", code=e.code.name, reason=str(e))
         return True
 
-    async def _read_transport(self) -> None:
-        """The reader for a transport other than a socket (a relay splice in tests)."""
-        data, self._leftover = self._leftover, b""
-        records = self._decoder.records
-        while True:
-            if data:
-                self._bytes_read += len(data)
-                records.receive_data(data)
-            if records.buffered and not self._process_records():
-                return
-            while self._backlogged() and not self._dead:
-                await self._flush()  # the peer must read our replies before we read on
-            data = await self._transport.receive_some(self.config.read_size)
-            if not data:
-                raise EOFError
-
     async def _read_for(self, stream: MeshStream) -> None:
         """Return once `stream` has something to read (data, EOF or an error). While the
         reader task is idle, this task reads the socket itself (`net/reading.py`)."""
-        reader = self._socket_reader
-        if reader is not None and not self.is_closed:
+        if not self.is_closed:
             try:
-                await reader.read_for(stream, stream._readable.is_set)
+                await self._input.read_for(stream, stream._readable.is_set)
             except EOFError:
                 self._log.info("conn.lost", during="read", error="EOF without BYE")
                 self._lose("EOF without BYE")
@@ -498,7 +484,7 @@ class Connection:
         if not stream._readable.is_set():  # (waiting on a set event would still yield)
             await stream._readable.wait()
 
-    def _process_records(self) -> bool:
+    def _process_records(self) -> bool:  # (for SocketReader: False once closed)
         self._process_frames()
         return not self.is_closed
 

@@ -13,12 +13,22 @@ goes back to the reader task.
 Only one task may wait on a socket at a time: taking the reading cancels the reader task's
 wait (trio removes the registration at once), and the reader task waits until it is back.
 
+A task that holds the reading waits on the socket, not on its stream's event, so a stream
+that fails meanwhile must wake it (`wake_holder`), and it must wake the way the event would
+have: rescheduled, not cancelled, so that its `receive_some` raises the stream's error before
+anything else. A connection that ends cancels the tasks serving its streams: a cancelled
+holder would see Cancelled instead of the reset and could not say its stream broke. So the
+holder waits on a duplicate of the socket's descriptor of its own, and a connection that ends
+closes that one (`retire`: trio wakes its waiter with ClosedResourceError at once); a stream
+reset while its connection lives cancels the holder's wait alone.
+
 Reads go through a non-blocking socket without trio's per-call checkpoints, straight into the
 record reader's buffer.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -53,6 +63,10 @@ class SocketReader:
         self._backlogged = backlogged
         self._flush = flush
         self.holder: object | None = None  # the stream whose task reads now; None: the reader
+        self._holder_sock = socket.socket(fileno=os.dup(sock.fileno()))  # what holders wait on
+        self._holder_sock.setblocking(False)
+        self._holder_wait: trio.CancelScope | None = None
+        self._retired = False  # the connection is ending: no more holders
         self._parked: trio.CancelScope | None = None  # the reader task's wait on the socket
         self._away = False  # the reader task waits for the reading to come back
         self._back = trio.Event()
@@ -117,6 +131,22 @@ class SocketReader:
 
     # ----- a task waiting on a stream -----
 
+    def wake_holder(self, holder: object) -> None:
+        """`holder`'s stream failed while its connection lives: stop its wait."""
+        if self.holder is holder and self._holder_wait is not None:
+            self._holder_wait.cancel()
+
+    def retire(self) -> None:
+        """The connection is ending: wake a holder (ClosedResourceError, not a cancel) and
+        let no task take the reading again."""
+        if not self._retired:
+            self._retired = True
+            trio.lowlevel.notify_closing(self._holder_sock)
+
+    def close(self) -> None:
+        self.retire()
+        self._holder_sock.close()
+
     async def read_for(self, holder: object, ready: Callable[[], bool]) -> bool | None:
         """Read (and process) from this task until `ready()`, if the reader task is idle:
         returns None when it is not (nothing was done), False once the connection is closed
@@ -124,7 +154,7 @@ class SocketReader:
         processing raises."""
         if self.holder is not None or (self._parked is None and not self._away):
             return None
-        if self._backlogged():
+        if self._retired or self._backlogged():
             return None
         self.holder = holder
         self.turns += 1
@@ -142,7 +172,16 @@ class SocketReader:
         while not ready():
             if self._backlogged():
                 return False
-            await trio.lowlevel.wait_readable(sock)
+            with trio.CancelScope() as wait:
+                self._holder_wait = wait
+                try:
+                    await trio.lowlevel.wait_readable(self._holder_sock)
+                except trio.ClosedResourceError:
+                    return False  # retired: the connection is ending
+                finally:
+                    self._holder_wait = None
+            if wait.cancelled_caught:
+                return False  # its stream failed (`wake_holder`)
             full = True
             while full:  # what the socket has now
                 room = records.writable(self.read_size)
@@ -159,3 +198,54 @@ class SocketReader:
                 if records.buffered and not self._process():
                     return False
         return True
+
+
+class TransportReader:
+    """The reader for a transport other than a socket (a relay's splice): the reader task
+    receives and processes; a stream's task never takes the reading."""
+
+    def __init__(
+        self,
+        transport: trio.abc.ReceiveStream,
+        records: RecordReader,
+        *,
+        read_size: int,
+        process: Callable[[], bool],
+        backlogged: Callable[[], bool],
+        flush: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.transport = transport
+        self.records = records
+        self.read_size = read_size
+        self.bytes_received = 0
+        self.turns = 0
+        self._process = process
+        self._backlogged = backlogged
+        self._flush = flush
+
+    async def run(self, leftover: bytes = b"") -> None:
+        """As `SocketReader.run`."""
+        data = leftover
+        while True:
+            if data:
+                self.bytes_received += len(data)
+                self.records.receive_data(data)
+            if self.records.buffered and not self._process():
+                return
+            while self._backlogged():
+                await self._flush()  # the peer must read our replies before we read on
+            data = await self.transport.receive_some(self.read_size)
+            if not data:
+                raise EOFError
+
+    async def read_for(self, holder: object, ready: Callable[[], bool]) -> None:
+        return None
+
+    def wake_holder(self, holder: object) -> None:
+        pass
+
+    def retire(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -65,9 +65,9 @@ async def test_round_trips_and_a_bulk_stream_share_a_connection_read_by_stream_t
                 assert got == message
             await stream.send_eof()
             assert await stream.receive_some() == b""
-        assert conn._socket_reader.turns > 100  # the round trips were read by this task
+        assert conn._input.turns > 100  # the round trips were read by this task
         served = b.connection(a.peer_id)
-        assert served._socket_reader.turns > 100  # and by the echoing handler's
+        assert served._input.turns > 100  # and by the echoing handler's
         assert not conn.is_closed
         nursery.cancel_scope.cancel()
 
@@ -84,7 +84,7 @@ async def test_a_cancelled_wait_gives_the_reading_back(tcp):
             with trio.move_on_after(0.2) as scope:
                 await quiet.receive_some()  # nothing comes: this task holds the reading
             assert scope.cancelled_caught
-            assert conn._socket_reader.holder is None
+            assert conn._input.holder is None
             # The reader task reads again: another stream's reply arrives without any task
             # waiting on that stream while it comes.
             other = await a.open_stream(b.peer_id, "echo")
@@ -123,7 +123,7 @@ async def test_a_bad_record_read_by_a_stream_task_closes_only_that_connection(tc
             await waiting.wait()
             [conn] = b.connections()
             await trio.sleep(0.1)
-            assert conn._socket_reader.holder is not None  # the handler's task reads
+            assert conn._input.holder is not None  # the handler's task reads
             record = bytearray(sealer.seal(encode_frame(DataFrame(1, b"hello"))))
             record[-1] ^= 1  # tampered: fails authentication
             await raw.send_all(bytes(record))
@@ -135,4 +135,79 @@ async def test_a_bad_record_read_by_a_stream_task_closes_only_that_connection(tc
             with trio.fail_after(30):
                 await a.dial(b_addr, peer_id=b.peer_id)
                 await hash_exchange(await a.open_stream(b.peer_id, "y"), [b"z" * 1000])
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_reading_handler_sees_its_connection_end_as_a_reset_not_a_cancel(tcp):
+    # A handler of the connection's own nursery that holds the reading when the connection
+    # is dropped (a silent path, say) must get the reset, as it would waiting on its event:
+    # a cancelled handler could not tell anyone its stream broke.
+    outcome: list[str] = []
+    reading = trio.Event()
+
+    async def handler(stream) -> None:
+        reading.set()
+        try:
+            await stream.receive_some()
+            outcome.append("data")
+        except StreamResetError as e:
+            outcome.append(f"reset: {e.reason}")
+        except trio.Cancelled:
+            outcome.append("cancelled")
+            raise
+
+    async with (
+        trio.open_nursery() as nursery,
+        node(tcp, "a", nursery, listen=False) as (a, _),
+        node(tcp, "b", nursery, on_stream=handler) as (b, b_addr),
+    ):
+        with trio.fail_after(30):
+            await a.dial(b_addr, peer_id=b.peer_id)
+            stream = await a.open_stream(b.peer_id, "x")
+            await stream.send_all(b"")  # opens it at b
+            await reading.wait()
+            conn = b.connection(a.peer_id)
+            await trio.sleep(0.1)
+            assert conn._input.holder is not None
+            conn.abort("no answer for 2.0 s on this path")
+            await conn.wait_closed()
+            while not outcome:
+                await trio.sleep(0.01)
+        assert outcome == ["reset: no answer for 2.0 s on this path"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stream_reset_or_closed_by_another_task_wakes_its_reader(tcp):
+    quiet = quick(ping_interval=1000.0, dead_peer_timeout=None)  # nothing else arrives
+    async with (
+        trio.open_nursery() as nursery,
+        node(tcp, "a", nursery, listen=False, config=quiet) as (a, _),
+        node(tcp, "b", nursery, on_stream=serve, config=quiet) as (b, b_addr),
+    ):
+        with trio.fail_after(30):
+            conn = await a.dial(b_addr, peer_id=b.peer_id)
+            for how, error in (("reset", StreamResetError), ("close", trio.ClosedResourceError)):
+                stream = await a.open_stream(b.peer_id, "echo")
+                raised = []
+
+                async def read(stream=stream, raised=raised) -> None:
+                    try:
+                        await stream.receive_some()
+                    except Exception as e:
+                        raised.append(e)
+
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(read)
+                    await trio.sleep(0.1)
+                    assert conn._input.holder is stream
+                    with trio.fail_after(1):  # woken now, not by the next bytes to arrive
+                        if how == "reset":
+                            stream.reset("given up")
+                        else:
+                            await stream.aclose()
+                        while not raised:
+                            await trio.sleep(0.01)
+                assert len(raised) == 1 and isinstance(raised[0], error), (how, raised)
+            await hash_exchange(await a.open_stream(b.peer_id, "y"), [b"z" * 1000])  # still up
+            assert not conn.is_closed
         nursery.cancel_scope.cancel()
