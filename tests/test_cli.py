@@ -88,8 +88,9 @@ def test_status_of_a_running_agent(spawn_agent, model_id, capsys):
     # A request served with speculation shows in the model's totals.
     prompt = "one two three four five six seven eight; one two three four five six seven eight;"
     body = {"model": model_id, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    body["meshagent"] = {"speculation": "on"}
     usage = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=120).json()["usage"]
-    accepted = usage["meshagent"]["speculation"]["accepted"]  # the default: auto
+    accepted = usage["meshagent"]["speculation"]["accepted"]
     assert main(["status", "--data-dir", str(agent.data_dir)]) == 0
     out = capsys.readouterr().out
     assert f"drafts    {usage['meshagent']['speculation']['windows']} windows, {accepted} of" in out

@@ -55,6 +55,10 @@ class Engine(TokenModel, Protocol):
     `forward` blocks (run it off the event loop); everything else is cheap.
     """
 
+    # Whether `trim_sequence` can cut a sequence back (not for a recurrent state, which only
+    # summarises the whole sequence): what speculative decoding needs to drop a draft.
+    rewindable: bool
+
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
         """Run every item in one batch; returns, per item, its last token's logits or None
         (an item with `rows` > 1: an array of that many rows, one per last token)."""

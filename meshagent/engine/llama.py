@@ -44,6 +44,7 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
         self.vocab = Vocab(self.runtime.model)
         self.n_slots = slots
         self.slot_ctx = slot_ctx
+        self.rewindable = self.runtime.rewindable
         self.n_vocab = self.vocab.n_vocab
         rt = self.runtime
         self.info = ModelInfo(

@@ -12,10 +12,12 @@ tokens plain decoding would have produced: it samples each row with the sequence
 `Sampler` and keeps going while the sample equals the draft. The first sample that differs is
 the token plain decoding would have drawn there, so it is kept too, and nothing after it was
 sampled. Because the sampler's randomness is a function of the seed and the token's index
-alone (`serving/sampling.py`), and each row's logits are those plain decoding would have
-computed at that position, the result is identical token for token to decoding without a
-draft, at temperature 0 and at any temperature with a seed, penalties included; without a seed
-it has the same distribution. A draft of one fixed continuation is accepted at a position with
+alone (`serving/sampling.py`), the result is identical token for token to decoding without a
+draft, at temperature 0 and at any temperature with a seed, penalties included (without a
+seed it has the same distribution), wherever each row's logits are those plain decoding would
+have computed at that position. llama.cpp computes a window in one batch, slightly differently
+from one-token steps, so there the text can change at a near tie (docs/speculation.md).
+A draft of one fixed continuation is accepted at a position with
 the probability the model gives its token there, which is what speculative sampling
 (accept with min(1, p/q), q a point mass on the draft) accepts too.
 

@@ -43,10 +43,12 @@ class LocalExecutor:
     """A whole model in one engine context: forward, then sample, on the worker thread."""
 
     depth = 1
-    speculates = True
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # Drafts need the rejected positions cut from the cache; a recurrent model's state
+        # cannot be cut back, so it decodes without (a checkpoint of the state would do).
+        self.speculates = engine.rewindable
         self.n_slots = engine.n_slots
         self.slot_ctx = engine.slot_ctx
         self._samplers: dict[int, Sampler] = {}  # slot -> sampler of the sequence in it

@@ -45,7 +45,7 @@ class Finished:
     completion_tokens: int
     stage_ms: tuple[float, ...] = ()  # a split's time per stage on this request
     replays: tuple[Replay, ...] = ()  # lost stages this request survived
-    speculation: Speculation | None = None  # what drafting did, when it was on
+    speculation: Speculation | None = None  # what drafting did, when drafts were verified
 
 
 def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
@@ -268,6 +268,7 @@ async def generate(
     if (tail := text.tail()) is not None:
         out.send_nowait(tail)
     ms = tuple(round(t, 3) for t in stage_ms)
+    spec = spec if spec is not None and spec.windows else None  # drafts verified, if any
     finished = Finished(
         reason, len(request.prompt_tokens), len(history), ms, tuple(breaks.done), spec
     )

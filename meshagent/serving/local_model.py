@@ -22,7 +22,7 @@ class LocalModel:
 
     reroute: Reroute | None = None
     replay_deadline: float = 30.0
-    speculation: str = "auto"  # for requests that do not choose (`--speculation`)
+    speculation: str = "off"  # for requests that do not choose (`--speculation`)
 
     def __init__(self, engine: TokenModel, runner: ModelRunner) -> None:
         self.engine = engine

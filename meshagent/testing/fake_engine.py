@@ -191,6 +191,8 @@ class _FakeCompute:
 class FakeEngine(FakeVocab, _FakeCompute):
     """A whole fake model (the `Engine` interface)."""
 
+    rewindable = True
+
     def __init__(
         self,
         n_vocab: int = 40,

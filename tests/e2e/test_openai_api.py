@@ -310,8 +310,11 @@ COPY = [
 def test_speculation_changes_no_token_and_its_receipt_counts_the_drafts(
     client: OpenAI, model_id: str
 ) -> None:
-    # Copy-shaped text: drafts from the request's own text are mostly right. The text is the
-    # same with drafts and without, chat and text completions, whole and streamed.
+    # Copy-shaped text: drafts from the request's own text are mostly right. For these two
+    # prompts the text is the same with drafts and without, chat and text completions, whole
+    # and streamed (llama.cpp computes a window in one batch, whose arithmetic differs from
+    # one-token steps: at a near tie, say in a short chat answer, the text can change, which
+    # is why speculation is off by default; docs/speculation.md).
     def ask(mode: str, **kw):
         extra = {"meshagent": {"speculation": mode}}
         return client.chat.completions.create(
