@@ -123,8 +123,14 @@ async def test_auto_backs_off_where_drafts_miss_and_the_model_default_applies(nu
     auto, auto_fin = await run(model, prompt, 200, sampling=GREEDY, speculation="auto")
     assert on == auto == plain
     assert auto_fin.speculation.windows < on_fin.speculation.windows
+
+
+async def test_a_request_that_does_not_choose_gets_the_models_setting(nursery):
+    model = LocalModel.whole(FakeEngine(slots=2, slot_ctx=512, copy_back=6), max_queue=2)
+    await nursery.start(model.run)
+    assert model.speculation == "off"  # the default
     model.speculation = "on"  # --speculation: what a request that does not choose gets
-    req = GenerationRequest(model.text_tokens(prompt), 20, GREEDY)
+    req = GenerationRequest(model.text_tokens("abcdef abcdef"), 20, GREEDY)
     send, recv = trio.open_memory_channel(30)
     async with send:
         await model.generate(req, send)
