@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -41,10 +42,11 @@ from meshagent.wire.records import RecordReader
 _SMALL_READ = 16 * 1024
 
 
-class SocketReader:
+class _Reader:
+    """What both readers share: the record reader they feed and the connection's callbacks."""
+
     def __init__(
         self,
-        sock: socket.socket,
         records: RecordReader,
         *,
         read_size: int,
@@ -54,7 +56,6 @@ class SocketReader:
     ) -> None:
         """`process` handles the records buffered so far and returns False once the
         connection is closed; while `backlogged`, reading waits for `flush`."""
-        self.sock = sock
         self.records = records
         self.read_size = read_size
         self.bytes_received = 0
@@ -62,6 +63,12 @@ class SocketReader:
         self._process = process
         self._backlogged = backlogged
         self._flush = flush
+
+
+class SocketReader(_Reader):
+    def __init__(self, sock: socket.socket, records: RecordReader, **how: Any) -> None:
+        super().__init__(records, **how)
+        self.sock = sock
         self.holder: object | None = None  # the stream whose task reads now; None: the reader
         self._holder_sock = socket.socket(fileno=os.dup(sock.fileno()))  # what holders wait on
         self._holder_sock.setblocking(False)
@@ -200,28 +207,13 @@ class SocketReader:
         return True
 
 
-class TransportReader:
+class TransportReader(_Reader):
     """The reader for a transport other than a socket (a relay's splice): the reader task
     receives and processes; a stream's task never takes the reading."""
 
-    def __init__(
-        self,
-        transport: trio.abc.ReceiveStream,
-        records: RecordReader,
-        *,
-        read_size: int,
-        process: Callable[[], bool],
-        backlogged: Callable[[], bool],
-        flush: Callable[[], Awaitable[None]],
-    ) -> None:
+    def __init__(self, transport: trio.abc.ReceiveStream, records: RecordReader, **how: Any):
+        super().__init__(records, **how)
         self.transport = transport
-        self.records = records
-        self.read_size = read_size
-        self.bytes_received = 0
-        self.turns = 0
-        self._process = process
-        self._backlogged = backlogged
-        self._flush = flush
 
     async def run(self, leftover: bytes = b"") -> None:
         """As `SocketReader.run`."""
