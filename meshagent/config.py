@@ -64,7 +64,7 @@ class AgentConfig:
     threads: int = 0  # 0: one per core
     grace: float = 10.0  # seconds in-flight requests get to finish on shutdown
     replay_deadline: float = 30.0  # seconds a request waits for a split that lost a stage
-    speculation: str = "off"  # drafts from a request's own text: auto, on or off
+    speculation: str = "auto"  # drafts from a request's own text: auto, on or off
     log_level: str = "info"
     relays: tuple[str, ...] = ()  # relay servers to register with (host:port)
     mdns: bool = True  # advertise and browse on the local network (not when listening on loopback)
@@ -146,7 +146,7 @@ CONFIG_TEMPLATE = """\
 # max_queue = 64
 # grace = 10.0
 # replay_deadline = 30.0
-# speculation = "off"
+# speculation = "auto"
 # relays = ["relay.example.org:9339"]
 # mdns = true
 # gossip_interval = 1.0

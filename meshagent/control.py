@@ -18,6 +18,7 @@ from meshagent.net.manager import ConnectionManager
 
 if TYPE_CHECKING:
     from meshagent.services import Services
+    from meshagent.serving.local_model import LocalModel
 
 
 def status(services: Services) -> dict[str, Any]:
@@ -63,8 +64,22 @@ def _models(s: Services) -> list[dict[str, Any]]:
             "path": model.info.path,
             "layers": list(s.model.layers()),
             "slots": asdict(model.runner.stats()),
+            "speculation": _speculation(model),
         }
     ]
+
+
+def _speculation(model: LocalModel) -> dict[str, Any]:
+    """The default mode and whether this engine's draft windows are exact (checked at load)."""
+    executor = model.runner.executor
+    check = getattr(executor, "window_check", None)
+    if not executor.speculates:
+        exact, reason = False, "drafts are not verified here (a split, or a recurrent state)"
+    elif check is None:
+        exact, reason = False, "not checked yet (the model is loading)"
+    else:
+        exact, reason = check.exact, check.reason
+    return {"default": model.speculation, "exact_windows": exact, "reason": reason}
 
 
 def _links(overlay: ConnectionManager) -> list[dict[str, Any]]:

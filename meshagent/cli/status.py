@@ -56,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
             f"model     {m['id']}  layers {m['layers'][0]}-{m['layers'][1]}  "
             f"slots {s['active']}/{s['slots']} busy, {s['queued']} queued"
         )
+        spec = m.get("speculation")
+        if spec:
+            exact = "exact" if spec["exact_windows"] else "not exact"
+            print(f"drafting  {spec['default']} by default; windows {exact}: {spec['reason']}")
         if s.get("draft_windows"):
             share = s["draft_accepted"] / max(1, s["draft_tokens"])
             print(

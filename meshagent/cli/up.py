@@ -86,10 +86,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--speculation",
         choices=("auto", "on", "off"),
         help="speculative decoding with drafts from each request's own text, for requests "
-        "that do not choose (default off; auto: drafts while they are accepted; on: whenever "
-        "the text proposes one). With llama.cpp a draft's window computes in one batch, whose "
-        "last bits differ from one-token steps: greedy text can change where two tokens "
-        "nearly tie (docs/speculation.md)",
+        f"that do not choose (default {d.speculation}; auto: drafts while they are accepted, "
+        "where the engine computes a draft's window exactly as one-token steps, so that no "
+        "token changes; on: whenever the text proposes one, even where windows are not exact; "
+        "off: never; docs/speculation.md)",
     )
     p.add_argument("--log-level", choices=logs.LEVELS, help="default info")
     p.add_argument(

@@ -46,6 +46,12 @@ def cpu_has_amx() -> bool:
     return " amx_tile" in flags
 
 
+def built_with_llamafile() -> bool:
+    """Whether llama.cpp was built with LLAMAFILE (tinyBLAS), whose kernels compute a batch of
+    two or more tokens with other arithmetic than one token (docs/speculation.md)."""
+    return b"LLAMAFILE = 1" in llama_cpp.llama_print_system_info()
+
+
 def model_params(*, vocab_only: bool = False) -> llama_cpp.llama_model_params:
     """llama.cpp's model parameters as meshagent loads every model.
 

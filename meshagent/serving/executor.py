@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import structlog
 import trio
 
 from meshagent.engine.base import Engine, ForwardItem
+from meshagent.engine.windows import WindowCheck, check_windows
 from meshagent.serving.drafting import verify
 from meshagent.serving.sampling import Sampler
 from meshagent.serving.scheduler import Step
+
+log = structlog.get_logger(__name__)
 
 # (slot, token, timing per stage)
 SampledToken = tuple[int, int, tuple[float, ...]]
@@ -28,6 +32,7 @@ class Executor(Protocol):
     slot_ctx: int
     depth: int  # stages a step passes through: the scheduler keeps this many groups in flight
     speculates: bool  # verifies steps with drafts (StepItem.draft)
+    exact_windows: bool  # a verified window computes what one-token steps compute
 
     def run_step(self, step: Step) -> list[SampledToken]:
         """Run `step` (blocking, on the runner's worker thread). Returns the tokens sampled
@@ -49,6 +54,7 @@ class LocalExecutor:
         # Drafts need the rejected positions cut from the cache; a recurrent model's state
         # cannot be cut back, so it decodes without (a checkpoint of the state would do).
         self.speculates = engine.rewindable
+        self.window_check: WindowCheck | None = None  # measured when `run` starts
         self.n_slots = engine.n_slots
         self.slot_ctx = engine.slot_ctx
         self._samplers: dict[int, Sampler] = {}  # slot -> sampler of the sequence in it
@@ -81,7 +87,19 @@ class LocalExecutor:
             out += [(it.slot, token, ()) for token in tokens]
         return out
 
+    @property
+    def exact_windows(self) -> bool:
+        return self.window_check is not None and self.window_check.exact
+
     async def run(self, runner: object, *, task_status: trio.TaskStatus[None]) -> None:
+        if self.speculates and self.window_check is None:
+            self.window_check = await trio.to_thread.run_sync(check_windows, self.engine)
+            log.info(
+                "engine.windows_checked",
+                exact=self.window_check.exact,
+                max_diff=self.window_check.max_diff,
+                reason=self.window_check.reason,
+            )
         # The runner owns every slot from now on: nothing an earlier runner left behind in
         # the engine's cache may meet its sequences.
         for slot in range(self.n_slots):

@@ -54,7 +54,7 @@ class MeshModelSettings:
     max_queue: int
     wire_dtype: str = "auto"  # --wire-dtype: auto, f16 or f32
     replay_deadline: float = 30.0  # seconds a request waits for its split to serve again
-    speculation: str = "off"  # --speculation, for requests that do not choose
+    speculation: str = "auto"  # --speculation, for requests that do not choose
     headroom: float = 0.1
     threshold: float = 0.25
 

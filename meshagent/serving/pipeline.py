@@ -84,6 +84,7 @@ class PipelineExecutor:
     """Runs steps as the entry of a split: the first stage here, the rest downstream."""
 
     speculates = False  # the last stage samples one token per sequence and step
+    exact_windows = False
 
     def __init__(
         self,

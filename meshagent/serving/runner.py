@@ -105,14 +105,16 @@ class ModelRunner:
     ) -> SequenceHandle:
         """Submit a request (a replayed one with its `history`, see `Scheduler.submit`); its
         tokens arrive on the handle. `speculation` ("auto", "on", "off") is honoured where
-        the executor verifies drafts. Raises what `Scheduler.submit` raises (QueueFull,
-        ShuttingDown, ContextOverflow)."""
+        the executor verifies drafts; "auto" only where its windows are exact. Raises what
+        `Scheduler.submit` raises (QueueFull, ShuttingDown, ContextOverflow)."""
         if self.aborted is not None:
             raise self.aborted
         handle = SequenceHandle(self, next(self._ids))
         with self._lock:
-            if not self.executor.speculates:
-                speculation = "off"
+            if not self.executor.speculates or (
+                speculation == "auto" and not self.executor.exact_windows
+            ):
+                speculation = "off"  # auto drafts only where it changes no token
             self.scheduler.submit(
                 handle.seq, prompt, limit, sampling, history, speculation=speculation
             )

@@ -110,15 +110,12 @@ def reference(models):
         # llama.cpp itself gives the same logits for a prompt in one call or in several.
         assert same(chunked, alone[0])
         assert len(set(tokens(alone[0]))) > 3  # not a degenerate model
-        # Prompts prefilled together, or in a reused slot, give their lone logits. Batched
-        # decode steps: Mamba's logits are those of each sequence alone; Jamba's differ in the
-        # last bits (so do the tiny llama's: llama.cpp's attention/FFN batching), its tokens
-        # do not.
+        # Prompts prefilled together, or in a reused slot, give their lone logits, and so do
+        # batched decode steps: llama.cpp built without LLAMAFILE (the README's install) runs
+        # the same kernels whatever the batch (with it, Jamba's differed in the last bits).
         for run, logits in enumerate(together):
             n = len(logits)
-            assert np.array_equal(logits[0], alone[run][0])
-            assert tokens(logits) == tokens(alone[run][:n])
-            assert same(logits, alone[run][:n]) == (name == "mamba")
+            assert same(logits, alone[run][:n])
         refs[name] = (alone, together)
     return refs
 

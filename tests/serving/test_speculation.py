@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from meshagent.engine.windows import check_windows
 from meshagent.serving.generation import Finished, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import SamplingParams
@@ -47,7 +48,8 @@ async def test_drafts_change_no_token(served, sampling):
 
 
 async def test_greedy_text_holds_where_batch_shapes_move_the_last_bits(nursery):
-    # Like llama.cpp, whose results change in the last bits with a batch's shape: a window
+    # Like llama.cpp with LLAMAFILE (or a GPU), whose results change in the last bits with a
+    # batch's shape, which "on" accepts where "auto" would not draft (below): a window
     # is one batch where plain decoding ran one token per step. The favourite holds (as it
     # does for llama.cpp's greedy text away from near ties); with penalties or sampling it
     # may not, which is the price of any batched verification.
@@ -150,3 +152,46 @@ def test_a_mode_other_than_auto_on_off_is_refused():
     sched = Scheduler(n_slots=1, slot_ctx=64, max_queue=1, is_end=lambda t: False)
     with pytest.raises(ValueError, match="auto, on or off"):
         sched.submit(0, (1, 2), 4, GREEDY, speculation="maybe")
+
+
+class _Skewed(FakeEngine):
+    """A fake engine whose windows round otherwise than its one-token steps."""
+
+    def forward(self, items):
+        out = super().forward(items)
+        return [
+            r + 1e-3 if r is not None and it.want_logits and it.rows > 1 else r
+            for it, r in zip(items, out, strict=True)
+        ]
+
+
+def test_the_window_check_finds_what_differs():
+    exact = check_windows(FakeEngine(slots=1, slot_ctx=256))
+    assert exact.exact and exact.max_diff == 0.0 and exact.positions == 8
+    skewed = check_windows(_Skewed(slots=1, slot_ctx=256))
+    assert not skewed.exact and skewed.max_diff == pytest.approx(1e-3, rel=1e-3)
+    assert "differ from one-token steps by up to 0.001" in skewed.reason
+    batchy = check_windows(FakeEngine(slots=1, slot_ctx=256, batch_sensitive=True))
+    assert not batchy.exact and batchy.max_diff > 0
+    known = FakeEngine(slots=1, slot_ctx=256)
+    known.inexact_windows = "says so itself"
+    said = check_windows(known)
+    assert (said.exact, said.positions, said.reason) == (False, 0, "says so itself")
+
+
+async def test_auto_drafts_only_where_windows_are_exact_and_on_drafts_anyway(nursery):
+    # The check runs when the model starts; "auto" (the agent's default) then drafts only
+    # on an engine whose windows compute what its steps compute. "on" is the user's choice
+    # to draft where they do not.
+    exact = LocalModel.whole(FakeEngine(slots=2, slot_ctx=512, copy_back=6), max_queue=2)
+    skewed = LocalModel.whole(_Skewed(slots=2, slot_ctx=512, copy_back=6), max_queue=2)
+    for model in (exact, skewed):
+        await nursery.start(model.run)
+    assert exact.runner.executor.exact_windows and not skewed.runner.executor.exact_windows
+    _, fin = await run(exact, "abcdef abcdef", 60, sampling=GREEDY, speculation="auto")
+    assert fin.speculation.accepted > 30
+    _, fin = await run(skewed, "abcdef abcdef", 60, sampling=GREEDY, speculation="auto")
+    assert fin.speculation is None
+    assert skewed.runner.stats().draft_windows == 0
+    _, fin = await run(skewed, "abcdef abcdef", 60, sampling=GREEDY, speculation="on")
+    assert fin.speculation.accepted > 30
