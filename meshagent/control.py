@@ -75,6 +75,11 @@ def _speculation(model: LocalModel) -> dict[str, Any]:
     check = getattr(executor, "window_check", None)
     if not executor.speculates:
         exact, reason = False, "drafts are not verified here (a split, or a recurrent state)"
+    elif not hasattr(executor, "window_check"):  # the entry of a split
+        exact = executor.exact_windows
+        reason = "a split: judged by this agent's llama.cpp build" + (
+            "" if exact else " (built with LLAMAFILE, or flash attention on)"
+        )
     elif check is None:
         exact, reason = False, "not checked yet (the model is loading)"
     else:

@@ -91,7 +91,7 @@ class EmbdItem:
     seq_id: int
     pos: int
     hidden: np.ndarray  # float32 [n, n_embd]
-    want_logits: bool = False
+    want_logits: int = 0  # logits of the last this many rows (a draft's window: several)
 
 
 class LlamaRuntime:
@@ -215,7 +215,8 @@ class LlamaRuntime:
         self, items: Sequence[EmbdItem]
     ) -> tuple[list[np.ndarray] | None, list[np.ndarray | None]]:
         """Run hidden states through the layers. Returns (per item, its captured residual rows,
-        or None without capture; per item, its last row's logits if it asked).
+        or None without capture; per item, its last row's logits if it asked for one, an
+        array of its last `want_logits` rows' logits if for more, else None).
 
         With a capture, all items of one call must be single tokens, or the call must hold
         one item: see `StageEngine` for why."""
@@ -226,7 +227,7 @@ class LlamaRuntime:
         order = _by_sequence([it.seq_id for it in items])
         n = 0
         starts = [0] * len(items)
-        rows: list[int | None] = [None] * len(items)
+        rows: list[range | None] = [None] * len(items)
         all_rows = self.capture is not None
         for idx in order:
             it = items[idx]
@@ -237,13 +238,22 @@ class LlamaRuntime:
             starts[idx] = n
             n += k
             if it.want_logits:
-                batch.logits[n - 1] = True
-                rows[idx] = n - 1
+                wanted = range(n - min(int(it.want_logits), k), n)
+                for r in wanted:
+                    batch.logits[r] = True
+                rows[idx] = wanted
         batch.n_tokens = n
         if self.capture is not None:
             self.capture.arm(n)
         self._decode(batch, n)
-        logits = [None if r is None else self.logits(r) for r in rows]
+        logits = [
+            None
+            if r is None
+            else self.logits(r[-1])
+            if len(r) == 1 and int(items[i].want_logits) == 1
+            else np.stack([self.logits(j) for j in r])
+            for i, r in enumerate(rows)
+        ]
         if self.capture is None:
             return None, logits
         captured = self.capture.collect(n)

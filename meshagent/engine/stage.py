@@ -44,6 +44,7 @@ class StageEngine(RuntimeDelegate):
         self.start = start
         self.end = end
         self.last = end == total_layers
+        self.flash_attn = flash_attn
         # Named once the slice is loaded: see below.
         capture = None if self.last else Capture("l_out-0")
         self.runtime = LlamaRuntime(

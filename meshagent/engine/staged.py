@@ -85,7 +85,7 @@ class StagedEngine(VocabDelegate):
         hidden = [self.embed(list(it.tokens)) for it in items]
         for stage in self.stages:
             batch = [
-                EmbdItem(it.seq_id, it.pos, h, it.want_logits and stage.last)
+                EmbdItem(it.seq_id, it.pos, h, it.rows if it.want_logits and stage.last else 0)
                 for it, h in zip(items, hidden, strict=True)
             ]
             out = stage.forward(batch)

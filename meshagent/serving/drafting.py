@@ -15,8 +15,9 @@ sampled. Because the sampler's randomness is a function of the seed and the toke
 alone (`serving/sampling.py`), the result is identical token for token to decoding without a
 draft, at temperature 0 and at any temperature with a seed, penalties included (without a
 seed it has the same distribution), wherever each row's logits are those plain decoding would
-have computed at that position. llama.cpp computes a window in one batch, slightly differently
-from one-token steps, so there the text can change at a near tie (docs/speculation.md).
+have computed at that position. An engine that computes a window's batch with other
+arithmetic than one-token steps (llama.cpp built with LLAMAFILE) can change the text at a
+near tie; agents check their engine when it loads (`engine/windows.py`, docs/speculation.md).
 A draft of one fixed continuation is accepted at a position with
 the probability the model gives its token there, which is what speculative sampling
 (accept with min(1, p/q), q a point mass on the draft) accepts too.

@@ -322,6 +322,7 @@ class MeshModel:
             if self.local is not None:  # the entry: requests survive a lost stage
                 self.local.reroute = self._reroute
                 self.local.replay_deadline = s.replay_deadline
+                self.local.speculation = s.speculation
             receipt = self._split_receipt(plan)
         if self.local is not None:
             scope = trio.CancelScope()

@@ -22,7 +22,7 @@ import structlog
 import trio
 
 from meshagent.engine.base import ModelInfo
-from meshagent.engine.runtime import EmbdItem
+from meshagent.engine.runtime import EmbdItem, built_with_llamafile
 from meshagent.engine.stage import WIRE_DTYPES, StageEngine
 from meshagent.engine.vocab import Vocab, VocabDelegate
 from meshagent.errors import EngineError, SplitUnavailable
@@ -58,6 +58,11 @@ class EntryEngine(VocabDelegate):
         self.n_slots = first_stage.n_slots
         self.slot_ctx = first_stage.slot_ctx
         self.end_layer: int | None = first_stage.end  # where the next stage must start
+        self.rewindable = first_stage.runtime.rewindable
+        # A draft's window computes what one-token steps compute where llama.cpp is built
+        # without LLAMAFILE and runs without flash attention (engine/windows.py). Judged by
+        # this agent's build: the stages of one mesh run one install.
+        self.exact_windows = first_stage.flash_attn is False and not built_with_llamafile()
 
     def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
         """items: (seq, pos, tokens). Returns the first stage's output rows per item."""
@@ -68,6 +73,9 @@ class EntryEngine(VocabDelegate):
 
     def clear_sequence(self, seq_id: int) -> None:
         self.stage.clear_sequence(seq_id)
+
+    def trim_sequence(self, seq_id: int, keep: int) -> None:
+        self.stage.trim_sequence(seq_id, keep)
 
     def memory_bytes(self) -> int:
         return self.stage.memory_bytes()
@@ -82,9 +90,6 @@ OpenDownstream = Callable[[], Awaitable[trio.abc.SendStream]]
 
 class PipelineExecutor:
     """Runs steps as the entry of a split: the first stage here, the rest downstream."""
-
-    speculates = False  # the last stage samples one token per sequence and step
-    exact_windows = False
 
     def __init__(
         self,
@@ -103,6 +108,12 @@ class PipelineExecutor:
         self._progress_at = 0.0  # when a reply last came, or a step went out to an idle chain
         self.n_slots = entry.n_slots
         self.slot_ctx = entry.slot_ctx
+        # Drafts go down the chain as part of a step's rows; the last stage verifies them.
+        self.speculates = entry.rewindable
+        self.exact_windows = entry.exact_windows
+        # Per slot, the position after the last token its stages took: a step that starts
+        # before it follows a window whose tail was rejected, and the cache is cut back.
+        self._ends: dict[int, int] = {}
         self.depth = max(1, depth)
         self._open_downstream = open_downstream
         self._wire = WIRE_DTYPES[wire_dtype]
@@ -148,6 +159,7 @@ class PipelineExecutor:
     def run_step(self, step: Step) -> list[SampledToken]:
         for slot in step.released:
             self.entry.clear_sequence(slot)
+            self._ends.pop(slot, None)
         if self.failed is not None:
             if not step.items:
                 return []  # only slots to forget: the stages start afresh on a new chain
@@ -158,12 +170,23 @@ class PipelineExecutor:
         generation = self._generation
         if step.items:
             t0 = time.perf_counter()
+            for it in step.items:
+                if self._ends.get(it.slot, it.pos) > it.pos:
+                    self.entry.trim_sequence(it.slot, it.pos)
+                self._ends[it.slot] = it.pos + len(it.tokens)
             hidden = self.entry.run_first([(it.slot, it.pos, list(it.tokens)) for it in step.items])
             if self.failed is not None or generation != self._generation:
                 return []  # the pipeline broke meanwhile; this step's requests failed with it
             first_ms = round((time.perf_counter() - t0) * 1000, 3)
             items = tuple(
-                sm.ForwardItem(it.slot, it.pos, len(it.tokens), it.last) for it in step.items
+                sm.ForwardItem(
+                    it.slot,
+                    it.pos,
+                    len(it.tokens),
+                    it.last,
+                    tuple(it.tokens[-it.draft :]) if it.draft else (),
+                )
+                for it in step.items
             )
             rows = np.concatenate(hidden).astype(self._wire, copy=False)
             messages.append(sm.Forward(items, rows, (first_ms,), self.entry.end_layer))
@@ -275,6 +298,7 @@ class PipelineExecutor:
         for msg in msgs:
             if isinstance(msg, sm.Token):
                 tokens.append((msg.seq, msg.token, msg.timing))
+                tokens += [(msg.seq, more, ()) for more in msg.more]  # a verified draft
             elif isinstance(msg, sm.StageFailure):
                 if msg.seq is None:
                     self._broken(msg.message)

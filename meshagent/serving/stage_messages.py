@@ -30,6 +30,7 @@ K_VERSION, K_TYPE, K_SEQ, K_SAMPLING, K_ITEMS, K_DTYPE, K_WIDTH, K_TOKEN, K_ERRO
 K_TIMING = 10  # milliseconds each stage spent on the batch, in pipeline order
 K_HISTORY = 11  # Open: the completion's tokens so far (a replay), u32 payload of K_SIZE bytes
 K_LAYER = 12  # Forward: the first layer its rows are input to (the sender's end layer)
+K_MORE = 13  # Token: the tokens a verified draft adds after `token`
 MAX_STAGES = 64
 T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR = 1, 2, 3, 4, 5
 
@@ -62,6 +63,9 @@ class ForwardItem:
     pos: int
     n: int
     sample: bool  # the last stage samples a token after the item's last row
+    # A draft to verify: the item's last len(draft) tokens, which the last stage checks
+    # against what it samples after each of the rows before them (docs/speculation.md).
+    draft: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class Token:
     seq: int
     token: int
     timing: tuple[float, ...] = ()  # ms each stage spent on the batch that produced it
+    more: tuple[int, ...] = ()  # a verified draft: the tokens after `token`, in order
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,34 @@ def _sampling_from_cbor(d: Any) -> SamplingParams:
         raise StageProtocolError(f"bad sampling parameters: {e}") from e
 
 
+def _item_to_cbor(i: ForwardItem) -> list[Any]:
+    # Without a draft an item is the four fields it always was.
+    fields: list[Any] = [i.seq, i.pos, i.n, i.sample]
+    return [*fields, list(i.draft)] if i.draft else fields
+
+
+def _item_from_cbor(it: Any) -> ForwardItem:
+    ok = isinstance(it, list) and len(it) in (4, 5) and isinstance(it[3], bool)
+    if not ok or not all(isinstance(x, int) and x >= 0 for x in it[:3]) or it[2] == 0:
+        raise StageProtocolError(f"bad forward item {it!r}")
+    draft: tuple[int, ...] = ()
+    if len(it) == 5:
+        d = it[4]
+        ok = isinstance(d, list) and 0 < len(d) < it[2] and it[3]
+        if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in d):
+            raise StageProtocolError(f"bad draft in forward item {it!r}")
+        draft = tuple(d)
+    return ForwardItem(it[0], it[1], it[2], it[3], draft)
+
+
+def _tokens(h: dict[int, Any]) -> tuple[int, ...]:
+    more = h.get(K_MORE, [])
+    ok = isinstance(more, list) and len(more) <= MAX_HEADER
+    if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in more):
+        raise StageProtocolError("a token's draft tokens must be non-negative integers")
+    return tuple(more)
+
+
 def encode(msg: Message) -> bytes:
     payload = b""
     header: dict[int, Any] = {K_VERSION: VERSION}
@@ -129,7 +162,7 @@ def encode(msg: Message) -> bytes:
         payload = np.ascontiguousarray(msg.hidden, dtype=DTYPES[dtype]).tobytes()
         header |= {
             K_TYPE: T_FORWARD,
-            K_ITEMS: [[i.seq, i.pos, i.n, i.sample] for i in msg.items],
+            K_ITEMS: [_item_to_cbor(i) for i in msg.items],
             K_DTYPE: dtype,
             K_WIDTH: int(msg.hidden.shape[1]),
             K_SIZE: len(payload),
@@ -141,6 +174,8 @@ def encode(msg: Message) -> bytes:
         header |= {K_TYPE: T_CLOSE, K_SEQ: msg.seq}
     elif isinstance(msg, Token):
         header |= {K_TYPE: T_TOKEN, K_SEQ: msg.seq, K_TOKEN: msg.token, K_TIMING: list(msg.timing)}
+        if msg.more:
+            header[K_MORE] = list(msg.more)
     elif isinstance(msg, StageFailure):
         header |= {K_TYPE: T_ERROR, K_SEQ: msg.seq, K_ERROR: msg.message}
     else:  # pragma: no cover - the type union is closed
@@ -214,7 +249,7 @@ def _message(h: dict[int, Any], payload: bytes) -> Message:
     if t == T_CLOSE:
         return Close(_int(h, K_SEQ, "seq"))
     if t == T_TOKEN:
-        return Token(_int(h, K_SEQ, "seq"), _int(h, K_TOKEN, "token"), _timing(h))
+        return Token(_int(h, K_SEQ, "seq"), _int(h, K_TOKEN, "token"), _timing(h), _tokens(h))
     if t == T_ERROR:
         seq = h.get(K_SEQ)
         if seq is not None and (not isinstance(seq, int) or seq < 0):
@@ -228,12 +263,7 @@ def _message(h: dict[int, Any], payload: bytes) -> Message:
             raise StageProtocolError("forward needs a dtype (f16/f32) and a positive width")
         if not isinstance(raw_items, list) or not raw_items:
             raise StageProtocolError("forward needs a non-empty item list")
-        items = []
-        for it in raw_items:
-            ok = isinstance(it, list) and len(it) == 4 and isinstance(it[3], bool)
-            if not ok or not all(isinstance(x, int) and x >= 0 for x in it[:3]) or it[2] == 0:
-                raise StageProtocolError(f"bad forward item {it!r}")
-            items.append(ForwardItem(it[0], it[1], it[2], it[3]))
+        items = [_item_from_cbor(it) for it in raw_items]
         rows = sum(i.n for i in items)
         if len(payload) != rows * width * dtype.itemsize:
             raise StageProtocolError(

@@ -17,6 +17,7 @@ from meshagent.engine.runtime import EmbdItem
 from meshagent.engine.stage import StageEngine
 from meshagent.net.outbox import Outbox
 from meshagent.serving import stage_messages as sm
+from meshagent.serving.drafting import verify
 from meshagent.serving.sampling import Sampler
 
 log = structlog.get_logger(__name__)
@@ -45,6 +46,9 @@ class StageServer:
         self._open_next = open_next
         self._open_reply = open_reply
         self._samplers: dict[int, Sampler] = {}
+        # Per sequence, the position after the last token this stage took: a Forward that
+        # starts before it follows a draft whose tail the last stage rejected.
+        self._ends: dict[int, int] = {}
         self._serving: trio.CancelScope | None = None  # the upstream stream served now
         self._engine_lock = trio.Lock()  # held by the stream served, its worker included
         self._closed = False
@@ -66,6 +70,7 @@ class StageServer:
                 for seq in range(self.engine.n_slots):
                     self.engine.clear_sequence(seq)
                 self._samplers.clear()
+                self._ends.clear()
                 await self._serve(upstream)
 
     async def aclose(self) -> None:
@@ -170,6 +175,7 @@ class StageServer:
             elif isinstance(msg, sm.Close):
                 self.engine.clear_sequence(msg.seq)
                 self._samplers.pop(msg.seq, None)
+                self._ends.pop(msg.seq, None)
                 if not self.engine.last:
                     out.append(msg)
             else:
@@ -189,7 +195,11 @@ class StageServer:
         rows = np.concatenate([f.hidden for f in group])
         batch, at = [], 0
         for it in items:
-            batch.append(EmbdItem(it.seq, it.pos, rows[at : at + it.n], it.sample))
+            if self._ends.get(it.seq, it.pos) > it.pos:
+                self.engine.trim_sequence(it.seq, it.pos)  # a draft's rejected tail
+            self._ends[it.seq] = it.pos + it.n
+            want = len(it.draft) + 1 if it.sample and self.engine.last else 0
+            batch.append(EmbdItem(it.seq, it.pos, rows[at : at + it.n], want))
             at += it.n
         t0 = time.perf_counter()
         result = self.engine.forward(batch)
@@ -211,5 +221,11 @@ class StageServer:
             if sampler is None or logits is None:
                 out.append(sm.StageFailure(it.seq, f"sequence {it.seq} was never opened"))
                 continue
-            out.append(sm.Token(it.seq, sampler.sample(logits), timing))
+            if not it.draft:
+                out.append(sm.Token(it.seq, sampler.sample(logits), timing))
+                continue
+            # The draft's window: keep what plain decoding would have sampled (the entry
+            # stops at an end of generation; the stages cut the rest at the next step).
+            tokens = verify(sampler, list(logits), it.draft)
+            out.append(sm.Token(it.seq, tokens[0], timing, tuple(tokens[1:])))
         return out

@@ -187,6 +187,9 @@ class _FakeCompute:
     def clear_sequence(self, seq_id: int) -> None:
         self.caches.clear(seq_id)
 
+    def trim_sequence(self, seq_id: int, keep: int) -> None:
+        self.caches.trim(seq_id, keep)
+
 
 class FakeEngine(FakeVocab, _FakeCompute):
     """A whole fake model (the `Engine` interface)."""
@@ -232,9 +235,6 @@ class FakeEngine(FakeVocab, _FakeCompute):
                 out.append(self._run(it.seq_id, it.pos, it.tokens, it.want_logits))
         return out
 
-    def trim_sequence(self, seq_id: int, keep: int) -> None:
-        self.caches.trim(seq_id, keep)
-
     def reset(self) -> None:
         for slot in range(self.n_slots):
             self.caches.clear(slot)
@@ -251,6 +251,8 @@ class FakeEntry(FakeVocab, _FakeCompute):
     encodes each token as a hidden row (token id, position)."""
 
     end_layer: int | None = None  # fakes have no layers: stages check nothing
+    rewindable = True
+    exact_windows = True  # its stages compute a window's rows one by one, as steps
 
     def __init__(
         self, n_vocab: int = 40, *, slots: int = 4, slot_ctx: int = 256, delay: float = 0.0
@@ -289,6 +291,7 @@ class FakeStage(_FakeCompute):
         delay: float = 0.0,
         eos_every: int = 0,
         batch_sensitive: bool = False,
+        copy_back: int = 0,
     ) -> None:
         super().__init__(
             n_vocab=n_vocab,
@@ -297,6 +300,7 @@ class FakeStage(_FakeCompute):
             delay=delay,
             eos_every=eos_every,
             batch_sensitive=batch_sensitive,
+            copy_back=copy_back,
         )
         self.last = last
         self.n_embd = WIDTH
@@ -313,5 +317,15 @@ class FakeStage(_FakeCompute):
             if [int(p) for p in rows[:, 1]] != list(range(it.pos, it.pos + len(tokens))):
                 raise EngineError(f"hidden rows of slot {it.seq_id} carry the wrong positions")
             hidden.append(rows)
-            logits.append(self._run(it.seq_id, it.pos, tokens, self.last and it.want_logits))
+            want = int(it.want_logits) if self.last else 0
+            if want > 1:  # a window: logits after each of its last `want` tokens
+                head = len(tokens) - want
+                self._run(it.seq_id, it.pos, tokens[:head], False)
+                window = [
+                    self._run(it.seq_id, it.pos + i, tokens[i : i + 1], True)
+                    for i in range(head, len(tokens))
+                ]
+                logits.append(np.stack(window))
+            else:
+                logits.append(self._run(it.seq_id, it.pos, tokens, want > 0))
         return StageOutput(None if self.last else hidden, logits)

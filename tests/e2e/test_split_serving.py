@@ -7,6 +7,7 @@ import json
 import httpx
 
 from tests.e2e.agents import invite, wait_for
+from tests.e2e.test_openai_api import COPY
 
 # SmolLM2 with 2 slots of 1024 tokens needs ~145 MB (weights + KV); with 10% headroom no
 # agent offering 80 MB can hold it, two cannot either, three can.
@@ -123,6 +124,24 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id):
     # The receipt: time in each stage (usage).
     stage_ms = _chat(a, model_id).json()["usage"]["meshagent"]["stage_ms"]
     assert len(stage_ms) == 3 and all(ms > 0 for ms in stage_ms)
+    # Speculation through the split (auto, the default): the last stage verifies the
+    # entry's drafts, and the text of copy-shaped and plain prompts is the whole model's.
+    [entry] = [m for x in agents for m in _get(x, "/control/status")["models"]]
+    assert entry["layers"][0] == 0 and entry["speculation"]["exact_windows"], entry
+    for messages in (COPY, [{"role": "user", "content": "What is 7 times 8?"}]):
+        body = {"model": model_id, "messages": messages, "max_tokens": 60, "temperature": 0}
+        plain = httpx.post(f"{whole.url}/v1/chat/completions", json=body, timeout=120).json()
+        body["meshagent"] = {"speculation": "on"}
+        split = httpx.post(f"{a.url}/v1/chat/completions", json=body, timeout=120).json()
+        said = split["choices"][0]["message"]["content"]
+        assert said == plain["choices"][0]["message"]["content"]
+    assert split["usage"]["meshagent"]["speculation"]["windows"] > 0
+    copied = httpx.post(
+        f"{a.url}/v1/chat/completions",
+        json={"model": model_id, "messages": COPY, "max_tokens": 60, "temperature": 0},
+        timeout=120,
+    ).json()
+    assert copied["usage"]["meshagent"]["speculation"]["accepted"] > 20
     whole.stop()
 
     # c dies; a fourth agent with room for the whole model joins: the mesh replans.

@@ -13,6 +13,7 @@ from meshagent.errors import SplitUnavailable
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import PipelineExecutor
 from meshagent.serving.runner import ModelRunner
+from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.stage_server import StageServer
 from meshagent.testing.fake_engine import FakeEngine, FakeEntry, FakeStage
 from tests.serving.test_runner import complete
@@ -31,13 +32,13 @@ class FakeChain:
         delay: float = 0.0,
         batch_sensitive: bool = False,
         max_batch_tokens: int = 512,
+        copy_back: int = 0,
     ) -> None:
         self.nursery = nursery
         self.entry = FakeEntry(delay=delay)
-        self.stages = [
-            FakeStage(last=False, delay=delay),
-            FakeStage(last=True, delay=delay, batch_sensitive=batch_sensitive),
-        ]
+        how = {"batch_sensitive": batch_sensitive, "copy_back": copy_back}
+        last = FakeStage(last=True, delay=delay, **how)
+        self.stages = [FakeStage(last=False, delay=delay), last]
         self.opens = 0
         self.pipeline = PipelineExecutor(
             self.entry, self._open_first, wire_dtype="f32", depth=depth
@@ -189,3 +190,55 @@ async def test_a_stage_refuses_hidden_states_meant_for_another_layer():
     assert isinstance(failure, sm.StageFailure) and failure.seq is None
     assert "layer 23 reached the stage starting at layer 20" in failure.message
     assert stage.forwards == 0
+
+
+SAMPLINGS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, frequency_penalty=0.8, presence_penalty=0.2),
+    SamplingParams(temperature=0.9, seed=3),
+]
+
+
+@pytest.mark.parametrize("copy_back", [0, 6], ids=["novel", "copying"])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+async def test_a_split_verifies_drafts_at_its_last_stage_and_changes_no_token(
+    nursery, copy_back, sampling
+):
+    # The draft rides down the chain with the step's rows; the last stage samples the
+    # window's rows and keeps what plain decoding would have drawn; every stage cuts the
+    # rejected tail from its cache when the next step starts before it (the fakes raise on a
+    # token at the wrong position). Greedy, penalised and seeded text is that of the whole
+    # model without drafts; drafts mostly miss on novel text and mostly hit on copied text.
+    engine = FakeEngine(slots=2, slot_ctx=512, copy_back=copy_back)
+    whole = LocalModel.whole(engine, max_queue=4)
+    chain = FakeChain(nursery, depth=1, copy_back=copy_back)
+    for model in (whole, chain.model):
+        await nursery.start(model.run)
+    assert chain.pipeline.speculates and chain.pipeline.exact_windows
+    prompt = "abcdef abcdef abc, the cat sat on the mat, the cat"
+    plain, _ = await complete(whole, prompt, 100, sampling=sampling, speculation="off")
+    before = chain.stages[1].forwards
+    text, fin = await complete(chain.model, prompt, 100, sampling=sampling, speculation="on")
+    assert text == plain
+    s = fin.speculation
+    assert s.windows > 0 and s.drafted >= s.accepted
+    if copy_back and sampling.temperature == 0 and not sampling.frequency_penalty:
+        assert s.accepted > 60 and chain.stages[1].forwards - before < 40
+
+
+async def test_concurrent_split_requests_with_and_without_drafts_match_each_alone(nursery):
+    whole = LocalModel.whole(FakeEngine(slots=4, slot_ctx=256, copy_back=5), max_queue=8)
+    chain = FakeChain(nursery, depth=2, copy_back=5, delay=0.001)
+    for model in (whole, chain.model):
+        await nursery.start(model.run)
+    prompts = ["abcab abcab", "xyzzy xyzzy xy", "hello there hello", "qwerty"]
+    alone = {p: (await complete(whole, p, 40, speculation="off"))[0] for p in prompts}
+    got = {}
+
+    async def one(i, p):
+        got[p] = (await complete(chain.model, p, 40, speculation=("on", "off")[i % 2]))[0]
+
+    async with trio.open_nursery() as n:
+        for i, p in enumerate(prompts):
+            n.start_soon(one, i, p)
+    assert got == alone
