@@ -97,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--requests", type=int, default=requests, help="soak requests")
         sp.add_argument("--concurrency", type=int, default=d.concurrency)
         sp.add_argument("--calibration", type=int, default=d.calibration)
+        sp.add_argument(
+            "--speculation",
+            type=int,
+            default=d.speculation,
+            help="copy-shaped and prose requests each, drafts off then auto (0: none)",
+        )
         sp.add_argument("--forwarded", type=int, default=d.forwarded)
         sp.add_argument("--seed", type=int, default=d.seed)
         sp.add_argument("--wire-dtype", choices=("auto", "f16", "f32"), default=d.wire_dtype)
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             requests=args.requests,
             concurrency=args.concurrency,
             calibration=args.calibration,
+            speculation=args.speculation,
             forwarded=args.forwarded,
             seed=args.seed,
             wire_dtype=args.wire_dtype,
@@ -164,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['streams_complete']}/{t['streams']}; per-token {vs.get('measured_ms')} ms "
                 f"vs floor {vs.get('floor_ms')} ms (goal met: {vs.get('goal_met')})"
             )
+            for mix, m in (r.get("speculation") or {}).items():
+                print(
+                    f"{name}: speculation {mix}: {m['tok_s_off']} -> {m['tok_s_auto']} tok/s "
+                    f"({m['ratio']}x), accepted {m['accepted']}/{m['drafted']}, same text "
+                    f"{m['same_text']}"
+                )
     elif args.scenario == "faults":
         fs = scenarios.FaultSettings(
             regime=args.regime,

@@ -489,3 +489,37 @@ def churn_back(
         r = None if b is None else next((x for x in back if x >= b), None)
         out.append(None if r is None or r - t > 2 * within_s else round(r - t, 3))
     return out
+
+
+def speculation(phases: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """Per workload ("copy", "prose"), one request at a time with drafts off and with `auto`:
+    the median decode tokens/s of each (streamed: first to last chunk), their ratio, the
+    drafts' acceptance, and whether the greedy texts were the same."""
+    out: dict[str, Any] = {}
+    for mix in dict.fromkeys(name.rsplit("-", 1)[0] for name in phases):
+        off, auto = phases.get(f"{mix}-off", ()), phases.get(f"{mix}-auto", ())
+        rates = {}
+        for mode, recs in (("off", off), ("auto", auto)):
+            # Decode rate: tokens after the first over the time from the first to the last.
+            r = sorted(1000 / t for rec in recs if rec["ok"] and (t := per_token_ms(rec)))
+            rates[mode] = round(_q(r, 0.5), 2) if r else None
+        receipts = [rec["speculation"] for rec in auto if rec.get("speculation")]
+        drafted = sum(s["drafted"] for s in receipts)
+        accepted = sum(s["accepted"] for s in receipts)
+        texts_off = {rec["prompt_no"]: rec["text"] for rec in off if rec["ok"]}
+        same = [texts_off.get(rec["prompt_no"]) == rec["text"] for rec in auto if rec["ok"]]
+        out[mix] = {
+            "tok_s_off": rates["off"],
+            "tok_s_auto": rates["auto"],
+            "ratio": round(rates["auto"] / rates["off"], 3)
+            if rates["off"] and rates["auto"]
+            else None,
+            "windows": sum(s["windows"] for s in receipts),
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "requests": len(off) + len(auto),
+            "ok": sum(rec["ok"] for rec in (*off, *auto)),
+            "same_text": f"{sum(same)}/{len(same)}",
+        }
+    return out

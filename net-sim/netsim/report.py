@@ -202,6 +202,37 @@ def _split_summary_rows(regimes: Mapping[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def _speculation_md(spec: Mapping[str, Any] | None) -> list[str]:
+    if not spec:
+        return []
+    out = [
+        "",
+        "### Speculation: drafts off and auto, one request at a time",
+        "",
+        "Greedy, streamed; decode tokens/s from the first streamed chunk to the last, median "
+        "of the requests. Goals (issue 16): copy-shaped >= 3.0x, novel prose >= 0.95x.",
+        "",
+    ]
+    out += _table(
+        ["workload", "off tok/s", "auto tok/s", "auto / off", "windows", "accepted / drafted",
+         "same text", "ok"],
+        (
+            [
+                mix,
+                _f(m["tok_s_off"], 1),
+                _f(m["tok_s_auto"], 1),
+                _f(m["ratio"], 2, "x"),
+                m["windows"],
+                f"{m['accepted']} / {m['drafted']}",
+                m["same_text"],
+                f"{m['ok']}/{m['requests']}",
+            ]
+            for mix, m in spec.items()
+        ),
+    )  # fmt: skip
+    return out
+
+
 def _split_md(name: str, r: Mapping[str, Any]) -> list[str]:
     out = [f"## Regime `{name}`", "", "### Network", ""]
     m = r.get("machine", {})
@@ -258,6 +289,7 @@ def _split_md(name: str, r: Mapping[str, Any]) -> list[str]:
                 for h in r.get("ring", [])
             ),
         )
+    out += _speculation_md(r.get("speculation"))
     iso = r.get("isolation") or {}
     out += ["", "### Per-token latency against its floor", ""]
     floor = iso.get("floor")

@@ -32,6 +32,7 @@ class SplitSettings:
     concurrency: int = 2
     calibration: int = 5  # requests run one at a time to measure the floor (each kind)
     decode_tokens: int = 64  # completion length of the calibration requests
+    speculation: int = 3  # copy-shaped and prose requests each, with drafts off and on (auto)
     forwarded: int = 2  # requests sent to each non-entry agent (carried to the entry)
     idle_s: float = 5.0  # a quiet window, for the background bytes on each link
     seed: int = 1
@@ -222,10 +223,19 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
         c2 = lab.counters()
         decode = driver.run(
             host, "decode", "--mix", "count", "--requests", str(s.calibration),
-            "--max-tokens", str(s.decode_tokens), "--concurrency", "1", *common,
-            timeout=1200,
+            "--max-tokens", str(s.decode_tokens), "--concurrency", "1",
+            "--speculation", "off", *common, timeout=1200,
         )  # fmt: skip
         c3 = lab.counters()
+        drafting: dict[str, list[dict[str, Any]]] = {}
+        for mix in ("copy", "prose") if s.speculation else ():
+            for mode in ("off", "auto"):
+                drafting[f"{mix}-{mode}"] = driver.run(
+                    host, f"spec-{mix}-{mode}", "--mix", mix, "--requests",
+                    str(s.speculation), "--concurrency", "1", "--speculation", mode, *common,
+                    timeout=1800,
+                )  # fmt: skip
+        c3b = lab.counters()
         soak = driver.run(
             host, "soak", "--mix", "soak", "--requests", str(s.requests),
             "--concurrency", str(s.concurrency), *common, timeout=max(600, 20 * s.requests),
@@ -240,7 +250,8 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
                 )  # fmt: skip
         out["final_paths"] = {n: mesh.paths(n) for n in HOSTS}
     out["isolation"] = isolation(prefill, decode, hops, metrics.counters_window(c2, c3))
-    soak_window = metrics.counters_window(c3, c4)
+    out["speculation"] = metrics.speculation(drafting) if drafting else None
+    soak_window = metrics.counters_window(c3b, c4)
     out["soak"] = metrics.summarise(soak)
     out["soak"]["wire"] = metrics.wire_per_token(
         soak_window,
@@ -251,7 +262,8 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
     out["soak"]["wire_window"] = {k: v for k, v in soak_window.items() if k != "links"}
     out["idle"] = idle
     out["forwarded"] = metrics.summarise(forwarded) if forwarded else None
-    records = warm + prefill + decode + soak + forwarded
+    records = warm + prefill + decode + [r for rs in drafting.values() for r in rs]
+    records += soak + forwarded
     for r in records:
         r["regime"] = regime
     _tally(out, records)

@@ -24,7 +24,7 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 SHORT_PROMPTS = (
@@ -50,6 +50,18 @@ LONG_PROMPTS = (
     _STORY + "Write the letter the keeper would send to the mainland once the radio works.",
 )
 COUNT_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."
+_DOC = (
+    '{\n  "name": "meshagent",\n  "version": "0.4.2",\n  "license": "Apache-2.0",\n'
+    '  "api": {"host": "127.0.0.1", "port": 9337,\n'
+    '          "endpoints": ["/v1/models", "/v1/completions"]},\n'
+    '  "overlay": {"listen": "0.0.0.0:9338", "relays": ["relay.example.org:9339"], "mdns": true},\n'
+    '  "limits": {"slots": 4, "ctx_size": 2048, "max_queue": 64, "grace_seconds": 10}\n}'
+)
+# Copy-shaped: most of the answer repeats the prompt, which speculation's drafts come from.
+COPY_PROMPT = (
+    f"Here is a JSON document:\n{_DOC}\nRepeat the whole document exactly as it is, except "
+    'that "port" 9337 becomes 9400. Answer with the JSON only.'
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,7 @@ SHAPES = {
     # reference made undisturbed.
     "short-greedy": Shape(SHORT_PROMPTS, 16, temperature=0.0),
     "long-greedy": Shape(LONG_PROMPTS, 128, temperature=0.0),
+    "copy": Shape((COPY_PROMPT,), 128, temperature=0.0),
 }
 # A mix: the (shape, streamed) pairs it cycles through, shuffled in blocks, so N requests
 # hold each pair N/len times.
@@ -80,6 +93,9 @@ MIXES: dict[str, tuple[tuple[str, bool], ...]] = {
     "long-stream": (("long", True),),
     "count": (("count", True),),
     "count-whole": (("count", False),),
+    # Speculation's two sides: text that repeats the prompt, and novel prose.
+    "copy": (("copy", True),),
+    "prose": (("long-greedy", True),),
     "churn": (
         ("short", True),
         ("short", False),
@@ -103,6 +119,7 @@ class RequestSpec:
     temperature: float
     seed: int
     prompt_no: int = 0  # which of its shape's prompts
+    speculation: str | None = None  # the request's "meshagent.speculation"; None: the agent's
 
 
 def request_spec(mix: str, i: int, seed: int, max_tokens: int | None = None) -> RequestSpec:
@@ -162,6 +179,8 @@ def _body(spec: RequestSpec, model: str) -> bytes:
     }
     if spec.stream:
         body["stream_options"] = {"include_usage": True}
+    if spec.speculation is not None:
+        body["meshagent"] = {"speculation": spec.speculation}
     return json.dumps(body).encode()
 
 
@@ -209,6 +228,7 @@ def run_one(port: int, model: str, spec: RequestSpec, timeout: float) -> dict[st
         "text_chars": 0,
         "text": "",
         "replays": None,
+        "speculation": None,
         "error": None,
         "cause": None,
     }
@@ -287,6 +307,7 @@ def _usage(rec: dict[str, Any], usage: dict[str, Any]) -> None:
     receipt = usage.get("meshagent") or {}
     rec["stage_ms"] = receipt.get("stage_ms")
     rec["replays"] = receipt.get("replays")
+    rec["speculation"] = receipt.get("speculation")
 
 
 def _read_stream(resp: http.client.HTTPResponse, rec: dict[str, Any], rel) -> None:
@@ -377,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--first", type=int, default=0, help="index of the first request")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds without a byte: failed")
+    p.add_argument(
+        "--speculation",
+        choices=("auto", "on", "off"),
+        help="ask for this speculation mode in every request (default: the agent's)",
+    )
     p.add_argument("--gap", type=float, default=0.0, help="seconds a worker waits between requests")
     p.add_argument(
         "--fail-pause",
@@ -415,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
                 spec = references[i - args.first]
             else:
                 spec = request_spec(args.mix, i, args.seed, args.max_tokens)
+            if args.speculation is not None:
+                spec = replace(spec, speculation=args.speculation)
             rec = run_one(args.port, model, spec, args.timeout)
             rec["worker"] = w
             with lock:

@@ -210,3 +210,25 @@ def test_churn_back_is_from_the_fault_to_the_chain_opened_again():
         {"t": 14.0, "event": "pipeline.reconnected"},
     ]
     assert metrics.churn_back(faults, events) == [3.1, None]
+
+
+def test_speculation_compares_decode_rates_acceptance_and_texts():
+    def run(mode, gap, texts, receipt=None):
+        return [
+            rec(i, chunks=[0.1 + gap * k for k in range(11)], prompt_no=i, text=t,
+                speculation=receipt)
+            for i, t in enumerate(texts)
+        ]  # fmt: skip
+
+    phases = {
+        "copy-off": run("off", 0.1, ["a", "b"]),  # 10 tok/s
+        "copy-auto": run("auto", 0.025, ["a", "b"], {"windows": 3, "drafted": 12, "accepted": 9}),
+        "prose-off": run("off", 0.1, ["c"]),
+        "prose-auto": run("auto", 0.1, ["d"]),  # the text changed: said so
+    }
+    s = metrics.speculation(phases)
+    assert s["copy"]["tok_s_off"] == pytest.approx(10) and s["copy"]["ratio"] == pytest.approx(4)
+    assert (s["copy"]["windows"], s["copy"]["acceptance"]) == (6, 0.75)
+    assert s["copy"]["same_text"] == "2/2" and s["copy"]["ok"] == 4
+    assert s["prose"]["ratio"] == pytest.approx(1) and s["prose"]["same_text"] == "0/1"
+    assert s["prose"]["acceptance"] is None

@@ -3,6 +3,7 @@ errors mid-stream, HTTP errors, silence, and the request mix."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import Counter
@@ -138,3 +139,11 @@ def test_the_soak_mix_is_balanced_in_blocks_and_repeatable():
     assert specs != [workload.request_spec("soak", i, seed=2) for i in range(200)]
     assert workload.request_spec("count", 0, 1, max_tokens=1).max_tokens == 1
     assert workload.request_spec("count", 0, 1).temperature == 0.0
+
+
+def test_a_request_can_ask_for_a_speculation_mode():
+    spec = workload.request_spec("copy", 0, seed=1)
+    assert spec.shape == "copy" and spec.temperature == 0.0 and "9400" in spec.prompt
+    assert "meshagent" not in json.loads(workload._body(spec, "m"))
+    asked = dataclasses.replace(spec, speculation="off")
+    assert json.loads(workload._body(asked, "m"))["meshagent"] == {"speculation": "off"}
