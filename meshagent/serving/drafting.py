@@ -74,40 +74,20 @@ class SuffixDrafter:
 
 
 class DraftLength:
-    """How many tokens to propose: doubled after a draft accepted whole, cut to one more
-    than was accepted otherwise; between 1 and `max_k`. With `backoff`, a draft of which
-    nothing was accepted also pauses drafting for 2, 4, 8... up to `max_pause` steps (the
-    count restarts after a draft that was at least partly right), so text the drafts do not
-    fit costs few wasted windows."""
+    """How many tokens to propose ("on"): doubled after a draft accepted whole, cut to one
+    more than was accepted otherwise; between 1 and `max_k`."""
 
-    def __init__(
-        self, initial: int = 4, *, max_k: int = 16, backoff: bool = False, max_pause: int = 64
-    ) -> None:
+    def __init__(self, initial: int = 4, *, max_k: int = 16) -> None:
         self.max_k = max_k
         self.k = max(1, min(initial, max_k))
-        self.backoff = backoff
-        self.max_pause = max_pause
-        self._misses = 0
-        self._resume_at = 0
 
-    def ready(self, step: int) -> bool:
-        """Whether to draft at `step` (a count of the caller's steps)."""
-        return step >= self._resume_at
-
-    def update(self, proposed: int, accepted: int, step: int = 0) -> None:
+    def update(self, proposed: int, accepted: int) -> None:
         if proposed <= 0:
             return
         if accepted >= proposed:
             self.k = min(self.max_k, self.k * 2)
         else:
             self.k = max(1, min(self.max_k, accepted + 1))
-        if not self.backoff:
-            return
-        if accepted:
-            self._misses = 0
-        else:
-            self._misses += 1
-            self._resume_at = step + min(self.max_pause, 2**self._misses)
 
 
 def verify(
@@ -131,3 +111,65 @@ def verify(
         if i == len(draft) or token != draft[i] or is_end(token):
             break
     return out
+
+
+class WindowCost:
+    """What a step of n tokens costs relative to a step of one, learnt from the steps run:
+    cost(n) = 1 + slope * (n - 1). On a CPU that computes each token's products on its own
+    (small batches are compute-bound), slope is near 1 and a window is nearly as dear as its
+    tokens decoded one by one; where a step's time is mostly fixed (weights read from memory
+    once, a GPU, a round trip through a split), slope is small and windows are cheap."""
+
+    def __init__(self, slope: float = 0.3, *, weight: float = 0.2) -> None:
+        self.slope = slope
+        self.weight = weight
+        self._one: float | None = None  # seconds of a one-token step (moving average)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A decode step of `tokens` tokens (one per sequence, plus drafts) took `seconds`."""
+        if tokens < 1 or seconds <= 0:
+            return
+        if tokens == 1:
+            one = self._one
+            self._one = seconds if one is None else one + self.weight * (seconds - one)
+        elif self._one is not None:
+            slope = max(0.0, (seconds / self._one - 1) / (tokens - 1))
+            self.slope += self.weight * (slope - self.slope)
+
+    def cost(self, tokens: int) -> float:
+        return 1 + self.slope * (tokens - 1)
+
+
+class Acceptance:
+    """A sequence's chance that a drafted token is right: from its drafts verified, and from
+    its proposals compared with the tokens decoded without them (which cost nothing, so a
+    sequence that stopped drafting can tell when drafting would pay again). Recent evidence
+    weighs most."""
+
+    def __init__(self, prior: float = 0.7, *, weight: float = 2.0, decay: float = 0.9) -> None:
+        self.hits = prior * weight
+        self.trials = weight
+        self.decay = decay
+
+    def update(self, hits: int, trials: int) -> None:
+        self.hits = self.hits * self.decay + hits
+        self.trials = self.trials * self.decay + trials
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.trials
+
+
+def best_draft(rate: float, cost: WindowCost, room: int, *, margin: float = 1.05) -> int:
+    """How many draft tokens make a step yield the most tokens per unit of its time, with
+    each drafted token right with probability `rate` (a draft is kept up to its first wrong
+    token, plus the model's own token there); 0 when no draft beats plain decoding by
+    `margin`."""
+    a = min(max(rate, 0.0), 0.999)
+    best_k, best = 0, margin
+    for k in range(1, room + 1):
+        expected = (1 - a ** (k + 1)) / (1 - a)
+        gain = expected / cost.cost(k + 1)
+        if gain > best:
+            best_k, best = k, gain
+    return best_k

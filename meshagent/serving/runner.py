@@ -14,6 +14,7 @@ import itertools
 import math
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import structlog
@@ -217,7 +218,9 @@ class ModelRunner:
     def _work(self) -> None:
         while (step := self._next()) is not None:
             try:
+                started = time.perf_counter()
                 sampled = self.executor.run_step(step)
+                spent = time.perf_counter() - started
             except Exception as e:  # an engine failure fails this step's requests, not the agent
                 log.error("engine.step_failed", error=str(e), sequences=len(step.items))
                 error = e if isinstance(e, MeshError) else EngineError(f"inference failed: {e}")
@@ -226,7 +229,10 @@ class ModelRunner:
             else:
                 if not sampled:
                     continue
+                decoding = all(it.last and len(it.tokens) == it.draft + 1 for it in step.items)
                 with self._lock:
+                    if decoding:  # what a window costs here, for "auto" (sampled at once)
+                        self.scheduler.observe(sum(len(it.tokens) for it in step.items), spent)
                     events = [e for s, t, ms in sampled for e in self.scheduler.token(s, t, ms)]
             if events:
                 self.post(self._deliver, events)

@@ -30,8 +30,11 @@ Policy:
   reads the window's end from the tokens themselves: the first that differs from the draft,
   or the one after it. The executor keeps the accepted positions of its cache and drops the
   rest. Drafts take budget after the decode tokens and at most half of it, so prompts keep
-  moving. With "auto", a draft of which nothing was accepted pauses that sequence's drafting
-  for a growing number of steps (`DraftLength`).
+  moving. With "on", the draft's length follows its acceptance (`DraftLength`). With "auto",
+  a sequence drafts as many tokens as make a step yield the most tokens per unit of its
+  time, or none: its drafts' acceptance (`Acceptance`, also fed by comparing proposals it did
+  not send with the tokens that came) against what a window costs next to a one-token step
+  (`WindowCost`, learnt from the decode steps the runner times: `observe`).
 """
 
 from __future__ import annotations
@@ -41,8 +44,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshagent.errors import ContextOverflow, MeshError, QueueFull, ShuttingDown
-from meshagent.serving.drafting import DraftLength, SuffixDrafter
+from meshagent.serving.drafting import (
+    Acceptance,
+    DraftLength,
+    SuffixDrafter,
+    WindowCost,
+    best_draft,
+)
 from meshagent.serving.sampling import SamplingParams
+
+MAX_DRAFT = 16  # the most tokens "auto" drafts at once
 
 
 @dataclass(frozen=True)
@@ -129,7 +140,9 @@ class _Seq:
     cancelled: bool = False
     ready_since: int = 0  # the step count when its pending input arrived
     drafter: SuffixDrafter | None = None  # speculating: its text so far, indexed
-    length: DraftLength | None = None
+    length: DraftLength | None = None  # "on": how many tokens to draft
+    acceptance: Acceptance | None = None  # "auto": how often its drafts are right
+    shadow: int | None = None  # "auto", not drafting: what it would have drafted first
     window: tuple[int, ...] = ()  # the draft of the step it is busy in
     window_pos: int = 0  # the position of the token before that draft
     window_at: int = 0  # the index in the window of the next token to come back
@@ -163,6 +176,9 @@ class Scheduler:
         self._steps = 0
         self._tokens = 0
         self._drafts = [0, 0, 0]  # windows, tokens drafted, tokens accepted
+        # What a window costs against a one-token step, learnt from decode steps (`observe`):
+        # what "auto" weighs a draft's expected tokens against.
+        self.window_cost = WindowCost()
         self.closed = False
 
     # ----- what callers ask -----
@@ -234,7 +250,10 @@ class Scheduler:
             raise ValueError(f"speculation must be auto, on or off, not {speculation!r}")
         if speculation != "off":
             s.drafter = SuffixDrafter((*prompt, *history))
-            s.length = DraftLength(backoff=speculation == "auto")
+            if speculation == "auto":
+                s.acceptance = Acceptance()
+            else:
+                s.length = DraftLength()
         self._by_id[seq] = s
         self._queue.append(s)
         self._admit()
@@ -303,13 +322,22 @@ class Scheduler:
         return self._take_step(tuple(items))
 
     def _draft(self, s: _Seq, budget: int) -> tuple[int, ...]:
-        assert s.drafter is not None and s.length is not None
-        if not s.length.ready(self._steps):
-            return ()
-        room = min(s.length.k, budget, s.limit - s.generated - 1, self.slot_ctx - s.n_past - 1)
+        assert s.drafter is not None
+        most = s.length.k if s.length is not None else MAX_DRAFT
+        room = min(most, budget, s.limit - s.generated - 1, self.slot_ctx - s.n_past - 1)
         # The drafter holds the prompt, the history and every token since: the pending one
         # is its last.
-        return s.drafter.propose(room) if room > 0 else ()
+        proposal = s.drafter.propose(room) if room > 0 else ()
+        if s.acceptance is None or not proposal:
+            return proposal
+        k = best_draft(s.acceptance.rate, self.window_cost, len(proposal))
+        if not k:  # it would not pay: see whether its first token would have been right
+            s.shadow = proposal[0]
+        return proposal[:k]
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step of decode tokens only (one per sequence, plus drafts) took `seconds`."""
+        self.window_cost.observe(tokens, seconds)
 
     def token(self, slot: int, token: int, timing: tuple[float, ...] = ()) -> list[Event]:
         """A token sampled after a busy sequence's step: the only one, or the next of its
@@ -341,13 +369,18 @@ class Scheduler:
             return [Token(s.id, token, finish, timing, len(window), at + right)]
         if s.drafter is not None:
             s.drafter.extend((token,))
+        if s.shadow is not None and s.acceptance is not None:
+            s.acceptance.update(token == s.shadow, 1)
+            s.shadow = None
         if right:  # more of the window is coming
             return [Token(s.id, token, None, timing)]
         # The window's last token: the first off the draft, or the one after it.
         s.busy = False
         s.n_past = s.window_pos + 1 + at
         if s.length is not None and window:
-            s.length.update(len(window), at, self._steps)
+            s.length.update(len(window), at)
+        if s.acceptance is not None and window:
+            s.acceptance.update(at, at + (at < len(window)))
         s.pending = [token]
         s.ready_since = self._steps
         return [Token(s.id, token, None, timing, len(window), at)]

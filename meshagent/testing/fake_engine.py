@@ -3,16 +3,17 @@
 The next-token logits of a sequence are a function of every token it holds and their
 positions, so a scheduler or executor that feeds a token twice, skips one, or mixes up two
 sequences' caches changes the text. Every call checks that a sequence's tokens arrive at the
-position its cache has reached, and raises otherwise. `delay` (seconds per forward) stands in
-for compute time. With `batch_sensitive`, the logits also depend on how a sequence's tokens
-were batched (how many ran in each forward call), by less than it takes to change the
-favourite: like llama.cpp, whose last bits change with a batch's shape, greedy text stays the
-same while a sampled one may not.
+position its cache has reached, and raises otherwise. `delay` (seconds per forward, plus
+`token_delay` per token for `FakeEngine`) stands in for compute time. With
+`batch_sensitive`, the logits also depend on how a sequence's tokens were batched (how many
+ran in each forward call), by less than it takes to change the favourite: like llama.cpp,
+whose last bits change with a batch's shape, greedy text stays the same while a sampled one
+may not.
 
-Three shapes share that arithmetic, so a split on fakes must give exactly what the whole fake
-gives: `FakeEngine` (a whole model, the `Engine` interface), `FakeEntry` (the entry of a split:
-text side and first stage) and `FakeStage` (any later stage; hidden rows carry the token ids
-and positions, and the last stage turns them into logits).
+Three shapes share that arithmetic, so a split on fakes must give exactly what the whole
+fake gives: `FakeEngine` (a whole model, the `Engine` interface), `FakeEntry` (the entry of
+a split: text side and first stage) and `FakeStage` (any later stage; hidden rows carry the
+token ids and positions, and the last stage turns them into logits).
 """
 
 from __future__ import annotations
@@ -158,16 +159,17 @@ class _FakeCompute:
         self.slot_ctx = slot_ctx
         self.caches = _Caches(slots, slot_ctx)
         self.delay = delay
+        self.token_delay = 0.0  # seconds per token on top of `delay`: compute-bound windows
         self.eos_every = eos_every
         self.forwards = 0
         self.fail_next: str | None = None  # the next call raises this
 
-    def _compute(self) -> None:
+    def _compute(self, tokens: int = 1) -> None:
         if self.fail_next is not None:
             why, self.fail_next = self.fail_next, None
             raise EngineError(why)
-        if self.delay:
-            time.sleep(self.delay)
+        if self.delay or self.token_delay:
+            time.sleep(self.delay + self.token_delay * tokens)
         self.forwards += 1
 
     def _run(self, slot: int, pos: int, tokens: Sequence[int], want: bool) -> np.ndarray | None:
@@ -220,7 +222,7 @@ class FakeEngine(FakeVocab, _FakeCompute):
         )
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:
-        self._compute()
+        self._compute(sum(len(it.tokens) for it in items))
         out: list[np.ndarray | None] = []
         for it in items:
             if it.want_logits and it.rows > 1:  # a window: logits after each of its last tokens

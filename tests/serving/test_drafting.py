@@ -12,7 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshagent.serving.drafting import DraftLength, SuffixDrafter, verify
+from meshagent.serving.drafting import (
+    Acceptance,
+    DraftLength,
+    SuffixDrafter,
+    WindowCost,
+    best_draft,
+    verify,
+)
 from meshagent.serving.sampling import Sampler, SamplingParams
 from meshagent.testing.fake_engine import EOS, fake_logits
 
@@ -69,19 +76,37 @@ def test_draft_length_grows_on_success_and_shrinks_on_failure():
     assert length.k == 1
 
 
-def test_backoff_pauses_drafting_after_misses_and_resumes_after_a_hit():
-    length = DraftLength(4, backoff=True, max_pause=8)
-    assert length.ready(0)
-    length.update(4, 0, step=10)
-    assert not length.ready(11) and length.ready(12)  # 2 steps
-    length.update(1, 0, step=12)
-    assert not length.ready(15) and length.ready(16)  # 4
-    length.update(1, 0, step=16)
-    length.update(1, 0, step=16)
-    assert not length.ready(23) and length.ready(24)  # at most max_pause
-    length.update(1, 1, step=24)  # a hit: the count restarts
-    length.update(2, 0, step=30)
-    assert length.ready(32)
+def test_the_window_cost_is_learnt_from_decode_steps():
+    cost = WindowCost(slope=0.3, weight=1.0)
+    cost.observe(5, 0.05)  # no one-token step seen yet: nothing to compare with
+    assert cost.slope == 0.3
+    cost.observe(1, 0.010)
+    cost.observe(5, 0.030)  # 3x one token for 5 tokens: 0.5 per extra token
+    assert cost.slope == pytest.approx(0.5) and cost.cost(3) == pytest.approx(2.0)
+    cost.observe(2, 0.005)  # faster than one token (noise): never a negative slope
+    assert cost.slope == 0.0
+
+
+def test_acceptance_weighs_recent_evidence():
+    a = Acceptance(prior=0.7, weight=2.0, decay=0.5)
+    assert a.rate == pytest.approx(0.7)
+    for _ in range(10):
+        a.update(0, 1)
+    assert a.rate < 0.01
+    a.update(4, 4)
+    assert a.rate > 0.7
+
+
+def test_the_best_draft_pays_for_its_window_or_is_none():
+    cheap, dear = WindowCost(slope=0.05), WindowCost(slope=0.75)
+    # Cheap windows: draft long where drafts are mostly right, a little even where not.
+    assert best_draft(0.9, cheap, 16) >= 8
+    assert 1 <= best_draft(0.3, cheap, 16) <= 3
+    # Dear windows (compute-bound): only very good drafts pay, and short ones.
+    assert best_draft(0.5, dear, 16) == 0
+    assert best_draft(0.95, dear, 16) >= 1
+    assert best_draft(0.99, dear, 3) <= 3
+    assert best_draft(0.9, cheap, 0) == 0  # no room
 
 
 def test_verify_wants_one_row_more_than_the_draft():
