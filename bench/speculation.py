@@ -132,9 +132,9 @@ def window_costs(threads: int, repeats: int = 8) -> dict[int, float]:
 
 
 def ceiling(costs: dict[int, float], acceptance: float) -> float:
-    """The most a draft length could gain here with drafts right with this probability each:
-    max over k of the tokens a window of k drafts yields over what it costs (window sizes
-    between those measured: interpolated)."""
+    """The most a draft length could gain here with drafts right with this probability each
+    (independently): max over k of the tokens a window of k drafts yields over what it costs
+    (window sizes between those measured: interpolated)."""
     a = min(acceptance, 0.999)
     sizes = sorted(costs)
     best = 1.0
@@ -227,8 +227,8 @@ def main() -> None:
         f"accepted, the most a draft could gain here: {result['ceiling_all_accepted']}x"
     )
     print(
-        "ceiling: the best draft length at the workload's acceptance (with 'on'); target: "
-        "the goal, or the ceiling where the machine allows less"
+        "ceiling: every draft accepted, at the best length; target: the goal, or the "
+        "ceiling where the machine allows less"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
