@@ -16,7 +16,9 @@ _missing = requirements_missing()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing is not None, reason=_missing or "")]
 
 REGIMES = ["lan", "wan"]
-SHORT = SplitSettings(requests=8, calibration=3, decode_tokens=32, forwarded=1, idle_s=2.0)
+SHORT = SplitSettings(
+    requests=8, calibration=3, decode_tokens=32, forwarded=1, idle_s=2.0, speculation=1
+)
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -33,8 +35,9 @@ def test_every_request_completes_and_every_stream_ends_properly(run):
         r = report["regimes"][name]
         t = r["totals"]
         assert t["failed"] == 0, r["failures"]
-        # warm-up 1, prefill 3, decode 3, soak 8, forwarded 1 to each of 2 other agents
-        assert t["requests"] == 1 + 3 + 3 + 8 + 2
+        # warm-up 1, prefill 3, decode 3, speculation 1 of each workload off and auto, soak 8,
+        # forwarded 1 to each of 2 other agents
+        assert t["requests"] == 1 + 3 + 3 + 4 + 8 + 2
         assert t["streams"] > 0 and t["streams_complete"] == t["streams"]
         assert r["soak"]["ok"] == 8 and r["forwarded"]["ok"] == 2
 
@@ -46,7 +49,7 @@ def test_three_stages_on_three_hosts_with_a_receipt(run):
         assert sorted(s[0] for s in r["plan"]["stages"]) == ["h0", "h1", "h2"]
         assert [h["path"] for h in r["ring"]] == ["direct"] * 3
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 17
+    assert len(records) == 2 * 21
     for rec in records:
         assert len(rec["stages"].split(",")) == 3 and len(rec["stage_ms"]) == 3
 
@@ -66,6 +69,17 @@ def test_per_token_latency_is_reported_against_its_floor(run):
         assert iso["ttft_ms"]["median"] > 0
 
 
+def test_speculation_is_measured_against_drafts_off(run):
+    _, report = run
+    for name in REGIMES:
+        spec = report["regimes"][name]["speculation"]
+        for mix in ("copy", "prose"):
+            m = spec[mix]
+            assert m["ok"] == m["requests"] == 2 and m["same_text"] == "1/1", m
+            assert m["tok_s_off"] > 0 and m["tok_s_auto"] > 0 and m["ratio"] > 0
+        assert spec["copy"]["accepted"] > 0  # the copied text's drafts were taken
+
+
 def test_soak_speed_ttft_and_bytes_on_the_wire_per_link(run):
     _, report = run
     for name in REGIMES:
@@ -83,7 +97,8 @@ def test_the_report_files_hold_the_figures(run):
     out, report = run
     md = (out / "report.md").read_text()
     for text in ("floor", "What was tested", "What was not tested", "Bytes on the wire",
-                 "bbr", "Regime `lan`", "Regime `wan`", "Failed requests"):  # fmt: skip
+                 "bbr", "Regime `lan`", "Regime `wan`", "Failed requests",
+                 "### Speculation"):  # fmt: skip
         assert text in md, text
     for png in ("per_token_lan.png", "per_token_wan.png", "tokens_per_s.png", "ttft.png"):
         assert (out / png).read_bytes().startswith(PNG), png
