@@ -72,19 +72,11 @@ def _models(s: Services) -> list[dict[str, Any]]:
 def _speculation(model: LocalModel) -> dict[str, Any]:
     """The default mode and whether this engine's draft windows are exact (checked at load)."""
     executor = model.runner.executor
-    check = getattr(executor, "window_check", None)
-    if not executor.speculates:
-        exact, reason = False, "drafts are not verified here (a split, or a recurrent state)"
-    elif not hasattr(executor, "window_check"):  # the entry of a split
-        exact = executor.exact_windows
-        reason = "a split: judged by this agent's llama.cpp build" + (
-            "" if exact else " (built with LLAMAFILE, or flash attention on)"
-        )
-    elif check is None:
-        exact, reason = False, "not checked yet (the model is loading)"
-    else:
-        exact, reason = check.exact, check.reason
-    return {"default": model.speculation, "exact_windows": exact, "reason": reason}
+    return {
+        "default": model.speculation,
+        "exact_windows": executor.exact_windows,
+        "reason": executor.windows_reason,
+    }
 
 
 def _links(overlay: ConnectionManager) -> list[dict[str, Any]]:

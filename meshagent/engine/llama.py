@@ -9,7 +9,13 @@ import numpy as np
 import structlog
 
 from meshagent.engine.base import ForwardItem, ModelInfo
-from meshagent.engine.runtime import LlamaRuntime, RuntimeDelegate, built_with_llamafile
+from meshagent.engine.runtime import (
+    FLASH_ATTN_WINDOWS,
+    LLAMAFILE_WINDOWS,
+    LlamaRuntime,
+    RuntimeDelegate,
+    built_with_llamafile,
+)
 from meshagent.engine.vocab import Vocab, VocabDelegate
 
 log = structlog.get_logger(__name__)
@@ -45,18 +51,10 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
         self.n_slots = slots
         self.slot_ctx = slot_ctx
         self.rewindable = self.runtime.rewindable
-        # Read by `engine.windows.check_windows`. llama.cpp's CPU flash attention splits a
-        # one-token step's attention over the threads past 512 tokens of context, and a
-        # window's not: a short check would pass where long contexts differ.
-        self.inexact_windows = (
-            None if flash_attn is False else "flash attention computes one-token steps otherwise"
-        )
-        self.windows_hint = (
-            "llama.cpp was built with LLAMAFILE: reinstall llama-cpp-python with "
-            'CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" (README)'
-            if built_with_llamafile()
-            else None
-        )
+        # Read by `engine.windows.check_windows`: flash attention is not checked, a LLAMAFILE
+        # build is (and, when it fails, told how to mend).
+        self.inexact_windows = None if flash_attn is False else FLASH_ATTN_WINDOWS
+        self.windows_hint = LLAMAFILE_WINDOWS if built_with_llamafile() else None
         self.n_vocab = self.vocab.n_vocab
         rt = self.runtime
         self.info = ModelInfo(

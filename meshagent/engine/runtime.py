@@ -52,6 +52,17 @@ def built_with_llamafile() -> bool:
     return b"LLAMAFILE = 1" in llama_cpp.llama_print_system_info()
 
 
+# Why a draft's window cannot compute what one-token steps compute (engine/windows.py).
+# llama.cpp's CPU flash attention splits a one-token step's attention over the threads past
+# 512 tokens of context, and a window's not: a short check would pass where long contexts
+# differ.
+FLASH_ATTN_WINDOWS = "flash attention computes one-token steps otherwise"
+LLAMAFILE_WINDOWS = (
+    "llama.cpp was built with LLAMAFILE: reinstall llama-cpp-python with "
+    'CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" (README)'
+)
+
+
 def model_params(*, vocab_only: bool = False) -> llama_cpp.llama_model_params:
     """llama.cpp's model parameters as meshagent loads every model.
 
@@ -250,7 +261,7 @@ class LlamaRuntime:
             None
             if r is None
             else self.logits(r[-1])
-            if len(r) == 1 and int(items[i].want_logits) == 1
+            if items[i].want_logits == 1
             else np.stack([self.logits(j) for j in r])
             for i, r in enumerate(rows)
         ]

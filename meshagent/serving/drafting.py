@@ -33,6 +33,8 @@ import numpy as np
 
 from meshagent.serving.sampling import Sampler
 
+MAX_DRAFT = 16  # the most tokens a draft holds
+
 
 class SuffixDrafter:
     """An index of a sequence's n-grams (`min_n` to `max_n` tokens) to the position after
@@ -77,7 +79,7 @@ class DraftLength:
     """How many tokens to propose ("on"): doubled after a draft accepted whole, cut to one
     more than was accepted otherwise; between 1 and `max_k`."""
 
-    def __init__(self, initial: int = 4, *, max_k: int = 16) -> None:
+    def __init__(self, initial: int = 4, *, max_k: int = MAX_DRAFT) -> None:
         self.max_k = max_k
         self.k = max(1, min(initial, max_k))
 

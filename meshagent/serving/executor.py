@@ -33,6 +33,7 @@ class Executor(Protocol):
     depth: int  # stages a step passes through: the scheduler keeps this many groups in flight
     speculates: bool  # verifies steps with drafts (StepItem.draft)
     exact_windows: bool  # a verified window computes what one-token steps compute
+    windows_reason: str  # why, or why not (for `meshagent status`)
 
     def run_step(self, step: Step) -> list[SampledToken]:
         """Run `step` (blocking, on the runner's worker thread). Returns the tokens sampled
@@ -90,6 +91,14 @@ class LocalExecutor:
     @property
     def exact_windows(self) -> bool:
         return self.window_check is not None and self.window_check.exact
+
+    @property
+    def windows_reason(self) -> str:
+        if not self.speculates:
+            return "drafts are not verified here: the model's state cannot be cut back"
+        if self.window_check is None:
+            return "not checked yet (the model is loading)"
+        return self.window_check.reason
 
     async def run(self, runner: object, *, task_status: trio.TaskStatus[None]) -> None:
         if self.speculates and self.window_check is None:

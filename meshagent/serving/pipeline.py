@@ -22,7 +22,12 @@ import structlog
 import trio
 
 from meshagent.engine.base import ModelInfo
-from meshagent.engine.runtime import EmbdItem, built_with_llamafile
+from meshagent.engine.runtime import (
+    FLASH_ATTN_WINDOWS,
+    LLAMAFILE_WINDOWS,
+    EmbdItem,
+    built_with_llamafile,
+)
 from meshagent.engine.stage import WIRE_DTYPES, StageEngine
 from meshagent.engine.vocab import Vocab, VocabDelegate
 from meshagent.errors import EngineError, SplitUnavailable
@@ -62,7 +67,11 @@ class EntryEngine(VocabDelegate):
         # A draft's window computes what one-token steps compute where llama.cpp is built
         # without LLAMAFILE and runs without flash attention (engine/windows.py). Judged by
         # this agent's build: the stages of one mesh run one install.
-        self.exact_windows = first_stage.flash_attn is False and not built_with_llamafile()
+        trouble = (FLASH_ATTN_WINDOWS if first_stage.flash_attn is not False else None) or (
+            LLAMAFILE_WINDOWS if built_with_llamafile() else None
+        )
+        self.exact_windows = trouble is None
+        self.windows_reason = "a split: " + (trouble or "judged by this agent's llama.cpp build")
 
     def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
         """items: (seq, pos, tokens). Returns the first stage's output rows per item."""
@@ -111,6 +120,7 @@ class PipelineExecutor:
         # Drafts go down the chain as part of a step's rows; the last stage verifies them.
         self.speculates = entry.rewindable
         self.exact_windows = entry.exact_windows
+        self.windows_reason = entry.windows_reason
         # Per slot, the position after the last token its stages took: a step that starts
         # before it follows a window whose tail was rejected, and the cache is cut back.
         self._ends: dict[int, int] = {}

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from meshagent.errors import ContextOverflow, MeshError, QueueFull, ShuttingDown
 from meshagent.serving.drafting import (
+    MAX_DRAFT,
     Acceptance,
     DraftLength,
     SuffixDrafter,
@@ -52,8 +53,6 @@ from meshagent.serving.drafting import (
     best_draft,
 )
 from meshagent.serving.sampling import SamplingParams
-
-MAX_DRAFT = 16  # the most tokens "auto" drafts at once
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,7 @@ class FakeEntry(FakeVocab, _FakeCompute):
     end_layer: int | None = None  # fakes have no layers: stages check nothing
     rewindable = True
     exact_windows = True  # its stages compute a window's rows one by one, as steps
+    windows_reason = "a fake split: rows computed one by one"
 
     def __init__(
         self, n_vocab: int = 40, *, slots: int = 4, slot_ctx: int = 256, delay: float = 0.0
