@@ -120,23 +120,39 @@ class WindowCost:
     cost(n) = 1 + slope * (n - 1). On a CPU that computes each token's products on its own
     (small batches are compute-bound), slope is near 1 and a window is nearly as dear as its
     tokens decoded one by one; where a step's time is mostly fixed (weights read from memory
-    once, a GPU, a round trip through a split), slope is small and windows are cheap."""
+    once, a GPU, a round trip through a split), slope is small and windows are cheap.
+
+    Each size of step seen keeps a moving average of its time; a line through them (least
+    squares, sizes weighted by how often they were seen) gives time(n) = a + b * n, and slope =
+    b / time(1). So no one-token step is needed: windows of different lengths are enough (a
+    split's entry that drafts on every trip). With fewer than two sizes seen, the prior holds."""
+
+    _SIZES = 64  # steps of more tokens than this are not counted
 
     def __init__(self, slope: float = 0.3, *, weight: float = 0.2) -> None:
         self.slope = slope
         self.weight = weight
-        self._one: float | None = None  # seconds of a one-token step (moving average)
+        self._seen: dict[int, tuple[float, int]] = {}  # tokens -> (mean seconds, count)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A decode step of `tokens` tokens (one per sequence, plus drafts) took `seconds`."""
-        if tokens < 1 or seconds <= 0:
-            return
-        if tokens == 1:
-            one = self._one
-            self._one = seconds if one is None else one + self.weight * (seconds - one)
-        elif self._one is not None:
-            slope = max(0.0, (seconds / self._one - 1) / (tokens - 1))
-            self.slope += self.weight * (slope - self.slope)
+        if not 1 <= tokens <= self._SIZES or seconds <= 0 or not self.weight:
+            return  # (with weight 0 the slope stays as set)
+        mean, count = self._seen.get(tokens, (seconds, 0))
+        self._seen[tokens] = (mean + self.weight * (seconds - mean), count + 1)
+        if len(self._seen) >= 2:
+            self.slope = self._fit()
+
+    def _fit(self) -> float:
+        w = {n: min(count, 10) for n, (_, count) in self._seen.items()}
+        total = sum(w.values())
+        n_mean = sum(w[n] * n for n in w) / total
+        t_mean = sum(w[n] * t for n, (t, _) in self._seen.items()) / total
+        var = sum(w[n] * (n - n_mean) ** 2 for n in w)
+        cov = sum(w[n] * (n - n_mean) * (t - t_mean) for n, (t, _) in self._seen.items())
+        b = max(0.0, cov / var)
+        one = t_mean - b * (n_mean - 1)  # the line's time for one token
+        return min(2.0, b / one) if one > 0 else 2.0
 
     def cost(self, tokens: int) -> float:
         return 1 + self.slope * (tokens - 1)

@@ -147,7 +147,9 @@ class ModelRunner:
     def tokens_ready(self, tokens: list[SampledToken]) -> None:
         """Tokens sampled elsewhere (a split's last stage), on the event loop."""
         with self._lock:
-            events = [e for slot, tok, ms in tokens for e in self.scheduler.token(slot, tok, ms)]
+            now = time.perf_counter()  # the trip of each window that ends here (auto's cost)
+            sched = self.scheduler
+            events = [e for slot, tok, ms in tokens for e in sched.token(slot, tok, ms, now)]
             self._lock.notify()
         self._deliver(events)
 
@@ -209,7 +211,7 @@ class ModelRunner:
     def _next(self) -> Step | None:
         with self._lock:
             while not self._stopping:
-                step = self.scheduler.next_step()
+                step = self.scheduler.next_step(time.perf_counter())
                 if step is not None:
                     return step
                 self._lock.wait()

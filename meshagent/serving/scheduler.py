@@ -34,7 +34,8 @@ Policy:
   a sequence drafts as many tokens as make a step yield the most tokens per unit of its
   time, or none: its drafts' acceptance (`Acceptance`, also fed by comparing proposals it did
   not send with the tokens that came) against what a window costs next to a one-token step
-  (`WindowCost`, learnt from the decode steps the runner times: `observe`).
+  (`WindowCost`, learnt from the decode steps the runner times, `observe`, or in a split from
+  each window's trip, from `next_step` to its last token, both given a `now`).
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class _Seq:
     window: tuple[int, ...] = ()  # the draft of the step it is busy in
     window_pos: int = 0  # the position of the token before that draft
     window_at: int = 0  # the index in the window of the next token to come back
+    sent_at: float | None = None  # when its decode step was taken (`next_step`'s `now`)
 
 
 class Scheduler:
@@ -271,8 +273,10 @@ class Scheduler:
         else:
             self._release(s)
 
-    def next_step(self) -> Step | None:
-        """The next batch to run, or None when no sequence has input to run."""
+    def next_step(self, now: float | None = None) -> Step | None:
+        """The next batch to run, or None when no sequence has input to run. `now` (any
+        clock): when it is taken, to time the trips of the windows whose tokens come back
+        through `token` with a `now` too (a split's)."""
         ready = [s for s in self._by_slot.values() if s.pending and not s.cancelled]
         if not ready:
             if self._released:  # nothing to run, but slots to forget: a step of only that
@@ -312,6 +316,7 @@ class Scheduler:
             last = not s.pending
             items.append(StepItem(s.id, s.slot, s.n_past, tokens, last, len(draft)))
             s.window, s.window_at = draft, 0
+            s.sent_at = now if last and take == 1 else None
             s.window_pos = s.n_past + take - 1
             s.n_past += len(tokens)
             s.busy = last
@@ -338,10 +343,14 @@ class Scheduler:
         """A step of decode tokens only (one per sequence, plus drafts) took `seconds`."""
         self.window_cost.observe(tokens, seconds)
 
-    def token(self, slot: int, token: int, timing: tuple[float, ...] = ()) -> list[Event]:
+    def token(
+        self, slot: int, token: int, timing: tuple[float, ...] = (), now: float | None = None
+    ) -> list[Event]:
         """A token sampled after a busy sequence's step: the only one, or the next of its
         window (see the module's docstring). Returns what to deliver: nothing for a
-        cancelled sequence or a slot with no sequence waiting."""
+        cancelled sequence or a slot with no sequence waiting. With `now`, the window's trip
+        (from `next_step` to its last token) is what a window of its length costs: a split's
+        windows, which no single step times."""
         s = self._by_slot.get(slot)
         if s is None or not s.busy:
             return []
@@ -356,6 +365,8 @@ class Scheduler:
             self._drafts[1] += len(window)
         self._drafts[2] += right
         timing = timing if at == 0 else ()
+        if not right and now is not None and s.sent_at is not None:  # the window's last token
+            self.window_cost.observe(len(window) + 1, now - s.sent_at)
         finish = None
         if self._is_end(token):
             finish = "stop"

@@ -266,7 +266,7 @@ class FakeEntry(FakeVocab, _FakeCompute):
         )
 
     def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
-        self._compute()
+        self._compute(sum(len(tokens) for _, _, tokens in items))
         rows = []
         for slot, pos, tokens in items:
             self._run(slot, pos, tokens, False)
@@ -312,7 +312,7 @@ class FakeStage(_FakeCompute):
         self.end: int | None = None
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
-        self._compute()
+        self._compute(sum(len(it.hidden) for it in items))
         hidden, logits = [], []
         for it in items:
             rows = np.asarray(it.hidden, dtype=np.float32)

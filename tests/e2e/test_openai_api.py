@@ -325,8 +325,12 @@ def test_speculation_changes_no_token_and_its_receipt_counts_the_drafts(
             model=model_id, messages=messages, max_tokens=80, temperature=0, extra_body=extra, **kw
         )
 
-    plain, spec = ask("off"), ask(None)
+    # "on" drafts whatever the window costs; "auto" (the default) drafts only where the windows
+    # it measured on this machine pay, so how much it drafts is a benchmark's figure
+    # (bench/speculation.py), not a test's: here it must only change no token.
+    plain, spec, auto = ask("off"), ask("on"), ask(None)
     assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert auto.choices[0].message.content == plain.choices[0].message.content
     receipt = spec.usage.model_extra["meshagent"]["speculation"]
     assert receipt["accepted"] > 20 and receipt["drafted"] >= receipt["accepted"]
     assert "meshagent" not in (plain.usage.model_extra or {})

@@ -78,13 +78,24 @@ def test_draft_length_grows_on_success_and_shrinks_on_failure():
 
 def test_the_window_cost_is_learnt_from_decode_steps():
     cost = WindowCost(slope=0.3, weight=1.0)
-    cost.observe(5, 0.05)  # no one-token step seen yet: nothing to compare with
+    cost.observe(5, 0.05)  # one size of step seen: nothing to compare with
     assert cost.slope == 0.3
     cost.observe(1, 0.010)
     cost.observe(5, 0.030)  # 3x one token for 5 tokens: 0.5 per extra token
     assert cost.slope == pytest.approx(0.5) and cost.cost(3) == pytest.approx(2.0)
-    cost.observe(2, 0.005)  # faster than one token (noise): never a negative slope
+    cost.observe(5, 0.005)  # faster than one token (noise): never a negative slope
     assert cost.slope == 0.0
+
+
+def test_windows_of_two_lengths_give_the_cost_without_a_one_token_step():
+    # A split's entry that drafts on every trip never times a one-token step: a trip of 3
+    # tokens at 84 ms and one of 9 at 96 ms put time(n) at 78 + 2n ms, so 2/80 per token.
+    cost = WindowCost(slope=0.3, weight=0.5)
+    for _ in range(4):
+        cost.observe(3, 0.084)
+        cost.observe(9, 0.096)
+    assert cost.slope == pytest.approx(0.025, rel=0.01)
+    assert cost.cost(17) == pytest.approx(1.4, rel=0.01)
 
 
 def test_acceptance_weighs_recent_evidence():

@@ -4,6 +4,9 @@ limits, batching), save steps on copy-shaped text, and show in the receipt."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
 import pytest
 import trio
 
@@ -11,7 +14,7 @@ from meshagent.engine.windows import check_windows
 from meshagent.serving.generation import Finished, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import SamplingParams
-from meshagent.testing.fake_engine import FakeEngine
+from meshagent.testing.fake_engine import FakeEngine, fake_logits
 from tests.serving.test_runner import complete
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -233,3 +236,66 @@ async def test_auto_drafts_only_where_windows_are_exact_and_on_drafts_anyway(nur
     assert skewed.runner.stats().draft_windows == 0
     _, fin = await run(skewed, "abcdef abcdef", 60, sampling=GREEDY, speculation="on")
     assert fin.speculation.accepted > 30
+
+
+def _exact_texts(held: list[int], engine: FakeEngine, steps: int, temperature: float):
+    """The probability of each text of `steps` tokens (shorter where the end token comes)
+    that plain sampling at `temperature` gives after `held`: the fake's known distribution."""
+    out: dict[str, float] = {}
+
+    def walk(held: list[int], text: bytes, prob: float, left: int) -> None:
+        if left == 0:
+            out[text.decode()] = out.get(text.decode(), 0.0) + prob
+            return
+        logits = fake_logits(held, engine.n_vocab, copy_back=engine.copy_back) / temperature
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        for token in range(len(p)):
+            q = prob * float(p[token])
+            if engine.is_end_of_generation(token):
+                out[text.decode()] = out.get(text.decode(), 0.0) + q
+            else:
+                walk([*held, token], text + engine.token_bytes(token), q, left - 1)
+
+    walk(held, b"", 1.0, steps)
+    return out
+
+
+async def test_sampled_text_keeps_the_models_distribution_with_drafts(nursery):
+    # Sampling with drafts must draw texts with the model's own distribution: many samples of
+    # three tokens, with drafts (most of them accepted: copy-shaped text), against the
+    # distribution computed from the fake's logits, by a chi-squared test. A request without
+    # a seed gets a random one (`SamplingParams.seeded`); here the seeds are 0..n-1, so the
+    # test gives the same verdict on every run.
+    engine = FakeEngine(slots=8, slot_ctx=512, copy_back=3)
+    model = LocalModel.whole(engine, max_queue=64)
+    await nursery.start(model.run)
+    prompt, steps, temperature, n = "abcabcabcabc", 3, 2.5, 2400
+    exact = _exact_texts(engine.tokenize(prompt, add_bos=True), engine, steps, temperature)
+    counts: Counter[str] = Counter()
+    accepted = 0
+
+    async def sample(seeds: range) -> None:
+        nonlocal accepted
+        for seed in seeds:
+            sampling = SamplingParams(temperature=temperature, seed=seed)
+            text, fin = await run(model, prompt, steps, sampling=sampling, speculation="on")
+            counts[text] += 1
+            accepted += fin.speculation.accepted if fin.speculation else 0
+
+    async with trio.open_nursery() as n_:
+        for i in range(8):
+            n_.start_soon(sample, range(i, n, 8))
+    assert sum(counts.values()) == n and set(counts) <= set(exact), set(counts) - set(exact)
+    assert accepted > n / 5  # drafts were taken (one fits in three tokens), not merely offered
+    # Cells with too few expected draws are pooled into one.
+    cells = sorted(t for t, p in exact.items() if p * n >= 5)
+    rest = 1 - sum(exact[t] for t in cells)
+    observed = [counts[t] for t in cells] + [n - sum(counts[t] for t in cells)]
+    expected = [exact[t] * n for t in cells] + [rest * n]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True) if e > 0)
+    dof = len(cells)  # cells + the pool - 1
+    # The chi-squared value with p = 0.001 for dof degrees of freedom (Wilson-Hilferty).
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+    assert len(cells) > 10 and chi2 < limit, (chi2, limit, len(cells))
