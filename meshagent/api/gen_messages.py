@@ -83,7 +83,7 @@ def _fields(msg: Message) -> dict[int, Any]:
         6: replays,
     }
     if (s := msg.speculation) is not None:
-        done[7] = [s.windows, s.drafted, s.accepted]
+        done[7] = [s.windows, s.drafted, s.accepted, s.peak_in_flight]
     return done
 
 
@@ -109,7 +109,7 @@ def _message(m: dict[int, Any]) -> Message:
             Replay(_str(r[0]), _int(r[1]), float(r[2]), float(r[3]), tuple(map(_str, r[4])))
             for r in m[6]
         )
-        spec = None if m.get(7) is None else Speculation(*(_int(x) for x in m[7][:3]))
+        spec = None if m.get(7) is None else Speculation(*(_int(x) for x in m[7][:4]))
         stage_ms = tuple(float(x) for x in m[5])
         return Finished(_str(m[2]), _int(m[3]), _int(m[4]), stage_ms, replays, spec)
     if kind == "head":

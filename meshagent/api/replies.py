@@ -37,13 +37,14 @@ def usage(done: Finished) -> dict[str, Any]:
             for r in done.replays
         ]
     if done.speculation is not None:
-        # Drafts from the request's own text: windows verified, draft tokens sent, and how
-        # many of them were right (each one a step saved).
+        # Drafts from the request's own text: windows verified, draft tokens sent, how many
+        # of them were right (each one a step saved), and the most windows in flight at once.
         s = done.speculation
         receipt["speculation"] = {
             "windows": s.windows,
             "drafted": s.drafted,
             "accepted": s.accepted,
+            "peak_windows_in_flight": s.peak_in_flight,
         }
     if receipt:
         out["meshagent"] = receipt

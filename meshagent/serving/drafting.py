@@ -62,16 +62,22 @@ class SuffixDrafter:
                 after[tuple(toks[end - n : end])] = end
             toks.append(token)
 
-    def propose(self, k: int) -> tuple[int, ...]:
+    def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
         """Up to `k` tokens that followed the longest suffix's most recent earlier
-        occurrence; () when no suffix of `min_n` tokens or more occurred before."""
-        toks = self.tokens
+        occurrence; () when no suffix of `min_n` tokens or more occurred before. With
+        `after`, as if the sequence went on with those tokens (drafts not yet verified:
+        what to draft next, beyond them), without indexing them."""
         if k < 1:
             return ()
-        for n in range(min(self.max_n, len(toks)), self.min_n - 1, -1):
-            start = self._after.get(tuple(toks[len(toks) - n :]))
+        toks = self.tokens
+        tail = [*toks[-self.max_n :], *after][-self.max_n :] if after else toks
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            start = self._after.get(tuple(tail[len(tail) - n :]))
             if start is not None:
-                return tuple(toks[start : start + k])
+                got = toks[start : start + k]  # and on into `after`, where the match is recent
+                if len(got) < k and after:
+                    got = [*got, *after[: k - len(got)]]
+                return tuple(got)
         return ()
 
 
@@ -186,8 +192,31 @@ def best_draft(rate: float, cost: WindowCost, room: int, *, margin: float = 1.05
     a = min(max(rate, 0.0), 0.999)
     best_k, best = 0, margin
     for k in range(1, room + 1):
-        expected = (1 - a ** (k + 1)) / (1 - a)
-        gain = expected / cost.cost(k + 1)
+        gain = _window_yield(a, k) / cost.cost(k + 1)
         if gain > best:
             best_k, best = k, gain
     return best_k
+
+
+def follow_up_draft(
+    rate: float, cost: WindowCost, ahead: int, proposal: Sequence[int], *, margin: float = 1.05
+) -> int | None:
+    """How many draft tokens a window sent before the verdict on those in flight should hold
+    after its guess (the proposal's first token), or None to send none. `ahead`: the tokens
+    in flight not yet verified. Each token of such a window costs a window's extra compute
+    (`cost.slope` of a step) and saves a trip only where every token before it was right; it
+    is sent while that expected saving beats what the sequence makes per step without it
+    (the best plain window's yield)."""
+    a = min(max(rate, 0.0), 0.999)
+    per_token = max(cost.slope, 0.02)  # never free: the stages compute it
+    serial = max(margin, *(_window_yield(a, k) / cost.cost(k + 1) for k in range(MAX_DRAFT + 1)))
+    reach = a ** (ahead + 1)  # every token in flight right, and the guess
+    count = 0
+    while count < len(proposal) and reach * a**count / per_token > serial:
+        count += 1
+    return count - 1 if count else None
+
+
+def _window_yield(a: float, k: int) -> float:
+    """The expected tokens of a window of k drafts, each right with probability a."""
+    return (1 - a ** (k + 1)) / (1 - a)

@@ -32,6 +32,9 @@ class Executor(Protocol):
     slot_ctx: int
     depth: int  # stages a step passes through: the scheduler keeps this many groups in flight
     speculates: bool  # verifies steps with drafts (StepItem.draft)
+    # Windows of one sequence it takes before the first's tokens are back (StepItem.follows):
+    # 1 where a step's tokens come back with the step.
+    max_windows: int
     exact_windows: bool  # a verified window computes what one-token steps compute
     windows_reason: str  # why, or why not (for `meshagent status`)
 
@@ -49,6 +52,7 @@ class LocalExecutor:
     """A whole model in one engine context: forward, then sample, on the worker thread."""
 
     depth = 1
+    max_windows = 1  # its tokens come back with the step
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

@@ -74,11 +74,14 @@ def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
 
 @dataclass
 class Speculation:
-    """Drafts of one request: windows verified, draft tokens sent, and how many were right."""
+    """Drafts of one request: windows verified, draft tokens sent, how many were right, and
+    the most windows it had in flight at once (a split's entry sends the next window before
+    the verdict on the last)."""
 
     windows: int = 0
     drafted: int = 0
     accepted: int = 0
+    peak_in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,7 @@ async def generate(
                         spec.windows += 1
                         spec.drafted += ev.drafted
                         spec.accepted += ev.accepted
+                        spec.peak_in_flight = max(spec.peak_in_flight, ev.windows)
                     if ev.finish == "stop":
                         reason = "stop"
                         break

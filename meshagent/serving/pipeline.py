@@ -45,6 +45,7 @@ REPLY_LABEL = "stage-reply/1"
 # Frames of hidden states a link may have in flight: the pipeline depth, bounding memory.
 ACTIVATION_WINDOW_FRAMES = 8
 ACTIVATION_WINDOW_BYTES = 8 * 1024 * 1024
+MAX_WINDOWS = 4  # a sequence's draft windows in flight at once
 
 
 class EntryEngine(VocabDelegate):
@@ -118,7 +119,10 @@ class PipelineExecutor:
         self.n_slots = entry.n_slots
         self.slot_ctx = entry.slot_ctx
         # Drafts go down the chain as part of a step's rows; the last stage verifies them.
+        # A sequence may have several windows in flight: the next goes before the verdict on
+        # the last, so drafts are not held to one window per trip around the ring.
         self.speculates = entry.rewindable
+        self.max_windows = MAX_WINDOWS if entry.rewindable else 1
         self.exact_windows = entry.exact_windows
         self.windows_reason = entry.windows_reason
         # Per slot, the position after the last token its stages took: a step that starts
@@ -194,7 +198,8 @@ class PipelineExecutor:
                     it.pos,
                     len(it.tokens),
                     it.last,
-                    tuple(it.tokens[-it.draft :]) if it.draft else (),
+                    tuple(it.tokens[-(it.draft + it.follows) :]) if it.draft or it.follows else (),
+                    it.follows,
                 )
                 for it in step.items
             )

@@ -81,6 +81,7 @@ class ModelRunner:
             is_end=is_end,
             max_batch_tokens=max_batch_tokens,
             depth=executor.depth,
+            max_windows=executor.max_windows,
         )
         self.aborted: MeshError | None = None
         self._lock = threading.Condition()

@@ -52,6 +52,7 @@ from meshagent.serving.drafting import (
     SuffixDrafter,
     WindowCost,
     best_draft,
+    follow_up_draft,
 )
 from meshagent.serving.sampling import SamplingParams
 
@@ -66,6 +67,9 @@ class StepItem:
     tokens: tuple[int, ...]
     last: bool  # the sequence's pending input ends here: a token is wanted after it
     draft: int = 0  # the last `draft` tokens are a draft: logits are wanted for each
+    # A window that follows one still in flight: its first token is a draft too, a guess at
+    # the token that window ends with (so logits are wanted after each of its tokens).
+    follows: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class Token:
     timing: tuple[float, ...] = ()  # a split's time per stage on the step that made it
     drafted: int = 0  # on the token that ends a window: the draft's length...
     accepted: int = 0  # ...and how many of its tokens were right
+    windows: int = 0  # ...and how many windows of the sequence were in flight, itself included
 
 
 @dataclass(frozen=True)
@@ -143,10 +148,26 @@ class _Seq:
     length: DraftLength | None = None  # "on": how many tokens to draft
     acceptance: Acceptance | None = None  # "auto": how often its drafts are right
     shadow: int | None = None  # "auto", not drafting: what it would have drafted first
-    window: tuple[int, ...] = ()  # the draft of the step it is busy in
-    window_pos: int = 0  # the position of the token before that draft
-    window_at: int = 0  # the index in the window of the next token to come back
-    sent_at: float | None = None  # when its decode step was taken (`next_step`'s `now`)
+    windows: deque[_Window] = field(default_factory=deque)  # in flight, oldest first
+    # Windows it voided may still be in flight ahead of its next step, which would queue
+    # behind them: that step's trip is not what its window costs, and is not timed.
+    behind_void: bool = False
+
+
+@dataclass
+class _Window:
+    """A decode step in flight: its first token at `pos` (the sequence's last token, or for a
+    window that follows another, the `guess` at that one's last), then `draft`."""
+
+    pos: int
+    draft: tuple[int, ...]
+    guess: int | None = None
+    sent_at: float | None = None  # when the step was taken; None: not timed
+    at: int = 0  # the index in the draft of the next token to come back
+
+    def ahead(self) -> list[int]:
+        """Its tokens not yet verified, in order."""
+        return [*(() if self.guess is None else (self.guess,)), *self.draft[self.at :]]
 
 
 class Scheduler:
@@ -159,6 +180,7 @@ class Scheduler:
         is_end: Callable[[int], bool],
         max_batch_tokens: int = 512,
         depth: int = 1,
+        max_windows: int = 1,
     ) -> None:
         if max_batch_tokens <= n_slots:
             raise ValueError("the token budget of a step must exceed the number of slots")
@@ -167,6 +189,9 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
         self.depth = max(1, depth)
+        # Windows of one sequence in flight at once: more than one only where an executor
+        # sends a window before the verdict on the last comes back (a split's entry).
+        self.max_windows = max(1, max_windows)
         self._is_end = is_end
         self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._queue: deque[_Seq] = deque()
@@ -278,10 +303,6 @@ class Scheduler:
         clock): when it is taken, to time the trips of the windows whose tokens come back
         through `token` with a `now` too (a split's)."""
         ready = [s for s in self._by_slot.values() if s.pending and not s.cancelled]
-        if not ready:
-            if self._released:  # nothing to run, but slots to forget: a step of only that
-                return self._take_step(())
-            return None
         ready.sort(key=lambda s: (s.ready_since, s.id))
         active = sum(1 for s in self._by_slot.values() if not s.cancelled)
         share = ready[: max(1, active // self.depth)]
@@ -315,15 +336,57 @@ class Scheduler:
             del s.pending[:take]
             last = not s.pending
             items.append(StepItem(s.id, s.slot, s.n_past, tokens, last, len(draft)))
-            s.window, s.window_at = draft, 0
-            s.sent_at = now if last and take == 1 else None
-            s.window_pos = s.n_past + take - 1
+            if last:  # a decode step's trip is timed
+                sent_at = now if take == 1 and not s.behind_void else None
+                s.windows.append(_Window(s.n_past + take - 1, draft, sent_at=sent_at))
+                s.behind_void = False
             s.n_past += len(tokens)
             s.busy = last
             s.busy_in = self._steps
             s.ready_since = self._steps + 1  # a prompt's next chunk waits behind the others
             self._tokens += len(tokens)
+        if self.max_windows > 1:
+            ran = {it.seq for it in items}  # (a window is not followed in its own step)
+            items += self._follow_ups(min(draft_budget, budget), ran)
+        if not items and not self._released:
+            return None
         return self._take_step(tuple(items))
+
+    def _follow_ups(self, budget: int, ran: set[int]) -> list[StepItem]:
+        """Windows sent before the verdict on the windows in flight, assuming they are all
+        accepted: each starts with the token its drafter guesses the last one ends with.
+        A rejection makes them void, here and at the last stage alike (see `token`)."""
+        items = []
+        busy = [s for s in self._by_slot.values() if s.busy and not s.cancelled and s.windows]
+        for s in sorted(busy, key=lambda s: (s.ready_since, s.id)):
+            if s.drafter is None or len(s.windows) >= self.max_windows or s.id in ran:
+                continue
+            ahead = [t for w in s.windows for t in w.ahead()]
+            if any(self._is_end(t) for t in ahead):
+                continue  # a drafted end of generation: nothing follows it
+            promised = sum(len(w.draft) + 1 for w in s.windows) - s.windows[0].at
+            most = s.length.k if s.length is not None else MAX_DRAFT
+            room = min(  # drafts after the guess
+                most, budget - 1, s.limit - s.generated - promised - 1, self.slot_ctx - s.n_past - 2
+            )
+            proposal = s.drafter.propose(room + 1, ahead) if room >= 0 else ()
+            ends = [i for i, t in enumerate(proposal) if self._is_end(t)]
+            proposal = proposal[: ends[0] + 1] if ends else proposal
+            if not proposal or self._is_end(proposal[0]):
+                continue
+            if s.acceptance is not None:
+                k = follow_up_draft(s.acceptance.rate, self.window_cost, len(ahead), proposal)
+                if k is None:
+                    continue
+                proposal = proposal[: k + 1]
+            assert s.slot is not None
+            guess, draft = proposal[0], tuple(proposal[1:])
+            items.append(StepItem(s.id, s.slot, s.n_past, proposal, True, len(draft), True))
+            s.windows.append(_Window(s.n_past, draft, guess))
+            s.n_past += len(proposal)
+            self._tokens += len(proposal)
+            budget -= len(proposal)
+        return items
 
     def _draft(self, s: _Seq, budget: int) -> tuple[int, ...]:
         assert s.drafter is not None
@@ -354,19 +417,40 @@ class Scheduler:
         s = self._by_slot.get(slot)
         if s is None or not s.busy:
             return []
-        if s.cancelled:
-            self._release(s)
-            return []
-        at, window = s.window_at, s.window
-        s.window_at += 1
+        w = s.windows[0]
+        at, window = w.at, w.draft
+        w.at += 1
         right = at < len(window) and token == window[at]
-        if window and at == 0:
+        guessed = w.guess is not None  # and right, or its window would have been void
+        if at == 0 and (window or guessed):
             self._drafts[0] += 1
-            self._drafts[1] += len(window)
+            self._drafts[1] += len(window) + guessed
+            self._drafts[2] += guessed
         self._drafts[2] += right
         timing = timing if at == 0 else ()
-        if not right and now is not None and s.sent_at is not None:  # the window's last token
-            self.window_cost.observe(len(window) + 1, now - s.sent_at)
+        drafted, accepted, in_flight = len(window) + guessed, at + right + guessed, 0
+        if not right:  # the window's last token: the first off the draft, or the one after it
+            in_flight = len(s.windows) if drafted else 0
+            s.windows.popleft()
+            if now is not None and w.sent_at is not None:
+                self.window_cost.observe(len(window) + 1, now - w.sent_at)
+            if not (at == len(window) and s.windows and s.windows[0].guess == token):
+                # The windows after it guessed wrong: void, here and at the last stage.
+                void = sum(len(v.draft) + 1 for v in s.windows)
+                self._drafts[1] += void
+                drafted += void
+                s.behind_void = bool(s.windows)
+                s.windows.clear()
+                s.busy = False
+                s.n_past = w.pos + 1 + at
+            if s.length is not None and drafted:
+                s.length.update(drafted, accepted)
+            if s.acceptance is not None and drafted:
+                s.acceptance.update(accepted, accepted + (accepted < drafted))
+        if s.cancelled:
+            if not s.busy:
+                self._release(s)
+            return []
         finish = None
         if self._is_end(token):
             finish = "stop"
@@ -375,8 +459,9 @@ class Scheduler:
             if s.generated >= s.limit:
                 finish = "length"
         if finish is not None:
+            # Nothing of it is in flight: a window never goes past a drafted end or the limit.
             self._release(s)
-            return [Token(s.id, token, finish, timing, len(window), at + right)]
+            return [Token(s.id, token, finish, timing, drafted, accepted, in_flight)]
         if s.drafter is not None:
             s.drafter.extend((token,))
         if s.shadow is not None and s.acceptance is not None:
@@ -384,16 +469,10 @@ class Scheduler:
             s.shadow = None
         if right:  # more of the window is coming
             return [Token(s.id, token, None, timing)]
-        # The window's last token: the first off the draft, or the one after it.
-        s.busy = False
-        s.n_past = s.window_pos + 1 + at
-        if s.length is not None and window:
-            s.length.update(len(window), at)
-        if s.acceptance is not None and window:
-            s.acceptance.update(at, at + (at < len(window)))
-        s.pending = [token]
-        s.ready_since = self._steps
-        return [Token(s.id, token, None, timing, len(window), at)]
+        if not s.busy:  # no window follows: the token is the next step's input
+            s.pending = [token]
+            s.ready_since = self._steps
+        return [Token(s.id, token, None, timing, drafted, accepted, in_flight)]
 
     def fail(self, seqs: list[int], error: MeshError) -> list[Event]:
         """These sequences end with `error` (their slots are freed)."""
@@ -440,6 +519,7 @@ class Scheduler:
         self._released.append(s.slot)
         self._free.append(s.slot)
         s.busy = False
+        s.windows.clear()
         s.cancelled = True  # whatever still names it is ignored from now on
         self._admit()
 

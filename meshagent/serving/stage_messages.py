@@ -66,6 +66,10 @@ class ForwardItem:
     # A draft to verify: the item's last len(draft) tokens, which the last stage checks
     # against what it samples after each of the rows before them (docs/speculation.md).
     draft: tuple[int, ...] = ()
+    # A window sent before the verdict on the one before it: all its tokens are the draft,
+    # the first a guess at the token that window ends with. Void unless it was (the last
+    # stage then samples nothing for it).
+    follows: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,21 +128,28 @@ def _sampling_from_cbor(d: Any) -> SamplingParams:
 def _item_to_cbor(i: ForwardItem) -> list[Any]:
     # Without a draft an item is the four fields it always was.
     fields: list[Any] = [i.seq, i.pos, i.n, i.sample]
+    if i.follows:
+        return [*fields, list(i.draft), True]
     return [*fields, list(i.draft)] if i.draft else fields
 
 
 def _item_from_cbor(it: Any) -> ForwardItem:
-    ok = isinstance(it, list) and len(it) in (4, 5) and isinstance(it[3], bool)
+    ok = isinstance(it, list) and len(it) in (4, 5, 6) and isinstance(it[3], bool)
     if not ok or not all(isinstance(x, int) and x >= 0 for x in it[:3]) or it[2] == 0:
         raise StageProtocolError(f"bad forward item {it!r}")
     draft: tuple[int, ...] = ()
-    if len(it) == 5:
+    follows = len(it) == 6
+    if follows and it[5] is not True:
+        raise StageProtocolError(f"bad forward item {it!r}")
+    if len(it) >= 5:
         d = it[4]
-        ok = isinstance(d, list) and 0 < len(d) < it[2] and it[3]
+        # A window that follows another is all draft; any other keeps its first token.
+        fits = len(d) == it[2] if follows else 0 < len(d) < it[2]
+        ok = isinstance(d, list) and fits and it[3]
         if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in d):
             raise StageProtocolError(f"bad draft in forward item {it!r}")
         draft = tuple(d)
-    return ForwardItem(it[0], it[1], it[2], it[3], draft)
+    return ForwardItem(it[0], it[1], it[2], it[3], draft, follows)
 
 
 def _tokens(h: dict[int, Any]) -> tuple[int, ...]:

@@ -49,6 +49,9 @@ class StageServer:
         # Per sequence, the position after the last token this stage took: a Forward that
         # starts before it follows a draft whose tail the last stage rejected.
         self._ends: dict[int, int] = {}
+        # The last stage, per sequence: the token its last window ended with, where every
+        # draft in it was right (a window that follows must have guessed it).
+        self._carry: dict[int, int] = {}
         self._serving: trio.CancelScope | None = None  # the upstream stream served now
         self._engine_lock = trio.Lock()  # held by the stream served, its worker included
         self._closed = False
@@ -71,6 +74,7 @@ class StageServer:
                     self.engine.clear_sequence(seq)
                 self._samplers.clear()
                 self._ends.clear()
+                self._carry.clear()
                 await self._serve(upstream)
 
     async def aclose(self) -> None:
@@ -170,12 +174,14 @@ class StageServer:
             elif isinstance(msg, sm.Open):
                 if self.engine.last:
                     self._samplers[msg.seq] = Sampler(msg.sampling, msg.history)
+                    self._carry.pop(msg.seq, None)
                 else:
                     out.append(msg)
             elif isinstance(msg, sm.Close):
                 self.engine.clear_sequence(msg.seq)
                 self._samplers.pop(msg.seq, None)
                 self._ends.pop(msg.seq, None)
+                self._carry.pop(msg.seq, None)
                 if not self.engine.last:
                     out.append(msg)
             else:
@@ -198,7 +204,7 @@ class StageServer:
             if self._ends.get(it.seq, it.pos) > it.pos:
                 self.engine.trim_sequence(it.seq, it.pos)  # a draft's rejected tail
             self._ends[it.seq] = it.pos + it.n
-            want = len(it.draft) + 1 if it.sample and self.engine.last else 0
+            want = len(it.draft) + (not it.follows) if it.sample and self.engine.last else 0
             batch.append(EmbdItem(it.seq, it.pos, rows[at : at + it.n], want))
             at += it.n
         t0 = time.perf_counter()
@@ -221,11 +227,25 @@ class StageServer:
             if sampler is None or logits is None:
                 out.append(sm.StageFailure(it.seq, f"sequence {it.seq} was never opened"))
                 continue
-            if not it.draft:
-                out.append(sm.Token(it.seq, sampler.sample(logits), timing))
+            draft = it.draft
+            if it.follows:
+                # Sent before the verdict on the window before it, guessing that one's last
+                # token: void if that window ended otherwise (the entry knows it too).
+                if self._carry.get(it.seq) != draft[0]:
+                    self._carry.pop(it.seq, None)
+                    continue
+                draft = draft[1:]
+            if not draft:
+                token = sampler.sample(logits if logits.ndim == 1 else logits[0])
+                out.append(sm.Token(it.seq, token, timing))
+                self._carry[it.seq] = token
                 continue
             # The draft's window: keep what plain decoding would have sampled (the entry
             # stops at an end of generation; the stages cut the rest at the next step).
-            tokens = verify(sampler, list(logits), it.draft)
+            tokens = verify(sampler, list(logits), draft)
             out.append(sm.Token(it.seq, tokens[0], timing, tuple(tokens[1:])))
+            if len(tokens) == len(draft) + 1:  # all of it right: a window may follow
+                self._carry[it.seq] = tokens[-1]
+            else:
+                self._carry.pop(it.seq, None)
         return out

@@ -147,7 +147,9 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id):
         ).json()
         for mode in ("on", "auto")
     }
-    assert copied["on"]["usage"]["meshagent"]["speculation"]["accepted"] > 20
+    receipt = copied["on"]["usage"]["meshagent"]["speculation"]
+    # ...and windows went down the chain before the verdicts on those before them.
+    assert receipt["accepted"] > 20 and receipt["peak_windows_in_flight"] > 1
     said = {mode: r["choices"][0]["message"]["content"] for mode, r in copied.items()}
     assert said["on"] == said["auto"]
     whole.stop()

@@ -209,6 +209,7 @@ async def test_a_split_verifies_drafts_at_its_last_stage_and_changes_no_token(
     # rejected tail from its cache when the next step starts before it (the fakes raise on a
     # token at the wrong position). Greedy, penalised and seeded text is that of the whole
     # model without drafts; drafts mostly miss on novel text and mostly hit on copied text.
+    # Windows follow each other before their verdicts (a wrong guess voids those after it).
     engine = FakeEngine(slots=2, slot_ctx=512, copy_back=copy_back)
     whole = LocalModel.whole(engine, max_queue=4)
     chain = FakeChain(nursery, depth=1, copy_back=copy_back)
@@ -224,6 +225,8 @@ async def test_a_split_verifies_drafts_at_its_last_stage_and_changes_no_token(
     assert s.windows > 0 and s.drafted >= s.accepted
     if copy_back and sampling.temperature == 0 and not sampling.frequency_penalty:
         assert s.accepted > 60 and chain.stages[1].forwards - before < 40
+        # The entry sent windows before the verdicts on those before them came back.
+        assert s.peak_in_flight > 1
 
 
 async def test_concurrent_split_requests_with_and_without_drafts_match_each_alone(nursery):

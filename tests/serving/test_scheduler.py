@@ -189,3 +189,132 @@ def test_no_sequence_starves(prompts, depth, slots):
                 waited[seq] = waited.get(seq, 0) + 1
                 assert waited[seq] <= slots * depth + 1, f"sequence {seq} starves"
     assert finished == set(range(len(prompts)))
+
+
+# ----- windows in flight (a split's entry) -----
+
+
+def _next_token(held: list[int]) -> int:
+    """A copy-shaped fake model: mostly the token five back, now and then another, and an
+    end of generation now and then."""
+    h = sum((i + 1) * t for i, t in enumerate(held[-7:])) % 97
+    if h == 0 and len(held) > 12:
+        return END
+    if len(held) >= 5 and h % 12:
+        return held[-5]
+    return 2 + h % 11
+
+
+class _Chain:
+    """The stages of a split, simulated: each slot's cache (cut back where a step starts
+    before its end, as every stage does) and a last stage that verifies windows as
+    `StageServer` does, voiding a window that follows one whose last token it did not guess."""
+
+    def __init__(self) -> None:
+        self.cache: dict[int, list[int]] = {}
+        self.carry: dict[int, int] = {}
+        self.sent: list = []  # steps in flight, oldest first
+
+    def run(self, step) -> list[tuple[int, int]]:
+        for slot in step.released:
+            self.cache.pop(slot, None)
+            self.carry.pop(slot, None)
+        out = []
+        for it in step.items:
+            cache = self.cache.setdefault(it.slot, [])
+            assert it.pos <= len(cache), "a step skipped positions"
+            del cache[it.pos :]
+            cache.extend(it.tokens)
+            if not it.last:
+                continue
+            n_draft = it.draft + it.follows
+            draft = list(it.tokens[len(it.tokens) - n_draft :])
+            before = len(cache) - n_draft - 1  # the index of the token before the draft
+            if it.follows:
+                if self.carry.pop(it.slot, None) != draft[0]:
+                    continue  # void
+                draft, before = draft[1:], before + 1
+            kept = []
+            for i in range(len(draft) + 1):
+                kept.append(_next_token(cache[: before + 1 + i]))
+                if i == len(draft) or kept[-1] != draft[i]:
+                    break
+            if len(kept) == len(draft) + 1:
+                self.carry[it.slot] = kept[-1]
+            else:
+                self.carry.pop(it.slot, None)
+            out += [(it.slot, t) for t in kept]
+        return out
+
+
+def _plain(prompt: tuple[int, ...], limit: int) -> list[int]:
+    held, out = list(prompt), []
+    while len(out) < limit:
+        t = _next_token(held)
+        if t == END:
+            break
+        out.append(t)
+        held.append(t)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(3, 30), st.integers(1, 40)), min_size=1, max_size=5),
+    st.lists(st.sampled_from(["step", "step", "deliver", "cancel"]), max_size=400),
+    st.integers(1, 4),
+    st.sampled_from(["on", "auto"]),
+)
+def test_windows_sent_before_the_verdict_change_no_token(requests, program, windows, mode):
+    """A split's entry sends a sequence's next window before the verdict on the last one
+    comes back, guessing how it ends; a window after a wrong guess or a rejected draft is
+    void at both ends. Whatever the order of steps and verdicts, each sequence gets the
+    tokens of plain greedy decoding, every step starts where the stages' caches allow, and
+    no token comes for a slot after its sequence ended."""
+    s = Scheduler(
+        n_slots=2,
+        slot_ctx=256,
+        max_queue=8,
+        is_end=lambda t: t == END,
+        max_batch_tokens=64,
+        depth=2,
+        max_windows=windows,
+    )
+    s.window_cost.slope, s.window_cost.weight = 0.05, 0.0  # cheap windows: auto drafts too
+    chain = _Chain()
+    got: dict[int, list[int]] = {}
+    done: set[int] = set()
+    cancelled: set[int] = set()
+    prompts = {}
+    for i, (n, limit) in enumerate(requests):
+        prompt = tuple(2 + (j * 7 + i) % 5 for j in range(n))
+        prompts[i] = (prompt, limit)
+        s.submit(i, prompt, limit, GREEDY, speculation=mode)
+        got[i] = []
+
+    def deliver() -> None:
+        step = chain.sent.pop(0)
+        for slot, token in chain.run(step):
+            for ev in s.token(slot, token):
+                assert ev.seq not in done, "a token after the end"
+                if ev.finish != "stop":
+                    got[ev.seq].append(ev.token)
+                if ev.finish:
+                    done.add(ev.seq)
+
+    for op in [*program, *["step", "deliver"] * 600]:
+        if op == "step":
+            step = s.next_step()
+            if step is not None:
+                chain.sent.append(step)
+        elif op == "deliver" and chain.sent:
+            deliver()
+        elif op == "cancel" and len(cancelled) < len(requests) // 2:
+            seq = len(cancelled)
+            cancelled.add(seq)
+            s.cancel(seq)
+            done.add(seq)
+    assert not chain.sent and s.stats().active == 0
+    for i, (prompt, limit) in prompts.items():
+        if i not in cancelled:
+            assert got[i] == _plain(prompt, limit), i

@@ -25,7 +25,11 @@ def sample_messages():
         Open(3, SamplingParams(temperature=0.7, top_p=0.9, seed=11)),
         Forward((ForwardItem(3, 10, 2, False), ForwardItem(1, 4, 1, True)), hidden, (1.5, 2.25)),
         Forward((ForwardItem(0, 0, 3, True),), hidden.astype(np.float16)),
+        # A window with a draft, and one that follows it before its verdict (all draft).
+        Forward((ForwardItem(2, 7, 1, True, ()), ForwardItem(0, 9, 2, True, (8, 9), True)), hidden),
+        Forward((ForwardItem(2, 7, 3, True, (5, 6)),), hidden),
         Close(3),
+        Token(2, 5, (), (6, 7)),
         Token(1, 4242, (0.5, 1.0, 3.75)),
         StageFailure(None, "stage 2 lost its model"),
     ]
@@ -132,3 +136,21 @@ def test_old_messages_decode_byte_by_byte():
 def test_an_oversize_header_length_is_refused_before_its_body():
     with pytest.raises(StageProtocolError, match="stage header of 65537 bytes is over"):
         StageDecoder().feed((64 * 1024 + 1).to_bytes(4, "little"))
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        [0, 9, 2, True, [8], True],  # a window that follows is all draft
+        [0, 9, 2, True, [8, 9], 1],  # the flag is true or absent
+        [0, 9, 2, False, [8, 9], True],  # a draft is verified where a token is sampled
+        [0, 9, 2, True, [8, 9]],  # a draft leaves the window's first token
+    ],
+)
+def test_a_malformed_window_is_refused(item):
+    import cbor2
+
+    from meshagent.serving.stage_messages import _item_from_cbor
+
+    with pytest.raises(StageProtocolError, match="bad"):
+        _item_from_cbor(cbor2.loads(cbor2.dumps(item)))
