@@ -494,7 +494,8 @@ def churn_back(
 def speculation(phases: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
     """Per workload ("copy", "prose"), one request at a time with drafts off and with `auto`:
     the median decode tokens/s of each (streamed: first to last chunk), their ratio, the
-    drafts' acceptance, and whether the greedy texts were the same."""
+    drafts' acceptance, the most windows in flight, and whether the greedy texts were the
+    same."""
     out: dict[str, Any] = {}
     for mix in dict.fromkeys(name.rsplit("-", 1)[0] for name in phases):
         off, auto = phases.get(f"{mix}-off", ()), phases.get(f"{mix}-auto", ())
@@ -515,6 +516,10 @@ def speculation(phases: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, 
             if rates["off"] and rates["auto"]
             else None,
             "windows": sum(s["windows"] for s in receipts),
+            # The most windows of one request in flight at once (sent before the verdicts).
+            "peak_in_flight": max(
+                (s.get("peak_windows_in_flight", 0) for s in receipts), default=0
+            ),
             "drafted": drafted,
             "accepted": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else None,

@@ -202,7 +202,7 @@ def _split_summary_rows(regimes: Mapping[str, Any]) -> list[list[Any]]:
     return rows
 
 
-def _speculation_md(spec: Mapping[str, Any] | None) -> list[str]:
+def _speculation_md(spec: Mapping[str, Any] | None, floor_ms: float | None) -> list[str]:
     if not spec:
         return []
     out = [
@@ -210,12 +210,18 @@ def _speculation_md(spec: Mapping[str, Any] | None) -> list[str]:
         "### Speculation: drafts off and auto, one request at a time",
         "",
         "Greedy, streamed; decode tokens/s from the first streamed chunk to the last, median "
-        "of the requests. Goals (issue 16): copy-shaped >= 3.0x, novel prose >= 0.95x.",
+        "of the requests. Goals (issue 16): copy-shaped >= 3.0x, novel prose >= 0.95x."
+        + (
+            f" One token per trip around the ring (the floor, {floor_ms:.1f} ms) caps decoding "
+            f"without drafts at {1000 / floor_ms:.1f} tok/s."
+            if floor_ms
+            else ""
+        ),
         "",
     ]
     out += _table(
         ["workload", "off tok/s", "auto tok/s", "auto / off", "windows", "accepted / drafted",
-         "same text", "ok"],
+         "peak windows in flight", "same text", "ok"],
         (
             [
                 mix,
@@ -224,6 +230,7 @@ def _speculation_md(spec: Mapping[str, Any] | None) -> list[str]:
                 _f(m["ratio"], 2, "x"),
                 m["windows"],
                 f"{m['accepted']} / {m['drafted']}",
+                m.get("peak_in_flight", 0),
                 m["same_text"],
                 f"{m['ok']}/{m['requests']}",
             ]
@@ -289,8 +296,8 @@ def _split_md(name: str, r: Mapping[str, Any]) -> list[str]:
                 for h in r.get("ring", [])
             ),
         )
-    out += _speculation_md(r.get("speculation"))
     iso = r.get("isolation") or {}
+    out += _speculation_md(r.get("speculation"), (iso.get("floor") or {}).get("floor_ms"))
     out += ["", "### Per-token latency against its floor", ""]
     floor = iso.get("floor")
     if floor:

@@ -222,7 +222,12 @@ def test_speculation_compares_decode_rates_acceptance_and_texts():
 
     phases = {
         "copy-off": run("off", 0.1, ["a", "b"]),  # 10 tok/s
-        "copy-auto": run("auto", 0.025, ["a", "b"], {"windows": 3, "drafted": 12, "accepted": 9}),
+        "copy-auto": run(
+            "auto",
+            0.025,
+            ["a", "b"],
+            {"windows": 3, "drafted": 12, "accepted": 9, "peak_windows_in_flight": 3},
+        ),
         "prose-off": run("off", 0.1, ["c"]),
         "prose-auto": run("auto", 0.1, ["d"]),  # the text changed: said so
     }
@@ -232,3 +237,4 @@ def test_speculation_compares_decode_rates_acceptance_and_texts():
     assert s["copy"]["same_text"] == "2/2" and s["copy"]["ok"] == 4
     assert s["prose"]["ratio"] == pytest.approx(1) and s["prose"]["same_text"] == "0/1"
     assert s["prose"]["acceptance"] is None
+    assert (s["copy"]["peak_in_flight"], s["prose"]["peak_in_flight"]) == (3, 0)
