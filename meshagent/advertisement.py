@@ -17,6 +17,7 @@ import trio
 from meshagent import __version__, capacity
 from meshagent.config import AgentConfig
 from meshagent.discovery import addresses
+from meshagent.engine.runtime import LLAMAFILE_WINDOWS, built_with_llamafile
 from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, ModelHeld, Serving
 from meshagent.gossip.service import GossipService
 from meshagent.models.artifacts import ArtifactStore
@@ -47,6 +48,8 @@ def static_fields(
         "mem_kv_bytes": offer.kv,
         "models": (ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),),
         "serving": _serving(model, sha256),
+        # A split drafts by default only where all its stages compute windows exactly.
+        "windows_inexact": LLAMAFILE_WINDOWS if built_with_llamafile() else "",
     }
 
 

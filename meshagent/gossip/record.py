@@ -146,6 +146,10 @@ class PeerRecord:
     # Signed capability records of models this peer holds (`models/capability.py`), opaque
     # here: whoever uses one verifies its signature.
     capabilities: tuple[bytes, ...] = ()
+    # Why this peer's llama.cpp computes a draft's window otherwise than one-token steps
+    # (engine/windows.py); "" where it computes them alike. A split's entry drafts by default
+    # only where every stage's engine does.
+    windows_inexact: str = ""
     # Fields other services publish without a record format change (e.g. placement
     # leases): text keys, CBOR values.
     extras: dict[str, Any] = field(default_factory=dict)
@@ -177,6 +181,8 @@ class PeerRecord:
         }
         if self.capabilities:  # absent when empty: records without any keep their bytes
             wire[18] = list(self.capabilities)
+        if self.windows_inexact:  # likewise
+            wire[19] = self.windows_inexact
         body = cbor2.dumps(wire, canonical=True)
         if len(body) > MAX_RECORD_BYTES:
             raise RecordRejected(
@@ -231,6 +237,7 @@ class PeerRecord:
                     _blob(c, MAX_CAPABILITY_BYTES)
                     for c in _bounded(d.get(18, []), MAX_CAPABILITIES)
                 ),
+                windows_inexact=_text(d.get(19, "")),
             )
         except KeyError as e:
             raise RecordRejected(f"record lacks field {e}") from e
@@ -255,6 +262,7 @@ class PeerRecord:
             "serving": [s.__dict__ for s in self.serving],
             "extras": {k: _jsonable(v) for k, v in self.extras.items()},
             "capabilities": len(self.capabilities),
+            "windows_inexact": self.windows_inexact,
         }
 
 

@@ -283,6 +283,7 @@ class MeshModel:
             # The plan was repaired around a lost peer and this agent's part is unchanged:
             # nothing to load, and requests replayed on this entry find its runner.
             self.split.rewire(plan)
+            self._judge_windows(plan)
             if self.local is not None:
                 self._offer(self.local, self._split_receipt(plan), plan)
             log.info("mesh_model.part", kept=True, stage=self.split.layers)
@@ -323,6 +324,7 @@ class MeshModel:
                 self.local.reroute = self._reroute
                 self.local.replay_deadline = s.replay_deadline
                 self.local.speculation = s.speculation
+                self._judge_windows(plan)
             receipt = self._split_receipt(plan)
         if self.local is not None:
             scope = trio.CancelScope()
@@ -345,6 +347,27 @@ class MeshModel:
             stage=None if self.split is None else (self.split.part.start, self.split.part.end),
             entry=self.local is not None,
         )
+
+    def _judge_windows(self, plan: Plan) -> None:
+        """A split's drafts change no token only where every stage computes a window as it
+        computes one-token steps. The entry judges its own build; each other stage's agent
+        says in gossip whether its build does (`windows_inexact`)."""
+        pipeline = self.split.pipeline if self.split is not None else None
+        if pipeline is None:
+            return
+        pipeline.exact_windows = pipeline.entry.exact_windows
+        pipeline.windows_reason = pipeline.entry.windows_reason
+        views = self.placement.gossip.snapshot()
+        for st in plan.stages:
+            view = views.get(st.peer_id)
+            if st.peer_id != self.peer_id and view is not None and view.record.windows_inexact:
+                pipeline.exact_windows = False
+                who = view.record.name or st.peer_id[:12]
+                pipeline.windows_reason = (
+                    f"a split: the stage on {who} computes windows otherwise: "
+                    f"{view.record.windows_inexact}"
+                )
+                return
 
     def _split_receipt(self, plan: Plan) -> Headers:
         assert self.wire is not None

@@ -23,6 +23,8 @@ class Record:
     compute_speed: float = 100.0
     rtts_ms: tuple = ()
     extras: dict = field(default_factory=dict)
+    name: str = ""
+    windows_inexact: str = ""
 
 
 @dataclass(frozen=True)

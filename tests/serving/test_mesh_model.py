@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import trio
 
 from meshagent.engine.llama import read_model_info
@@ -96,6 +98,34 @@ async def test_a_replay_names_the_stages_whose_peers_were_declared_dead(model_pa
     # A peer that left a plan alive (the mesh moved its layers) was not lost.
     world.views["b"] = View(Record(GB))
     assert m._lost_stages() == set()
+
+
+def test_a_split_drafts_by_default_only_where_every_stage_computes_windows_exactly(
+    model_path, store
+):
+    # Each agent says in gossip whether its llama.cpp computes a window as it computes
+    # one-token steps; the entry's own build is not enough: a stage on another build makes
+    # the split's windows inexact, so `auto` does not draft there (and status says why).
+    world = World()
+    for pid in "abc":
+        world.views[pid] = View(Record(GB, name=f"host-{pid}"))
+    settings = MeshModelSettings(slots=1, slot_ctx=256, threads=1, max_queue=2)
+    m = _mesh_model("a", world, model_path, store, settings)
+    entry = SimpleNamespace(exact_windows=True, windows_reason="a split: judged by this build")
+    pipeline = SimpleNamespace(entry=entry, exact_windows=True, windows_reason=entry.windows_reason)
+    m.split = SimpleNamespace(pipeline=pipeline)
+    plan = Plan("m", 256, stages=(StageAssignment("a", 0, 10), StageAssignment("c", 10, 30)))
+    m._judge_windows(plan)
+    assert pipeline.exact_windows and pipeline.windows_reason == entry.windows_reason
+    world.views["c"] = View(Record(GB, name="host-c", windows_inexact="built with LLAMAFILE"))
+    m._judge_windows(plan)
+    assert not pipeline.exact_windows
+    assert pipeline.windows_reason == (
+        "a split: the stage on host-c computes windows otherwise: built with LLAMAFILE"
+    )
+    # A repaired plan without that stage drafts again.
+    m._judge_windows(Plan("m", 256, stages=(plan.stages[0], StageAssignment("b", 10, 30))))
+    assert pipeline.exact_windows
 
 
 def test_a_spare_cuts_every_stage_of_the_split_it_may_join_and_nothing_else():
