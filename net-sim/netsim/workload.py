@@ -50,12 +50,24 @@ LONG_PROMPTS = (
     _STORY + "Write the letter the keeper would send to the mainland once the radio works.",
 )
 COUNT_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."
-_DOC = (
-    '{\n  "name": "meshagent",\n  "version": "0.4.2",\n  "license": "Apache-2.0",\n'
-    '  "api": {"host": "127.0.0.1", "port": 9337,\n'
-    '          "endpoints": ["/v1/models", "/v1/completions"]},\n'
-    '  "overlay": {"listen": "0.0.0.0:9338", "relays": ["relay.example.org:9339"], "mdns": true},\n'
-    '  "limits": {"slots": 4, "ctx_size": 2048, "max_queue": 64, "grace_seconds": 10}\n}'
+# The document bench/speculation.py copies, laid out as json.dumps lays it out: SmolLM2
+# repeats that layout faithfully, where it rewrote a hand-packed one after a few lines (and
+# then no longer copied anything: the text was not copy-shaped).
+_DOC = json.dumps(
+    {
+        "name": "meshagent",
+        "version": "0.4.2",
+        "description": "a peer-to-peer mesh that runs language models on the machines you have",
+        "license": "Apache-2.0",
+        "api": {
+            "host": "127.0.0.1",
+            "port": 9337,
+            "endpoints": ["/v1/models", "/v1/completions"],
+        },
+        "overlay": {"listen": "0.0.0.0:9338", "relays": ["relay.example.org:9339"], "mdns": True},
+        "limits": {"slots": 4, "ctx_size": 2048, "max_queue": 64, "grace_seconds": 10},
+    },
+    indent=2,
 )
 # Copy-shaped: most of the answer repeats the prompt, which speculation's drafts come from.
 COPY_PROMPT = (
