@@ -164,42 +164,79 @@ class WindowCost:
         return 1 + self.slope * (tokens - 1)
 
 
-class Acceptance:
-    """A sequence's chance that a drafted token is right: from its drafts verified, and from
-    its proposals compared with the tokens decoded without them (which cost nothing, so a
-    sequence that stopped drafting can tell when drafting would pay again). Recent evidence
-    weighs most."""
+class _Rate:
+    """A hit rate from a prior and recent evidence (older evidence decays)."""
 
-    def __init__(self, prior: float = 0.7, *, weight: float = 2.0, decay: float = 0.9) -> None:
-        self.hits = prior * weight
-        self.trials = weight
-        self.decay = decay
+    def __init__(self, prior: float, weight: float, decay: float) -> None:
+        self.hits, self.trials, self.decay = prior * weight, weight, decay
 
     def update(self, hits: int, trials: int) -> None:
         self.hits = self.hits * self.decay + hits
         self.trials = self.trials * self.decay + trials
 
     @property
+    def value(self) -> float:
+        return min(self.hits / self.trials, 0.999)
+
+
+class Acceptance:
+    """A sequence's chance that drafted tokens are right: from its drafts verified, and from
+    its proposals compared with the tokens decoded without them (which cost nothing, so a
+    sequence that stopped drafting can tell when drafting would pay again). Recent evidence
+    weighs most.
+
+    Two rates, because misses come in runs: the chance that a window's first draft token is
+    right (`first`), and that a draft token is right after a right one (`then`). Copied text
+    is right for long stretches and wrong around an edit: `then` is high and `first` lower,
+    and a long draft pays where a rate per token would have cut it short."""
+
+    def __init__(self, prior: float = 0.7, *, weight: float = 2.0, decay: float = 0.9) -> None:
+        self.first = _Rate(prior, weight, decay)
+        self.then = _Rate(prior, weight, decay)
+
+    def update(self, hits: int, trials: int, *, run: bool = False) -> None:
+        """A window whose first `hits` draft tokens were right, of `trials` judged (one more
+        than `hits` where a wrong one ended it). With `run`, its first token followed a
+        right one (a window sent before the verdict on the one before it)."""
+        if trials < 1:
+            return
+        if run:
+            self.then.update(hits, trials)
+            return
+        self.first.update(hits >= 1, 1)
+        if hits >= 1:
+            self.then.update(hits - 1, trials - 1)
+
+    @property
     def rate(self) -> float:
-        return self.hits / self.trials
+        """The chance of the next draft token being right, at a window's start."""
+        return self.first.value
+
+    def reach(self, n: int) -> float:
+        """The chance that the next n draft tokens are all right."""
+        return 1.0 if n < 1 else self.first.value * self.then.value ** (n - 1)
+
+    def expected(self, k: int) -> float:
+        """The tokens a window of k draft tokens yields on average: the right ones up to the
+        first wrong one, and the model's own token after them."""
+        f, c = self.first.value, self.then.value
+        return 1 + f * (1 - c**k) / (1 - c)
 
 
-def best_draft(rate: float, cost: WindowCost, room: int, *, margin: float = 1.05) -> int:
-    """How many draft tokens make a step yield the most tokens per unit of its time, with
-    each drafted token right with probability `rate` (a draft is kept up to its first wrong
-    token, plus the model's own token there); 0 when no draft beats plain decoding by
-    `margin`."""
-    a = min(max(rate, 0.0), 0.999)
+def best_draft(acc: Acceptance, cost: WindowCost, room: int, *, margin: float = 1.05) -> int:
+    """How many draft tokens make a step yield the most tokens per unit of its time (a draft
+    is kept up to its first wrong token, plus the model's own token there); 0 when no draft
+    beats plain decoding by `margin`."""
     best_k, best = 0, margin
     for k in range(1, room + 1):
-        gain = _window_yield(a, k) / cost.cost(k + 1)
+        gain = acc.expected(k) / cost.cost(k + 1)
         if gain > best:
             best_k, best = k, gain
     return best_k
 
 
 def follow_up_draft(
-    rate: float, cost: WindowCost, ahead: int, proposal: Sequence[int], *, margin: float = 1.05
+    acc: Acceptance, cost: WindowCost, ahead: int, proposal: Sequence[int], *, margin: float = 1.05
 ) -> int | None:
     """How many draft tokens a window sent before the verdict on those in flight should hold
     after its guess (the proposal's first token), or None to send none. `ahead`: the tokens
@@ -207,16 +244,9 @@ def follow_up_draft(
     (`cost.slope` of a step) and saves a trip only where every token before it was right; it
     is sent while that expected saving beats what the sequence makes per step without it
     (the best plain window's yield)."""
-    a = min(max(rate, 0.0), 0.999)
     per_token = max(cost.slope, 0.02)  # never free: the stages compute it
-    serial = max(margin, *(_window_yield(a, k) / cost.cost(k + 1) for k in range(MAX_DRAFT + 1)))
-    reach = a ** (ahead + 1)  # every token in flight right, and the guess
+    serial = max(margin, *(acc.expected(k) / cost.cost(k + 1) for k in range(MAX_DRAFT + 1)))
     count = 0
-    while count < len(proposal) and reach * a**count / per_token > serial:
+    while count < len(proposal) and acc.reach(ahead + 1 + count) / per_token > serial:
         count += 1
     return count - 1 if count else None
-
-
-def _window_yield(a: float, k: int) -> float:
-    """The expected tokens of a window of k drafts, each right with probability a."""
-    return (1 - a ** (k + 1)) / (1 - a)

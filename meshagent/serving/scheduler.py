@@ -375,7 +375,7 @@ class Scheduler:
             if not proposal or self._is_end(proposal[0]):
                 continue
             if s.acceptance is not None:
-                k = follow_up_draft(s.acceptance.rate, self.window_cost, len(ahead), proposal)
+                k = follow_up_draft(s.acceptance, self.window_cost, len(ahead), proposal)
                 if k is None:
                     continue
                 proposal = proposal[: k + 1]
@@ -397,7 +397,7 @@ class Scheduler:
         proposal = s.drafter.propose(room) if room > 0 else ()
         if s.acceptance is None or not proposal:
             return proposal
-        k = best_draft(s.acceptance.rate, self.window_cost, len(proposal))
+        k = best_draft(s.acceptance, self.window_cost, len(proposal))
         if not k:  # it would not pay: see whether its first token would have been right
             s.shadow = proposal[0]
         return proposal[:k]
@@ -446,7 +446,8 @@ class Scheduler:
             if s.length is not None and drafted:
                 s.length.update(drafted, accepted)
             if s.acceptance is not None and drafted:
-                s.acceptance.update(accepted, accepted + (accepted < drafted))
+                judged = accepted + (accepted < drafted)
+                s.acceptance.update(accepted, judged, run=w.guess is not None)
         if s.cancelled:
             if not s.busy:
                 self._release(s)

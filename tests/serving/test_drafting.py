@@ -18,6 +18,7 @@ from meshagent.serving.drafting import (
     SuffixDrafter,
     WindowCost,
     best_draft,
+    follow_up_draft,
     verify,
 )
 from meshagent.serving.sampling import Sampler, SamplingParams
@@ -105,19 +106,58 @@ def test_acceptance_weighs_recent_evidence():
         a.update(0, 1)
     assert a.rate < 0.01
     a.update(4, 4)
+    a.update(4, 4)
     assert a.rate > 0.7
+
+
+def test_acceptance_knows_that_misses_come_in_runs():
+    # Copied text around an edit: a window's first draft token is often wrong, but once one
+    # is right the rest mostly are. A rate per token would say "half right" and draft short.
+    a = Acceptance()
+    for _ in range(20):
+        a.update(0, 1)  # a miss at once
+        a.update(12, 12)  # then a whole window right
+    assert 0.4 < a.rate < 0.6 and a.then.value > 0.95
+    assert a.reach(1) == a.rate and a.reach(12) > 0.8 * a.rate
+    assert a.expected(12) > 1 + 0.8 * 12 * a.rate
+    # A window that followed another's verdict-to-be starts inside a run.
+    before, then = a.rate, a.then.value
+    a.update(3, 4, run=True)
+    assert a.rate == before and a.then.value < then
+
+
+def fixed(rate: float) -> Acceptance:
+    """Every draft token right with probability `rate`, whatever came before."""
+    return Acceptance(prior=rate, weight=1e12)
 
 
 def test_the_best_draft_pays_for_its_window_or_is_none():
     cheap, dear = WindowCost(slope=0.05), WindowCost(slope=0.75)
     # Cheap windows: draft long where drafts are mostly right, a little even where not.
-    assert best_draft(0.9, cheap, 16) >= 8
-    assert 1 <= best_draft(0.3, cheap, 16) <= 3
+    assert best_draft(fixed(0.9), cheap, 16) >= 8
+    assert 1 <= best_draft(fixed(0.3), cheap, 16) <= 3
     # Dear windows (compute-bound): only very good drafts pay, and short ones.
-    assert best_draft(0.5, dear, 16) == 0
-    assert best_draft(0.95, dear, 16) >= 1
-    assert best_draft(0.99, dear, 3) <= 3
-    assert best_draft(0.9, cheap, 0) == 0  # no room
+    assert best_draft(fixed(0.5), dear, 16) == 0
+    assert best_draft(fixed(0.95), dear, 16) >= 1
+    assert best_draft(fixed(0.99), dear, 3) <= 3
+    assert best_draft(fixed(0.9), cheap, 0) == 0  # no room
+    # Runs: half the windows miss at once, the rest copy on: long drafts pay.
+    runs = Acceptance()
+    for _ in range(20):
+        runs.update(0, 1)
+        runs.update(12, 12)
+    assert best_draft(runs, cheap, 16) == 16 > best_draft(fixed(runs.rate), cheap, 16)
+
+
+def test_a_window_is_sent_before_the_verdict_while_its_tokens_are_likely_to_count():
+    cheap = WindowCost(slope=0.05)
+    proposal = tuple(range(10))
+    # Little in flight and drafts that hold: a following window, as long as it pays.
+    assert follow_up_draft(fixed(0.98), cheap, 4, proposal) == 9
+    # Much in flight, each token a coin toss: its tokens would almost never count.
+    assert follow_up_draft(fixed(0.5), cheap, 8, proposal) is None
+    # In between: a shorter one.
+    assert 0 < follow_up_draft(fixed(0.8), cheap, 4, proposal) < 9
 
 
 def test_verify_wants_one_row_more_than_the_draft():
