@@ -32,10 +32,19 @@ Policy:
   rest. Drafts take budget after the decode tokens and at most half of it, so prompts keep
   moving. With "on", the draft's length follows its acceptance (`DraftLength`). With "auto",
   a sequence drafts as many tokens as make a step yield the most tokens per unit of its
-  time, or none: its drafts' acceptance (`Acceptance`, also fed by comparing proposals it did
-  not send with the tokens that came) against what a window costs next to a one-token step
+  time, or none: its drafts' acceptance (`Acceptance`: of a window's first draft token and of
+  one after a right one, fed also by comparing proposals it did not send with the tokens that
+  came) against what a window costs next to a one-token step
   (`WindowCost`, learnt from the decode steps the runner times, `observe`, or in a split from
   each window's trip, from `next_step` to its last token, both given a `now`).
+- With `max_windows` > 1 (a split's entry, whose tokens come back a trip later), a busy
+  sequence may send its next window before the verdict on those in flight: it assumes every
+  draft in flight is right, and the window's first token is its drafter's guess at the token
+  the last one ends with (`StepItem.follows`). When a window's verdict differs (a draft
+  rejected, or its last token not the guess), the windows after it are void: the scheduler
+  forgets them, and the last stage, which knows the same, samples nothing for them. Windows
+  never go past a drafted end of generation nor, all counted, past the sequence's limit, so
+  no token comes for a sequence after it ended.
 """
 
 from __future__ import annotations
