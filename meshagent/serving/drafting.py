@@ -123,20 +123,26 @@ def verify(
 
 class WindowCost:
     """What a step of n tokens costs relative to a step of one, learnt from the steps run:
-    cost(n) = 1 + slope * (n - 1). On a CPU that computes each token's products on its own
-    (small batches are compute-bound), slope is near 1 and a window is nearly as dear as its
-    tokens decoded one by one; where a step's time is mostly fixed (weights read from memory
-    once, a GPU, a round trip through a split), slope is small and windows are cheap.
+    cost(n) = 1 + jump + slope * (n - 1) for n > 1. On a CPU that computes each token's
+    products on its own (small batches are compute-bound), slope is near 1 and a window is
+    nearly as dear as its tokens decoded one by one; where a step's time is mostly fixed
+    (weights read from memory once, a GPU, a round trip through a split), slope is small and
+    windows are cheap. `jump` is what any window costs over a one-token step beyond that
+    (llama.cpp on a CPU takes another path for a batch of two or more: a window of 2 tokens
+    measured 1.9 steps, each further token 0.6).
 
-    Each size of step seen keeps a moving average of its time; a line through them (least
-    squares, sizes weighted by how often they were seen) gives time(n) = a + b * n, and slope =
-    b / time(1). So no one-token step is needed: windows of different lengths are enough (a
-    split's entry that drafts on every trip). With fewer than two sizes seen, the prior holds."""
+    Each size of step seen keeps a moving average of its time. A line through the sizes of
+    two tokens or more (least squares, sizes weighted by how often they were seen) gives
+    time(n) = a + b * n; with the time of one token, slope = b / time(1) and jump =
+    (a + b) / time(1) - 1. With one size of window only, the line goes through the one-token
+    time (no jump); with no one-token step (a split's entry that drafts on every trip), through
+    the windows alone. With fewer than two sizes seen, the prior holds."""
 
     _SIZES = 64  # steps of more tokens than this are not counted
 
     def __init__(self, slope: float = 0.3, *, weight: float = 0.2) -> None:
         self.slope = slope
+        self.jump = 0.0
         self.weight = weight
         self._seen: dict[int, tuple[float, int]] = {}  # tokens -> (mean seconds, count)
 
@@ -147,21 +153,39 @@ class WindowCost:
         mean, count = self._seen.get(tokens, (seconds, 0))
         self._seen[tokens] = (mean + self.weight * (seconds - mean), count + 1)
         if len(self._seen) >= 2:
-            self.slope = self._fit()
+            self._fit()
 
-    def _fit(self) -> float:
-        w = {n: min(count, 10) for n, (_, count) in self._seen.items()}
-        total = sum(w.values())
-        n_mean = sum(w[n] * n for n in w) / total
-        t_mean = sum(w[n] * t for n, (t, _) in self._seen.items()) / total
-        var = sum(w[n] * (n - n_mean) ** 2 for n in w)
-        cov = sum(w[n] * (n - n_mean) * (t - t_mean) for n, (t, _) in self._seen.items())
-        b = max(0.0, cov / var)
-        one = t_mean - b * (n_mean - 1)  # the line's time for one token
-        return min(2.0, b / one) if one > 0 else 2.0
+    def _fit(self) -> None:
+        windows = {n: v for n, v in self._seen.items() if n > 1}
+        line = _line(windows if len(windows) >= 2 else self._seen)
+        if line is None:
+            return
+        a, b = line
+        one = self._seen[1][0] if 1 in self._seen else a + b
+        if one <= 0:
+            self.slope, self.jump = 2.0, 0.0
+            return
+        self.slope = min(2.0, b / one)
+        self.jump = min(2.0, max(0.0, (a + b) / one - 1)) if len(windows) >= 2 else 0.0
 
     def cost(self, tokens: int) -> float:
-        return 1 + self.slope * (tokens - 1)
+        if tokens <= 1:
+            return 1.0
+        return 1 + self.jump + self.slope * (tokens - 1)
+
+
+def _line(seen: dict[int, tuple[float, int]]) -> tuple[float, float] | None:
+    """time(n) = a + b * n through the mean times of the sizes seen, b >= 0."""
+    w = {n: min(count, 10) for n, (_, count) in seen.items()}
+    total = sum(w.values())
+    n_mean = sum(w[n] * n for n in w) / total
+    t_mean = sum(w[n] * t for n, (t, _) in seen.items()) / total
+    var = sum(w[n] * (n - n_mean) ** 2 for n in w)
+    if var <= 0:
+        return None
+    cov = sum(w[n] * (n - n_mean) * (t - t_mean) for n, (t, _) in seen.items())
+    b = max(0.0, cov / var)
+    return t_mean - b * n_mean, b
 
 
 class _Rate:

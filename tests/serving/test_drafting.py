@@ -99,6 +99,20 @@ def test_windows_of_two_lengths_give_the_cost_without_a_one_token_step():
     assert cost.cost(17) == pytest.approx(1.4, rel=0.01)
 
 
+def test_a_window_of_two_may_cost_more_than_the_line_through_longer_ones_says():
+    # Measured here (SmolLM2, llama.cpp on 2 CPU threads): a step of 2 tokens costs 1.92
+    # one-token steps, of 17 tokens 10.53: a jump for any window, then about 0.57 a token.
+    cost = WindowCost(weight=1.0)
+    for n, steps in ((1, 1.0), (2, 1.92), (3, 2.47), (5, 3.73), (9, 5.80), (17, 10.53)):
+        cost.observe(n, steps * 0.01)
+    assert cost.slope == pytest.approx(0.57, abs=0.03)
+    assert cost.cost(2) == pytest.approx(1.92, abs=0.25) and cost.jump > 0.3
+    assert cost.cost(17) == pytest.approx(10.53, rel=0.05) and cost.cost(1) == 1.0
+    # Short drafts cannot pay there; only long, mostly right ones come near.
+    assert best_draft(fixed(0.6), cost, 16) == 0
+    assert best_draft(fixed(0.97), cost, 16) >= 8
+
+
 def test_acceptance_weighs_recent_evidence():
     a = Acceptance(prior=0.7, weight=2.0, decay=0.5)
     assert a.rate == pytest.approx(0.7)
