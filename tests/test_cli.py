@@ -97,6 +97,26 @@ def test_status_of_a_running_agent(spawn_agent, model_id, capsys):
     assert f"drafts    {usage['meshagent']['speculation']['windows']} windows, {accepted} of" in out
 
 
+def test_an_agent_that_cannot_serve_its_model_says_why(spawn_agent, capsys):
+    # Alone with too little memory for the model: `up` and `status` both say it is not
+    # served, and why (not only `status --json`), and `up` said where the API is.
+    from tests.e2e.agents import wait_for
+
+    agent = spawn_agent("--max-memory", "80M", wait_model=False)
+    log = agent.data_dir / "agent.log"
+    wait_for(lambda: "more memory" in log.read_text(errors="replace"), timeout=60)
+    said = log.read_text(errors="replace")
+    assert f"meshagent: API at {agent.url}/v1; placing SmolLM2-135M-Instruct" in said
+    assert "meshagent: serving" not in said
+    assert said.count("meshagent: not serving") == 1  # not the mesh that looked empty at start
+    assert main(["status", "--data-dir", str(agent.data_dir)]) == 0
+    out = capsys.readouterr().out
+    [line] = [x for x in out.splitlines() if x.startswith("placement ")]
+    assert "not served: " in line and "SmolLM2-135M-Instruct" in line
+    reason = line.split("not served: ", 1)[1]
+    assert f"not serving SmolLM2-135M-Instruct.Q4_1: {reason}" in said
+
+
 def test_invite_needs_a_mesh_first(tmp_path, capsys):
     assert main(["invite", "--data-dir", str(tmp_path)]) == 1
     assert "meshagent up" in capsys.readouterr().err

@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{s['draft_tokens']} draft tokens accepted ({share:.0%}): that many steps saved"
             )
     for model_id, p in (st.get("placement") or {}).items():
+        if not p.get("routable"):
+            why = p.get("error") or "a plan is being agreed or loaded"
+            print(f"placement {model_id}  not served: {why}")
         if p.get("stages"):
             parts = ", ".join(f"{pid[:12]}:{a}-{b}" for pid, a, b in p["stages"])
             print(f"split     {model_id}  {parts}")

@@ -13,6 +13,10 @@ from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.config import AgentConfig
 from meshagent.identity.mesh import decode_invite
 from meshagent.net.address import Address
+from meshagent.serving.mesh_model import MeshModel
+
+_SAY_EVERY = 0.5  # seconds between looks at whether the model is served
+_SETTLE = 3.0  # seconds a reason for not serving must hold before it is said
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -148,7 +152,34 @@ def run(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             services = await nursery.start(agent.run)
             model = services.model.info.id
-            print(f"meshagent: serving {model} at {services.api_url}/v1", file=sys.stderr)
+            print(
+                f"meshagent: API at {services.api_url}/v1; placing {model} on the mesh",
+                file=sys.stderr,
+            )
+            nursery.start_soon(_say_what_serves, services.model, services.api_url)
 
     trio.run(main)
     return 0
+
+
+async def _say_what_serves(model: MeshModel, api_url: str) -> None:
+    """A line on stderr whenever the model's state changes: served on the mesh (here or by
+    peers), or not, and why. A reason is said once it has held for `_SETTLE` seconds: while
+    an agent starts, its own memory is not yet counted and the mesh looks empty."""
+    said = None
+    seen, since = None, 0.0
+    while True:
+        p = model.placement_summary()
+        if p["routable"]:
+            line = f"serving {model.info.id} at {api_url}/v1"
+        elif p["error"]:
+            line = f"not serving {model.info.id}: {p['error']}"
+        else:
+            line = None  # a plan is being agreed or loaded
+        if line != seen:
+            seen, since = line, trio.current_time()
+        settled = p["routable"] or trio.current_time() - since >= _SETTLE
+        if line is not None and line != said and settled:
+            print(f"meshagent: {line}", file=sys.stderr)
+            said = line
+        await trio.sleep(_SAY_EVERY)
