@@ -150,7 +150,12 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            services = await nursery.start(agent.run)
+
+            async def run_agent(task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+                await agent.run(task_status=task_status)
+                nursery.cancel_scope.cancel()  # the agent stopped (SIGINT): so do the lines
+
+            services = await nursery.start(run_agent)
             model = services.model.info.id
             print(
                 f"meshagent: API at {services.api_url}/v1; placing {model} on the mesh",
