@@ -235,14 +235,11 @@ class StageServer:
                     self._carry.pop(it.seq, None)
                     continue
                 draft = draft[1:]
-            if not draft:
-                token = sampler.sample(logits if logits.ndim == 1 else logits[0])
-                out.append(sm.Token(it.seq, token, timing))
-                self._carry[it.seq] = token
-                continue
-            # The draft's window: keep what plain decoding would have sampled (the entry
-            # stops at an end of generation; the stages cut the rest at the next step).
-            tokens = verify(sampler, list(logits), draft)
+            # The window: keep what plain decoding would have sampled (with no draft, the one
+            # token; the entry stops at an end of generation, the stages cut the rest at the
+            # next step). One row of logits comes alone, several stacked.
+            rows = list(logits) if draft else [logits]
+            tokens = verify(sampler, rows, draft)
             out.append(sm.Token(it.seq, tokens[0], timing, tuple(tokens[1:])))
             if len(tokens) == len(draft) + 1:  # all of it right: a window may follow
                 self._carry[it.seq] = tokens[-1]
