@@ -37,14 +37,29 @@ def parse_size(text: str) -> int:
 
 # Settings in bytes that the CLI and config.toml may also give as sizes ("300M", "1.5G"); they
 # are parsed once, when the config is merged, so a typo fails at start with its value named.
-_SIZE_KEYS = frozenset({"max_memory"})
+_SIZE_KEYS = frozenset({"max_memory", "prefix_cache"})
 
 
 def _size_setting(key: str, text: str) -> int:
+    if key == "prefix_cache" and text.strip().lower() in ("auto", "0", "off"):
+        return PREFIX_CACHE_AUTO if text.strip().lower() == "auto" else 0
     try:
         return parse_size(text)
     except ConfigError as e:
         raise ConfigError(f"{key.replace('_', '-')}: {e}") from None
+
+
+PREFIX_CACHE_AUTO = -1  # a share of the memory offered that the plan leaves free
+PREFIX_CACHE_SHARE = 0.25  # auto: at most this share of the memory offered
+
+
+def prefix_budget(setting: int, offered: int, needed: int) -> int:
+    """Bytes of kept prefixes for a model whose part here needs `needed` of the `offered`
+    bytes: never more than the plan leaves free, and for auto at most a share of the offer."""
+    free = max(0, offered - needed)
+    if setting == PREFIX_CACHE_AUTO:
+        return min(free, int(offered * PREFIX_CACHE_SHARE))
+    return min(free, setting)
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,8 @@ class AgentConfig:
     grace: float = 10.0  # seconds in-flight requests get to finish on shutdown
     replay_deadline: float = 30.0  # seconds a request waits for a split that lost a stage
     speculation: str = "auto"  # drafts from a request's own text: auto, on or off
+    # bytes of ended requests' KV kept for prompts that share their prefix; -1: auto, 0: off
+    prefix_cache: int = PREFIX_CACHE_AUTO
     log_level: str = "info"
     relays: tuple[str, ...] = ()  # relay servers to register with (host:port)
     mdns: bool = True  # advertise and browse on the local network (not when listening on loopback)
@@ -120,6 +137,8 @@ class AgentConfig:
             raise ConfigError(f"max-memory must be >= 0 bytes (0: no cap), got {self.max_memory}")
         if self.speculation not in ("auto", "on", "off"):
             raise ConfigError("speculation must be auto, on or off")
+        if self.prefix_cache < PREFIX_CACHE_AUTO:
+            raise ConfigError("prefix-cache must be a size, 0 (off) or auto")
         if self.wire_dtype not in ("auto", "f16", "f32"):
             raise ConfigError("wire-dtype must be auto, f16 or f32")
         if self.upgrade_interval <= 0 or self.mem_weights_gib < 0 or self.mem_kv_gib < 0:
@@ -147,6 +166,7 @@ CONFIG_TEMPLATE = """\
 # grace = 10.0
 # replay_deadline = 30.0
 # speculation = "auto"
+# prefix_cache = "auto"
 # relays = ["relay.example.org:9339"]
 # mdns = true
 # gossip_interval = 1.0

@@ -65,8 +65,19 @@ def _models(s: Services) -> list[dict[str, Any]]:
             "layers": list(s.model.layers()),
             "slots": asdict(model.runner.stats()),
             "speculation": _speculation(model),
+            "prefix_cache": _prefix_cache(model),
         }
     ]
+
+
+def _prefix_cache(model: LocalModel) -> dict[str, Any]:
+    """What this model may keep of ended requests' KV, and whether prompts reuse it."""
+    executor = model.runner.executor
+    return {
+        "budget_bytes": executor.prefix_budget,
+        "on": model.runner.scheduler.prefix is not None,
+        "reason": executor.prefix_reason,
+    }
 
 
 def _speculation(model: LocalModel) -> dict[str, Any]:

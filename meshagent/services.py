@@ -197,6 +197,7 @@ class Services:
                 wire_dtype=cfg.wire_dtype,
                 replay_deadline=cfg.replay_deadline,
                 speculation=cfg.speculation,
+                prefix_cache=cfg.prefix_cache,
             ),
         )
 

@@ -23,6 +23,7 @@ RULES: list[tuple[str, str]] = [
     ("meshagent.wire", "trio"),
     # The scheduler is a plain object fed events; the runner brings the thread and trio.
     ("meshagent.serving.scheduler", "trio"),
+    ("meshagent.serving.prefix_cache", "trio"),
     # Engines run models; what is served, and how, is decided above them.
     ("meshagent.engine", "meshagent.serving"),
     # Test doubles (fake engine, simulated network, staged pipeline, numpy reference) never

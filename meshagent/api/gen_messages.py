@@ -84,6 +84,8 @@ def _fields(msg: Message) -> dict[int, Any]:
     }
     if (s := msg.speculation) is not None:
         done[7] = [s.windows, s.drafted, s.accepted, s.peak_in_flight]
+    if msg.cached_tokens:
+        done[8] = msg.cached_tokens
     return done
 
 
@@ -111,7 +113,8 @@ def _message(m: dict[int, Any]) -> Message:
         )
         spec = None if m.get(7) is None else Speculation(*(_int(x) for x in m[7][:4]))
         stage_ms = tuple(float(x) for x in m[5])
-        return Finished(_str(m[2]), _int(m[3]), _int(m[4]), stage_ms, replays, spec)
+        cached = _int(m.get(8, 0))
+        return Finished(_str(m[2]), _int(m[3]), _int(m[4]), stage_ms, replays, spec, cached)
     if kind == "head":
         headers = [(bytes(k), bytes(v)) for k, v in m[2]]
         seed = None if m[4] is None else _int(m[4])

@@ -15,6 +15,8 @@ def usage(done: Finished) -> dict[str, Any]:
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
+        # OpenAI's field: prompt tokens that a kept prefix gave (not prefilled again).
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
     }
     receipt: dict[str, Any] = {}
     if done.stage_ms:

@@ -66,6 +66,15 @@ def run(args: argparse.Namespace) -> int:
                 f"drafts    {s['draft_windows']} windows, {s['draft_accepted']} of "
                 f"{s['draft_tokens']} draft tokens accepted ({share:.0%}): that many steps saved"
             )
+        cache = m.get("prefix_cache")
+        if cache:
+            mib = cache["budget_bytes"] / (1 << 20)
+            print(
+                f"prefixes  {cache['reason']}; {s.get('prefix_entries', 0)} kept, "
+                f"{s.get('prefix_bytes', 0) / (1 << 20):.1f} of {mib:.1f} MiB; "
+                f"{s.get('prefix_hits', 0)} hits, {s.get('prefix_misses', 0)} misses, "
+                f"{s.get('prefix_tokens', 0)} prompt tokens not prefilled"
+            )
     for model_id, p in (st.get("placement") or {}).items():
         if not p.get("routable"):
             why = p.get("error") or "a plan is being agreed or loaded"

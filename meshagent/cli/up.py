@@ -95,6 +95,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "token changes; on: whenever the text proposes one, even where windows are not exact; "
         "off: never; docs/speculation.md)",
     )
+    p.add_argument(
+        "--prefix-cache",
+        metavar="SIZE",
+        help="memory for the KV cache of ended requests, reused by later prompts that start "
+        "with the same tokens (a system prompt, a conversation's history), e.g. 200M; 0 or "
+        "off: none (default auto: what the model's plan leaves free of the memory offered, "
+        "at most a quarter of it; docs/serving.md)",
+    )
     p.add_argument("--log-level", choices=logs.LEVELS, help="default info")
     p.add_argument(
         "--log-format",
@@ -126,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             "grace",
             "replay_deadline",
             "speculation",
+            "prefix_cache",
             "log_level",
             "mdns",
         )

@@ -352,6 +352,14 @@ class RuntimeDelegate:
     def reset(self) -> None:
         self.runtime.reset()
 
+    def export_sequence(self, seq_id: int, keep: int) -> bytes:
+        if self.runtime.length(seq_id) > keep:
+            self.runtime.trim(seq_id, keep)
+        return self.runtime.export_sequence(seq_id)
+
+    def import_sequence(self, seq_id: int, state: bytes) -> None:
+        self.runtime.import_sequence(seq_id, state)
+
     def memory_bytes(self) -> int:
         return self.runtime.model_bytes() + self.runtime.state_bytes()
 

@@ -10,13 +10,14 @@ loop. The entry of a split returns no tokens: they come back from the last stage
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
 import trio
 
 from meshagent.engine.base import Engine, ForwardItem
-from meshagent.engine.windows import WindowCheck, check_windows
+from meshagent.engine.windows import TEXT, WindowCheck, check_windows
 from meshagent.serving.drafting import verify
 from meshagent.serving.sampling import Sampler
 from meshagent.serving.scheduler import Step
@@ -37,6 +38,11 @@ class Executor(Protocol):
     max_windows: int
     exact_windows: bool  # a verified window computes what one-token steps compute
     windows_reason: str  # why, or why not (for `meshagent status`)
+    # Bytes it may keep of ended sequences' KV for later prompts that share their prefix, and
+    # what an entry of n tokens costs (None: it keeps none; see `serving/prefix_cache.py`).
+    prefix_budget: int
+    kept_size: Callable[[int], int] | None
+    prefix_reason: str  # why prompts do or do not start from kept prefixes
 
     def run_step(self, step: Step) -> list[SampledToken]:
         """Run `step` (blocking, on the runner's worker thread). Returns the tokens sampled
@@ -54,8 +60,11 @@ class LocalExecutor:
     depth = 1
     max_windows = 1  # its tokens come back with the step
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, prefix_budget: int = 0) -> None:
         self.engine = engine
+        self.prefix_budget = prefix_budget
+        self.kept_size: Callable[[int], int] | None = None  # measured when `run` starts
+        self._kept: dict[int, bytes] = {}  # prefix-cache entry -> its KV
         # Drafts need the rejected positions cut from the cache; a recurrent model's state
         # cannot be cut back, so it decodes without (a checkpoint of the state would do).
         self.speculates = engine.rewindable
@@ -65,11 +74,19 @@ class LocalExecutor:
         self._samplers: dict[int, Sampler] = {}  # slot -> sampler of the sequence in it
 
     def run_step(self, step: Step) -> list[SampledToken]:
+        for save in step.saves:
+            self._kept[save.entry] = self.engine.export_sequence(save.slot, save.tokens)
         for slot in step.released:
             self.engine.clear_sequence(slot)
             self._samplers.pop(slot, None)
         for op in step.opened:
             self._samplers[op.slot] = Sampler(op.sampling, op.history)
+            if op.restore is not None:
+                entry, keep = op.restore
+                self.engine.import_sequence(op.slot, self._kept[entry])
+                self.engine.trim_sequence(op.slot, keep)
+        for entry in step.dropped:
+            self._kept.pop(entry, None)
         if not step.items:
             return []
         items = [
@@ -96,6 +113,24 @@ class LocalExecutor:
     def exact_windows(self) -> bool:
         return self.window_check is not None and self.window_check.exact
 
+    def kept_bytes(self) -> int:
+        """Bytes of KV kept for prefixes now."""
+        return sum(len(b) for b in self._kept.values())
+
+    @property
+    def prefix_reason(self) -> str:
+        """Why prompts do or do not start from kept prefixes (for `meshagent status`)."""
+        if self.prefix_budget <= 0:
+            return "off (--prefix-cache 0)"
+        if not self.engine.rewindable:
+            return "off: the model's state cannot be cut back to a shared prefix"
+        if self.window_check is None:
+            return "not checked yet (the model is loading)"
+        if not self.window_check.exact:
+            why = self.window_check.reason
+            return f"off: a prefix computed in other batches would change tokens ({why})"
+        return "on"
+
     @property
     def windows_reason(self) -> str:
         if not self.speculates:
@@ -113,8 +148,28 @@ class LocalExecutor:
                 max_diff=self.window_check.max_diff,
                 reason=self.window_check.reason,
             )
+        # A kept prefix gives the tokens a prefill of the same text gives only where a token's
+        # KV does not depend on the batch it ran in: what the window check shows.
+        if self.prefix_budget > 0 and self.exact_windows:
+            self.kept_size = await trio.to_thread.run_sync(measure_kept_size, self.engine)
         # The runner owns every slot from now on: nothing an earlier runner left behind in
         # the engine's cache may meet its sequences.
         for slot in range(self.n_slots):
             self.engine.clear_sequence(slot)
         task_status.started()
+
+
+def measure_kept_size(engine: Engine, *, slot: int = 0) -> Callable[[int], int]:
+    """What `export_sequence` of n tokens costs in bytes on `engine`: a fixed part and a part
+    per token, measured on two lengths of one short text (the format is linear in its
+    cells). Clears `slot`."""
+    tokens = engine.tokenize(TEXT, add_bos=True)[:33]
+    engine.clear_sequence(slot)
+    try:
+        engine.forward([ForwardItem(slot, 0, tokens, False)])
+        sizes = [len(engine.export_sequence(slot, n)) for n in (len(tokens), 1)]
+    finally:
+        engine.clear_sequence(slot)
+    per_token = (sizes[0] - sizes[1]) / (len(tokens) - 1)
+    fixed = sizes[1] - per_token
+    return lambda n: int(fixed + per_token * n + 0.5)

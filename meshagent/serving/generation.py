@@ -46,6 +46,7 @@ class Finished:
     stage_ms: tuple[float, ...] = ()  # a split's time per stage on this request
     replays: tuple[Replay, ...] = ()  # lost stages this request survived
     speculation: Speculation | None = None  # what drafting did, when drafts were verified
+    cached_tokens: int = 0  # prompt tokens a kept prefix gave it (not prefilled)
 
 
 def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
@@ -229,6 +230,7 @@ async def generate(
     mode = request.speculation or "off"
     spec = Speculation() if mode != "off" and runner.executor.speculates else None
     breaks = _Breaks(replay_deadline)
+    cached = 0
     while not text.stopped and len(history) < limit:
         try:
             async with runner.start(
@@ -242,6 +244,8 @@ async def generate(
                 while True:
                     ev = await handle.next()
                     breaks.served(submitted, len(request.prompt_tokens) + len(history))
+                    if ev.cached:  # the first token of a sequence that started from a prefix
+                        cached = min(ev.cached, len(request.prompt_tokens))
                     if len(stage_ms) < len(ev.timing):
                         stage_ms += [0.0] * (len(ev.timing) - len(stage_ms))
                     for i, ms in enumerate(ev.timing):
@@ -274,6 +278,6 @@ async def generate(
     ms = tuple(round(t, 3) for t in stage_ms)
     spec = spec if spec is not None and spec.windows else None  # drafts verified, if any
     finished = Finished(
-        reason, len(request.prompt_tokens), len(history), ms, tuple(breaks.done), spec
+        reason, len(request.prompt_tokens), len(history), ms, tuple(breaks.done), spec, cached
     )
     out.send_nowait(finished)

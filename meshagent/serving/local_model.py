@@ -35,9 +35,12 @@ class LocalModel:
         )
 
     @classmethod
-    def whole(cls, engine: Engine, *, max_queue: int) -> LocalModel:
+    def whole(cls, engine: Engine, *, max_queue: int, prefix_budget: int = 0) -> LocalModel:
+        """`prefix_budget`: bytes of ended requests' KV it keeps for later prompts."""
         runner = ModelRunner(
-            LocalExecutor(engine), max_queue=max_queue, is_end=engine.is_end_of_generation
+            LocalExecutor(engine, prefix_budget=prefix_budget),
+            max_queue=max_queue,
+            is_end=engine.is_end_of_generation,
         )
         return cls(engine, runner)
 

@@ -18,6 +18,7 @@ import structlog
 import trio
 
 from meshagent.capacity import offered_memory
+from meshagent.config import PREFIX_CACHE_AUTO, prefix_budget
 from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
 from meshagent.errors import EngineError, MeshError, ModelMoved
@@ -55,6 +56,7 @@ class MeshModelSettings:
     wire_dtype: str = "auto"  # --wire-dtype: auto, f16 or f32
     replay_deadline: float = 30.0  # seconds a request waits for its split to serve again
     speculation: str = "auto"  # --speculation, for requests that do not choose
+    prefix_cache: int = PREFIX_CACHE_AUTO  # --prefix-cache: bytes, 0 (off) or auto
     headroom: float = 0.1
     threshold: float = 0.25
 
@@ -191,6 +193,14 @@ class MeshModel:
                     failed.add((kind, start, end))
                     log.warning("mesh_model.spare_cut_failed", layers=(start, end), error=str(e))
 
+    def _prefix_budget(self, plan: Plan) -> int:
+        """Bytes of kept prefixes this agent's whole copy may use: of what it offers, what
+        the plan's part here leaves free (`config.prefix_budget`)."""
+        me = self.placement.gossip.snapshot().get(self.peer_id)
+        offered = offered_memory(me.record) if me is not None else 0
+        needed = self.cost.stage_bytes(0, self.cost.n_layers, plan.context_tokens)
+        return prefix_budget(self.settings.prefix_cache, offered, needed)
+
     def _ensure_cut(self, kind: str, start: int, end: int) -> None:
         if kind == "entry":
             self.store.ensure_entry(self.model_path, self.layout)
@@ -297,7 +307,9 @@ class MeshModel:
                 )
             )
             self._whole = engine
-            self.local = LocalModel.whole(engine, max_queue=s.max_queue)
+            self.local = LocalModel.whole(
+                engine, max_queue=s.max_queue, prefix_budget=self._prefix_budget(plan)
+            )
             self.local.speculation = s.speculation
             receipt = [(b"x-meshagent-stages", f"{self.peer_id}:0-{self.layout.n_layers}".encode())]
         elif any(st.peer_id == self.peer_id for st in plan.stages):

@@ -101,6 +101,11 @@ OpenDownstream = Callable[[], Awaitable[trio.abc.SendStream]]
 class PipelineExecutor:
     """Runs steps as the entry of a split: the first stage here, the rest downstream."""
 
+    # A split keeps no prefixes yet: every stage would need its own share of them.
+    prefix_budget = 0
+    kept_size = None
+    prefix_reason = "off: a split keeps no prefixes yet"
+
     def __init__(
         self,
         entry: EntryEngine,

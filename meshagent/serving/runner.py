@@ -22,6 +22,7 @@ import trio
 
 from meshagent.errors import EngineError, MeshError
 from meshagent.serving.executor import Executor, SampledToken
+from meshagent.serving.prefix_cache import PrefixIndex
 from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.scheduler import Event, Failed, Scheduler, SchedulerStats, Step, Token
 
@@ -118,7 +119,7 @@ class ModelRunner:
             ):
                 speculation = "off"  # auto drafts only where it changes no token
             self.scheduler.submit(
-                handle.seq, prompt, limit, sampling, history, speculation=speculation
+                handle.seq, prompt, limit, sampling, history, speculation=speculation, cache=True
             )
             self._handles[handle.seq] = handle
             self._lock.notify()
@@ -194,6 +195,10 @@ class ModelRunner:
         sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL))
         async with trio.open_nursery() as nursery:
             await nursery.start(self.executor.run, self)
+            size = self.executor.kept_size
+            if size is not None:  # the executor keeps ended sequences' KV for their prefixes
+                with self._lock:
+                    self.scheduler.prefix = PrefixIndex(self.executor.prefix_budget, size)
             nursery.start_soon(self._work_in_thread)
             task_status.started()
             try:

@@ -45,6 +45,12 @@ Policy:
   forgets them, and the last stage, which knows the same, samples nothing for them. Windows
   never go past a drafted end of generation nor, all counted, past the sequence's limit, so
   no token comes for a sequence after it ended.
+- With a `PrefixIndex` (`serving/prefix_cache.py`), a sequence that may reuse cached prefixes
+  (`submit(cache=True)`) starts from the longest prefix of its input that an entry holds:
+  `Opened.restore` tells the executor to load that entry's KV into the slot and cut it to the
+  shared length, and only the rest is prefilled. A sequence that ends (not one that failed)
+  leaves the KV of the tokens its slot holds as an entry (`Step.saves`, before the slot is
+  cleared); entries the index evicts are in `Step.dropped`, after the step's restores.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from meshagent.serving.drafting import (
     best_draft,
     follow_up_draft,
 )
+from meshagent.serving.prefix_cache import PrefixIndex
 from meshagent.serving.sampling import SamplingParams
 
 
@@ -90,16 +97,30 @@ class Opened:
     slot: int
     sampling: SamplingParams
     history: tuple[int, ...] = ()
+    # (entry, n): load a kept entry's KV into the slot and keep its first n positions.
+    restore: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Save:
+    """Keep the KV of the first `tokens` positions of `slot` as prefix-cache `entry`."""
+
+    slot: int
+    entry: int
+    tokens: int
 
 
 @dataclass(frozen=True)
 class Step:
-    """One batch to run. `released` slots are forgotten first (their KV cleared), and
-    `opened` sequences are introduced, before `items` run."""
+    """One batch to run. `saves` are kept first, then `released` slots are forgotten (their
+    KV cleared), `opened` sequences are introduced, and the `dropped` prefix-cache entries
+    freed, before `items` run."""
 
     items: tuple[StepItem, ...]
     opened: tuple[Opened, ...] = ()
     released: tuple[int, ...] = ()
+    saves: tuple[Save, ...] = ()
+    dropped: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +135,7 @@ class Token:
     drafted: int = 0  # on the token that ends a window: the draft's length...
     accepted: int = 0  # ...and how many of its tokens were right
     windows: int = 0  # ...and how many windows of the sequence were in flight, itself included
+    cached: int = 0  # on a sequence's first token: the prompt tokens a kept prefix gave it
 
 
 @dataclass(frozen=True)
@@ -136,6 +158,11 @@ class SchedulerStats:
     draft_windows: int = 0  # windows verified with a draft, since the model was loaded
     draft_tokens: int = 0  # draft tokens sent in them
     draft_accepted: int = 0  # and of those, the ones that were right
+    prefix_entries: int = 0  # kept prefixes (`PrefixIndex`), their bytes, and lookups
+    prefix_bytes: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_tokens: int = 0  # prompt tokens the hits did not prefill
 
 
 @dataclass
@@ -161,6 +188,10 @@ class _Seq:
     # Windows it voided may still be in flight ahead of its next step, which would queue
     # behind them: that step's trip is not what its window costs, and is not timed.
     behind_void: bool = False
+    cache: bool = False  # may start from a kept prefix, and leaves its own
+    tokens: list[int] = field(default_factory=list)  # prompt, history, tokens since
+    cached: int = 0  # its input's positions a kept prefix gave it
+    announced: bool = False  # its first token went out (with `cached`)
 
 
 @dataclass
@@ -190,6 +221,7 @@ class Scheduler:
         max_batch_tokens: int = 512,
         depth: int = 1,
         max_windows: int = 1,
+        prefix: PrefixIndex | None = None,
     ) -> None:
         if max_batch_tokens <= n_slots:
             raise ValueError("the token budget of a step must exceed the number of slots")
@@ -208,6 +240,11 @@ class Scheduler:
         self._by_id: dict[int, _Seq] = {}
         self._opened: list[Opened] = []
         self._released: list[int] = []
+        self._saves: list[Save] = []
+        self._dropped: list[int] = []
+        # Kept prefixes, where the executor can restore them (see the module's docstring).
+        self.prefix = prefix
+        self._prefix_tokens = 0
         self._steps = 0
         self._tokens = 0
         self._drafts = [0, 0, 0]  # windows, tokens drafted, tokens accepted
@@ -229,6 +266,11 @@ class Scheduler:
             draft_windows=self._drafts[0],
             draft_tokens=self._drafts[1],
             draft_accepted=self._drafts[2],
+            prefix_entries=len(self.prefix) if self.prefix else 0,
+            prefix_bytes=self.prefix.used if self.prefix else 0,
+            prefix_hits=self.prefix.hits if self.prefix else 0,
+            prefix_misses=self.prefix.misses if self.prefix else 0,
+            prefix_tokens=self._prefix_tokens,
         )
 
     def slot_of(self, seq: int) -> int | None:
@@ -257,6 +299,7 @@ class Scheduler:
         history: tuple[int, ...] = (),
         *,
         speculation: str = "off",
+        cache: bool = False,
     ):
         """A new request: it takes a free slot, or waits in the queue. `history`: a replayed
         completion's tokens so far, run after the prompt one per step; `limit` counts the
@@ -281,6 +324,8 @@ class Scheduler:
                 "are queued; retry shortly"
             )
         s = _Seq(seq, tuple(prompt), limit, sampling, tuple(history))
+        s.cache = cache and self.prefix is not None
+        s.tokens = [*prompt, *history]
         if speculation not in ("auto", "on", "off"):
             raise ValueError(f"speculation must be auto, on or off, not {speculation!r}")
         if speculation != "off":
@@ -357,7 +402,7 @@ class Scheduler:
         if self.max_windows > 1:
             ran = {it.seq for it in items}  # (a window is not followed in its own step)
             items += self._follow_ups(min(draft_budget, budget), ran)
-        if not items and not self._released:
+        if not items and not self._released and not self._saves:
             return None
         return self._take_step(tuple(items))
 
@@ -462,27 +507,29 @@ class Scheduler:
                 self._release(s)
             return []
         finish = None
+        cached, s.announced = (0 if s.announced else s.cached), True
         if self._is_end(token):
             finish = "stop"
         else:
+            s.tokens.append(token)
             s.generated += 1
             if s.generated >= s.limit:
                 finish = "length"
         if finish is not None:
             # Nothing of it is in flight: a window never goes past a drafted end or the limit.
             self._release(s)
-            return [Token(s.id, token, finish, timing, drafted, accepted, in_flight)]
+            return [Token(s.id, token, finish, timing, drafted, accepted, in_flight, cached)]
         if s.drafter is not None:
             s.drafter.extend((token,))
         if s.shadow is not None and s.acceptance is not None:
             s.acceptance.update(token == s.shadow, 1)
             s.shadow = None
         if right:  # more of the window is coming
-            return [Token(s.id, token, None, timing)]
+            return [Token(s.id, token, None, timing, cached=cached)]
         if not s.busy:  # no window follows: the token is the next step's input
             s.pending = [token]
             s.ready_since = self._steps
-        return [Token(s.id, token, None, timing, drafted, accepted, in_flight)]
+        return [Token(s.id, token, None, timing, drafted, accepted, in_flight, cached)]
 
     def fail(self, seqs: list[int], error: MeshError) -> list[Event]:
         """These sequences end with `error` (their slots are freed)."""
@@ -497,7 +544,7 @@ class Scheduler:
                 self._queue.remove(s)
                 del self._by_id[seq]
             else:
-                self._release(s)
+                self._release(s, keep=False)  # its cache may hold half a step
         return events
 
     def fail_active(self, error: MeshError) -> list[Event]:
@@ -516,14 +563,35 @@ class Scheduler:
     # ----- bookkeeping -----
 
     def _take_step(self, items: tuple[StepItem, ...]) -> Step:
-        step = Step(items, tuple(self._opened), tuple(self._released))
+        step = Step(
+            items,
+            tuple(self._opened),
+            tuple(self._released),
+            tuple(self._saves),
+            tuple(self._dropped),
+        )
         self._opened.clear()
         self._released.clear()
+        self._saves.clear()
+        self._dropped.clear()
         self._steps += 1
         return step
 
-    def _release(self, s: _Seq) -> None:
+    def forget_prefixes(self) -> None:
+        """The kept prefixes are gone (the executor's cache behind them was lost)."""
+        if self.prefix is not None:
+            self._dropped += self.prefix.clear()
+
+    def _release(self, s: _Seq, *, keep: bool = True) -> None:
         assert s.slot is not None
+        if keep and s.cache and self.prefix is not None:
+            # Its slot holds the KV of every token sent in a step whose verdict came (a
+            # rejected draft's positions are cut by the executor), less the last sampled.
+            n = min(s.n_past, len(s.tokens))
+            stored = self.prefix.insert(s.tokens[:n])
+            if stored.entry is not None:
+                self._saves.append(Save(s.slot, stored.entry, n))
+            self._dropped += stored.dropped
         del self._by_slot[s.slot]
         self._by_id.pop(s.id, None)
         self._released.append(s.slot)
@@ -540,4 +608,12 @@ class Scheduler:
             s.pending = [*s.prompt, *s.history]
             s.ready_since = self._steps
             self._by_slot[s.slot] = s
-            self._opened.append(Opened(s.id, s.slot, s.sampling, s.history))
+            restore = None
+            if s.cache and self.prefix is not None:
+                # At least the last input token runs: its logits give the first token.
+                restore = self.prefix.lookup(s.pending[:-1])
+                if restore is not None:
+                    s.cached = s.n_past = restore[1]
+                    del s.pending[: s.cached]
+                    self._prefix_tokens += s.cached
+            self._opened.append(Opened(s.id, s.slot, s.sampling, s.history, restore))

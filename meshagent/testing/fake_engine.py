@@ -31,6 +31,7 @@ from meshagent.errors import EngineError
 EOS = 0
 BOS = 1
 WIDTH = 4  # hidden row: token id, position, then padding
+STATE_BYTES = 64  # bytes per token of an exported sequence (padding past its content)
 
 
 class FakeVocab:
@@ -191,6 +192,27 @@ class _FakeCompute:
 
     def trim_sequence(self, seq_id: int, keep: int) -> None:
         self.caches.trim(seq_id, keep)
+
+    def export_sequence(self, seq_id: int, keep: int) -> bytes:
+        """The held tokens and their batch shapes, `STATE_BYTES` per token (as a real
+        cache's bytes grow with its tokens)."""
+        self.caches.trim(seq_id, keep)
+        held, shapes = self.caches.held[seq_id], self.caches.shapes[seq_id]
+        flat = [len(held), *held, *(x for shape in shapes for x in shape)]
+        return np.array(flat, dtype="<i8").tobytes().ljust(STATE_BYTES * len(held), b"\0")
+
+    def import_sequence(self, seq_id: int, state: bytes) -> None:
+        words = np.frombuffer(state[: len(state) // 8 * 8], dtype="<i8")
+        n = int(words[0])
+        self.caches.held[seq_id] = [int(t) for t in words[1 : 1 + n]]
+        shapes, left = [], n
+        rest = words[1 + n :]
+        for call, k in rest[: len(rest) // 2 * 2].reshape(-1, 2):
+            if left <= 0:
+                break
+            shapes.append([int(call), int(k)])
+            left -= int(k)
+        self.caches.shapes[seq_id] = shapes
 
 
 class FakeEngine(FakeVocab, _FakeCompute):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 
 import httpx
 import openai
@@ -54,6 +55,36 @@ def test_streaming_chat_matches_non_streaming(client: OpenAI, model_id: str) -> 
     assert text == whole.choices[0].message.content
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_repeated_prefix_is_reported_cached_and_changes_no_text(
+    client: OpenAI, model_id: str
+) -> None:
+    # Unique from its first tokens, so that nothing an earlier test left behind shares it.
+    system = f"Session {uuid.uuid4().hex}. You answer briefly and precisely. " * 4
+    ask = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
+    first = client.chat.completions.create(
+        model=model_id, messages=ask, max_tokens=16, temperature=0
+    )
+    second = client.chat.completions.create(
+        model=model_id, messages=ask, max_tokens=16, temperature=0
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.choices[0].message.content == first.choices[0].message.content
+    other = [ask[0], {"role": "user", "content": "Name a colour."}]
+    chunks = list(
+        client.chat.completions.create(
+            model=model_id,
+            messages=other,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert 40 < cached < chunks[-1].usage.prompt_tokens
 
 
 def test_temperature_zero_is_deterministic(client: OpenAI, model_id: str) -> None:

@@ -1,0 +1,275 @@
+"""Kept prefixes: the index on its own (sans-IO), then through the runner and the local
+executor on the fake engine, whose position checks fail any restore that puts a token where
+the cache does not reach, and whose logits depend on every token a sequence holds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshagent.serving.generation import Finished
+from meshagent.serving.local_model import LocalModel
+from meshagent.serving.prefix_cache import BLOCK, MIN_REUSE, PrefixIndex, shared_length
+from meshagent.serving.sampling import SamplingParams
+from meshagent.testing.fake_engine import STATE_BYTES, FakeEngine
+from tests.serving.test_runner import complete, expected
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def per_token(n: int) -> int:
+    return 10 * n
+
+
+# ----- the index -----
+
+
+def test_a_lookup_finds_the_entry_with_the_longest_shared_prefix():
+    index = PrefixIndex(10_000, per_token)
+    a = index.insert(list(range(100))).entry
+    b = index.insert([*range(40), *range(500, 560)]).entry
+    assert index.lookup([*range(70), 9, 9]) == (a, 70)
+    assert index.lookup([*range(45), 500]) == (a, 45)  # a and b share 40; a shares 45
+    assert index.lookup([*range(40), *range(500, 530)]) == (b, 70)
+    assert index.lookup(list(range(MIN_REUSE - 1))) is None  # too short to be worth it
+    assert index.lookup([7, *range(1, 60)]) is None  # differs at the first token
+    assert (index.hits, index.misses) == (3, 2)
+
+
+def test_an_entry_that_a_newer_one_extends_is_dropped_and_one_held_adds_nothing():
+    index = PrefixIndex(10_000, per_token)
+    turn1 = index.insert(list(range(50))).entry
+    turn2 = index.insert(list(range(80)))  # the same conversation, one turn on
+    assert turn2.dropped == (turn1,)
+    assert [e.id for e in index.entries()] == [turn2.entry]
+    assert index.insert(list(range(60))).entry is None  # turn 2's entry holds these
+    assert index.used == per_token(80)
+
+
+def test_entries_are_evicted_least_recently_used_first_within_the_budget():
+    index = PrefixIndex(per_token(100), per_token)
+    first = index.insert([1] * 40).entry
+    second = index.insert([2] * 40).entry
+    assert index.lookup([1] * 41) == (first, 40)  # the first is now the most recent
+    third = index.insert([3] * 40)
+    assert third.dropped == (second,)
+    assert {e.id for e in index.entries()} == {first, third.entry}
+    assert index.used <= index.budget
+    assert index.insert([4] * 200).entry is None  # bigger than the whole budget
+
+
+def test_shared_length_is_the_common_prefix():
+    assert shared_length([1, 2, 3], [1, 2, 4]) == 2
+    assert shared_length([], [1]) == 0
+    assert shared_length([5] * 10, [5] * 7) == 7
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "lookup"]),
+        st.integers(0, 3),  # which of a few shared heads
+        st.integers(0, 3 * BLOCK),  # how much of it
+        st.lists(st.integers(0, 3), max_size=3 * BLOCK),  # then a tail
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.integers(0, 300))
+def test_the_index_matches_a_search_of_every_entry(script, budget):
+    heads = [[h * 10 + i % 7 for i in range(3 * BLOCK)] for h in range(4)]
+    index = PrefixIndex(budget * 10, per_token)
+    for op, head, cut, tail in script:
+        tokens = heads[head][:cut] + tail
+        if op == "insert":
+            index.insert(tokens)
+        else:
+            best = max((shared_length(tokens, e.tokens) for e in index.entries()), default=0)
+            found = index.lookup(tokens)
+            if best >= MIN_REUSE:
+                assert found is not None and found[1] == best
+                assert list(index.entries()[-1].tokens[:best]) == tokens[:best]
+            else:
+                assert found is None
+        assert index.used == sum(e.size for e in index.entries()) <= index.budget
+        held = [e.tokens for e in index.entries()]
+        for e in held:  # no entry is a prefix of another
+            assert not any(o != e and o[: len(e)] == e for o in held)
+
+
+# ----- through the runner, on the fake engine -----
+
+
+@pytest.fixture
+async def cached(nursery):
+    engine = FakeEngine(slots=3, slot_ctx=512)
+    model = LocalModel.whole(engine, max_queue=8, prefix_budget=STATE_BYTES * 2000)
+    await nursery.start(model.run)
+    return engine, model
+
+
+@pytest.fixture
+async def plain(nursery):
+    engine = FakeEngine(slots=3, slot_ctx=512)
+    model = LocalModel.whole(engine, max_queue=8)
+    await nursery.start(model.run)
+    return engine, model
+
+
+SYSTEM = "you are a careful assistant who answers in short plain sentences "
+
+
+async def test_a_repeated_prompt_prefills_only_its_last_token_and_says_so(cached):
+    engine, model = cached
+    prompt = SYSTEM + "what is a river"
+    first, f1 = await complete(model, prompt, 20)
+    before = model.runner.stats().tokens_processed
+    second, f2 = await complete(model, prompt, 20)
+    assert first == second == expected(engine, prompt, 20)
+    assert f1.cached_tokens == 0
+    n_prompt = len(model.text_tokens(prompt))
+    assert f2.cached_tokens == n_prompt - 1
+    # the last prompt token and 19 generated ones ran: nothing of the prefix again
+    assert model.runner.stats().tokens_processed - before == 1 + 19
+    stats = model.runner.stats()
+    assert (stats.prefix_hits, stats.prefix_tokens) == (1, n_prompt - 1)
+
+
+async def test_a_conversations_next_turn_starts_from_the_last_turns_cache(cached):
+    engine, model = cached
+    turn1 = SYSTEM + "name a colour"
+    reply, _ = await complete(model, turn1, 30)
+    turn2 = turn1 + reply + " and another one"
+    text, fin = await complete(model, turn2, 30)
+    assert text == expected(engine, turn2, 30)
+    # the first turn's prompt and its reply are kept (the reply as far as its text gives
+    # back the same tokens)
+    assert fin.cached_tokens >= len(model.text_tokens(turn1))
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [GREEDY, SamplingParams(temperature=0.9, seed=5, frequency_penalty=0.3)],
+    ids=["greedy", "seeded"],
+)
+async def test_a_mixed_workload_gives_the_same_text_with_and_without_the_cache(
+    cached, plain, sampling
+):
+    rng = random.Random(7)
+    heads = [SYSTEM, "tell me a story about a dog ", "the weather today is "]
+    prompts = [
+        rng.choice(heads) + " ".join(rng.choice(["sun", "rain", "cat", "map"]) for _ in range(3))
+        for _ in range(24)
+    ]
+    lengths = [rng.randint(5, 40) for _ in prompts]
+
+    async def texts(model: LocalModel) -> list[str]:
+        out: list[str] = [""] * len(prompts)
+
+        async def one(i: int) -> None:
+            out[i], _ = await complete(model, prompts[i], lengths[i], sampling=sampling)
+
+        for start in range(0, len(prompts), 4):  # four at a time: slots and the queue
+            async with trio.open_nursery() as n:
+                for i in range(start, start + 4):
+                    n.start_soon(one, i)
+        return out
+
+    with_cache = await texts(cached[1])
+    without = await texts(plain[1])
+    assert with_cache == without
+    assert cached[1].runner.stats().prefix_hits >= 12
+
+
+async def test_memory_stays_within_the_budget_and_evicted_prefixes_still_answer_right(nursery):
+    engine = FakeEngine(slots=2, slot_ctx=512)
+    budget = STATE_BYTES * 300  # a few entries at most
+    model = LocalModel.whole(engine, max_queue=4, prefix_budget=budget)
+    await nursery.start(model.run)
+    rng = random.Random(3)
+    executor = model.runner.executor
+    for i in range(40):
+        prompt = f"conversation {rng.randint(0, 6)} " * 5 + "abc" * rng.randint(0, 20)
+        text, _ = await complete(model, prompt, 15)
+        assert text == expected(engine, prompt, 15), i
+        assert executor.kept_bytes() <= budget
+        assert executor.kept_bytes() == model.runner.stats().prefix_bytes
+    stats = model.runner.stats()
+    assert stats.prefix_hits > 0 and stats.prefix_misses > 0
+
+
+async def test_a_stop_string_mid_generation_leaves_a_prefix_that_still_answers_right(cached):
+    engine, model = cached
+    prompt = SYSTEM + "count"
+    full = expected(engine, prompt, 30)
+    stop = full[10:12]
+    cut, _ = await complete(model, prompt, 30, stop=(stop,))
+    assert cut == full[: full.index(stop)]
+    again, fin = await complete(model, prompt, 30)
+    assert again == full and fin.cached_tokens > 0
+
+
+async def test_a_failed_step_leaves_no_prefix(cached):
+    engine, model = cached
+    prompt = SYSTEM + "fail once"
+    engine.fail_next = "the engine broke"
+    with pytest.raises(Exception, match="broke"):
+        await complete(model, prompt, 10)
+    assert model.runner.stats().prefix_entries == 0
+    text, fin = await complete(model, prompt, 10)
+    assert text == expected(engine, prompt, 10) and fin.cached_tokens == 0
+
+
+async def test_no_prefix_is_reused_where_a_batch_changes_the_last_bits(nursery):
+    # Such an engine's cache of a prefix depends on the batches it ran in: reusing one could
+    # change a sampled token, so the cache stays off and says why.
+    engine = FakeEngine(slots=2, slot_ctx=512, batch_sensitive=True)
+    model = LocalModel.whole(engine, max_queue=2, prefix_budget=STATE_BYTES * 1000)
+    await nursery.start(model.run)
+    for _ in range(2):
+        _, fin = await complete(model, SYSTEM + "hello", 5)
+        assert fin.cached_tokens == 0
+    assert model.runner.executor.prefix_reason.startswith("off: ")
+
+
+async def test_requests_with_the_same_prefix_at_once_each_answer_right(cached):
+    engine, model = cached
+    await complete(model, SYSTEM + "warm", 5)
+    results: dict[str, tuple[str, Finished]] = {}
+
+    async def one(q: str) -> None:
+        results[q] = await complete(model, SYSTEM + q, 25)
+
+    async with trio.open_nursery() as n:
+        for q in ("one", "two", "three", "four", "five"):
+            n.start_soon(one, q)
+    for q, (text, fin) in results.items():
+        assert text == expected(engine, SYSTEM + q, 25)
+        assert fin.cached_tokens >= len(model.text_tokens(SYSTEM))
+
+
+def test_a_request_that_continues_a_replay_reuses_only_what_its_prompt_shares():
+    # `history` tokens follow the prompt; a kept prefix may reach into them, and the
+    # scheduler then feeds the rest one per step, as a replay does.
+    from meshagent.serving.scheduler import Scheduler
+
+    sched = Scheduler(n_slots=1, slot_ctx=256, max_queue=1, is_end=lambda t: t == 0)
+    sched.prefix = PrefixIndex(10_000, per_token)
+    prompt = tuple(range(2, 22))
+    sched.submit(1, prompt, 3, GREEDY, cache=True)
+    step = sched.next_step()
+    assert step.items[0].tokens == prompt and step.opened[0].restore is None
+    for t in (30, 31, 32):
+        sched.token(0, t)
+        step = sched.next_step()
+    assert step.saves and step.saves[0].tokens == len(prompt) + 2  # the last was not fed
+    saved = step.saves[0]
+    sched.submit(2, prompt, 5, GREEDY, (30, 31, 32, 33), cache=True)
+    step = sched.next_step()
+    assert step.opened[0].restore == (saved.entry, len(prompt) + 2)
+    assert [it.tokens for it in step.items] == [(32,)]  # history, one per step
