@@ -2,7 +2,7 @@ import stat
 
 import pytest
 
-from meshagent.config import AgentConfig, DataDir
+from meshagent.config import PREFIX_CACHE_AUTO, AgentConfig, DataDir, prefix_budget
 from meshagent.errors import ConfigError
 from meshagent.identity.keys import NodeIdentity
 
@@ -68,3 +68,25 @@ def test_a_bad_max_memory_is_refused_with_its_value_named():
         AgentConfig().merged({"max_memory": "300X"})
     with pytest.raises(ConfigError, match="max-memory must be >= 0"):
         AgentConfig().merged({"max_memory": -1}).validate()
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [("auto", PREFIX_CACHE_AUTO), ("0", 0), ("off", 0), ("200M", 200_000_000), (0, 0)],
+)
+def test_prefix_cache_is_a_size_auto_or_off(given, want):
+    assert AgentConfig().prefix_cache == PREFIX_CACHE_AUTO
+    assert AgentConfig().merged({"prefix_cache": given}).prefix_cache == want
+    with pytest.raises(ConfigError, match=r"prefix-cache: 'lots' is not a size"):
+        AgentConfig().merged({"prefix_cache": "lots"})
+
+
+def test_the_prefix_cache_takes_only_what_the_plan_leaves_free():
+    gib = 1 << 30
+    # auto: a quarter of the offer at most, and never what the model's part needs
+    assert prefix_budget(PREFIX_CACHE_AUTO, offered=8 * gib, needed=2 * gib) == 2 * gib
+    assert prefix_budget(PREFIX_CACHE_AUTO, offered=8 * gib, needed=7 * gib) == gib
+    assert prefix_budget(PREFIX_CACHE_AUTO, offered=gib, needed=2 * gib) == 0
+    assert prefix_budget(3 * gib, offered=8 * gib, needed=6 * gib) == 2 * gib
+    assert prefix_budget(gib // 2, offered=8 * gib, needed=gib) == gib // 2
+    assert prefix_budget(0, offered=8 * gib, needed=gib) == 0
