@@ -194,11 +194,16 @@ class MeshModel:
                     log.warning("mesh_model.spare_cut_failed", layers=(start, end), error=str(e))
 
     def _prefix_budget(self, plan: Plan) -> int:
-        """Bytes of kept prefixes this agent's whole copy may use: of what it offers, what
-        the plan's part here leaves free (`config.prefix_budget`)."""
+        """Bytes of kept prefixes this agent's part may use: of what it offers, what the
+        plan's part here leaves free (`config.prefix_budget`). A split's entry counts them
+        for every stage: the other agents keep what it tells them to."""
         me = self.placement.gossip.snapshot().get(self.peer_id)
         offered = offered_memory(me.record) if me is not None else 0
-        needed = self.cost.stage_bytes(0, self.cost.n_layers, plan.context_tokens)
+        start, end = 0, self.cost.n_layers
+        for st in plan.stages:
+            if st.peer_id == self.peer_id:
+                start, end = st.start, st.end
+        needed = self.cost.stage_bytes(start, end, plan.context_tokens)
         return prefix_budget(self.settings.prefix_cache, offered, needed)
 
     def _ensure_cut(self, kind: str, start: int, end: int) -> None:
@@ -327,6 +332,7 @@ class MeshModel:
                     threads=s.threads,
                     max_queue=s.max_queue,
                     wire_dtype=wire.dtype,
+                    prefix_budget=self._prefix_budget(plan),
                 ),
             )
             await host.load(plan)

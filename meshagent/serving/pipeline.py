@@ -30,6 +30,7 @@ from meshagent.engine.runtime import (
 )
 from meshagent.engine.stage import WIRE_DTYPES, StageEngine
 from meshagent.engine.vocab import Vocab, VocabDelegate
+from meshagent.engine.windows import TEXT
 from meshagent.errors import EngineError, SplitUnavailable
 from meshagent.models.slicer import TokenEmbeddings
 from meshagent.net.outbox import Outbox
@@ -87,6 +88,12 @@ class EntryEngine(VocabDelegate):
     def trim_sequence(self, seq_id: int, keep: int) -> None:
         self.stage.trim_sequence(seq_id, keep)
 
+    def export_sequence(self, seq_id: int, keep: int) -> bytes:
+        return self.stage.export_sequence(seq_id, keep)
+
+    def import_sequence(self, seq_id: int, state: bytes) -> None:
+        self.stage.import_sequence(seq_id, state)
+
     def memory_bytes(self) -> int:
         return self.stage.memory_bytes()
 
@@ -101,11 +108,6 @@ OpenDownstream = Callable[[], Awaitable[trio.abc.SendStream]]
 class PipelineExecutor:
     """Runs steps as the entry of a split: the first stage here, the rest downstream."""
 
-    # A split keeps no prefixes yet: every stage would need its own share of them.
-    prefix_budget = 0
-    kept_size = None
-    prefix_reason = "off: a split keeps no prefixes yet"
-
     def __init__(
         self,
         entry: EntryEngine,
@@ -114,8 +116,19 @@ class PipelineExecutor:
         wire_dtype: str = "f16",
         depth: int = 1,
         stall_after: float = 20.0,
+        prefix_budget: int = 0,
+        prefix_scale: float = 1.0,
     ) -> None:
+        """`prefix_budget`: bytes of kept prefixes, counted for the biggest stage, whose KV
+        per token is `prefix_scale` times the first stage's (every stage keeps its own)."""
         self.entry = entry
+        self.prefix_budget = prefix_budget
+        self._prefix_scale = prefix_scale
+        self.kept_size: Callable[[int], int] | None = None  # measured when `run` starts
+        self._kept: dict[int, bytes] = {}  # prefix-cache entry -> the first stage's KV of it
+        # Entries below this id were forgotten when a chain broke: a step that restores one
+        # was taken before, and its sequences failed with that chain.
+        self._stale_below = 0
         # A chain that returns no token for this long while steps wait for one has lost
         # them somewhere (a stage reloaded under them, a message dropped): it is broken, and
         # the requests are replayed, rather than waiting for ever.
@@ -148,9 +161,26 @@ class PipelineExecutor:
         self.largest_round = 0  # sequences in the biggest round so far
         self.failed: str | None = None
 
+    @property
+    def prefix_reason(self) -> str:
+        if self.prefix_budget <= 0:
+            return "off (--prefix-cache 0, or no memory left free by the plan)"
+        if not self.speculates:
+            return "off: the model's state cannot be cut back to a shared prefix"
+        if not self.exact_windows:
+            why = self.windows_reason
+            return f"off: a prefix computed in other batches would change tokens ({why})"
+        return "on"
+
+    def kept_bytes(self) -> int:
+        """Bytes of the first stage's KV kept for prefixes now."""
+        return sum(len(b) for b in self._kept.values())
+
     async def run(self, runner: ModelRunner, *, task_status: trio.TaskStatus[None]) -> None:
         self._runner = runner
         self._trio = trio.lowlevel.current_trio_token()
+        if self.prefix_reason == "on":
+            self.kept_size = await trio.to_thread.run_sync(self._measure_kept_size)
         async with trio.open_nursery() as nursery:  # the outbox's sends that had to wait
             self._nursery = nursery
             task_status.started()
@@ -173,19 +203,53 @@ class PipelineExecutor:
             if waiting and self.failed is None and now - self._progress_at > self.stall_after:
                 self._broken(f"no token from the split for {now - self._progress_at:.0f} s")
 
+    def _measure_kept_size(self, slot: int = 0) -> Callable[[int], int]:
+        """What a kept prefix of n tokens costs in its biggest stage: the first stage's
+        export of two lengths, scaled (see `executor.measure_kept_size`)."""
+        tokens = self.entry.tokenize(TEXT, add_bos=True)[:33]
+        self.entry.clear_sequence(slot)
+        try:
+            self.entry.run_first([(slot, 0, tokens)])
+            sizes = [len(self.entry.export_sequence(slot, n)) for n in (len(tokens), 1)]
+        finally:
+            self.entry.clear_sequence(slot)
+        per_token = (sizes[0] - sizes[1]) / (len(tokens) - 1) * self._prefix_scale
+        fixed = sizes[1] * self._prefix_scale - per_token
+        return lambda n: int(fixed + per_token * n + 0.5)
+
     # ----- the worker thread -----
 
     def run_step(self, step: Step) -> list[SampledToken]:
+        if any(op.restore and op.restore[0] < self._stale_below for op in step.opened):
+            # Taken before the chain broke: its sequences failed with that chain, and the
+            # stages of the next one hold none of the prefixes it names.
+            for slot in step.released:
+                self.entry.clear_sequence(slot)
+                self._ends.pop(slot, None)
+            return []
+        for save in step.saves:
+            self._kept[save.entry] = self.entry.export_sequence(save.slot, save.tokens)
         for slot in step.released:
             self.entry.clear_sequence(slot)
             self._ends.pop(slot, None)
+        for op in step.opened:
+            if op.restore is not None:
+                entry, keep = op.restore
+                self.entry.import_sequence(op.slot, self._kept[entry])
+                self.entry.trim_sequence(op.slot, keep)
+                self._ends[op.slot] = keep
+        for entry in step.dropped:
+            self._kept.pop(entry, None)
         if self.failed is not None:
             if not step.items:
                 return []  # only slots to forget: the stages start afresh on a new chain
             # A request needs the chain: open it again (the stage may be back by now).
             self._on_loop(self._reconnect)
-        messages: list[sm.Message] = [sm.Close(slot) for slot in step.released]
-        messages += [sm.Open(op.slot, op.sampling, op.history) for op in step.opened]
+        messages: list[sm.Message] = [sm.Keep(x.slot, x.entry, x.tokens) for x in step.saves]
+        messages += [sm.Close(slot) for slot in step.released]
+        messages += [sm.Open(op.slot, op.sampling, op.history, op.restore) for op in step.opened]
+        if step.dropped:
+            messages.append(sm.Drop(step.dropped))
         generation = self._generation
         if step.items:
             t0 = time.perf_counter()
@@ -292,6 +356,9 @@ class PipelineExecutor:
             self._generation += 1
             log.error("pipeline.broken", why=why)
         if self._runner is not None:
+            # The next chain's stages start without kept prefixes: forget them first, so
+            # that no sequence admitted as these fail starts from one.
+            self._stale_below = self._runner.forget_prefixes()
             self._runner.fail_all(SplitUnavailable(f"the split pipeline failed: {why}"))
 
     async def handle_reply(self, stream: trio.abc.ReceiveStream) -> None:

@@ -78,6 +78,11 @@ class PrefixIndex:
         self.hits = 0
         self.misses = 0
 
+    @property
+    def next_id(self) -> int:
+        """The id the next entry gets: ids only grow, also past `clear`."""
+        return self._next
+
     def __len__(self) -> int:
         return len(self._entries)
 

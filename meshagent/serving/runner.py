@@ -146,6 +146,14 @@ class ModelRunner:
             self._lock.notify()
         self._deliver(events)
 
+    def forget_prefixes(self) -> int:
+        """The kept prefixes are gone (a split's chain broke: its stages held them). Returns
+        the id the next kept prefix will get: every entry below it is forgotten."""
+        with self._lock:
+            self.scheduler.forget_prefixes()
+            prefix = self.scheduler.prefix
+            return 0 if prefix is None else prefix.next_id
+
     def tokens_ready(self, tokens: list[SampledToken]) -> None:
         """Tokens sampled elsewhere (a split's last stage), on the event loop."""
         with self._lock:

@@ -46,6 +46,9 @@ class SplitSettings:
     threads: int = 0
     max_queue: int = 64
     wire_dtype: str = "f32"  # what the entry sends (the stages after it send on the same)
+    # Bytes of kept prefixes the entry may count on, in the biggest stage's KV (every stage
+    # keeps its own KV of each; see PipelineExecutor).
+    prefix_budget: int = 0
     # As whole-model serving: off. On CPUs llama.cpp's flash attention is slower for decode
     # and its results change with the thread count, which peers do not share.
     flash_attn: bool | None = False
@@ -152,11 +155,14 @@ class SplitHost:
                 lambda: EntryEngine(entry_path, engine, self.info)
             )
             assert nxt is not None
+            biggest = max(st.end - st.start for st in plan.stages)
             self.pipeline = PipelineExecutor(
                 self._entry,
                 lambda: self._open_stream(self._next, STAGE_LABEL, **window),
                 wire_dtype=s.wire_dtype,
                 depth=len(plan.stages),
+                prefix_budget=s.prefix_budget,
+                prefix_scale=biggest / (part.end - part.start),
             )
             runner = ModelRunner(
                 self.pipeline,

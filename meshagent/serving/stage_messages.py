@@ -31,8 +31,12 @@ K_TIMING = 10  # milliseconds each stage spent on the batch, in pipeline order
 K_HISTORY = 11  # Open: the completion's tokens so far (a replay), u32 payload of K_SIZE bytes
 K_LAYER = 12  # Forward: the first layer its rows are input to (the sender's end layer)
 K_MORE = 13  # Token: the tokens a verified draft adds after `token`
+K_ENTRY = 14  # Keep: the kept prefix's entry id
+K_LENGTH = 15  # Keep: how many leading positions of the sequence it holds
+K_RESTORE = 16  # Open: [entry, n], start from that kept prefix's first n positions
+K_ENTRIES = 17  # Drop: the entries to free
 MAX_STAGES = 64
-T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR = 1, 2, 3, 4, 5
+T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR, T_KEEP, T_DROP = 1, 2, 3, 4, 5, 6, 7
 
 
 class StageProtocolError(MeshError):
@@ -55,6 +59,26 @@ class Open:
     seq: int
     sampling: SamplingParams
     history: tuple[int, ...] = ()
+    # (entry, n): every stage loads its kept prefix `entry` into the sequence and keeps its
+    # first n positions (`Keep`); the entry sends only the positions after them.
+    restore: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Every stage keeps its KV of the sequence's first `length` positions as prefix-cache
+    `entry` (sent before the sequence's `Close`)."""
+
+    seq: int
+    entry: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Every stage frees these kept prefixes."""
+
+    entries: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -103,7 +127,7 @@ class StageFailure:
     message: str
 
 
-Message = Open | Forward | Close | Token | StageFailure
+Message = Open | Forward | Close | Token | StageFailure | Keep | Drop
 
 
 def _sampling_to_cbor(p: SamplingParams) -> dict[int, Any]:
@@ -168,6 +192,12 @@ def encode(msg: Message) -> bytes:
         if msg.history:  # omitted when empty: a fresh Open is the bytes it always was
             payload = np.asarray(msg.history, dtype="<u4").tobytes()
             header |= {K_HISTORY: True, K_SIZE: len(payload)}
+        if msg.restore is not None:
+            header[K_RESTORE] = list(msg.restore)
+    elif isinstance(msg, Keep):
+        header |= {K_TYPE: T_KEEP, K_SEQ: msg.seq, K_ENTRY: msg.entry, K_LENGTH: msg.length}
+    elif isinstance(msg, Drop):
+        header |= {K_TYPE: T_DROP, K_ENTRIES: list(msg.entries)}
     elif isinstance(msg, Forward):
         dtype = "f16" if msg.hidden.dtype == np.float16 else "f32"
         payload = np.ascontiguousarray(msg.hidden, dtype=DTYPES[dtype]).tobytes()
@@ -256,7 +286,29 @@ def _message(h: dict[int, Any], payload: bytes) -> Message:
             history = tuple(int(x) for x in np.frombuffer(payload, dtype="<u4"))
         elif payload:
             raise StageProtocolError("an open without history carries no payload")
-        return Open(_int(h, K_SEQ, "seq"), _sampling_from_cbor(h.get(K_SAMPLING)), history)
+        restore = h.get(K_RESTORE)
+        if restore is not None:
+            ok = isinstance(restore, list) and len(restore) == 2
+            if not ok or not all(isinstance(x, int) and not isinstance(x, bool) for x in restore):
+                raise StageProtocolError("an open's restore must be [entry, length]")
+            if restore[0] < 0 or restore[1] < 1:
+                raise StageProtocolError("an open's restore must be [entry, length]")
+            restore = (restore[0], restore[1])
+        seq = _int(h, K_SEQ, "seq")
+        return Open(seq, _sampling_from_cbor(h.get(K_SAMPLING)), history, restore)
+    if t == T_KEEP:
+        keep = Keep(_int(h, K_SEQ, "seq"), _int(h, K_ENTRY, "entry"), _int(h, K_LENGTH, "length"))
+        if payload:
+            raise StageProtocolError("a keep carries no payload")
+        return keep
+    if t == T_DROP:
+        entries = h.get(K_ENTRIES)
+        ok = isinstance(entries, list) and len(entries) <= MAX_HEADER
+        if not ok or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entries
+        ):
+            raise StageProtocolError("a drop's entries must be non-negative integers")
+        return Drop(tuple(entries))
     if t == T_CLOSE:
         return Close(_int(h, K_SEQ, "seq"))
     if t == T_TOKEN:

@@ -52,6 +52,9 @@ class StageServer:
         # The last stage, per sequence: the token its last window ended with, where every
         # draft in it was right (a window that follows must have guessed it).
         self._carry: dict[int, int] = {}
+        # Kept prefixes: entry -> this stage's KV of it. The entry decides what is kept and
+        # freed (`Keep`, `Drop`); a new upstream stream starts without any.
+        self._kept: dict[int, bytes] = {}
         self._serving: trio.CancelScope | None = None  # the upstream stream served now
         self._engine_lock = trio.Lock()  # held by the stream served, its worker included
         self._closed = False
@@ -75,6 +78,7 @@ class StageServer:
                 self._samplers.clear()
                 self._ends.clear()
                 self._carry.clear()
+                self._kept.clear()
                 await self._serve(upstream)
 
     async def aclose(self) -> None:
@@ -172,10 +176,21 @@ class StageServer:
                     i += 1
                 out += self._forward(group)
             elif isinstance(msg, sm.Open):
+                if msg.restore is not None:
+                    self._restore(msg.seq, *msg.restore)
                 if self.engine.last:
                     self._samplers[msg.seq] = Sampler(msg.sampling, msg.history)
                     self._carry.pop(msg.seq, None)
                 else:
+                    out.append(msg)
+            elif isinstance(msg, sm.Keep):
+                self._kept[msg.entry] = self.engine.export_sequence(msg.seq, msg.length)
+                if not self.engine.last:
+                    out.append(msg)
+            elif isinstance(msg, sm.Drop):
+                for entry in msg.entries:
+                    self._kept.pop(entry, None)
+                if not self.engine.last:
                     out.append(msg)
             elif isinstance(msg, sm.Close):
                 self.engine.clear_sequence(msg.seq)
@@ -188,6 +203,19 @@ class StageServer:
                 raise sm.StageProtocolError(f"unexpected {type(msg).__name__} from upstream")
             i += 1
         return b"".join(sm.encode(m) for m in out)
+
+    def _restore(self, seq: int, entry: int, length: int) -> None:
+        """Start `seq` from a kept prefix's first `length` positions. One this stage does not
+        hold breaks the chain (the entry then forgets every prefix and replays)."""
+        state = self._kept.get(entry)
+        if state is None:
+            raise sm.StageProtocolError(f"kept prefix {entry} is not held by this stage")
+        self.engine.import_sequence(seq, state)
+        self.engine.trim_sequence(seq, length)
+        self._ends[seq] = length
+
+    def kept_bytes(self) -> int:
+        return sum(len(b) for b in self._kept.values())
 
     def _forward(self, group: list[sm.Forward]) -> list[sm.Message]:
         start = self.engine.start

@@ -33,6 +33,7 @@ class FakeChain:
         batch_sensitive: bool = False,
         max_batch_tokens: int = 512,
         copy_back: int = 0,
+        prefix_budget: int = 0,
     ) -> None:
         self.nursery = nursery
         self.entry = FakeEntry(delay=delay)
@@ -41,7 +42,11 @@ class FakeChain:
         self.stages = [FakeStage(last=False, delay=delay), last]
         self.opens = 0
         self.pipeline = PipelineExecutor(
-            self.entry, self._open_first, wire_dtype="f32", depth=depth
+            self.entry,
+            self._open_first,
+            wire_dtype="f32",
+            depth=depth,
+            prefix_budget=prefix_budget,
         )
         self.servers = [
             StageServer(self.stages[0], open_next=self._open_last, open_reply=None),
@@ -264,3 +269,87 @@ async def test_the_entry_learns_what_a_window_costs_from_its_trips(nursery):
         await complete(c.model, "abcdef abcdef", 100, speculation="on")
     assert cheap.model.runner.scheduler.window_cost.slope < 0.2
     assert dear.model.runner.scheduler.window_cost.slope > 0.6
+
+
+SYSTEM = "you are a careful assistant who answers in short plain sentences "
+
+
+async def stages_hold_what_the_entry_keeps(chain: FakeChain) -> None:
+    """Wait until every stage holds the entry's kept prefixes (a Keep follows the last
+    token of its request down the chain)."""
+    with trio.fail_after(5):
+        while not all(set(s._kept) == set(chain.pipeline._kept) for s in chain.servers):
+            await trio.sleep(0.001)
+
+
+async def test_a_split_keeps_prefixes_in_every_stage_and_changes_no_token(nursery):
+    from meshagent.testing.fake_engine import STATE_BYTES
+
+    whole = LocalModel.whole(FakeEngine(), max_queue=8)
+    await nursery.start(whole.run)
+    chain = FakeChain(nursery, depth=3, delay=0.001, prefix_budget=STATE_BYTES * 2000)
+    await nursery.start(chain.model.run)
+    prompts = [SYSTEM + q for q in ("what is a river", "what is a lake", "what is a river")]
+    got = [await complete(chain.model, p, 20) for p in prompts]
+    want = [await complete(whole, p, 20) for p in prompts]
+    assert [t for t, _ in got] == [t for t, _ in want]
+    cached = [f.cached_tokens for _, f in got]
+    n_system = len(chain.model.text_tokens(SYSTEM))
+    assert cached[0] == 0 and cached[1] >= n_system
+    assert cached[2] == len(chain.model.text_tokens(prompts[2])) - 1
+    # every stage holds its own KV of each kept prefix, and the same entries
+    await stages_hold_what_the_entry_keeps(chain)
+    assert chain.pipeline._kept
+    concurrent = await all_at_once(chain.model, [SYSTEM + q for q in PROMPTS], 12)
+    alone = [await complete(whole, SYSTEM + q, 12) for q in PROMPTS]
+    assert [t for t, _ in concurrent] == [t for t, _ in alone]
+
+
+async def test_a_broken_chain_forgets_its_prefixes_and_still_gives_the_same_text(nursery):
+    # The stages of a new chain start with no kept prefix (a stage restarted, or its host
+    # was replaced): the entry forgets them all, and prompts prefill in full again.
+    from meshagent.testing.fake_engine import STATE_BYTES
+
+    whole = LocalModel.whole(FakeEngine(), max_queue=8)
+    await nursery.start(whole.run)
+    chain = FakeChain(nursery, depth=1, delay=0.002, prefix_budget=STATE_BYTES * 2000)
+    await nursery.start(chain.model.run)
+    prompt = SYSTEM + "what is a river"
+    await complete(chain.model, prompt, 10)
+    assert chain.model.runner.stats().prefix_entries == 1
+    async with trio.open_nursery() as n:
+
+        async def doomed():
+            with pytest.raises(SplitUnavailable):
+                await complete(chain.model, SYSTEM + "and a sea", 150)
+
+        n.start_soon(doomed)
+        while not chain.model.runner.busy():
+            await trio.sleep(0.001)
+        chain.pipeline.interrupt("a stage's peer is gone")
+    assert chain.model.runner.stats().prefix_entries == 0
+    text, fin = await complete(chain.model, prompt, 10)
+    assert text == (await complete(whole, prompt, 10))[0]
+    assert fin.cached_tokens == 0 and chain.opens == 2
+    again, fin = await complete(chain.model, prompt, 10)  # kept again on the new chain
+    assert again == text and fin.cached_tokens > 0
+    await stages_hold_what_the_entry_keeps(chain)
+
+
+async def test_a_stage_that_lacks_a_prefix_breaks_the_chain_and_the_request_is_not_wrong(
+    nursery,
+):
+    from meshagent.testing.fake_engine import STATE_BYTES
+
+    chain = FakeChain(nursery, depth=1, prefix_budget=STATE_BYTES * 2000)
+    await nursery.start(chain.model.run)
+    prompt = SYSTEM + "what is a river"
+    first, _ = await complete(chain.model, prompt, 10)
+    with trio.fail_after(5):
+        while not chain.servers[1]._kept:  # (the Keep follows the request's last token)
+            await trio.sleep(0.001)
+    chain.servers[1]._kept.clear()  # as if the last stage had lost it
+    with pytest.raises(SplitUnavailable, match="not held by this stage"):
+        await complete(chain.model, prompt, 10)
+    assert chain.model.runner.stats().prefix_entries == 0
+    assert (await complete(chain.model, prompt, 10))[0] == first

@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.stage_messages import (
     Close,
+    Drop,
     Forward,
     ForwardItem,
+    Keep,
     Open,
     StageDecoder,
     StageFailure,
@@ -32,6 +34,10 @@ def sample_messages():
         Token(2, 5, (), (6, 7)),
         Token(1, 4242, (0.5, 1.0, 3.75)),
         StageFailure(None, "stage 2 lost its model"),
+        # Kept prefixes: keep a sequence's first positions, start another from them, free.
+        Keep(3, 17, 120),
+        Open(1, SamplingParams(), (4, 5), restore=(17, 119)),
+        Drop((17, 2)),
     ]
 
 
@@ -136,6 +142,25 @@ def test_old_messages_decode_byte_by_byte():
 def test_an_oversize_header_length_is_refused_before_its_body():
     with pytest.raises(StageProtocolError, match="stage header of 65537 bytes is over"):
         StageDecoder().feed((64 * 1024 + 1).to_bytes(4, "little"))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {0: 1, 1: 1, 2: 0, 3: {0: 0.0, 1: 1.0, 2: None, 3: 0.0, 4: 0.0}, 16: [3]},
+        {0: 1, 1: 1, 2: 0, 3: {0: 0.0, 1: 1.0, 2: None, 3: 0.0, 4: 0.0}, 16: [3, 0]},
+        {0: 1, 1: 6, 2: 0, 14: -1, 15: 3},
+        {0: 1, 1: 7, 17: [1, "x"]},
+        {0: 1, 1: 7, 17: 5},
+    ],
+)
+def test_malformed_prefix_messages_are_refused(header):
+    import cbor2
+
+    from meshagent.serving.stage_messages import FRAMING
+
+    with pytest.raises(StageProtocolError):
+        StageDecoder().feed(FRAMING.encode(cbor2.dumps(header)))
 
 
 @pytest.mark.parametrize(
