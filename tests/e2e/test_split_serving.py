@@ -128,6 +128,13 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id):
     # entry's drafts, and the text of copy-shaped and plain prompts is the whole model's.
     [entry] = [m for x in agents for m in _get(x, "/control/status")["models"]]
     assert entry["layers"][0] == 0 and entry["speculation"]["exact_windows"], entry
+    # Kept prefixes through the split: the prompt asked before restarts from every stage's
+    # kept KV of it, and gives the same text.
+    assert entry["prefix_cache"]["on"], entry
+    again = _chat(a, model_id).json()
+    usage = again["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    assert again["choices"][0]["message"]["content"] == expected[("chat", False)]
     for messages in (COPY, [{"role": "user", "content": "What is 7 times 8?"}]):
         body = {"model": model_id, "messages": messages, "max_tokens": 60, "temperature": 0}
         plain = httpx.post(f"{whole.url}/v1/chat/completions", json=body, timeout=120).json()
