@@ -273,3 +273,37 @@ def test_a_request_that_continues_a_replay_reuses_only_what_its_prompt_shares():
     step = sched.next_step()
     assert step.opened[0].restore == (saved.entry, len(prompt) + 2)
     assert [it.tokens for it in step.items] == [(32,)]  # history, one per step
+
+
+async def test_a_soak_of_500_requests_keeps_within_the_budget_and_starves_no_one(nursery):
+    # Random shared prefixes, eight at a time on three slots: every request finishes with
+    # the model's text, and the kept bytes never pass the budget.
+    engine = FakeEngine(slots=3, slot_ctx=256)
+    budget = STATE_BYTES * 600
+    model = LocalModel.whole(engine, max_queue=16, prefix_budget=budget)
+    await nursery.start(model.run)
+    executor = model.runner.executor
+    rng = random.Random(11)
+    heads = ["".join(rng.choice("abcdefgh ") for _ in range(rng.randint(20, 90))) for _ in range(8)]
+    jobs = [
+        (rng.choice(heads) + "".join(rng.choice("xyz ") for _ in range(rng.randint(0, 30))), n)
+        for n in (rng.randint(1, 12) for _ in range(500))
+    ]
+    peak = 0
+    done = 0
+
+    async def worker(mine: list[tuple[str, int]]) -> None:
+        nonlocal peak, done
+        for prompt, n in mine:
+            text, _ = await complete(model, prompt, n)
+            assert text == expected(engine, prompt, n)
+            peak = max(peak, executor.kept_bytes())
+            done += 1
+
+    async with trio.open_nursery() as n:
+        for w in range(8):
+            n.start_soon(worker, jobs[w::8])
+    assert done == 500
+    assert 0 < peak <= budget
+    stats = model.runner.stats()
+    assert stats.prefix_hits > 250 and stats.active == stats.queued == 0
