@@ -62,6 +62,23 @@ def run_split(
     return rep
 
 
+def run_prefix(
+    regimes: list[str], settings: scenarios.PrefixSettings, out: Path, argv: list[str]
+) -> dict[str, Any]:
+    results = {r: scenarios.prefix(r, out, settings) for r in regimes}
+    rep = {**_header("prefix", argv), "regimes": results}
+    rep["tested"] = [
+        f"regime `{n}`: three agents ({' '.join(scenarios.PREFIX_AGENT)}) split SmolLM2; "
+        f"{settings.conversations} conversations of about 1,500 prompt tokens, each asked "
+        "twice (the second turn adds the first answer and a question), greedy, streamed, one "
+        "at a time at the entry's API"
+        for n in results
+    ]
+    rep["not_tested"] = ["kept prefixes under load or eviction (tests/serving)", "other regimes"]
+    report.prefix_report(out, rep)
+    return rep
+
+
 def run_faults(settings: scenarios.FaultSettings, out: Path, argv: list[str]) -> dict[str, Any]:
     f = scenarios.faults(out, settings)
     rep = {**_header("faults", argv), "faults": f, **scenarios.faults_scope(f, settings)}
@@ -106,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--forwarded", type=int, default=d.forwarded)
         sp.add_argument("--seed", type=int, default=d.seed)
         sp.add_argument("--wire-dtype", choices=("auto", "f16", "f32"), default=d.wire_dtype)
+    x = scenarios.PrefixSettings()
+    xp = sub.add_parser("prefix", help="a conversation's second turn against its first (split)")
+    xp.add_argument("--regime", type=_regimes, default=["wan"], help="a regime, a,b or all")
+    xp.add_argument("--conversations", type=int, default=x.conversations)
+    xp.add_argument("--seed", type=int, default=x.seed)
     f = scenarios.FaultSettings()
     fp = sub.add_parser("faults", help="kill, partition and power-cut a stage host under load")
     fp.add_argument("--regime", choices=REGIMES, default=f.regime)
@@ -143,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     except NeedsRoot as e:
         print(f"sim: {e}", file=sys.stderr)
         return 2
-    if args.scenario in ("split", "soak"):
+    if args.scenario in ("split", "soak", "prefix"):
         label = "-".join(args.regime) if len(args.regime) < len(REGIMES) else "all"
     elif args.scenario in ("faults", "churn"):
         label = args.regime
@@ -177,6 +199,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"({m['ratio']}x), accepted {m['accepted']}/{m['drafted']}, same text "
                     f"{m['same_text']}"
                 )
+    elif args.scenario == "prefix":
+        ps = scenarios.PrefixSettings(conversations=args.conversations, seed=args.seed)
+        rep = run_prefix(args.regime, ps, out, argv)
+        for name, r in rep["regimes"].items():
+            p, t = r["prefix"], r["totals"]
+            print(
+                f"{name}: {t['ok']} ok / {t['failed']} failed; second turn / first, median "
+                f"{p['median_ratio']} (goal <= 0.2, met: {p['goal_met']})"
+            )
     elif args.scenario == "faults":
         fs = scenarios.FaultSettings(
             regime=args.regime,

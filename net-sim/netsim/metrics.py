@@ -528,3 +528,39 @@ def speculation(phases: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, 
             "same_text": f"{sum(same)}/{len(same)}",
         }
     return out
+
+
+def prefix(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Conversations of two turns (kept prefixes): per conversation the time to first token
+    of each turn and the prompt tokens the second found cached; the median of the second
+    turn's TTFT over the first's."""
+    convs: dict[int, dict[int, Mapping[str, Any]]] = {}
+    for rec in records:
+        if rec.get("turn"):
+            convs.setdefault(rec["prompt_no"], {})[rec["turn"]] = rec
+    rows = []
+    for c, turns in sorted(convs.items()):
+        first, second = turns.get(1), turns.get(2)
+        if first is None or second is None:
+            continue
+        t1, t2 = ttft_ms(first), ttft_ms(second)
+        rows.append(
+            {
+                "conversation": c,
+                "ok": bool(first["ok"] and second["ok"]),
+                "prompt_tokens": [first.get("prompt_tokens"), second.get("prompt_tokens")],
+                "cached_tokens": [first.get("cached_tokens"), second.get("cached_tokens")],
+                "ttft_ms": [
+                    None if t1 is None else round(t1, 1),
+                    None if t2 is None else round(t2, 1),
+                ],
+                "ratio": round(t2 / t1, 4) if t1 and t2 else None,
+            }
+        )
+    ratios = sorted(r["ratio"] for r in rows if r["ratio"] is not None)
+    return {
+        "conversations": rows,
+        "median_ratio": round(_q(ratios, 0.5), 4) if ratios else None,
+        "goal": "<= 0.2",
+        "goal_met": bool(ratios) and _q(ratios, 0.5) <= 0.2 and all(r["ok"] for r in rows),
+    }

@@ -1058,3 +1058,47 @@ def load(out: Path) -> dict[str, Any]:
     else:
         rep["discovery"]["requests"] = recs
     return rep
+
+
+# ----- kept prefixes -----
+
+
+def prefix_report(out: Path, report: dict[str, Any]) -> None:
+    regimes = report["regimes"]
+    _write_data(out, report, (r.get("requests", []) for r in regimes.values()))
+    md = _opening(out, report, f"kept prefixes ({', '.join(regimes)})")
+    for name, r in regimes.items():
+        p = r.get("prefix") or {}
+        t = r.get("totals", {})
+        stages = ", ".join(f"{h}:{a}-{b}" for h, a, b in (r.get("plan") or {}).get("stages", []))
+        md += [
+            f"### `{name}`: second turn / cold first turn, median {p.get('median_ratio')} "
+            f"(goal {p.get('goal')}: {'met' if p.get('goal_met') else 'NOT met'})",
+            "",
+            f"Requests {t.get('ok')} ok / {t.get('failed')} failed; stages {stages}.",
+            "",
+        ]
+        md += _table(
+            [
+                "conversation",
+                "prompt tokens (1st, 2nd)",
+                "cached tokens (1st, 2nd)",
+                "TTFT ms (1st, 2nd)",
+                "2nd / 1st",
+                "ok",
+            ],
+            (
+                [
+                    c["conversation"],
+                    "{}, {}".format(*c["prompt_tokens"]),
+                    "{}, {}".format(*c["cached_tokens"]),
+                    "{}, {}".format(*c["ttft_ms"]),
+                    c["ratio"],
+                    "yes" if c["ok"] else "NO",
+                ]
+                for c in p.get("conversations", [])
+            ),
+        )
+        md += ["", *_links_md(r.get("links", {})), *_failures_md(r.get("failures", []))]
+    md += ["", *_tested_md(report)]
+    (out / "report.md").write_text("\n".join(md) + "\n")

@@ -165,7 +165,12 @@ class Running:
 
 @contextlib.contextmanager
 def _running_mesh(
-    regime: str, root: Path, seed: int, wire_dtype: str, facts: dict[str, Any]
+    regime: str,
+    root: Path,
+    seed: int,
+    wire_dtype: str,
+    facts: dict[str, Any],
+    agent_args: Sequence[str] | None = None,
 ) -> Iterator[Running]:
     """A lab of `regime` (3 hosts and a relay) with the mesh started by invite and its plan
     routable. Records the machine, the links and discovery times in `facts` on the way in,
@@ -175,7 +180,8 @@ def _running_mesh(
     with _lab(topology(regime, 3, relay=True), root, seed) as lab:
         facts["machine"] = _machine(lab)
         facts["links"] = _links(lab)
-        mesh = Mesh(lab, root, tl, wire_dtype=wire_dtype)
+        more = {} if agent_args is None else {"agent_args": agent_args}
+        mesh = Mesh(lab, root, tl, wire_dtype=wire_dtype, **more)
         try:
             started = _start_mesh(mesh)
             facts["discovery"] = started["times"]
@@ -271,6 +277,52 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
         "streams": sum(1 for r in records if r["stream"]),
         "streams_complete": sum(1 for r in records if r["stream"] and r["complete"]),
     }
+    return out
+
+
+@dataclass(frozen=True)
+class PrefixSettings:
+    """Conversations of two turns through a split (kept prefixes)."""
+
+    conversations: int = 3
+    max_tokens: int = 32
+    seed: int = 1
+    timeout_s: float = 300.0
+
+
+# Room for a conversation of about 1,600 tokens in a slot, and still too little memory for
+# fewer than three agents to hold the model.
+PREFIX_AGENT = ("--max-memory", "100M", "--slots", "2", "--ctx-size", "2048", "--threads", "1")
+
+
+def prefix(regime: str, run_dir: Path, settings: PrefixSettings) -> dict[str, Any]:
+    """Three agents split SmolLM2 in `regime`; conversations of about 1,500 tokens, each
+    asked twice (the second turn adds the first answer and a question), one at a time at
+    the entry: the second turn's time to first token against the cold first turn's."""
+    s = settings
+    root = run_dir / regime
+    out: dict[str, Any] = {"regime": regime, "settings": asdict(s)}
+    with _running_mesh(regime, root, s.seed, "auto", out, PREFIX_AGENT) as run:
+        lab, mesh, driver, plan = run.lab, run.mesh, run.driver, run.plan
+        entry = mesh.entry(plan)
+        out["plan"] = {"entry": entry, "stages": mesh.named_stages(plan)}
+        out["ring"] = [h.to_dict() for h in mesh.ring(plan)]
+        host = lab[entry]
+        common = ["--seed", str(s.seed), "--timeout", str(s.timeout_s)]
+        warm = driver.run(
+            host, "warmup", "--mix", "count", "--requests", "1", "--max-tokens", "8",
+            "--concurrency", "1", *common, timeout=300,
+        )  # fmt: skip
+        turns = driver.run(
+            host, "conversation", "--mix", "conversation", "--requests",
+            str(2 * s.conversations), "--concurrency", "1", "--max-tokens", str(s.max_tokens),
+            "--speculation", "off", *common, timeout=1200 * s.conversations,
+        )  # fmt: skip
+    out["prefix"] = metrics.prefix(turns)
+    records = warm + turns
+    for r in records:
+        r["regime"] = regime
+    _tally(out, records)
     return out
 
 

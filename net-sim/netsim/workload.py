@@ -76,6 +76,37 @@ COPY_PROMPT = (
 )
 
 
+# A conversation's first turn: a system prompt naming the conversation (so that no other one
+# shares its first tokens) and a long document, about 1,500 tokens in all; its second turn
+# adds the first answer and a short question (kept prefixes, docs/serving.md).
+_PLACES = ("harbour", "quarry", "mill", "orchard", "ferry", "archive", "observatory")
+
+
+def conversation_document(words: int = 1000) -> str:
+    parts: list[str] = []
+    n = 0
+    while n < words:
+        k = len(parts)
+        place, other = _PLACES[k % len(_PLACES)], _PLACES[(k * 5 + 2) % len(_PLACES)]
+        line = (
+            f"Entry {k + 1}. The {place} logbook notes that the {other} reopened after "
+            f"{2 + k % 13} years, with {11 + k * 9 % 80} workers and a new road."
+        )
+        parts.append(line)
+        n += len(line.split())
+    return " ".join(parts)
+
+
+def conversation_turn(c: int, turn: int, reply: str, words: int = 1000) -> tuple:
+    messages = [
+        ("system", f"Conversation {c}. You are a careful archivist; answer from the logbook."),
+        ("user", "Here is the logbook:\n" + conversation_document(words)),
+    ]
+    if turn == 2:
+        messages += [("assistant", reply), ("user", "Which entry mentions the ferry first?")]
+    return tuple(messages)
+
+
 @dataclass(frozen=True)
 class Shape:
     """A kind of request: its prompts, its default completion length, its temperature (None:
@@ -96,6 +127,7 @@ SHAPES = {
     "short-greedy": Shape(SHORT_PROMPTS, 16, temperature=0.0),
     "long-greedy": Shape(LONG_PROMPTS, 128, temperature=0.0),
     "copy": Shape((COPY_PROMPT,), 128, temperature=0.0),
+    "conversation": Shape(("",), 32, temperature=0.0),
 }
 # A mix: the (shape, streamed) pairs it cycles through, shuffled in blocks, so N requests
 # hold each pair N/len times.
@@ -108,6 +140,8 @@ MIXES: dict[str, tuple[tuple[str, bool], ...]] = {
     # Speculation's two sides: text that repeats the prompt, and novel prose.
     "copy": (("copy", True),),
     "prose": (("long-greedy", True),),
+    # Two turns of a conversation per pair of requests (one at a time): see `conversation_turn`.
+    "conversation": (("conversation", True),),
     "churn": (
         ("short", True),
         ("short", False),
@@ -132,6 +166,8 @@ class RequestSpec:
     seed: int
     prompt_no: int = 0  # which of its shape's prompts
     speculation: str | None = None  # the request's "meshagent.speculation"; None: the agent's
+    messages: tuple = ()  # (role, content) pairs instead of one user message with `prompt`
+    turn: int = 0  # of a conversation: 1 or 2
 
 
 def request_spec(mix: str, i: int, seed: int, max_tokens: int | None = None) -> RequestSpec:
@@ -181,9 +217,10 @@ def reference_specs(mix: str, first: int, max_tokens: int | None = None) -> list
 
 
 def _body(spec: RequestSpec, model: str) -> bytes:
+    messages = spec.messages or (("user", spec.prompt),)
     body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": spec.prompt}],
+        "messages": [{"role": role, "content": content} for role, content in messages],
         "max_tokens": spec.max_tokens,
         "temperature": spec.temperature,
         "seed": spec.seed,
@@ -217,6 +254,8 @@ def run_one(port: int, model: str, spec: RequestSpec, timeout: float) -> dict[st
         "i": spec.i,
         "shape": spec.shape,
         "prompt_no": spec.prompt_no,
+        "turn": spec.turn,
+        "cached_tokens": None,
         "temperature": spec.temperature,
         "stream": spec.stream,
         "max_tokens": spec.max_tokens,
@@ -316,6 +355,7 @@ def _read_whole(resp: http.client.HTTPResponse, rec: dict[str, Any], rel) -> Non
 def _usage(rec: dict[str, Any], usage: dict[str, Any]) -> None:
     rec["prompt_tokens"] = usage.get("prompt_tokens")
     rec["completion_tokens"] = usage.get("completion_tokens")
+    rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     receipt = usage.get("meshagent") or {}
     rec["stage_ms"] = receipt.get("stage_ms")
     rec["replays"] = receipt.get("replays")
@@ -447,16 +487,24 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return i
 
+    replies: dict[int, str] = {}  # a conversation's first answer (the mix runs one at a time)
+
     def worker(w: int) -> None:
         while (i := next_index()) is not None:
             if references:
                 spec = references[i - args.first]
             else:
                 spec = request_spec(args.mix, i, args.seed, args.max_tokens)
+            if spec.shape == "conversation":
+                c, turn = divmod(i - args.first, 2)
+                messages = conversation_turn(c + args.seed * 1000, turn + 1, replies.get(c, ""))
+                spec = replace(spec, messages=messages, turn=turn + 1, prompt_no=c)
             if args.speculation is not None:
                 spec = replace(spec, speculation=args.speculation)
             rec = run_one(args.port, model, spec, args.timeout)
             rec["worker"] = w
+            if spec.turn == 1:
+                replies[spec.prompt_no] = rec["text"]
             with lock:
                 out.write(json.dumps(rec) + "\n")
                 totals["requests"] += 1
