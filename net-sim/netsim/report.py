@@ -1071,11 +1071,18 @@ def prefix_report(out: Path, report: dict[str, Any]) -> None:
         p = r.get("prefix") or {}
         t = r.get("totals", {})
         stages = ", ".join(f"{h}:{a}-{b}" for h, a, b in (r.get("plan") or {}).get("stages", []))
+        cache = r.get("prefix_cache") or {}
+        budget = cache.get("budget_bytes")
+        kept = (
+            f"the entry's prefix budget {budget / 1e6:.1f} MB ({cache.get('reason')})"
+            if budget is not None
+            else "the entry's prefix budget unknown"
+        )
         md += [
             f"### `{name}`: second turn / cold first turn, median {p.get('median_ratio')} "
             f"(goal {p.get('goal')}: {'met' if p.get('goal_met') else 'NOT met'})",
             "",
-            f"Requests {t.get('ok')} ok / {t.get('failed')} failed; stages {stages}.",
+            f"Requests {t.get('ok')} ok / {t.get('failed')} failed; stages {stages}; {kept}.",
             "",
         ]
         md += _table(

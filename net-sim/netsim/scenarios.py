@@ -290,9 +290,11 @@ class PrefixSettings:
     timeout_s: float = 300.0
 
 
-# Room for a conversation of about 1,600 tokens in a slot, and still too little memory for
-# fewer than three agents to hold the model.
-PREFIX_AGENT = ("--max-memory", "100M", "--slots", "2", "--ctx-size", "2048", "--threads", "1")
+# Room for a conversation of about 1,600 tokens in one slot, and still too little memory for
+# fewer than three agents to hold the model; what the plan leaves free (the auto prefix budget,
+# about 20 MB at the entry) keeps such a conversation's KV for every stage. With two slots
+# the plan leaves the entry too little to keep one.
+PREFIX_AGENT = ("--max-memory", "80M", "--slots", "1", "--ctx-size", "2048", "--threads", "1")
 
 
 def prefix(regime: str, run_dir: Path, settings: PrefixSettings) -> dict[str, Any]:
@@ -318,6 +320,8 @@ def prefix(regime: str, run_dir: Path, settings: PrefixSettings) -> dict[str, An
             str(2 * s.conversations), "--concurrency", "1", "--max-tokens", str(s.max_tokens),
             "--speculation", "off", *common, timeout=1200 * s.conversations,
         )  # fmt: skip
+        [model] = mesh.status(entry)["models"]
+        out["prefix_cache"] = model["prefix_cache"]
     out["prefix"] = metrics.prefix(turns)
     records = warm + turns
     for r in records:
