@@ -35,6 +35,10 @@ sim-faults *ARGS:
 sim-churn *ARGS:
     {{venv}}/python net-sim/sim.py churn {{ARGS}}
 
+# net-sim (root): conversations of two turns through a split in wan, kept prefixes
+sim-prefix *ARGS:
+    {{venv}}/python net-sim/sim.py prefix {{ARGS}}
+
 # net-sim (root): mDNS on a LAN, and the relay between isolated hosts
 sim-discovery *ARGS:
     {{venv}}/python net-sim/sim.py discovery {{ARGS}}

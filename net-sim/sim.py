@@ -7,6 +7,7 @@ a new folder under net-sim/reports/ (or --out). Needs root. See docs/net-sim.md.
     sudo .venv/bin/python net-sim/sim.py faults                        # `just sim-faults`
     sudo .venv/bin/python net-sim/sim.py discovery                     # `just sim-discovery`
     sudo .venv/bin/python net-sim/sim.py churn                         # `just sim-churn`
+    sudo .venv/bin/python net-sim/sim.py prefix --regime wan           # `just sim-prefix`
     .venv/bin/python net-sim/sim.py render net-sim/reports/<run>       # report.md and plots again
 """
 
