@@ -6,7 +6,7 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import structlog
@@ -19,6 +19,7 @@ from meshagent.api.inflight import InFlight
 from meshagent.api.prepare import KINDS, CompletionKind, Prepared, parse_completion, prepare
 from meshagent.api.replies import Reply
 from meshagent.api.resumable import Ask, Carried, Head, generate_counted
+from meshagent.api.routing import LOCAL, PrefixRouter, prefix_keys
 from meshagent.api.schemas import ChatCompletionRequest
 from meshagent.errors import ContextOverflow, MeshError, ModelMoved
 from meshagent.serving.directory import ModelDirectory, RemoteModel
@@ -54,6 +55,7 @@ class OpenAIApp:
         self.peers = peers
         self.probe = probe
         self.started_at = int(time.time())
+        self.router = PrefixRouter()
         self._routes: dict[tuple[str, str], Callable[[Exchange], Any]] = {
             ("GET", "/health"): self._health,
             ("GET", "/v1/models"): self._list_models,
@@ -150,13 +152,13 @@ class OpenAIApp:
         return next((m for m in self.directory.local_models() if m.matches(name)), None)
 
     def _remote(self, name: str) -> RemoteModel | None:
-        return next(
-            (r for r in self.directory.remote_models() if r.id.casefold() == name.casefold()),
-            None,
-        )
+        return next(iter(self._remotes(name)), None)
+
+    def _remotes(self, name: str) -> list[RemoteModel]:
+        return [r for r in self.directory.remote_models() if r.id.casefold() == name.casefold()]
 
     async def _control_status(self, ex: Exchange) -> None:
-        await ex.send_json(200, self.status())
+        await ex.send_json(200, {**self.status(), "routing": asdict(self.router.stats())})
 
     async def _control_peers(self, ex: Exchange) -> None:
         if self.peers is None:
@@ -217,10 +219,19 @@ class OpenAIApp:
     async def _generate(self, ex: Exchange) -> None:
         req = parse_completion(ex.path, await ex.json_body())
         await self._await_served(req.model)
-        if self._local(req.model) is None and self._remote(req.model) is not None:
-            await self._carry(ex, req)
+        remotes = {r.peer_id: r for r in self._remotes(req.model)}
+        if not remotes:
+            await self._serve(ex, prepare(req, self._model(req.model)))
             return
-        await self._serve(ex, prepare(req, self._model(req.model)))
+        # Replicas (or a split's entry elsewhere): the one holding the conversation takes it.
+        local = [LOCAL] if self._local(req.model) is not None else []
+        keys = prefix_keys(req)
+        route = self.router.choose(keys, [*local, *remotes])
+        with self.router.routed(route.peer, keys):
+            if route.peer == LOCAL:
+                await self._serve(ex, prepare(req, self._model(req.model)))
+            else:
+                await self._carry(ex, req, remotes[route.peer])
 
     def prepare_here(self, path: str, body: bytes) -> Prepared | None:
         """A completion carried here by another agent (`api/resumable.py`), prepared on the
@@ -238,11 +249,10 @@ class OpenAIApp:
             return None
         return prepare(req, model)
 
-    async def _carry(self, ex: Exchange, req: CompletionKind) -> None:
-        """Carry the request to the peer serving its model, and on to the next one if that
-        peer is lost (`api/resumable.py`); an agent that predates that gets it over `api/1`."""
-        remote = self._remote(req.model)
-        assert remote is not None
+    async def _carry(self, ex: Exchange, req: CompletionKind, remote: RemoteModel) -> None:
+        """Carry the request to `remote`, a peer serving its model, and on to the next one if
+        that peer is lost (`api/resumable.py`); an agent that predates that gets it over
+        `api/1`."""
         if self.inflight.draining:
             raise errors.unavailable(
                 "The agent is shutting down and takes no new requests.", code="shutting_down"

@@ -325,13 +325,14 @@ class Carried:
         since = trio.current_time()
         log.info("gen.entry_lost", reason=why, tokens=len(self.history))
         failed = 0  # asks that an entry did not take
-        last, next_ask = "", since  # the entry that failed last, and when to ask it again
+        # The entry that failed last (another replica is asked first), and when to ask it again.
+        last, next_ask = self.entry, since
         while (waited := trio.current_time() - since) < self.deadline:
             prepared = self.local()
             if prepared is not None:
                 self._broke = (why, since, trio.current_time(), lost)
                 return prepared
-            remote = self._remote()
+            remote = self._remote(avoid=last)
             if remote is None or (remote.peer_id == last and trio.current_time() < next_ask):
                 await trio.sleep(_LOOK)  # no entry serves yet, or it is the one that just failed
                 continue
@@ -357,9 +358,12 @@ class Carried:
             retry_after=errors.SPLIT_RETRY_AFTER,
         )
 
-    def _remote(self) -> RemoteModel | None:
+    def _remote(self, avoid: str = "") -> RemoteModel | None:
+        """A peer serving the model: another replica than `avoid` (the one that just failed)
+        where there is one."""
         name = self.name.casefold()
-        return next((r for r in self.directory.remote_models() if r.id.casefold() == name), None)
+        serving = [r for r in self.directory.remote_models() if r.id.casefold() == name]
+        return next((r for r in serving if r.peer_id != avoid), serving[0] if serving else None)
 
     def _served(self) -> None:
         """An event came from the entry asked after a loss: that loss is over."""

@@ -75,6 +75,14 @@ def run(args: argparse.Namespace) -> int:
                 f"{s.get('prefix_hits', 0)} hits, {s.get('prefix_misses', 0)} misses, "
                 f"{s.get('prefix_tokens', 0)} prompt tokens not prefilled"
             )
+    routing = st.get("routing") or {}
+    routed = sum(routing.get(k, 0) for k in ("prefix", "balance", "new"))
+    if routed:
+        print(
+            f"routing   {routed} requests among replicas: {routing['prefix']} to the one "
+            f"holding their conversation, {routing['new']} new, {routing['balance']} moved "
+            f"off a busy one; {routing['remembered']} remembered"
+        )
     for model_id, p in (st.get("placement") or {}).items():
         if not p.get("routable"):
             why = p.get("error") or "a plan is being agreed or loaded"

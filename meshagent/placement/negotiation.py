@@ -100,16 +100,26 @@ def next_epoch(claims: Mapping[str, Claim]) -> int:
     return max((c.epoch for c in claims.values()), default=0) + 1
 
 
-def routable(winner: Claim, claims: Mapping[str, Claim], alive: set[str]) -> bool:
-    """Every peer of the plan in force is alive, follows it, and has its part loaded."""
+def serving_peers(winner: Claim, claims: Mapping[str, Claim], alive: set[str]) -> tuple[str, ...]:
+    """The peers of the plan in force that are alive, follow it and have their part loaded."""
     digest = plan_digest(winner.plan)
+    out = []
     for peer in winner.plan.peers:
         c = claims.get(peer)
         if peer not in alive or c is None or not c.ready:
-            return False
-        if c.epoch != winner.epoch or plan_digest(c.plan) != digest:
-            return False
-    return True
+            continue
+        if c.epoch == winner.epoch and plan_digest(c.plan) == digest:
+            out.append(peer)
+    return tuple(out)
+
+
+def routable(winner: Claim, claims: Mapping[str, Claim], alive: set[str]) -> bool:
+    """A split: every stage's peer serves its part of the plan in force. A model served
+    whole: at least one replica does (each replica serves on its own)."""
+    ready = serving_peers(winner, claims, alive)
+    if winner.plan.split:
+        return len(ready) == len(winner.plan.peers)
+    return bool(ready)
 
 
 def my_part(plan: Plan, peer_id: str) -> StageAssignment | None:

@@ -364,7 +364,8 @@ def should_replan(
     *,
     threshold: float = 0.25,
 ) -> bool:
-    """Move to `candidate` only if the current plan is broken or the gain passes `threshold`
+    """Move to `candidate` if it only adds replicas to a whole model's, or drops gone ones;
+    otherwise only if the current plan is broken or the gain passes `threshold`
     (0.25: at least 25% faster per token) and `MIN_GAIN_MS`, so the mesh does not flap on
     small changes: moving layers stops the split for seconds, and for a small model the
     estimate is mostly measured RTTs, which swing by milliseconds on their own (a path that
@@ -377,6 +378,13 @@ def should_replan(
     now = estimated_token_ms(model, current, by_id, current.context_tokens)
     if now is None:
         return True
+    if not current.split and not candidate.split:
+        # Replicas serve on their own: one more (or one gone) changes no other replica's
+        # part, so the mesh follows the replicas there are without a gain threshold.
+        if any(r not in by_id for r in current.replicas):
+            return True
+        if set(candidate.replicas) > set(current.replicas):
+            return True
     gain = now - candidate.est_token_ms
     if _entries(candidate).isdisjoint(_entries(current)):
         threshold = max(threshold, MOVE_ENTRY_GAIN)

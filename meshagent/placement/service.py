@@ -24,6 +24,7 @@ from meshagent.placement.negotiation import (
     plan_digest,
     plan_in_force,
     routable,
+    serving_peers,
 )
 from meshagent.placement.planner import (
     ModelCost,
@@ -134,6 +135,7 @@ class PlacementService:
         self.in_force: Claim | None = None
         self.mine: Claim | None = None
         self.routable = False
+        self.ready: tuple[str, ...] = ()  # peers of the plan in force serving it now
         self.error: str | None = None  # why no plan can host the model, if none can
         self.changed = trio.Event()
         self._running = trio.CancelScope()
@@ -213,6 +215,7 @@ class PlacementService:
         alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD}
         was = self.routable
         self.routable = winner is not None and routable(winner, claims, alive | {me})
+        self.ready = serving_peers(winner, claims, alive | {me}) if winner is not None else ()
         if self.routable != was:
             log.info(
                 "placement.routable",

@@ -46,7 +46,8 @@ class ModelDirectory(Protocol):
         ...
 
     def remote_models(self) -> Sequence[RemoteModel]:
-        """Models that peers serve and this agent does not."""
+        """Models that peers serve: each other replica of a model served whole (also where
+        this agent is one of them), and a split's entry where this agent is not it."""
         ...
 
     def unserved_for_now(self, name: str) -> float:

@@ -227,10 +227,12 @@ class MeshModel:
 
     def remote_models(self) -> list[RemoteModel]:
         claim = self.placement.in_force
-        if claim is None or not self.placement.routable or self.local is not None:
+        if claim is None or not self.placement.routable:
             return []
         plan = claim.plan
         if plan.split:
+            if self.local is not None:
+                return []  # this agent is the entry
             entry = plan.stages[0].peer_id
             stages = tuple((s.peer_id, s.start, s.end) for s in plan.stages)
             return [
@@ -243,15 +245,14 @@ class MeshModel:
                     self.settings.slot_ctx,
                 )
             ]
+        # Every other replica serving now, also when this agent is one: the API routes a
+        # request to the replica that holds its conversation (`api/routing.py`).
         return [
             RemoteModel(
-                self.info.id,
-                plan.replicas[0],
-                "whole",
-                (),
-                self.layout.n_layers,
-                self.settings.slot_ctx,
+                self.info.id, peer, "whole", (), self.layout.n_layers, self.settings.slot_ctx
             )
+            for peer in plan.replicas
+            if peer != self.peer_id and peer in self.placement.ready
         ]
 
     async def open_stream(self, peer_id: str, label: str = FORWARD_LABEL) -> MeshStream:
@@ -303,6 +304,12 @@ class MeshModel:
                 self._offer(self.local, self._split_receipt(plan), plan)
             log.info("mesh_model.part", kept=True, stage=self.split.layers)
             return
+        if self._keeps_replica(plan):
+            # Replicas were added or dropped elsewhere: this one serves on as it was.
+            assert self.local is not None
+            self._offer(self.local, self._whole_receipt(), plan)
+            log.info("mesh_model.part", kept=True, whole=True)
+            return
         await self._unload()
         receipt: Headers = []
         if self.peer_id in plan.replicas:
@@ -316,7 +323,7 @@ class MeshModel:
                 engine, max_queue=s.max_queue, prefix_budget=self._prefix_budget(plan)
             )
             self.local.speculation = s.speculation
-            receipt = [(b"x-meshagent-stages", f"{self.peer_id}:0-{self.layout.n_layers}".encode())]
+            receipt = self._whole_receipt()
         elif any(st.peer_id == self.peer_id for st in plan.stages):
             wire = self.wire = await self._wire_choice()
             host = SplitHost(
@@ -387,6 +394,9 @@ class MeshModel:
                 )
                 return
 
+    def _whole_receipt(self) -> Headers:
+        return [(b"x-meshagent-stages", f"{self.peer_id}:0-{self.layout.n_layers}".encode())]
+
     def _split_receipt(self, plan: Plan) -> Headers:
         assert self.wire is not None
         stages = ",".join(f"{st.peer_id}:{st.start}-{st.end}" for st in plan.stages)
@@ -412,12 +422,18 @@ class MeshModel:
         agent keeps its part of a split there (a repair around a lost peer), its engines stay
         loaded: the chain in flight is interrupted (its requests replay once the new chain
         serves) and nothing is offered until then. Otherwise everything is unloaded."""
+        if self._keeps_replica(plan):
+            return  # it serves on: requests in flight here finish here
         if self.split is None or not self.split.keeps_part(plan):
             await self._unload()
             return
         self._withdraw()
         if self.split.pipeline is not None:
             self.split.pipeline.rechain("the mesh is replacing a lost stage")
+
+    def _keeps_replica(self, plan: Plan) -> bool:
+        """This agent serves the model whole and `plan` keeps it as a replica."""
+        return self._whole is not None and self.local is not None and self.peer_id in plan.replicas
 
     async def _reroute(self) -> Route:
         """For a request whose split lost a stage: the runner that serves the model here now,

@@ -8,6 +8,7 @@ from meshagent.placement.negotiation import (
     next_epoch,
     plan_in_force,
     routable,
+    serving_peers,
 )
 from meshagent.placement.planner import Plan, StageAssignment
 
@@ -41,6 +42,19 @@ def test_routable_only_when_every_stage_follows_and_is_ready():
     assert not routable(winner, loading, alive=set("abc"))
     behind = {**claims, "b": Claim("m", 3, "a", split("b", "a", "c"), True)}
     assert not routable(plan_in_force(behind), behind, alive=set("abc"))
+
+
+def test_a_whole_model_is_routable_while_any_replica_serves():
+    plan = Plan("m", 1000, replicas=("a", "b"), est_token_ms=1.0)
+    claims = {"a": Claim("m", 5, "a", plan, True), "b": Claim("m", 5, "a", plan, False)}
+    winner = plan_in_force(claims)
+    # b still loads its copy: a serves meanwhile, and only a is listed as serving.
+    assert routable(winner, claims, alive={"a", "b"})
+    assert serving_peers(winner, claims, alive={"a", "b"}) == ("a",)
+    ready = {**claims, "b": Claim("m", 5, "a", plan, True)}
+    assert serving_peers(winner, ready, alive={"a", "b"}) == ("a", "b")
+    assert serving_peers(winner, ready, alive={"b"}) == ("b",)  # a is dead
+    assert not routable(winner, ready, alive=set())
 
 
 def test_claims_round_trip_and_refuse_garbage():

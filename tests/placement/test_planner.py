@@ -275,3 +275,18 @@ def test_a_working_split_moves_its_entry_only_for_a_much_faster_plan():
     assert should_replan(MODEL, current, faster(moved, 2.5), peers)
     kept = replace(moved, stages=(StageAssignment("a", 0, 15), StageAssignment("d", 15, 30)))
     assert should_replan(MODEL, current, faster(kept, 1.6), peers)
+
+
+def test_replicas_are_added_and_dropped_without_a_gain_threshold():
+    one = [peer("a", 4.0)]
+    current = plan(MODEL, one, context_tokens=CTX)
+    assert current.replicas == ("a",)
+    # Another peer that fits joins: the same speed per token, but one more replica, and
+    # the one serving stays.
+    two = [*one, peer("b", 4.0)]
+    grown = plan(MODEL, two, context_tokens=CTX, current=current)
+    assert set(grown.replicas) == {"a", "b"}
+    assert should_replan(MODEL, current, grown, two)
+    assert not should_replan(MODEL, grown, plan(MODEL, two, context_tokens=CTX), two)
+    # b is gone: the plan follows the replica that is left.
+    assert should_replan(MODEL, grown, plan(MODEL, one, context_tokens=CTX), one)
