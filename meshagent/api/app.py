@@ -220,11 +220,14 @@ class OpenAIApp:
         req = parse_completion(ex.path, await ex.json_body())
         await self._await_served(req.model)
         remotes = {r.peer_id: r for r in self._remotes(req.model)}
+        local = [LOCAL] if self._local(req.model) is not None else []
         if not remotes:
             await self._serve(ex, prepare(req, self._model(req.model)))
             return
-        # Replicas (or a split's entry elsewhere): the one holding the conversation takes it.
-        local = [LOCAL] if self._local(req.model) is not None else []
+        if not local and len(remotes) == 1:  # one peer serves it: nothing to choose
+            await self._carry(ex, req, next(iter(remotes.values())))
+            return
+        # Several replicas: the one holding the conversation takes it (`api/routing.py`).
         keys = prefix_keys(req)
         route = self.router.choose(keys, [*local, *remotes])
         with self.router.routed(route.peer, keys):
