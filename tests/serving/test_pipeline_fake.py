@@ -229,7 +229,9 @@ async def test_a_split_verifies_drafts_at_its_last_stage_and_changes_no_token(
     s = fin.speculation
     assert s.windows > 0 and s.drafted >= s.accepted
     if copy_back and sampling.temperature == 0 and not sampling.frequency_penalty:
-        assert s.accepted > 60 and chain.stages[1].forwards - before < 40
+        # Plain decoding sends 100 steps down the chain; with drafts, 17-29 windows plus those
+        # voided by a wrong guess went (23-41 seen, by how many were in flight at a miss).
+        assert s.accepted > 60 and chain.stages[1].forwards - before < 50
         # The entry sent windows before the verdicts on those before them came back.
         assert s.peak_in_flight > 1
 
