@@ -307,3 +307,27 @@ async def test_a_soak_of_500_requests_keeps_within_the_budget_and_starves_no_one
     assert 0 < peak <= budget
     stats = model.runner.stats()
     assert stats.prefix_hits > 250 and stats.active == stats.queued == 0
+
+
+async def test_drafts_rolled_back_leave_a_prefix_that_answers_as_plain_decoding(nursery):
+    # Speculation's rejected drafts are cut from the slot before its KV is kept, so the next
+    # turn, started from that prefix with drafts again, gives plain decoding's text.
+    models = []
+    for budget in (STATE_BYTES * 4000, 0):
+        engine = FakeEngine(slots=2, slot_ctx=1024, copy_back=6)
+        model = LocalModel.whole(engine, max_queue=4, prefix_budget=budget)
+        await nursery.start(model.run)
+        models.append(model)
+    kept, plain = models
+    turn = "abcdef abcdef abc, the cat sat on the mat, the cat"
+    rejected = 0
+    for i in range(3):
+        text, fin = await complete(kept, turn, 60, speculation="on")
+        want, _ = await complete(plain, turn, 60, speculation="off")
+        assert text == want, i
+        assert fin.speculation is not None and fin.speculation.windows > 0
+        rejected += fin.speculation.drafted - fin.speculation.accepted
+        assert fin.cached_tokens > 0 or i == 0
+        turn = turn + text + f" and then {i}"
+    assert rejected > 0  # some drafts were rolled back
+    assert kept.runner.stats().prefix_hits == 2
