@@ -34,6 +34,9 @@ class _Request(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     stream_options: dict[str, Any] | None = None
     meshagent: MeshagentOptions | None = None
+    # Fields that would change the answer if ignored: read only to refuse them.
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -78,6 +81,11 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     tools: list[Any] | None = None
+    top_logprobs: int | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -89,6 +97,7 @@ class CompletionRequest(_Request):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = None
 
 
 def parse(model: type[_Request], body: Any) -> Any:
@@ -113,16 +122,37 @@ def _refuse_unsupported(req: _Request) -> None:
 
     if req.n != 1:
         raise unsupported("n", "Only n=1 is supported: send one request per completion.")
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise unsupported(
+            "response_format",
+            f"response_format {fmt.get('type')!r} is not supported yet: the output would not "
+            "be constrained to it. Leave it out (or use type 'text') and ask for the format "
+            "in the prompt.",
+        )
+    if req.logit_bias:
+        raise unsupported("logit_bias", "logit_bias is not supported yet.")
     if isinstance(req, ChatCompletionRequest):
         if req.logprobs:
             raise unsupported("logprobs", "logprobs are not supported yet.")
         if req.tools:
             raise unsupported("tools", "Tool calling is not supported yet.")
+        if req.functions or req.function_call is not None:
+            param = "functions" if req.functions else "function_call"
+            raise unsupported(param, "Function calling is not supported yet.")
+        if req.tool_choice not in (None, "none"):
+            raise unsupported("tool_choice", "Tool calling is not supported yet.")
+        if req.top_logprobs is not None:
+            raise unsupported("top_logprobs", "logprobs are not supported yet.")
+        if req.modalities is not None and set(req.modalities) - {"text"}:
+            raise unsupported("modalities", "Only text output is supported.")
     if isinstance(req, CompletionRequest):
         if req.logprobs:
             raise unsupported("logprobs", "logprobs are not supported yet.")
         if req.suffix:
             raise unsupported("suffix", "suffix (fill-in-the-middle) is not supported.")
+        if req.best_of is not None and req.best_of > 1:
+            raise unsupported("best_of", "Only best_of=1 is supported.")
         if isinstance(req.prompt, list) and not req.prompt:
             raise bad_request("prompt must not be an empty list.", param="prompt")
         if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) and len(req.prompt) > 1:

@@ -36,6 +36,24 @@ def test_valid_chat_request_with_content_parts():
         ({"model": "m", "messages": MSGS, "n": 2}, "n"),
         ({"model": "m", "messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
         (
+            {"model": "m", "messages": MSGS, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": MSGS,
+                "response_format": {"type": "json_schema", "json_schema": {}},
+            },
+            "response_format",
+        ),
+        ({"model": "m", "messages": MSGS, "logit_bias": {"42": 100}}, "logit_bias"),
+        ({"model": "m", "messages": MSGS, "tool_choice": "required"}, "tool_choice"),
+        ({"model": "m", "messages": MSGS, "functions": [{"name": "f"}]}, "functions"),
+        ({"model": "m", "messages": MSGS, "function_call": "auto"}, "function_call"),
+        ({"model": "m", "messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
+        ({"model": "m", "messages": MSGS, "modalities": ["text", "audio"]}, "modalities"),
+        (
             {"model": "m", "messages": MSGS, "meshagent": {"speculation": "x"}},
             "meshagent.speculation",
         ),
@@ -67,3 +85,25 @@ def test_completion_prompt_forms(prompt, ok):
     else:
         with pytest.raises(ApiError):
             parse(CompletionRequest, body)
+
+
+def test_fields_that_would_change_the_answer_are_refused_not_ignored():
+    ok = {"model": "m", "messages": MSGS}
+    # What changes nothing is accepted: plain text format, no bias, no tools chosen.
+    for extra in (
+        {"response_format": {"type": "text"}},
+        {"logit_bias": {}},
+        {"tool_choice": "none"},
+        {"modalities": ["text"]},
+        {"user": "someone", "parallel_tool_calls": False},
+    ):
+        parse(ChatCompletionRequest, {**ok, **extra})
+    with pytest.raises(ApiError) as exc:
+        parse(CompletionRequest, {"model": "m", "prompt": "x", "best_of": 3})
+    assert (exc.value.param, exc.value.code) == ("best_of", "unsupported_parameter")
+    with pytest.raises(ApiError) as exc:
+        parse(
+            CompletionRequest,
+            {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}},
+        )
+    assert exc.value.code == "unsupported_parameter" and "not be constrained" in exc.value.message
