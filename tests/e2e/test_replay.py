@@ -18,9 +18,6 @@ from tests.e2e.test_split_serving import SMALL, _get, _show_logs
 GREEDY = {"temperature": 0}
 PROMPT = "1, 2, 3, 4, 5, 6,"  # greedy counting: the completion runs to max_tokens
 KILL_AT = 40  # streamed chunks before the kill
-# A repeated prompt would restart from its kept prefix and finish its prefill before the kill
-# that the long-prompt case times from the cold run.
-UNKEPT = (*SMALL, "--prefix-cache", "0")
 
 
 def _stream(
@@ -63,12 +60,12 @@ def test_a_stream_survives_a_killed_stage_host(spawn_agent, model_id):
     # Fixed overlay ports, as agents have outside tests: a host restarted after a crash is
     # found again where it was.
     listen = {n: ["--listen", f"127.0.0.1:{_free_port()}"] for n in "abc"}
-    a = spawn_agent(*UNKEPT, *listen["a"], name="a", wait_model=False)
+    a = spawn_agent(*SMALL, *listen["a"], name="a", wait_model=False)
     token = invite(a)
     agents = {
         "a": a,
-        "b": spawn_agent(*UNKEPT, *listen["b"], "--join", token, name="b", wait_model=False),
-        "c": spawn_agent(*UNKEPT, *listen["c"], "--join", token, name="c", wait_model=False),
+        "b": spawn_agent(*SMALL, *listen["b"], "--join", token, name="b", wait_model=False),
+        "c": spawn_agent(*SMALL, *listen["c"], "--join", token, name="c", wait_model=False),
     }
 
     def routable():
@@ -94,7 +91,7 @@ def test_a_stream_survives_a_killed_stage_host(spawn_agent, model_id):
 
                 def restart() -> None:
                     agents[victim] = spawn_agent(
-                        *UNKEPT, *listen[victim], "--join", token, name=victim, wait_model=False
+                        *SMALL, *listen[victim], "--join", token, name=victim, wait_model=False
                     )
                     restarted.set()
 
@@ -112,9 +109,15 @@ def test_a_stream_survives_a_killed_stage_host(spawn_agent, model_id):
             [replay] = usage["meshagent"]["replays"]
             assert replay["tokens"] >= KILL_AT  # the prompt and the tokens so far, again
             wait_for(routable, timeout=120)
+
         # The middle stage dies while a long prompt is prefilled (before any token): the
-        # request starts again on the chain that serves next, with the same answer.
-        long_prompt = ", ".join(str(i) for i in range(1, 140)) + ","  # ~640 tokens
+        # request starts again on the chain that serves next, with the same answer. The prompt
+        # is new to the split (a repeated one would restart from its kept prefix and be past
+        # its prefill before the kill); one of the same length times the prefill, and the
+        # answer is compared with the same prompt's asked again after the replay.
+        def long_prompt(start: int) -> str:
+            return ", ".join(str(i) for i in range(start, start + 139)) + ","  # ~640 tokens
+
         sent: list[float] = []
         first: list[float] = []
 
@@ -123,8 +126,8 @@ def test_a_stream_survives_a_killed_stage_host(spawn_agent, model_id):
                 first.append(time.monotonic())
 
         sent.append(time.monotonic())
-        long_expected, long_usage = _stream(
-            entry, model_id, greedy, time_first, prompt=long_prompt, max_tokens=24
+        _, long_usage = _stream(
+            entry, model_id, greedy, time_first, prompt=long_prompt(1), max_tokens=24
         )
         ttft = first[0] - sent[0]
         assert long_usage["prompt_tokens"] > 500
@@ -135,17 +138,20 @@ def test_a_stream_survives_a_killed_stage_host(spawn_agent, model_id):
             time.sleep(ttft / 3)
             agents[victim].proc.kill()
             agents[victim] = spawn_agent(
-                *UNKEPT, *listen[victim], "--join", token, name=victim, wait_model=False
+                *SMALL, *listen[victim], "--join", token, name=victim, wait_model=False
             )
             restarted.set()
 
         threading.Thread(target=kill_in_prefill, daemon=True).start()
         text, usage = _stream(
-            entry, model_id, greedy, time_first, prompt=long_prompt, max_tokens=24
+            entry, model_id, greedy, time_first, prompt=long_prompt(2), max_tokens=24
         )
         assert restarted.wait(60)
-        assert text == long_expected
         [replay] = usage["meshagent"]["replays"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        wait_for(routable, timeout=120)
+        again, _ = _stream(entry, model_id, greedy, prompt=long_prompt(2), max_tokens=24)
+        assert text == again
         print(f"prefill of {long_usage['prompt_tokens']} tokens: {ttft:.2f} s; replay {replay}")
         assert replay["tokens"] < long_usage["prompt_tokens"] + 3  # it broke in the prefill
     except AssertionError:
