@@ -11,6 +11,9 @@ from typing import Any
 import platformdirs
 
 from meshagent.errors import ConfigError
+from meshagent.net.address import is_loopback
+
+API_KEY_ENV = "MESHAGENT_API_KEY"  # an API key from the environment, for agents and clients
 
 DEFAULT_API_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 9337
@@ -71,6 +74,8 @@ class AgentConfig:
     model: str = ""  # empty: the embedded default model
     api_host: str = DEFAULT_API_HOST
     api_port: int = DEFAULT_API_PORT
+    api_keys: tuple[str, ...] = ()  # Bearer keys the HTTP API asks for; none: no key
+    insecure_no_api_key: bool = False  # serve a non-loopback API without a key anyway
     listen: str = DEFAULT_LISTEN  # the overlay's address; port 0 picks a free one
     peers: tuple[str, ...] = ()  # overlay addresses to dial at start (host:port)
     ctx_size: int = 2048  # tokens of context per slot
@@ -118,6 +123,15 @@ class AgentConfig:
             raise ConfigError(
                 f"api port {self.api_port} is out of range 0-65535 (0: any free port)"
             )
+        if any(not k.strip() for k in self.api_keys):
+            raise ConfigError("an API key must not be empty")
+        if not self.api_keys and not self.insecure_no_api_key and not is_loopback(self.api_host):
+            raise ConfigError(
+                f"the API would listen on {self.api_host}, reachable from other machines, "
+                "without a key: anyone who reaches it could use the models and the control "
+                f"endpoints. Give --api-key KEY (or ${API_KEY_ENV}), or --insecure-no-api-key to "
+                "serve it open anyway."
+            )
         if self.ctx_size < 64:
             raise ConfigError("ctx-size must be at least 64 tokens")
         if not 1 <= self.slots <= 64:
@@ -158,6 +172,7 @@ CONFIG_TEMPLATE = """\
 # name = "my-laptop"
 # api_host = "127.0.0.1"
 # api_port = 9337
+# api_keys = ["a long random string"]   # clients send it as a Bearer key
 # listen = "0.0.0.0:9338"
 # peers = ["192.168.1.20:9338"]
 # ctx_size = 2048

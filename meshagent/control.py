@@ -31,6 +31,12 @@ def status(services: Services) -> dict[str, Any]:
         "pid": os.getpid(),
         "mesh": mesh_fingerprint(s.mesh),
         "api": s.api_url,
+        # Who may use the HTTP API: how many keys it asks for (0: none), and whether Host
+        # must name loopback.
+        "api_access": {
+            "keys": len(s.app.access.keys),
+            "loopback_host_only": bool(s.app.access.hosts),
+        },
         "listen": [str(a) for a in s.overlay.listen_addresses],
         "uptime_s": round(time.time() - s.started_at, 1),
         "state": "draining" if s.inflight.draining else "serving",

@@ -56,6 +56,8 @@ def start_agent(
     proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=log, env=env)
     log.close()
     agent = AgentProcess(proc, data_dir, "")
+    keys = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--api-key"]
+    auth = {"authorization": f"Bearer {keys[0]}"} if keys else {}
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -65,7 +67,8 @@ def start_agent(
             try:
                 healthy = httpx.get(f"{url}/health", timeout=2).status_code == 200
                 if healthy and (
-                    not wait_model or httpx.get(f"{url}/v1/models", timeout=2).json()["data"]
+                    not wait_model
+                    or httpx.get(f"{url}/v1/models", headers=auth, timeout=2).json()["data"]
                 ):
                     agent.url = url
                     return agent

@@ -14,12 +14,14 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 import trio
 
 from meshagent import advertisement, control
 from meshagent.api import forwarding, resumable
+from meshagent.api.access import Access
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.config import AgentConfig, DataDir
@@ -140,12 +142,14 @@ class Services:
             on_peer=self._sighted,
         )
         self.model = self._mesh_model(model_path, layout, info)
+        port = urlsplit(api_url).port or 0
         self.app = OpenAIApp(
             self.model,
             self.inflight,
             partial(control.status, self),
             peers=partial(control.peers, self),
             probe=partial(control.probe, self.overlay),
+            access=Access.for_binding(config.api_keys, config.api_host, port),
         )
         self._routes: dict[str, StreamHandler] = {
             transfer.LABEL: transfer.ArtifactServer(store).handle,

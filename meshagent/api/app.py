@@ -13,6 +13,7 @@ import structlog
 import trio
 
 from meshagent.api import errors, forwarding
+from meshagent.api.access import Access
 from meshagent.api.errors import SPLIT_RETRY_AFTER, ApiError, api_error_for
 from meshagent.api.exchange import ClientGone, Exchange
 from meshagent.api.inflight import InFlight
@@ -47,9 +48,12 @@ class OpenAIApp:
         *,
         peers: Callable[[], dict[str, Any]] | None = None,
         probe: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None,
+        access: Access | None = None,
     ) -> None:
-        """`directory` says which models this agent serves and where the others run."""
+        """`directory` says which models this agent serves and where the others run; `access`
+        who may ask over HTTP."""
         self.directory = directory
+        self.access = access or Access()
         self.inflight = inflight
         self.status = status
         self.peers = peers
@@ -74,6 +78,10 @@ class OpenAIApp:
             return
         ex = Exchange(scope, receive, send)
         try:
+            if "meshagent.forwarded_by" not in scope:  # the overlay's: authorised by the mesh
+                refused = self.access.refuse(ex.path, scope.get("headers", ()))
+                if refused is not None:
+                    raise refused
             await self._dispatch(ex)
         except ApiError as e:
             if not ex.started:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from meshagent.config import DataDir, default_data_dir
+from meshagent.config import API_KEY_ENV, DataDir, default_data_dir
 from meshagent.errors import MeshError
 
 
@@ -43,8 +44,26 @@ def control_get(args: argparse.Namespace, path: str) -> dict[str, Any]:
                 f"no agent is running for data dir {dd.root} (start one with `meshagent up`)"
             ) from None
     try:
-        r = httpx.get(f"{url}{path}", timeout=5.0)
+        r = httpx.get(f"{url}{path}", headers=auth_headers(dd), timeout=5.0)
+        if r.status_code == 401:
+            raise NoAgent(
+                f"the agent at {url} needs an API key: set ${API_KEY_ENV}, or api_keys in "
+                f"{dd.config_path}"
+            )
         r.raise_for_status()
         return r.json()
     except httpx.HTTPError as e:
         raise NoAgent(f"the agent at {url} does not answer ({e}); is it running?") from e
+
+
+def auth_headers(dd: DataDir) -> dict[str, str]:
+    """The key a client of the local agent sends: ${API_KEY_ENV}, else the first of the
+    data dir's `api_keys`; none if neither is set."""
+    key = os.environ.get(API_KEY_ENV)
+    if not key:
+        try:
+            keys = dd.load_config().get("api_keys") or []
+        except MeshError:
+            keys = []
+        key = str(keys[0]) if keys else ""
+    return {"authorization": f"Bearer {key}"} if key else {}

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from meshagent.cli.common import NoAgent, add_data_dir, control_get, data_dir_from
+from meshagent.cli.common import NoAgent, add_data_dir, auth_headers, control_get, data_dir_from
 
 _GIB = 1 << 30
 
@@ -111,6 +111,7 @@ def _probe(args: argparse.Namespace) -> int:
         r = httpx.post(
             f"{url}/control/probe",
             json={"peer": args.probe, "bytes": args.probe_bytes, "seconds": args.probe_seconds},
+            headers=auth_headers(data_dir_from(args)),
             timeout=max(60.0, args.probe_seconds * 2 + 30),
         )
     except httpx.HTTPError as e:

@@ -26,7 +26,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"version   {st['version']}")
     print(f"mesh      {st['mesh']}")
     print(f"state     {st['state']}  (in flight: {st['in_flight']})")
-    print(f"api       {st['api']}/v1")
+    access = st.get("api_access") or {}
+    keys = access.get("keys", 0)
+    if keys:
+        guard = f"{keys} key{'s' if keys > 1 else ''}"
+    elif access.get("loopback_host_only"):
+        guard = "no key, loopback only"
+    else:
+        guard = "NO KEY, reachable beyond loopback"
+    print(f"api       {st['api']}/v1  ({guard})")
     print(f"overlay   {', '.join(st['listen']) or '-'}")
     if "advertised" in st:
         print(f"dialable  {', '.join(st['advertised']) or '-'}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import trio
@@ -10,9 +11,9 @@ import trio
 from meshagent import logs
 from meshagent.agent import Agent
 from meshagent.cli.common import add_data_dir, data_dir_from
-from meshagent.config import AgentConfig
+from meshagent.config import API_KEY_ENV, AgentConfig
 from meshagent.identity.mesh import decode_invite
-from meshagent.net.address import Address
+from meshagent.net.address import Address, is_loopback
 from meshagent.serving.mesh_model import MeshModel
 
 _SAY_EVERY = 0.5  # seconds between looks at whether the model is served
@@ -26,6 +27,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="a human name for this agent (default: the host name)")
     p.add_argument("--api-host", help=f"address of the API (default {d.api_host})")
     p.add_argument("--api-port", type=int, help=f"port of the API (default {d.api_port})")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        metavar="KEY",
+        help=f"a key clients must send as 'Authorization: Bearer KEY' on every endpoint but "
+        f"/health (repeatable; also ${API_KEY_ENV} and api_keys in config.toml; default: none, "
+        "which only a loopback --api-host allows)",
+    )
+    p.add_argument(
+        "--insecure-no-api-key",
+        action="store_const",
+        const=True,
+        help="serve an API that listens beyond loopback without a key (anyone who reaches it "
+        "can use it)",
+    )
     p.add_argument("--listen", help=f"overlay address for peers, host:port (default {d.listen})")
     p.add_argument(
         "--peer",
@@ -124,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             "name",
             "api_host",
             "api_port",
+            "insecure_no_api_key",
             "listen",
             "ctx_size",
             "slots",
@@ -149,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
         relays += tuple(a for a in invite.relays if a not in relays)
     for address in (*peers, *relays):
         Address.parse(address)  # refuse a typo now, with the flag's value in the message
+    keys = tuple(args.api_keys or ())
+    if os.environ.get(API_KEY_ENV):
+        keys += (os.environ[API_KEY_ENV],)
+    overrides["api_keys"] = keys or None
     overrides["peers"] = peers or None
     overrides["relays"] = relays or None
     config = AgentConfig().merged(data_dir.load_config()).merged(overrides)
@@ -170,6 +192,12 @@ def run(args: argparse.Namespace) -> int:
                 f"meshagent: API at {services.api_url}/v1; placing {model} on the mesh",
                 file=sys.stderr,
             )
+            if not config.api_keys and not is_loopback(config.api_host):
+                print(
+                    f"meshagent: WARNING: the API at {services.api_url} has no key "
+                    "(--insecure-no-api-key): anyone who reaches it can use it",
+                    file=sys.stderr,
+                )
             nursery.start_soon(_say_what_serves, services.model, services.api_url)
 
     trio.run(main)
