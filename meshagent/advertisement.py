@@ -1,8 +1,9 @@
 """What this agent says about itself in its gossip record.
 
-Static fields (name, memory offered, the model held and what of it is served here) are
-published at start and again once measured; dynamic ones (addresses, registered relays,
-artifacts held) gossip reads each time it publishes.
+Static fields (name, memory offered, the model held) are published at start and again once
+measured; dynamic ones (addresses, registered relays, artifacts held) gossip reads each time it
+publishes; what of the model is served here the model publishes as its part changes
+(`MeshModel.publish_serving`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from meshagent import __version__, capacity
 from meshagent.config import AgentConfig
 from meshagent.discovery import addresses
 from meshagent.engine.runtime import LLAMAFILE_WINDOWS, built_with_llamafile
-from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, ModelHeld, Serving
+from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, ModelHeld
 from meshagent.gossip.service import GossipService
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.net.manager import ConnectionManager
@@ -47,17 +48,9 @@ def static_fields(
         "mem_weights_bytes": offer.weights,
         "mem_kv_bytes": offer.kv,
         "models": (ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),),
-        "serving": _serving(model, sha256),
         # A split drafts by default only where all its stages compute windows exactly.
         "windows_inexact": LLAMAFILE_WINDOWS if built_with_llamafile() else "",
     }
-
-
-def _serving(model: MeshModel, sha256: str) -> tuple[Serving, ...]:
-    if model.local is None:
-        return ()
-    a, b = model.layers()
-    return (Serving(model.info.id, sha256, a, b, model.info.n_layers),)
 
 
 def dynamic_fields(
@@ -85,3 +78,5 @@ async def measure(
     path = Path(model.info.path)
     sha = await trio.to_thread.run_sync(lambda: store.source_sha256(path))
     gossip.update_local(**static_fields(config, name, model, sha))
+    model.source_sha256 = sha
+    model.publish_serving()

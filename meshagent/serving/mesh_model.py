@@ -23,6 +23,7 @@ from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
 from meshagent.errors import EngineError, MeshError, ModelMoved
 from meshagent.gossip.failure import PeerState
+from meshagent.gossip.record import Serving
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits
@@ -101,6 +102,7 @@ class MeshModel:
         # What the directory lists: `local` once its runner runs, with its receipt.
         self._offered: LocalModel | None = None
         self._receipt: Headers = []
+        self.source_sha256 = ""  # the model file's hash, once measured (advertisement.py)
         self._offers = trio.Event()  # set (and replaced) whenever `_offered` is set
         self._offered_plan: Plan | None = None  # the plan `_offered` serves (or last served)
         self._replaced: tuple[Plan, float] | None = None  # the plan before it, and until when
@@ -266,6 +268,21 @@ class MeshModel:
             return self.split.part.start, self.split.part.end
         return 0, self.layout.n_layers
 
+    def serving_record(self) -> tuple[Serving, ...]:
+        """What this agent serves now, as its gossip record says: the whole model or its
+        stage, once loaded; nothing otherwise."""
+        if self.local is None and self.split is None:
+            return ()
+        a, b = self.layers()
+        return (Serving(self.info.id, self.source_sha256, a, b, self.layout.n_layers),)
+
+    def publish_serving(self) -> None:
+        """Tell the mesh what this agent serves (`meshagent peers`' SERVES column)."""
+        try:
+            self.placement.gossip.update_local(serving=self.serving_record())
+        except MeshError as e:
+            log.warning("mesh_model.publish_serving_failed", error=str(e))
+
     def placement_summary(self) -> dict[str, Any]:
         """The plan in force and whether it can serve, for the agent's status."""
         claim = self.placement.in_force
@@ -366,6 +383,7 @@ class MeshModel:
 
             await self._nursery.start(serve)
             self._offer(local, receipt, plan)
+        self.publish_serving()
         log.info(
             "mesh_model.part",
             whole=self._whole is not None,
@@ -527,6 +545,7 @@ class MeshModel:
             await self.split.aclose()
             self.split = None
         self.local = None
+        self.publish_serving()
 
     async def aclose(self) -> None:
         await self._unload()

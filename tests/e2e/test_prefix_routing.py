@@ -30,6 +30,15 @@ def test_turns_follow_their_conversation_and_the_replicas_share_them(spawn_agent
         return p["routable"] and sorted(p["replicas"]) == sorted(ids) and served
 
     wait_for(two_replicas, timeout=120)
+
+    # Each agent's record says what it serves once its part is loaded (the SERVES column of
+    # `meshagent peers`), not what it served when the record was first made.
+    def both_say_they_serve():
+        rows = _get(a, "/control/peers")["peers"]
+        served = {r["peer_id"]: [s["layers"] for s in r["serving"]] for r in rows}
+        return all(served.get(p) == [[0, 30]] for p in ids)
+
+    wait_for(both_say_they_serve, timeout=30)
     client = OpenAI(base_url=f"{a.url}/v1", api_key="x", max_retries=0, timeout=120)
 
     def converse(n: int) -> list[tuple[str, int, int]]:

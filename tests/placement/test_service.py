@@ -25,6 +25,7 @@ class Record:
     extras: dict = field(default_factory=dict)
     name: str = ""
     windows_inexact: str = ""
+    serving: tuple = ()
 
 
 @dataclass(frozen=True)
