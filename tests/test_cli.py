@@ -134,3 +134,18 @@ def test_invite_carries_the_stored_secret_and_addresses(tmp_path, capsys):
     assert invite.secret == secret
     assert invite.bootstrap == ("10.1.2.3:9338",)
     assert main(["invite", "--data-dir", str(tmp_path), "--address", "nonsense"]) == 1
+
+
+async def test_an_agent_that_joined_but_reached_no_one_says_what_to_try(autojump_clock, capsys):
+    from meshagent.cli.up import _say_if_alone
+    from meshagent.identity.mesh import Invite, MeshSecret
+
+    invite = Invite(MeshSecret.generate(), bootstrap=("10.1.2.3:9338",), relays=("r.lan:9339",))
+    await _say_if_alone(list, invite)  # no link after 30 s
+    err = capsys.readouterr().err
+    assert err.startswith("meshagent: alone for 30 s: no peer of the mesh answered")
+    assert "10.1.2.3:9338" in err and "r.lan:9339" in err and "--address HOST:PORT" in err
+    await _say_if_alone(lambda: ["a peer"], invite)  # a peer answered: nothing to say
+    assert capsys.readouterr().err == ""
+    await _say_if_alone(list, Invite(MeshSecret.generate()))
+    assert "none (the invite carries no address)" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -12,12 +13,13 @@ from meshagent import logs
 from meshagent.agent import Agent
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.config import API_KEY_ENV, AgentConfig
-from meshagent.identity.mesh import decode_invite
+from meshagent.identity.mesh import Invite, decode_invite
 from meshagent.net.address import Address, is_loopback
 from meshagent.serving.mesh_model import MeshModel
 
 _SAY_EVERY = 0.5  # seconds between looks at whether the model is served
 _SETTLE = 3.0  # seconds a reason for not serving must hold before it is said
+_ALONE_AFTER = 30.0  # seconds without a peer before an agent that joined says so
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -158,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         )
     }
     join = None
+    invite = None
     peers = tuple(args.peers or ())
     relays = tuple(args.relays or ())
     if args.join:
@@ -199,9 +202,31 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
             nursery.start_soon(_say_what_serves, services.model, services.api_url)
+            if invite is not None:
+                nursery.start_soon(_say_if_alone, services.overlay.links, invite)
 
     trio.run(main)
     return 0
+
+
+async def _say_if_alone(
+    links: Callable[[], Sequence[object]], invite: Invite, after: float = _ALONE_AFTER
+) -> None:
+    """Once, if an agent that joined with an invite has reached no peer after `after`
+    seconds: which addresses it tried, and what to try instead."""
+    await trio.sleep(after)
+    if links():
+        return
+    tried = ", ".join(invite.bootstrap) or "none (the invite carries no address)"
+    via = ", ".join(invite.relays) or "none"
+    print(
+        f"meshagent: alone for {after:g} s: no peer of the mesh answered. The invite's "
+        f"addresses: {tried}; its relays: {via}. Check that the inviting agent runs and that "
+        "this machine can reach one of those (a firewall, another network), or ask for an "
+        "invite with `meshagent invite --address HOST:PORT` (an address this machine reaches) "
+        "or `--relay HOST:PORT`.",
+        file=sys.stderr,
+    )
 
 
 async def _say_what_serves(model: MeshModel, api_url: str) -> None:
