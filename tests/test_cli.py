@@ -149,3 +149,22 @@ async def test_an_agent_that_joined_but_reached_no_one_says_what_to_try(autojump
     assert capsys.readouterr().err == ""
     await _say_if_alone(list, Invite(MeshSecret.generate()))
     assert "none (the invite carries no address)" in capsys.readouterr().err
+
+
+def test_invite_before_the_agent_runs_carries_the_configured_listen_port(tmp_path, capsys):
+    from meshagent.identity.mesh import decode_invite
+    from meshagent.identity.mesh_file import load_or_create_mesh
+
+    load_or_create_mesh(tmp_path / "mesh.key")
+    (tmp_path / "config.toml").write_text('listen = "0.0.0.0:9555"\n')
+    assert main(["invite", "--data-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    invite = decode_invite(out.strip())
+    assert invite.bootstrap and all(a.endswith(":9555") for a in invite.bootstrap)
+    assert "no agent is running yet" in err and "9555" in err
+    # A port picked at each start cannot be known before: no address, and says so.
+    (tmp_path / "config.toml").write_text('listen = "0.0.0.0:0"\n')
+    assert main(["invite", "--data-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert decode_invite(out.strip()).bootstrap == ()
+    assert "--address HOST:PORT" in err

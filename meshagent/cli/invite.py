@@ -8,6 +8,7 @@ import socket
 import sys
 
 from meshagent.cli.common import NoAgent, add_data_dir, data_dir_from
+from meshagent.config import AgentConfig
 from meshagent.identity.mesh import Invite, encode_invite
 from meshagent.identity.mesh_file import load_mesh
 from meshagent.net.address import Address
@@ -54,19 +55,31 @@ def run(args: argparse.Namespace) -> int:
         )
     secret = load_mesh(dd.mesh_path)
     addresses = list(args.address or [])
+    note = ""
     if not addresses:
         try:
             addresses = _advertised(json.loads(dd.run_path.read_text()).get("listen", []))
         except (OSError, ValueError):
-            addresses = []
+            # No agent runs (or it is still starting): the address it listens on is in its
+            # configuration, unless that picks a free port at each start.
+            listen = AgentConfig().merged(dd.load_config()).listen
+            if Address.parse(listen).port:
+                addresses = _advertised([listen])
+                note = (
+                    f"meshagent: note: no agent is running yet; the token carries this host's "
+                    f"addresses at the configured listen port ({listen}): start the agent "
+                    "before the other one joins"
+                )
+            else:
+                note = (
+                    "meshagent: note: no agent is running and its listen port is picked at "
+                    "start, so the token carries no address; pass --address HOST:PORT or "
+                    "start the agent first"
+                )
     for a in addresses:
         Address.parse(a)  # refuse typos now, not on the other machine
     token = encode_invite(Invite(secret, tuple(addresses), tuple(args.relay or ())))
     print(token)
-    if not addresses:
-        print(
-            "meshagent: note: no agent is running, so the token carries no address; pass "
-            "--address HOST:PORT or start the agent first",
-            file=sys.stderr,
-        )
+    if note:
+        print(note, file=sys.stderr)
     return 0
