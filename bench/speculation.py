@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+from chat_stream import stream_chat
 
 from meshagent.launch import start_agent
 
@@ -75,21 +76,8 @@ def one(url: str, model: str, prompt: str, mode: str, max_tokens: int) -> dict:
         "stream_options": {"include_usage": True},
         "meshagent": {"speculation": mode},
     }
-    text, usage, first = "", None, None
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                text += chunk["choices"][0]["delta"]["content"]
-                if first is None:
-                    first = time.perf_counter()
-    end = time.perf_counter()
-    assert usage is not None and first is not None
+    got = stream_chat(url, body)
+    text, usage, first, end = got.text, got.usage, got.first, got.end
     tokens = usage["completion_tokens"]
     spec = (usage.get("meshagent") or {}).get("speculation") or {}
     return {

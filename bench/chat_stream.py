@@ -1,0 +1,38 @@
+"""A streamed chat completion as the benchmarks read it: its text, its usage, and when its
+first content and its end arrived."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class Streamed:
+    text: str
+    usage: dict[str, Any]
+    first: float  # time.perf_counter() at the first content
+    end: float  # ... and after the last event
+
+
+def stream_chat(url: str, body: dict[str, Any], timeout: float = 600) -> Streamed:
+    """POST `body` (with "stream": true and usage included) to `url`'s chat endpoint."""
+    text, usage, first = "", None, None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                text += chunk["choices"][0]["delta"]["content"]
+                if first is None:
+                    first = time.perf_counter()
+    assert usage is not None and first is not None, "a stream without content or usage"
+    return Streamed(text, usage, first, time.perf_counter())
