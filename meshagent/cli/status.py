@@ -93,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
         )
     for model_id, p in (st.get("placement") or {}).items():
         if not p.get("routable"):
-            why = p.get("error") or "a plan is being agreed or loaded"
+            loading = [x[:12] for x in p.get("loading") or []]
+            whose = "its" if len(loading) == 1 else "their"
+            waiting = f"waiting for {', '.join(loading)} to load {whose} part" if loading else ""
+            why = p.get("error") or waiting or "a plan is being agreed"
             print(f"placement {model_id}  not served: {why}")
         if p.get("stages"):
             parts = ", ".join(f"{pid[:12]}:{a}-{b}" for pid, a, b in p["stages"])

@@ -304,6 +304,8 @@ class MeshModel:
             "est_token_ms": round(plan.est_token_ms, 2),
             "wire_dtype": self.wire.dtype if plan.split and self.wire else None,
             "wire": self.wire.to_dict() if plan.split and self.wire else None,
+            # peers of the plan that have not loaded their part yet (or are gone)
+            "loading": [p for p in plan.peers if p not in self.placement.ready],
             "error": self.placement.error,
         }
 

@@ -57,6 +57,7 @@ async def test_the_directory_lists_what_the_plan_in_force_serves_where(model_pat
     assert served.info.id == info.id and served is a.local
     assert a.receipt(served) == [(b"x-meshagent-stages", f"a:0-{layout.n_layers}".encode())]
     assert a.remote_models() == []
+    assert a.placement_summary()["loading"] == []  # every peer of the plan has its part
     # b serves nothing itself and knows where the model runs.
     assert b.local_models() == [] and b.receipt(served) == []
     assert b.remote_models() == [RemoteModel(info.id, "a", "whole", (), layout.n_layers, 256)]
