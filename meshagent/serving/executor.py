@@ -114,8 +114,9 @@ class LocalExecutor:
         return self.window_check is not None and self.window_check.exact
 
     def kept_bytes(self) -> int:
-        """Bytes of KV kept for prefixes now."""
-        return sum(len(b) for b in self._kept.values())
+        """Bytes of KV kept for prefixes now (read from any thread: the worker may be adding
+        one; list() of a dict's values is one step under the GIL)."""
+        return sum(len(b) for b in list(self._kept.values()))
 
     @property
     def prefix_reason(self) -> str:
