@@ -45,6 +45,7 @@ def status(services: Services) -> dict[str, Any]:
         "placement": {info.id: s.model.placement_summary()},
         "artifacts": [m.to_dict() for m in s.store.all()],
         "peers": _links(s.overlay),
+        "overlay_traffic": s.overlay.traffic(),
         "advertised": addresses.advertised(s.overlay.listen_addresses),
         "relays": [
             {

@@ -17,10 +17,12 @@ from meshagent.api.access import Access
 from meshagent.api.errors import SPLIT_RETRY_AFTER, ApiError, api_error_for
 from meshagent.api.exchange import ClientGone, Exchange
 from meshagent.api.inflight import InFlight
+from meshagent.api.metrics import CONTENT_TYPE, FORWARDED, LOCAL, SPLIT, Metrics, RequestMeter
 from meshagent.api.prepare import KINDS, CompletionKind, Prepared, parse_completion, prepare
 from meshagent.api.replies import Reply
 from meshagent.api.resumable import Ask, Carried, Head, generate_counted
-from meshagent.api.routing import LOCAL, PrefixRouter, prefix_keys
+from meshagent.api.routing import LOCAL as HERE
+from meshagent.api.routing import PrefixRouter, prefix_keys
 from meshagent.api.schemas import ChatCompletionRequest
 from meshagent.errors import ContextOverflow, MeshError, ModelMoved
 from meshagent.serving.directory import ModelDirectory, RemoteModel
@@ -60,11 +62,13 @@ class OpenAIApp:
         self.probe = probe
         self.started_at = int(time.time())
         self.router = PrefixRouter()
+        self.metrics = Metrics(status)
         self._routes: dict[tuple[str, str], Callable[[Exchange], Any]] = {
             ("GET", "/health"): self._health,
             ("GET", "/v1/models"): self._list_models,
             ("POST", "/v1/chat/completions"): self._generate,
             ("POST", "/v1/completions"): self._generate,
+            ("GET", "/metrics"): self._metrics,
             ("GET", "/control/status"): self._control_status,
             ("GET", "/control/peers"): self._control_peers,
             ("POST", "/control/probe"): self._control_probe,
@@ -165,6 +169,9 @@ class OpenAIApp:
     def _remotes(self, name: str) -> list[RemoteModel]:
         return [r for r in self.directory.remote_models() if r.id.casefold() == name.casefold()]
 
+    async def _metrics(self, ex: Exchange) -> None:
+        await ex.send_bytes(200, self.metrics.render(), CONTENT_TYPE)
+
     async def _control_status(self, ex: Exchange) -> None:
         await ex.send_json(200, {**self.status(), "routing": asdict(self.router.stats())})
 
@@ -225,24 +232,38 @@ class OpenAIApp:
         )
 
     async def _generate(self, ex: Exchange) -> None:
-        req = parse_completion(ex.path, await ex.json_body())
+        meter = self.metrics.request()
+        try:
+            await self._route(ex, meter)
+        except ApiError as e:
+            meter.failed = e.status
+            raise
+        finally:
+            meter.done(ex.status, client_gone=ex.disconnected)
+
+    async def _route(self, ex: Exchange, meter: RequestMeter) -> None:
+        body = await ex.json_body()
+        name = body.get("model") if isinstance(body, dict) else None
+        if isinstance(name, str) and (self._local(name) or self._remotes(name)):
+            meter.model = name  # only models the mesh serves: a label's values stay few
+        req = parse_completion(ex.path, body)
         await self._await_served(req.model)
         remotes = {r.peer_id: r for r in self._remotes(req.model)}
-        local = [LOCAL] if self._local(req.model) is not None else []
+        local = [HERE] if self._local(req.model) is not None else []
         if not remotes:
-            await self._serve(ex, prepare(req, self._model(req.model)))
+            await self._serve(ex, prepare(req, self._model(req.model)), meter)
             return
         if not local and len(remotes) == 1:  # one peer serves it: nothing to choose
-            await self._carry(ex, req, next(iter(remotes.values())))
+            await self._carry(ex, req, next(iter(remotes.values())), meter)
             return
         # Several replicas: the one holding the conversation takes it (`api/routing.py`).
         keys = prefix_keys(req)
         route = self.router.choose(keys, [*local, *remotes])
         with self.router.routed(route.peer, keys):
-            if route.peer == LOCAL:
-                await self._serve(ex, prepare(req, self._model(req.model)))
+            if route.peer == HERE:
+                await self._serve(ex, prepare(req, self._model(req.model)), meter)
             else:
-                await self._carry(ex, req, remotes[route.peer])
+                await self._carry(ex, req, remotes[route.peer], meter)
 
     def prepare_here(self, path: str, body: bytes) -> Prepared | None:
         """A completion carried here by another agent (`api/resumable.py`), prepared on the
@@ -260,7 +281,9 @@ class OpenAIApp:
             return None
         return prepare(req, model)
 
-    async def _carry(self, ex: Exchange, req: CompletionKind, remote: RemoteModel) -> None:
+    async def _carry(
+        self, ex: Exchange, req: CompletionKind, remote: RemoteModel, meter: RequestMeter
+    ) -> None:
         """Carry the request to `remote`, a peer serving its model, and on to the next one if
         that peer is lost (`api/resumable.py`); an agent that predates that gets it over
         `api/1`."""
@@ -281,6 +304,7 @@ class OpenAIApp:
             here,
         )
         failure: ApiError | None = None  # raised out of the nursery, not in a group
+        meter.path = FORWARDED
         with self.inflight.track() as grace:
             with grace:
                 try:
@@ -291,7 +315,7 @@ class OpenAIApp:
                             if head is None:
                                 await self._forward(ex, remote)
                             else:
-                                await self._relay_carried(ex, req, carried, head)
+                                await self._relay_carried(ex, req, carried, head, meter)
                         except ApiError as e:
                             failure = e
                         nursery.cancel_scope.cancel()
@@ -303,7 +327,7 @@ class OpenAIApp:
             raise failure
 
     async def _relay_carried(
-        self, ex: Exchange, req: CompletionKind, carried: Carried, head: Head
+        self, ex: Exchange, req: CompletionKind, carried: Carried, head: Head, meter: RequestMeter
     ) -> None:
         send, events = trio.open_memory_channel[Delta | Finished | Failed](math.inf)
 
@@ -319,9 +343,9 @@ class OpenAIApp:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(produce)
             if req.stream:
-                await _stream(ex, events, reply, req.include_usage(), head.echo, receipt)
+                await _stream(ex, events, reply, req.include_usage(), head.echo, receipt, meter)
             else:
-                await _whole(ex, events, reply, head.echo, receipt)
+                await _whole(ex, events, reply, head.echo, receipt, meter)
             nursery.cancel_scope.cancel()
 
     async def _forward(self, ex: Exchange, remote: RemoteModel) -> None:
@@ -371,7 +395,7 @@ class OpenAIApp:
                 await ex.send_event(lost.body())
         await ex.end()
 
-    async def _serve(self, ex: Exchange, p: Prepared) -> None:
+    async def _serve(self, ex: Exchange, p: Prepared, meter: RequestMeter) -> None:
         if self.inflight.draining:
             raise errors.unavailable(
                 "The agent is shutting down and takes no new requests.", code="shutting_down"
@@ -402,11 +426,13 @@ class OpenAIApp:
                     nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
                     nursery.start_soon(produce)
                     receipt = self.directory.receipt(model)
+                    split = any(name == b"x-meshagent-wire-dtype" for name, _ in receipt)
+                    meter.path = SPLIT if split else LOCAL
                     reply = Reply(chat=p.chat, model=model.info.id)
                     if p.stream:
-                        await _stream(ex, events, reply, p.include_usage, p.echo, receipt)
+                        await _stream(ex, events, reply, p.include_usage, p.echo, receipt, meter)
                     else:
-                        await _whole(ex, events, reply, p.echo, receipt)
+                        await _whole(ex, events, reply, p.echo, receipt, meter)
                     nursery.cancel_scope.cancel()
             if grace.cancelled_caught:
                 await self._stopped_by_shutdown(ex)
@@ -459,9 +485,11 @@ async def _stream(
     include_usage: bool,
     echo: str,
     receipt: list[tuple[bytes, bytes]],
+    meter: RequestMeter,
 ) -> None:
     async for ev in events:
         if isinstance(ev, Failed):
+            meter.failed = ev.error.status
             if not ex.started:
                 await ex.send_error(ev.error)
             else:
@@ -476,8 +504,10 @@ async def _stream(
             if echo:
                 await ex.send_event(reply.chunk(echo))
         if isinstance(ev, Delta):
+            meter.first_text()
             await ex.send_event(reply.chunk(ev.text))
         else:
+            meter.finished(ev)
             await ex.send_event(reply.chunk(None, finish=ev.reason))
             if include_usage:
                 await ex.send_event(reply.usage_chunk(ev))
@@ -492,15 +522,19 @@ async def _whole(
     reply: Reply,
     echo: str,
     receipt: list[tuple[bytes, bytes]],
+    meter: RequestMeter,
 ) -> None:
     parts = [echo]
     async for ev in events:
         if isinstance(ev, Failed):
+            meter.failed = ev.error.status
             await ex.send_error(ev.error)
             return
         if isinstance(ev, Delta):
+            meter.first_text()
             parts.append(ev.text)
         else:
+            meter.finished(ev)
             await ex.send_json(200, reply.whole("".join(parts), ev), receipt)
             return
 

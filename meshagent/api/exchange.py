@@ -31,6 +31,7 @@ class Exchange:
         self.method: str = scope["method"]
         self.path: str = scope["path"]
         self.started = False
+        self.status: int | None = None  # what the response started with
         self.finished = False
         self.disconnected = False
         self.raw_body = b""
@@ -95,8 +96,13 @@ class Exchange:
     async def send_raw(self, data: bytes) -> None:
         await self._body(data, more=True)
 
+    async def send_bytes(self, status: int, body: bytes, content_type: str) -> None:
+        await self._start(status, [(b"content-type", content_type.encode())])
+        await self._body(body, more=False)
+
     async def _start(self, status: int, headers: list) -> None:
         self.started = True
+        self.status = status
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _body(self, data: bytes, *, more: bool) -> None:

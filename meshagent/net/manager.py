@@ -104,6 +104,7 @@ class ConnectionManager:
         self._adopted_handshakes = trio.CapacityLimiter(self.config.max_pending_handshakes)
         self._active: dict[str, Connection] = {}
         self._all: set[Connection] = set()
+        self._ended_traffic: dict[str, list[int]] = {}  # path -> [sent, received] of ended ones
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
         self.listen_addresses: list[Address] = []
@@ -154,6 +155,16 @@ class ConnectionManager:
             )
             for c in sorted(self._active.values(), key=lambda c: c.peer_id)
         ]
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """Bytes sent to and received from peers since the start, by path (direct or
+        relayed): every connection's, ended or not."""
+        totals = {path: list(t) for path, t in self._ended_traffic.items()}
+        for c in self._all:
+            t = totals.setdefault(c.path, [0, 0])
+            t[0] += c.bytes_sent
+            t[1] += c.bytes_received
+        return {path: {"sent": t[0], "received": t[1]} for path, t in sorted(totals.items())}
 
     async def wait_connected(self, peer_id: str) -> Connection:
         """Wait until a connection to `peer_id` is active (use under a timeout)."""
@@ -346,6 +357,9 @@ class ConnectionManager:
                 task_status.started()
         finally:
             self._all.discard(conn)
+            ended = self._ended_traffic.setdefault(conn.path, [0, 0])
+            ended[0] += conn.bytes_sent
+            ended[1] += conn.bytes_received
             if self._active.get(conn.peer_id) is conn:
                 del self._active[conn.peer_id]
                 log.info("peer.disconnected", peer=conn.peer_id, reason=conn.close_reason)

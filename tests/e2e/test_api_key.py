@@ -20,6 +20,7 @@ def test_every_endpoint_but_health_needs_the_key(spawn_agent, model_id, monkeypa
     for method, path in (
         ("GET", "/v1/models"),
         ("POST", "/v1/chat/completions"),
+        ("GET", "/metrics"),
         ("GET", "/control/status"),
         ("GET", "/control/peers"),
         ("POST", "/control/probe"),

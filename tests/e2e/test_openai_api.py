@@ -396,3 +396,48 @@ def test_a_bad_speculation_choice_is_a_400(agent: AgentProcess, model_id: str) -
     )
     assert r.status_code == 400
     assert _error(r)["param"] == "meshagent.speculation"
+
+
+def _scrape(agent: AgentProcess) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{agent.url}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def test_metrics_move_with_requests(agent: AgentProcess, client: OpenAI, model_id: str) -> None:
+    before = _scrape(agent)
+    model = ("model", model_id)
+    ok = frozenset({model, ("path", "local"), ("status", "200")})
+    bad = frozenset({model, ("path", "local"), ("status", "400")})
+    chunks = list(
+        client.chat.completions.create(
+            model=model_id,
+            messages=HELLO,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    tokens = chunks[-1].usage.completion_tokens
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=-1)
+    after = _scrape(agent)
+
+    def moved(name: str, labels: frozenset) -> float:
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert moved("meshagent_requests_total", ok) == 1
+    assert moved("meshagent_requests_total", bad) == 1
+    assert moved("meshagent_completion_tokens_total", frozenset({model})) == tokens
+    timed = frozenset({model, ("path", "local")})
+    assert moved("meshagent_time_to_first_token_seconds_count", timed) == 1
+    assert moved("meshagent_time_per_output_token_seconds_count", timed) == 1
+    assert after[("meshagent_slots", frozenset({model}))] >= 1
+    assert after[("meshagent_placement_routable", frozenset({model}))] == 1
+    assert moved("meshagent_tokens_processed_total", frozenset({model})) >= tokens
