@@ -9,9 +9,12 @@ a JSON document with one field changed, a code block with a variable renamed), o
 prose, where drafts rarely fit. The texts of all modes must be identical (greedy); the script
 says so per workload. It then measures, in this process and with the agent's settings, what a
 window of n tokens costs next to one token, and from that and each workload's acceptance the
-most any draft length could gain on this machine (the ceiling; where it is below the goal,
-the target is the ceiling). Prints a table and writes JSON (default
-bench/results/speculation.json). Never asserts on time: compare the figures yourself.
+most any draft length could gain on this machine (the ceiling), and, from the model's greedy
+answer to each workload, the most drafts copied from the request's own text could gain on that
+answer (the answer's ceiling: where the model does not copy, no drafter from the text can
+help); where the lower of the two is below the goal, it is the target. Prints a table and
+writes JSON (default bench/results/speculation.json). Never asserts on time: compare the
+figures yourself.
 
     .venv/bin/python bench/speculation.py [--rounds 3] [--max-tokens 256] [--modes off,auto,on]
 """
@@ -119,19 +122,72 @@ def window_costs(threads: int, repeats: int = 8) -> dict[int, float]:
     return {n: ms[n] / ms[1] for n in WINDOWS}
 
 
+def window_cost(costs: dict[int, float], n: int) -> float:
+    """What a window of n tokens costs against one (sizes between those measured:
+    interpolated)."""
+    sizes = sorted(costs)
+    lo = max(s for s in sizes if s <= n)
+    hi = min(s for s in sizes if s >= n)
+    return costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
+
+
+def tokenized(pairs: dict[str, tuple[str, str]]) -> dict[str, tuple[list[int], list[int]]]:
+    """Each workload's prompt and answer as the embedded model's tokens."""
+    from meshagent.engine.llama import LlamaEngine
+    from meshagent.models.default import default_model_path
+
+    engine = LlamaEngine(default_model_path(), threads=1)
+    try:
+        return {
+            w: (engine.tokenize(p, add_bos=False), engine.tokenize(a, add_bos=False))
+            for w, (p, a) in pairs.items()
+        }
+    finally:
+        engine.close()
+
+
+def copy_runs(prompt: list[int], answer: list[int]) -> list[int]:
+    """For each position i of `answer`: the most tokens from i on that a copy of some stretch
+    of the text known then (the prompt and answer[:i]) gives, whichever stretch: what the
+    best drafter that drafts from the request's own text could have had right there."""
+    text = prompt + answer
+    runs = []
+    for i in range(len(answer)):
+        known = len(prompt) + i
+        best = 0
+        for j in range(known):
+            n = 0
+            while n < known - j and i + n < len(answer) and text[j + n] == answer[i + n]:
+                n += 1
+            best = max(best, n)
+        runs.append(best)
+    return runs
+
+
+def copy_ceiling(costs: dict[int, float], runs: list[int]) -> float:
+    """The most any drafting from the request's own text could gain on this answer here:
+    with the runs known in advance, the cheapest way through it in one-token steps and
+    windows (a window of k drafts, all right, gives k + 1 tokens), against one-token steps
+    alone."""
+    longest = max(costs) - 1
+    cheapest = [0.0] * (len(runs) + 2)
+    for i in range(len(runs) - 1, -1, -1):
+        best = 1 + cheapest[i + 1]
+        for k in range(1, min(runs[i], longest) + 1):
+            end = min(i + k + 1, len(runs))
+            best = min(best, window_cost(costs, k + 1) + cheapest[end])
+        cheapest[i] = best
+    return len(runs) / cheapest[0] if runs else 1.0
+
+
 def ceiling(costs: dict[int, float], acceptance: float) -> float:
     """The most a draft length could gain here with drafts right with this probability each
     (independently): max over k of the tokens a window of k drafts yields over what it costs
     (window sizes between those measured: interpolated)."""
     a = min(acceptance, 0.999)
-    sizes = sorted(costs)
     best = 1.0
-    for k in range(1, sizes[-1]):
-        n = k + 1
-        lo = max(s for s in sizes if s <= n)
-        hi = min(s for s in sizes if s >= n)
-        c = costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
-        best = max(best, (1 - a ** (k + 1)) / (1 - a) / c)
+    for k in range(1, max(costs)):
+        best = max(best, (1 - a ** (k + 1)) / (1 - a) / window_cost(costs, k + 1))
     return best
 
 
@@ -159,6 +215,7 @@ def main() -> None:
         finally:
             agent.stop()
     costs = window_costs(args.threads)
+    tokens = tokenized({w: (WORKLOADS[w], runs[w][modes[0]][0]["text"]) for w in WORKLOADS})
 
     base = modes[0]
     table = {}
@@ -185,7 +242,13 @@ def main() -> None:
         # windows cost here. (Not at the workload's acceptance: a text's misses come in
         # bursts, not independently per token, so that estimate falls below what is measured.)
         row["ceiling"] = round(ceiling(costs, 1.0), 3)
-        row["target"] = round(min(goal, row["ceiling"]) if goal > 1 else goal, 3)
+        # What this answer allows: the model's greedy answer is what it is, and only the
+        # parts of it that copy the request's text can be drafted from it.
+        copied = copy_runs(*tokens[w])
+        row["answer_copies"] = round(sum(1 for n in copied if n) / max(len(copied), 1), 3)
+        row["copy_ceiling"] = round(copy_ceiling(costs, copied), 3)
+        allowed = min(row["ceiling"], row["copy_ceiling"])
+        row["target"] = round(min(goal, allowed) if goal > 1 else goal, 3)
         best = max(row[m]["vs_base"] for m in modes if m != base)
         row["of_target"] = round(best / row["target"], 3)
         table[w] = row
@@ -202,12 +265,15 @@ def main() -> None:
         "ceiling_all_accepted": round(ceiling(costs, 1.0), 3),
     }
     head = f"{'workload':10}{'goal':>10}" + "".join(f"{m + ' tok/s':>13}{'x':>7}" for m in modes)
-    print(head + f"{'accepted/drafted':>18}{'ceiling':>9}{'of target':>11}{'same text':>11}")
+    print(
+        head + f"{'accepted/drafted':>18}{'ceiling':>9}{'answer ceil.':>14}{'of target':>11}"
+        f"{'same text':>11}"
+    )
     for w, row in table.items():
         cells = "".join(f"{row[m]['tok_s']:>13}{row[m]['vs_base']:>7}" for m in modes)
         acc = row[modes[-1]]["acceptance"]
         print(f"{w:10}{row['goal']:>10}{cells}{acc if acc is not None else '-':>18}"
-              f"{row['ceiling']:>9}{row['of_target']:>11}"
+              f"{row['ceiling']:>9}{row['copy_ceiling']:>14}{row['of_target']:>11}"
               f"{'yes' if row['identical'] else 'NO':>11}")  # fmt: skip
     costs_line = ", ".join(f"{n}: {c:.2f}" for n, c in costs.items())
     print(
@@ -215,8 +281,9 @@ def main() -> None:
         f"accepted, the most a draft could gain here: {result['ceiling_all_accepted']}x"
     )
     print(
-        "ceiling: every draft accepted, at the best length; target: the goal, or the "
-        "ceiling where the machine allows less"
+        "ceiling: every draft accepted, at the best length; answer ceil.: the most drafts "
+        "copied from the request's own text could gain on the model's greedy answer, "
+        "knowing it in advance; target: the goal, or the lower ceiling where that is less"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
