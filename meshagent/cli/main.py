@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from meshagent import __version__, logs
-from meshagent.cli import invite, models, peers, relay, status, up
+from meshagent.cli import doctor, invite, models, peers, relay, status, up
 from meshagent.errors import MeshError
 
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.register(sub)
     peers.register(sub)
     relay.register(sub)
+    doctor.register(sub)
     return parser
 
 
