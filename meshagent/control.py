@@ -108,6 +108,8 @@ def _links(overlay: ConnectionManager) -> list[dict[str, Any]]:
                 "address": str(link.remote),
                 "rtt_ms": None if rtt is None else round(rtt * 1000, 3),
                 "initiator": link.initiator,
+                "bytes_sent": link.bytes_sent,
+                "bytes_received": link.bytes_received,
             }
         )
     return out

@@ -106,7 +106,7 @@ def test_an_agent_that_cannot_serve_its_model_says_why(spawn_agent, capsys):
     log = agent.data_dir / "agent.log"
     wait_for(lambda: "more memory" in log.read_text(errors="replace"), timeout=60)
     said = log.read_text(errors="replace")
-    assert f"meshagent: API at {agent.url}/v1; placing SmolLM2-135M-Instruct" in said
+    assert f"meshagent: API at {agent.url}/v1 (console: {agent.url}/console); placing " in said
     assert "meshagent: serving" not in said
     assert said.count("meshagent: not serving") == 1  # not the mesh that looked empty at start
     assert main(["status", "--data-dir", str(agent.data_dir)]) == 0

@@ -1,6 +1,7 @@
 """Who may use the HTTP API: a Bearer key where the agent has keys, and, on a loopback bind,
 only requests addressed to a loopback name (a web page whose DNS name was rebound to 127.0.0.1
-sends its own name in `Host`). `/health` answers everyone. Requests carried over the overlay
+sends its own name in `Host`). `/health` answers everyone; the console's page
+(`/console`) needs no key. Requests carried over the overlay
 by members of the mesh are the mesh's to authorise and are not checked here."""
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from meshagent.api.errors import ApiError
 from meshagent.net.address import is_loopback
 
 OPEN_PATHS = frozenset({"/health"})
+# The console's page holds no data (it asks the agent with the key the user types in), so it
+# needs no key; its Host is checked like any other request's.
+KEYLESS_PATHS = frozenset({"/console"})
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Access:
                     f"'{host}' (a page of another site reaching it through its own name).",
                     code="host_not_allowed",
                 )
-        if not self.keys:
+        if not self.keys or path in KEYLESS_PATHS:
             return None
         auth = found.get(b"authorization", b"").decode("latin-1")
         scheme, _, given = auth.partition(" ")

@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
+from importlib import resources
 from typing import Any
 
 import structlog
@@ -15,6 +16,7 @@ import trio
 from meshagent.api import errors, forwarding
 from meshagent.api.access import Access
 from meshagent.api.errors import SPLIT_RETRY_AFTER, ApiError, api_error_for
+from meshagent.api.events import EventHub, serve_events
 from meshagent.api.exchange import ClientGone, Exchange
 from meshagent.api.inflight import InFlight
 from meshagent.api.metrics import CONTENT_TYPE, FORWARDED, LOCAL, SPLIT, Metrics, RequestMeter
@@ -62,13 +64,16 @@ class OpenAIApp:
         self.probe = probe
         self.started_at = int(time.time())
         self.router = PrefixRouter()
-        self.metrics = Metrics(status)
+        self.events = EventHub()
+        self.metrics = Metrics(status, on_request=self.events.request_ended)
         self._routes: dict[tuple[str, str], Callable[[Exchange], Any]] = {
             ("GET", "/health"): self._health,
             ("GET", "/v1/models"): self._list_models,
             ("POST", "/v1/chat/completions"): self._generate,
             ("POST", "/v1/completions"): self._generate,
             ("GET", "/metrics"): self._metrics,
+            ("GET", "/console"): self._console,
+            ("GET", "/control/events"): self._control_events,
             ("GET", "/control/status"): self._control_status,
             ("GET", "/control/peers"): self._control_peers,
             ("POST", "/control/probe"): self._control_probe,
@@ -172,6 +177,20 @@ class OpenAIApp:
     async def _metrics(self, ex: Exchange) -> None:
         await ex.send_bytes(200, self.metrics.render(), CONTENT_TYPE)
 
+    async def _console(self, ex: Exchange) -> None:
+        page = resources.files("meshagent.api").joinpath("console.html").read_bytes()
+        await ex.send_bytes(200, page, "text/html; charset=utf-8")
+
+    async def _control_events(self, ex: Exchange) -> None:
+        await serve_events(ex, self.events, self._state, lambda: self.inflight.draining)
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "at": time.time(),
+            "status": {**self.status(), "routing": asdict(self.router.stats())},
+            "peers": self.peers() if self.peers is not None else None,
+        }
+
     async def _control_status(self, ex: Exchange) -> None:
         await ex.send_json(200, {**self.status(), "routing": asdict(self.router.stats())})
 
@@ -236,7 +255,7 @@ class OpenAIApp:
         try:
             await self._route(ex, meter)
         except ApiError as e:
-            meter.failed = e.status
+            meter.fail(e.status, e.message)
             raise
         finally:
             meter.done(ex.status, client_gone=ex.disconnected)
@@ -340,6 +359,7 @@ class OpenAIApp:
 
         reply = Reply(chat=isinstance(req, ChatCompletionRequest), model=head.model)
         receipt = [*head.headers, (b"x-meshagent-served-by", carried.entry.encode())]
+        meter.receipt(receipt)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(produce)
             if req.stream:
@@ -428,6 +448,7 @@ class OpenAIApp:
                     receipt = self.directory.receipt(model)
                     split = any(name == b"x-meshagent-wire-dtype" for name, _ in receipt)
                     meter.path = SPLIT if split else LOCAL
+                    meter.receipt(receipt)
                     reply = Reply(chat=p.chat, model=model.info.id)
                     if p.stream:
                         await _stream(ex, events, reply, p.include_usage, p.echo, receipt, meter)
@@ -489,7 +510,7 @@ async def _stream(
 ) -> None:
     async for ev in events:
         if isinstance(ev, Failed):
-            meter.failed = ev.error.status
+            meter.fail(ev.error.status, ev.error.message)
             if not ex.started:
                 await ex.send_error(ev.error)
             else:
@@ -527,7 +548,7 @@ async def _whole(
     parts = [echo]
     async for ev in events:
         if isinstance(ev, Failed):
-            meter.failed = ev.error.status
+            meter.fail(ev.error.status, ev.error.message)
             await ex.send_error(ev.error)
             return
         if isinstance(ev, Delta):

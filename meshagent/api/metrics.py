@@ -32,8 +32,14 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0
 
 
 class Metrics:
-    def __init__(self, state: Callable[[], dict[str, Any]] | None = None) -> None:
-        """`state` gives the agent's status document (`control.status`), read at scrape."""
+    def __init__(
+        self,
+        state: Callable[[], dict[str, Any]] | None = None,
+        on_request: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """`state` gives the agent's status document (`control.status`), read at scrape;
+        `on_request` is told of each request as it ends (its `RequestMeter.record`)."""
+        self.on_request = on_request
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -98,7 +104,20 @@ class RequestMeter:
         self.model = ""
         self.path = LOCAL
         self.failed: int | None = None  # the status of the error that ended it
+        self.error = ""  # ...and its message
+        self.stages: list[tuple[str, str]] = []  # (peer id, layers) of each stage serving it
         self._finished: Finished | None = None
+        self._ended = 0.0
+
+    def fail(self, status: int, message: str) -> None:
+        self.failed, self.error = status, message
+
+    def receipt(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        """Who serves it, from the response's `x-meshagent-stages` header."""
+        for name, value in headers:
+            if name == b"x-meshagent-stages":
+                parts = [p.rpartition(":") for p in value.decode().split(",") if p]
+                self.stages = [(peer, layers) for peer, _, layers in parts]
 
     def first_text(self) -> None:
         if self._first is None:
@@ -107,7 +126,7 @@ class RequestMeter:
 
     def finished(self, fin: Finished) -> None:
         m, now = self._m, time.perf_counter()
-        self._finished = fin
+        self._finished, self._ended = fin, now
         if self._first is not None and fin.completion_tokens > 1:
             per_token = (now - self._first) / (fin.completion_tokens - 1)
             m.tpot.labels(self.model, self.path).observe(per_token)
@@ -126,6 +145,37 @@ class RequestMeter:
         else:
             status = str(http_status or 500)
         self._m.requests.labels(self.model, self.path, status).inc()
+        if self._m.on_request is not None:
+            self._m.on_request(self.record(status))
+
+    def record(self, status: str) -> dict[str, Any]:
+        """The request as the console shows it."""
+        fin = self._finished
+        first = self._first
+        tokens = fin.completion_tokens if fin else 0
+        stage_ms = list(fin.stage_ms) if fin else []  # a split's; none served whole
+        return {
+            "at": time.time(),
+            "model": self.model,
+            "path": self.path,
+            "status": status,
+            "error": self.error,
+            "prompt_tokens": fin.prompt_tokens if fin else 0,
+            "cached_tokens": fin.cached_tokens if fin else 0,
+            "completion_tokens": tokens,
+            "ttft_ms": None if first is None else round(1000 * (first - self._arrived), 1),
+            "tok_s": round((tokens - 1) / (self._ended - first), 1)
+            if fin and first is not None and tokens > 1 and self._ended > first
+            else None,
+            "stages": [
+                {
+                    "peer": peer,
+                    "layers": layers,
+                    "ms": round(stage_ms[i], 1) if i < len(stage_ms) else None,
+                }
+                for i, (peer, layers) in enumerate(self.stages)
+            ],
+        }
 
 
 class _StateCollector:

@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
             services = await nursery.start(run_agent)
             model = services.model.info.id
             print(
-                f"meshagent: API at {services.api_url}/v1; placing {model} on the mesh",
+                f"meshagent: API at {services.api_url}/v1 (console: {services.api_url}/console); "
+                f"placing {model} on the mesh",
                 file=sys.stderr,
             )
             if not config.api_keys and not is_loopback(config.api_host):

@@ -30,6 +30,7 @@ def peer_rows(
                 "path": "local" if pid == self_id else (link.path if link else None),
                 "address": _address(link, rec),
                 "rtt_ms": None if rtt is None else round(rtt * 1000, 3),
+                "rtts_ms": dict(rec.rtts_ms) if rec else {},  # its RTTs to others (gossip)
                 "silent_s": None if view is None else round(view.silent_s, 1),
                 "agent_version": rec.agent_version if rec else None,
                 "addresses": list(rec.addresses) if rec else [],

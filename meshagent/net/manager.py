@@ -40,6 +40,8 @@ class PeerLink:
     initiator: bool
     rtt: RttSnapshot
     established_at: float
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
 
 def _refused(error: BaseException) -> bool:
@@ -152,6 +154,8 @@ class ConnectionManager:
                 initiator=c.initiator,
                 rtt=c.rtt,
                 established_at=c.established_at,
+                bytes_sent=c.bytes_sent,
+                bytes_received=c.bytes_received,
             )
             for c in sorted(self._active.values(), key=lambda c: c.peer_id)
         ]

@@ -56,3 +56,13 @@ def test_no_key_is_allowed_only_on_loopback_unless_asked_for():
         AgentConfig(api_host=host, insecure_no_api_key=True).validate()
     with pytest.raises(ConfigError, match="empty"):
         AgentConfig(api_keys=(" ",)).validate()
+
+
+def test_the_console_page_needs_no_key_but_its_data_does_and_its_host_is_checked():
+    access = Access.for_binding(["s3cret"], "127.0.0.1", 9400)
+    assert access.refuse("/console", HOST) is None
+    for path in ("/control/events", "/metrics"):
+        refused = access.refuse(path, HOST)
+        assert refused is not None and refused.status == 401, path
+    foreign = access.refuse("/console", [(b"host", b"evil.example:9400")])
+    assert foreign is not None and foreign.status == 403
