@@ -84,5 +84,7 @@ def test_the_console_shows_the_split_and_a_requests_stage_times(spawn_agent, mod
                 assert ranges[i] in text and " ms" in text and "- ms" not in text, text
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "console.png"), full_page=True)
+            page.emulate_media(color_scheme="dark")
+            page.screenshot(path=str(ARTIFACTS / "console-dark.png"), full_page=True)
         finally:
             browser.close()
