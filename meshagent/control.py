@@ -143,12 +143,20 @@ def _gossip(s: Services) -> dict[str, Any]:
 def peers(services: Services) -> dict[str, Any]:
     """Every peer gossip knows, with its link."""
     s = services
+    summary = s.model.placement_summary()
     return {
         "self": s.identity.peer_id,
         "mesh": mesh_fingerprint(s.mesh),
         "peers": peer_rows(
             s.identity.peer_id, s.gossip.snapshot(include_dead=True), s.overlay.links()
         ),
+        # whether the mesh serves the model, and why not (the words `status` uses)
+        "placement": {
+            s.model.info.id: {
+                "routable": summary["routable"],
+                "error": summary["error"],
+            }
+        },
     }
 
 

@@ -241,6 +241,11 @@ class OpenAIApp:
             return  # not this mesh's: `_model` says so
         with trio.move_on_after(bound):
             while self._local(name) is None and self._remote(name) is None:
+                why = self.directory.why_unserved(name)
+                if why is not None:
+                    raise errors.unavailable(
+                        f"The model '{name}' is not served: {why}", code="model_not_served"
+                    )
                 await trio.sleep(_SERVED_POLL)
             return
         raise errors.unavailable(

@@ -15,10 +15,9 @@ from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.config import API_KEY_ENV, AgentConfig
 from meshagent.identity.mesh import Invite, decode_invite
 from meshagent.net.address import Address, is_loopback
-from meshagent.serving.mesh_model import MeshModel
+from meshagent.serving.mesh_model import UNSERVED_SETTLE, MeshModel
 
 _SAY_EVERY = 0.5  # seconds between looks at whether the model is served
-_SETTLE = 3.0  # seconds a reason for not serving must hold before it is said
 _ALONE_AFTER = 30.0  # seconds without a peer before an agent that joined says so
 
 
@@ -232,7 +231,7 @@ async def _say_if_alone(
 
 async def _say_what_serves(model: MeshModel, api_url: str) -> None:
     """A line on stderr whenever the model's state changes: served on the mesh (here or by
-    peers), or not, and why. A reason is said once it has held for `_SETTLE` seconds: while
+    peers), or not, and why. A reason is said once it has held for `UNSERVED_SETTLE` seconds: while
     an agent starts, its own memory is not yet counted and the mesh looks empty."""
     said = None
     seen, since = None, 0.0
@@ -246,7 +245,7 @@ async def _say_what_serves(model: MeshModel, api_url: str) -> None:
             line = None  # a plan is being agreed or loaded
         if line != seen:
             seen, since = line, trio.current_time()
-        settled = p["routable"] or trio.current_time() - since >= _SETTLE
+        settled = p["routable"] or trio.current_time() - since >= UNSERVED_SETTLE
         if line is not None and line != said and settled:
             print(f"meshagent: {line}", file=sys.stderr)
             said = line

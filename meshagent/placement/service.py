@@ -137,6 +137,7 @@ class PlacementService:
         self.routable = False
         self.ready: tuple[str, ...] = ()  # peers of the plan in force serving it now
         self.error: str | None = None  # why no plan can host the model, if none can
+        self.error_since = 0.0  # trio time `error` last changed
         self.changed = trio.Event()
         self._running = trio.CancelScope()
 
@@ -151,6 +152,12 @@ class PlacementService:
         self.gossip.update_local(extras=extras)
         self.gossip.spread_now()  # the others wait on claims: a split routes once all are ready
 
+    def _set_error(self, error: str | None) -> None:
+        if error != self.error:
+            self.error, self.error_since = error, trio.current_time()
+            if error is not None:
+                log.info("placement.not_served", model=self.cost.model_id, reason=error)
+
     async def step(self) -> None:
         """One decision on the current snapshot."""
         views = self.gossip.snapshot()
@@ -158,6 +165,7 @@ class PlacementService:
         caps = capacities(views, self.cost.flops_per_layer)
         claims = claims_for(self.cost.model_id, views)
         winner = plan_in_force(claims)
+        error = None
         try:
             candidate: Plan | None = plan(
                 self.cost,
@@ -166,11 +174,11 @@ class PlacementService:
                 headroom=self.headroom,
                 current=winner.plan if winner is not None else None,
             )
-            self.error = None
         except PlanError as e:
-            candidate, self.error = None, str(e)
+            candidate, error = None, str(e)
         if self._failed is not None and self._seen is not None and self._failed == self._seen[0]:
-            self.error = self._load_error
+            error = self._load_error
+        self._set_error(error)
         if candidate is not None and (
             winner is None
             or (

@@ -56,6 +56,11 @@ class ModelDirectory(Protocol):
         long requests may wait for it; 0 for a model this mesh does not have."""
         ...
 
+    def why_unserved(self, name: str) -> str | None:
+        """Why no agent can serve `name` (a model of this mesh) now, when the reason has
+        held a few seconds (not while a plan is being agreed or loaded); else None."""
+        ...
+
     def receipt(self, model: LocalModel) -> Headers:
         """Response headers saying who serves `model` (one of `local_models()`)."""
         ...

@@ -41,6 +41,9 @@ from meshagent.serving.split_host import SplitHost, SplitSettings
 
 log = structlog.get_logger(__name__)
 
+# Seconds a reason for not serving must hold before it is said (the startup line, the API):
+# while an agent starts, its own memory is not yet counted and the mesh looks empty.
+UNSERVED_SETTLE = 3.0
 _WATCH_INTERVAL = 0.5  # seconds between checks that the split in force is still routable
 _CERTIFICATION_INTERVAL = 2.0  # seconds between looks for a record that allows a split
 _RECORD_WAIT = 10.0  # seconds a stage of a certified-only split waits for the record
@@ -226,6 +229,13 @@ class MeshModel:
         if name.casefold() != self.info.id.casefold():
             return 0.0
         return self.settings.replay_deadline
+
+    def why_unserved(self, name: str) -> str | None:
+        p = self.placement
+        if name.casefold() != self.info.id.casefold() or p.routable or p.error is None:
+            return None
+        held = trio.current_time() - p.error_since
+        return p.error if held >= UNSERVED_SETTLE else None
 
     def remote_models(self) -> list[RemoteModel]:
         claim = self.placement.in_force

@@ -50,6 +50,9 @@ class StaticDirectory:
     def unserved_for_now(self, name: str) -> float:
         return 0.0
 
+    def why_unserved(self, name: str) -> str | None:
+        return None
+
     def receipt(self, model: LocalModel) -> Headers:
         return list(self._receipt)
 

@@ -75,6 +75,9 @@ class Moving(StaticDirectory):
     def unserved_for_now(self, name):
         return self.deadline
 
+    def why_unserved(self, name):
+        return None
+
     def serve_from(self, entry: Entry | None):
         peer = None if entry is None else entry.node.peer_id
         self.remote = [] if peer is None else [RemoteModel("fake", peer, "whole", layers=3)]

@@ -19,9 +19,13 @@ class Placing(StaticDirectory):
     def __init__(self, model: LocalModel, bound: float) -> None:
         super().__init__()
         self.model, self.bound = model, bound
+        self.why: str | None = None
 
     def unserved_for_now(self, name: str) -> float:
         return self.bound if name.casefold() == self.model.info.id.casefold() else 0.0
+
+    def why_unserved(self, name: str) -> str | None:
+        return self.why
 
 
 async def test_a_request_waits_for_a_model_being_placed_again(nursery):
@@ -51,4 +55,12 @@ async def test_a_request_waits_for_a_model_being_placed_again(nursery):
         r = await client.post(f"{url}/v1/completions", json=body)
         assert r.status_code == 503 and r.json()["error"]["code"] == "split_unavailable"
         assert r.headers["retry-after"] == "5"
+        # One that no plan can host says why at once, rather than after the bound.
+        directory.bound = 30.0
+        directory.why = "it needs 0.21 GB more memory"
+        t0 = trio.current_time()
+        r = await client.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_served"
+        assert "not served: it needs 0.21 GB more memory" in r.json()["error"]["message"]
+        assert trio.current_time() - t0 < 1.0
     stop.set()
