@@ -40,6 +40,7 @@ def status(services: Services) -> dict[str, Any]:
         "listen": [str(a) for a in s.overlay.listen_addresses],
         "uptime_s": round(time.time() - s.started_at, 1),
         "state": "draining" if s.inflight.draining else "serving",
+        "alone": s.alone,
         "in_flight": len(s.inflight),
         "models": _models(s),
         "placement": {info.id: s.model.placement_summary()},
@@ -147,6 +148,7 @@ def peers(services: Services) -> dict[str, Any]:
     return {
         "self": s.identity.peer_id,
         "mesh": mesh_fingerprint(s.mesh),
+        "alone": s.alone,
         "peers": peer_rows(
             s.identity.peer_id, s.gossip.snapshot(include_dead=True), s.overlay.links()
         ),

@@ -26,6 +26,7 @@ from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.config import AgentConfig, DataDir
 from meshagent.discovery import hearing, probe
+from meshagent.discovery.alone import watch_alone
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
 from meshagent.discovery.lan import LanDiscovery
 from meshagent.discovery.mdns import Sighting
@@ -88,6 +89,7 @@ class Services:
             info=info,
             store=ArtifactStore(data_dir.artifacts_path),
             api_url=api_url,
+            joined=join is not None,
         )
 
     def __init__(
@@ -101,8 +103,11 @@ class Services:
         info: ModelInfo,
         store: ArtifactStore,
         api_url: str,
+        joined: bool = False,
     ) -> None:
         self.config = config
+        self.joined = joined  # started with an invite
+        self.alone_note: str | None = None  # said when told where the mesh is, but alone
         self.identity = identity
         self.mesh = mesh
         self.store = store
@@ -218,6 +223,18 @@ class Services:
         nursery.start_soon(
             advertisement.measure, self.gossip, self.config, self.name, self.model, self.store
         )
+        cfg = self.config
+        if self.joined or cfg.peers or cfg.relays:
+            nursery.start_soon(watch_alone, self.overlay.links, cfg.peers, cfg.relays, self._alone)
+
+    def _alone(self, note: str) -> None:
+        self.alone_note = note
+        log.warning("mesh.alone", note=note)
+
+    @property
+    def alone(self) -> str | None:
+        """Why this agent has no peer though it was told where its mesh is, while so."""
+        return self.alone_note if self.alone_note and not self.overlay.links() else None
 
     async def _route_stream(self, stream: MeshStream) -> None:
         """Inbound overlay streams go to the service named by their label."""

@@ -144,19 +144,39 @@ def test_invite_carries_the_stored_secret_and_addresses(tmp_path, capsys):
     assert main(["invite", "--data-dir", str(tmp_path), "--address", "nonsense"]) == 1
 
 
-async def test_an_agent_that_joined_but_reached_no_one_says_what_to_try(autojump_clock, capsys):
-    from meshagent.cli.up import _say_if_alone
-    from meshagent.identity.mesh import Invite, MeshSecret
+async def test_an_agent_that_joined_but_reached_no_one_says_what_to_try(autojump_clock):
+    from meshagent.discovery.alone import watch_alone
 
-    invite = Invite(MeshSecret.generate(), bootstrap=("10.1.2.3:9338",), relays=("r.lan:9339",))
-    await _say_if_alone(list, invite)  # no link after 30 s
-    err = capsys.readouterr().err
-    assert err.startswith("meshagent: alone for 30 s: no peer of the mesh answered")
-    assert "10.1.2.3:9338" in err and "r.lan:9339" in err and "--address HOST:PORT" in err
-    await _say_if_alone(lambda: ["a peer"], invite)  # a peer answered: nothing to say
-    assert capsys.readouterr().err == ""
-    await _say_if_alone(list, Invite(MeshSecret.generate()))
-    assert "none (the invite carries no address)" in capsys.readouterr().err
+    said: list[str] = []
+    await watch_alone(list, ("10.1.2.3:9338",), ("r.lan:9339",), said.append)  # none in 30 s
+    [note] = said
+    assert note.startswith("alone for 30 s: no peer of the mesh answered")
+    assert "10.1.2.3:9338" in note and "r.lan:9339" in note and "--address HOST:PORT" in note
+    await watch_alone(lambda: ["a peer"], ("10.1.2.3:9338",), (), said.append)  # one answered
+    assert len(said) == 1
+    await watch_alone(list, (), (), said.append)
+    assert "none (the invite carries no address)" in said[-1]
+
+
+def test_an_agent_alone_says_so_in_its_log_status_peers_and_up(spawn_agent, capsys):
+    # Told of a peer where nothing listens: after 30 s each place says it is alone.
+    import socket
+
+    from tests.e2e.agents import wait_for
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+    agent = spawn_agent("--peer", nowhere, "--slots", "1", "--ctx-size", "256")
+    log = agent.data_dir / "agent.log"
+    wait_for(lambda: "meshagent: alone for 30 s" in log.read_text(errors="replace"), 60)
+    said = log.read_text(errors="replace")
+    assert "mesh.alone" in said and nowhere in said.split("meshagent: alone")[1]
+    assert main(["status", "--data-dir", str(agent.data_dir)]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("ALONE")]
+    assert nowhere in line and "meshagent invite --address" in line
+    assert main(["peers", "--data-dir", str(agent.data_dir)]) == 0
+    assert f"The addresses tried: {nowhere}" in capsys.readouterr().out
 
 
 def test_invite_before_the_agent_runs_carries_the_configured_listen_port(tmp_path, capsys):

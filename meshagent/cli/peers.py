@@ -68,6 +68,8 @@ def _show(args: argparse.Namespace) -> None:
     print(table(body["peers"]))
     alive = sum(p["state"] == "alive" for p in body["peers"])
     print(f"{len(body['peers'])} peers ({alive} alive) in mesh {body['mesh']}")
+    if body.get("alone"):
+        print(body["alone"])
     for model, p in body.get("placement", {}).items():
         if not p["routable"] and p["error"]:
             print(f"{model} not served: {p['error']}")

@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         guard = "NO KEY, reachable beyond loopback"
     print(f"api       {st['api']}/v1  ({guard})")
     print(f"overlay   {', '.join(st['listen']) or '-'}")
+    if st.get("alone"):
+        print(f"ALONE     {st['alone']}")
     if "advertised" in st:
         print(f"dialable  {', '.join(st['advertised']) or '-'}")
     for r in st.get("relays", []):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
 
 import trio
 
@@ -13,12 +12,12 @@ from meshagent import logs
 from meshagent.agent import Agent
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.config import API_KEY_ENV, AgentConfig
-from meshagent.identity.mesh import Invite, decode_invite
+from meshagent.identity.mesh import decode_invite
 from meshagent.net.address import Address, is_loopback
+from meshagent.services import Services
 from meshagent.serving.mesh_model import UNSERVED_SETTLE, MeshModel
 
 _SAY_EVERY = 0.5  # seconds between looks at whether the model is served
-_ALONE_AFTER = 30.0  # seconds without a peer before an agent that joined says so
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -202,31 +201,19 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
             nursery.start_soon(_say_what_serves, services.model, services.api_url)
-            if invite is not None:
-                nursery.start_soon(_say_if_alone, services.overlay.links, invite)
+            nursery.start_soon(_say_if_alone, services)
 
     trio.run(main)
     return 0
 
 
-async def _say_if_alone(
-    links: Callable[[], Sequence[object]], invite: Invite, after: float = _ALONE_AFTER
-) -> None:
-    """Once, if an agent that joined with an invite has reached no peer after `after`
-    seconds: which addresses it tried, and what to try instead."""
-    await trio.sleep(after)
-    if links():
-        return
-    tried = ", ".join(invite.bootstrap) or "none (the invite carries no address)"
-    via = ", ".join(invite.relays) or "none"
-    print(
-        f"meshagent: alone for {after:g} s: no peer of the mesh answered. The invite's "
-        f"addresses: {tried}; its relays: {via}. Check that the inviting agent runs and that "
-        "this machine can reach one of those (a firewall, another network), or ask for an "
-        "invite with `meshagent invite --address HOST:PORT` (an address this machine reaches) "
-        "or `--relay HOST:PORT`.",
-        file=sys.stderr,
-    )
+async def _say_if_alone(services: Services) -> None:
+    """Once, if the agent says it is alone though told where its mesh is
+    (`discovery/alone.py`): which addresses it tried, and what to try instead."""
+    while services.alone_note is None:
+        await trio.sleep(_SAY_EVERY)
+    if services.alone is not None:
+        print(f"meshagent: {services.alone}", file=sys.stderr)
 
 
 async def _say_what_serves(model: MeshModel, api_url: str) -> None:
