@@ -6,7 +6,7 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from importlib import resources
 from typing import Any
 
@@ -15,6 +15,8 @@ import trio
 
 from meshagent.api import errors, forwarding
 from meshagent.api.access import Access
+from meshagent.api.delivery import Failed, stream_reply, whole_reply
+from meshagent.api.embeddings import embedding_reply, parse_embedding
 from meshagent.api.errors import SPLIT_RETRY_AFTER, ApiError, api_error_for
 from meshagent.api.events import EventHub, serve_events
 from meshagent.api.exchange import ClientGone, Exchange
@@ -33,11 +35,6 @@ from meshagent.serving.local_model import LocalModel
 from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: ApiError
 
 
 _SERVED_POLL = 0.1  # seconds between looks for a model being placed again
@@ -71,6 +68,7 @@ class OpenAIApp:
             ("GET", "/v1/models"): self._list_models,
             ("POST", "/v1/chat/completions"): self._generate,
             ("POST", "/v1/completions"): self._generate,
+            ("POST", "/v1/embeddings"): self._embeddings,
             ("GET", "/metrics"): self._metrics,
             ("GET", "/console"): self._console,
             ("GET", "/control/events"): self._control_events,
@@ -289,6 +287,30 @@ class OpenAIApp:
             else:
                 await self._carry(ex, req, remotes[route.peer], meter)
 
+    async def _embeddings(self, ex: Exchange) -> None:
+        req = parse_embedding(await ex.json_body())
+        texts = req.texts()
+        await self._await_served(req.model)
+        model = self._local(req.model)
+        if model is None and (remote := self._remote(req.model)) is not None:
+            await self._forward(ex, remote)  # the agent serving it answers (or says why not)
+            return
+        model = self._model(req.model)
+        if model.embedder is None:
+            raise errors.bad_request(
+                f"The model '{model.info.id}' is split across agents on this mesh, and "
+                "embeddings need every layer on one agent. Give one agent the memory to "
+                "serve it whole.",
+                param="model",
+                code="model_split",
+            )
+        try:
+            vectors, tokens = await model.embedder.embed(texts)
+        except ContextOverflow as e:
+            raise errors.bad_request(str(e), param="input", code="context_length_exceeded") from e
+        reply = embedding_reply(model.info.id, vectors, tokens, req.encoding_format)
+        await ex.send_json(200, reply)
+
     def prepare_here(self, path: str, body: bytes) -> Prepared | None:
         """A completion carried here by another agent (`api/resumable.py`), prepared on the
         model this agent serves; None if it serves that model no more (or is stopping), and
@@ -368,9 +390,11 @@ class OpenAIApp:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(produce)
             if req.stream:
-                await _stream(ex, events, reply, req.include_usage(), head.echo, receipt, meter)
+                await stream_reply(
+                    ex, events, reply, req.include_usage(), head.echo, receipt, meter
+                )
             else:
-                await _whole(ex, events, reply, head.echo, receipt, meter)
+                await whole_reply(ex, events, reply, head.echo, receipt, meter)
             nursery.cancel_scope.cancel()
 
     async def _forward(self, ex: Exchange, remote: RemoteModel) -> None:
@@ -456,9 +480,11 @@ class OpenAIApp:
                     meter.receipt(receipt)
                     reply = Reply(chat=p.chat, model=model.info.id)
                     if p.stream:
-                        await _stream(ex, events, reply, p.include_usage, p.echo, receipt, meter)
+                        await stream_reply(
+                            ex, events, reply, p.include_usage, p.echo, receipt, meter
+                        )
                     else:
-                        await _whole(ex, events, reply, p.echo, receipt, meter)
+                        await whole_reply(ex, events, reply, p.echo, receipt, meter)
                     nursery.cancel_scope.cancel()
             if grace.cancelled_caught:
                 await self._stopped_by_shutdown(ex)
@@ -502,67 +528,6 @@ class OpenAIApp:
         elif not ex.finished:
             await ex.send_event(err.body())
             await ex.end()
-
-
-async def _stream(
-    ex: Exchange,
-    events: trio.MemoryReceiveChannel[Delta | Finished | Failed],
-    reply: Reply,
-    include_usage: bool,
-    echo: str,
-    receipt: list[tuple[bytes, bytes]],
-    meter: RequestMeter,
-) -> None:
-    async for ev in events:
-        if isinstance(ev, Failed):
-            meter.fail(ev.error.status, ev.error.message)
-            if not ex.started:
-                await ex.send_error(ev.error)
-            else:
-                await ex.send_event(ev.error.body())
-                await ex.end()
-            return
-        if not ex.started:
-            await ex.start_sse(receipt)
-            opening = reply.opening()
-            if opening is not None:
-                await ex.send_event(opening)
-            if echo:
-                await ex.send_event(reply.chunk(echo))
-        if isinstance(ev, Delta):
-            meter.first_text()
-            await ex.send_event(reply.chunk(ev.text))
-        else:
-            meter.finished(ev)
-            await ex.send_event(reply.chunk(None, finish=ev.reason))
-            if include_usage:
-                await ex.send_event(reply.usage_chunk(ev))
-            await ex.send_event("[DONE]")
-            await ex.end()
-            return
-
-
-async def _whole(
-    ex: Exchange,
-    events: trio.MemoryReceiveChannel[Delta | Finished | Failed],
-    reply: Reply,
-    echo: str,
-    receipt: list[tuple[bytes, bytes]],
-    meter: RequestMeter,
-) -> None:
-    parts = [echo]
-    async for ev in events:
-        if isinstance(ev, Failed):
-            meter.fail(ev.error.status, ev.error.message)
-            await ex.send_error(ev.error)
-            return
-        if isinstance(ev, Delta):
-            meter.first_text()
-            parts.append(ev.text)
-        else:
-            meter.finished(ev)
-            await ex.send_json(200, reply.whole("".join(parts), ev), receipt)
-            return
 
 
 async def _lifespan(receive: Any, send: Any) -> None:

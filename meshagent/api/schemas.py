@@ -102,18 +102,23 @@ class CompletionRequest(_Request):
 
 def parse(model: type[_Request], body: Any) -> Any:
     """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    req = parse_body(model, body)
+    _refuse_unsupported(req)
+    return req
+
+
+def parse_body(model: type[BaseModel], body: Any) -> Any:
+    """`body` validated as `model`; the first problem becomes a 400 naming its field."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     try:
-        req = model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         if err["type"] == "missing":
             raise bad_request(f"Missing required parameter: '{param}'.", param=param) from e
         raise bad_request(f"Invalid value for '{param}': {err['msg']}.", param=param) from e
-    _refuse_unsupported(req)
-    return req
 
 
 def _refuse_unsupported(req: _Request) -> None:

@@ -10,6 +10,7 @@ import trio
 
 from meshagent.engine.base import Engine, ModelInfo, TokenModel
 from meshagent.serving.chat import ChatMessage, ChatTemplate
+from meshagent.serving.embeddings import Embedder
 from meshagent.serving.executor import LocalExecutor
 from meshagent.serving.generation import Delta, Finished, GenerationRequest, Reroute, generate
 from meshagent.serving.runner import ModelRunner
@@ -23,6 +24,7 @@ class LocalModel:
     reroute: Reroute | None = None
     replay_deadline: float = 30.0
     speculation: str = "off"  # for requests that do not choose (`--speculation`)
+    embedder: Embedder | None = None  # a model served whole embeds text (`/v1/embeddings`)
 
     def __init__(self, engine: TokenModel, runner: ModelRunner) -> None:
         self.engine = engine

@@ -34,6 +34,7 @@ from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService, Snapshot
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
+from meshagent.serving.embeddings import Embedder
 from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
@@ -352,6 +353,7 @@ class MeshModel:
                 engine, max_queue=s.max_queue, prefix_budget=self._prefix_budget(plan)
             )
             self.local.speculation = s.speculation
+            self.local.embedder = Embedder(str(self.model_path), threads=s.threads)
             receipt = self._whole_receipt()
         elif any(st.peer_id == self.peer_id for st in plan.stages):
             wire = self.wire = await self._wire_choice()
@@ -548,6 +550,8 @@ class MeshModel:
             self._serving_scope.cancel()
             self._serving_scope = None
             await self._served.wait()
+        if self.local is not None and self.local.embedder is not None:
+            await self.local.embedder.aclose()
         if self._whole is not None:
             self._whole.close()
             self._whole = None

@@ -88,3 +88,33 @@ def test_the_console_shows_the_split_and_a_requests_stage_times(spawn_agent, mod
             page.screenshot(path=str(ARTIFACTS / "console-dark.png"), full_page=True)
         finally:
             browser.close()
+
+
+def test_the_console_says_why_nothing_is_served_and_that_the_agent_is_alone(spawn_agent):
+    # Too little memory for the model, and told of a peer where nothing listens: the console
+    # says both, in the words `meshagent status` uses.
+    chromium = _browser()
+    import socket
+
+    from playwright.sync_api import expect, sync_playwright
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+    agent = spawn_agent("--max-memory", "80M", "--peer", nowhere, wait_model=False)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(f"{agent.url}/console")
+            expect(page.locator("#models")).to_contain_text("not served: ", timeout=20_000)
+            expect(page.locator("#alone")).to_be_visible(timeout=60_000)
+            status = httpx.get(f"{agent.url}/control/status", timeout=10).json()
+            [p] = status["placement"].values()
+            expect(page.locator("#models")).to_contain_text(f"not served: {p['error']}")
+            expect(page.locator("#alone")).to_have_text(status["alone"])
+            assert nowhere in status["alone"]
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "console-not-served.png"), full_page=True)
+        finally:
+            browser.close()

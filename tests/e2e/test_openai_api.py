@@ -441,3 +441,37 @@ def test_metrics_move_with_requests(agent: AgentProcess, client: OpenAI, model_i
     assert after[("meshagent_slots", frozenset({model}))] >= 1
     assert after[("meshagent_placement_routable", frozenset({model}))] == 1
     assert moved("meshagent_tokens_processed_total", frozenset({model})) >= tokens
+
+
+def test_embeddings_put_paraphrases_closer_than_unrelated_text(
+    agent: AgentProcess, client: OpenAI, model_id: str
+) -> None:
+    import numpy as np
+
+    texts = [
+        "The cat sat on the mat.",
+        "A cat was sitting on the rug.",
+        "Quarterly revenue rose by eight percent.",
+    ]
+    # The official client asks for base64 floats by default and decodes them.
+    r = client.embeddings.create(model=model_id, input=texts)
+    vectors = np.array([d.embedding for d in sorted(r.data, key=lambda d: d.index)])
+    assert vectors.shape[0] == 3 and vectors.shape[1] > 100
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-3)
+    paraphrase, unrelated = vectors[0] @ vectors[1], vectors[0] @ vectors[2]
+    assert paraphrase > unrelated, (paraphrase, unrelated)
+    assert r.usage.prompt_tokens > 10
+    # Floats, asked for as such, are the same vectors.
+    body = {"model": model_id, "input": texts[0], "encoding_format": "float"}
+    one = httpx.post(f"{agent.url}/v1/embeddings", json=body, timeout=60).json()
+    assert np.allclose(one["data"][0]["embedding"], vectors[0], atol=1e-5)
+    # What cannot be honoured is refused, naming the field.
+    for bad, param in (
+        ({"input": [[1, 2, 3]]}, "input"),
+        ({"input": "x", "dimensions": 8}, "dimensions"),
+        ({"input": []}, "input"),
+    ):
+        r = httpx.post(f"{agent.url}/v1/embeddings", json={"model": model_id, **bad}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{agent.url}/v1/embeddings", json={"model": "nope", "input": "x"}, timeout=60)
+    assert r.status_code == 404

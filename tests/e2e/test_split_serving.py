@@ -121,6 +121,9 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id):
     except AssertionError:
         _show_logs(agents)
         raise
+    # Embeddings need every layer on one agent: a split says so.
+    r = httpx.post(f"{a.url}/v1/embeddings", json={"model": model_id, "input": "hello"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_split", r.text
     # The receipt: time in each stage (usage).
     stage_ms = _chat(a, model_id).json()["usage"]["meshagent"]["stage_ms"]
     assert len(stage_ms) == 3 and all(ms > 0 for ms in stage_ms)
