@@ -24,6 +24,7 @@ from meshagent.api.inflight import InFlight
 from meshagent.api.metrics import CONTENT_TYPE, FORWARDED, LOCAL, SPLIT, Metrics, RequestMeter
 from meshagent.api.prepare import KINDS, CompletionKind, Prepared, parse_completion, prepare
 from meshagent.api.replies import Reply
+from meshagent.api.responses import Remembered, serve_responses
 from meshagent.api.resumable import Ask, Carried, Head, generate_counted
 from meshagent.api.routing import LOCAL as HERE
 from meshagent.api.routing import PrefixRouter, prefix_keys
@@ -61,6 +62,7 @@ class OpenAIApp:
         self.probe = probe
         self.started_at = int(time.time())
         self.router = PrefixRouter()
+        self.remembered = Remembered()  # conversations of recent responses (`/v1/responses`)
         self.events = EventHub()
         self.metrics = Metrics(status, on_request=self.events.request_ended)
         self._routes: dict[tuple[str, str], Callable[[Exchange], Any]] = {
@@ -69,6 +71,7 @@ class OpenAIApp:
             ("POST", "/v1/chat/completions"): self._generate,
             ("POST", "/v1/completions"): self._generate,
             ("POST", "/v1/embeddings"): self._embeddings,
+            ("POST", "/v1/responses"): self._responses,
             ("GET", "/metrics"): self._metrics,
             ("GET", "/console"): self._console,
             ("GET", "/control/events"): self._control_events,
@@ -286,6 +289,9 @@ class OpenAIApp:
                 await self._serve(ex, prepare(req, self._model(req.model)), meter)
             else:
                 await self._carry(ex, req, remotes[route.peer], meter)
+
+    async def _responses(self, ex: Exchange) -> None:
+        await serve_responses(ex, self._generate, self.remembered)
 
     async def _embeddings(self, ex: Exchange) -> None:
         req = parse_embedding(await ex.json_body())

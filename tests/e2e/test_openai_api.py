@@ -475,3 +475,46 @@ def test_embeddings_put_paraphrases_closer_than_unrelated_text(
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = httpx.post(f"{agent.url}/v1/embeddings", json={"model": "nope", "input": "x"}, timeout=60)
     assert r.status_code == 404
+
+
+def test_the_responses_api_through_the_official_client(
+    agent: AgentProcess, client: OpenAI, model_id: str
+) -> None:
+    ask = {"model": model_id, "input": "Name a colour.", "max_output_tokens": 12, "temperature": 0}
+    # Greedy: the same text as the chat endpoint gives for the same conversation.
+    chat = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=12, temperature=0,
+    )  # fmt: skip
+    whole = client.responses.create(**ask)
+    assert whole.status in ("completed", "incomplete") and whole.id.startswith("resp_")
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # Instructions and a previous response carry the conversation on.
+    again = client.responses.create(
+        model=model_id,
+        input="And another one?",
+        instructions="Answer in one word.",
+        previous_response_id=whole.id,
+        max_output_tokens=8,
+    )
+    assert again.output_text and again.previous_response_id == whole.id
+    assert again.usage.input_tokens > whole.usage.input_tokens  # the history came along
+    # What would not be honoured is refused, naming it.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model=model_id, input="hi", tools=[{"type": "function", "name": "f", "parameters": {}}]
+        )
+    assert e.value.param == "tools"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=model_id, input="hi", previous_response_id="resp_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input="hi")

@@ -1,0 +1,375 @@
+"""`POST /v1/responses` (OpenAI's Responses API), answered by this agent's own chat endpoint:
+the request becomes a streamed chat completion run in process (so it is routed, carried to
+the agent that serves the model, replayed after a lost stage and metered like any other), and
+that stream becomes the Responses reply: one response object, or the Responses event sequence
+(`response.created`, `response.output_text.delta`, ..., `response.completed`).
+
+Supported: `input` as text or a list of messages (roles user, assistant, system, developer;
+text content), `instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`,
+`previous_response_id` (the last `KEEP_RESPONSES` responses of this agent are remembered),
+`metadata`, `store`, `user`. Tools and `text.format` other than text are refused (400
+`unsupported_parameter`): their output would not be constrained."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import trio
+from pydantic import BaseModel, ConfigDict, Field
+
+from meshagent.api.errors import ApiError, bad_request
+from meshagent.api.exchange import Exchange
+from meshagent.api.schemas import parse_body
+
+KEEP_RESPONSES = 256  # conversations remembered for previous_response_id
+CHAT_PATH = "/v1/chat/completions"
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") not in ("input_text", "output_text", "text"):
+                raise bad_request(
+                    f"Only text content is supported (not '{part.get('type')}').",
+                    param="input",
+                    code="unsupported_parameter",
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool = False
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    user: str | None = None
+    # read only to refuse them: ignoring them would change the answer
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        def refuse(param: str, why: str) -> ApiError:
+            return bad_request(why, param=param, code="unsupported_parameter")
+
+        if self.tools:
+            raise refuse("tools", "Tools are not supported yet: send the request without them.")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise refuse("tool_choice", "tool_choice needs tools, which are not supported yet.")
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if fmt.get("type") != "text":
+            raise refuse(
+                "text.format",
+                f"text.format '{fmt.get('type')}' is not supported yet: the output would not "
+                "be constrained to it.",
+            )
+        if self.reasoning:
+            raise refuse("reasoning", "Reasoning options are not supported.")
+
+    def messages(self, history: list[dict[str, str]]) -> list[dict[str, str]]:
+        out = list(history)
+        if self.instructions:
+            out.insert(0, {"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            out.append({"role": "user", "content": self.input})
+        else:
+            for m in self.input:
+                role = "system" if m.role == "developer" else m.role
+                out.append({"role": role, "content": m.text()})
+        return out
+
+
+class Remembered:
+    """The conversations of recent responses (for `previous_response_id`), oldest dropped."""
+
+    def __init__(self, keep: int = KEEP_RESPONSES) -> None:
+        self.keep = keep
+        self._by_id: OrderedDict[str, list[dict[str, str]]] = OrderedDict()
+
+    def get(self, response_id: str) -> list[dict[str, str]]:
+        try:
+            return list(self._by_id[response_id])
+        except KeyError:
+            raise bad_request(
+                f"Previous response '{response_id}' is not known to this agent (it remembers "
+                f"the last {self.keep}).",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            ) from None
+
+    def put(self, response_id: str, messages: list[dict[str, str]]) -> None:
+        self._by_id[response_id] = messages
+        while len(self._by_id) > self.keep:
+            self._by_id.popitem(last=False)
+
+
+class _Reply:
+    """The response object as it grows."""
+
+    def __init__(self, req: ResponsesRequest) -> None:
+        self.req = req
+        self.id = "resp_" + secrets.token_hex(12)
+        self.item_id = "msg_" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.text = ""
+        self.seq = 0
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def part(self) -> dict[str, Any]:
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+
+    def item(self, status: str) -> dict[str, Any]:
+        content = [self.part()] if status != "in_progress" else []
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    def body(
+        self, status: str, usage: dict[str, Any] | None = None, error: dict | None = None
+    ) -> dict[str, Any]:
+        r = self.req
+        done = status in ("completed", "incomplete")
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": r.model,
+            "output": [self.item("completed" if done else status)] if done else [],
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "temperature": r.temperature if r.temperature is not None else 1.0,
+            "top_p": r.top_p if r.top_p is not None else 1.0,
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "previous_response_id": r.previous_response_id,
+            "metadata": r.metadata or {},
+            "usage": usage,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+        }
+
+
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not chat_usage:
+        return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+async def serve_responses(
+    ex: Exchange,
+    chat: Callable[[Exchange], Awaitable[None]],
+    remembered: Remembered,
+) -> None:
+    """Answer `ex` (a Responses request) through `chat`, the chat completions endpoint."""
+    req: ResponsesRequest = parse_body(ResponsesRequest, await ex.json_body())
+    req.refuse_unsupported()
+    history = remembered.get(req.previous_response_id) if req.previous_response_id else []
+    messages = req.messages(history)
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    for ours, theirs in (
+        ("max_tokens", req.max_output_tokens),
+        ("temperature", req.temperature),
+        ("top_p", req.top_p),
+    ):
+        if theirs is not None:
+            body[ours] = theirs
+    reply = _Reply(req)
+    send, chunks = trio.open_memory_channel[tuple[str, Any]](64)
+    inner = _InnerExchange(ex, json.dumps(body).encode(), send)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+        nursery.start_soon(inner.run, chat)
+        if req.stream:
+            await _stream(ex, reply, chunks)
+        else:
+            await _whole(ex, reply, chunks)
+        nursery.cancel_scope.cancel()
+    if reply.text and not ex.disconnected:
+        remembered.put(reply.id, [*messages, {"role": "assistant", "content": reply.text}])
+
+
+class _InnerExchange:
+    """The chat request run in process: its status, then each SSE event's JSON (or an error
+    body), sent on a channel as ("start", status), ("event", data) or ("body", bytes)."""
+
+    def __init__(self, outer: Exchange, body: bytes, out: trio.MemorySendChannel) -> None:
+        self.outer, self.body, self.out = outer, body, out
+        self._buffer = b""
+        self._sse = False
+
+    async def run(self, chat: Callable[[Exchange], Awaitable[None]]) -> None:
+        scope = {**self.outer.scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode()}
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": self.body, "more_body": False}
+            await trio.sleep_forever()  # the outer exchange watches for the client leaving
+            raise AssertionError
+
+        async with self.out:
+            ex = Exchange(scope, receive, self._send)
+            try:
+                await chat(ex)
+            except ApiError as e:
+                if not ex.started:
+                    await ex.send_error(e)
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        if msg["type"] == "http.response.start":
+            headers = dict(msg.get("headers", []))
+            self._sse = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            await self.out.send(("start", msg["status"]))
+            return
+        data = msg.get("body", b"")
+        if not self._sse:
+            self._buffer += data
+            if not msg.get("more_body"):
+                await self.out.send(("body", self._buffer))
+            return
+        self._buffer += data
+        while b"\n\n" in self._buffer:
+            block, self._buffer = self._buffer.split(b"\n\n", 1)
+            for line in block.split(b"\n"):
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    await self.out.send(("event", json.loads(line[6:])))
+
+
+async def _first(chunks: trio.MemoryReceiveChannel) -> int:
+    async for kind, value in chunks:
+        if kind == "start":
+            return int(value)
+    return 502
+
+
+async def _error_body(chunks: trio.MemoryReceiveChannel) -> bytes:
+    async for kind, value in chunks:
+        if kind == "body":
+            return bytes(value)
+    return json.dumps({"error": {"message": "no answer", "type": "server_error"}}).encode()
+
+
+async def _whole(ex: Exchange, reply: _Reply, chunks: trio.MemoryReceiveChannel) -> None:
+    status = await _first(chunks)
+    if status != 200:
+        await ex.send_bytes(status, await _error_body(chunks), "application/json")
+        return
+    usage, finish = None, None
+    async for kind, data in chunks:
+        if kind != "event":
+            continue
+        if "error" in data:  # the chat stream ended in an error: so does this response
+            err = data["error"]
+            await ex.send_json(500 if err.get("type") == "server_error" else 400, {"error": err})
+            return
+        for choice in data.get("choices") or []:
+            reply.text += choice["delta"].get("content") or ""
+            finish = choice.get("finish_reason") or finish
+        usage = data.get("usage") or usage
+    status_word = "incomplete" if finish == "length" else "completed"
+    await ex.send_json(200, reply.body(status_word, _usage(usage)))
+
+
+async def _stream(ex: Exchange, reply: _Reply, chunks: trio.MemoryReceiveChannel) -> None:
+    status = await _first(chunks)
+    if status != 200:
+        await ex.send_bytes(status, await _error_body(chunks), "application/json")
+        return
+    await ex.start_sse()
+    item = {"output_index": 0, "item_id": reply.item_id}
+    part = {**item, "content_index": 0}
+    await ex.send_event(reply.event("response.created", response=reply.body("in_progress")))
+    await ex.send_event(reply.event("response.in_progress", response=reply.body("in_progress")))
+    await ex.send_event(
+        reply.event("response.output_item.added", output_index=0, item=reply.item("in_progress"))
+    )
+    await ex.send_event(
+        reply.event(
+            "response.content_part.added",
+            **part,
+            part={"type": "output_text", "text": "", "annotations": []},
+        )
+    )
+    usage, finish = None, None
+    async for kind, data in chunks:
+        if kind != "event":
+            continue
+        if "error" in data:
+            err = data["error"]
+            await ex.send_event(
+                reply.event("error", message=err.get("message"), code=err.get("code"))
+            )
+            failure = {"code": err.get("code") or "server_error", "message": err.get("message")}
+            failed = reply.body("failed", error=failure)
+            await ex.send_event(reply.event("response.failed", response=failed))
+            await ex.end()
+            return
+        for choice in data.get("choices") or []:
+            delta = choice["delta"].get("content") or ""
+            if delta:
+                reply.text += delta
+                await ex.send_event(
+                    reply.event("response.output_text.delta", **part, delta=delta, logprobs=[])
+                )
+            finish = choice.get("finish_reason") or finish
+        usage = data.get("usage") or usage
+    await ex.send_event(
+        reply.event("response.output_text.done", **part, text=reply.text, logprobs=[])
+    )
+    await ex.send_event(reply.event("response.content_part.done", **part, part=reply.part()))
+    await ex.send_event(
+        reply.event("response.output_item.done", output_index=0, item=reply.item("completed"))
+    )
+    word = "incomplete" if finish == "length" else "completed"
+    done = reply.body(word, _usage(usage))
+    await ex.send_event(reply.event(f"response.{word}", response=done))
+    await ex.end()
