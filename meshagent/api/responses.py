@@ -136,6 +136,7 @@ class _Reply:
         self.created = int(time.time())
         self.text = ""
         self.seq = 0
+        self.on_done: Callable[[], None] = lambda: None  # the text is complete
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.seq += 1
@@ -221,6 +222,10 @@ async def serve_responses(
         if theirs is not None:
             body[ours] = theirs
     reply = _Reply(req)
+    # Remembered before the last event goes out: the client may ask on at once.
+    reply.on_done = lambda: remembered.put(
+        reply.id, [*messages, {"role": "assistant", "content": reply.text}]
+    )
     send, chunks = trio.open_memory_channel[tuple[str, Any]](64)
     inner = _InnerExchange(ex, json.dumps(body).encode(), send)
     async with trio.open_nursery() as nursery:
@@ -231,8 +236,6 @@ async def serve_responses(
         else:
             await _whole(ex, reply, chunks)
         nursery.cancel_scope.cancel()
-    if reply.text and not ex.disconnected:
-        remembered.put(reply.id, [*messages, {"role": "assistant", "content": reply.text}])
 
 
 class _InnerExchange:
@@ -316,6 +319,7 @@ async def _whole(ex: Exchange, reply: _Reply, chunks: trio.MemoryReceiveChannel)
             finish = choice.get("finish_reason") or finish
         usage = data.get("usage") or usage
     status_word = "incomplete" if finish == "length" else "completed"
+    reply.on_done()
     await ex.send_json(200, reply.body(status_word, _usage(usage)))
 
 
@@ -371,5 +375,6 @@ async def _stream(ex: Exchange, reply: _Reply, chunks: trio.MemoryReceiveChannel
     )
     word = "incomplete" if finish == "length" else "completed"
     done = reply.body(word, _usage(usage))
+    reply.on_done()
     await ex.send_event(reply.event(f"response.{word}", response=done))
     await ex.end()
