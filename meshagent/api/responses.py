@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshagent.api.errors import ApiError, bad_request
 from meshagent.api.exchange import Exchange
+from meshagent.api.inprocess import InnerExchange, error_body, first_status
 from meshagent.api.schemas import parse_body
 
 KEEP_RESPONSES = 256  # conversations remembered for previous_response_id
@@ -227,7 +228,7 @@ async def serve_responses(
         reply.id, [*messages, {"role": "assistant", "content": reply.text}]
     )
     send, chunks = trio.open_memory_channel[tuple[str, Any]](64)
-    inner = _InnerExchange(ex, json.dumps(body).encode(), send)
+    inner = InnerExchange(ex, CHAT_PATH, json.dumps(body).encode(), send)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
         nursery.start_soon(inner.run, chat)
@@ -238,73 +239,10 @@ async def serve_responses(
         nursery.cancel_scope.cancel()
 
 
-class _InnerExchange:
-    """The chat request run in process: its status, then each SSE event's JSON (or an error
-    body), sent on a channel as ("start", status), ("event", data) or ("body", bytes)."""
-
-    def __init__(self, outer: Exchange, body: bytes, out: trio.MemorySendChannel) -> None:
-        self.outer, self.body, self.out = outer, body, out
-        self._buffer = b""
-        self._sse = False
-
-    async def run(self, chat: Callable[[Exchange], Awaitable[None]]) -> None:
-        scope = {**self.outer.scope, "path": CHAT_PATH, "raw_path": CHAT_PATH.encode()}
-        sent = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": self.body, "more_body": False}
-            await trio.sleep_forever()  # the outer exchange watches for the client leaving
-            raise AssertionError
-
-        async with self.out:
-            ex = Exchange(scope, receive, self._send)
-            try:
-                await chat(ex)
-            except ApiError as e:
-                if not ex.started:
-                    await ex.send_error(e)
-
-    async def _send(self, msg: dict[str, Any]) -> None:
-        if msg["type"] == "http.response.start":
-            headers = dict(msg.get("headers", []))
-            self._sse = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-            await self.out.send(("start", msg["status"]))
-            return
-        data = msg.get("body", b"")
-        if not self._sse:
-            self._buffer += data
-            if not msg.get("more_body"):
-                await self.out.send(("body", self._buffer))
-            return
-        self._buffer += data
-        while b"\n\n" in self._buffer:
-            block, self._buffer = self._buffer.split(b"\n\n", 1)
-            for line in block.split(b"\n"):
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    await self.out.send(("event", json.loads(line[6:])))
-
-
-async def _first(chunks: trio.MemoryReceiveChannel) -> int:
-    async for kind, value in chunks:
-        if kind == "start":
-            return int(value)
-    return 502
-
-
-async def _error_body(chunks: trio.MemoryReceiveChannel) -> bytes:
-    async for kind, value in chunks:
-        if kind == "body":
-            return bytes(value)
-    return json.dumps({"error": {"message": "no answer", "type": "server_error"}}).encode()
-
-
 async def _whole(ex: Exchange, reply: _Reply, chunks: trio.MemoryReceiveChannel) -> None:
-    status = await _first(chunks)
+    status = await first_status(chunks)
     if status != 200:
-        await ex.send_bytes(status, await _error_body(chunks), "application/json")
+        await ex.send_bytes(status, await error_body(chunks), "application/json")
         return
     usage, finish = None, None
     async for kind, data in chunks:
@@ -324,9 +262,9 @@ async def _whole(ex: Exchange, reply: _Reply, chunks: trio.MemoryReceiveChannel)
 
 
 async def _stream(ex: Exchange, reply: _Reply, chunks: trio.MemoryReceiveChannel) -> None:
-    status = await _first(chunks)
+    status = await first_status(chunks)
     if status != 200:
-        await ex.send_bytes(status, await _error_body(chunks), "application/json")
+        await ex.send_bytes(status, await error_body(chunks), "application/json")
         return
     await ex.start_sse()
     item = {"output_index": 0, "item_id": reply.item_id}
