@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 import trio
 
-from meshagent.api import errors, forwarding
+from meshagent.api import errors, forwarding, ollama
 from meshagent.api.access import Access
 from meshagent.api.delivery import Failed, stream_reply, whole_reply
 from meshagent.api.embeddings import embedding_reply, parse_embedding
@@ -72,6 +72,9 @@ class OpenAIApp:
             ("POST", "/v1/completions"): self._generate,
             ("POST", "/v1/embeddings"): self._embeddings,
             ("POST", "/v1/responses"): self._responses,
+            ("GET", "/api/tags"): self._ollama_tags,
+            ("POST", "/api/chat"): self._ollama_chat,
+            ("POST", "/api/generate"): self._ollama_generate,
             ("GET", "/metrics"): self._metrics,
             ("GET", "/console"): self._console,
             ("GET", "/control/events"): self._control_events,
@@ -156,7 +159,7 @@ class OpenAIApp:
             },
         }
 
-    async def _list_models(self, ex: Exchange) -> None:
+    def _cards(self) -> list[dict[str, Any]]:
         models = self.directory.local_models()
         data = [self._model_card(m) for m in models]
         local = {m.info.id.casefold() for m in models}
@@ -164,7 +167,19 @@ class OpenAIApp:
             if remote.id.casefold() not in local:
                 data.append(self._remote_card(remote))
                 local.add(remote.id.casefold())
-        await ex.send_json(200, {"object": "list", "data": data})
+        return data
+
+    async def _list_models(self, ex: Exchange) -> None:
+        await ex.send_json(200, {"object": "list", "data": self._cards()})
+
+    async def _ollama_tags(self, ex: Exchange) -> None:
+        await ex.send_json(200, ollama.tags(self._cards()))
+
+    async def _ollama_chat(self, ex: Exchange) -> None:
+        await ollama.serve(ex, self._generate, chat=True)
+
+    async def _ollama_generate(self, ex: Exchange) -> None:
+        await ollama.serve(ex, self._generate, chat=False)
 
     def _local(self, name: str) -> LocalModel | None:
         return next((m for m in self.directory.local_models() if m.matches(name)), None)

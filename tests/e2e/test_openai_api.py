@@ -518,3 +518,33 @@ def test_the_responses_api_through_the_official_client(
         client.responses.create(model=model_id, input="hi", previous_response_id="resp_nope")
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input="hi")
+
+
+def test_ollamas_endpoints_through_the_ollama_client(agent: AgentProcess, model_id: str) -> None:
+    import ollama
+
+    client = ollama.Client(host=agent.url)
+    assert [m.model for m in client.list().models] == [model_id]
+    messages = [{"role": "user", "content": "Name a colour."}]
+    options = {"temperature": 0, "num_predict": 12}
+    whole = client.chat(model=f"{model_id}:latest", messages=messages, options=options)
+    assert whole.done and whole.message.role == "assistant" and whole.message.content
+    assert whole.eval_count and whole.prompt_eval_count and whole.done_reason in ("stop", "length")
+    parts = list(client.chat(model=model_id, messages=messages, options=options, stream=True))
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    # The same greedy text as the OpenAI endpoint gives.
+    body = {"model": model_id, "messages": messages, "max_tokens": 12, "temperature": 0}
+    chat = httpx.post(f"{agent.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert whole.message.content == chat["choices"][0]["message"]["content"]
+    gen = client.generate(model=model_id, prompt="Name a colour.", options=options)
+    assert gen.response == whole.message.content  # through the chat template, as ollama does
+    raw = list(client.generate(model=model_id, prompt="The sky is", raw=True, stream=True,
+                               options={"temperature": 0, "num_predict": 6}))  # fmt: skip
+    assert raw[-1].done and "".join(p.response for p in raw).strip()
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=model_id, messages=messages, format="json")
+    assert e.value.status_code == 400 and "format" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="nope", messages=messages)
+    assert e.value.status_code == 404
