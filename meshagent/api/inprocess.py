@@ -23,6 +23,7 @@ class InnerExchange:
         self, outer: Exchange, path: str, body: bytes, out: trio.MemorySendChannel
     ) -> None:
         self.outer, self.path, self.body, self.out = outer, path, body, out
+        self.gone = trio.Event()  # the outer client left: the handler hears a disconnect
         self._buffer = b""
         self._sse = False
 
@@ -35,8 +36,8 @@ class InnerExchange:
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": self.body, "more_body": False}
-            await trio.sleep_forever()  # the outer exchange watches for the client leaving
-            raise AssertionError
+            await self.gone.wait()  # `relay_disconnect` watches the outer client
+            return {"type": "http.disconnect"}
 
         async with self.out:
             ex = Exchange(scope, receive, self._send)
@@ -64,6 +65,14 @@ class InnerExchange:
             for line in block.split(b"\n"):
                 if line.startswith(b"data: ") and line != b"data: [DONE]":
                     await self.out.send(("event", json.loads(line[6:])))
+
+
+async def relay_disconnect(outer: Exchange, inner: InnerExchange) -> None:
+    """When `outer`'s client leaves, `inner`'s handler hears it as its own client leaving
+    (and stops, and counts it so)."""
+    with trio.CancelScope() as scope:
+        await outer.watch_disconnect(scope)
+    inner.gone.set()
 
 
 async def first_status(chunks: trio.MemoryReceiveChannel) -> int:

@@ -19,7 +19,7 @@ import trio
 
 from meshagent.api.errors import ApiError, bad_request
 from meshagent.api.exchange import Exchange
-from meshagent.api.inprocess import InnerExchange, error_body, first_status
+from meshagent.api.inprocess import InnerExchange, error_body, first_status, relay_disconnect
 
 Handler = Callable[[Exchange], Awaitable[None]]
 NDJSON = "application/x-ndjson"
@@ -144,7 +144,7 @@ async def serve(ex: Exchange, handler: Handler, *, chat: bool) -> None:
     send, chunks = trio.open_memory_channel[tuple[str, Any]](64)
     inner = InnerExchange(ex, path, json.dumps(request).encode(), send)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+        nursery.start_soon(relay_disconnect, ex, inner)
         nursery.start_soon(inner.run, handler)
         await _answer(ex, chunks, request["model"], chat=chat, stream=stream)
         nursery.cancel_scope.cancel()

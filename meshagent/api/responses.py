@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshagent.api.errors import ApiError, bad_request
 from meshagent.api.exchange import Exchange
-from meshagent.api.inprocess import InnerExchange, error_body, first_status
+from meshagent.api.inprocess import InnerExchange, error_body, first_status, relay_disconnect
 from meshagent.api.schemas import parse_body
 
 KEEP_RESPONSES = 256  # conversations remembered for previous_response_id
@@ -230,7 +230,7 @@ async def serve_responses(
     send, chunks = trio.open_memory_channel[tuple[str, Any]](64)
     inner = InnerExchange(ex, CHAT_PATH, json.dumps(body).encode(), send)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+        nursery.start_soon(relay_disconnect, ex, inner)
         nursery.start_soon(inner.run, chat)
         if req.stream:
             await _stream(ex, reply, chunks)
@@ -313,6 +313,7 @@ async def _stream(ex: Exchange, reply: _Reply, chunks: trio.MemoryReceiveChannel
     )
     word = "incomplete" if finish == "length" else "completed"
     done = reply.body(word, _usage(usage))
-    reply.on_done()
+    if not ex.disconnected:  # a response cut short by its client is not one to go on from
+        reply.on_done()
     await ex.send_event(reply.event(f"response.{word}", response=done))
     await ex.end()

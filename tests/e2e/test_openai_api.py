@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 
 import httpx
@@ -548,3 +549,22 @@ def test_ollamas_endpoints_through_the_ollama_client(agent: AgentProcess, model_
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="nope", messages=messages)
     assert e.value.status_code == 404
+
+
+def test_a_client_leaving_a_responses_stream_stops_its_generation(
+    agent: AgentProcess, model_id: str
+) -> None:
+    gone = frozenset({("model", model_id), ("path", "local"), ("status", "client_gone")})
+    before = _scrape(agent).get(("meshagent_requests_total", gone), 0)
+    body = {"model": model_id, "input": "Tell me a long story.", "max_output_tokens": 400,
+            "stream": True, "temperature": 0}  # fmt: skip
+    with httpx.stream("POST", f"{agent.url}/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if "response.output_text.delta" in line:
+                break  # leave mid-stream
+    deadline = time.monotonic() + 10
+    while _scrape(agent).get(("meshagent_requests_total", gone), 0) == before:
+        assert time.monotonic() < deadline, "the generation went on without its client"
+        time.sleep(0.1)
+    assert _scrape(agent)[("meshagent_slots_busy", frozenset({("model", model_id)}))] == 0
