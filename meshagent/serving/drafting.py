@@ -231,6 +231,11 @@ class Acceptance:
         if hits >= 1:
             self.then.update(hits - 1, trials - 1)
 
+    def then_seen(self, right: bool) -> None:
+        """A token that was proposed but not drafted, after drafted ones that were all
+        right, would have been `right` (a short window would else never tell `then`)."""
+        self.then.update(int(right), 1)
+
     @property
     def rate(self) -> float:
         """The chance of the next draft token being right, at a window's start."""

@@ -183,7 +183,14 @@ class _Seq:
     drafter: SuffixDrafter | None = None  # speculating: its text so far, indexed
     length: DraftLength | None = None  # "on": how many tokens to draft
     acceptance: Acceptance | None = None  # "auto": how often its drafts are right
-    shadow: int | None = None  # "auto", not drafting: what it would have drafted first
+    # "auto", not drafting: what it would have drafted, checked against the tokens decoded
+    # instead (evidence for `Acceptance.first`, then, while right, for `Acceptance.then`)
+    shadow: tuple[int, ...] = ()
+    shadow_after: bool = False  # the shadow's next token follows a right one
+    # "auto", drafting fewer tokens than proposed: the first one it left out, to see whether
+    # it would have been right after the drafted ones (evidence for `Acceptance.then` that a
+    # short window gives no other way)
+    beyond: int | None = None
     windows: deque[_Window] = field(default_factory=deque)  # in flight, oldest first
     # Windows it voided may still be in flight ahead of its next step, which would queue
     # behind them: that step's trip is not what its window costs, and is not timed.
@@ -452,8 +459,13 @@ class Scheduler:
         if s.acceptance is None or not proposal:
             return proposal
         k = best_draft(s.acceptance, self.window_cost, len(proposal))
-        if not k:  # it would not pay: see whether its first token would have been right
-            s.shadow = proposal[0]
+        if not k:  # it would not pay: see whether its tokens would have been right
+            if not s.shadow:
+                s.shadow, s.shadow_after = proposal, False
+            return ()
+        s.shadow = ()
+        if k < len(proposal):
+            s.beyond = proposal[k]
         return proposal[:k]
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -486,6 +498,12 @@ class Scheduler:
         if not right:  # the window's last token: the first off the draft, or the one after it
             in_flight = len(s.windows) if drafted else 0
             s.windows.popleft()
+            if s.beyond is not None:
+                # Every drafted token was right and no window follows: the model's own token
+                # here says whether the next proposed one would have been right too.
+                if at == len(window) and not s.windows and s.acceptance is not None:
+                    s.acceptance.then_seen(token == s.beyond)
+                s.beyond = None
             if now is not None and w.sent_at is not None:
                 self.window_cost.observe(len(window) + 1, now - w.sent_at)
             if not (at == len(window) and s.windows and s.windows[0].guess == token):
@@ -521,9 +539,13 @@ class Scheduler:
             return [Token(s.id, token, finish, timing, drafted, accepted, in_flight, cached)]
         if s.drafter is not None:
             s.drafter.extend((token,))
-        if s.shadow is not None and s.acceptance is not None:
-            s.acceptance.update(token == s.shadow, 1)
-            s.shadow = None
+        if s.shadow and s.acceptance is not None:
+            hit = token == s.shadow[0]
+            if s.shadow_after:
+                s.acceptance.then_seen(hit)
+            else:
+                s.acceptance.update(hit, 1)
+            s.shadow, s.shadow_after = (s.shadow[1:] if hit else ()), True
         if right:  # more of the window is coming
             return [Token(s.id, token, None, timing, cached=cached)]
         if not s.busy:  # no window follows: the token is the next step's input

@@ -166,6 +166,23 @@ async def test_auto_drafts_as_far_as_the_window_pays_for_itself(nursery, slope):
         assert fin.speculation.windows < (20 if slope < 0.1 else 40), fin.speculation
 
 
+async def test_auto_learns_long_drafts_pay_where_short_ones_do_not(nursery):
+    # Where each drafted token costs 0.6 of a step, a one-token draft pays a little and long
+    # ones pay more only if drafts come in long right runs. From its prior (runs of 70%),
+    # "auto" drafts one token at a time; a one-token window says nothing about runs, so the
+    # tokens it proposed and left out must tell it (else it stays at one token for good).
+    engine = FakeEngine(slots=2, slot_ctx=512, copy_back=6)
+    model = LocalModel.whole(engine, max_queue=2)
+    await nursery.start(model.run)
+    cost = model.runner.scheduler.window_cost
+    cost.slope, cost.jump, cost.weight = 0.6, 0.06, 0.0  # as measured on a CPU, and fixed
+    plain, _ = await run(model, "abcdef abcdef", 120, sampling=GREEDY)
+    copied, fin = await run(model, "abcdef abcdef", 120, sampling=GREEDY, speculation="auto")
+    assert copied == plain
+    assert fin.speculation is not None and fin.speculation.accepted > 60, fin.speculation
+    assert fin.speculation.accepted / fin.speculation.windows > 4  # long windows
+
+
 async def test_a_request_that_does_not_choose_gets_the_models_setting(nursery):
     model = LocalModel.whole(FakeEngine(slots=2, slot_ctx=512, copy_back=6), max_queue=2)
     await nursery.start(model.run)
