@@ -20,7 +20,7 @@ from meshagent.engine.base import Engine, ForwardItem
 from meshagent.engine.windows import TEXT, WindowCheck, check_windows
 from meshagent.serving.drafting import verify
 from meshagent.serving.sampling import Sampler
-from meshagent.serving.scheduler import Step
+from meshagent.serving.steps import Step
 
 log = structlog.get_logger(__name__)
 

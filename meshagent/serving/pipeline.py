@@ -37,7 +37,7 @@ from meshagent.net.outbox import Outbox
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.executor import SampledToken
 from meshagent.serving.runner import ModelRunner
-from meshagent.serving.scheduler import Step
+from meshagent.serving.steps import Step
 
 log = structlog.get_logger(__name__)
 

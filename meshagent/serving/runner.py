@@ -24,7 +24,8 @@ from meshagent.errors import EngineError, MeshError
 from meshagent.serving.executor import Executor, SampledToken
 from meshagent.serving.prefix_cache import PrefixIndex
 from meshagent.serving.sampling import SamplingParams
-from meshagent.serving.scheduler import Event, Failed, Scheduler, SchedulerStats, Step, Token
+from meshagent.serving.scheduler import Scheduler, SchedulerStats
+from meshagent.serving.steps import Event, Failed, Step, Token
 
 log = structlog.get_logger(__name__)
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from meshagent.errors import ContextOverflow, EngineError, QueueFull, ShuttingDown
 from meshagent.serving.sampling import SamplingParams
-from meshagent.serving.scheduler import Failed, Scheduler, Token
+from meshagent.serving.scheduler import Scheduler
+from meshagent.serving.steps import Failed, Token
 
 GREEDY = SamplingParams(temperature=0.0)
 END = 0
