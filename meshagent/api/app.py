@@ -405,7 +405,8 @@ class OpenAIApp:
                 except ApiError as e:
                     send.send_nowait(Failed(e))
 
-        reply = Reply(chat=isinstance(req, ChatCompletionRequest), model=head.model)
+        chat = isinstance(req, ChatCompletionRequest)
+        reply = Reply(chat=chat, model=head.model, logprobs=req.top_count() is not None)
         receipt = [*head.headers, (b"x-meshagent-served-by", carried.entry.encode())]
         meter.receipt(receipt)
         async with trio.open_nursery() as nursery:
@@ -499,7 +500,8 @@ class OpenAIApp:
                     split = any(name == b"x-meshagent-wire-dtype" for name, _ in receipt)
                     meter.path = SPLIT if split else LOCAL
                     meter.receipt(receipt)
-                    reply = Reply(chat=p.chat, model=model.info.id)
+                    logprobs = p.gen.sampling.logprobs is not None
+                    reply = Reply(chat=p.chat, model=model.info.id, logprobs=logprobs)
                     if p.stream:
                         await stream_reply(
                             ex, events, reply, p.include_usage, p.echo, receipt, meter

@@ -46,7 +46,7 @@ async def stream_reply(
                 await ex.send_event(reply.chunk(echo))
         if isinstance(ev, Delta):
             meter.first_text()
-            await ex.send_event(reply.chunk(ev.text))
+            await ex.send_event(reply.chunk(ev.text, logprobs=ev.logprobs))
         else:
             meter.finished(ev)
             await ex.send_event(reply.chunk(None, finish=ev.reason))
@@ -65,7 +65,7 @@ async def whole_reply(
     receipt: list[tuple[bytes, bytes]],
     meter: RequestMeter,
 ) -> None:
-    parts = [echo]
+    deltas: list[Delta] = []
     async for ev in events:
         if isinstance(ev, Failed):
             meter.fail(ev.error.status, ev.error.message)
@@ -73,8 +73,8 @@ async def whole_reply(
             return
         if isinstance(ev, Delta):
             meter.first_text()
-            parts.append(ev.text)
+            deltas.append(ev)
         else:
             meter.finished(ev)
-            await ex.send_json(200, reply.whole("".join(parts), ev), receipt)
+            await ex.send_json(200, reply.whole(echo, deltas, ev), receipt)
             return

@@ -17,7 +17,7 @@ from meshagent.api.errors import ApiError, from_body
 from meshagent.api.forwarding import FRAMING
 from meshagent.errors import MeshError
 from meshagent.serving.directory import Headers
-from meshagent.serving.generation import Delta, Finished, Replay, Speculation
+from meshagent.serving.generation import Delta, Finished, Logprob, Replay, Speculation
 
 VERSION = 1
 
@@ -72,7 +72,10 @@ def _fields(msg: Message) -> dict[int, Any]:
         e = msg.error
         return {1: "fail", 2: e.status, 3: e.body(), 4: e.retry_after, 5: msg.resumable}
     if isinstance(msg, Delta):
-        return {1: "delta", 2: msg.text, 3: list(msg.tokens)}
+        fields = {1: "delta", 2: msg.text, 3: list(msg.tokens)}
+        if msg.logprobs:
+            fields[4] = [[lp.token, lp.logprob, [list(t) for t in lp.top]] for lp in msg.logprobs]
+        return fields
     replays = [[r.reason, r.tokens, r.ms, r.wait_ms, list(r.lost)] for r in msg.replays]
     done = {
         1: "done",
@@ -105,7 +108,11 @@ def decode(body: bytes) -> Message:
 def _message(m: dict[int, Any]) -> Message:
     kind = m[1]
     if kind == "delta":
-        return Delta(_str(m[2]), tuple(_int(t) for t in m[3]))
+        lps = tuple(
+            Logprob(bytes(e[0]), float(e[1]), tuple((bytes(t), float(v)) for t, v in e[2]))
+            for e in m.get(4, ())
+        )
+        return Delta(_str(m[2]), tuple(_int(t) for t in m[3]), lps)
     if kind == "done":
         replays = tuple(
             Replay(_str(r[0]), _int(r[1]), float(r[2]), float(r[3]), tuple(map(_str, r[4])))

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from meshagent.api import errors
 from meshagent.api.schemas import ChatCompletionRequest, CompletionRequest, parse
+from meshagent.api.structured import response_format_grammar
+from meshagent.errors import EngineError
 from meshagent.serving.chat import ChatMessage, TemplateError
 from meshagent.serving.generation import GenerationRequest
 from meshagent.serving.local_model import LocalModel
@@ -53,7 +55,7 @@ def _chat(req: ChatCompletionRequest, model: LocalModel) -> Prepared:
         tokens = model.chat_tokens(messages)
     except TemplateError as e:
         raise errors.bad_request(str(e), param="messages") from e
-    gen = _generation_request(req, tokens, req.token_limit())
+    gen = _generation_request(req, model, tokens, req.token_limit())
     return Prepared(model, gen, True, req.stream, req.include_usage(), "messages")
 
 
@@ -75,20 +77,30 @@ def _completion(req: CompletionRequest, model: LocalModel) -> Prepared:
         prompt_text = b"".join(model.engine.token_bytes(t) for t in tokens).decode(errors="replace")
     if not tokens:
         raise errors.bad_request("The prompt is empty.", param="prompt")
-    gen = _generation_request(req, tokens, req.max_tokens)
+    gen = _generation_request(req, model, tokens, req.max_tokens)
     echo = prompt_text if req.echo else ""
     return Prepared(model, gen, False, req.stream, req.include_usage(), "prompt", echo)
 
 
 def _generation_request(
-    req: CompletionKind, tokens: tuple[int, ...], limit: int | None
+    req: CompletionKind, model: LocalModel, tokens: tuple[int, ...], limit: int | None
 ) -> GenerationRequest:
+    grammar = response_format_grammar(req.response_format)
+    if grammar is not None:
+        try:
+            model.engine.check_grammar(grammar)
+        except EngineError as e:
+            raise errors.bad_request(
+                f"response_format cannot be enforced on this model: {e}", param="response_format"
+            ) from e
     sampling = SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
         seed=req.seed,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
+        grammar=grammar,
+        logprobs=req.top_count(),
     )
     return GenerationRequest(
         tokens, limit, sampling, req.stop_list(), speculation=req.speculation()

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshagent.serving.generation import Finished
+from meshagent.serving.generation import Delta, Finished, Logprob
 
 
 def usage(done: Finished) -> dict[str, Any]:
@@ -53,18 +53,55 @@ def usage(done: Finished) -> dict[str, Any]:
     return out
 
 
+def _token_text(token: bytes) -> str:
+    return token.decode(errors="replace")
+
+
+def chat_logprobs(lps: tuple[Logprob, ...]) -> dict[str, Any]:
+    """A chat choice's `logprobs`: each token, its bytes and log-probability, and the most
+    likely tokens at its step."""
+
+    def entry(token: bytes, logprob: float) -> dict[str, Any]:
+        return {"token": _token_text(token), "logprob": logprob, "bytes": list(token)}
+
+    content = [
+        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in lps
+    ]
+    return {"content": content, "refusal": None}
+
+
 @dataclass
 class Reply:
-    """One response's identity; builds its chunks and its whole body."""
+    """One response's identity; builds its chunks and its whole body. With `logprobs`, each
+    choice carries its tokens' log-probabilities in the endpoint's shape."""
 
     chat: bool
     model: str
+    logprobs: bool = False
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
+    _offset: int = 0  # characters of completion text before the next chunk's (text_offset)
 
     def __post_init__(self) -> None:
         if not self.id:
             self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+
+    def _logprobs(self, lps: tuple[Logprob, ...]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(lps)
+        offsets = []
+        for lp in lps:
+            offsets.append(self._offset)
+            self._offset += len(_token_text(lp.token))
+        return {
+            "tokens": [_token_text(lp.token) for lp in lps],
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{_token_text(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -81,34 +118,46 @@ class Reply:
             return None
         return self.chunk(None, role=True)
 
-    def chunk(self, text: str | None, *, finish: str | None = None, role: bool = False) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        *,
+        finish: str | None = None,
+        role: bool = False,
+        logprobs: tuple[Logprob, ...] = (),
+    ) -> dict:
+        lps = self._logprobs(logprobs) if logprobs else None
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
             elif text is not None:
                 delta = {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, done: Finished) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj, []), "usage": usage(done)}
 
-    def whole(self, text: str, done: Finished) -> dict[str, Any]:
+    def whole(self, echo: str, deltas: list[Delta], done: Finished) -> dict[str, Any]:
+        text = echo + "".join(d.text for d in deltas)
+        lps = self._logprobs(tuple(lp for d in deltas for lp in d.logprobs))
         if self.chat:
             message = {"role": "assistant", "content": text}
             choice = {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": lps,
                 "finish_reason": done.reason,
             }
             body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.reason}
+            if lps is not None:
+                lps["text_offset"] = [len(echo) + o for o in lps["text_offset"]]
+            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": done.reason}
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage(done)
         return body

@@ -7,8 +7,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from meshagent.api.errors import ApiError, bad_request
+from meshagent.api.structured import response_format_grammar
 
 MAX_STOPS = 4
+MAX_TOP_LOGPROBS = 20
 
 
 class MeshagentOptions(BaseModel):
@@ -34,8 +36,8 @@ class _Request(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     stream_options: dict[str, Any] | None = None
     meshagent: MeshagentOptions | None = None
+    response_format: dict[str, Any] | None = None  # enforced by a grammar (api/structured.py)
     # Fields that would change the answer if ignored: read only to refuse them.
-    response_format: dict[str, Any] | None = None
     logit_bias: dict[str, Any] | None = None
 
     @field_validator("stop")
@@ -81,7 +83,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     tools: list[Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -90,14 +92,21 @@ class ChatCompletionRequest(_Request):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def top_count(self) -> int | None:
+        """How many likeliest tokens to report with each token's logprob (None: none)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the legacy endpoint's default
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+    def top_count(self) -> int | None:
+        return self.logprobs
 
 
 def parse(model: type[_Request], body: Any) -> Any:
@@ -127,19 +136,12 @@ def _refuse_unsupported(req: _Request) -> None:
 
     if req.n != 1:
         raise unsupported("n", "Only n=1 is supported: send one request per completion.")
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise unsupported(
-            "response_format",
-            f"response_format {fmt.get('type')!r} is not supported yet: the output would not "
-            "be constrained to it. Leave it out (or use type 'text') and ask for the format "
-            "in the prompt.",
-        )
+    response_format_grammar(req.response_format)  # a 400 now if it cannot be enforced
     if req.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported yet.")
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs:
-            raise unsupported("logprobs", "logprobs are not supported yet.")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
         if req.tools:
             raise unsupported("tools", "Tool calling is not supported yet.")
         if req.functions or req.function_call is not None:
@@ -147,13 +149,14 @@ def _refuse_unsupported(req: _Request) -> None:
             raise unsupported(param, "Function calling is not supported yet.")
         if req.tool_choice not in (None, "none"):
             raise unsupported("tool_choice", "Tool calling is not supported yet.")
-        if req.top_logprobs is not None:
-            raise unsupported("top_logprobs", "logprobs are not supported yet.")
         if req.modalities is not None and set(req.modalities) - {"text"}:
             raise unsupported("modalities", "Only text output is supported.")
     if isinstance(req, CompletionRequest):
-        if req.logprobs:
-            raise unsupported("logprobs", "logprobs are not supported yet.")
+        if req.logprobs is not None and req.echo:
+            raise unsupported(
+                "echo",
+                "echo with logprobs is not supported: the prompt's tokens get no logprobs.",
+            )
         if req.suffix:
             raise unsupported("suffix", "suffix (fill-in-the-middle) is not supported.")
         if req.best_of is not None and req.best_of > 1:

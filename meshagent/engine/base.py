@@ -23,6 +23,21 @@ class ModelInfo:
     eos_token: str
 
 
+class Constraint(Protocol):
+    """Which tokens may come next (a grammar, `engine/grammar.py`), advanced by each token
+    sampled (`serving/sampling.py`)."""
+
+    def allows(self, token: int) -> bool: ...
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """`logits` with every token it does not allow now set to -inf."""
+        ...
+
+    def accept(self, token: int) -> None:
+        """Advance past `token`; raises EngineError if it is not allowed."""
+        ...
+
+
 @dataclass(frozen=True)
 class ForwardItem:
     """Tokens of one sequence to run, starting at position `pos`."""
@@ -47,6 +62,10 @@ class TokenModel(Protocol):
     def token_bytes(self, token: int) -> bytes: ...
 
     def is_end_of_generation(self, token: int) -> bool: ...
+
+    def check_grammar(self, text: str) -> None:
+        """Raise EngineError if `text` is not a grammar `constraint` accepts."""
+        ...
 
 
 class Engine(TokenModel, Protocol):
@@ -83,6 +102,10 @@ class Engine(TokenModel, Protocol):
 
     def import_sequence(self, seq_id: int, state: bytes) -> None:
         """Replace a sequence's KV with what `export_sequence` gave."""
+        ...
+
+    def constraint(self, text: str) -> Constraint:
+        """The grammar `text` as a sampling constraint (`serving/sampling.py`)."""
         ...
 
     def memory_bytes(self) -> int: ...

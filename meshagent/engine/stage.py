@@ -8,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from meshagent.engine.grammar import GrammarConstraint
 from meshagent.engine.native import Capture
 from meshagent.engine.runtime import EmbdItem, LlamaRuntime, RuntimeDelegate
+from meshagent.engine.vocab import Vocab
 from meshagent.errors import EngineError
 from meshagent.models.slicer import PAD_LAYERS_KEY, SLICE_KEY_PREFIX
 
@@ -72,6 +74,11 @@ class StageEngine(RuntimeDelegate):
         self.n_embd = self.runtime.n_embd
         self.n_slots = slots
         self.slot_ctx = slot_ctx
+
+    def constraint(self, text: str) -> GrammarConstraint:
+        """The grammar `text` as a sampling constraint over the model's vocabulary (the
+        stage's file keeps the tokenizer: the last stage samples)."""
+        return Vocab(self.runtime.model).constraint(text)
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
         for it in items:

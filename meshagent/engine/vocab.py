@@ -7,6 +7,7 @@ from pathlib import Path
 
 import llama_cpp
 
+from meshagent.engine.grammar import GrammarConstraint, check_grammar
 from meshagent.engine.runtime import load_model
 
 
@@ -47,6 +48,14 @@ class Vocab:
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
+    def check_grammar(self, text: str) -> None:
+        """Raise EngineError if `text` is not a grammar llama.cpp accepts."""
+        check_grammar(self._vocab, text)
+
+    def constraint(self, text: str) -> GrammarConstraint:
+        """The grammar `text` as a sampling constraint over this vocabulary."""
+        return GrammarConstraint(self._vocab, self.n_vocab, text)
+
     def token_text(self, token: int) -> str:
         if token < 0:
             return ""
@@ -84,3 +93,9 @@ class VocabDelegate:
 
     def is_end_of_generation(self, token: int) -> bool:
         return self.vocab.is_end_of_generation(token)
+
+    def check_grammar(self, text: str) -> None:
+        self.vocab.check_grammar(text)
+
+    def constraint(self, text: str) -> GrammarConstraint:
+        return self.vocab.constraint(text)

@@ -16,16 +16,37 @@ from typing import Protocol
 import structlog
 import trio
 
-from meshagent.engine.base import Engine, ForwardItem
+from meshagent.engine.base import Constraint, Engine, ForwardItem
 from meshagent.engine.windows import TEXT, WindowCheck, check_windows
 from meshagent.serving.drafting import verify
-from meshagent.serving.sampling import Sampler
+from meshagent.serving.sampling import Sampler, SamplingParams, TokenLogprob
 from meshagent.serving.steps import Step
 
 log = structlog.get_logger(__name__)
 
-# (slot, token, timing per stage)
-SampledToken = tuple[int, int, tuple[float, ...]]
+# (slot, token, timing per stage, its log-probability where the request asked for them)
+SampledToken = tuple[int, int, tuple[float, ...], TokenLogprob | None]
+
+
+class ConstraintSource(Protocol):
+    def constraint(self, text: str) -> Constraint: ...
+
+
+def new_sampler(
+    engine: ConstraintSource, params: SamplingParams, history: tuple[int, ...] = ()
+) -> Sampler:
+    """A sampler for one sequence, constrained by its grammar (over `engine`'s vocabulary)
+    where it has one."""
+    constraint = None if params.grammar is None else engine.constraint(params.grammar)
+    return Sampler(params, history, constraint)
+
+
+def with_logprobs(
+    slot: int, tokens: list[int], timing: tuple[float, ...], sampler: Sampler
+) -> list[SampledToken]:
+    """`tokens` just sampled by `sampler`, as SampledTokens with their log-probabilities."""
+    lps: list[TokenLogprob | None] = list(sampler.take_logprobs()) or [None] * len(tokens)
+    return [(slot, t, timing, lp) for t, lp in zip(tokens, lps, strict=True)]
 
 
 class Executor(Protocol):
@@ -80,7 +101,7 @@ class LocalExecutor:
             self.engine.clear_sequence(slot)
             self._samplers.pop(slot, None)
         for op in step.opened:
-            self._samplers[op.slot] = Sampler(op.sampling, op.history)
+            self._samplers[op.slot] = new_sampler(self.engine, op.sampling, op.history)
             if op.restore is not None:
                 entry, keep = op.restore
                 self.engine.import_sequence(op.slot, self._kept[entry])
@@ -100,13 +121,13 @@ class LocalExecutor:
             assert logits is not None
             sampler = self._samplers[it.slot]
             if not it.draft:
-                out.append((it.slot, sampler.sample(logits), ()))
+                out += with_logprobs(it.slot, [sampler.sample(logits)], (), sampler)
                 continue
             draft = it.tokens[-it.draft :]
             tokens = verify(sampler, logits, draft, is_end=self.engine.is_end_of_generation)
             # Keep the cache up to the last accepted draft token; the one after it is not in.
             self.engine.trim_sequence(it.slot, it.pos + len(it.tokens) - it.draft + len(tokens) - 1)
-            out += [(it.slot, token, ()) for token in tokens]
+            out += with_logprobs(it.slot, tokens, (), sampler)
         return out
 
     @property

@@ -11,7 +11,7 @@ import trio
 
 from meshagent.errors import ContextOverflow, SplitUnavailable
 from meshagent.serving.runner import ModelRunner
-from meshagent.serving.sampling import SamplingParams
+from meshagent.serving.sampling import SamplingParams, TokenLogprob
 from meshagent.serving.stops import StopMatcher
 
 log = structlog.get_logger(__name__)
@@ -33,9 +33,21 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A generated token's bytes and log-probability, and the most likely tokens at its
+    step with theirs (`TokenLogprob`, with each token's bytes)."""
+
+    token: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
     tokens: tuple[int, ...] = ()  # the tokens generated since the previous delta
+    # Where the request asked for them: one per token of `tokens`, in order.
+    logprobs: tuple[Logprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,18 +134,23 @@ class _Text:
         self.stops = StopMatcher(stop)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._tokens: list[int] = []
+        self._logprobs: list[Logprob] = []
 
     @property
     def stopped(self) -> bool:
         return self.stops.stopped
 
-    def feed(self, token: int) -> Delta | None:
+    def feed(self, token: int, logprob: TokenLogprob | None = None) -> Delta | None:
         self._tokens.append(token)
+        if logprob is not None:
+            top = tuple((self.token_bytes(t), lp) for t, lp in logprob.top)
+            self._logprobs.append(Logprob(self.token_bytes(token), logprob.logprob, top))
         text = self.stops.feed(self._utf8.decode(self.token_bytes(token)))
         if not text:
             return None
-        delta = Delta(text, tuple(self._tokens))
+        delta = Delta(text, tuple(self._tokens), tuple(self._logprobs))
         self._tokens.clear()
+        self._logprobs.clear()
         return delta
 
     def resume(self, history: tuple[int, ...], delivered: int) -> Delta | None:
@@ -141,12 +158,13 @@ class _Text:
         the client has, is what is still owed (nothing, when the break fell between deltas)."""
         text = "".join(d.text for t in history if (d := self.feed(t)) is not None)
         self._tokens.clear()
+        self._logprobs.clear()
         owed = text[delivered:]
         return Delta(owed) if owed else None
 
     def tail(self) -> Delta | None:
         text = self.stops.feed(self._utf8.decode(b"", final=True)) + self.stops.flush()
-        return Delta(text, tuple(self._tokens)) if text else None
+        return Delta(text, tuple(self._tokens), tuple(self._logprobs)) if text else None
 
 
 def _gave_up(error: SplitUnavailable, deadline: float) -> SplitUnavailable:
@@ -259,7 +277,7 @@ async def generate(
                         reason = "stop"
                         break
                     history.append(ev.token)
-                    if (delta := text.feed(ev.token)) is not None:
+                    if (delta := text.feed(ev.token, ev.logprob)) is not None:
                         out.send_nowait(delta)
                     if text.stopped:
                         reason = "stop"

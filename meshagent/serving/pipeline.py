@@ -37,6 +37,7 @@ from meshagent.net.outbox import Outbox
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.executor import SampledToken
 from meshagent.serving.runner import ModelRunner
+from meshagent.serving.sampling import TokenLogprob
 from meshagent.serving.steps import Step
 
 log = structlog.get_logger(__name__)
@@ -384,8 +385,10 @@ class PipelineExecutor:
         tokens: list[SampledToken] = []
         for msg in msgs:
             if isinstance(msg, sm.Token):
-                tokens.append((msg.seq, msg.token, msg.timing))
-                tokens += [(msg.seq, more, ()) for more in msg.more]  # a verified draft
+                lps: list[TokenLogprob | None] = [*msg.logprobs] or [None] * (1 + len(msg.more))
+                tokens.append((msg.seq, msg.token, msg.timing, lps[0]))
+                # a verified draft
+                tokens += [(msg.seq, t, (), lp) for t, lp in zip(msg.more, lps[1:], strict=True)]
             elif isinstance(msg, sm.StageFailure):
                 if msg.seq is None:
                     self._broken(msg.message)

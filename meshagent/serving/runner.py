@@ -160,7 +160,9 @@ class ModelRunner:
         with self._lock:
             now = time.perf_counter()  # the trip of each window that ends here (auto's cost)
             sched = self.scheduler
-            events = [e for slot, tok, ms in tokens for e in sched.token(slot, tok, ms, now)]
+            events = [
+                e for slot, tok, ms, lp in tokens for e in sched.token(slot, tok, ms, now, lp)
+            ]
             self._lock.notify()
         self._deliver(events)
 
@@ -250,7 +252,8 @@ class ModelRunner:
                 with self._lock:
                     if decoding:  # what a window costs here, for "auto" (sampled at once)
                         self.scheduler.observe(sum(len(it.tokens) for it in step.items), spent)
-                    events = [e for s, t, ms in sampled for e in self.scheduler.token(s, t, ms)]
+                    token = self.scheduler.token
+                    events = [e for s, t, ms, lp in sampled for e in token(s, t, ms, None, lp)]
             if events:
                 self.post(self._deliver, events)
 

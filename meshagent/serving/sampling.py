@@ -1,4 +1,13 @@
-"""Token sampling from logits, in numpy so any engine (or the last stage of a split) uses it."""
+"""Token sampling from logits, in numpy so any engine (or the last stage of a split) uses it.
+
+A `Constraint` (a grammar: `engine/grammar.py`) limits which tokens may come next. As in
+llama.cpp's own sampler, the token is drawn first from the unconstrained distribution and
+kept if the constraint allows it; only otherwise are the disallowed tokens masked and the
+draw repeated on what is left. A rejected first draw followed by a draw from the masked
+distribution picks each allowed token with its probability renormalised over the allowed
+ones, the distribution a mask-first sampler draws from, while the common case (the model's
+own choice fits) costs one check instead of a pass over the vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from meshagent.engine.base import Constraint
+from meshagent.errors import EngineError
 
 # Nucleus sampling looks at this many top candidates first and sorts the full vocabulary
 # only when they do not hold top_p of the probability mass.
@@ -22,6 +34,11 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # GBNF text the output must follow (`engine/grammar.py`), or None.
+    grammar: str | None = None
+    # Report each token's log-probability and this many most likely alternatives (0-20);
+    # None: report none.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -35,37 +52,79 @@ class SamplingParams:
         return replace(self, seed=secrets.randbits(63))
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (the log-softmax of its logits at
+    that step, before penalties, temperature or a grammar), and the `top` most likely tokens
+    there with theirs, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class Sampler:
     """Samples one request's tokens. The randomness of each draw is a function of the seed and
     the token's index in the completion alone, and the penalties count the tokens sampled
     before: so a sampler created with the `history` of a completion (its tokens so far, e.g.
-    on another stage after a replay) continues exactly as the first one would have."""
+    on another stage after a replay) continues exactly as the first one would have. A
+    `constraint` is advanced through the history too."""
 
-    def __init__(self, params: SamplingParams, history: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        history: Sequence[int] = (),
+        constraint: Constraint | None = None,
+    ) -> None:
         self.params = params
         self._counts: Counter[int] = Counter(history)
         self._index = len(history)  # the completion's index of the next token
+        self.constraint = constraint
+        if constraint is not None:
+            for token in history:
+                constraint.accept(token)
+        self._logprobs: list[TokenLogprob] = []
 
     def sample(self, logits: np.ndarray) -> int:
         p = self.params
+        raw = logits
         if self._counts and (p.presence_penalty or p.frequency_penalty):
             logits = logits.astype(np.float32, copy=True)
             ids = np.fromiter(self._counts.keys(), dtype=np.int64)
             n = np.fromiter(self._counts.values(), dtype=np.float32)
             logits[ids] -= p.presence_penalty + p.frequency_penalty * n
-        token = int(np.argmax(logits)) if p.greedy else self._sample_random(logits)
+        rng = None if p.greedy else self._rng()
+        token = self._choose(logits, rng)
+        if self.constraint is not None:
+            if not self.constraint.allows(token):
+                masked = self.constraint.mask(logits)
+                if not np.isfinite(masked).any():
+                    raise EngineError("the grammar allows no token here")
+                token = self._choose(masked, rng)
+            self.constraint.accept(token)
+        if p.logprobs is not None:
+            self._logprobs.append(logprob_of(raw, token, p.logprobs))
         self._counts[token] += 1
         self._index += 1
         return token
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens sampled since the last call, in order (none
+        unless the parameters ask for them)."""
+        out, self._logprobs = self._logprobs, []
+        return out
+
+    def _choose(self, logits: np.ndarray, rng: np.random.Generator | None) -> int:
+        if rng is None:
+            return int(np.argmax(logits))
+        return self._sample_random(logits, rng)
 
     def _rng(self) -> np.random.Generator:
         if self.params.seed is None:
             return np.random.default_rng()
         return np.random.default_rng((self.params.seed & _SEED_MASK, self._index))
 
-    def _sample_random(self, logits: np.ndarray) -> int:
+    def _sample_random(self, logits: np.ndarray, rng: np.random.Generator) -> int:
         p = self.params
-        rng = self._rng()
         scaled = logits.astype(np.float64) / p.temperature
         scaled -= scaled.max()
         probs = np.exp(scaled)
@@ -75,6 +134,21 @@ class Sampler:
             kept = probs[ids]
             return int(ids[rng.choice(len(ids), p=kept / kept.sum())])
         return int(rng.choice(len(probs), p=probs))
+
+
+def logprob_of(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-softmax over `logits`, with the `top` most likely tokens' (ties in id
+    order)."""
+    x = logits.astype(np.float64)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m).sum()))
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        k = min(top, len(x))
+        ids = np.argpartition(-x, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -x[ids]))]
+        best = tuple((int(i), float(x[i] - lse)) for i in ids)
+    return TokenLogprob(float(x[token] - lse), best)
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:

@@ -70,7 +70,7 @@ from meshagent.serving.drafting import (
     follow_up_draft,
 )
 from meshagent.serving.prefix_cache import PrefixIndex
-from meshagent.serving.sampling import SamplingParams
+from meshagent.serving.sampling import SamplingParams, TokenLogprob
 from meshagent.serving.steps import Event, Failed, Opened, Save, Step, StepItem, Token
 
 
@@ -400,7 +400,12 @@ class Scheduler:
         self.window_cost.observe(tokens, seconds)
 
     def token(
-        self, slot: int, token: int, timing: tuple[float, ...] = (), now: float | None = None
+        self,
+        slot: int,
+        token: int,
+        timing: tuple[float, ...] = (),
+        now: float | None = None,
+        logprob: TokenLogprob | None = None,
     ) -> list[Event]:
         """A token sampled after a busy sequence's step: the only one, or the next of its
         window (see the module's docstring). Returns what to deliver: nothing for a
@@ -463,7 +468,8 @@ class Scheduler:
         if finish is not None:
             # Nothing of it is in flight: a window never goes past a drafted end or the limit.
             self._release(s)
-            return [Token(s.id, token, finish, timing, drafted, accepted, in_flight, cached)]
+            done = Token(s.id, token, finish, timing, drafted, accepted, in_flight, cached, logprob)
+            return [done]
         if s.drafter is not None:
             s.drafter.extend((token,))
         if s.shadow and s.acceptance is not None:
@@ -474,11 +480,11 @@ class Scheduler:
                 s.acceptance.update(hit, 1)
             s.shadow, s.shadow_after = (s.shadow[1:] if hit else ()), True
         if right:  # more of the window is coming
-            return [Token(s.id, token, None, timing, cached=cached)]
+            return [Token(s.id, token, None, timing, cached=cached, logprob=logprob)]
         if not s.busy:  # no window follows: the token is the next step's input
             s.pending = [token]
             s.ready_since = self._steps
-        return [Token(s.id, token, None, timing, drafted, accepted, in_flight, cached)]
+        return [Token(s.id, token, None, timing, drafted, accepted, in_flight, cached, logprob)]
 
     def fail(self, seqs: list[int], error: MeshError) -> list[Event]:
         """These sequences end with `error` (their slots are freed)."""

@@ -15,7 +15,7 @@ import cbor2
 import numpy as np
 
 from meshagent.errors import MeshError
-from meshagent.serving.sampling import SamplingParams
+from meshagent.serving.sampling import SamplingParams, TokenLogprob
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 VERSION = 1
@@ -35,6 +35,8 @@ K_ENTRY = 14  # Keep: the kept prefix's entry id
 K_LENGTH = 15  # Keep: how many leading positions of the sequence it holds
 K_RESTORE = 16  # Open: [entry, n], start from that kept prefix's first n positions
 K_ENTRIES = 17  # Drop: the entries to free
+K_LOGPROBS = 18  # Token: per token, [logprob, [[id, logprob], ...]] (where asked for)
+MAX_TOP_LOGPROBS = 20
 MAX_STAGES = 64
 T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR, T_KEEP, T_DROP = 1, 2, 3, 4, 5, 6, 7
 
@@ -119,6 +121,9 @@ class Token:
     token: int
     timing: tuple[float, ...] = ()  # ms each stage spent on the batch that produced it
     more: tuple[int, ...] = ()  # a verified draft: the tokens after `token`, in order
+    # Where the sequence asked for them: the log-probability of `token`, then of each of
+    # `more` (the last stage computes them from the logits it sampled from).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,12 @@ Message = Open | Forward | Close | Token | StageFailure | Keep | Drop
 
 
 def _sampling_to_cbor(p: SamplingParams) -> dict[int, Any]:
-    return {0: p.temperature, 1: p.top_p, 2: p.seed, 3: p.presence_penalty, 4: p.frequency_penalty}
+    d = {0: p.temperature, 1: p.top_p, 2: p.seed, 3: p.presence_penalty, 4: p.frequency_penalty}
+    if p.grammar is not None:  # both omitted when unset: the map is the bytes it always was
+        d[5] = p.grammar
+    if p.logprobs is not None:
+        d[6] = p.logprobs
+    return d
 
 
 def _sampling_from_cbor(d: Any) -> SamplingParams:
@@ -144,9 +154,61 @@ def _sampling_from_cbor(d: Any) -> SamplingParams:
             seed=None if d[2] is None else int(d[2]),
             presence_penalty=float(d[3]),
             frequency_penalty=float(d[4]),
+            grammar=_optional(d.get(5), str, "grammar"),
+            logprobs=_top_count(d.get(6)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise StageProtocolError(f"bad sampling parameters: {e}") from e
+
+
+def _optional(value: Any, kind: type, what: str) -> Any:
+    if value is not None and not isinstance(value, kind):
+        raise StageProtocolError(f"a sampling {what} must be a {kind.__name__}")
+    return value
+
+
+def _top_count(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise StageProtocolError("a sampling logprobs count must be an integer")
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise StageProtocolError(f"a sampling logprobs count must be 0-{MAX_TOP_LOGPROBS}")
+    return value
+
+
+def _logprobs_to_cbor(lps: tuple[TokenLogprob, ...]) -> list[Any]:
+    return [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in lps]
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _logprobs(h: dict[int, Any], tokens: int) -> tuple[TokenLogprob, ...]:
+    raw = h.get(K_LOGPROBS)
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) != tokens:
+        raise StageProtocolError("a token's logprobs must be one per token")
+    out = []
+    for entry in raw:
+        ok = isinstance(entry, list) and len(entry) == 2 and _number(entry[0])
+        top = entry[1] if ok else None
+        ok = ok and isinstance(top, list) and len(top) <= MAX_TOP_LOGPROBS
+        ok = ok and all(
+            isinstance(p, list)
+            and len(p) == 2
+            and isinstance(p[0], int)
+            and not isinstance(p[0], bool)
+            and p[0] >= 0
+            and _number(p[1])
+            for p in top  # type: ignore[union-attr]
+        )
+        if not ok:
+            raise StageProtocolError("a token's logprob must be [logprob, [[id, logprob]...]]")
+        out.append(TokenLogprob(float(entry[0]), tuple((p[0], float(p[1])) for p in top)))
+    return tuple(out)
 
 
 def _item_to_cbor(i: ForwardItem) -> list[Any]:
@@ -217,6 +279,8 @@ def encode(msg: Message) -> bytes:
         header |= {K_TYPE: T_TOKEN, K_SEQ: msg.seq, K_TOKEN: msg.token, K_TIMING: list(msg.timing)}
         if msg.more:
             header[K_MORE] = list(msg.more)
+        if msg.logprobs:
+            header[K_LOGPROBS] = _logprobs_to_cbor(msg.logprobs)
     elif isinstance(msg, StageFailure):
         header |= {K_TYPE: T_ERROR, K_SEQ: msg.seq, K_ERROR: msg.message}
     else:  # pragma: no cover - the type union is closed
@@ -312,7 +376,14 @@ def _message(h: dict[int, Any], payload: bytes) -> Message:
     if t == T_CLOSE:
         return Close(_int(h, K_SEQ, "seq"))
     if t == T_TOKEN:
-        return Token(_int(h, K_SEQ, "seq"), _int(h, K_TOKEN, "token"), _timing(h), _tokens(h))
+        more = _tokens(h)
+        return Token(
+            _int(h, K_SEQ, "seq"),
+            _int(h, K_TOKEN, "token"),
+            _timing(h),
+            more,
+            _logprobs(h, 1 + len(more)),
+        )
     if t == T_ERROR:
         seq = h.get(K_SEQ)
         if seq is not None and (not isinstance(seq, int) or seq < 0):

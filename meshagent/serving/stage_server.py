@@ -18,6 +18,7 @@ from meshagent.engine.stage import StageEngine
 from meshagent.net.outbox import Outbox
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.drafting import verify
+from meshagent.serving.executor import new_sampler
 from meshagent.serving.sampling import Sampler
 
 log = structlog.get_logger(__name__)
@@ -179,7 +180,7 @@ class StageServer:
                 if msg.restore is not None:
                     self._restore(msg.seq, *msg.restore)
                 if self.engine.last:
-                    self._samplers[msg.seq] = Sampler(msg.sampling, msg.history)
+                    self._samplers[msg.seq] = new_sampler(self.engine, msg.sampling, msg.history)
                     self._carry.pop(msg.seq, None)
                 else:
                     out.append(msg)
@@ -268,7 +269,8 @@ class StageServer:
             # next step). One row of logits comes alone, several stacked.
             rows = list(logits) if draft else [logits]
             tokens = verify(sampler, rows, draft)
-            out.append(sm.Token(it.seq, tokens[0], timing, tuple(tokens[1:])))
+            lps = tuple(sampler.take_logprobs())
+            out.append(sm.Token(it.seq, tokens[0], timing, tuple(tokens[1:]), lps))
             if len(tokens) == len(draft) + 1:  # all of it right: a window may follow
                 self._carry[it.seq] = tokens[-1]
             else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshagent.errors import MeshError
-from meshagent.serving.sampling import SamplingParams
+from meshagent.serving.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class Token:
     accepted: int = 0  # ...and how many of its tokens were right
     windows: int = 0  # ...and how many windows of the sequence were in flight, itself included
     cached: int = 0  # on a sequence's first token: the prompt tokens a kept prefix gave it
+    logprob: TokenLogprob | None = None  # where the request asked for log-probabilities
 
 
 @dataclass(frozen=True)

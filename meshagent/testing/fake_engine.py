@@ -34,6 +34,50 @@ WIDTH = 4  # hidden row: token id, position, then padding
 STATE_BYTES = 64  # bytes per token of an exported sequence (padding past its content)
 
 
+class FakeConstraint:
+    """A fake grammar: `fake:` and then the texts allowed, separated by `|` (a finite
+    language over the fake letters and spaces). A token is allowed while the text so far
+    with it is a prefix of one of them; the end only once the text is one of them."""
+
+    def __init__(self, text: str) -> None:
+        self.words = parse_fake_grammar(text)
+        self.text = ""
+
+    def _after(self, token: int) -> str | None:
+        if token == EOS:
+            return None
+        return self.text + fake_token_bytes(token).decode()
+
+    def allows(self, token: int) -> bool:
+        after = self._after(token)
+        if after is None:
+            return self.text in self.words
+        return any(w.startswith(after) for w in self.words) and after != self.text
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        allowed = np.array([self.allows(t) for t in range(len(logits))])
+        return np.where(allowed, logits, -np.inf).astype(np.float32)
+
+    def accept(self, token: int) -> None:
+        if not self.allows(token):
+            raise EngineError(f"token {token} does not follow the grammar here")
+        after = self._after(token)
+        if after is not None:
+            self.text = after
+
+
+def fake_token_bytes(token: int) -> bytes:
+    if token < 2:
+        return b""
+    return bytes([ord("a") + token - 2]) if token < 28 else b" "
+
+
+def parse_fake_grammar(text: str) -> tuple[str, ...]:
+    if not text.startswith("fake:") or not text[5:]:
+        raise EngineError("a fake grammar is 'fake:' and then texts separated by '|'")
+    return tuple(text[5:].split("|"))
+
+
 class FakeVocab:
     """Token 0 ends generation, 1 begins text, 2.. are the letters a-z and the rest spaces."""
 
@@ -61,12 +105,16 @@ class FakeVocab:
         return ([BOS] if add_bos else []) + [min(t, self.n_vocab - 1) for t in ids]
 
     def token_bytes(self, token: int) -> bytes:
-        if token < 2:
-            return b""
-        return bytes([ord("a") + token - 2]) if token < 28 else b" "
+        return fake_token_bytes(token)
 
     def is_end_of_generation(self, token: int) -> bool:
         return token == EOS
+
+    def check_grammar(self, text: str) -> None:
+        parse_fake_grammar(text)
+
+    def constraint(self, text: str) -> FakeConstraint:
+        return FakeConstraint(text)
 
 
 class _Caches:
@@ -332,6 +380,9 @@ class FakeStage(_FakeCompute):
         # Fakes have no layers: a stage checks a Forward's layer only where both say one.
         self.start: int | None = None
         self.end: int | None = None
+
+    def constraint(self, text: str) -> FakeConstraint:
+        return FakeConstraint(text)
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
         self._compute(sum(len(it.hidden) for it in items))

@@ -36,8 +36,8 @@ def test_valid_chat_request_with_content_parts():
         ({"model": "m", "messages": MSGS, "n": 2}, "n"),
         ({"model": "m", "messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
         (
-            {"model": "m", "messages": MSGS, "response_format": {"type": "json_object"}},
-            "response_format",
+            {"model": "m", "messages": MSGS, "response_format": {"type": "yaml"}},
+            "response_format.type",
         ),
         (
             {
@@ -45,8 +45,20 @@ def test_valid_chat_request_with_content_parts():
                 "messages": MSGS,
                 "response_format": {"type": "json_schema", "json_schema": {}},
             },
-            "response_format",
+            "response_format.json_schema",
         ),
+        (
+            {
+                "model": "m",
+                "messages": MSGS,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}},
+                },
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"model": "m", "messages": MSGS, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"model": "m", "messages": MSGS, "logit_bias": {"42": 100}}, "logit_bias"),
         ({"model": "m", "messages": MSGS, "tool_choice": "required"}, "tool_choice"),
         ({"model": "m", "messages": MSGS, "functions": [{"name": "f"}]}, "functions"),
@@ -102,8 +114,5 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored():
         parse(CompletionRequest, {"model": "m", "prompt": "x", "best_of": 3})
     assert (exc.value.param, exc.value.code) == ("best_of", "unsupported_parameter")
     with pytest.raises(ApiError) as exc:
-        parse(
-            CompletionRequest,
-            {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}},
-        )
-    assert exc.value.code == "unsupported_parameter" and "not be constrained" in exc.value.message
+        parse(CompletionRequest, {"model": "m", "prompt": "x", "logprobs": 2, "echo": True})
+    assert (exc.value.param, exc.value.code) == ("echo", "unsupported_parameter")
