@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from meshagent.api.errors import ApiError, from_body, unavailable
 from meshagent.api.forwarding import FRAMING
 from meshagent.api.gen_messages import Ask, Fail, GenMessageError, Head, decode, encode
-from meshagent.serving.generation import Delta, Finished, Replay, Speculation
+from meshagent.serving.generation import Delta, Finished, Logprob, Replay, Speculation
 from meshagent.wire.framing import LengthPrefixDecoder
 
 
@@ -36,6 +36,9 @@ def _body(data: bytes) -> bytes:
         Head([], "m", None, 3),
         Delta("héllo", (1, 2, 3)),
         Delta("", ()),
+        Delta(
+            "ab", (5, 6), (Logprob(b"a", -0.25, ((b"a", -0.25), (b"\xff", -3.5))), Logprob(b"b", 0))
+        ),
         Finished("stop", 10, 20, (1.5, 2.25), (Replay("lost", 30, 1200.5, 800.0),)),
         Finished("length", 1, 2, (), (Replay("a", 3, 4.0, 1.0, ("p:0-10", "q:10-30")),)),
         Finished("stop", 4, 9, (), (), Speculation(3, 12, 7)),

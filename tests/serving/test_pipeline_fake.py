@@ -4,12 +4,15 @@ requests and serves again after reconnecting."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import trio
 import trio.testing
 
 from meshagent.errors import SplitUnavailable
+from meshagent.serving.generation import Delta, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import PipelineExecutor
 from meshagent.serving.runner import ModelRunner
@@ -355,3 +358,41 @@ async def test_a_stage_that_lacks_a_prefix_breaks_the_chain_and_the_request_is_n
         await complete(chain.model, prompt, 10)
     assert chain.model.runner.stats().prefix_entries == 0
     assert (await complete(chain.model, prompt, 10))[0] == first
+
+
+async def deltas_of(model, prompt, n, sampling, speculation):
+    req = GenerationRequest(model.text_tokens(prompt), n, sampling, speculation=speculation)
+    send, recv = trio.open_memory_channel(n + 4)
+    async with send:
+        await model.generate(req, send)
+    return [e async for e in recv]
+
+
+@pytest.mark.parametrize("speculation", ["off", "on"])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, seed=4)],
+    ids=["greedy", "seeded"],
+)
+async def test_a_split_enforces_a_grammar_and_reports_logprobs_as_the_whole_model_does(
+    nursery, speculation, sampling
+):
+    # The grammar and the logprobs live where sampling runs: the whole model's executor, or
+    # a split's last stage (its Open carries them, its Tokens bring the logprobs back).
+    words = ["the cat sat on the mat the cat sat", "a dog", "the cat ran"]
+    sampling = replace(sampling, grammar="fake:" + "|".join(words), logprobs=2)
+    whole = LocalModel.whole(FakeEngine(copy_back=4), max_queue=4)
+    chain = FakeChain(nursery, depth=1, copy_back=4)
+    for model in (whole, chain.model):
+        await nursery.start(model.run)
+    got = []
+    for model in (whole, chain.model):
+        events = await deltas_of(model, "the cat sat on", 60, sampling, speculation)
+        deltas = [e for e in events if isinstance(e, Delta)]
+        text = "".join(d.text for d in deltas)
+        assert text in words and events[-1].reason == "stop"
+        lps = [lp for d in deltas for lp in d.logprobs]
+        assert len(lps) == sum(len(d.tokens) for d in deltas) == len(text)
+        assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.logprob for lp in lps)
+        got.append((text, lps))
+    assert got[0] == got[1]

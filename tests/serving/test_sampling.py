@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
 
-from meshagent.serving.sampling import Sampler, SamplingParams
+from meshagent.errors import EngineError
+from meshagent.serving.sampling import Sampler, SamplingParams, logprob_of
+from meshagent.testing.fake_engine import EOS, FakeConstraint, FakeVocab
 
 
 def logits_for(probs: list[float], vocab: int = 1000) -> np.ndarray:
@@ -56,3 +58,97 @@ def test_penalties_discourage_repeats(penalty):
     s = Sampler(SamplingParams(temperature=0.0, **{penalty: 2.0}))
     assert s.sample(logits) == 0
     assert s.sample(logits) == 1  # token 0 is now penalised below token 1
+
+
+# ----- constraints (grammars) and logprobs -----
+
+VOCAB = FakeVocab()
+
+
+def text_of(tokens):
+    return b"".join(VOCAB.token_bytes(t) for t in tokens).decode()
+
+
+def run_constrained(params, words, logits_at, n=12, history=()):
+    s = Sampler(params, history, FakeConstraint("fake:" + "|".join(words)))
+    out = []
+    for i in range(n):
+        t = s.sample(logits_at(i))
+        if t == EOS:
+            break
+        out.append(t)
+    return out, t
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_a_constraint_keeps_every_sample_in_its_language(seed, temperature):
+    rng = np.random.default_rng(seed)
+    words = ["cab", "cat sat", "dog"]
+    params = SamplingParams(temperature=temperature, seed=seed)
+    out, last = run_constrained(
+        params, words, lambda i: rng.normal(size=40).astype(np.float32), n=20
+    )
+    assert last == EOS and text_of(out) in words
+
+
+def test_greedy_under_a_constraint_takes_the_best_allowed_token():
+    logits = np.arange(40, dtype=np.float32)  # the highest id is the favourite
+    out, last = run_constrained(
+        SamplingParams(temperature=0.0), ["ab", "zz", "zy"], lambda i: logits
+    )
+    # z (27) beats a (2); then z again beats y; then only the end is allowed.
+    assert text_of(out) == "zz" and last == EOS
+
+
+def test_a_constrained_sample_follows_the_distribution_renormalised_over_what_is_allowed():
+    # The first draw comes from the whole distribution; when it is refused, the second
+    # from the allowed tokens alone: together, each allowed token with p / p(allowed).
+    logits = logits_for([1e-9, 1e-9, 0.5, 0.3, 0.2], 40)  # tokens 2 (a), 3 (b), 4 (c)
+    draws = []
+    for seed in range(3000):
+        s = Sampler(SamplingParams(temperature=1.0, seed=seed), (), FakeConstraint("fake:b|c"))
+        draws.append(s.sample(logits))
+    freq = np.bincount(draws, minlength=5)[2:5] / len(draws)
+    assert freq[0] == 0 and np.allclose(freq[1:], [0.6, 0.4], atol=0.03)
+
+
+def test_a_sampler_given_the_history_continues_the_constraint_where_it_was():
+    words = ["abc", "abd", "xyz"]
+    logits = np.zeros(40, dtype=np.float32)
+    logits[VOCAB.tokenize("d", add_bos=False)[0]] = 5.0
+    first, _ = run_constrained(SamplingParams(temperature=0.0), words, lambda i: logits)
+    history = tuple(VOCAB.tokenize("ab", add_bos=False))
+    rest, last = run_constrained(
+        SamplingParams(temperature=0.0), words, lambda i: logits, history=history
+    )
+    assert text_of(first) == "abd" and text_of(rest) == "d" and last == EOS
+
+
+def test_a_constraint_refuses_a_token_it_does_not_allow_with_an_error():
+    c = FakeConstraint("fake:ab")
+    with pytest.raises(EngineError):
+        c.accept(VOCAB.tokenize("b", add_bos=False)[0])
+    with pytest.raises(EngineError):
+        c.accept(EOS)  # the text is not complete yet
+
+
+def test_logprobs_are_the_log_softmax_of_the_logits_before_any_penalty():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=300).astype(np.float32)
+    exact = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    s = Sampler(SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=3), history=(5,))
+    token = s.sample(logits)
+    (lp,) = s.take_logprobs()
+    assert lp.logprob == pytest.approx(exact[token])
+    best = np.argsort(-exact)[:3]
+    assert [t for t, _ in lp.top] == list(best)
+    assert [v for _, v in lp.top] == pytest.approx(list(exact[best]))
+    assert s.take_logprobs() == []  # taken once
+    assert logprob_of(logits, token, 0).top == ()
+
+
+def test_no_logprobs_are_kept_unless_asked_for():
+    s = Sampler(SamplingParams(temperature=0.0))
+    s.sample(np.zeros(10, dtype=np.float32))
+    assert s.take_logprobs() == []

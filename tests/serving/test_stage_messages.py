@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshagent.serving.sampling import SamplingParams
+from meshagent.serving.sampling import SamplingParams, TokenLogprob
 from meshagent.serving.stage_messages import (
     Close,
     Drop,
@@ -38,6 +38,9 @@ def sample_messages():
         Keep(3, 17, 120),
         Open(1, SamplingParams(), (4, 5), restore=(17, 119)),
         Drop((17, 2)),
+        # A constrained sequence that reports logprobs, and its tokens with theirs.
+        Open(4, SamplingParams(temperature=0.0, grammar='root ::= "a"', logprobs=2)),
+        Token(4, 7, (1.0,), (8,), (TokenLogprob(-0.5, ((7, -0.5), (9, -2.0))), TokenLogprob(-1.0))),
     ]
 
 
@@ -152,6 +155,16 @@ def test_an_oversize_header_length_is_refused_before_its_body():
         {0: 1, 1: 6, 2: 0, 14: -1, 15: 3},
         {0: 1, 1: 7, 17: [1, "x"]},
         {0: 1, 1: 7, 17: 5},
+        # sampling: a grammar is text, a logprobs count 0-20
+        {0: 1, 1: 1, 2: 0, 3: {0: 0.0, 1: 1.0, 2: None, 3: 0.0, 4: 0.0, 5: 7}},
+        {0: 1, 1: 1, 2: 0, 3: {0: 0.0, 1: 1.0, 2: None, 3: 0.0, 4: 0.0, 6: 21}},
+        {0: 1, 1: 1, 2: 0, 3: {0: 0.0, 1: 1.0, 2: None, 3: 0.0, 4: 0.0, 6: True}},
+        # token logprobs: one per token, each [logprob, [[id, logprob]...]]
+        {0: 1, 1: 4, 2: 0, 7: 5, 10: [], 18: []},
+        {0: 1, 1: 4, 2: 0, 7: 5, 10: [], 18: [[-1.0, []], [-2.0, []]]},
+        {0: 1, 1: 4, 2: 0, 7: 5, 10: [], 18: [["x", []]]},
+        {0: 1, 1: 4, 2: 0, 7: 5, 10: [], 18: [[-1.0, [[-3, -1.0]]]]},
+        {0: 1, 1: 4, 2: 0, 7: 5, 10: [], 18: [[-1.0, [[3, -1.0]] * 21]]},
     ],
 )
 def test_malformed_prefix_messages_are_refused(header):

@@ -1,0 +1,94 @@
+"""llama.cpp's grammar sampler as a `Constraint` over the embedded model's vocabulary: it
+keeps a walk through random logits inside a JSON schema, refuses tokens it does not allow
+with an error rather than llama.cpp's abort, and allows the end only once the text is whole."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from meshagent.api.structured import json_grammar, schema_grammar
+from meshagent.engine.vocab import Vocab
+from meshagent.errors import EngineError
+from meshagent.serving.sampling import Sampler, SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "kind": {"type": "string", "enum": ["cat", "dog", "fish"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        "home": {
+            "type": "object",
+            "properties": {"x": {"type": "number"}},
+            "required": ["x"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "kind", "tags", "home"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def vocab(model_path):
+    v = Vocab.load(model_path)
+    yield v
+    v.close()
+
+
+def walk(vocab, grammar, seed, limit=400):
+    """Sample through random logits under the grammar until the end of generation."""
+    rng = np.random.default_rng(seed)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), (), vocab.constraint(grammar))
+    out = b""
+    for _ in range(limit):
+        token = sampler.sample(rng.normal(size=vocab.n_vocab).astype(np.float32) * 3)
+        if vocab.is_end_of_generation(token):
+            return out.decode()
+        out += vocab.token_bytes(token)
+    raise AssertionError(f"no end within {limit} tokens: {out!r}")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_logits_under_a_schema_grammar_give_json_that_validates(vocab, seed):
+    text = walk(vocab, schema_grammar(SCHEMA, param="schema"), seed)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_strings_admit_no_raw_control_characters(vocab):
+    c = vocab.constraint(schema_grammar({"type": "string"}, param="schema"))
+    quote, newline = vocab.tokenize('"', add_bos=False)[0], vocab.tokenize("\n", add_bos=False)[0]
+    c.accept(quote)
+    assert c.allows(vocab.tokenize("a", add_bos=False)[0])
+    assert not c.allows(newline)  # JSON has no raw newline inside a string
+
+
+def test_the_end_is_allowed_only_once_the_text_is_whole(vocab):
+    c = vocab.constraint(json_grammar())
+    eos = next(t for t in range(vocab.n_vocab) if vocab.is_end_of_generation(t))
+    assert not c.allows(eos)
+    with pytest.raises(EngineError):
+        c.accept(eos)  # an error, not llama.cpp's abort of the process
+    with pytest.raises(EngineError):
+        c.accept(vocab.tokenize("hello", add_bos=False)[0])
+    for t in vocab.tokenize("{}", add_bos=False):
+        c.accept(t)
+    assert c.allows(eos)
+
+
+def test_a_mask_leaves_only_the_allowed_tokens(vocab):
+    c = vocab.constraint(schema_grammar({"type": "boolean"}, param="schema"))
+    masked = c.mask(np.zeros(vocab.n_vocab, dtype=np.float32))
+    allowed = {vocab.token_bytes(int(t)).decode() for t in np.flatnonzero(np.isfinite(masked))}
+    assert allowed and all("true".startswith(a) or "false".startswith(a) for a in allowed)
+
+
+def test_a_grammar_that_does_not_parse_is_refused(vocab):
+    vocab.check_grammar(json_grammar())
+    with pytest.raises(EngineError, match="does not parse"):
+        vocab.check_grammar("root ::= (")
