@@ -568,3 +568,77 @@ def test_a_client_leaving_a_responses_stream_stops_its_generation(
         assert time.monotonic() < deadline, "the generation went on without its client"
         time.sleep(0.1)
     assert _scrape(agent)[("meshagent_slots_busy", frozenset({("model", model_id)}))] == 0
+
+
+def test_json_schema_output_validates_and_json_object_parses(client: OpenAI, model_id: str) -> None:
+    import jsonschema
+
+    from tests.e2e.structured import MAX_TOKENS, PEOPLE, PERSON, person_format
+
+    for who in PEOPLE:
+        r = client.chat.completions.create(
+            model=model_id,
+            messages=[{"role": "user", "content": f"Describe {who}."}],
+            response_format=person_format(),
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    # Streamed, sampled, and any JSON object.
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": "Give two colours as JSON."}],
+        response_format={"type": "json_object"},
+        max_tokens=200,
+        temperature=0.7,
+        seed=5,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert isinstance(json.loads(text), dict)
+
+
+def test_logprobs_are_llama_cpps_log_softmax(
+    agent: AgentProcess, client: OpenAI, model_id: str, model_path
+) -> None:
+    from tests.e2e.structured import reference_logprobs
+
+    prompt = "The capital of France is"
+    ref = reference_logprobs(model_path, prompt, 6)
+    r = client.completions.create(
+        model=model_id, prompt=prompt, max_tokens=len(ref), temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [t.decode(errors="replace") for t, _ in ref]
+    assert lp.token_logprobs == pytest.approx([v for _, v in ref], abs=1e-4)
+    # The chosen (greedy) token is the likeliest: the first of the top three.
+    assert [max(top, key=top.get) for top in lp.top_logprobs] == lp.tokens
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # Chat, whole and streamed: each token once, with its alternatives, most likely first.
+    body = dict(
+        model=model_id,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    whole = client.chat.completions.create(**body)
+    content = whole.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == whole.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob for e in content)
+    assert all(bytes(e.bytes).decode(errors="replace") == e.token for e in content)
+    streamed = [
+        e
+        for c in client.chat.completions.create(**body, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    r = httpx.post(
+        f"{agent.url}/v1/chat/completions",
+        json={**body, "top_logprobs": 21},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"

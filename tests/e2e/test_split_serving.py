@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
+import pytest
 
 from tests.e2e.agents import invite, wait_for
+from tests.e2e.structured import MAX_TOKENS, PEOPLE, PERSON, person_format, reference_logprobs
 from tests.e2e.test_openai_api import COPY
 
 # SmolLM2 with 2 slots of 1024 tokens needs ~145 MB (weights + KV); with 10% headroom no
@@ -81,7 +84,34 @@ def _show_logs(agents) -> None:
         print("\n".join(line for line in y.log_text().splitlines() if any(k in line for k in keys)))
 
 
-def test_three_small_agents_serve_a_split(spawn_agent, model_id):
+def _structured_output_and_logprobs_as_the_whole_model(split, whole, model_id, model_path):
+    """The grammar and the logprobs run at the last stage: JSON that validates, the whole
+    model's JSON, and llama.cpp's own log-probabilities."""
+    for who in PEOPLE[:3]:
+        body = {
+            "model": model_id,
+            "messages": [{"role": "user", "content": f"Describe {who}."}],
+            "response_format": person_format(),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        }
+        said = [
+            httpx.post(f"{x.url}/v1/chat/completions", json=body, timeout=120).json()
+            for x in (split, whole)
+        ]
+        texts = [r["choices"][0]["message"]["content"] for r in said]
+        jsonschema.validate(json.loads(texts[0]), PERSON)
+        assert texts[0] == texts[1]
+    prompt = "The capital of France is"
+    ref = reference_logprobs(model_path, prompt, 6)
+    body = {"model": model_id, "prompt": prompt, "max_tokens": len(ref), "temperature": 0}
+    r = httpx.post(f"{split.url}/v1/completions", json={**body, "logprobs": 2}, timeout=120)
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [t.decode(errors="replace") for t, _ in ref]
+    assert lp["token_logprobs"] == pytest.approx([v for _, v in ref], abs=1e-3)
+
+
+def test_three_small_agents_serve_a_split(spawn_agent, model_id, model_path):
     # Default flags: the split must give the whole model's answers without being asked to.
     a = spawn_agent(*SMALL, name="a", wait_model=False)
     token = invite(a)
@@ -162,6 +192,7 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id):
     assert receipt["accepted"] > 20 and receipt["peak_windows_in_flight"] > 1
     said = {mode: r["choices"][0]["message"]["content"] for mode, r in copied.items()}
     assert said["on"] == said["auto"]
+    _structured_output_and_logprobs_as_the_whole_model(a, whole, model_id, model_path)
     whole.stop()
 
     # c dies; a fourth agent with room for the whole model joins: the mesh replans.
