@@ -29,6 +29,7 @@ from meshagent.api.resumable import Ask, Carried, Head, generate_counted
 from meshagent.api.routing import LOCAL as HERE
 from meshagent.api.routing import PrefixRouter, prefix_keys
 from meshagent.api.schemas import ChatCompletionRequest
+from meshagent.api.tools import SYNTAXES
 from meshagent.errors import ContextOverflow, MeshError, ModelMoved
 from meshagent.serving.directory import ModelDirectory, RemoteModel
 from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits
@@ -406,7 +407,9 @@ class OpenAIApp:
                     send.send_nowait(Failed(e))
 
         chat = isinstance(req, ChatCompletionRequest)
-        reply = Reply(chat=chat, model=head.model, logprobs=req.top_count() is not None)
+        logprobs = req.top_count() is not None
+        tools = None if head.tools is None else SYNTAXES[head.tools]
+        reply = Reply(chat=chat, model=head.model, logprobs=logprobs, tools=tools)
         receipt = [*head.headers, (b"x-meshagent-served-by", carried.entry.encode())]
         meter.receipt(receipt)
         async with trio.open_nursery() as nursery:
@@ -501,7 +504,8 @@ class OpenAIApp:
                     meter.path = SPLIT if split else LOCAL
                     meter.receipt(receipt)
                     logprobs = p.gen.sampling.logprobs is not None
-                    reply = Reply(chat=p.chat, model=model.info.id, logprobs=logprobs)
+                    tools = None if p.tools is None else p.tools.syntax
+                    reply = Reply(chat=p.chat, model=model.info.id, logprobs=logprobs, tools=tools)
                     if p.stream:
                         await stream_reply(
                             ex, events, reply, p.include_usage, p.echo, receipt, meter

@@ -46,10 +46,12 @@ async def stream_reply(
                 await ex.send_event(reply.chunk(echo))
         if isinstance(ev, Delta):
             meter.first_text()
-            await ex.send_event(reply.chunk(ev.text, logprobs=ev.logprobs))
+            for chunk in reply.delta_chunks(ev):
+                await ex.send_event(chunk)
         else:
             meter.finished(ev)
-            await ex.send_event(reply.chunk(None, finish=ev.reason))
+            for chunk in reply.end_chunks(ev.reason):
+                await ex.send_event(chunk)
             if include_usage:
                 await ex.send_event(reply.usage_chunk(ev))
             await ex.send_event("[DONE]")

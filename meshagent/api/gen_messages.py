@@ -15,6 +15,7 @@ import cbor2
 
 from meshagent.api.errors import ApiError, from_body
 from meshagent.api.forwarding import FRAMING
+from meshagent.api.tools import SYNTAXES
 from meshagent.errors import MeshError
 from meshagent.serving.directory import Headers
 from meshagent.serving.generation import Delta, Finished, Logprob, Replay, Speculation
@@ -43,6 +44,7 @@ class Head:
     seed: int | None
     prompt_tokens: int
     echo: str = ""
+    tools: str | None = None  # the syntax the model writes tool calls in, if it may call any
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,10 @@ def _fields(msg: Message) -> dict[int, Any]:
         return fields
     if isinstance(msg, Head):
         headers = [[k, v] for k, v in msg.headers]
-        return {1: "head", 2: headers, 3: msg.model, 4: msg.seed, 5: msg.prompt_tokens, 6: msg.echo}
+        head = {1: "head", 2: headers, 3: msg.model, 4: msg.seed, 5: msg.prompt_tokens, 6: msg.echo}
+        if msg.tools is not None:
+            head[7] = msg.tools
+        return head
     if isinstance(msg, Fail):
         e = msg.error
         return {1: "fail", 2: e.status, 3: e.body(), 4: e.retry_after, 5: msg.resumable}
@@ -125,7 +130,10 @@ def _message(m: dict[int, Any]) -> Message:
     if kind == "head":
         headers = [(bytes(k), bytes(v)) for k, v in m[2]]
         seed = None if m[4] is None else _int(m[4])
-        return Head(headers, _str(m[3]), seed, _int(m[5]), _str(m[6]))
+        tools = m.get(7)
+        if tools is not None and tools not in SYNTAXES:
+            raise GenMessageError(f"unknown tool-call syntax {tools!r}")
+        return Head(headers, _str(m[3]), seed, _int(m[5]), _str(m[6]), tools)
     if kind == "fail":
         retry = None if m[4] is None else _int(m[4])
         return Fail(from_body(_int(m[2]), m[3], retry), bool(m[5]))

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from meshagent.api import errors
 from meshagent.api.schemas import ChatCompletionRequest, CompletionRequest, parse
 from meshagent.api.structured import response_format_grammar
+from meshagent.api.tools import ToolPlan, call_grammar, history_message, plan_tools, render_history
 from meshagent.errors import EngineError
-from meshagent.serving.chat import ChatMessage, TemplateError
+from meshagent.serving.chat import TemplateError
 from meshagent.serving.generation import GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import SamplingParams
@@ -36,6 +37,11 @@ class Prepared:
     include_usage: bool
     prompt_param: str  # the request field the prompt came in, for errors about it
     echo: str = ""  # text completions with echo: the prompt, sent before the completion
+    tools: ToolPlan | None = None  # a chat request that may call tools
+
+    @property
+    def tool_syntax(self) -> str | None:
+        return None if self.tools is None else self.tools.syntax.name
 
 
 def parse_completion(path: str, body: object) -> CompletionKind:
@@ -50,13 +56,24 @@ def prepare(req: CompletionKind, model: LocalModel) -> Prepared:
 
 
 def _chat(req: ChatCompletionRequest, model: LocalModel) -> Prepared:
-    messages = [ChatMessage(m.role, m.text()) for m in req.messages]
+    template = model.template
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, template.source)
+    messages = [
+        history_message(
+            m.role,
+            m.text(),
+            [c.model_dump() for c in m.tool_calls or ()],
+            m.tool_call_id,
+        )
+        for m in req.messages
+    ]
+    messages, extra = render_history(messages, plan, native=template.reads_tools)
     try:
-        tokens = model.chat_tokens(messages)
+        tokens = model.chat_tokens(messages, **extra)
     except TemplateError as e:
         raise errors.bad_request(str(e), param="messages") from e
-    gen = _generation_request(req, model, tokens, req.token_limit())
-    return Prepared(model, gen, True, req.stream, req.include_usage(), "messages")
+    gen = _generation_request(req, model, tokens, req.token_limit(), plan)
+    return Prepared(model, gen, True, req.stream, req.include_usage(), "messages", tools=plan)
 
 
 def _completion(req: CompletionRequest, model: LocalModel) -> Prepared:
@@ -83,15 +100,22 @@ def _completion(req: CompletionRequest, model: LocalModel) -> Prepared:
 
 
 def _generation_request(
-    req: CompletionKind, model: LocalModel, tokens: tuple[int, ...], limit: int | None
+    req: CompletionKind,
+    model: LocalModel,
+    tokens: tuple[int, ...],
+    limit: int | None,
+    tools: ToolPlan | None = None,
 ) -> GenerationRequest:
-    grammar = response_format_grammar(req.response_format)
+    grammar, trigger = response_format_grammar(req.response_format), None
+    param = "response_format"
+    if tools is not None:
+        (grammar, trigger), param = call_grammar(tools), "tools"
     if grammar is not None:
         try:
-            model.engine.check_grammar(grammar)
+            model.engine.check_grammar(grammar, trigger)
         except EngineError as e:
             raise errors.bad_request(
-                f"response_format cannot be enforced on this model: {e}", param="response_format"
+                f"The {param} cannot be enforced on this model: {e}", param=param
             ) from e
     sampling = SamplingParams(
         temperature=req.temperature,
@@ -100,6 +124,7 @@ def _generation_request(
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         grammar=grammar,
+        grammar_trigger=trigger,
         logprobs=req.top_count(),
     )
     return GenerationRequest(

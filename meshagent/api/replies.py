@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshagent.api.tools import Call, CallParser, Syntax, Text
 from meshagent.serving.generation import Delta, Finished, Logprob
 
 
@@ -74,18 +75,58 @@ def chat_logprobs(lps: tuple[Logprob, ...]) -> dict[str, Any]:
 @dataclass
 class Reply:
     """One response's identity; builds its chunks and its whole body. With `logprobs`, each
-    choice carries its tokens' log-probabilities in the endpoint's shape."""
+    choice carries its tokens' log-probabilities in the endpoint's shape. With `tools` (the
+    syntax the model writes calls in), calls in the text become `tool_calls`."""
 
     chat: bool
     model: str
     logprobs: bool = False
+    tools: Syntax | None = None
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
     _offset: int = 0  # characters of completion text before the next chunk's (text_offset)
+    _calls: CallParser | None = None
+    _held: tuple[Logprob, ...] = ()  # logprobs of text the call parser holds back
 
     def __post_init__(self) -> None:
         if not self.id:
             self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+        if self.tools is not None:
+            self._calls = CallParser(self.tools)
+
+    def delta_chunks(self, delta: Delta) -> list[dict[str, Any]]:
+        """The streamed chunks of a delta: its text, or (with tools) the text and calls it
+        completes."""
+        if self._calls is None:
+            return [self.chunk(delta.text, logprobs=delta.logprobs)]
+        return self._parts(self._calls.feed(delta.text), delta.logprobs)
+
+    def end_chunks(self, reason: str) -> list[dict[str, Any]]:
+        """The chunks that end a stream: text held back, then the finish reason."""
+        parts = [] if self._calls is None else self._parts(self._calls.finish(), ())
+        return [*parts, self.chunk(None, finish=self.finish_reason(reason))]
+
+    def finish_reason(self, reason: str) -> str:
+        if self._calls is not None and self._calls.calls and reason == "stop":
+            return "tool_calls"
+        return reason
+
+    def _parts(self, parts: list[Text | Call], lps: tuple[Logprob, ...]) -> list[dict[str, Any]]:
+        assert self._calls is not None
+        self._held += lps
+        out = []
+        for part in parts:
+            if isinstance(part, Call):
+                index = self._calls.calls.index(part)
+                out.append(self._choice_chunk({"tool_calls": [{"index": index, **part.as_dict()}]}))
+            elif part.text.strip() or not self._calls.calls:  # no blank lines between calls
+                out.append(self.chunk(part.text, logprobs=self._held))
+                self._held = ()
+        return out
+
+    def _choice_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice])
 
     def _logprobs(self, lps: tuple[Logprob, ...]) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -146,12 +187,18 @@ class Reply:
         text = echo + "".join(d.text for d in deltas)
         lps = self._logprobs(tuple(lp for d in deltas for lp in d.logprobs))
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self._calls is not None:
+                parts = self._calls.feed(text) + self._calls.finish()
+                calls = [p.as_dict() for p in parts if isinstance(p, Call)]
+                said = "".join(p.text for p in parts if isinstance(p, Text)).strip()
+                if calls:
+                    message = {"role": "assistant", "content": said or None, "tool_calls": calls}
             choice = {
                 "index": 0,
                 "message": message,
                 "logprobs": lps,
-                "finish_reason": done.reason,
+                "finish_reason": self.finish_reason(done.reason),
             }
             body = self._envelope("chat.completion", [choice])
         else:

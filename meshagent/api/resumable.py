@@ -118,7 +118,14 @@ async def _answer(stream: Any, app: Any, ask: Ask) -> None:
         return
     model = prepared.model
     receipt = app.directory.receipt(model)
-    head = Head(receipt, model.info.id, sampling.seed, len(gen.prompt_tokens), prepared.echo)
+    head = Head(
+        receipt,
+        model.info.id,
+        sampling.seed,
+        len(gen.prompt_tokens),
+        prepared.echo,
+        prepared.tool_syntax,
+    )
     await stream.send_all(encode(head))
     failed: list[MeshError] = []
     async with trio.open_nursery() as nursery:
@@ -229,7 +236,8 @@ class Carried:
         if isinstance(first, Prepared):  # this agent serves it by now
             self._first_here = first
             model, tokens = first.model, len(first.gen.prompt_tokens)
-            return Head(self.directory.receipt(model), model.info.id, None, tokens, first.echo)
+            receipt = self.directory.receipt(model)
+            return Head(receipt, model.info.id, None, tokens, first.echo, first.tool_syntax)
         return first
 
     async def run(self, out: Events) -> None:

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from meshagent.api.errors import ApiError, bad_request
 from meshagent.api.structured import response_format_grammar
+from meshagent.api.tools import plan_tools
 
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
@@ -65,10 +66,25 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, earlier in the history
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -85,6 +101,7 @@ class ChatCompletionRequest(_Request):
     tools: list[Any] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -142,13 +159,18 @@ def _refuse_unsupported(req: _Request) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
-        if req.tools:
-            raise unsupported("tools", "Tool calling is not supported yet.")
         if req.functions or req.function_call is not None:
             param = "functions" if req.functions else "function_call"
-            raise unsupported(param, "Function calling is not supported yet.")
-        if req.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", "Tool calling is not supported yet.")
+            raise unsupported(param, f"The legacy {param} are not supported: use tools.")
+        # Tools and tool_choice are checked here, before any model is chosen.
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, "")
+        fmt = req.response_format
+        if plan is not None and fmt is not None and fmt.get("type", "text") != "text":
+            raise unsupported(
+                "response_format",
+                "response_format with tools is not supported: a reply is either calls or "
+                "text of the format. Leave one out.",
+            )
         if req.modalities is not None and set(req.modalities) - {"text"}:
             raise unsupported("modalities", "Only text output is supported.")
     if isinstance(req, CompletionRequest):

@@ -1,26 +1,18 @@
 """Structured output: `response_format` (and a tool's parameters) as a grammar the sampler
 enforces (`engine/grammar.py`), so the reply is JSON of the asked shape by construction
-rather than by hope.
-
-JSON schemas become GBNF with llama-cpp-python's converter. Its strings admit raw control
-characters, which JSON forbids (a newline inside a string does not parse); the grammars here
-exclude them, as its plain-JSON grammar does.
-"""
+rather than by hope. JSON schemas become GBNF in `api/json_schema.py`."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF
 
 from meshagent.api import errors
+from meshagent.api.json_schema import SchemaError, to_gbnf
 
 # A grammar travels to the last stage of a split in one message header (64 KiB at most).
 MAX_GRAMMAR = 48 * 1024
-
-_LOOSE_CHAR = 'char ::= [^"\\\\] |'
-_STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
 
 
 def json_grammar() -> str:
@@ -34,12 +26,10 @@ def schema_grammar(schema: Any, *, param: str) -> str:
     if not isinstance(schema, dict):
         raise errors.bad_request("A JSON schema must be an object.", param=param)
     try:
-        grammar = json_schema_to_gbnf(json.dumps(schema))
-    except Exception as e:  # the converter raises assertions, KeyErrors, ValueErrors, ...
-        raise errors.bad_request(
-            f"This JSON schema cannot be enforced: {e or type(e).__name__}.", param=param
-        ) from e
-    grammar = grammar.replace(_LOOSE_CHAR, _STRICT_CHAR)
+        grammar = to_gbnf(schema)
+    except SchemaError as e:
+        where = f"{param}.{e.path}" if e.path else param
+        raise errors.bad_request(f"This JSON schema cannot be enforced: {e}.", param=where) from e
     if len(grammar) > MAX_GRAMMAR:
         raise errors.bad_request(
             f"This JSON schema is too large to enforce ({len(grammar)} bytes of grammar, "

@@ -63,7 +63,7 @@ class TokenModel(Protocol):
 
     def is_end_of_generation(self, token: int) -> bool: ...
 
-    def check_grammar(self, text: str) -> None:
+    def check_grammar(self, text: str, trigger: str | None = None) -> None:
         """Raise EngineError if `text` is not a grammar `constraint` accepts."""
         ...
 
@@ -104,8 +104,9 @@ class Engine(TokenModel, Protocol):
         """Replace a sequence's KV with what `export_sequence` gave."""
         ...
 
-    def constraint(self, text: str) -> Constraint:
-        """The grammar `text` as a sampling constraint (`serving/sampling.py`)."""
+    def constraint(self, text: str, trigger: str | None = None) -> Constraint:
+        """The grammar `text` as a sampling constraint (`serving/sampling.py`); with a
+        `trigger`, from the first match of that regular expression on."""
         ...
 
     def memory_bytes(self) -> int: ...

@@ -18,23 +18,35 @@ _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 
 
-def _init(vocab: ctypes.c_void_p, text: str) -> ctypes.c_void_p:
-    sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode(), b"root")
+def _init(vocab: ctypes.c_void_p, text: str, trigger: str | None) -> ctypes.c_void_p:
+    if trigger is None:
+        sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode(), b"root")
+    else:
+        # Lazy: free text until the output matches `trigger`; from the match on, the grammar.
+        patterns = (ctypes.c_char_p * 1)(trigger.encode())
+        no_tokens = (llama_cpp.llama_token * 1)()
+        sampler = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+            vocab, text.encode(), b"root", patterns, 1, no_tokens, 0
+        )
     if not sampler:
         raise EngineError("the grammar does not parse (llama.cpp's log says where)")
     return sampler
 
 
-def check_grammar(vocab: ctypes.c_void_p, text: str) -> None:
+def check_grammar(vocab: ctypes.c_void_p, text: str, trigger: str | None = None) -> None:
     """Raise EngineError if llama.cpp refuses `text` as a grammar over `vocab`."""
-    llama_cpp.llama_sampler_free(_init(vocab, text))
+    llama_cpp.llama_sampler_free(_init(vocab, text, trigger))
 
 
 class GrammarConstraint:
-    """The tokens of `vocab` that the GBNF grammar `text` (rule `root`) allows next."""
+    """The tokens of `vocab` that the GBNF grammar `text` (rule `root`) allows next; with a
+    `trigger` (a regular expression), any token until the output matches it, then what the
+    grammar allows from the match on."""
 
-    def __init__(self, vocab: ctypes.c_void_p, n_vocab: int, text: str) -> None:
-        self._sampler = _init(vocab, text)
+    def __init__(
+        self, vocab: ctypes.c_void_p, n_vocab: int, text: str, trigger: str | None = None
+    ) -> None:
+        self._sampler = _init(vocab, text, trigger)
         self._n = n_vocab
         self._all = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         self._one = np.zeros(1, dtype=_TOKEN_DATA)

@@ -75,10 +75,10 @@ class StageEngine(RuntimeDelegate):
         self.n_slots = slots
         self.slot_ctx = slot_ctx
 
-    def constraint(self, text: str) -> GrammarConstraint:
+    def constraint(self, text: str, trigger: str | None = None) -> GrammarConstraint:
         """The grammar `text` as a sampling constraint over the model's vocabulary (the
         stage's file keeps the tokenizer: the last stage samples)."""
-        return Vocab(self.runtime.model).constraint(text)
+        return Vocab(self.runtime.model).constraint(text, trigger)
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
         for it in items:

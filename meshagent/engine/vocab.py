@@ -48,13 +48,13 @@ class Vocab:
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
-    def check_grammar(self, text: str) -> None:
+    def check_grammar(self, text: str, trigger: str | None = None) -> None:
         """Raise EngineError if `text` is not a grammar llama.cpp accepts."""
-        check_grammar(self._vocab, text)
+        check_grammar(self._vocab, text, trigger)
 
-    def constraint(self, text: str) -> GrammarConstraint:
+    def constraint(self, text: str, trigger: str | None = None) -> GrammarConstraint:
         """The grammar `text` as a sampling constraint over this vocabulary."""
-        return GrammarConstraint(self._vocab, self.n_vocab, text)
+        return GrammarConstraint(self._vocab, self.n_vocab, text, trigger)
 
     def token_text(self, token: int) -> str:
         if token < 0:
@@ -94,8 +94,8 @@ class VocabDelegate:
     def is_end_of_generation(self, token: int) -> bool:
         return self.vocab.is_end_of_generation(token)
 
-    def check_grammar(self, text: str) -> None:
-        self.vocab.check_grammar(text)
+    def check_grammar(self, text: str, trigger: str | None = None) -> None:
+        self.vocab.check_grammar(text, trigger)
 
-    def constraint(self, text: str) -> GrammarConstraint:
-        return self.vocab.constraint(text)
+    def constraint(self, text: str, trigger: str | None = None) -> GrammarConstraint:
+        return self.vocab.constraint(text, trigger)

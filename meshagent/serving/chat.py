@@ -32,6 +32,21 @@ def _raise(message: str) -> None:
 class ChatMessage:
     role: str
     content: str
+    # An assistant's calls, as chat templates read them: {"type": "function", "function":
+    # {"name", "arguments" (a dict)}, "id"}; a tool's reply names the call it answers.
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatTemplate:
@@ -46,10 +61,15 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
+    @property
+    def reads_tools(self) -> bool:
+        """Whether the template renders a `tools` list itself (its own tool-call format)."""
+        return "tools" in self.source
+
     def render(self, messages: Sequence[ChatMessage], **extra: Any) -> str:
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.as_dict() for m in messages],
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

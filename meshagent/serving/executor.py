@@ -29,7 +29,7 @@ SampledToken = tuple[int, int, tuple[float, ...], TokenLogprob | None]
 
 
 class ConstraintSource(Protocol):
-    def constraint(self, text: str) -> Constraint: ...
+    def constraint(self, text: str, trigger: str | None = None) -> Constraint: ...
 
 
 def new_sampler(
@@ -37,7 +37,8 @@ def new_sampler(
 ) -> Sampler:
     """A sampler for one sequence, constrained by its grammar (over `engine`'s vocabulary)
     where it has one."""
-    constraint = None if params.grammar is None else engine.constraint(params.grammar)
+    grammar, trigger = params.grammar, params.grammar_trigger
+    constraint = None if grammar is None else engine.constraint(grammar, trigger)
     return Sampler(params, history, constraint)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import trio
 
@@ -49,8 +50,9 @@ class LocalModel:
     def matches(self, name: str) -> bool:
         return name.casefold() == self.info.id.casefold()
 
-    def chat_tokens(self, messages: Sequence[ChatMessage]) -> tuple[int, ...]:
-        text = self.template.render(messages)
+    def chat_tokens(self, messages: Sequence[ChatMessage], **extra: Any) -> tuple[int, ...]:
+        """The prompt of a conversation (`extra`: more template variables, e.g. tools)."""
+        text = self.template.render(messages, **extra)
         # The template writes the BOS token itself when the model wants one.
         return tuple(self.engine.tokenize(text, add_bos=False))
 

@@ -34,8 +34,10 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    # GBNF text the output must follow (`engine/grammar.py`), or None.
+    # GBNF text the output must follow (`engine/grammar.py`), or None; with a trigger (a
+    # regular expression), only from where the output first matches it on.
     grammar: str | None = None
+    grammar_trigger: str | None = None
     # Report each token's log-probability and this many most likely alternatives (0-20);
     # None: report none.
     logprobs: int | None = None

@@ -141,6 +141,8 @@ def _sampling_to_cbor(p: SamplingParams) -> dict[int, Any]:
         d[5] = p.grammar
     if p.logprobs is not None:
         d[6] = p.logprobs
+    if p.grammar_trigger is not None:
+        d[7] = p.grammar_trigger
     return d
 
 
@@ -156,6 +158,7 @@ def _sampling_from_cbor(d: Any) -> SamplingParams:
             frequency_penalty=float(d[4]),
             grammar=_optional(d.get(5), str, "grammar"),
             logprobs=_top_count(d.get(6)),
+            grammar_trigger=_optional(d.get(7), str, "grammar trigger"),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise StageProtocolError(f"bad sampling parameters: {e}") from e

@@ -39,7 +39,9 @@ class FakeConstraint:
     language over the fake letters and spaces). A token is allowed while the text so far
     with it is a prefix of one of them; the end only once the text is one of them."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, trigger: str | None = None) -> None:
+        if trigger is not None:
+            raise EngineError("fake grammars hold from the first token (no trigger)")
         self.words = parse_fake_grammar(text)
         self.text = ""
 
@@ -110,11 +112,11 @@ class FakeVocab:
     def is_end_of_generation(self, token: int) -> bool:
         return token == EOS
 
-    def check_grammar(self, text: str) -> None:
+    def check_grammar(self, text: str, trigger: str | None = None) -> None:
         parse_fake_grammar(text)
 
-    def constraint(self, text: str) -> FakeConstraint:
-        return FakeConstraint(text)
+    def constraint(self, text: str, trigger: str | None = None) -> FakeConstraint:
+        return FakeConstraint(text, trigger)
 
 
 class _Caches:
@@ -381,8 +383,8 @@ class FakeStage(_FakeCompute):
         self.start: int | None = None
         self.end: int | None = None
 
-    def constraint(self, text: str) -> FakeConstraint:
-        return FakeConstraint(text)
+    def constraint(self, text: str, trigger: str | None = None) -> FakeConstraint:
+        return FakeConstraint(text, trigger)
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
         self._compute(sum(len(it.hidden) for it in items))
