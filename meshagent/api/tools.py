@@ -106,6 +106,7 @@ def parse_functions(tools: list[Any]) -> tuple[Function, ...]:
                 "A function's parameters must be a JSON schema object.",
                 param=f"{param}.function.parameters",
             )
+        schema_grammar(params, param=f"{param}.function.parameters")  # a 400 if unenforceable
         out.append(Function(name, str(fn.get("description") or ""), params))
     if len({f.name for f in out}) != len(out):
         raise errors.bad_request("Two tools have the same name.", param="tools")

@@ -66,3 +66,34 @@ def reference_logprobs(model_path: Path, prompt: str, n: int) -> list[tuple[byte
         return out
     finally:
         engine.close()
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "A city's forecast",
+            "parameters": WEATHER,
+        },
+    },
+    {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD}},
+]
+TOOL_SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+TOOL_PROMPTS = ["What is the weather in Paris?", "Add 2 and 40.", "Will it rain in Oslo this week?"]

@@ -642,3 +642,111 @@ def test_logprobs_are_llama_cpps_log_softmax(
         timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_forced_tool_calls_follow_their_schemas_whole_and_streamed(
+    client: OpenAI, model_id: str
+) -> None:
+    import jsonschema
+
+    from tests.e2e.structured import TOOL_PROMPTS, TOOL_SCHEMAS, TOOLS
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for prompt in TOOL_PROMPTS:
+        for choice in ("required", named):
+            r = client.chat.completions.create(
+                model=model_id,
+                messages=[{"role": "user", "content": prompt}],
+                tools=TOOLS,
+                tool_choice=choice,
+                max_tokens=300,
+                temperature=0,
+            )
+            assert r.choices[0].finish_reason == "tool_calls"
+            calls = r.choices[0].message.tool_calls
+            assert calls and len({c.id for c in calls}) == len(calls)
+            for call in calls:
+                assert choice == "required" or call.function.name == "get_weather"
+                jsonschema.validate(
+                    json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name]
+                )
+    # Streamed: the calls arrive as delta.tool_calls and reassemble to valid JSON.
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": "Add 2 and 40."}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        parallel_tool_calls=False,
+        max_tokens=100,
+        temperature=0,
+        stream=True,
+    )
+    parts: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        for tc in chunk.choices[0].delta.tool_calls or ():
+            part = parts.setdefault(tc.index, ["", ""])
+            part[0] += tc.function.name or ""
+            part[1] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and list(parts) == [0] and parts[0][0] == "add"
+    jsonschema.validate(json.loads(parts[0][1]), TOOL_SCHEMAS["add"])
+    # A history with a call and its result is accepted, tools offered or not.
+    history = [
+        {"role": "user", "content": "Add 2 and 40."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 2, "b": 40}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    for tools in (TOOLS, None):
+        extra = {"tools": tools} if tools else {}
+        r = client.chat.completions.create(
+            model=model_id, messages=history, max_tokens=20, temperature=0, **extra
+        )
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_bad_tools_are_400s_naming_the_field(agent: AgentProcess, model_id: str) -> None:
+    from tests.e2e.structured import TOOLS
+
+    base = {"model": model_id, "messages": [{"role": "user", "content": "hi"}]}
+    for extra, param in (
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+            "tools.0.function.name",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"n": {"type": "number", "maximum": 3}},
+                            },
+                        },
+                    }
+                ]
+            },
+            "tools.0.function.parameters.properties.n.maximum",
+        ),
+    ):
+        r = httpx.post(f"{agent.url}/v1/chat/completions", json={**base, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -9,7 +9,16 @@ import jsonschema
 import pytest
 
 from tests.e2e.agents import invite, wait_for
-from tests.e2e.structured import MAX_TOKENS, PEOPLE, PERSON, person_format, reference_logprobs
+from tests.e2e.structured import (
+    MAX_TOKENS,
+    PEOPLE,
+    PERSON,
+    TOOL_PROMPTS,
+    TOOL_SCHEMAS,
+    TOOLS,
+    person_format,
+    reference_logprobs,
+)
 from tests.e2e.test_openai_api import COPY
 
 # SmolLM2 with 2 slots of 1024 tokens needs ~145 MB (weights + KV); with 10% headroom no
@@ -102,6 +111,29 @@ def _structured_output_and_logprobs_as_the_whole_model(split, whole, model_id, m
         texts = [r["choices"][0]["message"]["content"] for r in said]
         jsonschema.validate(json.loads(texts[0]), PERSON)
         assert texts[0] == texts[1]
+    for prompt in TOOL_PROMPTS[:2]:
+        body = {
+            "model": model_id,
+            "messages": [{"role": "user", "content": prompt}],
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "max_tokens": 300,
+            "temperature": 0,
+        }
+        said = [
+            httpx.post(f"{x.url}/v1/chat/completions", json=body, timeout=120).json()
+            for x in (split, whole)
+        ]
+        calls = [
+            [
+                (c["function"]["name"], c["function"]["arguments"])
+                for c in r["choices"][0]["message"]["tool_calls"]
+            ]
+            for r in said
+        ]
+        assert calls[0] == calls[1] and said[0]["choices"][0]["finish_reason"] == "tool_calls"
+        for name, arguments in calls[0]:
+            jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS[name])
     prompt = "The capital of France is"
     ref = reference_logprobs(model_path, prompt, 6)
     body = {"model": model_id, "prompt": prompt, "max_tokens": len(ref), "temperature": 0}
