@@ -30,6 +30,8 @@ class GenerationRequest:
     # Drafts from the sequence's own text (`serving/drafting.py`): "auto", "on" or "off";
     # None: what the model serving it is set to.
     speculation: str | None = None
+    # Requests with one key (the n completions of one request) prefill their prompt once.
+    share: str | None = None
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,7 @@ async def generate(
                 sampling,
                 tuple(history),
                 speculation=mode,
+                share=request.share if not history else None,
             ) as handle:
                 submitted = trio.current_time()
                 while True:

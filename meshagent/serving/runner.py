@@ -91,6 +91,7 @@ class ModelRunner:
         self._ids = itertools.count()
         self._stopping = False
         self._token: trio.lowlevel.TrioToken | None = None
+        self._shares: dict[str, int] = {}  # a shared prompt's key -> the sequence prefilling it
 
     # ----- the event loop's side -----
 
@@ -106,10 +107,13 @@ class ModelRunner:
         history: tuple[int, ...] = (),
         *,
         speculation: str = "off",
+        share: str | None = None,
     ) -> SequenceHandle:
         """Submit a request (a replayed one with its `history`, see `Scheduler.submit`); its
         tokens arrive on the handle. `speculation` ("auto", "on", "off") is honoured where
-        the executor verifies drafts; "auto" only where its windows are exact. Raises what
+        the executor verifies drafts; "auto" only where its windows are exact. Requests
+        with the same `share` key (the completions of one request, same prompt) prefill the
+        prompt once: the first, and the others start from its KV. Raises what
         `Scheduler.submit` raises (QueueFull, ShuttingDown, ContextOverflow)."""
         if self.aborted is not None:
             raise self.aborted
@@ -119,9 +123,19 @@ class ModelRunner:
                 speculation == "auto" and not self.executor.exact_windows
             ):
                 speculation = "off"  # auto drafts only where it changes no token
+            after = None if share is None else self._shares.get(share)
             self.scheduler.submit(
-                handle.seq, prompt, limit, sampling, history, speculation=speculation, cache=True
+                handle.seq,
+                prompt,
+                limit,
+                sampling,
+                history,
+                speculation=speculation,
+                cache=True,
+                after=after,
             )
+            if share is not None and after is None:
+                self._shares[share] = handle.seq
             self._handles[handle.seq] = handle
             self._lock.notify()
         return handle
@@ -186,6 +200,8 @@ class ModelRunner:
 
     def _forget(self, seq: int, *, cancel: bool) -> None:
         self._handles.pop(seq, None)
+        for key in [k for k, s in self._shares.items() if s == seq]:
+            del self._shares[key]
         if cancel:
             with self._lock:
                 self.scheduler.cancel(seq)

@@ -51,6 +51,11 @@ Policy:
   shared length, and only the rest is prefilled. A sequence that ends (not one that failed)
   leaves the KV of the tokens its slot holds as an entry (`Step.saves`, before the slot is
   cleared); entries the index evicts are in `Step.dropped`, after the step's restores.
+- Sequences that share a prompt (`n` completions of one request) are prefilled once: one
+  submitted `after` another waits in the queue until that one's prompt has all run, which then
+  keeps its prompt's KV as an entry (a `Save` of a live slot, before its first decode token
+  runs) for the waiting ones to start from. Without an index, or when the one they wait for
+  ends first, they prefill as any other.
 """
 
 from __future__ import annotations
@@ -126,6 +131,8 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)  # prompt, history, tokens since
     cached: int = 0  # its input's positions a kept prefix gave it
     announced: bool = False  # its first token went out (with `cached`)
+    waiting: bool = False  # for another's prompt to run, to start from its KV (`submit`)
+    followers: list[_Seq] = field(default_factory=list)  # those waiting for its prompt
 
 
 @dataclass
@@ -234,11 +241,13 @@ class Scheduler:
         *,
         speculation: str = "off",
         cache: bool = False,
+        after: int | None = None,
     ):
         """A new request: it takes a free slot, or waits in the queue. `history`: a replayed
         completion's tokens so far, run after the prompt one per step; `limit` counts the
         tokens still to generate; `speculation`: "on" or "auto" to send drafts (see the
-        module's docstring), "off" not to.
+        module's docstring), "off" not to; `after`: a sequence with the same prompt, whose
+        prefill this one waits for and starts from (where prefixes are kept).
         Raises ShuttingDown after `close`, QueueFull when the queue is at its bound,
         ContextOverflow when the prompt, history and `limit` new tokens do not fit a slot."""
         if self.closed:
@@ -268,6 +277,19 @@ class Scheduler:
                 s.acceptance = Acceptance()
             else:
                 s.length = DraftLength()
+        leader = self._by_id.get(after) if after is not None else None
+        if (
+            s.cache
+            and not history
+            and leader is not None
+            and leader.prompt == s.prompt
+            and not leader.history
+            # its first token has not run yet: its slot holds the prompt and no more
+            and leader.n_past <= len(leader.prompt)
+            and not leader.cancelled
+        ):
+            s.waiting = True
+            leader.followers.append(s)
         self._by_id[seq] = s
         self._queue.append(s)
         self._admit()
@@ -281,6 +303,7 @@ class Scheduler:
         if s.slot is None:
             self._queue.remove(s)
             del self._by_id[seq]
+            self._unblock(s)
         elif s.busy:
             s.cancelled = True
         else:
@@ -290,6 +313,7 @@ class Scheduler:
         """The next batch to run, or None when no sequence has input to run. `now` (any
         clock): when it is taken, to time the trips of the windows whose tokens come back
         through `token` with a `now` too (a split's)."""
+        self._share_prompts()
         ready = [s for s in self._by_slot.values() if s.pending and not s.cancelled]
         ready.sort(key=lambda s: (s.ready_since, s.id))
         active = sum(1 for s in self._by_slot.values() if not s.cancelled)
@@ -498,6 +522,7 @@ class Scheduler:
             if s.slot is None:
                 self._queue.remove(s)
                 del self._by_id[seq]
+                self._unblock(s)
             else:
                 self._release(s, keep=False)  # its cache may hold half a step
         return events
@@ -537,6 +562,27 @@ class Scheduler:
         if self.prefix is not None:
             self._dropped += self.prefix.clear()
 
+    def _share_prompts(self) -> None:
+        """Sequences whose prompt has all run keep its KV for those waiting to share it."""
+        for s in list(self._by_slot.values()):
+            if s.followers and s.n_past >= len(s.prompt):
+                assert s.slot is not None and self.prefix is not None
+                # Its slot holds the prompt's positions and no more: its first token has
+                # not run yet (it runs in this step, after the saves).
+                stored = self.prefix.insert(s.prompt)
+                if stored.entry is not None:
+                    self._saves.append(Save(s.slot, stored.entry, len(s.prompt)))
+                self._dropped += stored.dropped
+                self._unblock(s)
+
+    def _unblock(self, s: _Seq) -> None:
+        """Those waiting for `s`'s prompt wait no more (it ran, or never will)."""
+        followers, s.followers = s.followers, []
+        for f in followers:
+            f.waiting = False
+        if followers:
+            self._admit()
+
     def _release(self, s: _Seq, *, keep: bool = True) -> None:
         assert s.slot is not None
         if keep and s.cache and self.prefix is not None:
@@ -554,11 +600,16 @@ class Scheduler:
         s.busy = False
         s.windows.clear()
         s.cancelled = True  # whatever still names it is ignored from now on
+        self._unblock(s)
         self._admit()
 
     def _admit(self) -> None:
+        waiting: list[_Seq] = []  # passed over, in order: they go back to the queue's head
         while self._queue and self._free:
             s = self._queue.popleft()
+            if s.waiting:
+                waiting.append(s)
+                continue
             s.slot = self._free.pop()
             s.pending = [*s.prompt, *s.history]
             s.ready_since = self._steps
@@ -572,3 +623,4 @@ class Scheduler:
                     del s.pending[: s.cached]
                     self._prefix_tokens += s.cached
             self._opened.append(Opened(s.id, s.slot, s.sampling, s.history, restore))
+        self._queue.extendleft(reversed(waiting))

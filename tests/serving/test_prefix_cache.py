@@ -11,7 +11,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshagent.serving.generation import Finished
+from meshagent.serving.generation import Delta, Finished, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.prefix_cache import BLOCK, MIN_REUSE, PrefixIndex, shared_length
 from meshagent.serving.sampling import SamplingParams
@@ -335,3 +335,63 @@ async def test_drafts_rolled_back_leave_a_prefix_that_answers_as_plain_decoding(
         turn = turn + text + f" and then {i}"
     assert rejected > 0  # some drafts were rolled back
     assert kept.runner.stats().prefix_hits == 2
+
+
+# ----- n completions of one prompt: one prefill -----
+
+
+async def completions(model, prompt, samplings, n_tokens=16, share="req-1"):
+    got = {}
+
+    async def one(i, sampling):
+        req = GenerationRequest(model.text_tokens(prompt), n_tokens, sampling, share=share)
+        send, recv = trio.open_memory_channel(n_tokens + 4)
+        async with send:
+            await model.generate(req, send)
+        events = [e async for e in recv]
+        got[i] = ("".join(e.text for e in events if isinstance(e, Delta)), events[-1])
+
+    async with trio.open_nursery() as n:
+        for i, s in enumerate(samplings):
+            n.start_soon(one, i, s)
+    return [got[i] for i in range(len(samplings))]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+async def test_n_completions_prefill_their_prompt_once_and_each_is_what_it_is_alone(nursery, split):
+    from tests.serving.test_pipeline_fake import FakeChain
+
+    budget = STATE_BYTES * 4000
+    if split:
+        chain = FakeChain(nursery, depth=2, prefix_budget=budget)
+        model = chain.model
+    else:
+        model = LocalModel.whole(
+            FakeEngine(slots=4, slot_ctx=512), max_queue=8, prefix_budget=budget
+        )
+    await nursery.start(model.run)
+    prompt = SYSTEM + "tell me about rivers and the sea"
+    samplings = [SamplingParams(temperature=2.0, seed=s) for s in (1, 2, 3, 4)]
+    alone = [await complete(model, prompt, 16, sampling=s) for s in samplings]
+    model.runner.forget_prefixes()  # the prompt is not kept from those runs
+    before = model.runner.stats().tokens_processed
+    together = await completions(model, prompt, samplings)
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    assert len({t for t, _ in together}) > 1  # the seeds differ, and so do the texts
+    n_prompt = len(model.text_tokens(prompt))
+    # One prefill of the prompt; each other completion runs the prompt's last token itself.
+    fed = sum(f.completion_tokens - (f.reason == "length") for _, f in together)
+    assert model.runner.stats().tokens_processed - before == n_prompt + 3 + fed
+    assert sorted(f.cached_tokens for _, f in together) == [0, *[n_prompt - 1] * 3]
+
+
+async def test_without_kept_prefixes_n_completions_prefill_each(plain):
+    engine, model = plain
+    prompt = SYSTEM + "what is a lake"
+    samplings = [SamplingParams(temperature=0.0)] * 3
+    before = model.runner.stats().tokens_processed
+    together = await completions(model, prompt, samplings, 8)
+    assert {t for t, _ in together} == {expected(engine, prompt, 8)}
+    assert model.runner.stats().tokens_processed - before == 3 * (
+        len(model.text_tokens(prompt)) + 7
+    )
