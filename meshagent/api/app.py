@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, replace
@@ -15,7 +16,7 @@ import trio
 
 from meshagent.api import errors, forwarding, ollama
 from meshagent.api.access import Access
-from meshagent.api.delivery import Failed, stream_reply, whole_reply
+from meshagent.api.delivery import Choice, Event, Failed, stream_reply, whole_reply
 from meshagent.api.embeddings import embedding_reply, parse_embedding
 from meshagent.api.errors import SPLIT_RETRY_AFTER, ApiError, api_error_for
 from meshagent.api.events import EventHub, serve_events
@@ -354,11 +355,15 @@ class OpenAIApp:
     ) -> None:
         """Carry the request to `remote`, a peer serving its model, and on to the next one if
         that peer is lost (`api/resumable.py`); an agent that predates that gets it over
-        `api/1`."""
+        `api/1`; so does a request for n > 1 completions (`gen/1` carries one)."""
         if self.inflight.draining:
             raise errors.unavailable(
                 "The agent is shutting down and takes no new requests.", code="shutting_down"
             )
+        if req.n > 1:
+            meter.path = FORWARDED
+            await self._forward(ex, remote)
+            return
 
         def here() -> Prepared | None:
             model = self._local(req.model)
@@ -481,7 +486,7 @@ class OpenAIApp:
             raise api_error_for(e, prompt_param=prompt_param) from e
 
         gen = replace(gen, sampling=gen.sampling.seeded())  # kept if the request moves
-        send, events = trio.open_memory_channel[Delta | Finished | Failed](math.inf)
+        send, events = trio.open_memory_channel[Event](math.inf)
 
         async def produce() -> None:
             async with send:
@@ -494,6 +499,9 @@ class OpenAIApp:
                 except ApiError as e:
                     send.send_nowait(Failed(e))
 
+        if p.n > 1:
+            produce = self._producing_choices(p, gen, send)
+
         with self.inflight.track() as grace:
             with grace:
                 async with trio.open_nursery() as nursery:
@@ -505,7 +513,7 @@ class OpenAIApp:
                     meter.receipt(receipt)
                     logprobs = p.gen.sampling.logprobs is not None
                     tools = None if p.tools is None else p.tools.syntax
-                    reply = Reply(chat=p.chat, model=model.info.id, logprobs=logprobs, tools=tools)
+                    reply = Reply(p.chat, model.info.id, logprobs, tools, p.n)
                     if p.stream:
                         await stream_reply(
                             ex, events, reply, p.include_usage, p.echo, receipt, meter
@@ -517,6 +525,43 @@ class OpenAIApp:
                 await self._stopped_by_shutdown(ex)
             elif ex.disconnected and not ex.finished:
                 log.info("request.client_gone", id=reply.id)
+
+    def _producing_choices(
+        self, p: Prepared, gen: GenerationRequest, send: trio.MemorySendChannel[Event]
+    ) -> Callable[[], Awaitable[None]]:
+        """What generates the n completions of `p`: one request each, sharing one prefill of
+        the prompt, choice i sampling with the seed + i. (A model that moves mid-request
+        fails it: n completions are not handed on.)"""
+        share = secrets.token_hex(8)
+        seed = gen.sampling.seed
+
+        async def choice(i: int, out: trio.MemorySendChannel[Event]) -> None:
+            sampling = replace(gen.sampling, seed=None if seed is None else seed + i)
+            own = replace(gen, sampling=sampling, share=share)
+            into, events = trio.open_memory_channel[Delta | Finished](math.inf)
+            failed: list[MeshError] = []
+
+            async def run() -> None:
+                async with into:
+                    try:
+                        await p.model.generate(own, into)
+                    except MeshError as e:
+                        failed.append(e)
+
+            async with out:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(run)
+                    async for ev in events:
+                        out.send_nowait(Choice(i, ev))
+                if failed:
+                    out.send_nowait(Failed(api_error_for(failed[0], prompt_param=p.prompt_param)))
+
+        async def produce() -> None:
+            async with send, trio.open_nursery() as nursery:
+                for i in range(p.n):
+                    nursery.start_soon(choice, i, send.clone())
+
+        return produce
 
     async def _hand_on(
         self,

@@ -1,5 +1,6 @@
 """A completion's events (text, its end, or a failure) to the client: as server-sent events,
-or as one JSON reply at the end; the request's meter hears of each."""
+or as one JSON reply at the end; the request's meter hears of each. A request for n
+completions sends each choice's events as a `Choice`; the reply ends when all n have."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import trio
 from meshagent.api.errors import ApiError
 from meshagent.api.exchange import Exchange
 from meshagent.api.metrics import RequestMeter
-from meshagent.api.replies import Reply
+from meshagent.api.replies import Reply, merged
 from meshagent.serving.generation import Delta, Finished
 
 
@@ -19,41 +20,61 @@ class Failed:
     error: ApiError
 
 
+@dataclass(frozen=True)
+class Choice:
+    """An event of the completion with this index (of n)."""
+
+    index: int
+    event: Delta | Finished
+
+
+Event = Delta | Finished | Failed | Choice
+
+
+def _unwrap(ev: Delta | Finished | Choice) -> tuple[int, Delta | Finished]:
+    return (ev.index, ev.event) if isinstance(ev, Choice) else (0, ev)
+
+
 async def stream_reply(
     ex: Exchange,
-    events: trio.MemoryReceiveChannel[Delta | Finished | Failed],
+    events: trio.MemoryReceiveChannel[Event],
     reply: Reply,
     include_usage: bool,
     echo: str,
     receipt: list[tuple[bytes, bytes]],
     meter: RequestMeter,
 ) -> None:
-    async for ev in events:
-        if isinstance(ev, Failed):
-            meter.fail(ev.error.status, ev.error.message)
+    dones: dict[int, Finished] = {}
+    async for item in events:
+        if isinstance(item, Failed):
+            meter.fail(item.error.status, item.error.message)
             if not ex.started:
-                await ex.send_error(ev.error)
+                await ex.send_error(item.error)
             else:
-                await ex.send_event(ev.error.body())
+                await ex.send_event(item.error.body())
                 await ex.end()
             return
         if not ex.started:
             await ex.start_sse(receipt)
-            opening = reply.opening()
-            if opening is not None:
+            for opening in reply.opening():
                 await ex.send_event(opening)
             if echo:
-                await ex.send_event(reply.chunk(echo))
+                for i in range(reply.n):
+                    await ex.send_event(reply.chunk(echo, index=i))
+        index, ev = _unwrap(item)
         if isinstance(ev, Delta):
             meter.first_text()
-            for chunk in reply.delta_chunks(ev):
+            for chunk in reply.delta_chunks(ev, index):
                 await ex.send_event(chunk)
-        else:
-            meter.finished(ev)
-            for chunk in reply.end_chunks(ev.reason):
-                await ex.send_event(chunk)
+            continue
+        dones[index] = ev
+        for chunk in reply.end_chunks(ev.reason, index):
+            await ex.send_event(chunk)
+        if len(dones) == reply.n:
+            done = merged([dones[i] for i in range(reply.n)])
+            meter.finished(done)
             if include_usage:
-                await ex.send_event(reply.usage_chunk(ev))
+                await ex.send_event(reply.usage_chunk(done))
             await ex.send_event("[DONE]")
             await ex.end()
             return
@@ -61,22 +82,27 @@ async def stream_reply(
 
 async def whole_reply(
     ex: Exchange,
-    events: trio.MemoryReceiveChannel[Delta | Finished | Failed],
+    events: trio.MemoryReceiveChannel[Event],
     reply: Reply,
     echo: str,
     receipt: list[tuple[bytes, bytes]],
     meter: RequestMeter,
 ) -> None:
-    deltas: list[Delta] = []
-    async for ev in events:
-        if isinstance(ev, Failed):
-            meter.fail(ev.error.status, ev.error.message)
-            await ex.send_error(ev.error)
+    deltas: list[list[Delta]] = [[] for _ in range(reply.n)]
+    dones: dict[int, Finished] = {}
+    async for item in events:
+        if isinstance(item, Failed):
+            meter.fail(item.error.status, item.error.message)
+            await ex.send_error(item.error)
             return
+        index, ev = _unwrap(item)
         if isinstance(ev, Delta):
             meter.first_text()
-            deltas.append(ev)
-        else:
-            meter.finished(ev)
-            await ex.send_json(200, reply.whole(echo, deltas, ev), receipt)
+            deltas[index].append(ev)
+            continue
+        dones[index] = ev
+        if len(dones) == reply.n:
+            ends = [dones[i] for i in range(reply.n)]
+            meter.finished(merged(ends))
+            await ex.send_json(200, reply.whole(echo, deltas, ends), receipt)
             return

@@ -38,6 +38,7 @@ class Prepared:
     prompt_param: str  # the request field the prompt came in, for errors about it
     echo: str = ""  # text completions with echo: the prompt, sent before the completion
     tools: ToolPlan | None = None  # a chat request that may call tools
+    n: int = 1  # completions of the prompt (prefilled once: `GenerationRequest.share`)
 
     @property
     def tool_syntax(self) -> str | None:
@@ -73,7 +74,9 @@ def _chat(req: ChatCompletionRequest, model: LocalModel) -> Prepared:
     except TemplateError as e:
         raise errors.bad_request(str(e), param="messages") from e
     gen = _generation_request(req, model, tokens, req.token_limit(), plan)
-    return Prepared(model, gen, True, req.stream, req.include_usage(), "messages", tools=plan)
+    return Prepared(
+        model, gen, True, req.stream, req.include_usage(), "messages", tools=plan, n=req.n
+    )
 
 
 def _completion(req: CompletionRequest, model: LocalModel) -> Prepared:
@@ -96,7 +99,7 @@ def _completion(req: CompletionRequest, model: LocalModel) -> Prepared:
         raise errors.bad_request("The prompt is empty.", param="prompt")
     gen = _generation_request(req, model, tokens, req.max_tokens)
     echo = prompt_text if req.echo else ""
-    return Prepared(model, gen, False, req.stream, req.include_usage(), "prompt", echo)
+    return Prepared(model, gen, False, req.stream, req.include_usage(), "prompt", echo, n=req.n)
 
 
 def _generation_request(

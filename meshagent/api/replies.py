@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshagent.api.tools import Call, CallParser, Syntax, Text
@@ -73,70 +73,86 @@ def chat_logprobs(lps: tuple[Logprob, ...]) -> dict[str, Any]:
 
 
 @dataclass
+class _Choice:
+    """What one choice of a streamed reply holds between chunks."""
+
+    offset: int = 0  # characters of its text before the next chunk's (text_offset)
+    calls: CallParser | None = None
+    held: tuple[Logprob, ...] = ()  # logprobs of text the call parser holds back
+
+
+@dataclass
 class Reply:
-    """One response's identity; builds its chunks and its whole body. With `logprobs`, each
-    choice carries its tokens' log-probabilities in the endpoint's shape. With `tools` (the
-    syntax the model writes calls in), calls in the text become `tool_calls`."""
+    """One response's identity; builds its chunks and its whole body, for `n` choices (each
+    chunk names its choice's index). With `logprobs`, each choice carries its tokens'
+    log-probabilities in the endpoint's shape. With `tools` (the syntax the model writes
+    calls in), calls in the text become `tool_calls`."""
 
     chat: bool
     model: str
     logprobs: bool = False
     tools: Syntax | None = None
+    n: int = 1
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
-    _offset: int = 0  # characters of completion text before the next chunk's (text_offset)
-    _calls: CallParser | None = None
-    _held: tuple[Logprob, ...] = ()  # logprobs of text the call parser holds back
+    _choices: list[_Choice] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.id:
             self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
-        if self.tools is not None:
-            self._calls = CallParser(self.tools)
+        self._choices = [self._new_choice() for _ in range(self.n)]
 
-    def delta_chunks(self, delta: Delta) -> list[dict[str, Any]]:
+    def _new_choice(self) -> _Choice:
+        return _Choice(calls=None if self.tools is None else CallParser(self.tools))
+
+    def delta_chunks(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
         """The streamed chunks of a delta: its text, or (with tools) the text and calls it
         completes."""
-        if self._calls is None:
-            return [self.chunk(delta.text, logprobs=delta.logprobs)]
-        return self._parts(self._calls.feed(delta.text), delta.logprobs)
+        c = self._choices[index]
+        if c.calls is None:
+            return [self.chunk(delta.text, logprobs=delta.logprobs, index=index)]
+        return self._parts(index, c.calls.feed(delta.text), delta.logprobs)
 
-    def end_chunks(self, reason: str) -> list[dict[str, Any]]:
-        """The chunks that end a stream: text held back, then the finish reason."""
-        parts = [] if self._calls is None else self._parts(self._calls.finish(), ())
-        return [*parts, self.chunk(None, finish=self.finish_reason(reason))]
+    def end_chunks(self, reason: str, index: int = 0) -> list[dict[str, Any]]:
+        """The chunks that end a choice's stream: text held back, then the finish reason."""
+        c = self._choices[index]
+        parts = [] if c.calls is None else self._parts(index, c.calls.finish(), ())
+        finish = self._finish_reason(c, reason)
+        return [*parts, self.chunk(None, finish=finish, index=index)]
 
-    def finish_reason(self, reason: str) -> str:
-        if self._calls is not None and self._calls.calls and reason == "stop":
+    @staticmethod
+    def _finish_reason(c: _Choice, reason: str) -> str:
+        if c.calls is not None and c.calls.calls and reason == "stop":
             return "tool_calls"
         return reason
 
-    def _parts(self, parts: list[Text | Call], lps: tuple[Logprob, ...]) -> list[dict[str, Any]]:
-        assert self._calls is not None
-        self._held += lps
+    def _parts(
+        self, index: int, parts: list[Text | Call], lps: tuple[Logprob, ...]
+    ) -> list[dict[str, Any]]:
+        c = self._choices[index]
+        assert c.calls is not None
+        c.held += lps
         out = []
         for part in parts:
             if isinstance(part, Call):
-                index = self._calls.calls.index(part)
-                out.append(self._choice_chunk({"tool_calls": [{"index": index, **part.as_dict()}]}))
-            elif part.text.strip() or not self._calls.calls:  # no blank lines between calls
-                out.append(self.chunk(part.text, logprobs=self._held))
-                self._held = ()
+                at = c.calls.calls.index(part)
+                delta = {"tool_calls": [{"index": at, **part.as_dict()}]}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                out.append(self._envelope("chat.completion.chunk", [choice]))
+            elif part.text.strip() or not c.calls.calls:  # no blank lines between calls
+                out.append(self.chunk(part.text, logprobs=c.held, index=index))
+                c.held = ()
         return out
 
-    def _choice_chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
-        return self._envelope("chat.completion.chunk", [choice])
-
-    def _logprobs(self, lps: tuple[Logprob, ...]) -> dict[str, Any] | None:
+    def _logprobs(self, c: _Choice, lps: tuple[Logprob, ...]) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         if self.chat:
             return chat_logprobs(lps)
         offsets = []
         for lp in lps:
-            offsets.append(self._offset)
-            self._offset += len(_token_text(lp.token))
+            offsets.append(c.offset)
+            c.offset += len(_token_text(lp.token))
         return {
             "tokens": [_token_text(lp.token) for lp in lps],
             "token_logprobs": [lp.logprob for lp in lps],
@@ -153,11 +169,11 @@ class Reply:
             "choices": choices,
         }
 
-    def opening(self) -> dict[str, Any] | None:
-        """The first streamed chunk (chat announces the assistant role)."""
+    def opening(self) -> list[dict[str, Any]]:
+        """The first streamed chunks (chat announces the assistant role of each choice)."""
         if not self.chat:
-            return None
-        return self.chunk(None, role=True)
+            return []
+        return [self.chunk(None, role=True, index=i) for i in range(self.n)]
 
     def chunk(
         self,
@@ -166,45 +182,60 @@ class Reply:
         finish: str | None = None,
         role: bool = False,
         logprobs: tuple[Logprob, ...] = (),
+        index: int = 0,
     ) -> dict:
-        lps = self._logprobs(logprobs) if logprobs else None
+        lps = self._logprobs(self._choices[index], logprobs) if logprobs else None
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta = {"role": "assistant", "content": ""}
             elif text is not None:
                 delta = {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": lps, "finish_reason": finish}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, done: Finished) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj, []), "usage": usage(done)}
 
-    def whole(self, echo: str, deltas: list[Delta], done: Finished) -> dict[str, Any]:
+    def whole(self, echo: str, deltas: list[list[Delta]], dones: list[Finished]) -> dict[str, Any]:
+        """The whole body: each choice's deltas and end, in index order."""
+        choices = [
+            self._whole_choice(i, echo, d, done)
+            for i, (d, done) in enumerate(zip(deltas, dones, strict=True))
+        ]
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = usage(merged(dones))
+        return body
+
+    def _whole_choice(
+        self, index: int, echo: str, deltas: list[Delta], done: Finished
+    ) -> dict[str, Any]:
+        c = self._new_choice()
         text = echo + "".join(d.text for d in deltas)
-        lps = self._logprobs(tuple(lp for d in deltas for lp in d.logprobs))
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if self._calls is not None:
-                parts = self._calls.feed(text) + self._calls.finish()
-                calls = [p.as_dict() for p in parts if isinstance(p, Call)]
-                said = "".join(p.text for p in parts if isinstance(p, Text)).strip()
-                if calls:
-                    message = {"role": "assistant", "content": said or None, "tool_calls": calls}
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": lps,
-                "finish_reason": self.finish_reason(done.reason),
-            }
-            body = self._envelope("chat.completion", [choice])
-        else:
+        lps = self._logprobs(c, tuple(lp for d in deltas for lp in d.logprobs))
+        if not self.chat:
             if lps is not None:
                 lps["text_offset"] = [len(echo) + o for o in lps["text_offset"]]
-            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": done.reason}
-            body = self._envelope("text_completion", [choice])
-        body["usage"] = usage(done)
-        return body
+            return {"index": index, "text": text, "logprobs": lps, "finish_reason": done.reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if c.calls is not None:
+            parts = c.calls.feed(text) + c.calls.finish()
+            calls = [p.as_dict() for p in parts if isinstance(p, Call)]
+            said = "".join(p.text for p in parts if isinstance(p, Text)).strip()
+            if calls:
+                message = {"role": "assistant", "content": said or None, "tool_calls": calls}
+        finish = self._finish_reason(c, done.reason)
+        return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}
+
+
+def merged(dones: list[Finished]) -> Finished:
+    """The end of n completions of one prompt, as usage counts it: the prompt once, every
+    completion's tokens."""
+    first = dones[0]
+    if len(dones) == 1:
+        return first
+    total = sum(d.completion_tokens for d in dones)
+    return replace(first, completion_tokens=total)

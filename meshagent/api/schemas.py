@@ -12,6 +12,7 @@ from meshagent.api.tools import plan_tools
 
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
+MAX_N = 8  # completions of one prompt in one request
 
 
 class MeshagentOptions(BaseModel):
@@ -30,7 +31,7 @@ class _Request(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
@@ -151,8 +152,6 @@ def _refuse_unsupported(req: _Request) -> None:
     def unsupported(param: str, why: str) -> ApiError:
         return bad_request(why, param=param, code="unsupported_parameter")
 
-    if req.n != 1:
-        raise unsupported("n", "Only n=1 is supported: send one request per completion.")
     response_format_grammar(req.response_format)  # a 400 now if it cannot be enforced
     if req.logit_bias:
         raise unsupported("logit_bias", "logit_bias is not supported yet.")

@@ -33,7 +33,7 @@ def test_valid_chat_request_with_content_parts():
         ({"model": "m", "messages": MSGS, "max_tokens": 0}, "max_tokens"),
         ({"model": "m", "messages": MSGS, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-        ({"model": "m", "messages": MSGS, "n": 2}, "n"),
+        ({"model": "m", "messages": MSGS, "n": 9}, "n"),
         ({"model": "m", "messages": MSGS, "tools": [{"type": "function"}]}, "tools.0"),
         (
             {"model": "m", "messages": MSGS, "response_format": {"type": "yaml"}},

@@ -750,3 +750,34 @@ def test_bad_tools_are_400s_naming_the_field(agent: AgentProcess, model_id: str)
     ):
         r = httpx.post(f"{agent.url}/v1/chat/completions", json={**base, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_n_choices_share_one_prefill(agent: AgentProcess, client: OpenAI, model_id: str) -> None:
+    # A prompt no earlier test sent: nothing of it is kept yet.
+    messages = [{"role": "user", "content": f"Name a colour. {uuid.uuid4().hex}"}]
+    key = ("meshagent_tokens_processed_total", frozenset({("model", model_id)}))
+    before = _scrape(agent)[key]
+    r = client.chat.completions.create(
+        model=model_id, messages=messages, n=4, max_tokens=12, temperature=1.0, seed=11
+    )
+    processed = _scrape(agent)[key] - before
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert len({c.message.content for c in r.choices}) > 1  # each choice samples its own
+    # One prefill of the prompt, then each choice's last prompt token and its own tokens.
+    prompt, completion = r.usage.prompt_tokens, r.usage.completion_tokens
+    assert processed <= prompt + 3 + completion, (processed, prompt, completion)
+    assert processed >= prompt + 3 + completion - 4
+    # Choice i samples with seed + i: the first is the request alone with the same seed.
+    alone = client.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=12, temperature=1.0, seed=11
+    )
+    assert alone.choices[0].message.content == r.choices[0].message.content
+    # Streamed: every choice's chunks name its index, and each ends with a finish reason.
+    ends = {}
+    for chunk in client.chat.completions.create(
+        model=model_id, messages=messages, n=3, max_tokens=6, temperature=1.0, seed=2, stream=True
+    ):
+        for c in chunk.choices:
+            if c.finish_reason:
+                ends[c.index] = c.finish_reason
+    assert sorted(ends) == [0, 1, 2]
