@@ -511,10 +511,8 @@ def test_the_responses_api_through_the_official_client(
     assert again.usage.input_tokens > whole.usage.input_tokens  # the history came along
     # What would not be honoured is refused, naming it.
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(
-            model=model_id, input="hi", tools=[{"type": "function", "name": "f", "parameters": {}}]
-        )
-    assert e.value.param == "tools"
+        client.responses.create(model=model_id, input="hi", tools=[{"type": "web_search"}])
+    assert e.value.param == "tools.0.type"
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=model_id, input="hi", previous_response_id="resp_nope")
     with pytest.raises(openai.NotFoundError):
@@ -781,3 +779,49 @@ def test_n_choices_share_one_prefill(agent: AgentProcess, client: OpenAI, model_
             if c.finish_reason:
                 ends[c.index] = c.finish_reason
     assert sorted(ends) == [0, 1, 2]
+
+
+def test_the_responses_api_calls_functions_and_follows_a_json_schema(
+    client: OpenAI, model_id: str
+) -> None:
+    import jsonschema
+
+    from tests.e2e.structured import MAX_TOKENS, PERSON, TOOL_SCHEMAS, TOOLS
+
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    ask = dict(
+        model=model_id,
+        input="What is the weather in Rome?",
+        tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+        temperature=0,
+    )
+    whole = client.responses.create(**ask)
+    [call] = [o for o in whole.output if o.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), TOOL_SCHEMAS["get_weather"])
+    events = list(client.responses.create(**ask, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(e.arguments) for e in done] == [json.loads(call.arguments)]
+    assert events[-1].type == "response.completed"
+    # The call's output goes back in, and the model answers on.
+    after = client.responses.create(
+        model=model_id,
+        previous_response_id=whole.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 24C"}],
+        tools=tools,
+        max_output_tokens=20,
+        temperature=0,
+    )
+    assert after.status in ("completed", "incomplete")
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    shaped = client.responses.create(
+        model=model_id,
+        input="Describe a sailor.",
+        text={"format": fmt},
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(shaped.output_text), PERSON)
