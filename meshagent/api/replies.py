@@ -232,10 +232,11 @@ class Reply:
 
 
 def merged(dones: list[Finished]) -> Finished:
-    """The end of n completions of one prompt, as usage counts it: the prompt once, every
-    completion's tokens."""
+    """The end of n completions of one prompt, as usage counts it: the prompt once (cached
+    what the one that prefilled it was given), every completion's tokens."""
     first = dones[0]
     if len(dones) == 1:
         return first
     total = sum(d.completion_tokens for d in dones)
-    return replace(first, completion_tokens=total)
+    cached = min(d.cached_tokens for d in dones)
+    return replace(first, completion_tokens=total, cached_tokens=cached)

@@ -169,7 +169,10 @@ def call_text(syntax: Syntax, calls: list[tuple[str, Any]]) -> str:
 
 
 def fallback_prompt(functions: tuple[Function, ...]) -> str:
-    listing = "\n".join(json.dumps(f.spec(), ensure_ascii=False) for f in functions)
+    listing = "\n".join(
+        json.dumps(f.spec()["function"], ensure_ascii=False, separators=(",", ":"))
+        for f in functions
+    )
     return (
         "You may call functions to help with the user's request. They are:\n"
         f"{listing}\n"

@@ -195,7 +195,7 @@ def test_a_history_with_calls_and_results_for_a_template_without_tools():
     assert messages[1].tool_calls[0]["function"]["arguments"] == {"a": 1, "b": 2}
     rendered, extra = render_history(messages, plan, native=False)
     assert (
-        extra == {} and rendered[0].role == "system" and '"name": "weather"' in rendered[0].content
+        extra == {} and rendered[0].role == "system" and '"name":"weather"' in rendered[0].content
     )
     assert rendered[2] == ChatMessage(
         "assistant", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'

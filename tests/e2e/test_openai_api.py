@@ -762,7 +762,9 @@ def test_n_choices_share_one_prefill(agent: AgentProcess, client: OpenAI, model_
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     assert len({c.message.content for c in r.choices}) > 1  # each choice samples its own
     # One prefill of the prompt, then each choice's last prompt token and its own tokens.
-    prompt, completion = r.usage.prompt_tokens, r.usage.completion_tokens
+    # (The template's opening may be kept from earlier requests: cached_tokens says how much.)
+    prompt = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    completion = r.usage.completion_tokens
     assert processed <= prompt + 3 + completion, (processed, prompt, completion)
     assert processed >= prompt + 3 + completion - 4
     # Choice i samples with seed + i: the first is the request alone with the same seed.
