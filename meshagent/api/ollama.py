@@ -65,16 +65,6 @@ def tags(models: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _refuse(body: dict[str, Any]) -> None:
-    if body.get("format"):
-        raise bad_request(
-            "'format' is not supported yet: the output would not be constrained to it.",
-            param="format",
-            code="unsupported_parameter",
-        )
-    if body.get("tools"):
-        raise bad_request(
-            "Tools are not supported yet.", param="tools", code="unsupported_parameter"
-        )
     messages = body.get("messages") or []
     if body.get("images") or any(isinstance(m, dict) and m.get("images") for m in messages):
         raise bad_request("Images are not supported.", param="images", code="unsupported_parameter")
@@ -94,6 +84,16 @@ def _openai_body(body: dict[str, Any]) -> dict[str, Any]:
             out[ours] = options[theirs]
     if out.get("max_tokens") is not None and out["max_tokens"] < 0:
         del out["max_tokens"]  # ollama's -1: until the context is full
+    fmt = body.get("format")
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):  # a JSON schema
+        schema = {"name": "format", "schema": fmt, "strict": True}
+        out["response_format"] = {"type": "json_schema", "json_schema": schema}
+    elif fmt:
+        raise bad_request("'format' must be \"json\" or a JSON schema.", param="format")
+    if body.get("tools"):
+        out["tools"] = body["tools"]
     return out
 
 
@@ -104,12 +104,20 @@ def chat_request(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not isinstance(messages, list):
         raise bad_request("Missing required parameter: 'messages'.", param="messages")
     out = _openai_body(body)
-    out["messages"] = [
-        {"role": m.get("role"), "content": m.get("content", "")}
-        for m in messages
-        if isinstance(m, dict)
-    ]
+    out["messages"] = [_message(m) for m in messages if isinstance(m, dict)]
     return "/v1/chat/completions", out
+
+
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    out = {"role": m.get("role"), "content": m.get("content", "")}
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):  # ollama's: {"function": {"name", "arguments": {...}}}
+        out["tool_calls"] = [
+            {"id": f"call_{i}", "type": "function", "function": c.get("function", {})}
+            for i, c in enumerate(calls)
+            if isinstance(c, dict)
+        ]
+    return out
 
 
 def generate_request(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -176,6 +184,7 @@ async def _answer(
     if stream:
         await ex.start(200, [(b"content-type", NDJSON.encode())])
     text, usage, finish = "", None, None
+    calls: list[dict[str, Any]] = []
     async for kind, data in chunks:
         if kind != "event":
             continue
@@ -196,6 +205,15 @@ async def _answer(
                 text += piece
                 if stream:
                     await ex.send_raw((json.dumps(line(piece, False)) + "\n").encode())
+            for call in (choice.get("delta") or {}).get("tool_calls") or ():
+                fn = call["function"]
+                calls.append(
+                    {"function": {"name": fn["name"], "arguments": json.loads(fn["arguments"])}}
+                )
+                if stream:
+                    chunk = line("", False)
+                    chunk["message"]["tool_calls"] = calls[-1:]
+                    await ex.send_raw((json.dumps(chunk) + "\n").encode())
             finish = choice.get("finish_reason") or finish
         usage = data.get("usage") or usage
     end = time.perf_counter_ns()
@@ -213,7 +231,10 @@ async def _answer(
         await ex.send_raw((json.dumps(line("", True, **counts)) + "\n").encode())
         await ex.end()
     else:
-        await ex.send_json(200, line(text, True, **counts))
+        whole = line(text, True, **counts)
+        if calls:
+            whole["message"]["tool_calls"] = calls
+        await ex.send_json(200, whole)
 
 
 def _now() -> str:

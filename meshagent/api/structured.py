@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from llama_cpp.llama_grammar import JSON_GBNF
-
 from meshagent.api import errors
 from meshagent.api.json_schema import SchemaError, to_gbnf
 
@@ -15,9 +13,34 @@ from meshagent.api.json_schema import SchemaError, to_gbnf
 MAX_GRAMMAR = 48 * 1024
 
 
+# `json_object`'s bounds: a model that repeats itself (nesting ever deeper, or the same item
+# again) has to close the object within them, rather than run to its token limit and end
+# with JSON cut short.
+JSON_DEPTH = 5  # levels of objects and arrays, the outer object included
+JSON_MEMBERS = 16  # members of an object, items of an array
+JSON_STRING = 256  # characters of a string
+
+
 def json_grammar() -> str:
-    """Any JSON object."""
-    return JSON_GBNF
+    """A JSON object, within the bounds above."""
+    rules = [
+        "root ::= object-1",
+        'ws ::= | " " | "\\n" [ \\t]{0,20}',
+        'char ::= [^"\\\\\\x7F\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4})',
+        f'string ::= "\\"" char{{0,{JSON_STRING}}} "\\"" ws',
+        'number ::= "-"? ([0-9] | [1-9] [0-9]{1,15}) ("." [0-9]{1,16})? ([eE] [-+]? [0-9]{1,3})? ws',
+        'scalar ::= string | number | ("true" | "false" | "null") ws',
+    ]
+    more = JSON_MEMBERS - 1
+    for d in range(1, JSON_DEPTH + 1):
+        value = f"value-{d}"
+        inner = "scalar" if d == JSON_DEPTH else f"object-{d + 1} | array-{d + 1} | scalar"
+        rules.append(f"{value} ::= {inner}")  # what a level-d object or array holds
+        member = f'string ":" ws {value}'
+        rules.append(f'object-{d} ::= "{{" ws ({member} ("," ws {member}){{0,{more}}})? "}}" ws')
+        if d > 1:  # the outer level is an object
+            rules.append(f'array-{d} ::= "[" ws ({value} ("," ws {value}){{0,{more}}})? "]" ws')
+    return "\n".join(rules)
 
 
 def schema_grammar(schema: Any, *, param: str) -> str:

@@ -541,8 +541,28 @@ def test_ollamas_endpoints_through_the_ollama_client(agent: AgentProcess, model_
     raw = list(client.generate(model=model_id, prompt="The sky is", raw=True, stream=True,
                                options={"temperature": 0, "num_predict": 6}))  # fmt: skip
     assert raw[-1].done and "".join(p.response for p in raw).strip()
+    # format (JSON, or a schema) and tools, enforced as on the OpenAI endpoints.
+    shaped = client.chat(
+        model=model_id,
+        messages=messages,
+        format="json",
+        options={"num_predict": 200, "temperature": 0},
+    )
+    assert isinstance(json.loads(shaped.message.content), dict)
+    from tests.e2e.structured import TOOL_SCHEMAS, TOOLS
+
+    called = client.chat(
+        model=model_id,
+        messages=[{"role": "user", "content": "Add 2 and 40."}],
+        tools=TOOLS,
+        options={"temperature": 0, "num_predict": 200},
+    )
+    for call in called.message.tool_calls or ():
+        import jsonschema
+
+        jsonschema.validate(dict(call.function.arguments), TOOL_SCHEMAS[call.function.name])
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model=model_id, messages=messages, format="json")
+        client.chat(model=model_id, messages=messages, format="yaml")
     assert e.value.status_code == 400 and "format" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="nope", messages=messages)

@@ -92,3 +92,18 @@ def test_a_grammar_that_does_not_parse_is_refused(vocab):
     vocab.check_grammar(json_grammar())
     with pytest.raises(EngineError, match="does not parse"):
         vocab.check_grammar("root ::= (")
+
+
+def test_json_object_bounds_its_nesting_so_a_looping_model_must_close_it(vocab):
+    from meshagent.api.structured import JSON_DEPTH
+
+    c = vocab.constraint(json_grammar())
+    for t in vocab.tokenize('{"a":' * (JSON_DEPTH - 1) + '{"z":', add_bos=False):
+        c.accept(t)
+    brace, quote = vocab.tokenize("{", add_bos=False)[0], vocab.tokenize('"', add_bos=False)[0]
+    assert not c.allows(brace) and c.allows(quote)  # no level deeper; a value closes it
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_logits_under_the_json_object_grammar_give_an_object(vocab, seed):
+    assert isinstance(json.loads(walk(vocab, json_grammar(), seed, limit=3000)), dict)
