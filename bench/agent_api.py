@@ -337,7 +337,7 @@ def measure(name: str, url: str, args: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     tools = tool_calls(url, texts)
     schemas = schema_outputs(url, texts)
-    objects = json_objects(url, texts[: args.json_objects], args.json_object_tokens)
+    objects = json_objects(url, prompts(args.json_objects), args.json_object_tokens)
     err = logprob_error(url)
     ran, one = n_prefill(url)
     row = {

@@ -120,6 +120,10 @@ def _generation_request(
             raise errors.bad_request(
                 f"The {param} cannot be enforced on this model: {e}", param=param
             ) from e
+    close_within = None
+    if (req.response_format or {}).get("type") == "json_object":
+        # Any JSON object closes before the limit cuts it (`engine/json_close.py`).
+        close_within = limit if limit is not None else model.engine.slot_ctx - len(tokens)
     sampling = SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
@@ -128,6 +132,7 @@ def _generation_request(
         frequency_penalty=req.frequency_penalty,
         grammar=grammar,
         grammar_trigger=trigger,
+        close_within=close_within,
         logprobs=req.top_count(),
     )
     return GenerationRequest(

@@ -29,7 +29,7 @@ def json_grammar() -> str:
         'char ::= [^"\\\\\\x7F\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4})',
         f'string ::= "\\"" char{{0,{JSON_STRING}}} "\\"" ws',
         'number ::= "-"? ([0-9] | [1-9] [0-9]{1,15}) ("." [0-9]{1,16})? '
-        '([eE] [-+]? [0-9]{1,3})? ws',
+        "([eE] [-+]? [0-9]{1,3})? ws",
         'scalar ::= string | number | ("true" | "false" | "null") ws',
     ]
     more = JSON_MEMBERS - 1

@@ -104,9 +104,12 @@ class Engine(TokenModel, Protocol):
         """Replace a sequence's KV with what `export_sequence` gave."""
         ...
 
-    def constraint(self, text: str, trigger: str | None = None) -> Constraint:
+    def constraint(
+        self, text: str, trigger: str | None = None, close_within: int | None = None
+    ) -> Constraint:
         """The grammar `text` as a sampling constraint (`serving/sampling.py`); with a
-        `trigger`, from the first match of that regular expression on."""
+        `trigger`, from the first match of that regular expression on; with `close_within`,
+        a JSON grammar whose text must be whole within that many tokens."""
         ...
 
     def memory_bytes(self) -> int: ...

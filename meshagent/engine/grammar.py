@@ -8,10 +8,12 @@ an end of generation before it is complete, so `accept` checks first and raises 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import llama_cpp
 import numpy as np
 
+from meshagent.engine.json_close import JsonCloser
 from meshagent.errors import EngineError
 
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -38,18 +40,81 @@ def check_grammar(vocab: ctypes.c_void_p, text: str, trigger: str | None = None)
     llama_cpp.llama_sampler_free(_init(vocab, text, trigger))
 
 
+# Tokens before the end that a JSON object starts closing: more than any one token adds to
+# the text that closes it (`{"` adds `":null}`).
+APPROACH = 16
+
+
+class TokenTables:
+    """What closing JSON needs of a vocabulary: each token's bytes, the tokens by first byte,
+    those that are plain string content (no quote, backslash or control byte), and the ends
+    of generation."""
+
+    def __init__(
+        self, n_vocab: int, token_bytes: Callable[[int], bytes], is_end: Callable[[int], bool]
+    ) -> None:
+        self.bytes = [token_bytes(t) for t in range(n_vocab)]
+        self.plain = np.array(
+            [bool(b) and not any(x in b'"\\' or x < 0x20 for x in b) for b in self.bytes]
+        )
+        by_first: dict[int, list[int]] = {}
+        for t, b in enumerate(self.bytes):
+            if b and not is_end(t):
+                by_first.setdefault(b[0], []).append(t)
+        self.by_first = {k: np.array(v) for k, v in by_first.items()}
+        self.ends = np.array([t for t in range(n_vocab) if is_end(t)], dtype=np.int64)
+
+    def prefixes(self, text: bytes) -> np.ndarray:
+        """The tokens whose bytes begin `text`."""
+        if not text:
+            return self.ends
+        ids = self.by_first.get(text[0])
+        if ids is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.array([t for t in ids if text.startswith(self.bytes[t])], dtype=np.int64)
+
+
 class GrammarConstraint:
     """The tokens of `vocab` that the GBNF grammar `text` (rule `root`) allows next; with a
     `trigger` (a regular expression), any token until the output matches it, then what the
     grammar allows from the match on."""
 
     def __init__(
-        self, vocab: ctypes.c_void_p, n_vocab: int, text: str, trigger: str | None = None
+        self,
+        vocab: ctypes.c_void_p,
+        n_vocab: int,
+        text: str,
+        trigger: str | None = None,
+        *,
+        close_within: int | None = None,
+        tables: TokenTables | None = None,
     ) -> None:
         self._sampler = _init(vocab, text, trigger)
         self._n = n_vocab
         self._all = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         self._one = np.zeros(1, dtype=_TOKEN_DATA)
+        # A JSON grammar that must close within `close_within` tokens (`engine/json_close.py`).
+        self._close_within = close_within
+        self._tables = tables
+        self._closer = JsonCloser() if close_within is not None else None
+        self._count = 0  # tokens accepted (of text: an end is never followed by more)
+        self._closing: tuple[int, np.ndarray | None] | None = None  # (count, allowed)
+
+    def _closing_set(self) -> np.ndarray | None:
+        """The tokens allowed now by the need to close in time (None: any)."""
+        if self._closer is None or self._close_within is None or self._tables is None:
+            return None
+        if self._closing is not None and self._closing[0] == self._count:
+            return self._closing[1]
+        closing = self._closer.closing().encode()
+        left = self._close_within - 1 - self._count  # tokens of text before the last, an end
+        allowed: np.ndarray | None = None
+        if left <= len(closing) + APPROACH:
+            allowed = self._tables.prefixes(closing)
+            if left > len(closing) and self._closer.in_string:
+                allowed = np.union1d(allowed, np.flatnonzero(self._tables.plain))
+        self._closing = (self._count, allowed)
+        return allowed
 
     def _apply(self, data: np.ndarray) -> np.ndarray:
         array = llama_cpp.llama_token_data_array(
@@ -62,6 +127,9 @@ class GrammarConstraint:
         return data[: array.size]
 
     def allows(self, token: int) -> bool:
+        closing = self._closing_set()
+        if closing is not None and token not in closing:
+            return False
         self._one["id"], self._one["logit"] = token, 0.0
         out = self._apply(self._one)
         return len(out) == 1 and bool(np.isfinite(out["logit"][0]))
@@ -74,12 +142,20 @@ class GrammarConstraint:
         out = self._apply(data)
         masked = np.full(len(logits), -np.inf, dtype=np.float32)
         masked[out["id"]] = out["logit"]
+        closing = self._closing_set()
+        if closing is not None:
+            keep = np.full(len(logits), -np.inf, dtype=np.float32)
+            keep[closing] = masked[closing]
+            masked = keep
         return masked
 
     def accept(self, token: int) -> None:
         if not self.allows(token):
             raise EngineError(f"token {token} does not follow the grammar here")
         llama_cpp.llama_sampler_accept(self._sampler, token)
+        self._count += 1
+        if self._closer is not None and self._tables is not None:
+            self._closer.feed(self._tables.bytes[token])
 
     def close(self) -> None:
         if self._sampler:

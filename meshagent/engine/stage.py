@@ -72,13 +72,18 @@ class StageEngine(RuntimeDelegate):
             # hook reads the name at every decode, so it may be set after the context exists.
             capture.target(f"l_out-{n_layers - 1}")
         self.n_embd = self.runtime.n_embd
+        self._vocab: Vocab | None = None  # the last stage's, for grammars (`constraint`)
         self.n_slots = slots
         self.slot_ctx = slot_ctx
 
-    def constraint(self, text: str, trigger: str | None = None) -> GrammarConstraint:
+    def constraint(
+        self, text: str, trigger: str | None = None, close_within: int | None = None
+    ) -> GrammarConstraint:
         """The grammar `text` as a sampling constraint over the model's vocabulary (the
         stage's file keeps the tokenizer: the last stage samples)."""
-        return Vocab(self.runtime.model).constraint(text, trigger)
+        if self._vocab is None:
+            self._vocab = Vocab(self.runtime.model)
+        return self._vocab.constraint(text, trigger, close_within)
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
         for it in items:

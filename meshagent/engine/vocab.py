@@ -7,7 +7,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from meshagent.engine.grammar import GrammarConstraint, check_grammar
+from meshagent.engine.grammar import GrammarConstraint, TokenTables, check_grammar
 from meshagent.engine.runtime import load_model
 
 
@@ -19,6 +19,7 @@ class Vocab:
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self._piece = ctypes.create_string_buffer(256)
         self._bytes: dict[int, bytes] = {}
+        self._tables: TokenTables | None = None  # built for the first JSON that must close
 
     @classmethod
     def load(cls, path: Path) -> Vocab:
@@ -52,9 +53,21 @@ class Vocab:
         """Raise EngineError if `text` is not a grammar llama.cpp accepts."""
         check_grammar(self._vocab, text, trigger)
 
-    def constraint(self, text: str, trigger: str | None = None) -> GrammarConstraint:
-        """The grammar `text` as a sampling constraint over this vocabulary."""
-        return GrammarConstraint(self._vocab, self.n_vocab, text, trigger)
+    def constraint(
+        self, text: str, trigger: str | None = None, close_within: int | None = None
+    ) -> GrammarConstraint:
+        """The grammar `text` as a sampling constraint over this vocabulary; with
+        `close_within`, a JSON grammar whose text must be whole within that many tokens."""
+        tables = None
+        if close_within is not None:
+            if self._tables is None:
+                self._tables = TokenTables(
+                    self.n_vocab, self.token_bytes, self.is_end_of_generation
+                )
+            tables = self._tables
+        return GrammarConstraint(
+            self._vocab, self.n_vocab, text, trigger, close_within=close_within, tables=tables
+        )
 
     def token_text(self, token: int) -> str:
         if token < 0:
@@ -97,5 +110,7 @@ class VocabDelegate:
     def check_grammar(self, text: str, trigger: str | None = None) -> None:
         self.vocab.check_grammar(text, trigger)
 
-    def constraint(self, text: str, trigger: str | None = None) -> GrammarConstraint:
-        return self.vocab.constraint(text, trigger)
+    def constraint(
+        self, text: str, trigger: str | None = None, close_within: int | None = None
+    ) -> GrammarConstraint:
+        return self.vocab.constraint(text, trigger, close_within)

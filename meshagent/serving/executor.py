@@ -29,7 +29,9 @@ SampledToken = tuple[int, int, tuple[float, ...], TokenLogprob | None]
 
 
 class ConstraintSource(Protocol):
-    def constraint(self, text: str, trigger: str | None = None) -> Constraint: ...
+    def constraint(
+        self, text: str, trigger: str | None = None, close_within: int | None = None
+    ) -> Constraint: ...
 
 
 def new_sampler(
@@ -38,7 +40,8 @@ def new_sampler(
     """A sampler for one sequence, constrained by its grammar (over `engine`'s vocabulary)
     where it has one."""
     grammar, trigger = params.grammar, params.grammar_trigger
-    constraint = None if grammar is None else engine.constraint(grammar, trigger)
+    close = params.close_within
+    constraint = None if grammar is None else engine.constraint(grammar, trigger, close)
     return Sampler(params, history, constraint)
 
 

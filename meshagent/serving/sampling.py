@@ -38,6 +38,9 @@ class SamplingParams:
     # regular expression), only from where the output first matches it on.
     grammar: str | None = None
     grammar_trigger: str | None = None
+    # A JSON grammar's text must be whole within this many tokens (the request's limit):
+    # near it, only tokens that close the JSON are drawn (`engine/json_close.py`).
+    close_within: int | None = None
     # Report each token's log-probability and this many most likely alternatives (0-20);
     # None: report none.
     logprobs: int | None = None

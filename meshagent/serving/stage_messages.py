@@ -143,6 +143,8 @@ def _sampling_to_cbor(p: SamplingParams) -> dict[int, Any]:
         d[6] = p.logprobs
     if p.grammar_trigger is not None:
         d[7] = p.grammar_trigger
+    if p.close_within is not None:
+        d[8] = p.close_within
     return d
 
 
@@ -159,6 +161,7 @@ def _sampling_from_cbor(d: Any) -> SamplingParams:
             grammar=_optional(d.get(5), str, "grammar"),
             logprobs=_top_count(d.get(6)),
             grammar_trigger=_optional(d.get(7), str, "grammar trigger"),
+            close_within=_optional(d.get(8), int, "closing budget"),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise StageProtocolError(f"bad sampling parameters: {e}") from e

@@ -39,9 +39,11 @@ class FakeConstraint:
     language over the fake letters and spaces). A token is allowed while the text so far
     with it is a prefix of one of them; the end only once the text is one of them."""
 
-    def __init__(self, text: str, trigger: str | None = None) -> None:
-        if trigger is not None:
-            raise EngineError("fake grammars hold from the first token (no trigger)")
+    def __init__(
+        self, text: str, trigger: str | None = None, close_within: int | None = None
+    ) -> None:
+        if trigger is not None or close_within is not None:
+            raise EngineError("fake grammars hold from the first token and close by themselves")
         self.words = parse_fake_grammar(text)
         self.text = ""
 
@@ -115,8 +117,10 @@ class FakeVocab:
     def check_grammar(self, text: str, trigger: str | None = None) -> None:
         parse_fake_grammar(text)
 
-    def constraint(self, text: str, trigger: str | None = None) -> FakeConstraint:
-        return FakeConstraint(text, trigger)
+    def constraint(
+        self, text: str, trigger: str | None = None, close_within: int | None = None
+    ) -> FakeConstraint:
+        return FakeConstraint(text, trigger, close_within)
 
 
 class _Caches:
@@ -383,8 +387,10 @@ class FakeStage(_FakeCompute):
         self.start: int | None = None
         self.end: int | None = None
 
-    def constraint(self, text: str, trigger: str | None = None) -> FakeConstraint:
-        return FakeConstraint(text, trigger)
+    def constraint(
+        self, text: str, trigger: str | None = None, close_within: int | None = None
+    ) -> FakeConstraint:
+        return FakeConstraint(text, trigger, close_within)
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
         self._compute(sum(len(it.hidden) for it in items))

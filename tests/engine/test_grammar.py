@@ -107,3 +107,22 @@ def test_json_object_bounds_its_nesting_so_a_looping_model_must_close_it(vocab):
 @pytest.mark.parametrize("seed", range(3))
 def test_random_logits_under_the_json_object_grammar_give_an_object(vocab, seed):
     assert isinstance(json.loads(walk(vocab, json_grammar(), seed, limit=3000)), dict)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget", [12, 40])
+def test_a_json_object_that_must_close_within_a_budget_does(vocab, seed, budget):
+    # Random logits write deep, long JSON; the closer makes it whole before the budget, with
+    # the end of generation at the last token at the latest.
+    rng = np.random.default_rng(seed)
+    constraint = vocab.constraint(json_grammar(), None, budget)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), (), constraint)
+    out = b""
+    for _ in range(budget):
+        token = sampler.sample(rng.normal(size=vocab.n_vocab).astype(np.float32) * 3)
+        if vocab.is_end_of_generation(token):
+            break
+        out += vocab.token_bytes(token)
+    else:
+        raise AssertionError(f"no end within {budget} tokens: {out!r}")
+    assert isinstance(json.loads(out.decode()), dict)

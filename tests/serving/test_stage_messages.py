@@ -40,6 +40,7 @@ def sample_messages():
         Drop((17, 2)),
         # A constrained sequence that reports logprobs, and its tokens with theirs.
         Open(4, SamplingParams(temperature=0.0, grammar='root ::= "a"', logprobs=2)),
+        Open(5, SamplingParams(grammar="g", grammar_trigger="<t>", close_within=300)),
         Token(4, 7, (1.0,), (8,), (TokenLogprob(-0.5, ((7, -0.5), (9, -2.0))), TokenLogprob(-1.0))),
     ]
 
