@@ -308,6 +308,7 @@ def n_prefill(url: str) -> tuple[int, int]:
     messages = [{"role": "user", "content": f"Name a fruit. ({time.time_ns()})"}]
     before = scrape_processed(url)
     body = {"model": MODEL, "messages": messages, "n": 4, "max_tokens": 16, "temperature": 1}
+    body["meshagent"] = {"speculation": "off"}  # rejected drafts would count as tokens run
     r = post(url, "/v1/chat/completions", {**body, "seed": 3})
     ran = int(scrape_processed(url) - before)
     cut = sum(c["finish_reason"] == "length" for c in r["choices"])

@@ -776,7 +776,13 @@ def test_n_choices_share_one_prefill(agent: AgentProcess, client: OpenAI, model_
     key = ("meshagent_tokens_processed_total", frozenset({("model", model_id)}))
     before = _scrape(agent)[key]
     r = client.chat.completions.create(
-        model=model_id, messages=messages, n=4, max_tokens=12, temperature=1.0, seed=11
+        model=model_id,
+        messages=messages,
+        n=4,
+        max_tokens=12,
+        temperature=1.0,
+        seed=11,
+        extra_body={"meshagent": {"speculation": "off"}},  # rejected drafts would count
     )
     processed = _scrape(agent)[key] - before
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
