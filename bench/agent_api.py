@@ -31,27 +31,18 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import numpy as np
+from split import wait_routable
 
-from meshagent.engine.base import ForwardItem
-from meshagent.engine.llama import LlamaEngine
 from meshagent.launch import start_agent
 from meshagent.models.default import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' shared schemas
+from tests.e2e.structured import ADD, WEATHER, reference_logprobs
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SMALL = ["--max-memory", "80M", "--slots", "2", "--ctx-size", "1024", "--threads", "1"]
 WHOLE = ["--slots", "2", "--ctx-size", "1024", "--threads", "1"]
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 24},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
 ORDER = {
     "type": "object",
     "properties": {
@@ -82,12 +73,6 @@ EVENT = {
         "guests": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
     },
     "required": ["title", "day", "hour", "guests"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
     "additionalProperties": False,
 }
 SEARCH = {
@@ -250,24 +235,6 @@ def json_objects(url: str, texts: list[str], max_tokens: int) -> tuple[int, int,
     return ok, len(texts), cut
 
 
-def reference(prompt: str, n: int) -> list[float]:
-    engine = LlamaEngine(default_model_path(), slots=1, slot_ctx=512, threads=1)
-    try:
-        tokens = engine.tokenize(prompt, add_bos=True)
-        [logits] = engine.forward([ForwardItem(0, 0, tokens, True)])
-        out = []
-        for i in range(n):
-            x = logits.astype(np.float64)
-            token = int(np.argmax(x))
-            if engine.is_end_of_generation(token):
-                break
-            out.append(float(x[token] - (x.max() + np.log(np.exp(x - x.max()).sum()))))
-            [logits] = engine.forward([ForwardItem(0, len(tokens) + i, [token], True)])
-        return out
-    finally:
-        engine.close()
-
-
 LOGPROB_PROMPTS = [
     "The capital of France is",
     "Water boils at",
@@ -281,7 +248,7 @@ def logprob_error(url: str) -> float:
     """The largest |logprob - llama.cpp's| over 12 greedy tokens of each prompt."""
     worst = 0.0
     for prompt in LOGPROB_PROMPTS:
-        ref = reference(prompt, 12)
+        ref = [v for _, v in reference_logprobs(default_model_path(), prompt, 12)]
         body = {
             "model": MODEL,
             "prompt": prompt,
@@ -316,21 +283,6 @@ def n_prefill(url: str) -> tuple[int, int]:
     prefilled = u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"]
     one = prefilled + 3 + u["completion_tokens"] - cut
     return ran, one
-
-
-def wait_routable(agents, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if all(
-                httpx.get(f"{a.url}/control/status").json()["placement"][MODEL]["routable"]
-                for a in agents
-            ):
-                return
-        except (httpx.HTTPError, KeyError, TypeError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the split did not become routable")
 
 
 def measure(name: str, url: str, args: argparse.Namespace) -> dict:
@@ -388,7 +340,7 @@ def main() -> None:
         agents.callback(b.stop)
         c = start_agent(root / "c", *SMALL, "--join", token, wait_model=False)
         agents.callback(c.stop)
-        wait_routable([a, b, c])
+        wait_routable([a, b, c], MODEL)
         stages = httpx.get(f"{a.url}/control/status").json()["placement"][MODEL]["stages"]
         entry = next(
             x

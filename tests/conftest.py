@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from meshagent.engine.vocab import Vocab
 from meshagent.launch import AgentProcess, start_agent
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.default import default_model_path
@@ -13,6 +14,14 @@ from meshagent.models.default import default_model_path
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def vocab(model_path: Path) -> Iterator[Vocab]:
+    """The embedded model's vocabulary alone (grammars, tokens)."""
+    v = Vocab.load(model_path)
+    yield v
+    v.close()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import numpy as np
 import pytest
 
 from meshagent.api.errors import ApiError
@@ -25,34 +24,13 @@ from meshagent.api.tools import (
     render_history,
     syntax_for,
 )
-from meshagent.engine.vocab import Vocab
 from meshagent.serving.chat import ChatMessage, ChatTemplate
-from meshagent.serving.sampling import Sampler, SamplingParams
+from tests.e2e.structured import TOOL_SCHEMAS
+from tests.e2e.structured import TOOLS as E2E_TOOLS
+from tests.engine.test_grammar import walk
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["c", "f"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": "weather", "description": "d", "parameters": WEATHER},
-    },
-    {"type": "function", "function": {"name": "add", "parameters": ADD}},
-]
-SCHEMAS = {"weather": WEATHER, "add": ADD}
+TOOLS = E2E_TOOLS
+SCHEMAS = TOOL_SCHEMAS
 
 
 @pytest.mark.parametrize(
@@ -93,25 +71,6 @@ def test_the_syntax_is_the_templates_family():
     assert syntax_for("no tools here") is HERMES
 
 
-@pytest.fixture(scope="module")
-def vocab(model_path):
-    v = Vocab.load(model_path)
-    yield v
-    v.close()
-
-
-def walk(vocab, grammar, seed, limit=600):
-    rng = np.random.default_rng(seed)
-    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), (), vocab.constraint(grammar))
-    out = b""
-    for _ in range(limit):
-        token = sampler.sample(rng.normal(size=vocab.n_vocab).astype(np.float32) * 3)
-        if vocab.is_end_of_generation(token):
-            return out.decode()
-        out += vocab.token_bytes(token)
-    raise AssertionError(f"no end within {limit} tokens: {out!r}")
-
-
 @pytest.mark.parametrize("syntax", [HERMES, MISTRAL, LLAMA3], ids=lambda s: s.name)
 @pytest.mark.parametrize("choice", ["required", "add"])
 def test_any_walk_through_the_call_grammar_is_a_valid_call(vocab, syntax, choice):
@@ -148,7 +107,10 @@ def test_auto_grammar_waits_for_the_opening(vocab):
     assert c.allows(vocab.tokenize("{", add_bos=False)[0])
 
 
-CALLS = [("weather", {"city": "Paris", "unit": "c", "days": 2}), ("add", {"a": 1, "b": -2})]
+CALLS = [
+    ("get_weather", {"city": "Paris", "unit": "celsius", "days": 2}),
+    ("add", {"a": 1, "b": -2}),
+]
 
 
 @pytest.mark.parametrize("syntax", [HERMES, MISTRAL], ids=lambda s: s.name)
@@ -195,7 +157,9 @@ def test_a_history_with_calls_and_results_for_a_template_without_tools():
     assert messages[1].tool_calls[0]["function"]["arguments"] == {"a": 1, "b": 2}
     rendered, extra = render_history(messages, plan, native=False)
     assert (
-        extra == {} and rendered[0].role == "system" and '"name":"weather"' in rendered[0].content
+        extra == {}
+        and rendered[0].role == "system"
+        and '"name":"get_weather"' in rendered[0].content
     )
     assert rendered[2] == ChatMessage(
         "assistant", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -224,4 +188,6 @@ def test_a_template_that_reads_tools_gets_them_and_the_calls_as_objects():
         history_message("tool", "3", None, "c1"),
     ]
     rendered, extra = render_history(messages, plan, native=True)
-    assert template.render(rendered, **extra) == "[weather][add]assistant:call add(1);tool:3#c1;"
+    assert (
+        template.render(rendered, **extra) == "[get_weather][add]assistant:call add(1);tool:3#c1;"
+    )

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from meshagent.api.structured import json_grammar, schema_grammar
-from meshagent.engine.vocab import Vocab
 from meshagent.errors import EngineError
 from meshagent.serving.sampling import Sampler, SamplingParams
 
@@ -32,13 +31,6 @@ SCHEMA = {
     "required": ["name", "age", "kind", "tags", "home"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def vocab(model_path):
-    v = Vocab.load(model_path)
-    yield v
-    v.close()
 
 
 def walk(vocab, grammar, seed, limit=400):
