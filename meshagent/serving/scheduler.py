@@ -62,7 +62,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from meshagent.errors import ContextOverflow, MeshError, QueueFull, ShuttingDown
 from meshagent.serving.drafting import (
@@ -76,6 +76,7 @@ from meshagent.serving.drafting import (
 )
 from meshagent.serving.prefix_cache import PrefixIndex
 from meshagent.serving.sampling import SamplingParams, TokenLogprob
+from meshagent.serving.sequence import SeqState, Window
 from meshagent.serving.steps import Event, Failed, Opened, Save, Step, StepItem, Token
 
 
@@ -95,60 +96,6 @@ class SchedulerStats:
     prefix_hits: int = 0
     prefix_misses: int = 0
     prefix_tokens: int = 0  # prompt tokens the hits did not prefill
-
-
-@dataclass
-class _Seq:
-    id: int
-    prompt: tuple[int, ...]  # prefilled in chunks; any history follows one token per step
-    limit: int
-    sampling: SamplingParams
-    history: tuple[int, ...] = ()
-    slot: int | None = None
-    pending: list[int] = field(default_factory=list)
-    n_past: int = 0
-    generated: int = 0
-    busy: bool = False  # all its input is in a step; its token is not back yet
-    busy_in: int = -1  # the step that made it busy
-    cancelled: bool = False
-    ready_since: int = 0  # the step count when its pending input arrived
-    drafter: SuffixDrafter | None = None  # speculating: its text so far, indexed
-    length: DraftLength | None = None  # "on": how many tokens to draft
-    acceptance: Acceptance | None = None  # "auto": how often its drafts are right
-    # "auto", not drafting: what it would have drafted, checked against the tokens decoded
-    # instead (evidence for `Acceptance.first`, then, while right, for `Acceptance.then`)
-    shadow: tuple[int, ...] = ()
-    shadow_after: bool = False  # the shadow's next token follows a right one
-    # "auto", drafting fewer tokens than proposed: the first one it left out, to see whether
-    # it would have been right after the drafted ones (evidence for `Acceptance.then` that a
-    # short window gives no other way)
-    beyond: int | None = None
-    windows: deque[_Window] = field(default_factory=deque)  # in flight, oldest first
-    # Windows it voided may still be in flight ahead of its next step, which would queue
-    # behind them: that step's trip is not what its window costs, and is not timed.
-    behind_void: bool = False
-    cache: bool = False  # may start from a kept prefix, and leaves its own
-    tokens: list[int] = field(default_factory=list)  # prompt, history, tokens since
-    cached: int = 0  # its input's positions a kept prefix gave it
-    announced: bool = False  # its first token went out (with `cached`)
-    waiting: bool = False  # for another's prompt to run, to start from its KV (`submit`)
-    followers: list[_Seq] = field(default_factory=list)  # those waiting for its prompt
-
-
-@dataclass
-class _Window:
-    """A decode step in flight: its first token at `pos` (the sequence's last token, or for a
-    window that follows another, the `guess` at that one's last), then `draft`."""
-
-    pos: int
-    draft: tuple[int, ...]
-    guess: int | None = None
-    sent_at: float | None = None  # when the step was taken; None: not timed
-    at: int = 0  # the index in the draft of the next token to come back
-
-    def ahead(self) -> list[int]:
-        """Its tokens not yet verified, in order."""
-        return [*(() if self.guess is None else (self.guess,)), *self.draft[self.at :]]
 
 
 class Scheduler:
@@ -176,9 +123,9 @@ class Scheduler:
         self.max_windows = max(1, max_windows)
         self._is_end = is_end
         self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._queue: deque[_Seq] = deque()
-        self._by_slot: dict[int, _Seq] = {}
-        self._by_id: dict[int, _Seq] = {}
+        self._queue: deque[SeqState] = deque()
+        self._by_slot: dict[int, SeqState] = {}
+        self._by_id: dict[int, SeqState] = {}
         self._opened: list[Opened] = []
         self._released: list[int] = []
         self._saves: list[Save] = []
@@ -266,7 +213,7 @@ class Scheduler:
                 f"all {self.n_slots} slots are busy and {len(self._queue)} requests "
                 "are queued; retry shortly"
             )
-        s = _Seq(seq, tuple(prompt), limit, sampling, tuple(history))
+        s = SeqState(seq, tuple(prompt), limit, sampling, tuple(history))
         s.cache = cache and self.prefix is not None
         s.tokens = [*prompt, *history]
         if speculation not in ("auto", "on", "off"):
@@ -350,7 +297,7 @@ class Scheduler:
             items.append(StepItem(s.id, s.slot, s.n_past, tokens, last, len(draft)))
             if last:  # a decode step's trip is timed
                 sent_at = now if take == 1 and not s.behind_void else None
-                s.windows.append(_Window(s.n_past + take - 1, draft, sent_at=sent_at))
+                s.windows.append(Window(s.n_past + take - 1, draft, sent_at=sent_at))
                 s.behind_void = False
             s.n_past += len(tokens)
             s.busy = last
@@ -394,13 +341,13 @@ class Scheduler:
             assert s.slot is not None
             guess, draft = proposal[0], tuple(proposal[1:])
             items.append(StepItem(s.id, s.slot, s.n_past, proposal, True, len(draft), True))
-            s.windows.append(_Window(s.n_past, draft, guess))
+            s.windows.append(Window(s.n_past, draft, guess))
             s.n_past += len(proposal)
             self._tokens += len(proposal)
             budget -= len(proposal)
         return items
 
-    def _draft(self, s: _Seq, budget: int) -> tuple[int, ...]:
+    def _draft(self, s: SeqState, budget: int) -> tuple[int, ...]:
         assert s.drafter is not None
         most = s.length.k if s.length is not None else MAX_DRAFT
         room = min(most, budget, s.limit - s.generated - 1, self.slot_ctx - s.n_past - 1)
@@ -575,7 +522,7 @@ class Scheduler:
                 self._dropped += stored.dropped
                 self._unblock(s)
 
-    def _unblock(self, s: _Seq) -> None:
+    def _unblock(self, s: SeqState) -> None:
         """Those waiting for `s`'s prompt wait no more (it ran, or never will)."""
         followers, s.followers = s.followers, []
         for f in followers:
@@ -583,7 +530,7 @@ class Scheduler:
         if followers:
             self._admit()
 
-    def _release(self, s: _Seq, *, keep: bool = True) -> None:
+    def _release(self, s: SeqState, *, keep: bool = True) -> None:
         assert s.slot is not None
         if keep and s.cache and self.prefix is not None:
             # Its slot holds the KV of every token sent in a step whose verdict came (a
@@ -604,7 +551,7 @@ class Scheduler:
         self._admit()
 
     def _admit(self) -> None:
-        waiting: list[_Seq] = []  # passed over, in order: they go back to the queue's head
+        waiting: list[SeqState] = []  # passed over, in order: they go back to the queue's head
         while self._queue and self._free:
             s = self._queue.popleft()
             if s.waiting:

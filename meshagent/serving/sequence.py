@@ -1,0 +1,65 @@
+"""What the scheduler (`serving/scheduler.py`) keeps of each sequence: its input, its slot,
+its place in the queue and in the steps in flight, its drafting state, and the decode windows
+it has in flight."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from meshagent.serving.drafting import Acceptance, DraftLength, SuffixDrafter
+from meshagent.serving.sampling import SamplingParams
+
+
+@dataclass
+class SeqState:
+    id: int
+    prompt: tuple[int, ...]  # prefilled in chunks; any history follows one token per step
+    limit: int
+    sampling: SamplingParams
+    history: tuple[int, ...] = ()
+    slot: int | None = None
+    pending: list[int] = field(default_factory=list)
+    n_past: int = 0
+    generated: int = 0
+    busy: bool = False  # all its input is in a step; its token is not back yet
+    busy_in: int = -1  # the step that made it busy
+    cancelled: bool = False
+    ready_since: int = 0  # the step count when its pending input arrived
+    drafter: SuffixDrafter | None = None  # speculating: its text so far, indexed
+    length: DraftLength | None = None  # "on": how many tokens to draft
+    acceptance: Acceptance | None = None  # "auto": how often its drafts are right
+    # "auto", not drafting: what it would have drafted, checked against the tokens decoded
+    # instead (evidence for `Acceptance.first`, then, while right, for `Acceptance.then`)
+    shadow: tuple[int, ...] = ()
+    shadow_after: bool = False  # the shadow's next token follows a right one
+    # "auto", drafting fewer tokens than proposed: the first one it left out, to see whether
+    # it would have been right after the drafted ones (evidence for `Acceptance.then` that a
+    # short window gives no other way)
+    beyond: int | None = None
+    windows: deque[Window] = field(default_factory=deque)  # in flight, oldest first
+    # Windows it voided may still be in flight ahead of its next step, which would queue
+    # behind them: that step's trip is not what its window costs, and is not timed.
+    behind_void: bool = False
+    cache: bool = False  # may start from a kept prefix, and leaves its own
+    tokens: list[int] = field(default_factory=list)  # prompt, history, tokens since
+    cached: int = 0  # its input's positions a kept prefix gave it
+    announced: bool = False  # its first token went out (with `cached`)
+    waiting: bool = False  # for another's prompt to run, to start from its KV (`submit`)
+    followers: list[SeqState] = field(default_factory=list)  # those waiting for its prompt
+
+
+@dataclass
+class Window:
+    """A decode step in flight: its first token at `pos` (the sequence's last token, or for a
+    window that follows another, the `guess` at that one's last), then `draft`."""
+
+    pos: int
+    draft: tuple[int, ...]
+    guess: int | None = None
+    sent_at: float | None = None  # when the step was taken; None: not timed
+    at: int = 0  # the index in the draft of the next token to come back
+
+    def ahead(self) -> list[int]:
+        """Its tokens not yet verified, in order."""
+        return [*(() if self.guess is None else (self.guess,)), *self.draft[self.at :]]
