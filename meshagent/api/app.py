@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, replace
+from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -16,7 +16,8 @@ import trio
 
 from meshagent.api import errors, forwarding, ollama
 from meshagent.api.access import Access
-from meshagent.api.delivery import Choice, Event, Failed, stream_reply, whole_reply
+from meshagent.api.choices import produce_choices
+from meshagent.api.delivery import Event, Failed, stream_reply, whole_reply
 from meshagent.api.embeddings import embedding_reply, parse_embedding
 from meshagent.api.errors import SPLIT_RETRY_AFTER, ApiError, api_error_for
 from meshagent.api.events import EventHub, serve_events
@@ -500,7 +501,7 @@ class OpenAIApp:
                     send.send_nowait(Failed(e))
 
         if p.n > 1:
-            produce = self._producing_choices(p, gen, send)
+            produce = partial(produce_choices, p, gen, send)
 
         with self.inflight.track() as grace:
             with grace:
@@ -525,43 +526,6 @@ class OpenAIApp:
                 await self._stopped_by_shutdown(ex)
             elif ex.disconnected and not ex.finished:
                 log.info("request.client_gone", id=reply.id)
-
-    def _producing_choices(
-        self, p: Prepared, gen: GenerationRequest, send: trio.MemorySendChannel[Event]
-    ) -> Callable[[], Awaitable[None]]:
-        """What generates the n completions of `p`: one request each, sharing one prefill of
-        the prompt, choice i sampling with the seed + i. (A model that moves mid-request
-        fails it: n completions are not handed on.)"""
-        share = secrets.token_hex(8)
-        seed = gen.sampling.seed
-
-        async def choice(i: int, out: trio.MemorySendChannel[Event]) -> None:
-            sampling = replace(gen.sampling, seed=None if seed is None else seed + i)
-            own = replace(gen, sampling=sampling, share=share)
-            into, events = trio.open_memory_channel[Delta | Finished](math.inf)
-            failed: list[MeshError] = []
-
-            async def run() -> None:
-                async with into:
-                    try:
-                        await p.model.generate(own, into)
-                    except MeshError as e:
-                        failed.append(e)
-
-            async with out:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(run)
-                    async for ev in events:
-                        out.send_nowait(Choice(i, ev))
-                if failed:
-                    out.send_nowait(Failed(api_error_for(failed[0], prompt_param=p.prompt_param)))
-
-        async def produce() -> None:
-            async with send, trio.open_nursery() as nursery:
-                for i in range(p.n):
-                    nursery.start_soon(choice, i, send.clone())
-
-        return produce
 
     async def _hand_on(
         self,
