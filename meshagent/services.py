@@ -77,7 +77,7 @@ class Services:
             mesh_source=how,
             data_dir=str(data_dir.root),
         )
-        path = resolve_model(config.model)
+        path = await trio.to_thread.run_sync(resolve_model, config.model)  # may download
         layout = await trio.to_thread.run_sync(inspect_model, path)
         info = await trio.to_thread.run_sync(read_model_info, path)
         return cls(

@@ -23,7 +23,11 @@ _SAY_EVERY = 0.5  # seconds between looks at whether the model is served
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start an agent and serve the API on localhost")
     d = AgentConfig()
-    p.add_argument("--model", help="a local GGUF file (default: the embedded SmolLM2-135M)")
+    p.add_argument(
+        "--model",
+        help="a local GGUF file, or a Hugging Face name: ORG/REPO, ORG/REPO:QUANT or "
+        "ORG/REPO/FILE.gguf (default: the embedded SmolLM2-135M)",
+    )
     p.add_argument("--name", help="a human name for this agent (default: the host name)")
     p.add_argument("--api-host", help=f"address of the API (default {d.api_host})")
     p.add_argument("--api-port", type=int, help=f"port of the API (default {d.api_port})")

