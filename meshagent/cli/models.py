@@ -12,14 +12,16 @@ import trio
 from meshagent.cli import certify
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.cli.progress import ProgressBar
-from meshagent.errors import ConfigError
+from meshagent.errors import ConfigError, ModelError
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh_file import load_mesh
 from meshagent.models.artifacts import ArtifactStore, SliceManifest
 from meshagent.models.capability import CapabilityRecord, CapabilityStore
 from meshagent.models.default import resolve_model
 from meshagent.models.family import family_traits
+from meshagent.models.hub import cached_models
 from meshagent.models.layout import inspect_model
+from meshagent.models.names import HubName, parse_model_name
 from meshagent.models.transfer import LABEL, fetch_artifact
 from meshagent.net.address import Address
 from meshagent.net.manager import ConnectionManager
@@ -63,8 +65,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     certify.register(msub)
 
+    pull = msub.add_parser("pull", help="download a model by name into the hub's cache")
+    pull.add_argument("name", help="ORG/REPO, ORG/REPO:QUANT or ORG/REPO/FILE.gguf")
+    pull.set_defaults(run=run_pull)
+
     ls = msub.add_parser(
-        "list", help="the stage artifacts and capability records in the data dir's cache"
+        "list",
+        help="models downloaded by name, and the stage artifacts and capability records in "
+        "the data dir's cache",
     )
     ls.add_argument("--json", action="store_true")
     add_data_dir(ls)
@@ -169,17 +177,30 @@ def run_slice(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_pull(args: argparse.Namespace) -> int:
+    if not isinstance(parse_model_name(args.name), HubName):
+        raise ModelError(f"'{args.name}' is a local file, not a name on the hub: nothing to pull")
+    print(resolve_model(args.name))
+    return 0
+
+
 def run_list(args: argparse.Namespace) -> int:
     store = ArtifactStore(data_dir_from(args).artifacts_path)
     manifests = store.all()
     records = [s.record for s in CapabilityStore(store.capabilities_path).all()]
+    downloaded = cached_models()
     if args.json:
         data = {
+            "downloaded": [
+                {"name": n, "path": str(p), "size_bytes": p.stat().st_size} for n, p in downloaded
+            ],
             "artifacts": [m.to_dict() for m in manifests],
             "capabilities": [r.to_dict() for r in records],
         }
         print(json.dumps(data, indent=2))
         return 0
+    for name, path in downloaded:
+        print(f"model    {name}  {_mib(path.stat().st_size)}")
     for r in records:
         print(f"record   {r.model_name}  {r.model_sha256[:16]}  {_certified(r)}")
     if not manifests:

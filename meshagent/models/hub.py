@@ -47,6 +47,27 @@ def cached_file(name: HubName, cache_dir: Path | None = None) -> Path | None:
     return None
 
 
+def cached_models(cache_dir: Path | None = None) -> list[tuple[str, Path]]:
+    """Every GGUF file the cache holds, as (ORG/REPO/FILE, path), newest snapshot of each
+    repository first."""
+    _, constants, _, _ = _hub()
+    root = Path(cache_dir or constants.HF_HUB_CACHE)
+    out: list[tuple[str, Path]] = []
+    for repo_dir in sorted(root.glob("models--*--*")):
+        repo = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
+        snapshots = sorted(
+            (repo_dir / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime, reverse=True
+        )
+        seen: set[str] = set()
+        for snapshot in snapshots:
+            for path in sorted(snapshot.rglob("*.gguf")):
+                rel = str(path.relative_to(snapshot))
+                if rel not in seen and path.is_file():
+                    seen.add(rel)
+                    out.append((f"{repo}/{rel}", path))
+    return out
+
+
 def fetch(name: HubName, cache_dir: Path | None = None, endpoint: str | None = None) -> Path:
     """The local path of the GGUF file `name` asks for, downloaded if the cache lacks it.
     ModelError with what to do when it cannot be had."""
@@ -54,6 +75,7 @@ def fetch(name: HubName, cache_dir: Path | None = None, endpoint: str | None = N
     if found is not None:
         return found
     hub, constants, errors, hf_api = _hub()
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT")  # as set now, not at import
     if constants.HF_HUB_OFFLINE:
         raise ModelError(
             f"{name} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: "

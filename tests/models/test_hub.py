@@ -93,3 +93,17 @@ def test_up_serves_a_model_by_name_then_starts_from_the_cache_offline(
         assert len(server.requests) == asked  # the cache, without a request
     finally:
         server.close()
+
+
+def test_pull_downloads_and_list_shows_it(hub, tmp_path, monkeypatch, capsys):
+    from meshagent.cli.main import main
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert main(["models", "pull", f"{REPO}"]) == 1  # ambiguous: one line says so
+    assert "ambiguous" in capsys.readouterr().err
+    assert main(["models", "pull", f"{REPO}:Q8_0"]) == 0
+    path = capsys.readouterr().out.strip()
+    assert path.endswith("tiny-Q8_0.gguf") and os.path.isfile(path)
+    assert main(["models", "list", "--data-dir", str(tmp_path / "d")]) == 0
+    assert f"model    {REPO}/tiny-Q8_0.gguf" in capsys.readouterr().out
