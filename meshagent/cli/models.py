@@ -180,7 +180,7 @@ def run_slice(args: argparse.Namespace) -> int:
 def run_pull(args: argparse.Namespace) -> int:
     if not isinstance(parse_model_name(args.name), HubName):
         raise ModelError(f"'{args.name}' is a local file, not a name on the hub: nothing to pull")
-    print(resolve_model(args.name))
+    print(resolve_model(args.name, ProgressBar(f"downloading {args.name}")))
     return 0
 
 

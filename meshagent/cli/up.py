@@ -11,8 +11,11 @@ import trio
 from meshagent import logs
 from meshagent.agent import Agent
 from meshagent.cli.common import add_data_dir, data_dir_from
+from meshagent.cli.progress import ProgressBar
 from meshagent.config import API_KEY_ENV, AgentConfig
 from meshagent.identity.mesh import decode_invite
+from meshagent.models.default import resolve_model
+from meshagent.models.names import HubName, parse_model_name
 from meshagent.net.address import Address, is_loopback
 from meshagent.services import Services
 from meshagent.serving.mesh_model import UNSERVED_SETTLE, MeshModel
@@ -180,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
     overrides["relays"] = relays or None
     config = AgentConfig().merged(data_dir.load_config()).merged(overrides)
     config.validate()
+    if config.model and isinstance(parse_model_name(config.model), HubName):
+        # A name is downloaded here, with progress on stderr, before the agent starts.
+        path = resolve_model(config.model, ProgressBar(f"downloading {config.model}"))
+        config = config.merged({"model": str(path)})
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
     logs.configure(config.log_level, json=fmt)
     agent = Agent(config, data_dir, join=join)

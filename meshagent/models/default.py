@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 from meshagent.errors import ModelError
@@ -25,7 +26,7 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(spec: str) -> Path:
+def resolve_model(spec: str, progress: Callable[[int, int], None] | None = None) -> Path:
     """A model argument: empty for the default, a path to a local GGUF file, or a name on
     the Hugging Face Hub (`models/names.py`), downloaded into its cache unless it is there
     already (blocking: call it off the event loop)."""
@@ -35,7 +36,7 @@ def resolve_model(spec: str) -> Path:
     if isinstance(name, HubName):
         from meshagent.models.hub import fetch  # huggingface_hub, only for names
 
-        return fetch(name)
+        return fetch(name, progress=progress)
     if not name.is_file():
         raise ModelError(f"model file not found: {name}")
     return name

@@ -13,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from meshagent.errors import ModelError
 from meshagent.models.names import HubName, choose_file
 
 _CHUNK = 1 << 20
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
 def _hub():  # imported when a name is used: a local file needs none of it
@@ -68,9 +71,16 @@ def cached_models(cache_dir: Path | None = None) -> list[tuple[str, Path]]:
     return out
 
 
-def fetch(name: HubName, cache_dir: Path | None = None, endpoint: str | None = None) -> Path:
-    """The local path of the GGUF file `name` asks for, downloaded if the cache lacks it.
-    ModelError with what to do when it cannot be had."""
+def fetch(
+    name: HubName,
+    cache_dir: Path | None = None,
+    endpoint: str | None = None,
+    *,
+    progress: Progress | None = None,
+) -> Path:
+    """The local path of the GGUF file `name` asks for, downloaded if the cache lacks it
+    (`progress(done, total)` in bytes as it comes). ModelError with what to do when it
+    cannot be had."""
     found = cached_file(name, cache_dir)
     if found is not None:
         return found
@@ -91,7 +101,12 @@ def fetch(name: HubName, cache_dir: Path | None = None, endpoint: str | None = N
         chosen = choose_file(name, [e.path for e in entries])
         entry = next(e for e in entries if e.path == chosen)
         _check_room(entry.size, cache_dir or Path(constants.HF_HUB_CACHE))
-        path = Path(hub.hf_hub_download(name.repo, chosen, cache_dir=cache_dir, endpoint=endpoint))
+        bars = None if progress is None else _reporting(progress)
+        path = Path(
+            hub.hf_hub_download(
+                name.repo, chosen, cache_dir=cache_dir, endpoint=endpoint, tqdm_class=bars
+            )
+        )
     except errors.GatedRepoError as e:
         raise ModelError(
             f"{name.repo} is gated: accept its terms on the Hugging Face website, then set "
@@ -111,6 +126,24 @@ def fetch(name: HubName, cache_dir: Path | None = None, endpoint: str | None = N
             "run the command again"
         )
     return path
+
+
+def _reporting(progress: Progress) -> type:
+    """A tqdm class that draws nothing itself and tells `progress` how far it is."""
+    from tqdm.auto import tqdm
+
+    class Reporting(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._done = int(kwargs.get("initial") or 0)
+            self._total = int(kwargs.get("total") or 0)
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self._done += int(n or 0)
+            progress(self._done, self._total)
+            return None
+
+    return Reporting
 
 
 def _check_room(size: int, where: Path) -> None:

@@ -83,6 +83,9 @@ def test_up_serves_a_model_by_name_then_starts_from_the_cache_offline(
 
             models = httpx.get(f"{agent.url}/v1/models", timeout=10).json()["data"]
             assert [m["id"] for m in models] == ["smol.Q4_1"]
+            # Progress on stderr: a line per tenth where it is not a terminal.
+            lines = [x for x in agent.log_text().splitlines() if "downloading org/smol" in x]
+            assert len(lines) >= 5 and lines[-1].startswith("100%"), lines
         finally:
             agent.stop()
         asked = len(server.requests)
