@@ -99,6 +99,12 @@ class LocalExecutor:
         self._samplers: dict[int, Sampler] = {}  # slot -> sampler of the sequence in it
 
     def run_step(self, step: Step) -> list[SampledToken]:
+        # Evicted entries go before the new ones come, so the kept bytes stay within the
+        # budget; only those this step still restores or saves wait until after it.
+        held = {op.restore[0] for op in step.opened if op.restore} | {s.entry for s in step.saves}
+        for entry in step.dropped:
+            if entry not in held:
+                self._kept.pop(entry, None)
         for save in step.saves:
             self._kept[save.entry] = self.engine.export_sequence(save.slot, save.tokens)
         for slot in step.released:
