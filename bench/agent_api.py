@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-from split import wait_routable
+from split import start_split
 
 from meshagent.launch import start_agent
 from meshagent.models.default import default_model_path
@@ -328,25 +327,7 @@ def main() -> None:
         whole = start_agent(root / "whole", *WHOLE)
         agents.callback(whole.stop)
         rows.append(measure("whole", whole.url, args))
-        a = start_agent(root / "a", *SMALL, wait_model=False)
-        agents.callback(a.stop)
-        token = subprocess.run(
-            [sys.executable, "-m", "meshagent", "invite", "--data-dir", str(root / "a")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        b = start_agent(root / "b", *SMALL, "--join", token, wait_model=False)
-        agents.callback(b.stop)
-        c = start_agent(root / "c", *SMALL, "--join", token, wait_model=False)
-        agents.callback(c.stop)
-        wait_routable([a, b, c], MODEL)
-        stages = httpx.get(f"{a.url}/control/status").json()["placement"][MODEL]["stages"]
-        entry = next(
-            x
-            for x in (a, b, c)
-            if httpx.get(f"{x.url}/control/status").json()["peer_id"] == stages[0][0]
-        )
+        entry, stages, _ = start_split(root, agents, MODEL, SMALL)
         rows.append(measure(f"split ({len(stages)} stages)", entry.url, args))
     print(
         f"\n{'side':<18} {'tool calls':>11} {'json_schema':>11} {'json_object':>12} "

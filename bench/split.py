@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from meshagent.launch import cpu_seconds, start_agent
+from meshagent.launch import AgentProcess, cpu_seconds, start_agent
 
 PROMPT = "1, 2, 3, 4, 5, 6,"  # a greedy model keeps counting: every request runs to max_tokens
 SMALL = ["--max-memory", "80M", "--slots", "4", "--ctx-size", "512", "--threads", "1"]
@@ -109,6 +109,31 @@ def wait_routable(agents, model: str, timeout: float = 180) -> None:
     raise RuntimeError("the split did not become routable")
 
 
+def start_split(
+    root: Path, agents: contextlib.ExitStack, model: str, flags: list[str], first: list[str] = ()
+) -> tuple[AgentProcess, list, list[AgentProcess]]:
+    """Three agents with `flags` (the first also `first`) in one mesh, stopped with `agents`;
+    once the model is routable, the split's entry, its stages and the three agents."""
+    a = start_agent(root / "a", *flags, *first, wait_model=False)
+    agents.callback(a.stop)
+    token = subprocess.run(
+        [sys.executable, "-m", "meshagent", "invite", "--data-dir", str(root / "a")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    split = [a]
+    for name in ("b", "c"):
+        split.append(start_agent(root / name, *flags, "--join", token, wait_model=False))
+        agents.callback(split[-1].stop)
+    wait_routable(split, model)
+    stages = httpx.get(f"{a.url}/control/status").json()["placement"][model]["stages"]
+    entry = next(
+        x for x in split if httpx.get(f"{x.url}/control/status").json()["peer_id"] == stages[0][0]
+    )
+    return entry, stages, split
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -124,26 +149,7 @@ def main() -> None:
         contextlib.ExitStack() as agents,  # stopped however the run ends
     ):
         root = Path(tmp)
-        a = start_agent(root / "a", *SMALL, "--wire-dtype", "f16", wait_model=False)
-        agents.callback(a.stop)
-        token = subprocess.run(
-            [sys.executable, "-m", "meshagent", "invite", "--data-dir", str(root / "a")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        b = start_agent(root / "b", *SMALL, "--join", token, wait_model=False)
-        agents.callback(b.stop)
-        c = start_agent(root / "c", *SMALL, "--join", token, wait_model=False)
-        agents.callback(c.stop)
-        split = [a, b, c]
-        wait_routable(split, model)
-        stages = httpx.get(f"{a.url}/control/status").json()["placement"][model]["stages"]
-        entry = next(
-            x
-            for x in split
-            if httpx.get(f"{x.url}/control/status").json()["peer_id"] == stages[0][0]
-        )
+        entry, stages, split = start_split(root, agents, model, SMALL, ["--wire-dtype", "f16"])
         single = start_agent(root / "single", *BIG)  # a mesh of its own
         agents.callback(single.stop)
         trio.run(measure, entry.url, model, 8, 1)  # warm up both
