@@ -99,6 +99,7 @@ class GrammarConstraint:
         self._closer = JsonCloser() if close_within is not None else None
         self._count = 0  # tokens accepted (of text: an end is never followed by more)
         self._closing: tuple[int, np.ndarray | None] | None = None  # (count, allowed)
+        self._allowed: tuple[int, int] | None = None  # (count, token) `allows` said yes to
 
     def _closing_set(self) -> np.ndarray | None:
         """The tokens allowed now by the need to close in time (None: any)."""
@@ -132,7 +133,10 @@ class GrammarConstraint:
             return False
         self._one["id"], self._one["logit"] = token, 0.0
         out = self._apply(self._one)
-        return len(out) == 1 and bool(np.isfinite(out["logit"][0]))
+        ok = len(out) == 1 and bool(np.isfinite(out["logit"][0]))
+        if ok:
+            self._allowed = (self._count, token)
+        return ok
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         data = self._all
@@ -150,7 +154,8 @@ class GrammarConstraint:
         return masked
 
     def accept(self, token: int) -> None:
-        if not self.allows(token):
+        # The sampler asked `allows` of this very token already, unless it drew from a mask.
+        if self._allowed != (self._count, token) and not self.allows(token):
             raise EngineError(f"token {token} does not follow the grammar here")
         llama_cpp.llama_sampler_accept(self._sampler, token)
         self._count += 1
