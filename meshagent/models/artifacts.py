@@ -14,7 +14,8 @@ import structlog
 
 from meshagent.errors import ModelError
 from meshagent.models.layout import ModelLayout, file_sha256, inspect_model
-from meshagent.models.slicer import write_entry, write_layers
+from meshagent.models.ranged import PartialModel, is_partial
+from meshagent.models.slicer import tensors_read, write_entry, write_layers
 
 log = structlog.get_logger(__name__)
 
@@ -112,6 +113,8 @@ class ArtifactStore:
             return self._source_sha256(path)
 
     def _source_sha256(self, path: Path) -> str:
+        if is_partial(path):  # its bytes are not all here: the hub's hash of the whole file
+            return PartialModel(path).sha256
         st = path.stat()
         key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
         index_path = self.root / "sources.json"
@@ -136,6 +139,14 @@ class ArtifactStore:
     def all(self) -> list[SliceManifest]:
         found = (self.get(p.stem) for p in sorted(self.manifests.glob("*.json")))
         return [m for m in found if m is not None]
+
+    def drop(self, key: str) -> None:
+        """Delete artifact `key` (its bytes proved wrong): the next ensure cuts it again."""
+        with self._writing:
+            found = self.get(key)
+            (self.manifests / f"{key}.json").unlink(missing_ok=True)
+            if found is not None:
+                self.blob_path(found.sha256).unlink(missing_ok=True)
 
     def install(self, manifest: SliceManifest, file: Path) -> Path:
         """Move a verified artifact file into the store under its manifest."""
@@ -181,6 +192,8 @@ class ArtifactStore:
         if found is not None:
             return self.blob_path(found.sha256), found
         layout = layout or inspect_model(model)
+        if is_partial(model):  # download the bytes the cut reads, only those
+            PartialModel(model).ensure_tensors(tensors_read(layout, kind, start, end))
         tmp = self.blobs / f"{key}.tmp"
         provenance: dict[str, str | int] = {"source_sha256": source, "start": start, "end": end}
         log.info("artifact.cutting", model=model.name, kind=kind, layers=(start, end))

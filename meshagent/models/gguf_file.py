@@ -123,6 +123,74 @@ class _Cursor:
         return kind, values
 
 
+class HeaderTruncated(ValueError):
+    """The bytes given end inside the header: more are needed to read it."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a GGUF header says: its metadata, each tensor's (name, dims, type, offset within
+    the data section), and where that section starts."""
+
+    fields: dict[str, Field]
+    infos: list[tuple[str, list[int], GGMLQuantizationType, int]]
+    data_offset: int
+
+
+def parse_header(buf: memoryview | bytes) -> Header:
+    """Parse the header at the start of `buf`, which may be only a prefix of the file:
+    HeaderTruncated when it ends before the header does, ValueError when it is not one."""
+    c = _Cursor(memoryview(buf))
+    try:
+        return _parse(c)
+    except ValueError as e:
+        if c.at >= len(c.buf) or "ends early" in str(e) or "past the end" in str(e):
+            raise HeaderTruncated(str(e)) from e
+        raise
+
+
+def _parse(c: _Cursor) -> Header:
+    if c.unpack("<I") != GGUF_MAGIC:
+        raise ValueError("GGUF magic invalid")
+    version = c.unpack("<I")
+    if version not in VERSIONS:
+        raise ValueError(f"GGUF version {version} (big-endian, or unknown) is not supported")
+    n_tensors, n_fields = c.unpack("<Q"), c.unpack("<Q")
+    fields: dict[str, Field] = {}
+    for _ in range(n_fields):
+        key = c.string()
+        kind = GGUFValueType(c.unpack("<I"))
+        if kind == GGUFValueType.ARRAY:
+            sub, values = c.array()
+            f = Field([kind, sub], values)
+        else:
+            f = Field([kind], c.value(kind))
+        if key in fields:
+            raise ValueError(f"duplicate metadata key {key}")
+        fields[key] = f
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string()
+        n_dims = c.unpack("<I")
+        dims = [c.unpack("<Q") for _ in range(n_dims)]
+        kind = GGMLQuantizationType(c.unpack("<I"))
+        infos.append((name, dims, kind, c.unpack("<Q")))
+    align = fields.get("general.alignment")
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    if align is not None:
+        if align.types != [GGUFValueType.UINT32]:
+            raise ValueError("bad type for general.alignment")
+        alignment = align.value
+        if alignment == 0 or alignment & (alignment - 1):
+            raise ValueError("alignment must be a non-zero power of two")
+    return Header(fields, infos, -(-c.at // alignment) * alignment)
+
+
+def tensor_bytes(dims: list[int], kind: GGMLQuantizationType) -> int:
+    block, size = GGML_QUANT_SIZES[kind]
+    return int(np.prod(dims)) * size // block
+
+
 class GGUFFile:
     """`fields` (key -> Field, in file order) and `tensors` of the GGUF at `path`. Raises
     ValueError (or OSError) for a file that is not one."""
@@ -130,42 +198,10 @@ class GGUFFile:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self.data = np.memmap(self.path, mode="r")
-        c = _Cursor(memoryview(self.data))
-        if c.unpack("<I") != GGUF_MAGIC:
-            raise ValueError("GGUF magic invalid")
-        version = c.unpack("<I")
-        if version not in VERSIONS:
-            raise ValueError(f"GGUF version {version} (big-endian, or unknown) is not supported")
-        n_tensors, n_fields = c.unpack("<Q"), c.unpack("<Q")
-        self.fields: dict[str, Field] = {}
-        for _ in range(n_fields):
-            key = c.string()
-            kind = GGUFValueType(c.unpack("<I"))
-            if kind == GGUFValueType.ARRAY:
-                sub, values = c.array()
-                f = Field([kind, sub], values)
-            else:
-                f = Field([kind], c.value(kind))
-            if key in self.fields:
-                raise ValueError(f"duplicate metadata key {key}")
-            self.fields[key] = f
-        infos = []
-        for _ in range(n_tensors):
-            name = c.string()
-            n_dims = c.unpack("<I")
-            dims = [c.unpack("<Q") for _ in range(n_dims)]
-            kind = GGMLQuantizationType(c.unpack("<I"))
-            infos.append((name, dims, kind, c.unpack("<Q")))
-        align = self.fields.get("general.alignment")
-        alignment = GGUF_DEFAULT_ALIGNMENT
-        if align is not None:
-            if align.types != [GGUFValueType.UINT32]:
-                raise ValueError("bad type for general.alignment")
-            alignment = align.value
-            if alignment == 0 or alignment & (alignment - 1):
-                raise ValueError("alignment must be a non-zero power of two")
-        self.data_offset = -(-c.at // alignment) * alignment
-        self.tensors = [self._tensor(*info) for info in infos]
+        header = parse_header(memoryview(self.data))
+        self.fields = header.fields
+        self.data_offset = header.data_offset
+        self.tensors = [self._tensor(*info) for info in header.infos]
         if len({t.name for t in self.tensors}) != len(self.tensors):
             raise ValueError("duplicate tensor names")
 
@@ -173,8 +209,7 @@ class GGUFFile:
         self, name: str, dims: list[int], kind: GGMLQuantizationType, offset: int
     ) -> Tensor:
         n_elements = int(np.prod(dims))
-        block, size = GGML_QUANT_SIZES[kind]
-        n_bytes = n_elements * size // block
+        n_bytes = tensor_bytes(dims, kind)
         start = self.data_offset + offset
         if start + n_bytes > len(self.data):
             raise ValueError(f"tensor {name} runs past the end of the file")

@@ -13,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from meshagent.errors import ModelError
 from meshagent.models.names import HubName, choose_file
+from meshagent.models.ranged import PartialModel, RemoteFile, is_partial
 
 _CHUNK = 1 << 20
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -71,20 +73,10 @@ def cached_models(cache_dir: Path | None = None) -> list[tuple[str, Path]]:
     return out
 
 
-def fetch(
-    name: HubName,
-    cache_dir: Path | None = None,
-    endpoint: str | None = None,
-    *,
-    progress: Progress | None = None,
-) -> Path:
-    """The local path of the GGUF file `name` asks for, downloaded if the cache lacks it
-    (`progress(done, total)` in bytes as it comes). ModelError with what to do when it
-    cannot be had."""
-    found = cached_file(name, cache_dir)
-    if found is not None:
-        return found
-    hub, constants, errors, hf_api = _hub()
+def locate(name: HubName, endpoint: str | None = None) -> RemoteFile:
+    """The file `name` asks for, as the hub lists it: its size, sha256 and download URL.
+    ModelError with what to do when there is none, or the hub cannot be asked."""
+    hub, constants, _, hf_api = _hub()
     endpoint = endpoint or os.environ.get("HF_ENDPOINT")  # as set now, not at import
     if constants.HF_HUB_OFFLINE:
         raise ModelError(
@@ -92,21 +84,100 @@ def fetch(
             "download it once with the network on (`meshagent models pull`)"
         )
     api = hub.HfApi(endpoint=endpoint)
-    try:
+    with _hub_errors(name):
         entries = [
             e
             for e in api.list_repo_tree(name.repo, recursive=True)
             if isinstance(e, hf_api.RepoFile)
         ]
-        chosen = choose_file(name, [e.path for e in entries])
-        entry = next(e for e in entries if e.path == chosen)
-        _check_room(entry.size, cache_dir or Path(constants.HF_HUB_CACHE))
-        bars = None if progress is None else _reporting(progress)
+    chosen = choose_file(name, [e.path for e in entries])
+    entry = next(e for e in entries if e.path == chosen)
+    return RemoteFile(
+        repo=name.repo,
+        filename=chosen,
+        size=int(entry.size),
+        sha256=entry.lfs.sha256 if entry.lfs is not None else "",
+        url=hub.hf_hub_url(name.repo, chosen, endpoint=endpoint),
+    )
+
+
+def fetch(
+    name: HubName,
+    cache_dir: Path | None = None,
+    endpoint: str | None = None,
+    *,
+    progress: Progress | None = None,
+    remote: RemoteFile | None = None,
+) -> Path:
+    """The local path of the GGUF file `name` asks for, downloaded whole if the cache lacks
+    it (`progress(done, total)` in bytes as it comes; `remote`: what `locate` said, if asked
+    already). ModelError with what to do when it cannot be had."""
+    found = cached_file(name, cache_dir)
+    if found is not None:
+        return found
+    hub, constants, _, _ = _hub()
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT")
+    remote = remote or locate(name, endpoint)
+    _check_room(remote.size, cache_dir or Path(constants.HF_HUB_CACHE))
+    bars = None if progress is None else _reporting(progress)
+    with _hub_errors(name):
         path = Path(
             hub.hf_hub_download(
-                name.repo, chosen, cache_dir=cache_dir, endpoint=endpoint, tqdm_class=bars
+                name.repo, remote.filename, cache_dir=cache_dir, endpoint=endpoint, tqdm_class=bars
             )
         )
+    if remote.sha256 and _sha256(path) != remote.sha256:
+        _remove(path)
+        raise ModelError(
+            f"the download of {name} does not match the hub's sha256; it was deleted: "
+            "run the command again"
+        )
+    return path
+
+
+def partial_path(root: Path, remote: RemoteFile) -> Path:
+    """Where a partial copy (`models/ranged.py`) of `remote` lives under `root`."""
+    return root / ("models--" + remote.repo.replace("/", "--")) / remote.filename
+
+
+def partial_file(name: HubName, root: Path) -> Path | None:
+    """A partial copy of the file `name` asks for under `root`, if one was started (no
+    request to the hub)."""
+    folder = root / ("models--" + name.repo.replace("/", "--"))
+    files = [p.name for p in folder.glob("*.gguf") if is_partial(p)]
+    try:
+        return folder / choose_file(name, files) if files else None
+    except ModelError:
+        return None
+
+
+def begin_partial(name: HubName, root: Path, endpoint: str | None = None) -> Path:
+    """A partial copy of `name`'s file under `root`, with its header: the one started before,
+    or one started now."""
+    found = partial_file(name, root)
+    if found is not None:
+        return found
+    remote = locate(name, endpoint)
+    return begin_partial_of(remote, root, name)
+
+
+def begin_partial_of(remote: RemoteFile, root: Path, name: HubName | str) -> Path:
+    if not remote.sha256:
+        raise ModelError(
+            f"the hub lists no sha256 for {remote.filename} (not an LFS file), so its ranges "
+            f"cannot be checked: download {name} whole (`meshagent models pull`)"
+        )
+    path = partial_path(root, remote)
+    PartialModel.begin(path, remote)
+    return path
+
+
+@contextmanager
+def _hub_errors(name: HubName) -> Iterator[None]:
+    """The hub's errors as one-line ModelErrors that say what to do."""
+    _, _, errors, _ = _hub()
+    try:
+        yield
     except errors.GatedRepoError as e:
         raise ModelError(
             f"{name.repo} is gated: accept its terms on the Hugging Face website, then set "
@@ -118,14 +189,6 @@ def fetch(
         ) from e
     except (errors.HfHubHTTPError, OSError) as e:
         raise ModelError(f"downloading {name} failed: {e}; run the command again to resume") from e
-    sha = entry.lfs.sha256 if entry.lfs is not None else None
-    if sha is not None and _sha256(path) != sha:
-        _remove(path)
-        raise ModelError(
-            f"the download of {name} does not match the hub's sha256; it was deleted: "
-            "run the command again"
-        )
-    return path
 
 
 def _reporting(progress: Progress) -> type:

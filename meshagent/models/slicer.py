@@ -113,6 +113,28 @@ def pad_layer(layout: ModelLayout, start: int, end: int) -> int | None:
     return min(sources, key=lambda i: (layout.layer_bytes[i], i))
 
 
+def _layer_copy(name: str, start: int, end: int, last: bool, shift: int = 0) -> str | None:
+    """What the layers artifact for [start, end) calls the source tensor `name` (it copies
+    that tensor's bytes), or None: it does not copy them. Its layers are numbered from
+    `shift` (the padding layers before them are written as zeros and read no bytes)."""
+    m = LAYER_TENSOR.match(name)
+    if not m:
+        keep = last or name not in ("token_embd.weight", "output.weight")
+        return name if keep else None
+    i = int(m.group(1))
+    return f"blk.{i - start + shift}.{m.group(2)}" if start <= i < end else None
+
+
+def tensors_read(layout: ModelLayout, kind: str, start: int, end: int) -> list[str]:
+    """The source tensors whose bytes the artifact (`kind` "layers" for [start, end), or
+    "entry") is cut from: all a download of just that artifact needs besides the header."""
+    if kind == "entry":
+        return ["token_embd.weight"]
+    last = end == layout.n_layers
+    reader = open_gguf(Path(layout.path))
+    return [t.name for t in reader.tensors if _layer_copy(t.name, start, end, last) is not None]
+
+
 def write_layers(
     layout: ModelLayout, start: int, end: int, dst: Path, *, provenance: dict[str, str | int]
 ) -> None:
@@ -148,17 +170,12 @@ def write_layers(
         writer.add_uint32(SLICE_KEY_PREFIX + PAD_LAYERS_KEY, len(pads))
     for t in reader.tensors:
         m = LAYER_TENSOR.match(t.name)
-        if not m:
-            if last or t.name not in ("token_embd.weight", "output.weight"):
-                writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-            continue
-        i = int(m.group(1))
-        if i == pad:
+        if m and int(m.group(1)) == pad:
             # All-zero bytes are a zero weight in every ggml type (float or quantised blocks).
             writer.add_tensor(f"blk.0.{m.group(2)}", np.zeros_like(t.data), raw_dtype=t.tensor_type)
-        if start <= i < end:
-            j = i - start + len(pads)
-            writer.add_tensor(f"blk.{j}.{m.group(2)}", t.data, raw_dtype=t.tensor_type)
+        name = _layer_copy(t.name, start, end, last, len(pads))
+        if name is not None:
+            writer.add_tensor(name, t.data, raw_dtype=t.tensor_type)
     if not last:
         _add_placeholder_vocab(writer, arch, layout.n_embd)
     _finish(writer, dst, tmp)

@@ -20,6 +20,9 @@ class FakeHub:
         self.gated = set(gated)
         self.corrupt: set[str] = set()  # files served with other bytes than listed
         self.requests: list[str] = []
+        self.ranges: list[tuple[str, int, int]] = []  # (file, start, end) of each range GET
+        self.served = 0  # body bytes of file GETs, all told
+        self.cut_after: int | None = None  # a file GET stops after this many body bytes
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -79,11 +82,32 @@ class FakeHub:
                 }
                 rng = h.headers.get("Range")
                 if rng and h.command == "GET":
-                    start = int(rng.split("=")[1].split("-")[0])
-                    head["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-                    return _send(h, 206, data[start:], head)
-                return _send(h, 200, data, head)
+                    first, _, last = rng.split("=")[1].partition("-")
+                    start, end = int(first), int(last or len(data) - 1) + 1
+                    self.ranges.append((name, start, end))
+                    head["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+                    return self._send_file(h, 206, data[start:end], head)
+                return self._send_file(h, 200, data, head)
         _send(h, 404, b'{"error": "not found"}', {"X-Error-Code": "RepoNotFound"})
+
+    def _send_file(
+        self, h: BaseHTTPRequestHandler, code: int, body: bytes, headers: dict[str, str]
+    ) -> None:
+        if h.command == "HEAD" or self.cut_after is None:
+            if h.command != "HEAD":
+                self.served += len(body)
+            return _send(h, code, body, headers)
+        # The server stops mid-response: headers promise the whole body, part of it comes.
+        h.send_response(code)
+        for k, v in headers.items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        part = body[: self.cut_after]
+        h.wfile.write(part)
+        self.served += len(part)
+        h.wfile.flush()
+        h.close_connection = True
 
 
 def _send(h: BaseHTTPRequestHandler, code: int, body: bytes, headers: dict[str, str]) -> None:

@@ -1,0 +1,387 @@
+"""A model file on the hub of which only some byte ranges are here: a stage host downloads its
+stage's tensors, not the whole file.
+
+The local copy is a sparse file of the remote file's size: its header (read first, so the
+model's layout is known before any placement) and the tensor ranges fetched since sit at
+their own offsets, the rest is a hole. The slicer cuts stage artifacts from it as from the
+whole file, reading only the tensors the artifact copies, so an artifact cut here is
+byte-identical to one cut from the whole file. A sidecar (`<file>.ranges.json`) says where the
+file comes from (URL, size, the hub's sha256) and which ranges are here; it is rewritten after
+every MiB, so an interrupted download resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from meshagent.errors import ModelError
+from meshagent.models.gguf_file import HeaderTruncated, parse_header, tensor_bytes
+
+log = structlog.get_logger(__name__)
+
+SIDECAR_SUFFIX = ".ranges.json"
+SIDECAR_VERSION = 1
+# Bytes asked first for the header; half as many again each time until it parses, so what is
+# fetched past its end (tensor bytes, kept) is at most a third of what was fetched.
+HEADER_PROBE = 256 << 10
+MAX_HEADER = 1 << 30  # a header larger than this is not a model's
+COALESCE_GAP = 4096  # tensors this close are fetched in one request (alignment padding)
+RECORD_EVERY = 1 << 20  # the sidecar is rewritten after each MiB written
+_CHUNK = 1 << 16
+_lock = threading.RLock()  # one download into the partial files at a time
+
+Ranges = list[tuple[int, int]]  # sorted, disjoint [start, end) byte ranges
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file on the hub: where to ask for its bytes, and what they must hash to."""
+
+    repo: str
+    filename: str
+    size: int
+    sha256: str
+    url: str
+
+
+def sidecar(path: Path) -> Path:
+    return path.with_name(path.name + SIDECAR_SUFFIX)
+
+
+def is_partial(path: Path) -> bool:
+    """Whether `path` is a partial copy (its sidecar is there), complete or not."""
+    return sidecar(Path(path)).is_file()
+
+
+def add_range(ranges: Ranges, start: int, end: int) -> Ranges:
+    """`ranges` with [start, end) added, merged with what it touches."""
+    out: Ranges = []
+    for a, b in sorted([*ranges, (start, end)]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def missing(want: Iterable[tuple[int, int]], have: Ranges) -> Ranges:
+    """The parts of `want` not in `have`."""
+    out: Ranges = []
+    for a, b in want:
+        at = a
+        for c, d in have:
+            if d <= at or c >= b:
+                continue
+            if c > at:
+                out.append((at, c))
+            at = max(at, d)
+        if at < b:
+            out.append((at, b))
+    return out
+
+
+def coalesce(ranges: Iterable[tuple[int, int]], gap: int = COALESCE_GAP) -> Ranges:
+    """Sorted `ranges` with those at most `gap` bytes apart joined (fewer requests)."""
+    out: Ranges = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1] + gap:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+class PartialModel:
+    """The partial copy at `path` and its sidecar."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            meta = json.loads(sidecar(self.path).read_text())
+            if meta.get("version") != SIDECAR_VERSION:
+                raise ValueError(f"version {meta.get('version')!r}")
+            self.remote = RemoteFile(**meta["remote"])
+            self.done: Ranges = [(int(a), int(b)) for a, b in meta["done"]]
+            self.fetched = int(meta.get("fetched", 0))  # bytes downloaded from the hub
+            self.header_bytes = int(meta.get("header_bytes", 0))
+            self.complete = bool(meta.get("complete", False))  # whole, matching the sha256
+            self.artifacts: dict[str, str] = dict(meta.get("artifacts", {}))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelError(f"{sidecar(self.path)} is unreadable ({e}); delete both files") from e
+
+    @classmethod
+    def begin(cls, path: Path, remote: RemoteFile, *, probe: int = HEADER_PROBE) -> PartialModel:
+        """The partial copy of `remote` at `path`, started if it is not: a sparse file of its
+        size and its header, downloaded now."""
+        with _lock:
+            if is_partial(path):
+                part = cls(path)
+                if part.remote.sha256 == remote.sha256:
+                    part.fetch_header(probe)
+                    return part
+                log.info("partial.replaced", path=str(path), sha256=remote.sha256)
+                part.discard()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("wb") as f:
+                f.truncate(remote.size)
+            meta = {"version": SIDECAR_VERSION, "remote": remote.__dict__, "done": []}
+            _write_atomic(sidecar(path), json.dumps(meta).encode())
+            part = cls(path)
+            part.fetch_header(probe)
+            return part
+
+    @property
+    def sha256(self) -> str:
+        return self.remote.sha256
+
+    @property
+    def held(self) -> int:
+        return sum(b - a for a, b in self.done)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "file": self.remote.filename,
+            "repo": self.remote.repo,
+            "size_bytes": self.remote.size,
+            "held_bytes": self.held,
+            "fetched_from_hub_bytes": self.fetched,
+            "header_bytes": self.header_bytes,
+            "complete": self.complete,
+            "artifacts": dict(self.artifacts),
+        }
+
+    # ----- what is fetched -----
+
+    def fetch_header(self, probe: int = HEADER_PROBE) -> None:
+        """Download the header (and whatever tensor bytes the last request took with it)."""
+        while True:
+            self.ensure([(0, min(probe, self.remote.size))])
+            with self.path.open("rb") as f:
+                head = f.read(probe)
+            try:
+                header = parse_header(head)
+            except HeaderTruncated as e:
+                if probe >= min(self.remote.size, MAX_HEADER):
+                    raise ModelError(f"{self.remote.filename}: the GGUF header does not end") from e
+                probe = max(probe * 3 // 2, probe + 4096)
+                continue
+            except ValueError as e:
+                raise ModelError(f"{self.remote.filename} is not a GGUF model file: {e}") from e
+            break
+        ends = [header.data_offset + off + tensor_bytes(d, k) for _, d, k, off in header.infos]
+        end = max(ends, default=header.data_offset)
+        if end > self.remote.size:
+            raise ModelError(f"{self.remote.filename}: its tensors run past its size")
+        if self.header_bytes != header.data_offset:
+            self.header_bytes = header.data_offset
+            self._save()
+
+    def ensure_tensors(self, names: Iterable[str], progress: Progress | None = None) -> None:
+        """Download the bytes of the tensors `names` that are not here yet."""
+        self.ensure(coalesce(self.tensor_ranges(names)), progress)
+
+    def ensure_whole(self, progress: Progress | None = None) -> None:
+        """Download every byte not here yet, then check the whole file against the hub's
+        sha256: a mismatch drops what was fetched and raises."""
+        with _lock:
+            if self.complete:
+                return
+            self.ensure([(0, self.remote.size)], progress)
+            from meshagent.models.layout import file_sha256
+
+            if file_sha256(self.path) != self.remote.sha256:
+                self.done = []
+                self._save()
+                raise ModelError(
+                    f"{self.remote.filename} does not match the hub's sha256 once whole; "
+                    "what was fetched is dropped: start again to download it afresh"
+                )
+            self.complete = True
+            self._save()
+            log.info("partial.complete", file=self.remote.filename, fetched=self.fetched)
+
+    def note_artifact(self, key: str, verdict: str) -> None:
+        """Remember how an artifact cut from this copy was checked ("verified": its sha256
+        matched one a peer published; "unverified": no peer had published one)."""
+        with _lock:
+            self.artifacts[key] = verdict
+            self._save()
+
+    def forget(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Mark `ranges` as not here (their bytes proved wrong): the next ensure fetches them."""
+        with _lock:
+            keep: Ranges = []
+            drop = sorted(ranges)
+            for a, b in self.done:
+                keep.extend(missing([(a, b)], drop))
+            self.done = keep
+            self.complete = False
+            self._save()
+
+    def tensor_ranges(self, names: Iterable[str]) -> Ranges:
+        """Where in the file the tensors `names` lie."""
+        header = parse_header(self._head())
+        where = {
+            name: (header.data_offset + off, header.data_offset + off + tensor_bytes(dims, kind))
+            for name, dims, kind, off in header.infos
+        }
+        wanted = sorted(set(names))
+        unknown = [n for n in wanted if n not in where]
+        if unknown:
+            raise ModelError(f"{self.remote.filename} has no tensor {unknown[0]}")
+        return sorted(where[n] for n in wanted)
+
+    def ensure(self, ranges: Iterable[tuple[int, int]], progress: Progress | None = None) -> None:
+        """Download whichever of `ranges` are not here, recording each MiB as it lands."""
+        with _lock:
+            todo = missing(coalesce(ranges, 0), self.done)
+            total = sum(b - a for a, b in todo)
+            if not todo:
+                return
+            _check_room(total, self.path.parent, self.remote.filename)
+            log.info("partial.fetching", file=self.remote.filename, ranges=len(todo), bytes=total)
+            got = 0
+            for a, b in todo:
+                got = self._fetch(a, b, got, total, progress)
+
+    def discard(self) -> None:
+        with _lock:
+            self.path.unlink(missing_ok=True)
+            sidecar(self.path).unlink(missing_ok=True)
+
+    # ----- the edges -----
+
+    def _head(self) -> bytes:
+        if self.header_bytes <= 0:
+            raise ModelError(f"{self.remote.filename}: its header was never fetched")
+        with self.path.open("rb") as f:
+            return f.read(self.header_bytes)
+
+    def _fetch(self, a: int, b: int, got: int, total: int, progress: Progress | None) -> int:
+        from huggingface_hub import get_session
+        from huggingface_hub.utils import build_hf_headers
+
+        session = get_session()
+        # httpx (or its successor, by version of huggingface_hub): its transport errors.
+        http = sys.modules[type(session).__module__.split(".")[0]]
+        transport_errors = getattr(http, "TransportError", OSError)
+        headers = {**build_hf_headers(), "Range": f"bytes={a}-{b - 1}"}
+        at = a
+        written = 0
+        try:
+            with (
+                session.stream("GET", self.remote.url, headers=headers, follow_redirects=True) as r,
+                self.path.open("r+b") as f,
+            ):
+                self._check_response(r, a, b)
+                f.seek(a)
+                for block in r.iter_bytes(_CHUNK):
+                    block = block[: b - at]
+                    f.write(block)
+                    at += len(block)
+                    written += len(block)
+                    got += len(block)
+                    if written >= RECORD_EVERY or at >= b:
+                        f.flush()
+                        os.fsync(f.fileno())
+                        self._landed(at - written, at)
+                        written = 0
+                        if progress is not None:
+                            progress(got, total)
+                    if at >= b:
+                        break
+                f.flush()
+                if written:
+                    self._landed(at - written, at)
+        except OSError as e:
+            if written:
+                self._landed(at - written, at)
+            if e.errno == errno.ENOSPC:
+                raise ModelError(
+                    f"the disk under {self.path.parent} is full while downloading "
+                    f"{self.remote.filename}: free some space; what was fetched is kept"
+                ) from e
+            raise self._broken(at, b, e) from e
+        except transport_errors as e:  # connection refused or lost, protocol, timeout
+            if written:
+                self._landed(at - written, at)
+            raise self._broken(at, b, e) from e
+        if at < b:
+            raise self._broken(at, b, "the server ended the response early")
+        return got
+
+    def _check_response(self, r: Any, a: int, b: int) -> None:
+        if r.status_code in (401, 403):
+            raise ModelError(
+                f"the hub refused {self.remote.repo} ({r.status_code}): if it is gated, accept "
+                "its terms on the Hugging Face website and set HF_TOKEN"
+            )
+        if r.status_code != 206:
+            raise ModelError(
+                f"the hub answered {r.status_code} to a range request for "
+                f"{self.remote.filename}; it must serve byte ranges for stage-only downloads"
+            )
+        expect = f"bytes {a}-{b - 1}/{self.remote.size}"
+        if r.headers.get("content-range", "").strip() != expect:
+            raise ModelError(
+                f"the hub sent {r.headers.get('content-range')!r} for {expect}: "
+                f"{self.remote.filename} changed size or the server ignores ranges"
+            )
+        for hop in [*getattr(r, "history", []), r]:
+            tag = hop.headers.get("x-linked-etag", "").strip('"')
+            if len(tag) == 64 and tag != self.remote.sha256:
+                raise ModelError(
+                    f"{self.remote.filename} changed on the hub since its header was read "
+                    "(another sha256): delete the partial copy and start again"
+                )
+
+    def _broken(self, at: int, end: int, why: object) -> ModelError:
+        return ModelError(
+            f"downloading {self.remote.filename} stopped at byte {at} of the range "
+            f"ending {end} ({why}); what was fetched is kept and the next try resumes there"
+        )
+
+    def _landed(self, a: int, b: int) -> None:
+        self.done = add_range(self.done, a, b)
+        self.fetched += b - a
+        self._save()
+
+    def _save(self) -> None:
+        meta = {
+            "version": SIDECAR_VERSION,
+            "remote": self.remote.__dict__,
+            "done": [list(r) for r in self.done],
+            "fetched": self.fetched,
+            "header_bytes": self.header_bytes,
+            "complete": self.complete,
+            "artifacts": self.artifacts,
+        }
+        _write_atomic(sidecar(self.path), json.dumps(meta).encode())
+
+
+def _check_room(size: int, where: Path, what: str) -> None:
+    import shutil
+
+    free = shutil.disk_usage(where).free
+    if size > free:
+        raise ModelError(
+            f"{what} needs {size / 1e9:.2f} GB more and {where} has {free / 1e9:.2f} GB "
+            "free: free some space, or start the agent with a data dir on a disk with room"
+        )
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
