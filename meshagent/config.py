@@ -210,6 +210,11 @@ class DataDir:
         return self.root / "artifacts"
 
     @property
+    def models_path(self) -> Path:
+        """Partial copies of hub models: the stage-only downloads (`models/ranged.py`)."""
+        return self.root / "models"
+
+    @property
     def config_path(self) -> Path:
         return self.root / "config.toml"
 

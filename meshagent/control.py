@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshagent import __version__
@@ -14,6 +15,7 @@ from meshagent.discovery import addresses
 from meshagent.discovery import probe as path_probe
 from meshagent.discovery.mesh_view import peer_rows
 from meshagent.identity.mesh import mesh_fingerprint
+from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.net.manager import ConnectionManager
 
 if TYPE_CHECKING:
@@ -45,6 +47,7 @@ def status(services: Services) -> dict[str, Any]:
         "models": _models(s),
         "placement": {info.id: s.model.placement_summary()},
         "artifacts": [m.to_dict() for m in s.store.all()],
+        "download": _download(s),
         "peers": _links(s.overlay),
         "overlay_traffic": s.overlay.traffic(),
         "advertised": addresses.advertised(s.overlay.listen_addresses),
@@ -60,6 +63,12 @@ def status(services: Services) -> dict[str, Any]:
         "mdns": _mdns(s),
         "gossip": _gossip(s),
     }
+
+
+def _download(s: Services) -> dict[str, Any] | None:
+    """A model held in part (`models/ranged.py`): what came from the hub and from peers."""
+    path = Path(s.model.model_path)
+    return PartialModel(path).status() if is_partial(path) else None
 
 
 def _models(s: Services) -> list[dict[str, Any]]:

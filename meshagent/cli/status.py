@@ -107,6 +107,18 @@ def run(args: argparse.Namespace) -> int:
         if wire:
             exact = "certified exact" if wire["certified_exact"] else "not certified exact"
             print(f"wire      {wire['dtype']}  {exact}: {wire['reason']}")
+    d = st.get("download")
+    if d:
+        mb = 1e6
+        state = "whole, sha256 checked" if d["complete"] else "stage-only"
+        hub, peers = d["fetched_from_hub_bytes"] / mb, d["fetched_from_peers_bytes"] / mb
+        print(
+            f"download  {d['repo']}/{d['file']}  {state}: {d['held_bytes'] / mb:.1f} of "
+            f"{d['size_bytes'] / mb:.1f} MB here; fetched {hub:.1f} MB from the hub, "
+            f"{peers:.1f} MB from peers"
+        )
+        for key, verdict in sorted(d["artifacts"].items()):
+            print(f"  {key}  {verdict}")
     peers = st.get("peers", [])
     print(f"peers     {len(peers)} connected")
     for p in peers:

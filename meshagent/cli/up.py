@@ -8,13 +8,13 @@ import sys
 
 import trio
 
-from meshagent import logs
+from meshagent import capacity, logs
 from meshagent.agent import Agent
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.cli.progress import ProgressBar
 from meshagent.config import API_KEY_ENV, AgentConfig
 from meshagent.identity.mesh import decode_invite
-from meshagent.models.default import resolve_model
+from meshagent.models.hub import model_for_agent
 from meshagent.models.names import HubName, parse_model_name
 from meshagent.net.address import Address, is_loopback
 from meshagent.services import Services
@@ -183,9 +183,23 @@ def run(args: argparse.Namespace) -> int:
     overrides["relays"] = relays or None
     config = AgentConfig().merged(data_dir.load_config()).merged(overrides)
     config.validate()
-    if config.model and isinstance(parse_model_name(config.model), HubName):
-        # A name is downloaded here, with progress on stderr, before the agent starts.
-        path = resolve_model(config.model, ProgressBar(f"downloading {config.model}"))
+    name = parse_model_name(config.model) if config.model else None
+    if isinstance(name, HubName):
+        # A name is resolved here, before the agent starts: downloaded whole with progress
+        # on stderr, or (more than this agent can hold) its header only.
+        offer = capacity.memory_offer(
+            capacity.memory_available(),
+            limit=config.max_memory,
+            weights=int(config.mem_weights_gib * (1 << 30)),
+            kv=int(config.mem_kv_gib * (1 << 30)),
+        )
+        path = model_for_agent(
+            name,
+            data_dir.models_path,
+            offer.weights,
+            progress=ProgressBar(f"downloading {config.model}"),
+            say=lambda line: print(f"meshagent: {line}", file=sys.stderr),
+        )
         config = config.merged({"model": str(path)})
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
     logs.configure(config.log_level, json=fmt)

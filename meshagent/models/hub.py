@@ -172,6 +172,34 @@ def begin_partial_of(remote: RemoteFile, root: Path, name: HubName | str) -> Pat
     return path
 
 
+def model_for_agent(
+    name: HubName,
+    root: Path,
+    weights_offer: int,
+    *,
+    progress: Progress | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Path:
+    """The file an agent serving `name` starts with: the whole file if the cache holds it,
+    the partial copy under `root` it started before, else (asking the hub) the whole file
+    downloaded when this agent could hold the model whole (`weights_offer` bytes), or a
+    partial copy, its header only, when it cannot: it will download the layers placement
+    gives it, and only those."""
+    found = cached_file(name) or partial_file(name, root)
+    if found is not None:
+        return found
+    remote = locate(name)
+    if weights_offer >= remote.size:
+        return fetch(name, progress=progress, remote=remote)
+    if say is not None:
+        say(
+            f"{remote.filename} is {remote.size / 1e9:.2f} GB, more than the "
+            f"{weights_offer / 1e9:.2f} GB this agent offers for weights: it downloads the "
+            "header now, and only the layers the mesh gives it once placed"
+        )
+    return begin_partial_of(remote, root, name)
+
+
 @contextmanager
 def _hub_errors(name: HubName) -> Iterator[None]:
     """The hub's errors as one-line ModelErrors that say what to do."""

@@ -102,11 +102,22 @@ def coalesce(ranges: Iterable[tuple[int, int]], gap: int = COALESCE_GAP) -> Rang
     return out
 
 
+def ensure_whole_file(path: Path) -> None:
+    """Complete `path` if it is a partial copy (a no-op for a whole file)."""
+    if is_partial(path):
+        PartialModel(path).ensure_whole()
+
+
 class PartialModel:
     """The partial copy at `path` and its sidecar."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self._load()
+
+    def _load(self) -> None:
+        """Read the sidecar: each change starts from it, so that two objects for the same
+        copy (a cut's, a status read's) never write back an old view."""
         try:
             meta = json.loads(sidecar(self.path).read_text())
             if meta.get("version") != SIDECAR_VERSION:
@@ -114,7 +125,10 @@ class PartialModel:
             self.remote = RemoteFile(**meta["remote"])
             self.done: Ranges = [(int(a), int(b)) for a, b in meta["done"]]
             self.fetched = int(meta.get("fetched", 0))  # bytes downloaded from the hub
+            self.from_peers = int(meta.get("from_peers", 0))  # artifact bytes from peers
             self.header_bytes = int(meta.get("header_bytes", 0))
+            # Bytes fetched to read the header (it, and what the last probe took past it).
+            self.header_fetched = int(meta.get("header_fetched", 0))
             self.complete = bool(meta.get("complete", False))  # whole, matching the sha256
             self.artifacts: dict[str, str] = dict(meta.get("artifacts", {}))
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -156,7 +170,9 @@ class PartialModel:
             "size_bytes": self.remote.size,
             "held_bytes": self.held,
             "fetched_from_hub_bytes": self.fetched,
+            "fetched_from_peers_bytes": self.from_peers,
             "header_bytes": self.header_bytes,
+            "header_fetched_bytes": self.header_fetched,
             "complete": self.complete,
             "artifacts": dict(self.artifacts),
         }
@@ -185,6 +201,7 @@ class PartialModel:
             raise ModelError(f"{self.remote.filename}: its tensors run past its size")
         if self.header_bytes != header.data_offset:
             self.header_bytes = header.data_offset
+            self.header_fetched = self.fetched
             self._save()
 
     def ensure_tensors(self, names: Iterable[str], progress: Progress | None = None) -> None:
@@ -195,6 +212,7 @@ class PartialModel:
         """Download every byte not here yet, then check the whole file against the hub's
         sha256: a mismatch drops what was fetched and raises."""
         with _lock:
+            self._load()
             if self.complete:
                 return
             self.ensure([(0, self.remote.size)], progress)
@@ -211,16 +229,20 @@ class PartialModel:
             self._save()
             log.info("partial.complete", file=self.remote.filename, fetched=self.fetched)
 
-    def note_artifact(self, key: str, verdict: str) -> None:
-        """Remember how an artifact cut from this copy was checked ("verified": its sha256
-        matched one a peer published; "unverified": no peer had published one)."""
+    def note_artifact(self, key: str, verdict: str, from_peer: int = 0) -> None:
+        """Remember how an artifact of this model came: "from peer" (`from_peer` bytes over
+        the overlay, checked chunk by chunk), or cut from this copy and "verified" (its
+        sha256 matched one a peer published) or "unverified" (no peer had published one)."""
         with _lock:
+            self._load()
             self.artifacts[key] = verdict
+            self.from_peers += from_peer
             self._save()
 
     def forget(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Mark `ranges` as not here (their bytes proved wrong): the next ensure fetches them."""
         with _lock:
+            self._load()
             keep: Ranges = []
             drop = sorted(ranges)
             for a, b in self.done:
@@ -245,6 +267,7 @@ class PartialModel:
     def ensure(self, ranges: Iterable[tuple[int, int]], progress: Progress | None = None) -> None:
         """Download whichever of `ranges` are not here, recording each MiB as it lands."""
         with _lock:
+            self._load()
             todo = missing(coalesce(ranges, 0), self.done)
             total = sum(b - a for a, b in todo)
             if not todo:
@@ -363,7 +386,9 @@ class PartialModel:
             "remote": self.remote.__dict__,
             "done": [list(r) for r in self.done],
             "fetched": self.fetched,
+            "from_peers": self.from_peers,
             "header_bytes": self.header_bytes,
+            "header_fetched": self.header_fetched,
             "complete": self.complete,
             "artifacts": self.artifacts,
         }

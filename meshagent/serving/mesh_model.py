@@ -28,6 +28,7 @@ from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits
 from meshagent.models.layout import ModelLayout
+from meshagent.models.ranged import ensure_whole_file
 from meshagent.net.errors import ConnectionUnavailable
 from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import ModelCost, Plan
@@ -37,6 +38,7 @@ from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.embeddings import Embedder
 from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
+from meshagent.serving.obtain import ArtifactSource
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
@@ -92,6 +94,14 @@ class MeshModel:
         self.capabilities = capabilities
         self.wire: WireChoice | None = None  # the split's wire dtype, when in one
         self.cost = ModelCost.from_layout(info.id, layout)
+        self.source = ArtifactSource(
+            peer_id=peer_id,
+            model_path=model_path,
+            layout=layout,
+            store=store,
+            views=lambda: self.placement.gossip.snapshot(),
+            open_stream=self._open_stream,
+        )
         self.placement = PlacementService(
             gossip,
             self.cost,
@@ -194,6 +204,9 @@ class MeshModel:
                 if (kind, start, end) in failed or not self.placement.routable:
                     continue
                 try:
+                    if self.source.partial is not None:  # from peers only, not the hub
+                        await self.source.obtain(kind, start, end, hub=False)
+                        continue
                     await trio.to_thread.run_sync(self._ensure_cut, kind, start, end)
                 except (MeshError, OSError) as e:
                     failed.add((kind, start, end))
@@ -343,6 +356,8 @@ class MeshModel:
         await self._unload()
         receipt: Headers = []
         if self.peer_id in plan.replicas:
+            # A partial copy of a hub model is completed (and checked whole) first.
+            await trio.to_thread.run_sync(ensure_whole_file, self.model_path)
             engine = await trio.to_thread.run_sync(
                 lambda: LlamaEngine(
                     self.model_path, slots=s.slots, slot_ctx=s.slot_ctx, threads=s.threads
@@ -364,6 +379,7 @@ class MeshModel:
                 info=self.info,
                 store=self.store,
                 open_stream=self._open_stream,
+                obtain=self.source.obtain,
                 settings=SplitSettings(
                     slots=s.slots,
                     slot_ctx=s.slot_ctx,

@@ -37,6 +37,7 @@ from meshagent.serving.stage_server import StageServer
 log = structlog.get_logger(__name__)
 
 OpenStream = Callable[..., Awaitable[MeshStream]]
+Obtain = Callable[[str, int, int], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class SplitHost:
         store: ArtifactStore,
         open_stream: OpenStream,
         settings: SplitSettings,
+        obtain: Obtain | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.model_path = model_path
@@ -72,6 +74,9 @@ class SplitHost:
         self.info = info
         self.store = store
         self._open_stream = open_stream  # (peer_id, label, **window) -> stream
+        # (kind, start, end): have the store hold that artifact (`serving/obtain.py`); None:
+        # the store cuts it from the whole file when asked.
+        self._obtain_artifact = obtain
         self.settings = settings
         self.plan: Plan | None = None
         self.part: StageAssignment | None = None
@@ -82,6 +87,10 @@ class SplitHost:
         self._entry: EntryEngine | None = None
         self._next: str | None = None  # the peer of the next stage (None: this is the last)
         self._entry_peer = ""  # the peer of the entry, where the last stage replies
+
+    async def _obtain(self, kind: str, start: int, end: int) -> None:
+        if self._obtain_artifact is not None:
+            await self._obtain_artifact(kind, start, end)
 
     @property
     def layers(self) -> tuple[int, int] | None:
@@ -125,6 +134,7 @@ class SplitHost:
         if part is None:
             raise EngineError(f"peer {self.peer_id} has no part in this plan")
         s = self.settings
+        await self._obtain("layers", part.start, part.end)
         layers_path, _ = await trio.to_thread.run_sync(
             lambda: self.store.ensure_layers(self.model_path, part.start, part.end, self.layout)
         )
@@ -148,6 +158,7 @@ class SplitHost:
             "window_frames": ACTIVATION_WINDOW_FRAMES,
         }
         if part.start == 0:
+            await self._obtain("entry", 0, 0)
             entry_path, _ = await trio.to_thread.run_sync(
                 lambda: self.store.ensure_entry(self.model_path, self.layout)
             )

@@ -1,0 +1,131 @@
+"""Getting a stage artifact of a model this agent holds only in part (`models/ranged.py`):
+from a peer that holds it first, from the hub as the fallback.
+
+A peer's copy comes over the overlay with per-chunk hashes (`models/transfer.py`), checked
+against the sha256 that peer publishes in gossip. A copy cut from ranges fetched off the hub
+is checked against the sha256 any peer publishes for the same artifact: a mismatch drops the
+ranges it was cut from and fetches them again, once. With no published hash to compare, the
+artifact is kept and marked unverified (`meshagent status` says so): its bytes are only known
+to have the lengths and places its header gives.
+
+An agent that holds the whole file cuts its artifacts locally and needs none of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from meshagent.errors import MeshError, ModelError
+from meshagent.models import transfer
+from meshagent.models.artifacts import ArtifactStore, artifact_key
+from meshagent.models.layout import ModelLayout
+from meshagent.models.ranged import PartialModel, is_partial
+from meshagent.models.slicer import tensors_read
+
+log = structlog.get_logger(__name__)
+
+OpenStream = Callable[[str, str], Awaitable[Any]]  # (peer_id, label) -> stream
+
+
+def published(views: Mapping[str, Any], key: str, me: str) -> dict[str, str]:
+    """Peer -> the sha256 it publishes for artifact `key`, for every other peer holding it."""
+    out = {}
+    for peer_id, view in views.items():
+        if peer_id == me:
+            continue
+        for held in view.record.artifacts:
+            if held.key == key:
+                out[peer_id] = held.sha256
+    return out
+
+
+class ArtifactSource:
+    """Obtains the artifacts of the model at `model_path` for `store`."""
+
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        model_path: Path,
+        layout: ModelLayout,
+        store: ArtifactStore,
+        views: Callable[[], Mapping[str, Any]],
+        open_stream: OpenStream,
+    ) -> None:
+        self.peer_id = peer_id
+        self.model_path = model_path
+        self.layout = layout
+        self.store = store
+        self.views = views  # gossip's snapshot: peer -> view with .record.artifacts
+        self.open_stream = open_stream
+
+    @property
+    def partial(self) -> PartialModel | None:
+        """The partial copy this agent's model is, unless it is whole here."""
+        if not is_partial(self.model_path):
+            return None
+        part = PartialModel(self.model_path)
+        return None if part.complete else part
+
+    async def obtain(self, kind: str, start: int, end: int, *, hub: bool = True) -> None:
+        """Make sure the store holds the artifact (`kind`, `start`, `end`); an agent with the
+        whole file leaves it to the store, which cuts it when asked. `hub=False`: only from
+        a peer (a spare preparing ahead of need downloads nothing from the hub)."""
+        part = self.partial
+        if part is None:
+            return
+        key = artifact_key(part.sha256, kind, start, end)
+        if self.store.get(key) is not None:
+            return
+        for peer_id, sha in published(self.views(), key, self.peer_id).items():
+            try:
+                _, manifest = await transfer.fetch_artifact(
+                    lambda p=peer_id: self.open_stream(p, transfer.LABEL),
+                    key,
+                    self.store,
+                    expected_sha256=sha,
+                    max_attempts=2,
+                )
+            except (MeshError, OSError) as e:
+                log.warning("artifact.peer_fetch_failed", key=key, peer=peer_id, error=str(e))
+                continue
+            await trio.to_thread.run_sync(part.note_artifact, key, "from peer", manifest.size_bytes)
+            log.info("artifact.from_peer", key=key, peer=peer_id, bytes=manifest.size_bytes)
+            return
+        if hub:
+            await self._from_hub(part, kind, start, end, key)
+
+    async def _from_hub(
+        self, part: PartialModel, kind: str, start: int, end: int, key: str
+    ) -> None:
+        """Cut the artifact from ranges fetched off the hub, checked against the hash peers
+        publish for it."""
+        for attempt in (1, 2):
+            manifest = await trio.to_thread.run_sync(self._cut, kind, start, end)
+            agreed = set(published(self.views(), key, self.peer_id).values())
+            if not agreed or manifest.sha256 in agreed:
+                verdict = "verified" if agreed else "unverified"
+                await trio.to_thread.run_sync(part.note_artifact, key, verdict)
+                log.info("artifact.from_hub", key=key, checked=verdict)
+                return
+            log.warning("artifact.hash_mismatch", key=key, got=manifest.sha256, attempt=attempt)
+            await trio.to_thread.run_sync(self._reject, part, kind, start, end, key)
+        raise ModelError(
+            f"artifact {key} cut from the hub's bytes twice does not match the sha256 peers "
+            "publish for it: the hub's file or a peer's copy is not what it claims"
+        )
+
+    def _reject(self, part: PartialModel, kind: str, start: int, end: int, key: str) -> None:
+        """Drop the artifact and forget the ranges it was cut from: fetched again next."""
+        self.store.drop(key)
+        part.forget(part.tensor_ranges(tensors_read(self.layout, kind, start, end)))
+
+    def _cut(self, kind: str, start: int, end: int) -> Any:
+        if kind == "entry":
+            return self.store.ensure_entry(self.model_path, self.layout)[1]
+        return self.store.ensure_layers(self.model_path, start, end, self.layout)[1]

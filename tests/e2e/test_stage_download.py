@@ -1,0 +1,105 @@
+"""Three agents too small for a model they do not hold, started by its hub name: each
+downloads its header and then only its stage's byte ranges, cuts artifacts byte-identical to
+those cut from the whole file, and the split gives the whole model's greedy text. A fourth
+agent joining as a spare fetches the slices from the peers that hold them, not the hub."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from meshagent.models.artifacts import ArtifactStore, artifact_key
+from tests.e2e.agents import invite, status, wait_for
+from tests.e2e.test_split_serving import SMALL, WHOLE
+from tests.models.fake_hub import FakeHub
+
+NAME = "org/smol-GGUF:Q4_1"
+PROMPT = "Name three rivers in Europe."
+
+
+@pytest.fixture
+def hub(model_path, monkeypatch, tmp_path):
+    server = FakeHub({"org/smol-GGUF": {model_path.name: model_path.read_bytes()}})
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))  # empty: nothing cached
+    yield server
+    server.close()
+
+
+def _key(m: dict) -> str:
+    return artifact_key(m["source_sha256"], m["kind"], m["start"], m["end"])
+
+
+def _greedy(agent, model_id: str) -> str:
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{agent.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_stage_hosts_download_only_their_layers(hub, spawn_agent, model_id, model_path, tmp_path):
+    a = spawn_agent(*SMALL, "--model", NAME, name="a", wait_model=False)
+    token = invite(a)
+    b = spawn_agent(*SMALL, "--model", NAME, "--join", token, name="b", wait_model=False)
+    c = spawn_agent(*SMALL, "--model", NAME, "--join", token, name="c", wait_model=False)
+    agents = [a, b, c]
+    assert "downloads the header now, and only the layers" in a.log_text()
+
+    def routable():
+        return all(status(x)["placement"][model_id]["routable"] for x in agents)
+
+    wait_for(routable, timeout=180)
+    size = model_path.stat().st_size
+    reference = ArtifactStore(tmp_path / "reference")
+    for x in agents:
+        st = status(x)
+        d = st["download"]
+        assert d["size_bytes"] == size and not d["complete"]
+        held = st["artifacts"]
+        assert held, x.data_dir.name
+        # Byte-identical to the artifacts cut from the whole file.
+        for m in held:
+            if m["kind"] == "entry":
+                _, r = reference.ensure_entry(model_path)
+            else:
+                _, r = reference.ensure_layers(model_path, m["start"], m["end"])
+            assert m["sha256"] == r.sha256 and m["source_sha256"] == r.source_sha256
+        slice_bytes = sum(m["size_bytes"] for m in held)
+        fetched = d["fetched_from_hub_bytes"]
+        header = d["header_fetched_bytes"]
+        parts = [(m["kind"], m["start"], m["end"]) for m in held]
+        print(
+            f"{x.data_dir.name} {parts}: fetched {fetched} B (header {header} B), "
+            f"slice {slice_bytes} B, file {size} B"
+        )
+        # The header every agent reads to know the model (1.8 MB of tokenizer here), then
+        # its stage's ranges: those within 5% of the slice.
+        assert d["header_bytes"] <= header <= d["header_bytes"] * 1.5
+        assert 0.95 * slice_bytes <= fetched - header <= 1.05 * slice_bytes
+        assert fetched < 0.6 * size
+        assert set(d["artifacts"].values()) == {"unverified"}  # no peer had published them
+    whole = spawn_agent(*WHOLE, "--model", str(model_path), name="whole")
+    expected = _greedy(whole, model_id)
+    for x in agents:
+        assert _greedy(x, model_id) == expected
+    # A fourth agent, as small, joins: a spare. It prepares every stage of the split ahead of
+    # need, from the peers that hold them; from the hub it fetched the header alone.
+    served = hub.served
+    d = spawn_agent(*SMALL, "--model", NAME, "--join", token, name="d", wait_model=False)
+    keys = {_key(m) for x in agents for m in status(x)["artifacts"]}
+
+    def prepared():
+        return keys <= {_key(m) for m in status(d)["artifacts"]}
+
+    wait_for(prepared, timeout=120)
+    got = status(d)["download"]
+    header = got["header_bytes"]
+    assert got["fetched_from_hub_bytes"] <= header + (256 << 10)
+    assert hub.served - served == got["fetched_from_hub_bytes"]
+    assert got["fetched_from_peers_bytes"] == sum(m["size_bytes"] for m in status(d)["artifacts"])
+    assert set(got["artifacts"].values()) == {"from peer"}
