@@ -4,13 +4,16 @@ mode (`HF_HUB_OFFLINE=1`).
 
 A file already in the cache is used without asking the hub. Otherwise the repository's
 files are listed, the one the name asks for is chosen, the disk is checked for room, and the
-file is downloaded (resumable: the cache keeps a partial download) and checked against the
-sha256 the hub lists for it; a file that does not match is deleted, never left as if whole.
+file is downloaded through a partial copy under the cache (`models/ranged.py`: an
+interrupted download resumes where it stopped, in this run or the next) and checked against
+the sha256 the hub lists for it before it takes its place in the cache's layout; a file that
+does not match is deleted, never left as if whole. An agent that cannot hold a model whole
+downloads its header alone (`begin_partial`), and later only the layers placement gives it.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -20,9 +23,9 @@ from typing import Any
 
 from meshagent.errors import ModelError
 from meshagent.models.names import HubName, choose_file
-from meshagent.models.ranged import PartialModel, RemoteFile, is_partial
+from meshagent.models.ranged import PartialModel, RemoteFile, is_partial, transport_errors
 
-_CHUNK = 1 << 20
+PARTIAL_DIR = ".meshagent-partial"  # under the cache: whole downloads under way
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 
@@ -118,21 +121,50 @@ def fetch(
     hub, constants, _, _ = _hub()
     endpoint = endpoint or os.environ.get("HF_ENDPOINT")
     remote = remote or locate(name, endpoint)
-    _check_room(remote.size, cache_dir or Path(constants.HF_HUB_CACHE))
-    bars = None if progress is None else _reporting(progress)
+    root = Path(cache_dir or constants.HF_HUB_CACHE)
+    _check_room(remote.size, root)
+    if remote.sha256:
+        return _fetch_resumable(remote, root, progress)
+    bars = None if progress is None else _reporting(progress)  # not LFS: small, no hash
     with _hub_errors(name):
-        path = Path(
+        return Path(
             hub.hf_hub_download(
                 name.repo, remote.filename, cache_dir=cache_dir, endpoint=endpoint, tqdm_class=bars
             )
         )
-    if remote.sha256 and _sha256(path) != remote.sha256:
-        _remove(path)
-        raise ModelError(
-            f"the download of {name} does not match the hub's sha256; it was deleted: "
-            "run the command again"
-        )
-    return path
+
+
+def _fetch_resumable(remote: RemoteFile, root: Path, progress: Progress | None) -> Path:
+    """Download `remote` whole through a partial copy (`models/ranged.py`: it resumes where
+    an earlier run stopped, which huggingface_hub's own download does not), check it against
+    the hub's sha256, then move it into the cache's layout (blob, snapshot link, ref) where
+    `cached_file` and huggingface_hub itself find it."""
+    work = root / PARTIAL_DIR / f"{remote.sha256}.part"
+    part = PartialModel.begin(work, remote, header=False)
+    try:
+        part.ensure_whole(progress)
+    except ModelError as e:
+        if "sha256" in str(e):
+            part.discard()
+            raise ModelError(
+                f"the download of {remote.repo}/{remote.filename} does not match the hub's "
+                "sha256; it was deleted: run the command again"
+            ) from e
+        raise
+    repo_dir = root / ("models--" + remote.repo.replace("/", "--"))
+    blob = repo_dir / "blobs" / remote.sha256
+    commit = PartialModel(work).commit or "0" * 40
+    link = repo_dir / "snapshots" / commit / remote.filename
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(work, blob)
+    part.discard()
+    if os.path.lexists(link):
+        link.unlink()
+    link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    return link
 
 
 def partial_path(root: Path, remote: RemoteFile) -> Path:
@@ -215,7 +247,14 @@ def _hub_errors(name: HubName) -> Iterator[None]:
         raise ModelError(
             f"no model {name.repo} on the Hugging Face Hub (or it is private: set HF_TOKEN)"
         ) from e
-    except (errors.HfHubHTTPError, OSError) as e:
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ModelError(
+                f"the disk filled while downloading {name}: free some space (or set "
+                "HF_HUB_CACHE to a disk with room), then run the command again to resume"
+            ) from e
+        raise ModelError(f"downloading {name} failed: {e}; run the command again to resume") from e
+    except (errors.HfHubHTTPError, *transport_errors()) as e:
         raise ModelError(f"downloading {name} failed: {e}; run the command again to resume") from e
 
 
@@ -245,19 +284,3 @@ def _check_room(size: int, where: Path) -> None:
             f"the model needs {size / 1e9:.2f} GB and {where} has {free / 1e9:.2f} GB free: "
             "free some space, or set HF_HUB_CACHE to a disk with room"
         )
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _remove(path: Path) -> None:
-    """A snapshot entry is a link to a blob: both go."""
-    target = path.resolve()
-    for p in (path, target):
-        if os.path.lexists(p):
-            p.unlink()

@@ -12,6 +12,7 @@ every MiB, so an interrupted download resumes where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -37,7 +38,6 @@ HEADER_PROBE = 256 << 10
 MAX_HEADER = 1 << 30  # a header larger than this is not a model's
 COALESCE_GAP = 4096  # tensors this close are fetched in one request (alignment padding)
 RECORD_EVERY = 1 << 20  # the sidecar is rewritten after each MiB written
-_CHUNK = 1 << 16
 _lock = threading.RLock()  # one download into the partial files at a time
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint [start, end) byte ranges
@@ -130,19 +130,23 @@ class PartialModel:
             # Bytes fetched to read the header (it, and what the last probe took past it).
             self.header_fetched = int(meta.get("header_fetched", 0))
             self.complete = bool(meta.get("complete", False))  # whole, matching the sha256
+            self.commit = str(meta.get("commit", ""))  # the repository's, as the hub said
             self.artifacts: dict[str, str] = dict(meta.get("artifacts", {}))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ModelError(f"{sidecar(self.path)} is unreadable ({e}); delete both files") from e
 
     @classmethod
-    def begin(cls, path: Path, remote: RemoteFile, *, probe: int = HEADER_PROBE) -> PartialModel:
+    def begin(
+        cls, path: Path, remote: RemoteFile, *, probe: int = HEADER_PROBE, header: bool = True
+    ) -> PartialModel:
         """The partial copy of `remote` at `path`, started if it is not: a sparse file of its
-        size and its header, downloaded now."""
+        size and (unless `header` is false: a whole download) its header, downloaded now."""
         with _lock:
             if is_partial(path):
                 part = cls(path)
                 if part.remote.sha256 == remote.sha256:
-                    part.fetch_header(probe)
+                    if header:
+                        part.fetch_header(probe)
                     return part
                 log.info("partial.replaced", path=str(path), sha256=remote.sha256)
                 part.discard()
@@ -152,7 +156,8 @@ class PartialModel:
             meta = {"version": SIDECAR_VERSION, "remote": remote.__dict__, "done": []}
             _write_atomic(sidecar(path), json.dumps(meta).encode())
             part = cls(path)
-            part.fetch_header(probe)
+            if header:
+                part.fetch_header(probe)
             return part
 
     @property
@@ -296,9 +301,6 @@ class PartialModel:
         from huggingface_hub.utils import build_hf_headers
 
         session = get_session()
-        # httpx (or its successor, by version of huggingface_hub): its transport errors.
-        http = sys.modules[type(session).__module__.split(".")[0]]
-        transport_errors = getattr(http, "TransportError", OSError)
         headers = {**build_hf_headers(), "Range": f"bytes={a}-{b - 1}"}
         at = a
         written = 0
@@ -309,7 +311,7 @@ class PartialModel:
             ):
                 self._check_response(r, a, b)
                 f.seek(a)
-                for block in r.iter_bytes(_CHUNK):
+                for block in r.iter_bytes():  # as it arrives: a cut response keeps its part
                     block = block[: b - at]
                     f.write(block)
                     at += len(block)
@@ -329,14 +331,17 @@ class PartialModel:
                     self._landed(at - written, at)
         except OSError as e:
             if written:
-                self._landed(at - written, at)
+                # If the sidecar cannot be written, it keeps its last word: those bytes are
+                # fetched again.
+                with contextlib.suppress(OSError):
+                    self._landed(at - written, at)
             if e.errno == errno.ENOSPC:
                 raise ModelError(
                     f"the disk under {self.path.parent} is full while downloading "
                     f"{self.remote.filename}: free some space; what was fetched is kept"
                 ) from e
             raise self._broken(at, b, e) from e
-        except transport_errors as e:  # connection refused or lost, protocol, timeout
+        except transport_errors() as e:  # connection refused or lost, protocol, timeout
             if written:
                 self._landed(at - written, at)
             raise self._broken(at, b, e) from e
@@ -362,6 +367,9 @@ class PartialModel:
                 f"{self.remote.filename} changed size or the server ignores ranges"
             )
         for hop in [*getattr(r, "history", []), r]:
+            commit = hop.headers.get("x-repo-commit", "")
+            if len(commit) == 40 and not self.commit:
+                self.commit = commit  # saved with the bytes that follow
             tag = hop.headers.get("x-linked-etag", "").strip('"')
             if len(tag) == 64 and tag != self.remote.sha256:
                 raise ModelError(
@@ -390,9 +398,19 @@ class PartialModel:
             "header_bytes": self.header_bytes,
             "header_fetched": self.header_fetched,
             "complete": self.complete,
+            "commit": self.commit,
             "artifacts": self.artifacts,
         }
         _write_atomic(sidecar(self.path), json.dumps(meta).encode())
+
+
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's errors for a connection refused or lost, a broken response or a
+    timeout: httpx's, or its successor's, by the version of huggingface_hub."""
+    from huggingface_hub import get_session
+
+    http = sys.modules[type(get_session()).__module__.split(".")[0]]
+    return (getattr(http, "TransportError", OSError),)
 
 
 def _check_room(size: int, where: Path, what: str) -> None:
@@ -408,5 +426,9 @@ def _check_room(size: int, where: Path, what: str) -> None:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
+    try:
+        tmp.write_bytes(data)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)

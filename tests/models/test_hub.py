@@ -110,3 +110,25 @@ def test_pull_downloads_and_list_shows_it(hub, tmp_path, monkeypatch, capsys):
     assert path.endswith("tiny-Q8_0.gguf") and os.path.isfile(path)
     assert main(["models", "list", "--data-dir", str(tmp_path / "d")]) == 0
     assert f"model    {REPO}/tiny-Q8_0.gguf" in capsys.readouterr().out
+
+
+def test_a_server_that_stops_mid_download_leaves_nothing_as_if_whole(hub, tmp_path):
+    hub.cut_after = 1000  # every response stops after 1000 bytes
+    with pytest.raises(ModelError) as e:
+        fetch(HubName(REPO, "Q8_0"), tmp_path, hub.url)
+    assert "\n" not in str(e.value) and "the next try resumes there" in str(e.value)
+    assert not [p for p in tmp_path.rglob("*.gguf") if p.is_file()]  # no file as if whole
+    hub.cut_after = None
+    assert fetch(HubName(REPO, "Q8_0"), tmp_path, hub.url).read_bytes() == FILES["tiny-Q8_0.gguf"]
+    assert hub.ranges and hub.ranges[-1][1] > 0  # the second try resumed where it stopped
+
+
+def test_a_full_disk_refuses_the_download_before_it_starts(hub, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**6, 10**6, 100))
+    with pytest.raises(ModelError, match="GB free: free some space, or set HF_HUB_CACHE"):
+        fetch(HubName(REPO, "Q8_0"), tmp_path, hub.url)
+    assert hub.ranges == [] and not list(tmp_path.rglob("*.gguf*"))

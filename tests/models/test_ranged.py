@@ -189,3 +189,39 @@ def test_the_disk_check_refuses_a_download_that_cannot_fit(hub, tmp_path, monkey
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**6, 10**6, 1000))
     with pytest.raises(ModelError, match="GB free: free some space"):
         PartialModel(path).ensure_whole()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 640 KiB filesystem of its own (tmpfs; needs root, as the namespace tests do)."""
+    import subprocess
+
+    where = tmp_path / "disk"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(where)])
+    if r.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_disk_that_fills_mid_download_says_so_and_keeps_what_landed(
+    hub, small_disk, monkeypatch, whole
+):
+    import meshagent.models.ranged as ranged
+
+    path = _partial(hub, small_disk)
+    assert whole.stat().st_size > 640 << 10  # the whole file cannot fit
+    with pytest.raises(ModelError, match="GB free: free some space"):
+        PartialModel(path).ensure_whole()  # refused before a byte is fetched
+    monkeypatch.setattr(ranged, "_check_room", lambda *a: None)  # as if the space went later
+    with pytest.raises(ModelError) as e:
+        PartialModel(path).ensure_whole()
+    assert "is full while downloading" in str(e.value) and "\n" not in str(e.value)
+    part = PartialModel(path)
+    assert not part.complete and part.held < whole.stat().st_size
+    data = whole.read_bytes()
+    with path.open("rb") as f:  # what the sidecar says is here is the file's bytes
+        for a, b in part.done:
+            f.seek(a)
+            assert f.read(b - a) == data[a:b]
