@@ -47,7 +47,10 @@ def static_fields(
         "agent_version": __version__,
         "mem_weights_bytes": offer.weights,
         "mem_kv_bytes": offer.kv,
-        "models": (ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),),
+        # The whole model file, when it is here (a partial copy holds only stages' bytes).
+        "models": (ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),)
+        if model.source.partial is None
+        else (),
         # A split drafts by default only where all its stages compute windows exactly.
         "windows_inexact": LLAMAFILE_WINDOWS if built_with_llamafile() else "",
     }

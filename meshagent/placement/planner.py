@@ -26,6 +26,9 @@ MAX_ORDERS = 720  # orders tried per peer set (6! = every order of 6 stages)
 # A new split keeps the current one's entry unless another entry is this much faster: the
 # entry holds the clients' requests, and a request whose entry moves starts its prefill again.
 KEEP_ENTRY = 0.25
+# Among splits this close to the fastest, the one whose peers must download the fewest bytes
+# first wins (peers holding the file or the very slices load at once).
+CLOSE_PLANS = 0.10
 
 
 class PlanError(MeshError):
@@ -81,6 +84,16 @@ class PeerCapacity:
     memory_bytes: int  # offered for weights and KV cache
     speed: float  # layers per second of the reference model (relative speed is what matters)
     rtt_ms: Mapping[str, float] = field(default_factory=dict)  # measured RTT to other peers
+    # What it can load without downloading: every layer range (the whole model file is
+    # here), or the layer ranges whose stage artifacts it holds.
+    whole_file: bool = True
+    holds: frozenset[tuple[int, int]] = frozenset()
+
+    def download_bytes(self, model: ModelCost, start: int, end: int) -> int:
+        """Bytes this peer must download before it can load layers [start, end)."""
+        if self.whole_file or (start, end) in self.holds:
+            return 0
+        return model.stage_bytes(start, end, 0)
 
 
 @dataclass(frozen=True)
@@ -182,8 +195,7 @@ def plan(
     candidates = sorted(candidates[:MAX_CANDIDATES], key=lambda p: p.peer_id)
     entry = current.stages[0].peer_id if current is not None and current.split else None
     for k in range(2, min(len(candidates), model.n_layers) + 1):
-        best: tuple[float, tuple[str, ...], tuple[StageAssignment, ...]] | None = None
-        kept: tuple[float, tuple[str, ...], tuple[StageAssignment, ...]] | None = None
+        options: list[_Option] = []
         for subset in itertools.combinations(candidates, k):
             for order in itertools.islice(itertools.permutations(subset), MAX_ORDERS):
                 stages = _assign(model, order, context_tokens, headroom)
@@ -193,16 +205,21 @@ def plan(
                     1000.0 * s.layers / max(p.speed, 1e-9)
                     for s, p in zip(stages, order, strict=True)
                 )
+                download = sum(
+                    p.download_bytes(model, s.start, s.end)
+                    for s, p in zip(stages, order, strict=True)
+                )
                 score = compute_ms + _ring_ms(order, unknown)
-                key = (score, tuple(p.peer_id for p in order), stages)
-                if best is None or key[:2] < best[:2]:
-                    best = key
-                if order[0].peer_id == entry and (kept is None or key[:2] < kept[:2]):
-                    kept = key
-        if kept is not None and best is not None and kept[0] <= best[0] * (1.0 + KEEP_ENTRY):
-            best = kept
-        if best is not None:
-            return Plan(model.model_id, context_tokens, stages=best[2], est_token_ms=best[0])
+                options.append((score, tuple(p.peer_id for p in order), stages, download))
+        if not options:
+            continue
+        best = _least_download(options)
+        kept = [o for o in options if o[1][0] == entry]
+        if kept:
+            keep = _least_download(kept)
+            if keep[0] <= best[0] * (1.0 + KEEP_ENTRY):
+                best = keep
+        return Plan(model.model_id, context_tokens, stages=best[2], est_token_ms=best[0])
     total = sum(_usable(p, headroom) for p in ordered)
     need = whole + (len(ordered) - 1) * model.other_bytes
     missing = max(need - total, 1)
@@ -211,6 +228,18 @@ def plan(
         f"{context_tokens} tokens), the mesh offers {total / 1e9:.2f} GB: it needs "
         f"{missing / 1e9:.2f} GB more memory"
     )
+
+
+# (est. ms per token, peer order, stages, bytes its peers must download first)
+_Option = tuple[float, tuple[str, ...], tuple["StageAssignment", ...], int]
+
+
+def _least_download(options: Sequence[_Option]) -> _Option:
+    """The fastest option, unless one within `CLOSE_PLANS` of it downloads fewer bytes: then
+    the one of those that downloads least (ties: the faster, then by peer ids)."""
+    fastest = min(options, key=lambda o: (o[0], o[1]))
+    close = [o for o in options if o[0] <= fastest[0] * (1.0 + CLOSE_PLANS)]
+    return min(close, key=lambda o: (o[3], o[0], o[1]))
 
 
 def is_repair(before: Plan, after: Plan) -> bool:
@@ -240,7 +269,15 @@ def repair(
     for s in current.stages:
         if s.peer_id not in live:
             need = model.stage_bytes(s.start, s.end, current.context_tokens)
-            taker = next((p for p in spares if _usable(p, headroom) >= need), None)
+            able = [p for p in spares if _usable(p, headroom) >= need]
+            # The fastest, unless one about as fast holds what it needs (no download first).
+            ready = [
+                p
+                for p in able
+                if p.download_bytes(model, s.start, s.end) == 0
+                and p.speed * (1.0 + CLOSE_PLANS) >= able[0].speed
+            ]
+            taker = (ready or able or [None])[0]
             if taker is None:
                 return None
             spares.remove(taker)

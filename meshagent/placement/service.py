@@ -61,10 +61,14 @@ class Snapshot(Protocol):
     def generation(self) -> int: ...
 
 
-def capacities(views: Mapping[str, Any], flops_per_layer: float = 0.0) -> list[PeerCapacity]:
+def capacities(
+    views: Mapping[str, Any], flops_per_layer: float = 0.0, source_sha256: str = ""
+) -> list[PeerCapacity]:
     """Alive peers that offer memory and have measured their speed. A speed in GFLOP/s (the
     gossip unit) becomes layers per second of this model when `flops_per_layer` is known, so
-    that compute time and RTTs add up in the same unit."""
+    that compute time and RTTs add up in the same unit. With the model file's `source_sha256`
+    known, each peer's capacity says what it holds of it (the file, or stage artifacts); not
+    known, every peer counts as holding the file."""
     out = []
     for pid, view in views.items():
         if view.state == PeerState.DEAD:
@@ -76,7 +80,15 @@ def capacities(views: Mapping[str, Any], flops_per_layer: float = 0.0) -> list[P
         speed = float(r.compute_speed)
         if flops_per_layer > 0 and getattr(r, "compute_unit", "") == COMPUTE_UNIT:
             speed = speed * 1e9 / flops_per_layer
-        out.append(PeerCapacity(pid, memory, speed, dict(r.rtts_ms)))
+        whole, holds = True, frozenset()
+        if source_sha256:
+            whole = any(m.sha256 == source_sha256 for m in r.models)
+            holds = frozenset(
+                (a.start, a.end)
+                for a in r.artifacts
+                if a.source_sha256 == source_sha256 and a.kind == "layers"
+            )
+        out.append(PeerCapacity(pid, memory, speed, dict(r.rtts_ms), whole, holds))
     return out
 
 
@@ -114,6 +126,7 @@ class PlacementService:
     ) -> None:
         self.gossip = gossip
         self.cost = cost
+        self.source_sha256 = ""  # the model file's, once known: who holds what of it
         self.context_tokens = context_tokens
         self._take_part = take_part  # load this agent's part of a plan (may take a while)
         # Stop serving the part of a plan no longer in force (given the plan replacing it).
@@ -162,7 +175,7 @@ class PlacementService:
         """One decision on the current snapshot."""
         views = self.gossip.snapshot()
         me = self.gossip.peer_id
-        caps = capacities(views, self.cost.flops_per_layer)
+        caps = capacities(views, self.cost.flops_per_layer, self.source_sha256)
         claims = claims_for(self.cost.model_id, views)
         winner = plan_in_force(claims)
         error = None

@@ -116,7 +116,6 @@ class MeshModel:
         # What the directory lists: `local` once its runner runs, with its receipt.
         self._offered: LocalModel | None = None
         self._receipt: Headers = []
-        self.source_sha256 = ""  # the model file's hash, once measured (advertisement.py)
         self._offers = trio.Event()  # set (and replaced) whenever `_offered` is set
         self._offered_plan: Plan | None = None  # the plan `_offered` serves (or last served)
         self._replaced: tuple[Plan, float] | None = None  # the plan before it, and until when
@@ -124,6 +123,15 @@ class MeshModel:
         self._nursery: trio.Nursery | None = None
         self._serving_scope: trio.CancelScope | None = None
         self._served = trio.Event()
+
+    @property
+    def source_sha256(self) -> str:
+        """The model file's hash, once measured (`advertisement.py`); "" until then."""
+        return self.placement.source_sha256
+
+    @source_sha256.setter
+    def source_sha256(self, sha: str) -> None:
+        self.placement.source_sha256 = sha
 
     # ----- what the agent wires -----
 

@@ -290,3 +290,42 @@ def test_replicas_are_added_and_dropped_without_a_gain_threshold():
     assert not should_replan(MODEL, grown, plan(MODEL, two, context_tokens=CTX), two)
     # b is gone: the plan follows the replica that is left.
     assert should_replan(MODEL, grown, plan(MODEL, one, context_tokens=CTX), one)
+
+
+def _holding(p: PeerCapacity, *ranges: tuple[int, int], whole: bool = False) -> PeerCapacity:
+    return replace(p, whole_file=whole, holds=frozenset(ranges))
+
+
+def test_among_close_splits_the_peers_holding_the_file_or_slices_are_preferred():
+    # Four equal peers, three needed. None holding anything: the plan by peer id.
+    four = [_holding(peer(x, 1.3)) for x in "abcd"]
+    none = plan(MODEL, four, context_tokens=CTX)
+    assert {s.peer_id for s in none.stages} == {"a", "b", "c"}
+    # "d" holds the whole file: a plan as fast that uses it downloads a stage less.
+    with_d = [*four[:3], _holding(four[3], whole=True)]
+    chosen = plan(MODEL, with_d, context_tokens=CTX)
+    assert "d" in {s.peer_id for s in chosen.stages}
+    assert chosen.est_token_ms <= none.est_token_ms * 1.10
+    # "d" holds exactly the slice the plan by id gives "c": it takes that slice.
+    c_stage = next(s for s in none.stages if s.peer_id == "c")
+    sliced = [*four[:3], _holding(four[3], (c_stage.start, c_stage.end))]
+    took = plan(MODEL, sliced, context_tokens=CTX)
+    assert StageAssignment("d", c_stage.start, c_stage.end) in took.stages
+    # A holder much slower than the rest is not worth the plan's speed.
+    slow = [*four[:3], _holding(peer("d", 1.3, speed=40.0), whole=True)]
+    assert "d" not in {s.peer_id for s in plan(MODEL, slow, context_tokens=CTX).stages}
+    # Every peer holding the file (a LAN of local copies): exactly the plan as before.
+    every = [_holding(p, whole=True) for p in four]
+    assert plan(MODEL, every, context_tokens=CTX) == plan(
+        MODEL, [peer(x, 1.3) for x in "abcd"], context_tokens=CTX
+    )
+
+
+def test_a_repair_gives_a_lost_stage_to_a_spare_that_holds_it():
+    three = [_holding(peer(x, 1.3)) for x in "abc"]
+    before = plan(MODEL, three, context_tokens=CTX)
+    lost = before.stages[1]
+    left = [p for p in three if p.peer_id != lost.peer_id]
+    spares = [_holding(peer("s1", 1.3)), _holding(peer("s2", 1.3), (lost.start, lost.end))]
+    after = plan(MODEL, left + spares, context_tokens=CTX, current=before)
+    assert after.stages[1] == StageAssignment("s2", lost.start, lost.end)

@@ -192,3 +192,33 @@ def test_a_repair_is_the_same_layers_on_other_peers():
     assert is_repair(one, swapped)
     assert not is_repair(one, one) and not is_repair(one, moved)
     assert not is_repair(one, Plan("m", 10, replicas=("a",)))
+
+
+def test_capacities_say_what_each_peer_holds_of_the_model_file():
+    from types import SimpleNamespace
+
+    from meshagent.gossip.failure import PeerState
+    from meshagent.gossip.record import ArtifactHeld, ModelHeld, PeerRecord
+    from meshagent.placement.service import capacities
+
+    sha, other = "a" * 64, "b" * 64
+
+    def held(source: str, start: int, end: int, kind: str = "layers") -> ArtifactHeld:
+        return ArtifactHeld("k", "c" * 64, kind, source, "m.gguf", start, end, 30, 1, 1, 1)
+
+    def view(pid: str, **fields) -> SimpleNamespace:
+        record = PeerRecord(
+            pid, b"", 1, mem_weights_bytes=10**9, mem_kv_bytes=10**8, compute_speed=5.0, **fields
+        )
+        return SimpleNamespace(state=PeerState.ALIVE, record=record)
+
+    views = {
+        "file": view("file", models=(ModelHeld("m", sha, "llama", 30, 10),)),
+        "part": view("part", artifacts=(held(sha, 0, 10), held(sha, 0, 0, "entry"))),
+        "else": view("else", artifacts=(held(other, 10, 20),)),
+    }
+    caps = {c.peer_id: c for c in capacities(views, source_sha256=sha)}
+    assert caps["file"].whole_file and not caps["part"].whole_file
+    assert caps["part"].holds == {(0, 10)} and caps["else"].holds == frozenset()
+    # The model file's hash not known yet: every peer counts as holding it (no preference).
+    assert all(c.whole_file for c in capacities(views))
