@@ -19,7 +19,7 @@ from meshagent.models.artifacts import ArtifactStore, SliceManifest
 from meshagent.models.capability import CapabilityRecord, CapabilityStore
 from meshagent.models.default import resolve_model
 from meshagent.models.family import family_traits
-from meshagent.models.hub import cached_models
+from meshagent.models.hub import cached_models, partial_models
 from meshagent.models.layout import inspect_model
 from meshagent.models.names import HubName, parse_model_name
 from meshagent.models.transfer import LABEL, fetch_artifact
@@ -189,11 +189,13 @@ def run_list(args: argparse.Namespace) -> int:
     manifests = store.all()
     records = [s.record for s in CapabilityStore(store.capabilities_path).all()]
     downloaded = cached_models()
+    partial = partial_models(data_dir_from(args).models_path)
     if args.json:
         data = {
             "downloaded": [
                 {"name": n, "path": str(p), "size_bytes": p.stat().st_size} for n, p in downloaded
             ],
+            "partial": [{"path": str(path), **part.status()} for path, part in partial],
             "artifacts": [m.to_dict() for m in manifests],
             "capabilities": [r.to_dict() for r in records],
         }
@@ -201,6 +203,10 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     for name, path in downloaded:
         print(f"model    {name}  {_mib(path.stat().st_size)}")
+    for _, part in partial:
+        st = part.status()
+        state = "whole" if st["complete"] else f"{_mib(st['held_bytes'])} here (stage-only)"
+        print(f"partial  {st['repo']}/{st['file']}  {_mib(st['size_bytes'])}, {state}")
     for r in records:
         print(f"record   {r.model_name}  {r.model_sha256[:16]}  {_certified(r)}")
     if not manifests:

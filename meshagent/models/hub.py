@@ -183,6 +183,18 @@ def partial_file(name: HubName, root: Path) -> Path | None:
         return None
 
 
+def partial_models(root: Path) -> list[tuple[Path, PartialModel]]:
+    """Every partial copy under `root` (an agent's data dir `models/`)."""
+    out = []
+    for path in sorted(root.glob("models--*/*.gguf")):
+        if is_partial(path):
+            try:
+                out.append((path, PartialModel(path)))
+            except ModelError:
+                continue  # an unreadable sidecar: `up` says so when it meets it
+    return out
+
+
 def begin_partial(name: HubName, root: Path, endpoint: str | None = None) -> Path:
     """A partial copy of `name`'s file under `root`, with its header: the one started before,
     or one started now."""

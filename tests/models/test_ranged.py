@@ -225,3 +225,16 @@ def test_a_disk_that_fills_mid_download_says_so_and_keeps_what_landed(
         for a, b in part.done:
             f.seek(a)
             assert f.read(b - a) == data[a:b]
+
+
+def test_models_list_shows_a_partial_copy(hub, tmp_path, capsys, monkeypatch):
+    from meshagent.cli.main import main
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    begin_partial(HubName(REPO), tmp_path / "d" / "models", hub.url)
+    assert main(["models", "list", "--data-dir", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert f"partial  {REPO}/{FILE}" in out and "(stage-only)" in out
+    assert main(["models", "list", "--json", "--data-dir", str(tmp_path / "d")]) == 0
+    [part] = json.loads(capsys.readouterr().out)["partial"]
+    assert part["file"] == FILE and not part["complete"]
