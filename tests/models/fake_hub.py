@@ -23,6 +23,7 @@ class FakeHub:
         self.ranges: list[tuple[str, int, int]] = []  # (file, start, end) of each range GET
         self.served = 0  # body bytes of file GETs, all told
         self.cut_after: int | None = None  # a file GET stops after this many body bytes
+        self.garble_from: int | None = None  # file bytes from this offset on are sent as zeros
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,6 +74,8 @@ class FakeHub:
                 sha = hashlib.sha256(data).hexdigest()
                 if name in self.corrupt:
                     data = bytes(len(data))
+                if self.garble_from is not None:
+                    data = data[: self.garble_from] + bytes(len(data) - self.garble_from)
                 head = {
                     "X-Repo-Commit": COMMIT,
                     "ETag": f'"{sha}"',

@@ -1,0 +1,123 @@
+"""A stage host holding a partial copy gets an artifact from a peer that holds it first (over
+real overlay connections on loopback), from the hub's byte ranges otherwise, and checks a cut
+against the sha256 peers publish: wrong bytes are fetched again, and wrong twice is an error."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from meshagent.errors import ModelError
+from meshagent.gossip.record import ArtifactHeld
+from meshagent.models.artifacts import ArtifactStore, artifact_key
+from meshagent.models.hub import locate
+from meshagent.models.layout import inspect_model
+from meshagent.models.names import HubName
+from meshagent.models.ranged import PartialModel
+from meshagent.models.transfer import ArtifactServer
+from meshagent.serving.obtain import ArtifactSource
+from tests.engine.tiny_models import write_tiny_model
+from tests.models.fake_hub import FakeHub
+from tests.models.test_transfer import two_nodes
+
+REPO, FILE = "org/tiny-GGUF", "tiny-F32.gguf"
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("whole") / FILE, "llama", n_layers=6)
+
+
+@pytest.fixture
+def hub(whole):
+    server = FakeHub({REPO: {FILE: whole.read_bytes()}})
+    yield server
+    server.close()
+
+
+def _views(peer_id: str, *manifests) -> dict:
+    held = tuple(ArtifactHeld.from_manifest(m) for m in manifests)
+    return {peer_id: SimpleNamespace(record=SimpleNamespace(artifacts=held))}
+
+
+def _source(hub, tmp_path, views, open_stream=None) -> ArtifactSource:
+    path = tmp_path / "models" / FILE
+    PartialModel.begin(path, locate(HubName(REPO), hub.url), probe=4096)
+    return ArtifactSource(
+        peer_id="me",
+        model_path=path,
+        layout=inspect_model(path),
+        store=ArtifactStore(tmp_path / "store"),
+        views=lambda: views,
+        open_stream=open_stream,
+    )
+
+
+async def test_a_slice_a_peer_holds_comes_from_that_peer_not_the_hub(hub, whole, tmp_path, nursery):
+    theirs = ArtifactStore(tmp_path / "theirs")
+    _, manifest = theirs.ensure_layers(whole, 2, 4)
+    a, b = await two_nodes(nursery, ArtifactServer(theirs))
+    source = _source(
+        hub,
+        tmp_path,
+        _views(a.peer_id, manifest),
+        lambda peer, label: b.open_stream(peer, label),
+    )
+    header_only = hub.served
+    await source.obtain("layers", 2, 4)
+    assert hub.served == header_only  # nothing more from the hub
+    got = source.store.get(manifest.key)
+    assert got is not None and got.sha256 == manifest.sha256
+    part = PartialModel(source.model_path)
+    assert part.artifacts == {manifest.key: "from peer"}
+    assert part.from_peers == manifest.size_bytes
+    # Not held by any peer: from the hub's ranges, and unverified (no hash to compare).
+    await source.obtain("layers", 4, 6)
+    assert hub.served > header_only
+    key = artifact_key(part.sha256, "layers", 4, 6)
+    assert source.store.get(key) is not None
+    assert PartialModel(source.model_path).artifacts[key] == "unverified"
+
+
+async def test_a_peer_that_cannot_send_it_leaves_the_hub_and_its_hash_checks_the_cut(
+    hub, whole, tmp_path, nursery
+):
+    _, manifest = ArtifactStore(tmp_path / "ref").ensure_layers(whole, 0, 3)
+    empty = ArtifactStore(tmp_path / "empty")  # publishes the hash, holds nothing to send
+    a, b = await two_nodes(nursery, ArtifactServer(empty))
+    source = _source(
+        hub,
+        tmp_path,
+        _views(a.peer_id, manifest),
+        lambda peer, label: b.open_stream(peer, label),
+    )
+    await source.obtain("layers", 0, 3)
+    assert source.store.get(manifest.key).sha256 == manifest.sha256
+    assert PartialModel(source.model_path).artifacts == {manifest.key: "verified"}
+
+
+async def test_wrong_bytes_are_fetched_again_and_wrong_twice_is_an_error(hub, whole, tmp_path):
+    _, manifest = ArtifactStore(tmp_path / "ref").ensure_layers(whole, 3, 5)
+    views = _views("peer", manifest)  # no stream needed: every fetch from it fails
+    source = _source(hub, tmp_path, views, _refuse)
+    part = PartialModel(source.model_path)
+    [(a, b)] = part.tensor_ranges(["blk.3.ffn_down.weight"])
+    part.ensure([(a, b)])
+    with source.model_path.open("r+b") as f:  # the bytes on disk go bad
+        f.seek(a)
+        f.write(bytes(b - a))
+    await source.obtain("layers", 3, 5)  # cut, mismatch, forgotten, fetched again: right
+    assert source.store.get(manifest.key).sha256 == manifest.sha256
+    assert PartialModel(source.model_path).artifacts == {manifest.key: "verified"}
+    # The hub itself sends wrong bytes: twice wrong, an error, nothing installed.
+    _, other = ArtifactStore(tmp_path / "ref").ensure_layers(whole, 1, 2)
+    views.update(_views("peer", manifest, other))
+    hub.garble_from = part.header_bytes
+    with pytest.raises(ModelError, match="twice does not match"):
+        await source.obtain("layers", 1, 2)
+    assert source.store.get(other.key) is None
+
+
+async def _refuse(peer: str, label: str):
+    raise OSError("no route to that peer")
