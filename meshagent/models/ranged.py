@@ -277,6 +277,13 @@ class PartialModel:
             total = sum(b - a for a, b in todo)
             if not todo:
                 return
+            from huggingface_hub import constants
+
+            if constants.HF_HUB_OFFLINE:
+                raise ModelError(
+                    f"{total} bytes of {self.remote.filename} are not here and HF_HUB_OFFLINE "
+                    "is set: start once with the network on"
+                )
             _check_room(total, self.path.parent, self.remote.filename)
             log.info("partial.fetching", file=self.remote.filename, ranges=len(todo), bytes=total)
             got = 0

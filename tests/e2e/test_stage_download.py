@@ -5,9 +5,13 @@ agent joining as a spare fetches the slices from the peers that hold them, not t
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 
+from meshagent.launch import start_agent
 from meshagent.models.artifacts import ArtifactStore, artifact_key
 from tests.e2e.agents import invite, status, wait_for
 from tests.e2e.test_split_serving import SMALL, WHOLE
@@ -42,7 +46,9 @@ def _greedy(agent, model_id: str) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def test_stage_hosts_download_only_their_layers(hub, spawn_agent, model_id, model_path, tmp_path):
+def test_stage_hosts_download_only_their_layers(
+    hub, spawn_agent, model_id, model_path, tmp_path, monkeypatch
+):
     a = spawn_agent(*SMALL, "--model", NAME, name="a", wait_model=False)
     token = invite(a)
     b = spawn_agent(*SMALL, "--model", NAME, "--join", token, name="b", wait_model=False)
@@ -83,6 +89,15 @@ def test_stage_hosts_download_only_their_layers(hub, spawn_agent, model_id, mode
         assert 0.95 * slice_bytes <= fetched - header <= 1.05 * slice_bytes
         assert fetched < 0.6 * size
         assert set(d["artifacts"].values()) == {"unverified"}  # no peer had published them
+    # `meshagent status` says the same.
+    said = subprocess.run(
+        [sys.executable, "-m", "meshagent", "status", "--data-dir", str(a.data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    d = status(a)["download"]
+    assert f"fetched {d['fetched_from_hub_bytes'] / 1e6:.1f} MB from the hub" in said, said
     whole = spawn_agent(*WHOLE, "--model", str(model_path), name="whole")
     expected = _greedy(whole, model_id)
     for x in agents:
@@ -103,3 +118,13 @@ def test_stage_hosts_download_only_their_layers(hub, spawn_agent, model_id, mode
     assert hub.served - served == got["fetched_from_hub_bytes"]
     assert got["fetched_from_peers_bytes"] == sum(m["size_bytes"] for m in status(d)["artifacts"])
     assert set(got["artifacts"].values()) == {"from peer"}
+    # A stage host restarts offline: its partial copy and artifacts are here, no request.
+    asked = len(hub.requests)
+    b.stop()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    again = start_agent(b.data_dir, *SMALL, "--model", NAME, "--join", token, wait_model=False)
+    try:
+        assert status(again)["download"]["file"] == model_path.name
+    finally:
+        again.stop()
+    assert len(hub.requests) == asked

@@ -238,3 +238,14 @@ def test_models_list_shows_a_partial_copy(hub, tmp_path, capsys, monkeypatch):
     assert main(["models", "list", "--json", "--data-dir", str(tmp_path / "d")]) == 0
     [part] = json.loads(capsys.readouterr().out)["partial"]
     assert part["file"] == FILE and not part["complete"]
+
+
+def test_offline_a_missing_range_is_a_clear_error_not_a_request(hub, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    path = _partial(hub, tmp_path)
+    asked = len(hub.requests)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="HF_HUB_OFFLINE is set"):
+        ArtifactStore(tmp_path / "store").ensure_layers(path, 0, 2, inspect_model(path))
+    assert len(hub.requests) == asked
