@@ -109,6 +109,8 @@ class ArtifactStore:
         return self.blobs / f"{sha256}.gguf"
 
     def source_sha256(self, path: Path) -> str:
+        if is_partial(path):  # known from its sidecar: no wait behind a cut downloading
+            return PartialModel(path).sha256
         with self._writing:
             return self._source_sha256(path)
 

@@ -286,6 +286,8 @@ class PartialModel:
                 )
             _check_room(total, self.path.parent, self.remote.filename)
             log.info("partial.fetching", file=self.remote.filename, ranges=len(todo), bytes=total)
+            if progress is None:
+                progress = _logging_progress(self.remote.filename)
             got = 0
             for a, b in todo:
                 got = self._fetch(a, b, got, total, progress)
@@ -409,6 +411,20 @@ class PartialModel:
             "artifacts": self.artifacts,
         }
         _write_atomic(sidecar(self.path), json.dumps(meta).encode())
+
+
+def _logging_progress(what: str) -> Progress:
+    """Progress as a log line per tenth (`partial.progress`), for downloads no one watches
+    on a terminal: a stage's ranges fetched while the agent runs."""
+    said = [0]
+
+    def report(done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if tenth > said[0]:
+            said[0] = tenth
+            log.info("partial.progress", file=what, percent=10 * tenth, bytes=done, of=total)
+
+    return report
 
 
 def transport_errors() -> tuple[type[BaseException], ...]:

@@ -89,6 +89,7 @@ def test_stage_hosts_download_only_their_layers(
         assert 0.95 * slice_bytes <= fetched - header <= 1.05 * slice_bytes
         assert fetched < 0.6 * size
         assert set(d["artifacts"].values()) == {"unverified"}  # no peer had published them
+        assert '"percent": 100' in x.log_text()  # a stage's download logs its progress
     # `meshagent status` says the same.
     said = subprocess.run(
         [sys.executable, "-m", "meshagent", "status", "--data-dir", str(a.data_dir)],
