@@ -54,16 +54,17 @@ def _source(hub, tmp_path, views, open_stream=None) -> ArtifactSource:
     )
 
 
+async def _beside(nursery, theirs, manifest, hub, tmp_path) -> ArtifactSource:
+    """A source whose one peer, over loopback TCP, serves `theirs` and publishes `manifest`."""
+    a, b = await two_nodes(nursery, ArtifactServer(theirs))
+    views = _views(a.peer_id, manifest)
+    return _source(hub, tmp_path, views, lambda peer, label: b.open_stream(peer, label))
+
+
 async def test_a_slice_a_peer_holds_comes_from_that_peer_not_the_hub(hub, whole, tmp_path, nursery):
     theirs = ArtifactStore(tmp_path / "theirs")
     _, manifest = theirs.ensure_layers(whole, 2, 4)
-    a, b = await two_nodes(nursery, ArtifactServer(theirs))
-    source = _source(
-        hub,
-        tmp_path,
-        _views(a.peer_id, manifest),
-        lambda peer, label: b.open_stream(peer, label),
-    )
+    source = await _beside(nursery, theirs, manifest, hub, tmp_path)
     header_only = hub.served
     await source.obtain("layers", 2, 4)
     assert hub.served == header_only  # nothing more from the hub
@@ -85,13 +86,7 @@ async def test_a_peer_that_cannot_send_it_leaves_the_hub_and_its_hash_checks_the
 ):
     _, manifest = ArtifactStore(tmp_path / "ref").ensure_layers(whole, 0, 3)
     empty = ArtifactStore(tmp_path / "empty")  # publishes the hash, holds nothing to send
-    a, b = await two_nodes(nursery, ArtifactServer(empty))
-    source = _source(
-        hub,
-        tmp_path,
-        _views(a.peer_id, manifest),
-        lambda peer, label: b.open_stream(peer, label),
-    )
+    source = await _beside(nursery, empty, manifest, hub, tmp_path)
     await source.obtain("layers", 0, 3)
     assert source.store.get(manifest.key).sha256 == manifest.sha256
     assert PartialModel(source.model_path).artifacts == {manifest.key: "verified"}
