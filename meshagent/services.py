@@ -50,6 +50,7 @@ from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL
 from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
+from meshagent.serving.obtain import cut_for_peer
 from meshagent.wire.handshake import LocalPeer
 
 log = structlog.get_logger(__name__)
@@ -157,7 +158,9 @@ class Services:
             access=Access.for_binding(config.api_keys, config.api_host, port),
         )
         self._routes: dict[str, StreamHandler] = {
-            transfer.LABEL: transfer.ArtifactServer(store).handle,
+            transfer.LABEL: transfer.ArtifactServer(
+                store, cut=cut_for_peer(store, model_path, layout)
+            ).handle,
             probe.LABEL: probe.serve,
             hearing.LABEL: partial(hearing.serve, self.overlay),
             gossip_service.LABEL: self.gossip.handle,

@@ -86,6 +86,18 @@ def artifact_key(source_sha256: str, kind: str, start: int, end: int) -> str:
     return f"{source_sha256[:32]}-{kind}-{start}-{end}"
 
 
+def parse_key(key: str) -> tuple[str, str, int, int] | None:
+    """(source sha256 prefix, kind, start, end) of an artifact key; None if it is not one."""
+    parts = key.split("-")
+    if len(parts) != 4 or parts[1] not in KINDS or len(parts[0]) != 32:
+        return None
+    try:
+        start, end = int(parts[2]), int(parts[3])
+    except ValueError:
+        return None
+    return parts[0], parts[1], start, end
+
+
 class ArtifactStore:
     """`root/blobs/<sha256>.gguf` holds artifacts; `root/manifests/<key>.json` says what they
     are; `root/sources.json` remembers source hashes by (path, size, mtime)."""

@@ -99,6 +99,9 @@ def chunk_hashes(path: Path, chunk_size: int = CHUNK_SIZE) -> list[bytes]:
 # ----- server -------------------------------------------------------------------------------
 
 Corrupter = Callable[[int, bytes], bytes]
+# Cuts artifact `key` from the whole model file this agent holds, for a peer that asks for it
+# (blocking); None when it cannot (another model, or no whole file here).
+Cutter = Callable[[str], SliceManifest | None]
 
 
 class ArtifactServer:
@@ -111,12 +114,22 @@ class ArtifactServer:
         max_uploads: int = 4,
         chunk_size: int = CHUNK_SIZE,
         corrupt: Corrupter | None = None,
+        cut: Cutter | None = None,
     ) -> None:
         self.store = store
+        self._cut = cut
         self.chunk_size = chunk_size
         self._slots = trio.Semaphore(max_uploads)
         self._hashes: dict[str, list[bytes]] = {}
         self._corrupt = corrupt  # tests: damage chunks in transit, above the encryption
+
+    def _cut_or_none(self, key: str) -> SliceManifest | None:
+        assert self._cut is not None
+        try:
+            return self._cut(key)
+        except MeshError as e:
+            log.warning("artifact.cut_for_peer_failed", key=key, error=str(e))
+            return None
 
     async def handle(self, stream: trio.abc.HalfCloseableStream) -> None:
         try:
@@ -128,6 +141,8 @@ class ArtifactServer:
             await stream.send_all(_message({K_TYPE: T_ERROR, K_ERROR: "expected a GET"}))
             return
         manifest = self.store.get(req[K_KEY])
+        if manifest is None and self._cut is not None:
+            manifest = await trio.to_thread.run_sync(self._cut_or_none, req[K_KEY])
         if manifest is None:
             err = f"no artifact {req[K_KEY]} here"
             await stream.send_all(_message({K_TYPE: T_ERROR, K_ERROR: err}))

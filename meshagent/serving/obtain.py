@@ -22,7 +22,7 @@ import trio
 
 from meshagent.errors import MeshError, ModelError
 from meshagent.models import transfer
-from meshagent.models.artifacts import ArtifactStore, artifact_key
+from meshagent.models.artifacts import ArtifactStore, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout
 from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.models.slicer import tensors_read
@@ -42,6 +42,34 @@ def published(views: Mapping[str, Any], key: str, me: str) -> dict[str, str]:
             if held.key == key:
                 out[peer_id] = held.sha256
     return out
+
+
+def file_holders(views: Mapping[str, Any], sha256: str, me: str) -> list[str]:
+    """The other peers whose gossip record lists the whole model file `sha256` (they cut any
+    artifact of it for a peer that asks: `transfer.ArtifactServer`)."""
+    return [
+        peer_id
+        for peer_id, view in views.items()
+        if peer_id != me and any(m.sha256 == sha256 for m in view.record.models)
+    ]
+
+
+def cut_for_peer(store: ArtifactStore, model_path: Path, layout: ModelLayout) -> Any:
+    """The `transfer.Cutter` of an agent: an artifact of its model, cut from the whole file
+    when it holds it (blocking)."""
+
+    def cut(key: str) -> Any:
+        parsed = parse_key(key)
+        if parsed is None or (is_partial(model_path) and not PartialModel(model_path).complete):
+            return None
+        prefix, kind, start, end = parsed
+        if not store.source_sha256(model_path).startswith(prefix):
+            return None
+        if kind == "entry":
+            return store.ensure_entry(model_path, layout)[1]
+        return store.ensure_layers(model_path, start, end, layout)[1]
+
+    return cut
 
 
 class ArtifactSource:
@@ -82,7 +110,12 @@ class ArtifactSource:
         key = artifact_key(part.sha256, kind, start, end)
         if self.store.get(key) is not None:
             return
-        for peer_id, sha in published(self.views(), key, self.peer_id).items():
+        views = self.views()
+        # Peers that hold the artifact (checked against the hash each publishes), then peers
+        # that hold the whole file and cut it on request; the hub last.
+        sources = list(published(views, key, self.peer_id).items())
+        sources += [(p, None) for p in file_holders(views, part.sha256, self.peer_id)]
+        for peer_id, sha in sources:
             try:
                 _, manifest = await transfer.fetch_artifact(
                     lambda p=peer_id: self.open_stream(p, transfer.LABEL),

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 
 from meshagent.errors import ModelError
-from meshagent.gossip.record import ArtifactHeld
+from meshagent.gossip.record import ArtifactHeld, ModelHeld
 from meshagent.models.artifacts import ArtifactStore, artifact_key
 from meshagent.models.hub import locate
 from meshagent.models.layout import inspect_model
 from meshagent.models.names import HubName
 from meshagent.models.ranged import PartialModel
 from meshagent.models.transfer import ArtifactServer
-from meshagent.serving.obtain import ArtifactSource
+from meshagent.serving.obtain import ArtifactSource, cut_for_peer
 from tests.engine.tiny_models import write_tiny_model
 from tests.models.fake_hub import FakeHub
 from tests.models.test_transfer import two_nodes
@@ -36,9 +36,9 @@ def hub(whole):
     server.close()
 
 
-def _views(peer_id: str, *manifests) -> dict:
+def _views(peer_id: str, *manifests, models=()) -> dict:
     held = tuple(ArtifactHeld.from_manifest(m) for m in manifests)
-    return {peer_id: SimpleNamespace(record=SimpleNamespace(artifacts=held))}
+    return {peer_id: SimpleNamespace(record=SimpleNamespace(artifacts=held, models=models))}
 
 
 def _source(hub, tmp_path, views, open_stream=None) -> ArtifactSource:
@@ -112,6 +112,27 @@ async def test_wrong_bytes_are_fetched_again_and_wrong_twice_is_an_error(hub, wh
     with pytest.raises(ModelError, match="twice does not match"):
         await source.obtain("layers", 1, 2)
     assert source.store.get(other.key) is None
+
+
+async def test_a_peer_holding_the_whole_file_cuts_the_slice_on_request(
+    hub, whole, tmp_path, nursery
+):
+    theirs = ArtifactStore(tmp_path / "theirs")  # holds no artifact: only the file
+    server = ArtifactServer(theirs, cut=cut_for_peer(theirs, whole, inspect_model(whole)))
+    a, b = await two_nodes(nursery, server)
+    sha = theirs.source_sha256(whole)
+    views = _views(a.peer_id, models=(ModelHeld("tiny", sha, "llama", 6, 1),))
+    source = _source(hub, tmp_path, views, lambda peer, label: b.open_stream(peer, label))
+    header_only = hub.served
+    await source.obtain("entry", 0, 0)
+    await source.obtain("layers", 1, 4)
+    assert hub.served == header_only  # both came from the peer's file, none from the hub
+    _, ref = ArtifactStore(tmp_path / "ref").ensure_layers(whole, 1, 4)
+    assert source.store.get(ref.key).sha256 == ref.sha256
+    assert set(PartialModel(source.model_path).artifacts.values()) == {"from peer"}
+    # A key of another model, or a malformed one, is refused, not cut.
+    cut = cut_for_peer(theirs, whole, inspect_model(whole))
+    assert cut("f" * 32 + "-layers-0-2") is None and cut("nonsense") is None
 
 
 async def _refuse(peer: str, label: str):
