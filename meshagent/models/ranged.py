@@ -174,6 +174,9 @@ class PartialModel:
             "repo": self.remote.repo,
             "size_bytes": self.remote.size,
             "held_bytes": self.held,
+            # What the sparse file takes on disk (a stage's bytes, once cut into its
+            # artifact, are given back: `release`).
+            "disk_bytes": _allocated(self.path),
             "fetched_from_hub_bytes": self.fetched,
             "fetched_from_peers_bytes": self.from_peers,
             "header_bytes": self.header_bytes,
@@ -255,6 +258,25 @@ class PartialModel:
             self.done = keep
             self.complete = False
             self._save()
+
+    def release(self, ranges: Iterable[tuple[int, int]]) -> int:
+        """Give back the disk under `ranges` once their bytes live in a stage artifact: they
+        are punched out of the sparse file and marked not here (the header stays). Returns
+        the bytes released; 0 where the filesystem cannot punch holes (they stay here)."""
+        with _lock:
+            self._load()
+            if self.complete:
+                return 0  # a whole copy stays whole
+            drop = [(max(a, self.header_bytes), b) for a, b in ranges if b > self.header_bytes]
+            punched = [(a, b) for a, b in drop if a < b and _punch_hole(self.path, a, b - a)]
+            if not punched:
+                return 0
+            keep: Ranges = []
+            for a, b in self.done:
+                keep.extend(missing([(a, b)], sorted(punched)))
+            self.done = keep
+            self._save()
+            return sum(b - a for a, b in punched)
 
     def tensor_ranges(self, names: Iterable[str]) -> Ranges:
         """Where in the file the tensors `names` lie."""
@@ -411,6 +433,37 @@ class PartialModel:
             "artifacts": self.artifacts,
         }
         _write_atomic(sidecar(self.path), json.dumps(meta).encode())
+
+
+def _allocated(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except (OSError, AttributeError):
+        return 0
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def _punch_hole(path: Path, offset: int, length: int) -> bool:
+    """Deallocate [offset, offset + length) of `path`, which then reads as zeros (Linux
+    fallocate); False where that is not available."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not sys.platform.startswith("linux") or name is None:
+        return False
+    libc = ctypes.CDLL(name, use_errno=True)
+    fallocate = libc.fallocate
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+        return fallocate(fd, mode, offset, length) == 0
+    finally:
+        os.close(fd)
 
 
 def _logging_progress(what: str) -> Progress:

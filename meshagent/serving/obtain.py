@@ -24,7 +24,7 @@ from meshagent.errors import MeshError, ModelError
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout
-from meshagent.models.ranged import PartialModel, is_partial
+from meshagent.models.ranged import PartialModel, coalesce, is_partial
 from meshagent.models.slicer import tensors_read
 
 log = structlog.get_logger(__name__)
@@ -144,7 +144,10 @@ class ArtifactSource:
             if not agreed or manifest.sha256 in agreed:
                 verdict = "verified" if agreed else "unverified"
                 await trio.to_thread.run_sync(part.note_artifact, key, verdict)
-                log.info("artifact.from_hub", key=key, checked=verdict)
+                # Its bytes live in the artifact now: the partial copy gives their disk back.
+                ranges = part.tensor_ranges(tensors_read(self.layout, kind, start, end))
+                freed = await trio.to_thread.run_sync(part.release, coalesce(ranges))
+                log.info("artifact.from_hub", key=key, checked=verdict, released=freed)
                 return
             log.warning("artifact.hash_mismatch", key=key, got=manifest.sha256, attempt=attempt)
             await trio.to_thread.run_sync(self._reject, part, kind, start, end, key)

@@ -90,6 +90,8 @@ def test_stage_hosts_download_only_their_layers(
         assert fetched < 0.6 * size
         assert set(d["artifacts"].values()) == {"unverified"}  # no peer had published them
         assert '"percent": 100' in x.log_text()  # a stage's download logs its progress
+        # On disk: the artifacts and the header, not the stage's bytes twice.
+        assert d["disk_bytes"] <= header + (1 << 20), d
     # `meshagent status` says the same.
     said = subprocess.run(
         [sys.executable, "-m", "meshagent", "status", "--data-dir", str(a.data_dir)],

@@ -78,7 +78,12 @@ async def test_a_slice_a_peer_holds_comes_from_that_peer_not_the_hub(hub, whole,
     assert hub.served > header_only
     key = artifact_key(part.sha256, "layers", 4, 6)
     assert source.store.get(key) is not None
-    assert PartialModel(source.model_path).artifacts[key] == "unverified"
+    after = PartialModel(source.model_path)
+    assert after.artifacts[key] == "unverified"
+    # The stage's bytes live in the artifact: the partial copy gave their disk back, so the
+    # agent's disk holds about its slice, not twice it.
+    assert after.held <= after.header_fetched + 4096
+    assert source.model_path.stat().st_blocks * 512 <= after.header_fetched + 65536
 
 
 async def test_a_peer_that_cannot_send_it_leaves_the_hub_and_its_hash_checks_the_cut(
