@@ -159,7 +159,9 @@ class Services:
         )
         self._routes: dict[str, StreamHandler] = {
             transfer.LABEL: transfer.ArtifactServer(
-                store, cut=cut_for_peer(store, model_path, layout)
+                store,
+                cut=cut_for_peer(store, model_path, layout),
+                may_cut=self.model.in_plan,
             ).handle,
             probe.LABEL: probe.serve,
             hearing.LABEL: partial(hearing.serve, self.overlay),

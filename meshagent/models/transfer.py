@@ -115,9 +115,13 @@ class ArtifactServer:
         chunk_size: int = CHUNK_SIZE,
         corrupt: Corrupter | None = None,
         cut: Cutter | None = None,
+        may_cut: Callable[[str], bool] = lambda key: True,
     ) -> None:
         self.store = store
         self._cut = cut
+        # Which keys a peer may have cut here (asked on the event loop): those a plan needs,
+        # not every range a member cares to name (each cut takes disk).
+        self._may_cut = may_cut
         self.chunk_size = chunk_size
         self._slots = trio.Semaphore(max_uploads)
         self._hashes: dict[str, list[bytes]] = {}
@@ -141,7 +145,7 @@ class ArtifactServer:
             await stream.send_all(_message({K_TYPE: T_ERROR, K_ERROR: "expected a GET"}))
             return
         manifest = self.store.get(req[K_KEY])
-        if manifest is None and self._cut is not None:
+        if manifest is None and self._cut is not None and self._may_cut(req[K_KEY]):
             manifest = await trio.to_thread.run_sync(self._cut_or_none, req[K_KEY])
         if manifest is None:
             err = f"no artifact {req[K_KEY]} here"

@@ -24,7 +24,7 @@ from meshagent.engine.llama import LlamaEngine
 from meshagent.errors import EngineError, MeshError, ModelMoved
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.record import Serving
-from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.artifacts import ArtifactStore, parse_key
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits
 from meshagent.models.layout import ModelLayout
@@ -238,6 +238,18 @@ class MeshModel:
             self.store.ensure_entry(self.model_path, self.layout)
         else:
             self.store.ensure_layers(self.model_path, start, end, self.layout)
+
+    def in_plan(self, key: str) -> bool:
+        """Whether artifact `key` is part of the split in force (a peer may have it cut here
+        from the whole file: `transfer.ArtifactServer`)."""
+        parsed = parse_key(key)
+        claim = self.placement.in_force
+        if parsed is None or claim is None or not claim.plan.split:
+            return False
+        _, kind, start, end = parsed
+        if kind == "entry":
+            return True
+        return any((s.start, s.end) == (start, end) for s in claim.plan.stages)
 
     # ----- the directory the API asks -----
 

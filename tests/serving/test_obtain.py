@@ -123,7 +123,8 @@ async def test_a_peer_holding_the_whole_file_cuts_the_slice_on_request(
     hub, whole, tmp_path, nursery
 ):
     theirs = ArtifactStore(tmp_path / "theirs")  # holds no artifact: only the file
-    server = ArtifactServer(theirs, cut=cut_for_peer(theirs, whole, inspect_model(whole)))
+    cutter = cut_for_peer(theirs, whole, inspect_model(whole))
+    server = ArtifactServer(theirs, cut=cutter, may_cut=lambda key: not key.endswith("-4-6"))
     a, b = await two_nodes(nursery, server)
     sha = theirs.source_sha256(whole)
     views = _views(a.peer_id, models=(ModelHeld("tiny", sha, "llama", 6, 1),))
@@ -135,6 +136,10 @@ async def test_a_peer_holding_the_whole_file_cuts_the_slice_on_request(
     _, ref = ArtifactStore(tmp_path / "ref").ensure_layers(whole, 1, 4)
     assert source.store.get(ref.key).sha256 == ref.sha256
     assert set(PartialModel(source.model_path).artifacts.values()) == {"from peer"}
+    # A range the peer may not cut (not a stage of its plan): refused, so from the hub.
+    await source.obtain("layers", 4, 6)
+    assert hub.served > header_only
+    assert theirs.get(artifact_key(sha, "layers", 4, 6)) is None
     # A key of another model, or a malformed one, is refused, not cut.
     cut = cut_for_peer(theirs, whole, inspect_model(whole))
     assert cut("f" * 32 + "-layers-0-2") is None and cut("nonsense") is None
