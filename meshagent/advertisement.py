@@ -81,5 +81,5 @@ async def measure(
     path = Path(model.info.path)
     sha = await trio.to_thread.run_sync(lambda: store.source_sha256(path))
     gossip.update_local(**static_fields(config, name, model, sha))
-    model.source_sha256 = sha
+    model.placement.source_sha256 = sha  # placement: who holds what of this file
     model.publish_serving()

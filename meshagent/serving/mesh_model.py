@@ -24,7 +24,7 @@ from meshagent.engine.llama import LlamaEngine
 from meshagent.errors import EngineError, MeshError, ModelMoved
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.record import Serving
-from meshagent.models.artifacts import ArtifactStore, parse_key
+from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits
 from meshagent.models.layout import ModelLayout
@@ -38,7 +38,7 @@ from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.embeddings import Embedder
 from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
-from meshagent.serving.obtain import ArtifactSource
+from meshagent.serving.obtain import ArtifactSource, needed_by, spare_cuts
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
@@ -123,15 +123,6 @@ class MeshModel:
         self._nursery: trio.Nursery | None = None
         self._serving_scope: trio.CancelScope | None = None
         self._served = trio.Event()
-
-    @property
-    def source_sha256(self) -> str:
-        """The model file's hash, once measured (`advertisement.py`); "" until then."""
-        return self.placement.source_sha256
-
-    @source_sha256.setter
-    def source_sha256(self, sha: str) -> None:
-        self.placement.source_sha256 = sha
 
     # ----- what the agent wires -----
 
@@ -242,14 +233,8 @@ class MeshModel:
     def in_plan(self, key: str) -> bool:
         """Whether artifact `key` is part of the split in force (a peer may have it cut here
         from the whole file: `transfer.ArtifactServer`)."""
-        parsed = parse_key(key)
         claim = self.placement.in_force
-        if parsed is None or claim is None or not claim.plan.split:
-            return False
-        _, kind, start, end = parsed
-        if kind == "entry":
-            return True
-        return any((s.start, s.end) == (start, end) for s in claim.plan.stages)
+        return claim is not None and needed_by(claim.plan, key)
 
     # ----- the directory the API asks -----
 
@@ -318,7 +303,8 @@ class MeshModel:
         if self.local is None and self.split is None:
             return ()
         a, b = self.layers()
-        return (Serving(self.info.id, self.source_sha256, a, b, self.layout.n_layers),)
+        sha = self.placement.source_sha256  # the model file's, once measured
+        return (Serving(self.info.id, sha, a, b, self.layout.n_layers),)
 
     def publish_serving(self) -> None:
         """Tell the mesh what this agent serves (`meshagent peers`' SERVES column)."""
@@ -606,13 +592,3 @@ class MeshModel:
 def _stage(stage: Any) -> str:
     """A stage as receipts name it: `<peer id>:<first layer>-<end>`."""
     return f"{stage.peer_id}:{stage.start}-{stage.end}"
-
-
-def spare_cuts(plan: Plan, peer_id: str) -> list[tuple[str, int, int]]:
-    """The artifacts a spare (`peer_id` outside `plan`) would need to take over any stage of
-    the split `plan`: each stage's layers, and the entry's token embedding for the first.
-    Nothing for a whole-model plan or a peer of the plan."""
-    if not plan.split or peer_id in plan.peers:
-        return []
-    cuts = [("layers", s.start, s.end) for s in plan.stages]
-    return [("entry", 0, 0), *cuts]

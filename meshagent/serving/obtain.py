@@ -26,6 +26,7 @@ from meshagent.models.artifacts import ArtifactStore, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout
 from meshagent.models.ranged import PartialModel, coalesce, is_partial
 from meshagent.models.slicer import tensors_read
+from meshagent.placement.planner import Plan
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +53,25 @@ def file_holders(views: Mapping[str, Any], sha256: str, me: str) -> list[str]:
         for peer_id, view in views.items()
         if peer_id != me and any(m.sha256 == sha256 for m in view.record.models)
     ]
+
+
+def spare_cuts(plan: Plan, peer_id: str) -> list[tuple[str, int, int]]:
+    """The artifacts a spare (`peer_id` outside `plan`) would need to take over any stage of
+    the split `plan`: each stage's layers, and the entry's token embedding for the first.
+    Nothing for a whole-model plan or a peer of the plan."""
+    if not plan.split or peer_id in plan.peers:
+        return []
+    cuts = [("layers", s.start, s.end) for s in plan.stages]
+    return [("entry", 0, 0), *cuts]
+
+
+def needed_by(plan: Plan, key: str) -> bool:
+    """Whether the split `plan` needs artifact `key`: the entry's, or a stage's layers."""
+    parsed = parse_key(key)
+    if parsed is None or not plan.split:
+        return False
+    _, kind, start, end = parsed
+    return kind == "entry" or any((s.start, s.end) == (start, end) for s in plan.stages)
 
 
 def cut_for_peer(store: ArtifactStore, model_path: Path, layout: ModelLayout) -> Any:

@@ -13,7 +13,8 @@ from meshagent.models.layout import inspect_model
 from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
-from meshagent.serving.mesh_model import MeshModel, MeshModelSettings, spare_cuts
+from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
+from meshagent.serving.obtain import spare_cuts
 from tests.placement.test_service import GB, FakeGossip, Record, View, World
 
 
