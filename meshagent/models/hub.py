@@ -8,7 +8,7 @@ file is downloaded through a partial copy under the cache (`models/ranged.py`: a
 interrupted download resumes where it stopped, in this run or the next) and checked against
 the sha256 the hub lists for it before it takes its place in the cache's layout; a file that
 does not match is deleted, never left as if whole. An agent that cannot hold a model whole
-downloads its header alone (`begin_partial`), and later only the layers placement gives it.
+downloads its header alone (`model_for_agent`), and later only the layers placement gives it.
 """
 
 from __future__ import annotations
@@ -195,17 +195,9 @@ def partial_models(root: Path) -> list[tuple[Path, PartialModel]]:
     return out
 
 
-def begin_partial(name: HubName, root: Path, endpoint: str | None = None) -> Path:
-    """A partial copy of `name`'s file under `root`, with its header: the one started before,
-    or one started now."""
-    found = partial_file(name, root)
-    if found is not None:
-        return found
-    remote = locate(name, endpoint)
-    return begin_partial_of(remote, root, name)
-
-
 def begin_partial_of(remote: RemoteFile, root: Path, name: HubName | str) -> Path:
+    """A partial copy of `remote` under `root`, with its header (the one started before, if
+    it is of the same file)."""
     if not remote.sha256:
         raise ModelError(
             f"the hub lists no sha256 for {remote.filename} (not an LFS file), so its ranges "

@@ -12,7 +12,7 @@ import pytest
 from meshagent.errors import ModelError
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.gguf_file import GGUFFile
-from meshagent.models.hub import begin_partial, locate, partial_file
+from meshagent.models.hub import locate, model_for_agent, partial_file
 from meshagent.models.layout import inspect_model
 from meshagent.models.names import HubName
 from meshagent.models.ranged import (
@@ -169,12 +169,19 @@ def test_a_file_that_changed_on_the_hub_is_caught(hub, tmp_path, whole):
         PartialModel(path).ensure_whole()
 
 
-def test_a_restart_finds_the_partial_copy_without_asking(hub, tmp_path):
-    remote_root = tmp_path / "remote"
-    path = begin_partial(HubName(REPO), remote_root, hub.url)
+def _for_small_agent(hub, root, monkeypatch):
+    """What `up` starts an agent that offers too little memory for the model with."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(root / "cache"))
+    return model_for_agent(HubName(REPO), root / "models", weights_offer=1000)
+
+
+def test_a_restart_finds_the_partial_copy_without_asking(hub, tmp_path, monkeypatch):
+    path = _for_small_agent(hub, tmp_path, monkeypatch)
+    assert PartialModel(path).header_bytes > 0 and PartialModel(path).held <= 256 << 10
     asked = len(hub.requests)
-    assert partial_file(HubName(REPO, "F32"), remote_root) == path
-    assert begin_partial(HubName(REPO), remote_root, hub.url) == path
+    assert partial_file(HubName(REPO, "F32"), tmp_path / "models") == path
+    assert _for_small_agent(hub, tmp_path, monkeypatch) == path
     assert len(hub.requests) == asked
     meta = json.loads(sidecar(path).read_text())
     assert meta["remote"]["sha256"] == hashlib.sha256(hub.repos[REPO][FILE]).hexdigest()
@@ -230,8 +237,7 @@ def test_a_disk_that_fills_mid_download_says_so_and_keeps_what_landed(
 def test_models_list_shows_a_partial_copy(hub, tmp_path, capsys, monkeypatch):
     from meshagent.cli.main import main
 
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
-    begin_partial(HubName(REPO), tmp_path / "d" / "models", hub.url)
+    _for_small_agent(hub, tmp_path / "d", monkeypatch)
     assert main(["models", "list", "--data-dir", str(tmp_path / "d")]) == 0
     out = capsys.readouterr().out
     assert f"partial  {REPO}/{FILE}" in out and "(stage-only)" in out
