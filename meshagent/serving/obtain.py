@@ -22,7 +22,7 @@ import trio
 
 from meshagent.errors import MeshError, ModelError
 from meshagent.models import transfer
-from meshagent.models.artifacts import ArtifactStore, artifact_key, parse_key
+from meshagent.models.artifacts import ArtifactStore, SliceManifest, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout
 from meshagent.models.ranged import PartialModel, coalesce, is_partial
 from meshagent.models.slicer import tensors_read
@@ -74,11 +74,11 @@ def needed_by(plan: Plan, key: str) -> bool:
     return kind == "entry" or any((s.start, s.end) == (start, end) for s in plan.stages)
 
 
-def cut_for_peer(store: ArtifactStore, model_path: Path, layout: ModelLayout) -> Any:
+def cut_for_peer(store: ArtifactStore, model_path: Path, layout: ModelLayout) -> transfer.Cutter:
     """The `transfer.Cutter` of an agent: an artifact of its model, cut from the whole file
     when it holds it (blocking)."""
 
-    def cut(key: str) -> Any:
+    def cut(key: str) -> SliceManifest | None:
         parsed = parse_key(key)
         if parsed is None or (is_partial(model_path) and not PartialModel(model_path).complete):
             return None
@@ -181,7 +181,7 @@ class ArtifactSource:
         self.store.drop(key)
         part.forget(part.tensor_ranges(tensors_read(self.layout, kind, start, end)))
 
-    def _cut(self, kind: str, start: int, end: int) -> Any:
+    def _cut(self, kind: str, start: int, end: int) -> SliceManifest:
         if kind == "entry":
             return self.store.ensure_entry(self.model_path, self.layout)[1]
         return self.store.ensure_layers(self.model_path, start, end, self.layout)[1]
