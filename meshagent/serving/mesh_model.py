@@ -38,7 +38,7 @@ from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.embeddings import Embedder
 from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
-from meshagent.serving.obtain import ArtifactSource, needed_by, spare_cuts
+from meshagent.serving.obtain import ArtifactSource, cut_artifact, needed_by, spare_cuts
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
@@ -206,7 +206,9 @@ class MeshModel:
                     if self.source.partial is not None:  # from peers only, not the hub
                         await self.source.obtain(kind, start, end, hub=False)
                         continue
-                    await trio.to_thread.run_sync(self._ensure_cut, kind, start, end)
+                    await trio.to_thread.run_sync(
+                        cut_artifact, self.store, self.model_path, self.layout, kind, start, end
+                    )
                 except (MeshError, OSError) as e:
                     failed.add((kind, start, end))
                     log.warning("mesh_model.spare_cut_failed", layers=(start, end), error=str(e))
@@ -223,12 +225,6 @@ class MeshModel:
                 start, end = st.start, st.end
         needed = self.cost.stage_bytes(start, end, plan.context_tokens)
         return prefix_budget(self.settings.prefix_cache, offered, needed)
-
-    def _ensure_cut(self, kind: str, start: int, end: int) -> None:
-        if kind == "entry":
-            self.store.ensure_entry(self.model_path, self.layout)
-        else:
-            self.store.ensure_layers(self.model_path, start, end, self.layout)
 
     def in_plan(self, key: str) -> bool:
         """Whether artifact `key` is part of the split in force (a peer may have it cut here

@@ -85,11 +85,19 @@ def cut_for_peer(store: ArtifactStore, model_path: Path, layout: ModelLayout) ->
         prefix, kind, start, end = parsed
         if not store.source_sha256(model_path).startswith(prefix):
             return None
-        if kind == "entry":
-            return store.ensure_entry(model_path, layout)[1]
-        return store.ensure_layers(model_path, start, end, layout)[1]
+        return cut_artifact(store, model_path, layout, kind, start, end)
 
     return cut
+
+
+def cut_artifact(
+    store: ArtifactStore, model_path: Path, layout: ModelLayout, kind: str, start: int, end: int
+) -> SliceManifest:
+    """The store's artifact (`kind`, `start`, `end`) of the model, cut now if it lacks it
+    (blocking; a partial copy downloads the ranges the cut reads)."""
+    if kind == "entry":
+        return store.ensure_entry(model_path, layout)[1]
+    return store.ensure_layers(model_path, start, end, layout)[1]
 
 
 class ArtifactSource:
@@ -182,6 +190,4 @@ class ArtifactSource:
         part.forget(part.tensor_ranges(tensors_read(self.layout, kind, start, end)))
 
     def _cut(self, kind: str, start: int, end: int) -> SliceManifest:
-        if kind == "entry":
-            return self.store.ensure_entry(self.model_path, self.layout)[1]
-        return self.store.ensure_layers(self.model_path, start, end, self.layout)[1]
+        return cut_artifact(self.store, self.model_path, self.layout, kind, start, end)
