@@ -102,12 +102,6 @@ def coalesce(ranges: Iterable[tuple[int, int]], gap: int = COALESCE_GAP) -> Rang
     return out
 
 
-def ensure_whole_file(path: Path) -> None:
-    """Complete `path` if it is a partial copy (a no-op for a whole file)."""
-    if is_partial(path):
-        PartialModel(path).ensure_whole()
-
-
 class PartialModel:
     """The partial copy at `path` and its sidecar."""
 

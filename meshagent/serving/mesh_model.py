@@ -28,7 +28,6 @@ from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits
 from meshagent.models.layout import ModelLayout
-from meshagent.models.ranged import ensure_whole_file
 from meshagent.net.errors import ConnectionUnavailable
 from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import ModelCost, Plan
@@ -359,7 +358,7 @@ class MeshModel:
         receipt: Headers = []
         if self.peer_id in plan.replicas:
             # A partial copy of a hub model is completed (and checked whole) first.
-            await trio.to_thread.run_sync(ensure_whole_file, self.model_path)
+            await self.source.complete(self.info, self.placement.gossip)
             engine = await trio.to_thread.run_sync(
                 lambda: LlamaEngine(
                     self.model_path, slots=s.slots, slot_ctx=s.slot_ctx, threads=s.threads

@@ -21,6 +21,7 @@ import structlog
 import trio
 
 from meshagent.errors import MeshError, ModelError
+from meshagent.gossip.record import ModelHeld
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore, SliceManifest, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout
@@ -127,6 +128,17 @@ class ArtifactSource:
             return None
         part = PartialModel(self.model_path)
         return None if part.complete else part
+
+    async def complete(self, info: Any, gossip: Any) -> None:
+        """Before the whole model loads from a partial copy: fetch every range not here,
+        check the file against the hub's sha256, then tell the mesh this agent holds the
+        file (gossip `models`), so peers may fetch its artifacts from it."""
+        part = self.partial
+        if part is None:
+            return
+        await trio.to_thread.run_sync(part.ensure_whole)
+        held = ModelHeld(info.id, part.sha256, info.architecture, info.n_layers, info.size_bytes)
+        gossip.update_local(models=(held,))
 
     async def obtain(self, kind: str, start: int, end: int, *, hub: bool = True) -> None:
         """Make sure the store holds the artifact (`kind`, `start`, `end`); an agent with the

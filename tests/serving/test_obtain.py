@@ -145,5 +145,21 @@ async def test_a_peer_holding_the_whole_file_cuts_the_slice_on_request(
     assert cut("f" * 32 + "-layers-0-2") is None and cut("nonsense") is None
 
 
+async def test_a_partial_copy_given_the_whole_model_completes_and_says_it_holds_the_file(
+    hub, whole, tmp_path
+):
+    source = _source(hub, tmp_path, {})
+    said = []
+    gossip = SimpleNamespace(update_local=lambda **fields: said.append(fields))
+    info = SimpleNamespace(id="tiny", architecture="llama", n_layers=6, size_bytes=1)
+    await source.complete(info, gossip)
+    assert source.model_path.read_bytes() == whole.read_bytes()
+    assert source.partial is None  # whole now, checked against the hub's sha256
+    [fields] = said
+    assert fields["models"][0].sha256 == PartialModel(source.model_path).sha256
+    await source.complete(info, gossip)  # whole already: nothing more
+    assert len(said) == 1
+
+
 async def _refuse(peer: str, label: str):
     raise OSError("no route to that peer")
