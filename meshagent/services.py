@@ -50,7 +50,6 @@ from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL
 from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
-from meshagent.serving.obtain import cut_for_peer
 from meshagent.wire.handshake import LocalPeer
 
 log = structlog.get_logger(__name__)
@@ -160,7 +159,7 @@ class Services:
         self._routes: dict[str, StreamHandler] = {
             transfer.LABEL: transfer.ArtifactServer(
                 store,
-                cut=cut_for_peer(store, model_path, layout),
+                cut=self.model.source.cut_for_peer,
                 may_cut=self.model.in_plan,
             ).handle,
             probe.LABEL: probe.serve,

@@ -13,7 +13,7 @@ import cbor2
 import structlog
 
 from meshagent.errors import ModelError
-from meshagent.models.layout import ModelLayout, file_sha256, inspect_model
+from meshagent.models.layout import ModelLayout, file_sha256, inspect_model, write_atomic
 from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.models.slicer import tensors_read, write_entry, write_layers
 
@@ -127,8 +127,6 @@ class ArtifactStore:
             return self._source_sha256(path)
 
     def _source_sha256(self, path: Path) -> str:
-        if is_partial(path):  # its bytes are not all here: the hub's hash of the whole file
-            return PartialModel(path).sha256
         st = path.stat()
         key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
         index_path = self.root / "sources.json"
@@ -138,7 +136,7 @@ class ArtifactStore:
             index = {}
         if key not in index:
             index[key] = file_sha256(path)
-            _write_atomic(index_path, json.dumps(index, indent=1).encode())
+            write_atomic(index_path, json.dumps(index, indent=1).encode())
         return index[key]
 
     def get(self, key: str) -> SliceManifest | None:
@@ -174,7 +172,7 @@ class ArtifactStore:
             raise ModelError(f"artifact {manifest.key} hash mismatch: {actual}")
         dst = self.blob_path(manifest.sha256)
         os.replace(file, dst)
-        _write_atomic(
+        write_atomic(
             self.manifests / f"{manifest.key}.json",
             json.dumps(manifest.to_dict(), indent=1).encode(),
         )
@@ -236,9 +234,3 @@ class ArtifactStore:
             kv_bytes_per_token_per_layer=layout.kv_bytes_per_token_per_layer,
         )
         return self._install(manifest, tmp), manifest
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

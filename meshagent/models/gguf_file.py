@@ -75,6 +75,10 @@ class Tensor:
     data: np.ndarray
 
 
+class HeaderTruncated(ValueError):
+    """The bytes given end inside the header: more are needed to read it."""
+
+
 class _Cursor:
     def __init__(self, buf: memoryview) -> None:
         self.buf = buf
@@ -84,7 +88,7 @@ class _Cursor:
         try:
             (value,) = struct.unpack_from(fmt, self.buf, self.at)
         except struct.error as e:
-            raise ValueError(f"the header ends early: {e}") from e
+            raise HeaderTruncated(f"the header ends early: {e}") from e
         self.at += struct.calcsize(fmt)
         return value
 
@@ -93,7 +97,7 @@ class _Cursor:
         start = self.at
         self.at += n
         if self.at > len(self.buf):
-            raise ValueError("string runs past the end of the file")
+            raise HeaderTruncated("string runs past the end of the file")
         return str(self.buf[start : self.at], "utf-8")
 
     def value(self, kind: GGUFValueType) -> Any:
@@ -117,14 +121,10 @@ class _Cursor:
         dtype = np.dtype(fmt)
         end = self.at + n * dtype.itemsize
         if end > len(self.buf):
-            raise ValueError("array runs past the end of the file")
+            raise HeaderTruncated("array runs past the end of the file")
         values = np.frombuffer(self.buf[self.at : end], dtype=dtype).tolist()
         self.at = end
         return kind, values
-
-
-class HeaderTruncated(ValueError):
-    """The bytes given end inside the header: more are needed to read it."""
 
 
 @dataclass(frozen=True)
@@ -140,13 +140,7 @@ class Header:
 def parse_header(buf: memoryview | bytes) -> Header:
     """Parse the header at the start of `buf`, which may be only a prefix of the file:
     HeaderTruncated when it ends before the header does, ValueError when it is not one."""
-    c = _Cursor(memoryview(buf))
-    try:
-        return _parse(c)
-    except ValueError as e:
-        if c.at >= len(c.buf) or "ends early" in str(e) or "past the end" in str(e):
-            raise HeaderTruncated(str(e)) from e
-        raise
+    return _parse(_Cursor(memoryview(buf)))
 
 
 def _parse(c: _Cursor) -> Header:

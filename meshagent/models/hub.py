@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +22,14 @@ from typing import Any
 
 from meshagent.errors import ModelError
 from meshagent.models.names import HubName, choose_file
-from meshagent.models.ranged import PartialModel, RemoteFile, is_partial, transport_errors
+from meshagent.models.ranged import (
+    HashMismatch,
+    PartialModel,
+    RemoteFile,
+    check_room,
+    is_partial,
+    transport_errors,
+)
 
 PARTIAL_DIR = ".meshagent-partial"  # under the cache: whole downloads under way
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -36,11 +42,16 @@ def _hub():  # imported when a name is used: a local file needs none of it
     return huggingface_hub, constants, errors, hf_api
 
 
+def _repo_dir(root: Path, repo: str) -> Path:
+    """A repository's folder in the cache's layout (and in an agent's `models/`)."""
+    return root / ("models--" + repo.replace("/", "--"))
+
+
 def cached_file(name: HubName, cache_dir: Path | None = None) -> Path | None:
     """The file `name` asks for if the cache holds it (no request to the hub)."""
     _, constants, _, _ = _hub()
     root = Path(cache_dir or constants.HF_HUB_CACHE)
-    snapshots = root / ("models--" + name.repo.replace("/", "--")) / "snapshots"
+    snapshots = _repo_dir(root, name.repo) / "snapshots"
     if not snapshots.is_dir():
         return None
     for snapshot in sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
@@ -122,7 +133,7 @@ def fetch(
     endpoint = endpoint or os.environ.get("HF_ENDPOINT")
     remote = remote or locate(name, endpoint)
     root = Path(cache_dir or constants.HF_HUB_CACHE)
-    _check_room(remote.size, root)
+    check_room(remote.size, root, "the model", "set HF_HUB_CACHE to a disk with room")
     if remote.sha256:
         return _fetch_resumable(remote, root, progress)
     bars = None if progress is None else _reporting(progress)  # not LFS: small, no hash
@@ -143,15 +154,13 @@ def _fetch_resumable(remote: RemoteFile, root: Path, progress: Progress | None) 
     part = PartialModel.begin(work, remote, header=False)
     try:
         part.ensure_whole(progress)
-    except ModelError as e:
-        if "sha256" in str(e):
-            part.discard()
-            raise ModelError(
-                f"the download of {remote.repo}/{remote.filename} does not match the hub's "
-                "sha256; it was deleted: run the command again"
-            ) from e
-        raise
-    repo_dir = root / ("models--" + remote.repo.replace("/", "--"))
+    except HashMismatch as e:
+        part.discard()
+        raise ModelError(
+            f"the download of {remote.repo}/{remote.filename} does not match the hub's "
+            "sha256; it was deleted: run the command again"
+        ) from e
+    repo_dir = _repo_dir(root, remote.repo)
     blob = repo_dir / "blobs" / remote.sha256
     commit = PartialModel(work).commit or "0" * 40
     link = repo_dir / "snapshots" / commit / remote.filename
@@ -169,13 +178,13 @@ def _fetch_resumable(remote: RemoteFile, root: Path, progress: Progress | None) 
 
 def partial_path(root: Path, remote: RemoteFile) -> Path:
     """Where a partial copy (`models/ranged.py`) of `remote` lives under `root`."""
-    return root / ("models--" + remote.repo.replace("/", "--")) / remote.filename
+    return _repo_dir(root, remote.repo) / remote.filename
 
 
 def partial_file(name: HubName, root: Path) -> Path | None:
     """A partial copy of the file `name` asks for under `root`, if one was started (no
     request to the hub)."""
-    folder = root / ("models--" + name.repo.replace("/", "--"))
+    folder = _repo_dir(root, name.repo)
     files = [p.name for p in folder.glob("*.gguf") if is_partial(p)]
     try:
         return folder / choose_file(name, files) if files else None
@@ -251,14 +260,12 @@ def _hub_errors(name: HubName) -> Iterator[None]:
         raise ModelError(
             f"no model {name.repo} on the Hugging Face Hub (or it is private: set HF_TOKEN)"
         ) from e
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
+    except (OSError, errors.HfHubHTTPError, *transport_errors()) as e:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise ModelError(
                 f"the disk filled while downloading {name}: free some space (or set "
                 "HF_HUB_CACHE to a disk with room), then run the command again to resume"
             ) from e
-        raise ModelError(f"downloading {name} failed: {e}; run the command again to resume") from e
-    except (errors.HfHubHTTPError, *transport_errors()) as e:
         raise ModelError(f"downloading {name} failed: {e}; run the command again to resume") from e
 
 
@@ -278,13 +285,3 @@ def _reporting(progress: Progress) -> type:
             return None
 
     return Reporting
-
-
-def _check_room(size: int, where: Path) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(where).free
-    if size > free:
-        raise ModelError(
-            f"the model needs {size / 1e9:.2f} GB and {where} has {free / 1e9:.2f} GB free: "
-            "free some space, or set HF_HUB_CACHE to a disk with room"
-        )

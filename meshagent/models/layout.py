@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,3 +169,15 @@ def file_sha256(path: Path, *, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` whole or not at all (a temporary file, then a rename); a
+    write that fails (a full disk) leaves the old file and no temporary one."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(data)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)

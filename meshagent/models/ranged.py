@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -26,7 +27,8 @@ from typing import Any
 import structlog
 
 from meshagent.errors import ModelError
-from meshagent.models.gguf_file import HeaderTruncated, parse_header, tensor_bytes
+from meshagent.models.gguf_file import Header, HeaderTruncated, parse_header, tensor_bytes
+from meshagent.models.layout import file_sha256, write_atomic
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +44,10 @@ _lock = threading.RLock()  # one download into the partial files at a time
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint [start, end) byte ranges
 Progress = Callable[[int, int], None]
+
+
+class HashMismatch(ModelError):
+    """A copy completed whole does not hash to the hub's sha256."""
 
 
 @dataclass(frozen=True)
@@ -66,13 +72,7 @@ def is_partial(path: Path) -> bool:
 
 def add_range(ranges: Ranges, start: int, end: int) -> Ranges:
     """`ranges` with [start, end) added, merged with what it touches."""
-    out: Ranges = []
-    for a, b in sorted([*ranges, (start, end)]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
+    return coalesce([*ranges, (start, end)], gap=0)
 
 
 def missing(want: Iterable[tuple[int, int]], have: Ranges) -> Ranges:
@@ -148,7 +148,7 @@ class PartialModel:
             with path.open("wb") as f:
                 f.truncate(remote.size)
             meta = {"version": SIDECAR_VERSION, "remote": remote.__dict__, "done": []}
-            _write_atomic(sidecar(path), json.dumps(meta).encode())
+            write_atomic(sidecar(path), json.dumps(meta).encode())
             part = cls(path)
             if header:
                 part.fetch_header(probe)
@@ -197,8 +197,7 @@ class PartialModel:
             except ValueError as e:
                 raise ModelError(f"{self.remote.filename} is not a GGUF model file: {e}") from e
             break
-        ends = [header.data_offset + off + tensor_bytes(d, k) for _, d, k, off in header.infos]
-        end = max(ends, default=header.data_offset)
+        end = max((b for _, b in _spans(header).values()), default=header.data_offset)
         if end > self.remote.size:
             raise ModelError(f"{self.remote.filename}: its tensors run past its size")
         if self.header_bytes != header.data_offset:
@@ -218,12 +217,10 @@ class PartialModel:
             if self.complete:
                 return
             self.ensure([(0, self.remote.size)], progress)
-            from meshagent.models.layout import file_sha256
-
             if file_sha256(self.path) != self.remote.sha256:
                 self.done = []
                 self._save()
-                raise ModelError(
+                raise HashMismatch(
                     f"{self.remote.filename} does not match the hub's sha256 once whole; "
                     "what was fetched is dropped: start again to download it afresh"
                 )
@@ -245,11 +242,7 @@ class PartialModel:
         """Mark `ranges` as not here (their bytes proved wrong): the next ensure fetches them."""
         with _lock:
             self._load()
-            keep: Ranges = []
-            drop = sorted(ranges)
-            for a, b in self.done:
-                keep.extend(missing([(a, b)], drop))
-            self.done = keep
+            self.done = missing(self.done, sorted(ranges))
             self.complete = False
             self._save()
 
@@ -265,20 +258,13 @@ class PartialModel:
             punched = [(a, b) for a, b in drop if a < b and _punch_hole(self.path, a, b - a)]
             if not punched:
                 return 0
-            keep: Ranges = []
-            for a, b in self.done:
-                keep.extend(missing([(a, b)], sorted(punched)))
-            self.done = keep
+            self.done = missing(self.done, sorted(punched))
             self._save()
             return sum(b - a for a, b in punched)
 
     def tensor_ranges(self, names: Iterable[str]) -> Ranges:
         """Where in the file the tensors `names` lie."""
-        header = parse_header(self._head())
-        where = {
-            name: (header.data_offset + off, header.data_offset + off + tensor_bytes(dims, kind))
-            for name, dims, kind, off in header.infos
-        }
+        where = _spans(parse_header(self._head()))
         wanted = sorted(set(names))
         unknown = [n for n in wanted if n not in where]
         if unknown:
@@ -300,7 +286,12 @@ class PartialModel:
                     f"{total} bytes of {self.remote.filename} are not here and HF_HUB_OFFLINE "
                     "is set: start once with the network on"
                 )
-            _check_room(total, self.path.parent, self.remote.filename)
+            check_room(
+                total,
+                self.path.parent,
+                f"{self.remote.filename} ({len(todo)} ranges)",
+                "start the agent with a data dir on a disk with room",
+            )
             log.info("partial.fetching", file=self.remote.filename, ranges=len(todo), bytes=total)
             if progress is None:
                 progress = _logging_progress(self.remote.filename)
@@ -426,7 +417,16 @@ class PartialModel:
             "commit": self.commit,
             "artifacts": self.artifacts,
         }
-        _write_atomic(sidecar(self.path), json.dumps(meta).encode())
+        write_atomic(sidecar(self.path), json.dumps(meta).encode())
+
+
+def _spans(header: Header) -> dict[str, tuple[int, int]]:
+    """Each tensor's [start, end) byte range in the file."""
+    out = {}
+    for name, dims, kind, offset in header.infos:
+        start = header.data_offset + offset
+        out[name] = (start, start + tensor_bytes(dims, kind))
+    return out
 
 
 def _allocated(path: Path) -> int:
@@ -483,22 +483,12 @@ def transport_errors() -> tuple[type[BaseException], ...]:
     return (getattr(http, "TransportError", OSError),)
 
 
-def _check_room(size: int, where: Path, what: str) -> None:
-    import shutil
-
+def check_room(size: int, where: Path, what: str, remedy: str) -> None:
+    """ModelError naming `what` and `remedy` unless `where`'s disk has `size` bytes free."""
+    where.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(where).free
     if size > free:
         raise ModelError(
-            f"{what} needs {size / 1e9:.2f} GB more and {where} has {free / 1e9:.2f} GB "
-            "free: free some space, or start the agent with a data dir on a disk with room"
+            f"{what} needs {size / 1e9:.2f} GB and {where} has {free / 1e9:.2f} GB free: "
+            f"free some space, or {remedy}"
         )
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_bytes(data)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)

@@ -231,7 +231,7 @@ def plan(
 
 
 # (est. ms per token, peer order, stages, bytes its peers must download first)
-_Option = tuple[float, tuple[str, ...], tuple["StageAssignment", ...], int]
+_Option = tuple[float, tuple[str, ...], tuple[StageAssignment, ...], int]
 
 
 def _least_download(options: Sequence[_Option]) -> _Option:

@@ -25,7 +25,7 @@ from meshagent.gossip.record import ModelHeld
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore, SliceManifest, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout
-from meshagent.models.ranged import PartialModel, coalesce, is_partial
+from meshagent.models.ranged import PartialModel, Ranges, coalesce, is_partial
 from meshagent.models.slicer import tensors_read
 from meshagent.placement.planner import Plan
 
@@ -75,22 +75,6 @@ def needed_by(plan: Plan, key: str) -> bool:
     return kind == "entry" or any((s.start, s.end) == (start, end) for s in plan.stages)
 
 
-def cut_for_peer(store: ArtifactStore, model_path: Path, layout: ModelLayout) -> transfer.Cutter:
-    """The `transfer.Cutter` of an agent: an artifact of its model, cut from the whole file
-    when it holds it (blocking)."""
-
-    def cut(key: str) -> SliceManifest | None:
-        parsed = parse_key(key)
-        if parsed is None or (is_partial(model_path) and not PartialModel(model_path).complete):
-            return None
-        prefix, kind, start, end = parsed
-        if not store.source_sha256(model_path).startswith(prefix):
-            return None
-        return cut_artifact(store, model_path, layout, kind, start, end)
-
-    return cut
-
-
 def cut_artifact(
     store: ArtifactStore, model_path: Path, layout: ModelLayout, kind: str, start: int, end: int
 ) -> SliceManifest:
@@ -128,6 +112,18 @@ class ArtifactSource:
             return None
         part = PartialModel(self.model_path)
         return None if part.complete else part
+
+    def cut_for_peer(self, key: str) -> SliceManifest | None:
+        """`transfer.Cutter`: artifact `key` of this model cut from the whole file for a peer
+        that asks, or None where this agent holds only part of the file, or another file
+        (blocking)."""
+        parsed = parse_key(key)
+        if parsed is None or self.partial is not None:
+            return None
+        prefix, kind, start, end = parsed
+        if not self.store.source_sha256(self.model_path).startswith(prefix):
+            return None
+        return self._cut(kind, start, end)
 
     async def complete(self, info: Any, gossip: Any) -> None:
         """Before the whole model loads from a partial copy: fetch every range not here,
@@ -185,8 +181,8 @@ class ArtifactSource:
                 verdict = "verified" if agreed else "unverified"
                 await trio.to_thread.run_sync(part.note_artifact, key, verdict)
                 # Its bytes live in the artifact now: the partial copy gives their disk back.
-                ranges = part.tensor_ranges(tensors_read(self.layout, kind, start, end))
-                freed = await trio.to_thread.run_sync(part.release, coalesce(ranges))
+                ranges = await trio.to_thread.run_sync(self._ranges, part, kind, start, end)
+                freed = await trio.to_thread.run_sync(part.release, ranges)
                 log.info("artifact.from_hub", key=key, checked=verdict, released=freed)
                 return
             log.warning("artifact.hash_mismatch", key=key, got=manifest.sha256, attempt=attempt)
@@ -199,7 +195,12 @@ class ArtifactSource:
     def _reject(self, part: PartialModel, kind: str, start: int, end: int, key: str) -> None:
         """Drop the artifact and forget the ranges it was cut from: fetched again next."""
         self.store.drop(key)
-        part.forget(part.tensor_ranges(tensors_read(self.layout, kind, start, end)))
+        part.forget(self._ranges(part, kind, start, end))
+
+    def _ranges(self, part: PartialModel, kind: str, start: int, end: int) -> Ranges:
+        """The byte ranges an artifact is cut from, tensors a few bytes apart joined (so a
+        release frees whole blocks between them). Reads the header: off the event loop."""
+        return coalesce(part.tensor_ranges(tensors_read(self.layout, kind, start, end)))
 
     def _cut(self, kind: str, start: int, end: int) -> SliceManifest:
         return cut_artifact(self.store, self.model_path, self.layout, kind, start, end)

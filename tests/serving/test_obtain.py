@@ -16,7 +16,7 @@ from meshagent.models.layout import inspect_model
 from meshagent.models.names import HubName
 from meshagent.models.ranged import PartialModel
 from meshagent.models.transfer import ArtifactServer
-from meshagent.serving.obtain import ArtifactSource, cut_for_peer
+from meshagent.serving.obtain import ArtifactSource
 from tests.engine.tiny_models import write_tiny_model
 from tests.models.fake_hub import FakeHub
 from tests.models.test_transfer import two_nodes
@@ -123,7 +123,7 @@ async def test_a_peer_holding_the_whole_file_cuts_the_slice_on_request(
     hub, whole, tmp_path, nursery
 ):
     theirs = ArtifactStore(tmp_path / "theirs")  # holds no artifact: only the file
-    cutter = cut_for_peer(theirs, whole, inspect_model(whole))
+    cutter = _holder(theirs, whole).cut_for_peer
     server = ArtifactServer(theirs, cut=cutter, may_cut=lambda key: not key.endswith("-4-6"))
     a, b = await two_nodes(nursery, server)
     sha = theirs.source_sha256(whole)
@@ -141,7 +141,7 @@ async def test_a_peer_holding_the_whole_file_cuts_the_slice_on_request(
     assert hub.served > header_only
     assert theirs.get(artifact_key(sha, "layers", 4, 6)) is None
     # A key of another model, or a malformed one, is refused, not cut.
-    cut = cut_for_peer(theirs, whole, inspect_model(whole))
+    cut = _holder(theirs, whole).cut_for_peer
     assert cut("f" * 32 + "-layers-0-2") is None and cut("nonsense") is None
 
 
@@ -159,6 +159,19 @@ async def test_a_partial_copy_given_the_whole_model_completes_and_says_it_holds_
     assert fields["models"][0].sha256 == PartialModel(source.model_path).sha256
     await source.complete(info, gossip)  # whole already: nothing more
     assert len(said) == 1
+
+
+def _holder(store: ArtifactStore, whole) -> ArtifactSource:
+    """The source of an agent holding the whole file (what answers a peer's cut)."""
+    layout = inspect_model(whole)
+    return ArtifactSource(
+        peer_id="holder",
+        model_path=whole,
+        layout=layout,
+        store=store,
+        views=dict,
+        open_stream=_refuse,
+    )
 
 
 async def _refuse(peer: str, label: str):
