@@ -15,11 +15,11 @@ from typing import Any
 import structlog
 import trio
 
-from meshagent import __version__, capacity
+from meshagent import __version__, capacity, devices
 from meshagent.config import AgentConfig
 from meshagent.discovery import addresses
 from meshagent.engine.runtime import LLAMAFILE_WINDOWS, built_with_llamafile
-from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, ModelHeld
+from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, DeviceOffer, ModelHeld
 from meshagent.gossip.service import GossipService
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.net.manager import ConnectionManager
@@ -30,14 +30,32 @@ from meshagent.serving.mesh_model import MeshModel
 log = structlog.get_logger(__name__)
 
 
+def device_offers(config: AgentConfig, speeds: Sequence[float] = ()) -> tuple[DeviceOffer, ...]:
+    """This agent's GPUs as its record lists them: memory, the share offered (`--max-vram`),
+    and `speeds` once measured."""
+    found = devices.devices_at_start()
+    offers = devices.vram_offer(found, config.max_vram)
+    speeds = list(speeds) + [0.0] * (len(found) - len(speeds))
+    return tuple(
+        DeviceOffer(d.name, d.description, d.kind, d.total_bytes, d.free_bytes, o, s)
+        for d, o, s in zip(found, offers, speeds, strict=True)
+    )
+
+
 def static_fields(
-    config: AgentConfig, name: str, model: MeshModel, sha256: str = ""
+    config: AgentConfig,
+    name: str,
+    model: MeshModel,
+    sha256: str = "",
+    device_speeds: Sequence[float] = (),
 ) -> dict[str, Any]:
-    """Record fields that change only when measured: `sha256` is the model file's, once known."""
+    """Record fields that change only when measured: `sha256` is the model file's, once known;
+    `device_speeds` each GPU's."""
     info = model.info
     gib = 1 << 30
+    available = capacity.memory_available()
     offer = capacity.memory_offer(
-        capacity.memory_available(),
+        available,
         limit=config.max_memory,
         weights=int(config.mem_weights_gib * gib),
         kv=int(config.mem_kv_gib * gib),
@@ -47,6 +65,8 @@ def static_fields(
         "agent_version": __version__,
         "mem_weights_bytes": offer.weights,
         "mem_kv_bytes": offer.kv,
+        "mem_spare_bytes": capacity.spare_memory(available, offer),
+        "devices": device_offers(config, device_speeds),
         # The whole model file, when it is here (a partial copy holds only stages' bytes).
         "models": (ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),)
         if model.source.partial is None
@@ -74,12 +94,22 @@ def dynamic_fields(
 async def measure(
     gossip: GossipService, config: AgentConfig, name: str, model: MeshModel, store: ArtifactStore
 ) -> None:
-    """Measured once at start, off the event loop: compute speed, the model's hash."""
+    """Measured once at start, off the event loop: compute speed (the CPU's and each GPU's),
+    the model's hash."""
     speed = await trio.to_thread.run_sync(capacity.matmul_gflops)
     gossip.update_local(compute_speed=speed, compute_unit=capacity.COMPUTE_UNIT)
     log.info("agent.measured", compute_speed=speed, unit=capacity.COMPUTE_UNIT)
+    speeds = []
+    for d in devices.devices_at_start():
+        try:
+            s = await trio.to_thread.run_sync(devices.device_gflops, d.name)
+        except (RuntimeError, ValueError) as e:
+            log.warning("agent.device_unmeasured", device=d.name, error=str(e))
+            s = 0.0
+        log.info("agent.measured_device", device=d.name, speed=s, unit=capacity.COMPUTE_UNIT)
+        speeds.append(s)
     path = Path(model.info.path)
     sha = await trio.to_thread.run_sync(lambda: store.source_sha256(path))
-    gossip.update_local(**static_fields(config, name, model, sha))
+    gossip.update_local(**static_fields(config, name, model, sha, speeds))
     model.placement.source_sha256 = sha  # placement: who holds what of this file
     model.publish_serving()

@@ -4,11 +4,13 @@ Compute speed is a quick float32 matrix-multiply benchmark (numpy, 1024 x 1024, 
 runs) in GFLOP/s, unit `matmul_gflops_f32`: comparable between agents, cheap (well under a
 second), and independent of which model is loaded.
 
-Memory is one number, the bytes an agent offers in all: what the kernel reports as available
-(MemAvailable) less a reserve for the system, capped by `--max-memory`. Placement uses only
-that total. Gossip records carry it as two fields, for weights and for KV cache (split 3:1
-unless configured), and every agent reads them back as their sum; `MemoryOffer` is the one
-place where the total becomes the two fields and the two fields become the total again.
+Memory is one number, the bytes an agent offers in all for weights and KV cache: what the
+kernel reports as available (MemAvailable) less a reserve for the system, capped by
+`--max-memory`. Placement uses only that total, and the memory beyond it (`spare_memory`) for
+llama.cpp's compute buffers. Gossip records carry the total as two fields, for weights and
+for KV cache (split 3:1 unless configured), and every agent reads them back as their sum;
+`MemoryOffer` is the one place where the total becomes the two fields and the two fields
+become the total again.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ def memory_offer(available: int, *, limit: int = 0, weights: int = 0, kv: int = 
     if limit and offer.total > limit:
         return MemoryOffer.split(limit)
     return offer
+
+
+def spare_memory(available: int, offer: MemoryOffer) -> int:
+    """Memory beyond the offer (what `--max-memory` leaves of what is available, less the
+    reserve): where llama.cpp's compute buffers go first, since the offer is for weights and
+    KV cache. 0 when the offer is all there is: the buffers then come out of it."""
+    return max(0, available - RESERVE_BYTES - offer.total)
 
 
 def memory_available() -> int:

@@ -40,18 +40,21 @@ def parse_size(text: str) -> int:
 
 # Settings in bytes that the CLI and config.toml may also give as sizes ("300M", "1.5G"); they
 # are parsed once, when the config is merged, so a typo fails at start with its value named.
-_SIZE_KEYS = frozenset({"max_memory", "prefix_cache"})
+_SIZE_KEYS = frozenset({"max_memory", "max_vram", "prefix_cache"})
 
 
 def _size_setting(key: str, text: str) -> int:
     if key == "prefix_cache" and text.strip().lower() in ("auto", "0", "off"):
         return PREFIX_CACHE_AUTO if text.strip().lower() == "auto" else 0
+    if key == "max_vram" and text.strip().lower() in ("all", "0", "off"):
+        return VRAM_ALL if text.strip().lower() == "all" else 0
     try:
         return parse_size(text)
     except ConfigError as e:
         raise ConfigError(f"{key.replace('_', '-')}: {e}") from None
 
 
+VRAM_ALL = -1  # max_vram: every device's free memory, less a reserve
 PREFIX_CACHE_AUTO = -1  # a share of the memory offered that the plan leaves free
 PREFIX_CACHE_SHARE = 0.25  # auto: at most this share of the memory offered
 
@@ -97,6 +100,8 @@ class AgentConfig:
     mem_weights_gib: float = 0.0  # memory offered for model weights; 0: measured
     mem_kv_gib: float = 0.0  # memory offered for KV cache; 0: measured
     max_memory: int = 0  # bytes: cap on all memory offered (weights + KV); 0: none
+    # bytes: cap on the device (GPU) memory offered, all devices together; 0: none offered
+    max_vram: int = VRAM_ALL
     # activations between stages: auto (cheapest certified exact, else f32), f16 or f32
     wire_dtype: str = "auto"
 
@@ -149,6 +154,8 @@ class AgentConfig:
             )
         if self.max_memory < 0:
             raise ConfigError(f"max-memory must be >= 0 bytes (0: no cap), got {self.max_memory}")
+        if self.max_vram < VRAM_ALL:
+            raise ConfigError(f"max-vram must be a size, 0 (no GPU) or all, got {self.max_vram}")
         if self.speculation not in ("auto", "on", "off"):
             raise ConfigError("speculation must be auto, on or off")
         if self.prefix_cache < PREFIX_CACHE_AUTO:
@@ -190,6 +197,8 @@ CONFIG_TEMPLATE = """\
 # upgrade_interval = 5.0
 # mem_weights_gib = 0.0
 # mem_kv_gib = 0.0
+# max_memory = "1.5G"
+# max_vram = "all"                      # GPU memory offered; "0": none
 """
 
 

@@ -92,6 +92,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "300M or 1.5G (default: what the system has available, less 1 GiB)",
     )
     p.add_argument(
+        "--max-vram",
+        metavar="SIZE",
+        help="cap on the GPU memory this agent offers the mesh, all devices together, e.g. "
+        "20G; 0 offers none (default: each GPU's free memory, less 512 MiB; a CPU build of "
+        "llama.cpp has no GPU)",
+    )
+    p.add_argument(
         "--wire-dtype",
         choices=("auto", "f16", "f32"),
         help="activations between the stages of a split, as the entry stage sends them "
@@ -155,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
             "max_queue",
             "threads",
             "max_memory",
+            "max_vram",
             "wire_dtype",
             "grace",
             "replay_deadline",

@@ -38,6 +38,7 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
         threads: int = 0,
         max_batch_tokens: int = 512,
         flash_attn: bool | None = False,
+        gpu_layers: int = 0,
     ) -> None:
         self.runtime = LlamaRuntime(
             path,
@@ -46,6 +47,7 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
             threads=threads,
             max_batch_tokens=max_batch_tokens,
             flash_attn=flash_attn,
+            gpu_layers=gpu_layers,
         )
         self.vocab = Vocab(self.runtime.model)
         self.n_slots = slots

@@ -46,15 +46,21 @@ _hook: CaptureHook | None = None
 _py_callback_ref: object = None
 
 
-def _ggml_base() -> ctypes.CDLL:
-    """The libggml-base.so.0 libllama uses, made global so the hook links to the same copy."""
+def ggml_library(stem: str) -> ctypes.CDLL:
+    """The ggml library `stem` (e.g. "libggml-base") that libllama uses, made global so that
+    code linked against it reaches the same copy."""
     libdir = Path(llama_cpp.__file__).parent / "lib"
-    candidates = sorted(glob.glob(str(libdir / "libggml-base.so.0"))) or sorted(
-        glob.glob(str(libdir / "libggml-base*"))
+    candidates = sorted(glob.glob(str(libdir / f"{stem}.so.0"))) or sorted(
+        glob.glob(str(libdir / f"{stem}.*"))
     )
     if not candidates:
-        raise EngineError(f"libggml-base not found next to llama-cpp-python in {libdir}")
+        raise EngineError(f"{stem} not found next to llama-cpp-python in {libdir}")
     return ctypes.CDLL(candidates[0], mode=os.RTLD_NOW | ctypes.RTLD_GLOBAL)
+
+
+def _ggml_base() -> ctypes.CDLL:
+    """The libggml-base.so.0 libllama uses, made global so the hook links to the same copy."""
+    return ggml_library("libggml-base")
 
 
 def _native_library() -> ctypes.CDLL | None:

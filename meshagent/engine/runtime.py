@@ -63,24 +63,29 @@ LLAMAFILE_WINDOWS = (
 )
 
 
-def model_params(*, vocab_only: bool = False) -> llama_cpp.llama_model_params:
+def model_params(*, vocab_only: bool = False, gpu_layers: int = 0) -> llama_cpp.llama_model_params:
     """llama.cpp's model parameters as meshagent loads every model.
 
     Extra buffer types (weights repacked for AMX, or for the CPU's wider kernels) are off on
     AMX CPUs: llama.cpp 0.3.36's AMX matrix multiply crashes the process there (seen on a
-    Xeon with amx_tile, for any batch of more than one token of a Q4_1 model)."""
+    Xeon with amx_tile, for any batch of more than one token of a Q4_1 model).
+
+    `gpu_layers`: how many of the model's last layers go on the GPUs (llama.cpp's
+    `n_gpu_layers`; more than the model has: its output head too); 0 keeps every layer in
+    system memory, whatever llama.cpp's own default. A CPU build ignores it."""
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = vocab_only
+    params.n_gpu_layers = gpu_layers
     if cpu_has_amx():
         params.use_extra_bufts = False
     return params
 
 
-def load_model(path: Path, *, vocab_only: bool = False) -> ctypes.c_void_p:
+def load_model(path: Path, *, vocab_only: bool = False, gpu_layers: int = 0) -> ctypes.c_void_p:
     if not path.is_file():
         raise ModelError(f"model file not found: {path}")
     init_backend()
-    params = model_params(vocab_only=vocab_only)
+    params = model_params(vocab_only=vocab_only, gpu_layers=gpu_layers)
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelError(f"llama.cpp could not load {path}: is it a valid GGUF model file?")
@@ -123,8 +128,9 @@ class LlamaRuntime:
         unified_kv: bool = False,
         flash_attn: bool | None = None,
         capture: Capture | None = None,
+        gpu_layers: int = 0,
     ) -> None:
-        self.model = load_model(path)
+        self.model = load_model(path, gpu_layers=gpu_layers)
         self.slots = slots
         self.slot_ctx = slot_ctx
         # llama.cpp never batches more than the context holds (and aborts if asked to).

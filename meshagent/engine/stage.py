@@ -40,6 +40,7 @@ class StageEngine(RuntimeDelegate):
         threads: int = 0,
         max_batch_tokens: int = 512,
         flash_attn: bool | None = False,
+        gpu_layers: int = 0,
     ) -> None:
         if not 0 <= start < end <= total_layers:
             raise EngineError(f"layer range {start}:{end} is outside 0:{total_layers}")
@@ -58,6 +59,7 @@ class StageEngine(RuntimeDelegate):
             unified_kv=False,
             flash_attn=flash_attn,
             capture=capture,
+            gpu_layers=gpu_layers,
         )
         # A hybrid's slice may start with zero layers that pass their input on (see
         # slicer.pad_layer); llama.cpp numbers them with the slice's own.

@@ -25,6 +25,7 @@ MAX_SERVING = 32
 MAX_EXTRAS = 32
 MAX_CAPABILITIES = 8
 MAX_CAPABILITY_BYTES = 8 * 1024
+MAX_DEVICES = 16
 MAX_TEXT = 255
 
 
@@ -122,6 +123,36 @@ class Serving:
 
 
 @dataclass(frozen=True)
+class DeviceOffer:
+    """A device (GPU) this peer's llama.cpp can offload layers to: its memory, what of it the
+    peer offers the mesh (`--max-vram`), and its speed in the unit of `compute_speed`."""
+
+    name: str  # ggml's, e.g. "CUDA0"
+    description: str  # e.g. "NVIDIA H200"
+    kind: str  # "gpu" or "igpu"
+    total_bytes: int
+    free_bytes: int
+    offer_bytes: int
+    speed: float  # 0 until measured
+
+    def to_wire(self) -> list[Any]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> DeviceOffer:
+        a = _list(v, 7, "device")
+        return cls(
+            _text(a[0]),
+            _text(a[1]),
+            _text(a[2]),
+            _uint(a[3]),
+            _uint(a[4]),
+            _uint(a[5]),
+            _float(a[6]),
+        )
+
+
+@dataclass(frozen=True)
 class PeerRecord:
     """One peer's self-description. `seq` orders the owner's records: a higher seq replaces
     a lower one everywhere; the owner derives it from its wall clock (microseconds) so it
@@ -137,6 +168,9 @@ class PeerRecord:
     relays: tuple[str, ...] = ()  # relays this peer is registered with
     mem_weights_bytes: int = 0  # memory available for model weights
     mem_kv_bytes: int = 0  # memory available for KV cache
+    # memory beyond those two, where llama.cpp's compute buffers go first (0: none; they
+    # then come out of the offer)
+    mem_spare_bytes: int = 0
     compute_speed: float = 0.0
     compute_unit: str = ""  # what compute_speed measures, e.g. "matmul_gflops_f32"
     rtts_ms: tuple[tuple[str, float], ...] = ()  # (peer id, smoothed overlay RTT in ms)
@@ -150,6 +184,8 @@ class PeerRecord:
     # (engine/windows.py); "" where it computes them alike. A split's entry drafts by default
     # only where every stage's engine does.
     windows_inexact: str = ""
+    # Devices besides the CPU (GPUs) and what of their memory is offered; none on a CPU agent.
+    devices: tuple[DeviceOffer, ...] = ()
     # Fields other services publish without a record format change (e.g. placement
     # leases): text keys, CBOR values.
     extras: dict[str, Any] = field(default_factory=dict)
@@ -183,6 +219,10 @@ class PeerRecord:
             wire[18] = list(self.capabilities)
         if self.windows_inexact:  # likewise
             wire[19] = self.windows_inexact
+        if self.devices:  # likewise
+            wire[20] = [d.to_wire() for d in self.devices]
+        if self.mem_spare_bytes:  # likewise
+            wire[21] = self.mem_spare_bytes
         body = cbor2.dumps(wire, canonical=True)
         if len(body) > MAX_RECORD_BYTES:
             raise RecordRejected(
@@ -238,6 +278,10 @@ class PeerRecord:
                     for c in _bounded(d.get(18, []), MAX_CAPABILITIES)
                 ),
                 windows_inexact=_text(d.get(19, "")),
+                devices=tuple(
+                    DeviceOffer.from_wire(x) for x in _bounded(d.get(20, []), MAX_DEVICES)
+                ),
+                mem_spare_bytes=_uint(d.get(21, 0)),
             )
         except KeyError as e:
             raise RecordRejected(f"record lacks field {e}") from e
@@ -254,6 +298,7 @@ class PeerRecord:
             "relays": list(self.relays),
             "mem_weights_bytes": self.mem_weights_bytes,
             "mem_kv_bytes": self.mem_kv_bytes,
+            "mem_spare_bytes": self.mem_spare_bytes,
             "compute_speed": self.compute_speed,
             "compute_unit": self.compute_unit,
             "rtts_ms": dict(self.rtts_ms),
@@ -263,6 +308,7 @@ class PeerRecord:
             "extras": {k: _jsonable(v) for k, v in self.extras.items()},
             "capabilities": len(self.capabilities),
             "windows_inexact": self.windows_inexact,
+            "devices": [d.__dict__ for d in self.devices],
         }
 
 

@@ -4,11 +4,15 @@ Every agent computes the plan from the gossiped snapshot on its own; the functio
 deterministic (peers sorted by id, fixed evaluation order, ties broken by peer id), so agents
 that see the same snapshot agree without a master.
 
-Rules: a model that fits one peer (weights + KV cache for the plan's context + headroom) is
-served whole, by every peer it fits. Otherwise it is split into the fewest stages that fit;
-layers are given in proportion to measured speed within each peer's memory; among the orders
-and peer sets that fit, the one with the smallest estimated time per token (compute of every
-stage + one trip around the ring of measured RTTs) wins.
+Rules: a model that fits one peer (weights + KV cache for the plan's context + llama.cpp's
+compute buffer + headroom) is served whole, by every peer it fits. Otherwise it is split into
+the fewest stages that fit; layers are given in proportion to measured speed within each
+peer's memory; among the orders and peer sets that fit, the one with the smallest estimated
+time per token (compute of every stage + one trip around the ring of measured RTTs) wins.
+
+A peer with GPUs offers their memory too (`vram_bytes`): a stage's layers go on the device
+first and the rest in system memory (llama.cpp's per-layer offload), each part computed at
+its own measured speed, and layers are given so that the stages' times come out even.
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ KEEP_ENTRY = 0.25
 # Among splits this close to the fastest, the one whose peers must download the fewest bytes
 # first wins (peers holding the file or the very slices load at once).
 CLOSE_PLANS = 0.10
+# llama.cpp's compute buffer, as llama-cpp-python 0.3.36 reserves it for the micro-batch of
+# `BATCH_TOKENS` the engines use: per token, float32 rows of the larger of the output head's
+# logits (a stage that ends the model; a middle stage has a placeholder vocabulary) and the
+# layers' intermediates, about 12 x n_embd for llama-shaped FFNs. Measured for SmolLM2:
+# 98.3 MiB whole or last stage, 14.0 MiB a middle one, for any context (docs/placement.md).
+BATCH_TOKENS = 512
+COMPUTE_ROW_EMBD = 12
+COMPUTE_FIXED = 2 << 20
 
 
 class PlanError(MeshError):
@@ -49,6 +61,9 @@ class ModelCost:
     flops_per_layer: float = 0.0  # per token; turns a peer's GFLOP/s into layers per second
     tied_embeddings: bool = False  # a whole model holds the shared matrix once
     split_refusal: str | None = None  # why it may only be served whole, if so
+    # For llama.cpp's compute buffer (`compute_bytes`); 0: not counted (hand-made tables).
+    n_embd: int = 0
+    n_vocab: int = 0
 
     @classmethod
     def from_layout(cls, model_id: str, layout: ModelLayout) -> ModelCost:
@@ -63,12 +78,32 @@ class ModelCost:
             flops_per_layer=2.0 * sum(layout.layer_params) / max(layout.n_layers, 1),
             tied_embeddings=layout.tied_embeddings,
             split_refusal=layout.split_refusal,
+            n_embd=layout.n_embd,
+            n_vocab=layout.n_vocab,
         )
 
+    def compute_bytes(self, last: bool) -> int:
+        """llama.cpp's compute buffer for a stage (`last`: it ends the model, with its output
+        head), estimated as `BATCH_TOKENS` describes."""
+        if not self.n_embd:
+            return 0
+        row = max(self.n_vocab if last else 0, COMPUTE_ROW_EMBD * self.n_embd)
+        return BATCH_TOKENS * 4 * row + COMPUTE_FIXED
+
     def stage_bytes(self, start: int, end: int, context_tokens: int) -> int:
-        """Weights plus KV cache of a stage over layers [start, end)."""
+        """Weights, KV cache and compute buffer of a stage over layers [start, end)."""
+        kv = self.kv_bytes_per_token_per_layer * context_tokens * (end - start)
+        return self.weight_bytes(start, end) + kv + self.compute_bytes(end == self.n_layers)
+
+    def offer_bytes(self, start: int, end: int, context_tokens: int, spare: int) -> int:
+        """What of `stage_bytes` comes out of an agent's offer when it has `spare` bytes
+        beyond it, which take the compute buffer first."""
+        compute = self.compute_bytes(end == self.n_layers)
+        return self.stage_bytes(start, end, context_tokens) - min(compute, spare)
+
+    def weight_bytes(self, start: int, end: int) -> int:
+        """The weights a stage over layers [start, end) loads."""
         total = sum(self.layer_bytes[start:end]) + self.other_bytes
-        total += self.kv_bytes_per_token_per_layer * context_tokens * (end - start)
         if start == 0:
             total += self.embedding_bytes
         if end == self.n_layers:
@@ -81,19 +116,40 @@ class ModelCost:
 @dataclass(frozen=True)
 class PeerCapacity:
     peer_id: str
-    memory_bytes: int  # offered for weights and KV cache
+    memory_bytes: int  # system memory offered for weights, KV cache and compute buffers
     speed: float  # layers per second of the reference model (relative speed is what matters)
     rtt_ms: Mapping[str, float] = field(default_factory=dict)  # measured RTT to other peers
     # What it can load without downloading: every layer range (the whole model file is
     # here), or the layer ranges whose stage artifacts it holds.
     whole_file: bool = True
     holds: frozenset[tuple[int, int]] = frozenset()
+    vram_bytes: int = 0  # device (GPU) memory offered, all devices together
+    vram_speed: float = 0.0  # layers per second on those devices
+    # System memory it has beyond its offer, where llama.cpp's compute buffers go first: the
+    # offer (`--max-memory`) is for weights and KV cache.
+    spare_bytes: int = 0
+
+    def needs(self, model: ModelCost, start: int, end: int, context_tokens: int) -> int:
+        """Bytes of its offer a stage over layers [start, end) takes here: weights and KV
+        cache, and what of the compute buffer the memory beyond the offer cannot hold."""
+        return model.offer_bytes(start, end, context_tokens, self.spare_bytes)
 
     def download_bytes(self, model: ModelCost, start: int, end: int) -> int:
         """Bytes this peer must download before it can load layers [start, end)."""
         if self.whole_file or (start, end) in self.holds:
             return 0
-        return model.stage_bytes(start, end, 0)
+        return model.weight_bytes(start, end)
+
+    def stage_ms(self, model: ModelCost, start: int, end: int, context_tokens: int) -> float:
+        """Compute time per token of layers [start, end) here: the share of the stage's bytes
+        that fits the devices runs at `vram_speed`, the rest at `speed`."""
+        layers = end - start
+        cpu_ms = 1000.0 * layers / max(self.speed, 1e-9)
+        if self.vram_bytes <= 0 or self.vram_speed <= 0:
+            return cpu_ms
+        need = model.stage_bytes(start, end, context_tokens)
+        on_device = min(1.0, self.vram_bytes / max(need, 1))
+        return on_device * 1000.0 * layers / self.vram_speed + (1.0 - on_device) * cpu_ms
 
 
 @dataclass(frozen=True)
@@ -131,8 +187,38 @@ MIN_GAIN_MS = 5.0
 MOVE_ENTRY_GAIN = 1.0
 
 
+def offloaded_layers(
+    model: ModelCost, start: int, end: int, context_tokens: int, vram_bytes: int
+) -> int:
+    """How many of layers [start, end) llama.cpp should put on this agent's devices, given
+    `vram_bytes` offered there (its `n_gpu_layers`: the last ones of the stage): the compute
+    buffer first, then each layer's weights and KV cache from the stage's end; one more than
+    the stage's layers when everything fits, which offloads its output head too."""
+    if vram_bytes <= 0:
+        return 0
+    if model.stage_bytes(start, end, context_tokens) <= vram_bytes:
+        return end - start + 1
+    room = vram_bytes - model.compute_bytes(end == model.n_layers)
+    kv = model.kv_bytes_per_token_per_layer * context_tokens
+    n = 0
+    for i in range(end - 1, start - 1, -1):
+        room -= model.layer_bytes[i] + kv
+        if room < 0:
+            break
+        n += 1
+    return n
+
+
 def _usable(peer: PeerCapacity, headroom: float) -> int:
-    return int(peer.memory_bytes * (1.0 - headroom))
+    return int((peer.memory_bytes + peer.vram_bytes) * (1.0 - headroom))
+
+
+def _rate(peer: PeerCapacity) -> float:
+    """A peer's speed for ranking: its devices' when its memory is mostly theirs."""
+    total = peer.memory_bytes + peer.vram_bytes
+    if total <= 0:
+        return peer.speed
+    return (peer.memory_bytes * peer.speed + peer.vram_bytes * peer.vram_speed) / total
 
 
 def _rtt(a: PeerCapacity, b: PeerCapacity, unknown: float) -> float:
@@ -170,14 +256,15 @@ def plan(
         raise PlanError(f"no peer can host {model.model_id}: the mesh is empty")
     ordered = sorted(peers, key=lambda p: p.peer_id)
     whole = model.stage_bytes(0, model.n_layers, context_tokens)
-    fits = [p for p in ordered if _usable(p, headroom) >= whole]
+    n = model.n_layers
+    fits = [p for p in ordered if _usable(p, headroom) >= p.needs(model, 0, n, context_tokens)]
     if fits:
-        fits.sort(key=lambda p: (-p.speed, p.peer_id))
+        fits.sort(key=lambda p: (p.stage_ms(model, 0, n, context_tokens), p.peer_id))
         return Plan(
             model.model_id,
             context_tokens,
             replicas=tuple(p.peer_id for p in fits),
-            est_token_ms=1000.0 * model.n_layers / max(fits[0].speed, 1e-9),
+            est_token_ms=fits[0].stage_ms(model, 0, n, context_tokens),
         )
     if model.split_refusal is not None:
         most = max(_usable(p, headroom) for p in ordered)
@@ -191,7 +278,7 @@ def plan(
         if repaired is not None:
             return repaired
     unknown = _unknown_rtt(ordered)
-    candidates = sorted(ordered, key=lambda p: (-_usable(p, headroom) * p.speed, p.peer_id))
+    candidates = sorted(ordered, key=lambda p: (-_usable(p, headroom) * _rate(p), p.peer_id))
     candidates = sorted(candidates[:MAX_CANDIDATES], key=lambda p: p.peer_id)
     entry = current.stages[0].peer_id if current is not None and current.split else None
     for k in range(2, min(len(candidates), model.n_layers) + 1):
@@ -201,10 +288,7 @@ def plan(
                 stages = _assign(model, order, context_tokens, headroom)
                 if stages is None:
                     continue
-                compute_ms = sum(
-                    1000.0 * s.layers / max(p.speed, 1e-9)
-                    for s, p in zip(stages, order, strict=True)
-                )
+                compute_ms = _compute_ms(model, stages, order, context_tokens)
                 download = sum(
                     p.download_bytes(model, s.start, s.end)
                     for s, p in zip(stages, order, strict=True)
@@ -221,12 +305,22 @@ def plan(
                 best = keep
         return Plan(model.model_id, context_tokens, stages=best[2], est_token_ms=best[0])
     total = sum(_usable(p, headroom) for p in ordered)
-    need = whole + (len(ordered) - 1) * model.other_bytes
-    missing = max(need - total, 1)
+    k, spare = len(ordered), max(p.spare_bytes for p in ordered)
+    need = whole - min(model.compute_bytes(True), spare)
+    need += (k - 1) * (model.other_bytes + max(0, model.compute_bytes(False) - spare))
+    what = f"weights, KV cache for {context_tokens} tokens and compute buffers"
+    if need > total:
+        raise PlanError(
+            f"{model.model_id} needs {need / 1e9:.2f} GB across the mesh ({what}), the mesh "
+            f"offers {total / 1e9:.2f} GB: it needs {(need - total) / 1e9:.2f} GB more memory"
+        )
+    # Enough in all, but no peer can take the last stage even of one layer.
+    last = min(p.needs(model, n - 1, n, context_tokens) for p in ordered)
+    most = max(_usable(p, headroom) for p in ordered)
     raise PlanError(
-        f"{model.model_id} needs {need / 1e9:.2f} GB across the mesh (weights and KV cache for "
-        f"{context_tokens} tokens), the mesh offers {total / 1e9:.2f} GB: it needs "
-        f"{missing / 1e9:.2f} GB more memory"
+        f"{model.model_id}'s last stage needs at least {last / 1e9:.2f} GB on one peer (its "
+        f"output head, {what}), the largest offer is {most / 1e9:.2f} GB: give one peer more "
+        "memory"
     )
 
 
@@ -268,14 +362,18 @@ def repair(
     stages = []
     for s in current.stages:
         if s.peer_id not in live:
-            need = model.stage_bytes(s.start, s.end, current.context_tokens)
-            able = [p for p in spares if _usable(p, headroom) >= need]
+            ctx = current.context_tokens
+            able = [
+                p for p in spares if _usable(p, headroom) >= p.needs(model, s.start, s.end, ctx)
+            ]
+            able.sort(key=lambda p: (p.stage_ms(model, s.start, s.end, 0), p.peer_id))
             # The fastest, unless one about as fast holds what it needs (no download first).
+            fastest = able[0].stage_ms(model, s.start, s.end, 0) if able else 0.0
             ready = [
                 p
                 for p in able
                 if p.download_bytes(model, s.start, s.end) == 0
-                and p.speed * (1.0 + CLOSE_PLANS) >= able[0].speed
+                and p.stage_ms(model, s.start, s.end, 0) <= fastest * (1.0 + CLOSE_PLANS)
             ]
             taker = (ready or able or [None])[0]
             if taker is None:
@@ -284,14 +382,24 @@ def repair(
             s = StageAssignment(taker.peer_id, s.start, s.end)
         stages.append(s)
     order = [live[s.peer_id] for s in stages]
-    compute_ms = sum(
-        1000.0 * s.layers / max(p.speed, 1e-9) for s, p in zip(stages, order, strict=True)
-    )
+    compute_ms = _compute_ms(model, stages, order, current.context_tokens)
     return Plan(
         model.model_id,
         current.context_tokens,
         stages=tuple(stages),
         est_token_ms=compute_ms + _ring_ms(order, _unknown_rtt(peers)),
+    )
+
+
+def _compute_ms(
+    model: ModelCost,
+    stages: Sequence[StageAssignment],
+    order: Sequence[PeerCapacity],
+    context_tokens: int,
+) -> float:
+    return sum(
+        p.stage_ms(model, s.start, s.end, context_tokens)
+        for s, p in zip(stages, order, strict=True)
     )
 
 
@@ -308,20 +416,24 @@ def _assign(
     avg_layer = sum(model.layer_bytes) / n + kv_layer
     caps = []
     for i, p in enumerate(order):
-        fixed = model.other_bytes
+        fixed = model.other_bytes + max(0, model.compute_bytes(i == k - 1) - p.spare_bytes)
         fixed += model.embedding_bytes if i == 0 else 0
         fixed += model.head_bytes if i == k - 1 else 0
         caps.append(int((_usable(p, headroom) - fixed) // avg_layer))
     if min(caps) < 1 or sum(caps) < n:
         return None
-    counts = _proportional(n, [p.speed for p in order], caps)
+    if any(p.vram_bytes > 0 and p.vram_speed > 0 for p in order):
+        on_device = [int(p.vram_bytes * (1.0 - headroom) // avg_layer) for p in order]
+        counts = _even_times(n, order, caps, on_device)
+    else:
+        counts = _proportional(n, [p.speed for p in order], caps)
     # Layers differ in size a little: move layers off any stage that overflows exactly.
     for _ in range(n):
         bounds = list(itertools.accumulate(counts, initial=0))
         over = [
             i
             for i, p in enumerate(order)
-            if model.stage_bytes(bounds[i], bounds[i + 1], context_tokens) > _usable(p, headroom)
+            if p.needs(model, bounds[i], bounds[i + 1], context_tokens) > _usable(p, headroom)
         ]
         if not over:
             return tuple(
@@ -329,7 +441,7 @@ def _assign(
             )
         i = over[0]
         slack = [
-            (_usable(p, headroom) - model.stage_bytes(bounds[j], bounds[j + 1], context_tokens), j)
+            (_usable(p, headroom) - p.needs(model, bounds[j], bounds[j + 1], context_tokens), j)
             for j, p in enumerate(order)
             if j != i
         ]
@@ -368,6 +480,26 @@ def _proportional(n: int, weights: Sequence[float], caps: Sequence[int]) -> list
     return counts
 
 
+def _even_times(
+    n: int, order: Sequence[PeerCapacity], caps: Sequence[int], on_device: Sequence[int]
+) -> list[int]:
+    """n layers over peers whose first `on_device` layers run at their device speed and the
+    rest at their CPU speed: each next layer to the peer whose time grows least with it
+    (each at least 1 and at most its cap; deterministic), so the stages' times come out
+    about even."""
+
+    def ms(i: int, k: int) -> float:
+        p, dev = order[i], min(k, on_device[i]) if order[i].vram_speed > 0 else 0
+        return 1000.0 * (dev / max(p.vram_speed, 1e-9) + (k - dev) / max(p.speed, 1e-9))
+
+    counts = [1] * len(order)
+    for _ in range(n - len(order)):
+        free = [i for i in range(len(order)) if counts[i] < caps[i]]
+        i = min(free, key=lambda i: (ms(i, counts[i] + 1), i))
+        counts[i] += 1
+    return counts
+
+
 def estimated_token_ms(
     model: ModelCost, current: Plan, peers: Mapping[str, PeerCapacity], context_tokens: int
 ) -> float | None:
@@ -376,20 +508,18 @@ def estimated_token_ms(
     if current.replicas:
         hosts = [peers.get(p) for p in current.replicas]
         alive = [h for h in hosts if h is not None]
-        need = model.stage_bytes(0, model.n_layers, context_tokens)
-        if not alive or any(_usable(h, 0.0) < need for h in alive):
+        n = model.n_layers
+        if not alive or any(_usable(h, 0.0) < h.needs(model, 0, n, context_tokens) for h in alive):
             return None
-        return 1000.0 * model.n_layers / max(max(h.speed for h in alive), 1e-9)
+        return min(h.stage_ms(model, 0, n, context_tokens) for h in alive)
     order = [peers.get(s.peer_id) for s in current.stages]
     if any(p is None for p in order):
         return None
     live = [p for p in order if p is not None]
     for s, p in zip(current.stages, live, strict=True):
-        if model.stage_bytes(s.start, s.end, context_tokens) > p.memory_bytes:
+        if p.needs(model, s.start, s.end, context_tokens) > _usable(p, 0.0):
             return None
-    compute = sum(
-        1000.0 * s.layers / max(p.speed, 1e-9) for s, p in zip(current.stages, live, strict=True)
-    )
+    compute = _compute_ms(model, current.stages, live, context_tokens)
     return compute + _ring_ms(live, _unknown_rtt(peers.values()))
 
 

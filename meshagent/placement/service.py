@@ -77,9 +77,14 @@ def capacities(
         memory = offered_memory(r)
         if memory <= 0 or r.compute_speed <= 0:
             continue
-        speed = float(r.compute_speed)
+        per_layer = 1.0
         if flops_per_layer > 0 and getattr(r, "compute_unit", "") == COMPUTE_UNIT:
-            speed = speed * 1e9 / flops_per_layer
+            per_layer = 1e9 / flops_per_layer
+        speed = float(r.compute_speed) * per_layer
+        # GPUs: their offers together, at their offer-weighted speed (0 until measured).
+        offered = [(d.offer_bytes, d.speed) for d in getattr(r, "devices", ()) if d.offer_bytes]
+        vram = sum(b for b, _ in offered)
+        vram_speed = sum(b * s for b, s in offered) / vram * per_layer if vram else 0.0
         whole, holds = True, frozenset()
         if source_sha256:
             whole = any(m.sha256 == source_sha256 for m in r.models)
@@ -88,7 +93,19 @@ def capacities(
                 for a in r.artifacts
                 if a.source_sha256 == source_sha256 and a.kind == "layers"
             )
-        out.append(PeerCapacity(pid, memory, speed, dict(r.rtts_ms), whole, holds))
+        out.append(
+            PeerCapacity(
+                pid,
+                memory,
+                speed,
+                dict(r.rtts_ms),
+                whole,
+                holds,
+                vram_bytes=vram if vram_speed > 0 else 0,
+                vram_speed=vram_speed,
+                spare_bytes=int(getattr(r, "mem_spare_bytes", 0)),
+            )
+        )
     return out
 
 

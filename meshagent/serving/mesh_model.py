@@ -30,7 +30,7 @@ from meshagent.models.family import family_traits
 from meshagent.models.layout import ModelLayout
 from meshagent.net.errors import ConnectionUnavailable
 from meshagent.net.stream import MeshStream
-from meshagent.placement.planner import ModelCost, Plan
+from meshagent.placement.planner import ModelCost, Plan, offloaded_layers
 from meshagent.placement.service import PlacementService, Snapshot
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
@@ -63,6 +63,7 @@ class MeshModelSettings:
     replay_deadline: float = 30.0  # seconds a request waits for its split to serve again
     speculation: str = "auto"  # --speculation, for requests that do not choose
     prefix_cache: int = PREFIX_CACHE_AUTO  # --prefix-cache: bytes, 0 (off) or auto
+    vram: int = 0  # GPU memory offered here (`--max-vram`), all devices together
     headroom: float = 0.1
     threshold: float = 0.25
 
@@ -222,7 +223,8 @@ class MeshModel:
         for st in plan.stages:
             if st.peer_id == self.peer_id:
                 start, end = st.start, st.end
-        needed = self.cost.stage_bytes(start, end, plan.context_tokens)
+        spare = getattr(me.record, "mem_spare_bytes", 0) if me is not None else 0
+        needed = self.cost.offer_bytes(start, end, plan.context_tokens, spare)
         return prefix_budget(self.settings.prefix_cache, offered, needed)
 
     def in_plan(self, key: str) -> bool:
@@ -359,9 +361,15 @@ class MeshModel:
         if self.peer_id in plan.replicas:
             # A partial copy of a hub model is completed (and checked whole) first.
             await self.source.complete(self.info, self.placement.gossip)
+            n, ctx = self.cost.n_layers, plan.context_tokens
+            gpu = offloaded_layers(self.cost, 0, n, ctx, s.vram)
             engine = await trio.to_thread.run_sync(
                 lambda: LlamaEngine(
-                    self.model_path, slots=s.slots, slot_ctx=s.slot_ctx, threads=s.threads
+                    self.model_path,
+                    slots=s.slots,
+                    slot_ctx=s.slot_ctx,
+                    threads=s.threads,
+                    gpu_layers=gpu,
                 )
             )
             self._whole = engine
@@ -388,6 +396,7 @@ class MeshModel:
                     max_queue=s.max_queue,
                     wire_dtype=wire.dtype,
                     prefix_budget=self._prefix_budget(plan),
+                    vram=s.vram,
                 ),
             )
             await host.load(plan)

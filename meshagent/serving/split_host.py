@@ -21,7 +21,7 @@ from meshagent.errors import EngineError
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.layout import ModelLayout
 from meshagent.net.stream import MeshStream
-from meshagent.placement.planner import Plan, StageAssignment
+from meshagent.placement.planner import ModelCost, Plan, StageAssignment, offloaded_layers
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import (
     ACTIVATION_WINDOW_BYTES,
@@ -53,6 +53,7 @@ class SplitSettings:
     # As whole-model serving: off. On CPUs llama.cpp's flash attention is slower for decode
     # and its results change with the thread count, which peers do not share.
     flash_attn: bool | None = False
+    vram: int = 0  # GPU memory offered here, all devices together
 
 
 class SplitHost:
@@ -138,6 +139,8 @@ class SplitHost:
         layers_path, _ = await trio.to_thread.run_sync(
             lambda: self.store.ensure_layers(self.model_path, part.start, part.end, self.layout)
         )
+        cost = ModelCost.from_layout(self.info.id, self.layout)
+        gpu = offloaded_layers(cost, part.start, part.end, plan.context_tokens, s.vram)
         engine = await trio.to_thread.run_sync(
             lambda: StageEngine(
                 layers_path,
@@ -148,6 +151,7 @@ class SplitHost:
                 slot_ctx=s.slot_ctx,
                 threads=s.threads,
                 flash_attn=s.flash_attn,
+                gpu_layers=gpu,
             )
         )
         self.plan, self.part, self._engine = plan, part, engine
