@@ -13,6 +13,7 @@ from meshagent.gossip.errors import RecordRejected
 from meshagent.gossip.record import (
     MAX_RECORD_BYTES,
     ArtifactHeld,
+    DeviceOffer,
     ModelHeld,
     PeerRecord,
     Serving,
@@ -59,6 +60,8 @@ def full_record(ident: NodeIdentity, seq: int = 5) -> PeerRecord:
         extras={"lease": {"epoch": 3, "layers": [0, 10]}},
         capabilities=(b"\xa4signed-capability-record",),
         windows_inexact="llama.cpp was built with LLAMAFILE",
+        devices=(DeviceOffer("CUDA0", "NVIDIA H200", "gpu", 150 << 30, 140 << 30, 20 << 30, 9e3),),
+        mem_spare_bytes=4 << 30,
     )
 
 
@@ -71,6 +74,30 @@ def test_signed_record_round_trips_and_verifies():
     assert back.raw == signed.raw
     assert rec.rtt_to("otherpeer") == 1.25
     assert rec.to_dict()["models"][0]["n_layers"] == 30
+
+
+def test_gpus_and_spare_memory_are_absent_from_a_cpu_agents_record():
+    # A record without them encodes as before they existed (old agents read it alike), and
+    # a record with them decodes on an agent that ignores unknown keys.
+    ident = NodeIdentity.generate()
+    rec = replace(full_record(ident), devices=(), mem_spare_bytes=0)
+    wire = cbor2.loads(rec.to_body())
+    assert 20 not in wire and 21 not in wire
+    full = cbor2.loads(full_record(ident).to_body())
+    assert full[20] == [["CUDA0", "NVIDIA H200", "gpu", 150 << 30, 140 << 30, 20 << 30, 9e3]]
+    assert full[21] == 4 << 30
+    assert full_record(ident).to_dict()["devices"][0]["offer_bytes"] == 20 << 30
+
+
+def test_a_malformed_device_is_refused():
+    ident = NodeIdentity.generate()
+    wire = cbor2.loads(full_record(ident).to_body())
+    wire[20] = [["CUDA0", "x", "gpu", -1, 0, 0, 0.0]]
+    with pytest.raises(RecordRejected, match="unsigned"):
+        PeerRecord.from_body(cbor2.dumps(wire, canonical=True))
+    wire[20] = [["CUDA0"]] * 17
+    with pytest.raises(RecordRejected, match="at most 16"):
+        PeerRecord.from_body(cbor2.dumps(wire, canonical=True))
 
 
 def test_a_record_from_another_mesh_does_not_verify():
