@@ -38,6 +38,7 @@ class StagedEngine(VocabDelegate):
         max_batch_tokens: int = 512,
         flash_attn: bool = False,
         layout: ModelLayout | None = None,  # the model's, if the caller has it already
+        gpu_layers: int = 0,  # each stage's layers offloaded to GPUs (llama.cpp n_gpu_layers)
     ) -> None:
         layout = layout or inspect_model(model)
         # Certification runs this on families the planner does not split by default.
@@ -63,6 +64,7 @@ class StagedEngine(VocabDelegate):
                 threads=threads,
                 max_batch_tokens=max_batch_tokens,
                 flash_attn=flash_attn,
+                gpu_layers=gpu_layers,
             )
             for a, b in itertools.pairwise(bounds)
         ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,9 @@ PROMPT = (
 # gives mean differences of several units.
 F16_MAX_LOGIT_DIFF = 2.0
 F16_MEAN_LOGIT_DIFF = 0.5
+# Layers each engine offloads to GPUs: bench/device_check.sh runs these tests with every layer
+# on the GPU (99), whole model and stages alike; a CPU build offloads none, whatever it says.
+GPU_LAYERS = int(os.environ.get("MESHAGENT_TEST_GPU_LAYERS", "0"))
 
 
 def greedy_run(engine, prompt_tokens: list[int], steps: int):
@@ -41,7 +45,7 @@ def greedy_run(engine, prompt_tokens: list[int], steps: int):
 
 @pytest.fixture(scope="module")
 def smollm_whole(model_path: Path):
-    eng = LlamaEngine(model_path, slots=2, slot_ctx=1024, flash_attn=False)
+    eng = LlamaEngine(model_path, slots=2, slot_ctx=1024, flash_attn=False, gpu_layers=GPU_LAYERS)
     yield eng
     eng.close()
 
@@ -59,7 +63,9 @@ def smollm_reference(smollm_whole, smollm_prompt):
 
 
 def test_smollm_three_stages_f32_is_exact(model_path, store, smollm_prompt, smollm_reference):
-    staged = StagedEngine(model_path, [0, 10, 20, 30], store, slots=2, slot_ctx=1024)
+    staged = StagedEngine(
+        model_path, [0, 10, 20, 30], store, slots=2, slot_ctx=1024, gpu_layers=GPU_LAYERS
+    )
     try:
         logits, tokens = greedy_run(staged, smollm_prompt, 64)
     finally:
@@ -74,7 +80,13 @@ def test_smollm_three_stages_f16_keeps_greedy_tokens(
     model_path, store, smollm_prompt, smollm_reference
 ):
     staged = StagedEngine(
-        model_path, [0, 10, 20, 30], store, slots=2, slot_ctx=1024, wire_dtype="f16"
+        model_path,
+        [0, 10, 20, 30],
+        store,
+        slots=2,
+        slot_ctx=1024,
+        wire_dtype="f16",
+        gpu_layers=GPU_LAYERS,
     )
     try:
         logits, tokens = greedy_run(staged, smollm_prompt, 64)
@@ -95,8 +107,8 @@ def test_smollm_three_stages_f16_keeps_greedy_tokens(
 def test_tiny_models_split_exactly(arch, tmp_path, store):
     path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, n_layers=6)
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 200)]
-    whole = LlamaEngine(path, slots=1, slot_ctx=512, flash_attn=False)
-    staged = StagedEngine(path, [0, 2, 4, 6], store, slots=1, slot_ctx=512)
+    whole = LlamaEngine(path, slots=1, slot_ctx=512, flash_attn=False, gpu_layers=GPU_LAYERS)
+    staged = StagedEngine(path, [0, 2, 4, 6], store, slots=1, slot_ctx=512, gpu_layers=GPU_LAYERS)
     try:
         ref_logits, ref_tokens = greedy_run(whole, prompt, 32)
         logits, tokens = greedy_run(staged, prompt, 32)
@@ -118,7 +130,9 @@ def test_split_refused_for_index_dependent_architectures(tmp_path, store):
 def test_interleaved_sequences_match_each_alone(model_path, store, smollm_whole):
     """Four sequences decoded together, in a different order every step (llama.cpp builds
     micro-batches from runs of consecutive sequence ids), give each one's lone tokens."""
-    staged = StagedEngine(model_path, [0, 10, 20, 30], store, slots=4, slot_ctx=512)
+    staged = StagedEngine(
+        model_path, [0, 10, 20, 30], store, slots=4, slot_ctx=512, gpu_layers=GPU_LAYERS
+    )
     prompts = [
         smollm_whole.tokenize(p, add_bos=True)
         for p in ("The capital of France is", "Once upon a time", "def fibonacci(n):", "Hi")
