@@ -234,15 +234,37 @@ def check_build() -> list[Finding]:
     # "CPU : SSE3 = 1 | AVX = 1 | ...": a backend's name, then its features
     parts = [p.rsplit(":", 1)[-1] for p in info.split("|") if p.strip().endswith("= 1")]
     features = sorted(p.split("=")[0].strip() for p in parts)
+    from meshagent import devices
+
     gpu = "a GPU backend" if llama_cpp.llama_supports_gpu_offload() else "CPU only"
     out = [
         Finding(
             OK,
             "llama.cpp",
-            f"llama-cpp-python {llama_cpp.__version__}, {gpu}; CPU features: "
+            f"llama-cpp-python {llama_cpp.__version__}, {gpu} (devices: "
+            f"{', '.join(devices.backends())}); CPU features: "
             f"{', '.join(features) or 'none reported'}",
         )
     ]
+    gpus = devices.list_devices()
+    for d in gpus:
+        out.append(
+            Finding(
+                OK,
+                "gpu",
+                f"{d.name} ({d.description}, {d.kind}): {d.free_bytes / 2**30:.1f} GiB free of "
+                f"{d.total_bytes / 2**30:.1f} GiB; layers are offloaded to it up to --max-vram",
+            )
+        )
+    if not gpus:
+        out.append(
+            Finding(
+                OK,
+                "gpu",
+                "none: this llama.cpp runs on the CPU. For a GPU, install a GPU build "
+                "(docs/gpu.md)",
+            )
+        )
     if built_with_llamafile():
         out.append(
             Finding(

@@ -44,7 +44,7 @@ def test_a_sound_setup_passes(tmp_path, capsys):
     rc, findings = run_doctor(root, capsys)
     assert rc == 0, failures(findings)
     checks = {f["check"] for f in findings}
-    assert {"data dir", "ports", "mdns", "relay", "llama.cpp", "memory"} <= checks
+    assert {"data dir", "ports", "mdns", "relay", "llama.cpp", "gpu", "memory"} <= checks
 
 
 def test_a_busy_port_is_named_with_a_fix(tmp_path, capsys):

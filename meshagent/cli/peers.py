@@ -76,7 +76,19 @@ def _show(args: argparse.Namespace) -> None:
 
 
 def table(peers: list[dict[str, Any]]) -> str:
-    head = ("PEER", "NAME", "STATE", "PATH", "ADDRESS", "RTT", "MEM W/KV", "SPEED", "SERVES")
+    head = (
+        "PEER",
+        "NAME",
+        "STATE",
+        "PATH",
+        "ADDRESS",
+        "RTT",
+        "MEM W/KV",
+        "SPEED",
+        "VRAM",
+        "GPU SPEED",
+        "SERVES",
+    )
     rows = [head]
     for p in peers:
         rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.1f}ms"
@@ -84,6 +96,7 @@ def table(peers: list[dict[str, Any]]) -> str:
         if p["mem_weights_bytes"] is not None:
             mem = f"{p['mem_weights_bytes'] / _GIB:.1f}/{p['mem_kv_bytes'] / _GIB:.1f}G"
         speed = "-" if not p["compute_speed"] else f"{p['compute_speed']:.0f}GF"
+        vram, gpu_speed = _gpus(p.get("devices") or [])
         serves = [f"{s['model']}[{s['layers'][0]}:{s['layers'][1]}]" for s in p["serving"]]
         stages = [f"{s['kind']}[{s['layers'][0]}:{s['layers'][1]}]" for s in p["stages"]]
         extra = f" +{len(stages)} stage artifacts" if stages else ""
@@ -97,6 +110,8 @@ def table(peers: list[dict[str, Any]]) -> str:
                 rtt,
                 mem,
                 speed,
+                vram,
+                gpu_speed,
                 (", ".join(serves) or "-") + extra,
             )
         )
@@ -105,6 +120,18 @@ def table(peers: list[dict[str, Any]]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
         for r in rows
     )
+
+
+def _gpus(devices: list[dict[str, Any]]) -> tuple[str, str]:
+    """A peer's GPUs as two cells: memory offered of the total ("20.0/80.0G", "+" between
+    devices) and each one's measured speed ("-" until measured, or without a GPU)."""
+    if not devices:
+        return "-", "-"
+    vram = "+".join(
+        f"{d['offer_bytes'] / _GIB:.1f}/{d['total_bytes'] / _GIB:.1f}G" for d in devices
+    )
+    speed = "+".join(f"{d['speed']:.0f}GF" if d["speed"] else "-" for d in devices)
+    return vram, speed
 
 
 def _probe(args: argparse.Namespace) -> int:

@@ -39,6 +39,8 @@ def peer_rows(
                 "mem_kv_bytes": rec.mem_kv_bytes if rec else None,
                 "compute_speed": rec.compute_speed if rec else None,
                 "compute_unit": rec.compute_unit if rec else None,
+                "mem_spare_bytes": rec.mem_spare_bytes if rec else None,
+                "devices": [d.__dict__ for d in rec.devices] if rec else [],
                 "models": [m.id for m in rec.models] if rec else [],
                 "stages": [
                     {

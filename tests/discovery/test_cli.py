@@ -47,12 +47,24 @@ def test_peers_table():
     text = table([_row(self=True, path="local", rtt_ms=None), _row(state="dead", path=None)])
     lines = text.splitlines()
     assert lines[0].split() == [
-        "PEER", "NAME", "STATE", "PATH", "ADDRESS", "RTT", "MEM", "W/KV", "SPEED", "SERVES",
+        "PEER", "NAME", "STATE", "PATH", "ADDRESS", "RTT", "MEM", "W/KV", "SPEED", "VRAM", "GPU",
+        "SPEED", "SERVES",
     ]  # fmt: skip
     assert lines[1].startswith("abcdefghijkl*")
     assert "relay 10.0.0.1:9339" in lines[1] and "6.0/2.0G" in lines[1] and "85GF" in lines[1]
     assert "m[0:30] +1 stage artifacts" in lines[1]
     assert " dead " in lines[2] and "12.3ms" in lines[2]
+
+
+def test_peers_table_shows_each_gpus_offer_and_speed():
+    gpus = [
+        {"offer_bytes": 20 << 30, "total_bytes": 80 << 30, "speed": 41234.5},
+        {"offer_bytes": 0, "total_bytes": 24 << 30, "speed": 0.0},
+    ]
+    text = table([_row(devices=gpus), _row()])
+    gpu_row, cpu_row = text.splitlines()[1:]
+    assert "20.0/80.0G+0.0/24.0G" in gpu_row and "41234GF+-" in gpu_row
+    assert cpu_row.split()[-6:-4] == ["-", "-"]  # no GPU: VRAM and GPU SPEED
 
 
 @pytest.mark.parametrize(
