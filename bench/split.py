@@ -140,8 +140,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path("bench/results/split.json"))
+    ap.add_argument("--model", type=Path, help="a GGUF file (default: the embedded SmolLM2)")
+    ap.add_argument(
+        "--split-args",
+        default=" ".join(SMALL),
+        help=f"flags of the three split agents (default {' '.join(SMALL)!r})",
+    )
+    ap.add_argument(
+        "--single-args",
+        default=" ".join(BIG),
+        help=f"flags of the single agent (default {' '.join(BIG)!r})",
+    )
     args = ap.parse_args()
     model = "SmolLM2-135M-Instruct.Q4_1"
+    small, big = args.split_args.split(), args.single_args.split()
+    if args.model:
+        model = args.model.name.removesuffix(".gguf")
+        small, big = [*small, "--model", str(args.model)], [*big, "--model", str(args.model)]
     rows: dict[str, list[float]] = {"single 1": [], "single N": [], "split 1": [], "split N": []}
     compute_ms: list[float] = []  # the split's compute per decode token, all stages, per round
     with (
@@ -149,8 +164,8 @@ def main() -> None:
         contextlib.ExitStack() as agents,  # stopped however the run ends
     ):
         root = Path(tmp)
-        entry, stages, split = start_split(root, agents, model, SMALL, ["--wire-dtype", "f16"])
-        single = start_agent(root / "single", *BIG)  # a mesh of its own
+        entry, stages, split = start_split(root, agents, model, small, ["--wire-dtype", "f16"])
+        single = start_agent(root / "single", *big)  # a mesh of its own
         agents.callback(single.stop)
         trio.run(measure, entry.url, model, 8, 1)  # warm up both
         trio.run(measure, single.url, model, 8, 1)
@@ -252,6 +267,7 @@ def main() -> None:
     result = {
         "benchmark": "split",
         "model": model,
+        "agent_args": {"split": small, "single": big},
         "stages": stages,
         "max_tokens": args.max_tokens,
         "rounds": rows,

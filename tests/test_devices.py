@@ -12,10 +12,16 @@ from meshagent.devices import VRAM_RESERVE, Device
 GIB = 1 << 30
 
 
-def test_a_cpu_build_lists_the_cpu_and_no_gpu():
+def test_llama_cpp_lists_the_cpu_and_a_gpu_only_in_a_gpu_build():
+    import llama_cpp
+
     assert "CPU" in devices.backends()
-    assert devices.list_devices() == []
-    assert devices.devices_at_start() == ()
+    found = devices.list_devices()
+    if llama_cpp.llama_supports_gpu_offload():  # bench/device_check.sh runs these too
+        assert found and all(d.kind in devices.OFFLOAD_KINDS for d in found)
+        assert all(0 < d.free_bytes <= d.total_bytes for d in found)
+    else:
+        assert found == [] and devices.devices_at_start() == ()
 
 
 def test_the_speed_measurement_runs_through_ggml_on_a_device():
@@ -24,6 +30,8 @@ def test_the_speed_measurement_runs_through_ggml_on_a_device():
     assert speed > 0.1
     with pytest.raises(ValueError, match=r"no device 'CUDA7'.*CPU"):
         devices.device_gflops("CUDA7")
+    for d in devices.list_devices():  # a GPU build: each device measures
+        assert devices.device_gflops(d.name, n=1024) > speed
 
 
 def two_gpus() -> tuple[Device, ...]:

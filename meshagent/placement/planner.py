@@ -191,14 +191,15 @@ def offloaded_layers(
     model: ModelCost, start: int, end: int, context_tokens: int, vram_bytes: int
 ) -> int:
     """How many of layers [start, end) llama.cpp should put on this agent's devices, given
-    `vram_bytes` offered there (its `n_gpu_layers`: the last ones of the stage): the compute
-    buffer first, then each layer's weights and KV cache from the stage's end; one more than
-    the stage's layers when everything fits, which offloads its output head too."""
+    `vram_bytes` offered there (its `n_gpu_layers`: the last ones of the stage). One more than
+    the stage's layers when everything fits, which offloads its output head too; else the
+    layers' compute buffer (the head's logits stay on the CPU with the head), then each
+    layer's weights and KV cache from the stage's end."""
     if vram_bytes <= 0:
         return 0
     if model.stage_bytes(start, end, context_tokens) <= vram_bytes:
         return end - start + 1
-    room = vram_bytes - model.compute_bytes(end == model.n_layers)
+    room = vram_bytes - model.compute_bytes(last=False)
     kv = model.kv_bytes_per_token_per_layer * context_tokens
     n = 0
     for i in range(end - 1, start - 1, -1):
