@@ -40,7 +40,7 @@ CLOSE_PLANS = 0.10
 # 98.3 MiB whole or last stage, 14.0 MiB a middle one, for any context (docs/placement.md).
 BATCH_TOKENS = 512
 COMPUTE_ROW_EMBD = 12
-COMPUTE_FIXED = 2 << 20
+COMPUTE_FIXED = 3 << 20
 
 
 class PlanError(MeshError):

@@ -49,7 +49,7 @@ def layers_of(p: Plan) -> dict[str, int]:
 
 def test_compute_buffers_are_counted_per_stage():
     # The last stage holds the logits of a micro-batch, a middle one the layers' rows.
-    assert BIG.compute_bytes(last=True) == 512 * 4 * max(32000, 12 * 8192) + (2 << 20)
+    assert BIG.compute_bytes(last=True) == 512 * 4 * max(32000, 12 * 8192) + (3 << 20)
     small_vocab_head = replace(BIG, n_embd=576, n_vocab=49152)
     assert small_vocab_head.compute_bytes(last=True) > small_vocab_head.compute_bytes(last=False)
     weights_kv = BIG.weight_bytes(0, 80) + 4096 * CTX * 80
