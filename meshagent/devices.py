@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-import structlog
+import numpy as np
 
-log = structlog.get_logger(__name__)
+from meshagent.engine.native import ggml_library
+from meshagent.engine.runtime import init_backend
 
 # ggml_backend_dev_type
 KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
@@ -57,9 +58,6 @@ class _InitParams(ctypes.Structure):
 def _ggml() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     """(libggml: the backend registry, libggml-base: devices, tensors, graphs), as libllama
     loaded them, with the signatures used here."""
-    from meshagent.engine.native import ggml_library
-    from meshagent.engine.runtime import init_backend
-
     init_backend()
     reg, base = ggml_library("libggml"), ggml_library("libggml-base")
     p, size, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64
@@ -176,8 +174,6 @@ def device_gflops(name: str = "", n: int = 0, repeats: int = 3) -> float:
         buf = base.ggml_backend_alloc_ctx_tensors(ctx, backend)
         if not buf:
             raise RuntimeError(f"ggml could not allocate {2 * n * n * 4 >> 20} MiB on {name}")
-        import numpy as np
-
         host = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
         for t in (a, b):
             base.ggml_backend_tensor_set(t, host.ctypes.data, 0, host.nbytes)

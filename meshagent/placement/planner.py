@@ -116,7 +116,7 @@ class ModelCost:
 @dataclass(frozen=True)
 class PeerCapacity:
     peer_id: str
-    memory_bytes: int  # system memory offered for weights, KV cache and compute buffers
+    memory_bytes: int  # system memory offered for weights and KV cache (`--max-memory`)
     speed: float  # layers per second of the reference model (relative speed is what matters)
     rtt_ms: Mapping[str, float] = field(default_factory=dict)  # measured RTT to other peers
     # What it can load without downloading: every layer range (the whole model file is
