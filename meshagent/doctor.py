@@ -285,8 +285,9 @@ def check_memory(s: Situation, model_path: Path | None) -> list[Finding]:
     from meshagent.placement.planner import ModelCost
 
     c, gib = s.config, 1 << 30
+    available = capacity.memory_available()
     offer = capacity.memory_offer(
-        capacity.memory_available(),
+        available,
         limit=c.max_memory,
         weights=int(c.mem_weights_gib * gib),
         kv=int(c.mem_kv_gib * gib),
@@ -295,10 +296,12 @@ def check_memory(s: Situation, model_path: Path | None) -> list[Finding]:
         return [Finding(WARN, "memory", f"offers {offer.total / 1e9:.2f} GB; no model to weigh")]
     layout = inspect_model(model_path)
     cost = ModelCost.from_layout(model_path.stem, layout)
-    need = cost.stage_bytes(0, layout.n_layers, c.slots * c.ctx_size)
+    # As placement counts it: compute buffers out of the memory beyond the offer first.
+    spare = capacity.spare_memory(available, offer)
+    need = cost.offer_bytes(0, layout.n_layers, c.slots * c.ctx_size, spare)
     said = (
-        f"offers {offer.total / 1e9:.2f} GB; {model_path.stem} needs {need / 1e9:.2f} GB whole "
-        f"({c.slots} slots of {c.ctx_size} tokens)"
+        f"offers {offer.total / 1e9:.2f} GB; {model_path.stem} needs {need / 1e9:.2f} GB of it "
+        f"whole ({c.slots} slots of {c.ctx_size} tokens)"
     )
     if offer.total * 0.9 >= need:  # the planner keeps a tenth free
         return [Finding(OK, "memory", said + ": it can serve it alone")]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from meshagent import capacity
 from meshagent.certify.checks import Progress
 from meshagent.certify.prompts import Prompt
 from meshagent.identity.mesh import Invite, encode_invite
@@ -51,12 +52,16 @@ class SoakResult:
 
 
 def memory_cap(layout: ModelLayout, context_tokens: int) -> int:
-    """An offer per agent that makes placement split the model into exactly three stages."""
+    """An offer per agent that makes placement split the model into exactly three stages.
+    The agents run on this machine, so llama.cpp's compute buffers go to the memory it has
+    beyond their offers, as each agent will tell the mesh (`capacity.spare_memory`)."""
     cost = replace(ModelCost.from_layout("m", layout), split_refusal=None)
-    whole = cost.stage_bytes(0, layout.n_layers, context_tokens)
+    available = capacity.memory_available()
+    whole = cost.offer_bytes(0, layout.n_layers, context_tokens, spare=available)
     for share in (0.45, 0.5, 0.55, 0.6):
         cap = int(whole * share / (1 - HEADROOM))
-        peers = [PeerCapacity(str(i), cap, 1.0, {}) for i in range(AGENTS)]
+        spare = capacity.spare_memory(available, capacity.MemoryOffer.split(cap))
+        peers = [PeerCapacity(str(i), cap, 1.0, {}, spare_bytes=spare) for i in range(AGENTS)]
         try:
             p = plan(cost, peers, context_tokens=context_tokens, headroom=HEADROOM)
         except PlanError:
