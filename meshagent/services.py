@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import structlog
 import trio
 
-from meshagent import advertisement, control, devices
+from meshagent import advertisement, control
 from meshagent.api import forwarding, resumable
 from meshagent.api.access import Access
 from meshagent.api.app import OpenAIApp
@@ -211,7 +211,7 @@ class Services:
                 replay_deadline=cfg.replay_deadline,
                 speculation=cfg.speculation,
                 prefix_cache=cfg.prefix_cache,
-                vram=sum(devices.vram_offer(devices.devices_at_start(), cfg.max_vram)),
+                vram=sum(d.offer_bytes for d in advertisement.device_offers(cfg)),
             ),
         )
 
