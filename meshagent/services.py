@@ -38,7 +38,7 @@ from meshagent.gossip.service import GossipService
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret, mesh_fingerprint
 from meshagent.identity.mesh_file import load_or_create_mesh
-from meshagent.models import transfer
+from meshagent.models import header_share, transfer
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import CapabilityStore
 from meshagent.models.default import resolve_model
@@ -161,6 +161,9 @@ class Services:
                 store,
                 cut=self.model.source.cut_for_peer,
                 may_cut=self.model.in_plan,
+            ).handle,
+            header_share.LABEL: header_share.HeaderMapServer(
+                model_path, partial(store.source_sha256, model_path)
             ).handle,
             probe.LABEL: probe.serve,
             hearing.LABEL: partial(hearing.serve, self.overlay),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 import trio
 
@@ -12,10 +13,13 @@ from meshagent import capacity, logs
 from meshagent.agent import Agent
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.cli.progress import ProgressBar
-from meshagent.config import API_KEY_ENV, AgentConfig
-from meshagent.identity.mesh import decode_invite
+from meshagent.config import API_KEY_ENV, AgentConfig, DataDir
+from meshagent.identity.mesh import MeshSecret, decode_invite
+from meshagent.identity.mesh_file import load_mesh
+from meshagent.models.header_share import ask_peers
 from meshagent.models.hub import model_for_agent
 from meshagent.models.names import HubName, parse_model_name
+from meshagent.models.ranged import HeaderMap
 from meshagent.net.address import Address, is_loopback
 from meshagent.services import Services
 from meshagent.serving.mesh_model import UNSERVED_SETTLE, MeshModel
@@ -145,6 +149,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _header_map_from(
+    peers: tuple[str, ...], join: MeshSecret | None, data_dir: DataDir
+) -> Callable[[str], HeaderMap | None] | None:
+    """Asks the peers this agent was told of (`--join`, `--peer`) where a model file's
+    tokenizer lies in its header, before the agent starts: none without peers or a mesh."""
+    mesh = join
+    if mesh is None and data_dir.mesh_path.exists():
+        mesh = load_mesh(data_dir.mesh_path)
+    if mesh is None or not peers:
+        return None
+    return lambda sha256: ask_peers(peers, mesh, sha256)
+
+
 def run(args: argparse.Namespace) -> int:
     data_dir = data_dir_from(args)
     data_dir.ensure()
@@ -207,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
             offer.weights,
             progress=ProgressBar(f"downloading {config.model}"),
             say=lambda line: print(f"meshagent: {line}", file=sys.stderr),
+            header_map=_header_map_from(peers, join, data_dir),
         )
         config = config.merged({"model": str(path)})
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]

@@ -90,8 +90,24 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
 def read_model_info(path: Path) -> ModelInfo:
     """A model's serving facts without loading its weights (vocabulary only)."""
     from meshagent.models.layout import inspect_model
+    from meshagent.models.ranged import header_gaps
 
     layout = inspect_model(path)
+    if header_gaps(path):
+        # A partial copy without its tokenizer (fetched before an artifact carrying it is
+        # cut): it serves stages, whose entry reads the vocabulary from its own artifact.
+        return ModelInfo(
+            id=model_id_for(path),
+            path=str(path),
+            architecture=layout.architecture,
+            n_layers=layout.n_layers,
+            n_vocab=layout.n_vocab,
+            n_ctx_train=layout.context_length,
+            size_bytes=layout.file_bytes,
+            chat_template=None,
+            bos_token="",
+            eos_token="",
+        )
     vocab = Vocab.load(path)
     try:
         return ModelInfo(

@@ -205,7 +205,10 @@ class ArtifactStore:
             return self.blob_path(found.sha256), found
         layout = layout or inspect_model(model)
         if is_partial(model):  # download the bytes the cut reads, only those
-            PartialModel(model).ensure_tensors(tensors_read(layout, kind, start, end))
+            part = PartialModel(model)
+            if kind == "entry" or end == layout.n_layers:
+                part.fill_gaps()  # these carry the tokenizer
+            part.ensure_tensors(tensors_read(layout, kind, start, end))
         tmp = self.blobs / f"{key}.tmp"
         provenance: dict[str, str | int] = {"source_sha256": source, "start": start, "end": end}
         log.info("artifact.cutting", model=model.name, kind=kind, layers=(start, end))

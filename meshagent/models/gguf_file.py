@@ -127,23 +127,32 @@ class _Cursor:
         return kind, values
 
 
+Gap = tuple[int, int, int]  # [start, end) of `count` whole metadata entries left unread
+
+
 @dataclass(frozen=True)
 class Header:
     """What a GGUF header says: its metadata, each tensor's (name, dims, type, offset within
-    the data section), and where that section starts."""
+    the data section), and where that section starts. `spans` gives each metadata entry's
+    [start, end) in the file; `gaps` the entries skipped unread (their keys are not known)."""
 
     fields: dict[str, Field]
     infos: list[tuple[str, list[int], GGMLQuantizationType, int]]
     data_offset: int
+    spans: dict[str, tuple[int, int]]
+    gaps: tuple[Gap, ...] = ()
 
 
-def parse_header(buf: memoryview | bytes) -> Header:
+def parse_header(buf: memoryview | bytes, gaps: tuple[Gap, ...] = ()) -> Header:
     """Parse the header at the start of `buf`, which may be only a prefix of the file:
-    HeaderTruncated when it ends before the header does, ValueError when it is not one."""
-    return _parse(_Cursor(memoryview(buf)))
+    HeaderTruncated when it ends before the header does, ValueError when it is not one.
+    Each gap (start, end, count) is `count` whole metadata entries starting at `start` that
+    are skipped unread (the bytes there need not be here); one that does not start where an
+    entry does, or holds more entries than are left, is a ValueError."""
+    return _parse(_Cursor(memoryview(buf)), {start: (end, n) for start, end, n in gaps})
 
 
-def _parse(c: _Cursor) -> Header:
+def _parse(c: _Cursor, gaps: dict[int, tuple[int, int]]) -> Header:
     if c.unpack("<I") != GGUF_MAGIC:
         raise ValueError("GGUF magic invalid")
     version = c.unpack("<I")
@@ -151,7 +160,20 @@ def _parse(c: _Cursor) -> Header:
         raise ValueError(f"GGUF version {version} (big-endian, or unknown) is not supported")
     n_tensors, n_fields = c.unpack("<Q"), c.unpack("<Q")
     fields: dict[str, Field] = {}
-    for _ in range(n_fields):
+    spans: dict[str, tuple[int, int]] = {}
+    skipped: list[Gap] = []
+    left = n_fields
+    while left > 0:
+        start = c.at
+        gap = gaps.get(start)
+        if gap is not None:
+            end, count = gap
+            if not 0 < count <= left or end <= start:
+                raise ValueError(f"a metadata gap at {start} does not fit the header")
+            c.at, left = end, left - count
+            skipped.append((start, end, count))
+            continue
+        left -= 1
         key = c.string()
         kind = GGUFValueType(c.unpack("<I"))
         if kind == GGUFValueType.ARRAY:
@@ -162,6 +184,9 @@ def _parse(c: _Cursor) -> Header:
         if key in fields:
             raise ValueError(f"duplicate metadata key {key}")
         fields[key] = f
+        spans[key] = (start, c.at)
+    if len(skipped) != len(gaps):
+        raise ValueError("a metadata gap does not start where an entry does")
     infos = []
     for _ in range(n_tensors):
         name = c.string()
@@ -177,7 +202,7 @@ def _parse(c: _Cursor) -> Header:
         alignment = align.value
         if alignment == 0 or alignment & (alignment - 1):
             raise ValueError("alignment must be a non-zero power of two")
-    return Header(fields, infos, -(-c.at // alignment) * alignment)
+    return Header(fields, infos, -(-c.at // alignment) * alignment, spans, tuple(skipped))
 
 
 def tensor_bytes(dims: list[int], kind: GGMLQuantizationType) -> int:
@@ -186,13 +211,15 @@ def tensor_bytes(dims: list[int], kind: GGMLQuantizationType) -> int:
 
 
 class GGUFFile:
-    """`fields` (key -> Field, in file order) and `tensors` of the GGUF at `path`. Raises
-    ValueError (or OSError) for a file that is not one."""
+    """`fields` (key -> Field, in file order) and `tensors` of the GGUF at `path`, read
+    around `gaps` (see `parse_header`). Raises ValueError (or OSError) for a file that is not
+    one."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, gaps: tuple[Gap, ...] = ()) -> None:
         self.path = Path(path)
         self.data = np.memmap(self.path, mode="r")
-        header = parse_header(memoryview(self.data))
+        header = parse_header(memoryview(self.data), gaps)
+        self.gaps = header.gaps
         self.fields = header.fields
         self.data_offset = header.data_offset
         self.tensors = [self._tensor(*info) for info in header.infos]

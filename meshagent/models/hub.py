@@ -24,6 +24,7 @@ from meshagent.errors import ModelError
 from meshagent.models.names import HubName, choose_file
 from meshagent.models.ranged import (
     HashMismatch,
+    HeaderMap,
     PartialModel,
     RemoteFile,
     check_room,
@@ -204,16 +205,18 @@ def partial_models(root: Path) -> list[tuple[Path, PartialModel]]:
     return out
 
 
-def begin_partial_of(remote: RemoteFile, root: Path, name: HubName | str) -> Path:
+def begin_partial_of(
+    remote: RemoteFile, root: Path, name: HubName | str, header_map: HeaderMap | None = None
+) -> Path:
     """A partial copy of `remote` under `root`, with its header (the one started before, if
-    it is of the same file)."""
+    it is of the same file): around the tokenizer where a peer gave its `header_map`."""
     if not remote.sha256:
         raise ModelError(
             f"the hub lists no sha256 for {remote.filename} (not an LFS file), so its ranges "
             f"cannot be checked: download {name} whole (`meshagent models pull`)"
         )
     path = partial_path(root, remote)
-    PartialModel.begin(path, remote)
+    PartialModel.begin(path, remote, header_map=header_map)
     return path
 
 
@@ -224,12 +227,14 @@ def model_for_agent(
     *,
     progress: Progress | None = None,
     say: Callable[[str], None] | None = None,
+    header_map: Callable[[str], HeaderMap | None] | None = None,
 ) -> Path:
     """The file an agent serving `name` starts with: the whole file if the cache holds it,
     the partial copy under `root` it started before, else (asking the hub) the whole file
     downloaded when this agent could hold the model whole (`weights_offer` bytes), or a
     partial copy, its header only, when it cannot: it will download the layers placement
-    gives it, and only those."""
+    gives it, and only those. `header_map` asks peers where the header's tokenizer lies (by
+    the file's sha256), so that the header is fetched without it."""
     found = cached_file(name) or partial_file(name, root)
     if found is not None:
         return found
@@ -242,7 +247,8 @@ def model_for_agent(
             f"{weights_offer / 1e9:.2f} GB this agent offers for weights: it downloads the "
             "header now, and only the layers the mesh gives it once placed"
         )
-    return begin_partial_of(remote, root, name)
+    found = header_map(remote.sha256) if header_map is not None and remote.sha256 else None
+    return begin_partial_of(remote, root, name, found)
 
 
 @contextmanager

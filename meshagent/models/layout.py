@@ -86,10 +86,13 @@ def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
 
 
 def open_gguf(path: Path) -> GGUFFile:
+    """The GGUF at `path`; a partial copy's header read around the entries not fetched."""
+    from meshagent.models.ranged import header_gaps  # ranged builds on this module
+
     if not path.is_file():
         raise ModelError(f"model file not found: {path}")
     try:
-        return GGUFFile(path)
+        return GGUFFile(path, header_gaps(path))
     except (ValueError, OSError, IndexError) as e:
         raise ModelError(f"{path} is not a readable GGUF file: {e}") from e
 

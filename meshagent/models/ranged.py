@@ -3,11 +3,15 @@ stage's tensors, not the whole file.
 
 The local copy is a sparse file of the remote file's size: its header (read first, so the
 model's layout is known before any placement) and the tensor ranges fetched since sit at
-their own offsets, the rest is a hole. The slicer cuts stage artifacts from it as from the
-whole file, reading only the tensors the artifact copies, so an artifact cut here is
-byte-identical to one cut from the whole file. A sidecar (`<file>.ranges.json`) says where the
-file comes from (URL, size, the hub's sha256) and which ranges are here; it is rewritten after
-every MiB, so an interrupted download resumes where it stopped.
+their own offsets, the rest is a hole. Where a peer that read the whole header says where the
+tokenizer's entries lie in it (a `HeaderMap`), the header is fetched around them: a stage
+between the first and the last needs no tokenizer, and for a small model it is most of the
+header. They are fetched before an artifact that carries the tokenizer is cut. The slicer
+cuts stage artifacts from it as from the whole file, reading only the tensors the artifact
+copies, so an artifact cut here is byte-identical to one cut from the whole file. A sidecar
+(`<file>.ranges.json`) says where the file comes from (URL, size, the hub's sha256), which
+ranges are here and which header entries are not; it is rewritten after every MiB, so an
+interrupted download resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 import structlog
 
 from meshagent.errors import ModelError
-from meshagent.models.gguf_file import Header, HeaderTruncated, parse_header, tensor_bytes
+from meshagent.models.gguf_file import Gap, Header, HeaderTruncated, parse_header, tensor_bytes
 from meshagent.models.layout import file_sha256, write_atomic
 
 log = structlog.get_logger(__name__)
@@ -38,6 +42,7 @@ SIDECAR_VERSION = 1
 # fetched past its end (tensor bytes, kept) is at most a third of what was fetched.
 HEADER_PROBE = 256 << 10
 MAX_HEADER = 1 << 30  # a header larger than this is not a model's
+TOKENIZER_PREFIX = "tokenizer."  # the entries only the first and last stages carry
 COALESCE_GAP = 4096  # tensors this close are fetched in one request (alignment padding)
 RECORD_EVERY = 1 << 20  # the sidecar is rewritten after each MiB written
 _lock = threading.RLock()  # one download into the partial files at a time
@@ -59,6 +64,41 @@ class RemoteFile:
     size: int
     sha256: str
     url: str
+
+
+@dataclass(frozen=True)
+class HeaderMap:
+    """Where the header of the model file `sha256` ends (its data section's offset) and the
+    metadata entries a stage without the tokenizer may leave unread (`gaps`)."""
+
+    sha256: str
+    end: int
+    gaps: tuple[Gap, ...]
+
+    @property
+    def gap_bytes(self) -> int:
+        return sum(b - a for a, b, _ in self.gaps)
+
+
+def header_map(header: Header, sha256: str) -> HeaderMap:
+    """The map of a header read whole: its `tokenizer.*` entries, adjacent ones as one gap."""
+    gaps: list[Gap] = []
+    for key, (a, b) in header.spans.items():
+        if not key.startswith(TOKENIZER_PREFIX):
+            continue
+        if gaps and gaps[-1][1] == a:
+            gaps[-1] = (gaps[-1][0], b, gaps[-1][2] + 1)
+        else:
+            gaps.append((a, b, 1))
+    return HeaderMap(sha256, header.data_offset, tuple(gaps))
+
+
+def header_gaps(path: Path) -> tuple[Gap, ...]:
+    """The metadata entries of the file at `path` that are not here: a partial copy's header
+    fetched around its tokenizer; none for any other file."""
+    if not is_partial(path):
+        return ()
+    return PartialModel(path).gaps
 
 
 def sidecar(path: Path) -> Path:
@@ -123,6 +163,10 @@ class PartialModel:
             self.header_bytes = int(meta.get("header_bytes", 0))
             # Bytes fetched to read the header (it, and what the last probe took past it).
             self.header_fetched = int(meta.get("header_fetched", 0))
+            # Metadata entries of the header not fetched (the tokenizer's, `HeaderMap`).
+            self.gaps: tuple[Gap, ...] = tuple(
+                (int(a), int(b), int(n)) for a, b, n in meta.get("gaps", [])
+            )
             self.complete = bool(meta.get("complete", False))  # whole, matching the sha256
             self.commit = str(meta.get("commit", ""))  # the repository's, as the hub said
             self.artifacts: dict[str, str] = dict(meta.get("artifacts", {}))
@@ -131,16 +175,23 @@ class PartialModel:
 
     @classmethod
     def begin(
-        cls, path: Path, remote: RemoteFile, *, probe: int = HEADER_PROBE, header: bool = True
+        cls,
+        path: Path,
+        remote: RemoteFile,
+        *,
+        probe: int = HEADER_PROBE,
+        header: bool = True,
+        header_map: HeaderMap | None = None,
     ) -> PartialModel:
         """The partial copy of `remote` at `path`, started if it is not: a sparse file of its
-        size and (unless `header` is false: a whole download) its header, downloaded now."""
+        size and (unless `header` is false: a whole download) its header, downloaded now,
+        around the gaps of `header_map` where one is given."""
         with _lock:
             if is_partial(path):
                 part = cls(path)
                 if part.remote.sha256 == remote.sha256:
                     if header:
-                        part.fetch_header(probe)
+                        part.fetch_header(probe, header_map)
                     return part
                 log.info("partial.replaced", path=str(path), sha256=remote.sha256)
                 part.discard()
@@ -151,7 +202,7 @@ class PartialModel:
             write_atomic(sidecar(path), json.dumps(meta).encode())
             part = cls(path)
             if header:
-                part.fetch_header(probe)
+                part.fetch_header(probe, header_map)
             return part
 
     @property
@@ -181,8 +232,19 @@ class PartialModel:
 
     # ----- what is fetched -----
 
-    def fetch_header(self, probe: int = HEADER_PROBE) -> None:
-        """Download the header (and whatever tensor bytes the last request took with it)."""
+    def fetch_header(self, probe: int = HEADER_PROBE, header_map: HeaderMap | None = None) -> None:
+        """Download the header (and whatever tensor bytes the last request took with it):
+        around the gaps of `header_map` where one is given (a map that does not fit the file
+        is set aside, and the header fetched whole)."""
+        if self.header_bytes > 0:  # read before: only what is not here (nothing, offline)
+            self.ensure(missing([(0, self.header_bytes)], [(a, b) for a, b, _ in self.gaps]))
+            return
+        if header_map is not None and header_map.sha256 == self.remote.sha256:
+            try:
+                self._fetch_mapped(header_map)
+                return
+            except ValueError as e:
+                log.warning("partial.header_map_refused", file=self.remote.filename, error=str(e))
         while True:
             self.ensure([(0, min(probe, self.remote.size))])
             with self.path.open("rb") as f:
@@ -205,6 +267,44 @@ class PartialModel:
             self.header_fetched = self.fetched
             self._save()
 
+    def _fetch_mapped(self, header_map: HeaderMap) -> None:
+        """Fetch the header but its gaps and read it around them: ValueError if it does not
+        parse so, or says another end than the map."""
+        if not 0 < header_map.end <= min(self.remote.size, MAX_HEADER):
+            raise ValueError(f"a header ending at {header_map.end}")
+        gaps = [(a, b) for a, b, _ in header_map.gaps]
+        self.ensure(missing([(0, header_map.end)], coalesce(gaps, 0)))
+        with self.path.open("rb") as f:
+            head = f.read(header_map.end)
+        header = parse_header(head, header_map.gaps)
+        if header.data_offset != header_map.end:
+            raise ValueError(f"the header ends at {header.data_offset}, not {header_map.end}")
+        end = max((b for _, b in _spans(header).values()), default=header.data_offset)
+        if end > self.remote.size:
+            raise ValueError("its tensors run past the file's size")
+        self.gaps = header.gaps
+        self.header_bytes = header.data_offset
+        self.header_fetched = self.fetched
+        self._save()
+        log.info(
+            "partial.header_mapped",
+            file=self.remote.filename,
+            fetched=self.fetched,
+            left_out=header_map.gap_bytes,
+        )
+
+    def fill_gaps(self, progress: Progress | None = None) -> None:
+        """Fetch the header's gaps (an artifact that carries the tokenizer is cut next): the
+        header is whole here from then on."""
+        with _lock:
+            self._load()
+            if not self.gaps:
+                return
+            self.ensure([(a, b) for a, b, _ in self.gaps], progress)
+            parse_header(self._head())  # whole now: it must read so
+            self.gaps = ()
+            self._save()
+
     def ensure_tensors(self, names: Iterable[str], progress: Progress | None = None) -> None:
         """Download the bytes of the tensors `names` that are not here yet."""
         self.ensure(coalesce(self.tensor_ranges(names)), progress)
@@ -225,6 +325,7 @@ class PartialModel:
                     "what was fetched is dropped: start again to download it afresh"
                 )
             self.complete = True
+            self.gaps = ()
             self._save()
             log.info("partial.complete", file=self.remote.filename, fetched=self.fetched)
 
@@ -264,7 +365,7 @@ class PartialModel:
 
     def tensor_ranges(self, names: Iterable[str]) -> Ranges:
         """Where in the file the tensors `names` lie."""
-        where = _spans(parse_header(self._head()))
+        where = _spans(parse_header(self._head(), self.gaps))
         wanted = sorted(set(names))
         unknown = [n for n in wanted if n not in where]
         if unknown:
@@ -413,6 +514,7 @@ class PartialModel:
             "from_peers": self.from_peers,
             "header_bytes": self.header_bytes,
             "header_fetched": self.header_fetched,
+            "gaps": [list(g) for g in self.gaps],
             "complete": self.complete,
             "commit": self.commit,
             "artifacts": self.artifacts,

@@ -1,0 +1,173 @@
+"""Telling a peer where a model file's tokenizer lies in its header (`header/1`), so that a
+stage host starting on a hub name fetches the header around it (`ranged.HeaderMap`).
+
+An agent that has read the whole header of its model answers a request naming the file's
+sha256 with the header's end and the gaps: the byte spans of its `tokenizer.*` entries and how
+many entries each holds. A new agent asks the peers it was told of (`--join`, `--peer`) before
+it fetches anything from the hub, with a throwaway identity (the agent itself is not up yet).
+Nothing is trusted that the hub's bytes do not confirm: the header fetched around the gaps
+must read through them and end where the map says (`PartialModel._fetch_mapped`), else it is
+fetched whole.
+
+One stream per question, each way one message framed `u32 length | cbor map`:
+request {0: version, 1: sha256}; answer {0: version, 2: end, 3: [[start, end, count], ...]} or
+{0: version, 4: why not}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import numpy as np
+import structlog
+import trio
+
+from meshagent.errors import MeshError
+from meshagent.models.gguf_file import parse_header
+from meshagent.models.ranged import HeaderMap, PartialModel, header_map, is_partial
+from meshagent.net.framed import receive_frame
+from meshagent.wire.framing import Framing, LengthPrefixDecoder
+
+log = structlog.get_logger(__name__)
+
+LABEL = "header/1"
+VERSION = 1
+MAX_MESSAGE = 64 * 1024
+MAX_GAPS = 64
+ASK_TIMEOUT = 5.0  # seconds per peer asked, connection included
+K_VERSION, K_SHA256, K_END, K_GAPS, K_ERROR = range(5)
+
+
+class HeaderShareError(MeshError):
+    pass
+
+
+FRAMING = Framing("header map message", width=4, max_size=MAX_MESSAGE, error=HeaderShareError)
+Sha256Of = Callable[[], str]  # the agent's model file's sha256 (blocking: may hash it)
+
+
+def _encode(fields: dict[int, Any]) -> bytes:
+    return FRAMING.encode(cbor2.dumps({K_VERSION: VERSION, **fields}))
+
+
+async def _read(stream: trio.abc.ReceiveStream) -> dict[int, Any]:
+    def ended() -> HeaderShareError:
+        return HeaderShareError("the peer ended the stream early")
+
+    body = await receive_frame(stream, LengthPrefixDecoder(FRAMING), on_eof=ended)
+    try:
+        msg = cbor2.loads(body)
+    except (cbor2.CBORDecodeError, ValueError) as e:
+        raise HeaderShareError(f"malformed header map message: {e}") from e
+    if not isinstance(msg, dict) or msg.get(K_VERSION) != VERSION:
+        raise HeaderShareError("header map message of an unknown version or shape")
+    return msg
+
+
+def map_of(path: Path, sha256: str) -> HeaderMap | None:
+    """The map of the model file at `path` (whose sha256 is `sha256`), or None where its
+    header is not whole here (a partial copy fetched around its tokenizer, or not begun)."""
+    if is_partial(path):
+        part = PartialModel(path)
+        if part.gaps or part.header_bytes <= 0:
+            return None
+        with path.open("rb") as f:
+            head = f.read(part.header_bytes)
+        return header_map(parse_header(head), sha256)
+    return header_map(parse_header(memoryview(np.memmap(path, mode="r"))), sha256)
+
+
+class HeaderMapServer:
+    """Answers `header/1` for the model file at `path`."""
+
+    def __init__(self, path: Path, sha256_of: Sha256Of) -> None:
+        self.path = path
+        self.sha256_of = sha256_of
+        self._made: HeaderMap | None = None
+
+    def _map(self, sha256: str) -> HeaderMap | None:
+        if self._made is None or self._made.sha256 != sha256:
+            if self.sha256_of() != sha256:
+                return None
+            self._made = map_of(self.path, sha256)
+        return self._made
+
+    async def handle(self, stream: trio.abc.HalfCloseableStream) -> None:
+        try:
+            with trio.fail_after(ASK_TIMEOUT * 4):
+                msg = await _read(stream)
+                sha256 = msg.get(K_SHA256)
+                if not isinstance(sha256, str) or len(sha256) != 64:
+                    await stream.send_all(_encode({K_ERROR: "a request names a sha256"}))
+                    return
+                found = await trio.to_thread.run_sync(self._map, sha256)
+                if found is None:
+                    await stream.send_all(_encode({K_ERROR: "no whole header of that file here"}))
+                    return
+                gaps = [list(g) for g in found.gaps]
+                await stream.send_all(_encode({K_END: found.end, K_GAPS: gaps}))
+        except (MeshError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+            return
+        except (OSError, ValueError) as e:
+            log.warning("header_share.unreadable", path=str(self.path), error=str(e))
+        finally:
+            await stream.aclose()
+
+
+def _parse_answer(msg: dict[int, Any], sha256: str) -> HeaderMap:
+    if K_ERROR in msg:
+        raise HeaderShareError(str(msg[K_ERROR])[:200])
+    end, gaps = msg.get(K_END), msg.get(K_GAPS)
+    if not isinstance(end, int) or not isinstance(gaps, list) or len(gaps) > MAX_GAPS:
+        raise HeaderShareError("a header map without an end or gaps")
+    out = []
+    for g in gaps:
+        if not (isinstance(g, list) and len(g) == 3 and all(isinstance(x, int) for x in g)):
+            raise HeaderShareError("a header map's gap is not [start, end, count]")
+        out.append((g[0], g[1], g[2]))
+    return HeaderMap(sha256, end, tuple(out))
+
+
+async def ask(open_stream: Callable[[], Awaitable[Any]], sha256: str) -> HeaderMap:
+    """The map a peer gives for the file `sha256`: HeaderShareError if it has none."""
+    stream = await open_stream()
+    try:
+        await stream.send_all(_encode({K_SHA256: sha256}))
+        return _parse_answer(await _read(stream), sha256)
+    finally:
+        await stream.aclose()
+
+
+def ask_peers(addresses: Sequence[str], mesh: Any, sha256: str) -> HeaderMap | None:
+    """The first map one of the peers at `addresses` gives, asked in turn with a throwaway
+    identity of mesh `mesh` (blocking; the agent is not up yet), or None."""
+    from meshagent.identity.keys import NodeIdentity
+    from meshagent.net.manager import ConnectionManager
+    from meshagent.net.tcp import TcpTransport
+    from meshagent.wire.handshake import LocalPeer
+
+    async def main() -> HeaderMap | None:
+        node = ConnectionManager(LocalPeer.create(NodeIdentity.generate(), mesh), TcpTransport())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            try:
+                for address in addresses:
+                    with trio.move_on_after(ASK_TIMEOUT):
+                        try:
+                            conn = await node.dial(address)
+                            found = await ask(lambda c=conn: c.open_stream(LABEL), sha256)
+                        except (MeshError, OSError) as e:
+                            log.info("header_share.no_map", peer=address, error=str(e))
+                            continue
+                        log.info("header_share.map", peer=address, left_out=found.gap_bytes)
+                        return found
+                return None
+            finally:
+                with trio.CancelScope(shield=True):
+                    await node.aclose(grace=1.0)
+                nursery.cancel_scope.cancel()
+
+    return trio.run(main)
