@@ -95,24 +95,26 @@ class HeaderMapServer:
             self._made = map_of(self.path, sha256)
         return self._made
 
+    async def _answer(self, msg: dict[int, Any]) -> dict[int, Any]:
+        sha256 = msg.get(K_SHA256)
+        if not isinstance(sha256, str) or len(sha256) != 64:
+            return {K_ERROR: "a request names a sha256"}
+        try:
+            found = await trio.to_thread.run_sync(self._map, sha256)
+        except (OSError, ValueError) as e:
+            log.warning("header_share.unreadable", path=str(self.path), error=str(e))
+            return {K_ERROR: "the header here is unreadable"}
+        if found is None:
+            return {K_ERROR: "no whole header of that file here"}
+        return {K_END: found.end, K_GAPS: [list(g) for g in found.gaps]}
+
     async def handle(self, stream: trio.abc.HalfCloseableStream) -> None:
         try:
             with trio.fail_after(ASK_TIMEOUT * 4):
-                msg = await _read(stream)
-                sha256 = msg.get(K_SHA256)
-                if not isinstance(sha256, str) or len(sha256) != 64:
-                    await stream.send_all(_encode({K_ERROR: "a request names a sha256"}))
-                    return
-                found = await trio.to_thread.run_sync(self._map, sha256)
-                if found is None:
-                    await stream.send_all(_encode({K_ERROR: "no whole header of that file here"}))
-                    return
-                gaps = [list(g) for g in found.gaps]
-                await stream.send_all(_encode({K_END: found.end, K_GAPS: gaps}))
+                await stream.send_all(_encode(await self._answer(await _read(stream))))
+                await stream.send_eof()
         except (MeshError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
-            return
-        except (OSError, ValueError) as e:
-            log.warning("header_share.unreadable", path=str(self.path), error=str(e))
+            return  # the asker left or broke the protocol: it fetches the header whole
         finally:
             await stream.aclose()
 
@@ -136,6 +138,7 @@ async def ask(open_stream: Callable[[], Awaitable[Any]], sha256: str) -> HeaderM
     stream = await open_stream()
     try:
         await stream.send_all(_encode({K_SHA256: sha256}))
+        await stream.send_eof()
         return _parse_answer(await _read(stream), sha256)
     finally:
         await stream.aclose()
