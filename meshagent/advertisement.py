@@ -19,9 +19,11 @@ from meshagent import __version__, capacity, devices
 from meshagent.config import AgentConfig
 from meshagent.discovery import addresses
 from meshagent.engine.runtime import LLAMAFILE_WINDOWS, built_with_llamafile
+from meshagent.errors import ModelError
 from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, DeviceOffer, ModelHeld
 from meshagent.gossip.service import GossipService
 from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.net.manager import ConnectionManager
 from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
@@ -81,6 +83,7 @@ def dynamic_fields(
     relays: Sequence[RelayClient],
     store: ArtifactStore,
     capabilities: Capabilities,
+    model_path: Path,
 ) -> dict[str, Any]:
     """Record fields that can change while running; gossip polls them."""
     return {
@@ -88,7 +91,19 @@ def dynamic_fields(
         "relays": tuple(r.name for r in relays if r.registered),
         "artifacts": tuple(ArtifactHeld.from_manifest(m) for m in store.all())[:MAX_ARTIFACTS],
         "capabilities": capabilities.published(),
+        "no_tokenizer": no_tokenizer(model_path),
     }
+
+
+def no_tokenizer(model_path: Path) -> tuple[str, ...]:
+    """The model file's sha256 while its partial copy's header lacks the tokenizer."""
+    if not is_partial(model_path):
+        return ()
+    try:
+        part = PartialModel(model_path)
+    except ModelError:
+        return ()
+    return (part.sha256,) if part.gaps else ()
 
 
 async def measure(

@@ -112,6 +112,7 @@ class Services:
         self.mesh = mesh
         self.store = store
         self.api_url = api_url
+        self.model_path = model_path
         self.name = config.name or os.uname().nodename
         self.started_at = time.time()
         self.inflight = InFlight()
@@ -190,6 +191,7 @@ class Services:
                 self.relays,
                 self.store,
                 self.capabilities,
+                self.model_path,
             ),
         )
 

@@ -186,6 +186,9 @@ class PeerRecord:
     windows_inexact: str = ""
     # Devices besides the CPU (GPUs) and what of their memory is offered; none on a CPU agent.
     devices: tuple[DeviceOffer, ...] = ()
+    # The sha256 of each model file whose header this peer read without the tokenizer (a
+    # stage host's partial copy): it downloads the tokenizer before a first or last stage.
+    no_tokenizer: tuple[str, ...] = ()
     # Fields other services publish without a record format change (e.g. placement
     # leases): text keys, CBOR values.
     extras: dict[str, Any] = field(default_factory=dict)
@@ -223,6 +226,8 @@ class PeerRecord:
             wire[20] = [d.to_wire() for d in self.devices]
         if self.mem_spare_bytes:  # likewise
             wire[21] = self.mem_spare_bytes
+        if self.no_tokenizer:  # likewise
+            wire[22] = list(self.no_tokenizer)
         body = cbor2.dumps(wire, canonical=True)
         if len(body) > MAX_RECORD_BYTES:
             raise RecordRejected(
@@ -282,6 +287,7 @@ class PeerRecord:
                     DeviceOffer.from_wire(x) for x in _bounded(d.get(20, []), MAX_DEVICES)
                 ),
                 mem_spare_bytes=_uint(d.get(21, 0)),
+                no_tokenizer=tuple(_text(x) for x in _bounded(d.get(22, []), MAX_MODELS)),
             )
         except KeyError as e:
             raise RecordRejected(f"record lacks field {e}") from e
@@ -299,6 +305,7 @@ class PeerRecord:
             "mem_weights_bytes": self.mem_weights_bytes,
             "mem_kv_bytes": self.mem_kv_bytes,
             "mem_spare_bytes": self.mem_spare_bytes,
+            "no_tokenizer": list(self.no_tokenizer),
             "compute_speed": self.compute_speed,
             "compute_unit": self.compute_unit,
             "rtts_ms": dict(self.rtts_ms),

@@ -220,6 +220,7 @@ class GGUFFile:
         self.data = np.memmap(self.path, mode="r")
         header = parse_header(memoryview(self.data), gaps)
         self.gaps = header.gaps
+        self.spans = header.spans
         self.fields = header.fields
         self.data_offset = header.data_offset
         self.tensors = [self._tensor(*info) for info in header.infos]

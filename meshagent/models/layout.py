@@ -39,6 +39,9 @@ class ModelLayout:
     split_refusal: str | None  # why the planner may not split it by default
     stage_refusal: str | None  # why the stage engine cannot run a slice of it at all
     layer_n_head_kv: tuple[int, ...]  # KV heads of each layer
+    # Header bytes of its `tokenizer.*` entries: what a stage host fetches besides its tensors
+    # when it carries the tokenizer (first and last stage) and read the header around them.
+    tokenizer_bytes: int = 0
 
     @property
     def splittable(self) -> bool:
@@ -73,6 +76,7 @@ class ModelLayout:
             "head_bytes": self.head_bytes,
             "other_bytes": self.other_bytes,
             "file_bytes": self.file_bytes,
+            "tokenizer_bytes": self.tokenizer_bytes,
             "kv_bytes_per_token_per_layer": self.kv_bytes_per_token_per_layer,
             "splittable": self.splittable,
             "split_refusal": self.split_refusal,
@@ -154,6 +158,8 @@ def inspect_model(path: Path) -> ModelLayout:
         split_refusal=split_refusal(arch, set(r.fields)),
         stage_refusal=stage_refusal(arch, set(r.fields)),
         layer_n_head_kv=layer_n_head_kv,
+        tokenizer_bytes=sum(b - a for k, (a, b) in r.spans.items() if k.startswith("tokenizer."))
+        + sum(b - a for a, b, _ in r.gaps),
     )
 
 

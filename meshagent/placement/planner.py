@@ -64,6 +64,7 @@ class ModelCost:
     # For llama.cpp's compute buffer (`compute_bytes`); 0: not counted (hand-made tables).
     n_embd: int = 0
     n_vocab: int = 0
+    tokenizer_bytes: int = 0  # header bytes the first and last stage carry besides weights
 
     @classmethod
     def from_layout(cls, model_id: str, layout: ModelLayout) -> ModelCost:
@@ -80,6 +81,7 @@ class ModelCost:
             split_refusal=layout.split_refusal,
             n_embd=layout.n_embd,
             n_vocab=layout.n_vocab,
+            tokenizer_bytes=layout.tokenizer_bytes,
         )
 
     def compute_bytes(self, last: bool) -> int:
@@ -128,6 +130,9 @@ class PeerCapacity:
     # System memory it has beyond its offer, where llama.cpp's compute buffers go first: the
     # offer (`--max-memory`) is for weights and KV cache.
     spare_bytes: int = 0
+    # Whether it has read the model's tokenizer (a stage host that fetched the header around
+    # it, `models/ranged.py`, fetches it before it can cut the first or last stage).
+    tokenizer: bool = True
 
     def needs(self, model: ModelCost, start: int, end: int, context_tokens: int) -> int:
         """Bytes of its offer a stage over layers [start, end) takes here: weights and KV
@@ -138,7 +143,10 @@ class PeerCapacity:
         """Bytes this peer must download before it can load layers [start, end)."""
         if self.whole_file or (start, end) in self.holds:
             return 0
-        return model.weight_bytes(start, end)
+        ends = start == 0 or end == model.n_layers
+        return model.weight_bytes(start, end) + (
+            0 if self.tokenizer or not ends else model.tokenizer_bytes
+        )
 
     def stage_ms(self, model: ModelCost, start: int, end: int, context_tokens: int) -> float:
         """Compute time per token of layers [start, end) here: the share of the stage's bytes

@@ -104,6 +104,7 @@ def capacities(
                 vram_bytes=vram if vram_speed > 0 else 0,
                 vram_speed=vram_speed,
                 spare_bytes=int(getattr(r, "mem_spare_bytes", 0)),
+                tokenizer=source_sha256 not in getattr(r, "no_tokenizer", ()),
             )
         )
     return out

@@ -62,6 +62,7 @@ def full_record(ident: NodeIdentity, seq: int = 5) -> PeerRecord:
         windows_inexact="llama.cpp was built with LLAMAFILE",
         devices=(DeviceOffer("CUDA0", "NVIDIA H200", "gpu", 150 << 30, 140 << 30, 20 << 30, 9e3),),
         mem_spare_bytes=4 << 30,
+        no_tokenizer=(H,),
     )
 
 
@@ -80,12 +81,13 @@ def test_gpus_and_spare_memory_are_absent_from_a_cpu_agents_record():
     # A record without them encodes as before they existed (old agents read it alike), and
     # a record with them decodes on an agent that ignores unknown keys.
     ident = NodeIdentity.generate()
-    rec = replace(full_record(ident), devices=(), mem_spare_bytes=0)
+    rec = replace(full_record(ident), devices=(), mem_spare_bytes=0, no_tokenizer=())
     wire = cbor2.loads(rec.to_body())
-    assert 20 not in wire and 21 not in wire
+    assert 20 not in wire and 21 not in wire and 22 not in wire
     full = cbor2.loads(full_record(ident).to_body())
     assert full[20] == [["CUDA0", "NVIDIA H200", "gpu", 150 << 30, 140 << 30, 20 << 30, 9e3]]
     assert full[21] == 4 << 30
+    assert full[22] == [H]
     assert full_record(ident).to_dict()["devices"][0]["offer_bytes"] == 20 << 30
 
 

@@ -321,6 +321,25 @@ def test_among_close_splits_the_peers_holding_the_file_or_slices_are_preferred()
     )
 
 
+def test_a_peer_that_read_the_tokenizer_takes_an_end_stage_among_close_splits():
+    """Stage hosts that fetched the header around the tokenizer must fetch it for the first
+    or the last stage; the one that read it (the first to start) takes one of those."""
+    model = replace(MODEL, tokenizer_bytes=2 * MB)
+    three = [_holding(peer(x, 1.3)) for x in "abc"]
+    by_id = plan(model, three, context_tokens=CTX)
+    middle = by_id.stages[1].peer_id
+    # Every peer but the middle one of the plan by id lacks the tokenizer.
+    lacking = [p if p.peer_id == middle else replace(p, tokenizer=False) for p in three]
+    chosen = plan(model, lacking, context_tokens=CTX)
+    assert chosen.stages[1].peer_id != middle
+    assert chosen.est_token_ms <= by_id.est_token_ms * 1.10
+    assert lacking[0].download_bytes(model, 10, 20) == model.weight_bytes(10, 20)
+    ends = next(p for p in lacking if not p.tokenizer)
+    assert ends.download_bytes(model, 0, 10) == model.weight_bytes(0, 10) + 2 * MB
+    # No one lacking it: the plan by id, as before.
+    assert plan(model, three, context_tokens=CTX) == by_id
+
+
 def test_a_repair_gives_a_lost_stage_to_a_spare_that_holds_it():
     three = [_holding(peer(x, 1.3)) for x in "abc"]
     before = plan(MODEL, three, context_tokens=CTX)
