@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,15 @@ class EntryEngine(VocabDelegate):
         self.vocab = Vocab.load(entry_artifact)
         self.embed = TokenEmbeddings(entry_artifact)
         self.stage = first_stage
-        self.info = info
+        # The chat template and special tokens are the entry artifact's: the agent's own
+        # model file may be a partial copy read without its tokenizer (models/ranged.py).
+        self.info = replace(
+            info,
+            n_vocab=self.vocab.n_vocab,
+            chat_template=self.vocab.chat_template(),
+            bos_token=self.vocab.bos_token,
+            eos_token=self.vocab.eos_token,
+        )
         self.n_slots = first_stage.n_slots
         self.slot_ctx = first_stage.slot_ctx
         self.end_layer: int | None = first_stage.end  # where the next stage must start

@@ -156,3 +156,37 @@ def test_a_peer_gives_its_map_over_the_overlay(model_path, whole_map, hub, tmp_p
         for t in threads:
             t.join(timeout=10)
     assert map_of(gapped, whole_map.sha256) is None
+
+
+def test_an_entry_on_a_copy_read_without_the_tokenizer_chats_as_the_whole_model(
+    hub, whole_map, model_path, tmp_path
+):
+    """The agent's model facts come from its partial copy (no chat template there); the
+    split's entry takes the template and special tokens from its own artifact."""
+    from meshagent.engine.stage import StageEngine
+    from meshagent.serving.pipeline import EntryEngine
+
+    path = _begin(hub, tmp_path / "part", whole_map)
+    info = read_model_info(path)
+    assert info.chat_template is None
+    store = ArtifactStore(tmp_path / "store")
+    layout = inspect_model(path)
+    entry_path, _ = store.ensure_entry(path, layout)
+    first = StageEngine(
+        store.ensure_layers(path, 0, 2, layout)[0],
+        start=0,
+        end=2,
+        total_layers=layout.n_layers,
+        slots=1,
+        slot_ctx=64,
+        threads=1,
+    )
+    entry = EntryEngine(entry_path, first, info)
+    try:
+        whole = read_model_info(model_path)
+        assert entry.info.chat_template == whole.chat_template is not None
+        assert (entry.info.bos_token, entry.info.eos_token) == (whole.bos_token, whole.eos_token)
+        assert entry.info.id == info.id and entry.info.n_vocab == whole.n_vocab
+    finally:
+        entry.vocab.close()
+        first.close()
