@@ -18,9 +18,11 @@ that fails meanwhile must wake it (`wake_holder`), and it must wake the way the 
 have: rescheduled, not cancelled, so that its `receive_some` raises the stream's error before
 anything else. A connection that ends cancels the tasks serving its streams: a cancelled
 holder would see Cancelled instead of the reset and could not say its stream broke. So the
-holder waits on a duplicate of the socket's descriptor of its own, and a connection that ends
-closes that one (`retire`: trio wakes its waiter with ClosedResourceError at once); a stream
-reset while its connection lives cancels the holder's wait alone.
+holder waits on a duplicate of the socket's descriptor of its own, and a connection that ends,
+or a stream reset while its connection lives, wakes it through that one
+(`trio.lowlevel.notify_closing`: its waiter wakes with ClosedResourceError at once; the
+descriptor stays open until the connection closes). No cancel scope per wait: entering and
+leaving one costs more than the rest of a small message's reading.
 
 Reads go through a non-blocking socket without trio's per-call checkpoints, straight into the
 record reader's buffer.
@@ -72,7 +74,7 @@ class SocketReader(_Reader):
         self.holder: object | None = None  # the stream whose task reads now; None: the reader
         self._holder_sock = socket.socket(fileno=os.dup(sock.fileno()))  # what holders wait on
         self._holder_sock.setblocking(False)
-        self._holder_wait: trio.CancelScope | None = None
+        self._holder_waiting = False  # a holder waits on `_holder_sock` now
         self._retired = False  # the connection is ending: no more holders
         self._parked: trio.CancelScope | None = None  # the reader task's wait on the socket
         self._away = False  # the reader task waits for the reading to come back
@@ -139,9 +141,10 @@ class SocketReader(_Reader):
     # ----- a task waiting on a stream -----
 
     def wake_holder(self, holder: object) -> None:
-        """`holder`'s stream failed while its connection lives: stop its wait."""
-        if self.holder is holder and self._holder_wait is not None:
-            self._holder_wait.cancel()
+        """`holder`'s stream failed while its connection lives: stop its wait (as `retire`
+        does; its descriptor stays open, and the next holder waits on it anew)."""
+        if self.holder is holder and self._holder_waiting:
+            trio.lowlevel.notify_closing(self._holder_sock)
 
     def retire(self) -> None:
         """The connection is ending: wake a holder (ClosedResourceError, not a cancel) and
@@ -179,16 +182,13 @@ class SocketReader(_Reader):
         while not ready():
             if self._backlogged():
                 return False
-            with trio.CancelScope() as wait:
-                self._holder_wait = wait
-                try:
-                    await trio.lowlevel.wait_readable(self._holder_sock)
-                except trio.ClosedResourceError:
-                    return False  # retired: the connection is ending
-                finally:
-                    self._holder_wait = None
-            if wait.cancelled_caught:
-                return False  # its stream failed (`wake_holder`)
+            self._holder_waiting = True
+            try:
+                await trio.lowlevel.wait_readable(self._holder_sock)
+            except trio.ClosedResourceError:
+                return False  # retired (the connection is ending), or its stream failed
+            finally:
+                self._holder_waiting = False
             full = True
             while full:  # what the socket has now
                 room = records.writable(self.read_size)
