@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,34 @@ class ArtifactStore:
         found = (self.get(p.stem) for p in sorted(self.manifests.glob("*.json")))
         return [m for m in found if m is not None]
 
+    def prune(self, source_sha256: str, keep: Collection[str]) -> list[str]:
+        """Delete the artifacts of the model `source_sha256` outside `keep`, except the most
+        recently used of them while together they take no more bytes than those in `keep`:
+        the store holds at most twice a model's working set. Returns the keys deleted."""
+        with self._writing:
+            mine = [m for m in self.all() if m.source_sha256 == source_sha256]
+            room = sum(m.size_bytes for m in mine if m.key in keep)
+            others = [m for m in mine if m.key not in keep]
+            others.sort(key=lambda m: self._used_at(m.key), reverse=True)
+            dropped = []
+            for m in others:
+                if m.size_bytes <= room:
+                    room -= m.size_bytes
+                    continue
+                (self.manifests / f"{m.key}.json").unlink(missing_ok=True)
+                dropped.append(m)
+            held = {m.sha256 for m in self.all()}  # a blob another key still names stays
+            for m in dropped:
+                if m.sha256 not in held:
+                    self.blob_path(m.sha256).unlink(missing_ok=True)
+            return [m.key for m in dropped]
+
+    def _used_at(self, key: str) -> float:
+        try:
+            return (self.manifests / f"{key}.json").stat().st_mtime
+        except OSError:
+            return 0.0
+
     def drop(self, key: str) -> None:
         """Delete artifact `key` (its bytes proved wrong): the next ensure cuts it again."""
         with self._writing:
@@ -202,6 +232,8 @@ class ArtifactStore:
         key = artifact_key(source, kind, start, end)
         found = self.get(key)
         if found is not None:
+            with contextlib.suppress(OSError):  # used now: the last a prune deletes
+                os.utime(self.manifests / f"{key}.json")
             return self.blob_path(found.sha256), found
         layout = layout or inspect_model(model)
         if is_partial(model):  # download the bytes the cut reads, only those

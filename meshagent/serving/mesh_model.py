@@ -30,6 +30,7 @@ from meshagent.models.family import family_traits
 from meshagent.models.layout import ModelLayout
 from meshagent.net.errors import ConnectionUnavailable
 from meshagent.net.stream import MeshStream
+from meshagent.placement.negotiation import plan_digest
 from meshagent.placement.planner import ModelCost, Plan, offloaded_layers
 from meshagent.placement.service import PlacementService, Snapshot
 from meshagent.serving.capabilities import Capabilities
@@ -37,7 +38,7 @@ from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
 from meshagent.serving.embeddings import Embedder
 from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
-from meshagent.serving.obtain import ArtifactSource, cut_artifact, needed_by, spare_cuts
+from meshagent.serving.obtain import ArtifactSource, needed_by
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 from meshagent.serving.split_host import SplitHost, SplitSettings
 
@@ -187,31 +188,25 @@ class MeshModel:
             await trio.sleep(_CERTIFICATION_INTERVAL)
 
     async def _cut_as_spare(self) -> None:
-        """While a split serves without this agent and this agent offers memory (a spare),
-        cut that split's stages here ahead of time, so that a repair giving this agent a
-        lost stage only loads it (cutting it then took 1-1.5 s more on a busy machine)."""
+        """While a split serves, keep this agent's artifacts: as a spare offering memory, cut
+        (or fetch) that split's stages here ahead of time, so that a repair giving this agent
+        a lost stage only loads it; and once per plan, delete what it no longer needs."""
         failed: set[tuple[str, int, int]] = set()
+        pruned = ""
         while True:
             await trio.sleep(_SPARE_CUT_INTERVAL)
             claim = self.placement.in_force
             me = self.placement.gossip.snapshot().get(self.peer_id)
             if claim is None or not self.placement.routable or me is None:
                 continue  # nothing settled to prepare for (or a repair is using the CPU)
-            if offered_memory(me.record) <= 0:
-                continue
-            for kind, start, end in spare_cuts(claim.plan, self.peer_id):
-                if (kind, start, end) in failed or not self.placement.routable:
-                    continue
-                try:
-                    if self.source.partial is not None:  # from peers only, not the hub
-                        await self.source.obtain(kind, start, end, hub=False)
-                        continue
-                    await trio.to_thread.run_sync(
-                        cut_artifact, self.store, self.model_path, self.layout, kind, start, end
-                    )
-                except (MeshError, OSError) as e:
-                    failed.add((kind, start, end))
-                    log.warning("mesh_model.spare_cut_failed", layers=(start, end), error=str(e))
+            if offered_memory(me.record) > 0:
+                await self.source.prepare_spare(claim.plan, failed, self._routable)
+            if pruned != (digest := plan_digest(claim.plan)) and self.placement.routable:
+                await trio.to_thread.run_sync(self.source.prune, claim.plan)
+                pruned = digest
+
+    def _routable(self) -> bool:
+        return self.placement.routable
 
     def _prefix_budget(self, plan: Plan) -> int:
         """Bytes of kept prefixes this agent's part may use: of what it offers, what the

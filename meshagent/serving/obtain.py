@@ -66,6 +66,17 @@ def spare_cuts(plan: Plan, peer_id: str) -> list[tuple[str, int, int]]:
     return [("entry", 0, 0), *cuts]
 
 
+def cuts_here(plan: Plan, peer_id: str) -> list[tuple[str, int, int]]:
+    """The artifacts this agent's part of the split `plan` loads (its stage's layers, and the
+    entry's token embedding for the first), or those a spare prepares (`spare_cuts`)."""
+    if not plan.split:
+        return []
+    mine = [("layers", s.start, s.end) for s in plan.stages if s.peer_id == peer_id]
+    if any(start == 0 for _, start, _ in mine):
+        mine.insert(0, ("entry", 0, 0))
+    return mine or spare_cuts(plan, peer_id)
+
+
 def needed_by(plan: Plan, key: str) -> bool:
     """Whether the split `plan` needs artifact `key`: the entry's, or a stage's layers."""
     parsed = parse_key(key)
@@ -191,6 +202,40 @@ class ArtifactSource:
             f"artifact {key} cut from the hub's bytes twice does not match the sha256 peers "
             "publish for it: the hub's file or a peer's copy is not what it claims"
         )
+
+    async def prepare_spare(
+        self, plan: Plan, failed: set[tuple[str, int, int]], still: Callable[[], bool]
+    ) -> None:
+        """As a spare of the split `plan` (outside it, offering memory): get its stages'
+        artifacts ahead of need, while `still()`, so that a repair giving this agent a lost
+        stage only loads it. From peers only for a partial copy (nothing from the hub ahead
+        of need); cut from the file otherwise. What fails is added to `failed`, not retried."""
+        for kind, start, end in spare_cuts(plan, self.peer_id):
+            if (kind, start, end) in failed or not still():
+                continue
+            try:
+                if self.partial is not None:
+                    await self.obtain(kind, start, end, hub=False)
+                else:
+                    await trio.to_thread.run_sync(self._cut, kind, start, end)
+            except (MeshError, OSError) as e:
+                failed.add((kind, start, end))
+                log.warning("mesh_model.spare_cut_failed", layers=(start, end), error=str(e))
+
+    def prune(self, plan: Plan) -> list[str]:
+        """Delete this model's artifacts that the split `plan` does not need here, beyond as
+        many bytes again as those it needs (the most recently used first): old plans' slices
+        and cuts made for peers do not fill the disk (blocking). Returns the keys deleted."""
+        try:
+            sha = self.store.source_sha256(self.model_path)
+            keep = {artifact_key(sha, *cut) for cut in cuts_here(plan, self.peer_id)}
+            dropped = self.store.prune(sha, keep)
+        except (OSError, ModelError) as e:  # a disk that refuses: the artifacts stay
+            log.warning("artifact.prune_failed", error=str(e))
+            return []
+        if dropped:
+            log.info("artifact.pruned", keys=dropped, kept=len(keep))
+        return dropped
 
     def _reject(self, part: PartialModel, kind: str, start: int, end: int, key: str) -> None:
         """Drop the artifact and forget the ranges it was cut from: fetched again next."""

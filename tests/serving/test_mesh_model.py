@@ -14,7 +14,7 @@ from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
 from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
-from meshagent.serving.obtain import spare_cuts
+from meshagent.serving.obtain import cuts_here, spare_cuts
 from tests.placement.test_service import GB, FakeGossip, Record, View, World
 
 
@@ -141,3 +141,8 @@ def test_a_spare_cuts_every_stage_of_the_split_it_may_join_and_nothing_else():
     ]
     assert spare_cuts(split, "b") == []  # in the plan: it has its own part
     assert spare_cuts(Plan("m", 256, replicas=("a",)), "d") == []  # nothing to take over
+    # What each keeps on disk through a prune: its part, or as a spare every stage.
+    assert cuts_here(split, "a") == [("entry", 0, 0), ("layers", 0, 9)]
+    assert cuts_here(split, "c") == [("layers", 21, 30)]
+    assert cuts_here(split, "d") == spare_cuts(split, "d")
+    assert cuts_here(Plan("m", 256, replicas=("a",)), "a") == []
