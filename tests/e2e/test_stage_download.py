@@ -13,6 +13,7 @@ import sys
 import httpx
 import pytest
 
+from meshagent.config import DataDir
 from meshagent.launch import start_agent
 from meshagent.models.artifacts import ArtifactStore, artifact_key
 from tests.e2e.agents import invite, status, wait_for
@@ -54,6 +55,9 @@ def test_stage_hosts_download_only_their_layers(
     a = spawn_agent(*SMALL, "--model", NAME, name="a", wait_model=False)
     token = invite(a)
     b = spawn_agent(*SMALL, "--model", NAME, "--join", token, name="b", wait_model=False)
+    # c holds, from before, the layers artifact of the whole model (bigger than its part will
+    # be): no plan needs it here, and once the split serves it is deleted.
+    old, _ = ArtifactStore(DataDir(tmp_path / "c").artifacts_path).ensure_layers(model_path, 0, 30)
     c = spawn_agent(*SMALL, "--model", NAME, "--join", token, name="c", wait_model=False)
     agents = [a, b, c]
     assert "downloads the header now, and only the layers" in a.log_text()
@@ -62,6 +66,8 @@ def test_stage_hosts_download_only_their_layers(
         return all(status(x)["placement"][model_id]["routable"] for x in agents)
 
     wait_for(routable, timeout=180)
+    wait_for(lambda: not any(m["end"] - m["start"] == 30 for m in status(c)["artifacts"]), 30)
+    assert not old.exists() and "artifact.pruned" in c.log_text()
     size = model_path.stat().st_size
     reference = ArtifactStore(tmp_path / "reference")
     for x in agents:
