@@ -93,34 +93,25 @@ def read_model_info(path: Path) -> ModelInfo:
     from meshagent.models.ranged import header_gaps
 
     layout = inspect_model(path)
-    if header_gaps(path):
-        # A partial copy without its tokenizer (fetched before an artifact carrying it is
-        # cut): it serves stages, whose entry reads the vocabulary from its own artifact.
-        return ModelInfo(
-            id=model_id_for(path),
-            path=str(path),
-            architecture=layout.architecture,
-            n_layers=layout.n_layers,
-            n_vocab=layout.n_vocab,
-            n_ctx_train=layout.context_length,
-            size_bytes=layout.file_bytes,
-            chat_template=None,
-            bos_token="",
-            eos_token="",
-        )
-    vocab = Vocab.load(path)
-    try:
-        return ModelInfo(
-            id=model_id_for(path),
-            path=str(path),
-            architecture=layout.architecture,
-            n_layers=layout.n_layers,
-            n_vocab=vocab.n_vocab,
-            n_ctx_train=layout.context_length,
-            size_bytes=layout.file_bytes,
-            chat_template=vocab.chat_template(),
-            bos_token=vocab.bos_token,
-            eos_token=vocab.eos_token,
-        )
-    finally:
-        vocab.close()
+    facts = (layout.n_vocab, None, "", "")
+    if not header_gaps(path):
+        # (A partial copy read without its tokenizer has none: it serves stages, and an
+        # entry reads the vocabulary from its own artifact.)
+        vocab = Vocab.load(path)
+        try:
+            facts = (vocab.n_vocab, vocab.chat_template(), vocab.bos_token, vocab.eos_token)
+        finally:
+            vocab.close()
+    n_vocab, template, bos, eos = facts
+    return ModelInfo(
+        id=model_id_for(path),
+        path=str(path),
+        architecture=layout.architecture,
+        n_layers=layout.n_layers,
+        n_vocab=n_vocab,
+        n_ctx_train=layout.context_length,
+        size_bytes=layout.file_bytes,
+        chat_template=template,
+        bos_token=bos,
+        eos_token=eos,
+    )

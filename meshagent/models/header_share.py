@@ -28,7 +28,7 @@ import trio
 from meshagent.errors import MeshError
 from meshagent.models.gguf_file import parse_header
 from meshagent.models.ranged import HeaderMap, PartialModel, header_map, is_partial
-from meshagent.net.framed import receive_frame
+from meshagent.net.framed import receive_cbor
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
@@ -57,14 +57,10 @@ async def _read(stream: trio.abc.ReceiveStream) -> dict[int, Any]:
     def ended() -> HeaderShareError:
         return HeaderShareError("the peer ended the stream early")
 
-    body = await receive_frame(stream, LengthPrefixDecoder(FRAMING), on_eof=ended)
-    try:
-        msg = cbor2.loads(body)
-    except (cbor2.CBORDecodeError, ValueError) as e:
-        raise HeaderShareError(f"malformed header map message: {e}") from e
-    if not isinstance(msg, dict) or msg.get(K_VERSION) != VERSION:
-        raise HeaderShareError("header map message of an unknown version or shape")
-    return msg
+    frames = LengthPrefixDecoder(FRAMING)
+    return await receive_cbor(
+        stream, frames, version=VERSION, on_eof=ended, error=HeaderShareError, what="header map"
+    )
 
 
 def map_of(path: Path, sha256: str) -> HeaderMap | None:

@@ -25,7 +25,7 @@ import trio
 
 from meshagent.errors import MeshError
 from meshagent.models.artifacts import ArtifactStore, SliceManifest
-from meshagent.net.framed import receive_frame
+from meshagent.net.framed import receive_cbor, receive_frame
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
@@ -74,14 +74,15 @@ async def _read_frame(stream: trio.abc.ReceiveStream, frames: LengthPrefixDecode
 async def _read_message(
     stream: trio.abc.ReceiveStream, frames: LengthPrefixDecoder
 ) -> dict[int, Any]:
-    body = await _read_frame(stream, frames)
-    try:
-        msg = cbor2.loads(body)
-    except (cbor2.CBORDecodeError, ValueError) as e:
-        raise TransferError(f"malformed transfer message: {e}") from e
-    if not isinstance(msg, dict) or msg.get(K_VERSION) != VERSION:
-        raise TransferError("transfer message of an unknown version or shape")
-    return msg
+    return await receive_cbor(
+        stream,
+        frames,
+        version=VERSION,
+        on_eof=_ended_early,
+        error=TransferError,
+        what="transfer message",
+        receive_size=_RECEIVE,
+    )
 
 
 def _message(fields: dict[int, Any]) -> bytes:

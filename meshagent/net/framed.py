@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import cbor2
 import trio
 
 from meshagent.wire.framing import LengthPrefixDecoder
@@ -28,3 +30,25 @@ async def receive_frame(
             raise on_eof()
         frames.feed(data)
     return body
+
+
+async def receive_cbor(
+    stream: trio.abc.ReceiveStream,
+    frames: LengthPrefixDecoder,
+    *,
+    version: int,
+    on_eof: Callable[[], BaseException],
+    error: Callable[[str], BaseException],
+    what: str,
+    receive_size: int | None = None,
+) -> dict[int, Any]:
+    """The next frame as a CBOR map whose key 0 is `version`: `error(...)` when it is not
+    CBOR, not a map or of another version (`what` names it in the message)."""
+    body = await receive_frame(stream, frames, on_eof=on_eof, receive_size=receive_size)
+    try:
+        msg = cbor2.loads(body)
+    except (cbor2.CBORDecodeError, ValueError) as e:
+        raise error(f"malformed {what}: {e}") from e
+    if not isinstance(msg, dict) or msg.get(0) != version:
+        raise error(f"{what} of an unknown version or shape")
+    return msg
