@@ -225,7 +225,11 @@ class ArtifactSource:
     def prune(self, plan: Plan) -> list[str]:
         """Delete this model's artifacts that the split `plan` does not need here, beyond as
         many bytes again as those it needs (the most recently used first): old plans' slices
-        and cuts made for peers do not fill the disk (blocking). Returns the keys deleted."""
+        and cuts made for peers do not fill the disk (blocking). Returns the keys deleted.
+        Nothing while the model is served whole: the artifacts here are then the user's (cut
+        with `meshagent models slice`, to share) or a split's to come."""
+        if not plan.split:
+            return []
         try:
             sha = self.store.source_sha256(self.model_path)
             keep = {artifact_key(sha, *cut) for cut in cuts_here(plan, self.peer_id)}
