@@ -176,3 +176,22 @@ def _holder(store: ArtifactStore, whole) -> ArtifactSource:
 
 async def _refuse(peer: str, label: str):
     raise OSError("no route to that peer")
+
+
+def test_a_prune_follows_a_split_and_leaves_what_is_served_whole_alone(whole, tmp_path):
+    from meshagent.placement.planner import Plan, StageAssignment
+
+    store = ArtifactStore(tmp_path / "store")
+    source = _holder(store, whole)
+    cut = [store.ensure_layers(whole, a, b)[1].key for a, b in [(0, 2), (2, 4), (4, 6)]]
+    # Served whole: artifacts cut by hand stay.
+    assert source.prune(Plan("m", 256, replicas=("holder",))) == []
+    assert len(store.all()) == 3
+    # The last stage of a split: its own part stays, and of the others as many bytes again
+    # as it takes, the most recently used first.
+    split = Plan("m", 256, stages=(StageAssignment("b", 0, 4), StageAssignment("holder", 4, 6)))
+    assert source.prune(split) == [cut[0]]
+    assert {m.key for m in store.all()} == {cut[1], cut[2]}
+    # A spare of that split keeps every stage's (none of these): with none here, none stay.
+    spare = Plan("m", 256, stages=(StageAssignment("b", 0, 3), StageAssignment("c", 3, 6)))
+    assert source.prune(spare) == [cut[1], cut[2]]
