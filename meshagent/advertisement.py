@@ -111,6 +111,11 @@ async def measure(
 ) -> None:
     """Measured once at start, off the event loop: compute speed (the CPU's and each GPU's),
     the model's hash."""
+    path = Path(model.info.path)
+    if is_partial(path):
+        # Its sha256 is in the sidecar: placement counts downloads from its first plan on,
+        # before the speed published next lets it propose one.
+        model.placement.source_sha256 = store.source_sha256(path)
     speed = await trio.to_thread.run_sync(capacity.matmul_gflops)
     gossip.update_local(compute_speed=speed, compute_unit=capacity.COMPUTE_UNIT)
     log.info("agent.measured", compute_speed=speed, unit=capacity.COMPUTE_UNIT)
@@ -123,7 +128,6 @@ async def measure(
             s = 0.0
         log.info("agent.measured_device", device=d.name, speed=s, unit=capacity.COMPUTE_UNIT)
         speeds.append(s)
-    path = Path(model.info.path)
     sha = await trio.to_thread.run_sync(lambda: store.source_sha256(path))
     gossip.update_local(**static_fields(config, name, model, sha, speeds))
     model.placement.source_sha256 = sha  # placement: who holds what of this file
