@@ -190,3 +190,38 @@ def test_an_entry_on_a_copy_read_without_the_tokenizer_chats_as_the_whole_model(
     finally:
         entry.vocab.close()
         first.close()
+
+
+async def test_placement_knows_a_partial_copys_file_before_the_agent_publishes_its_speed(
+    hub, whole_map, tmp_path, monkeypatch
+):
+    """A plan proposed once the speeds are in counts downloads: the agent's own placement
+    knows which file its peers' holdings are of before its speed lets a plan be made (a plan
+    made in between put the agent that read the header whole on the middle stage)."""
+    from types import SimpleNamespace
+
+    from meshagent import advertisement, capacity
+    from meshagent.config import AgentConfig
+
+    path = _begin(hub, tmp_path / "part", whole_map)
+    info = read_model_info(path)
+    placement = SimpleNamespace(source_sha256="")
+    seen = []
+
+    class Gossip:
+        def update_local(self, **fields):
+            seen.append((set(fields), placement.source_sha256))
+
+    model = SimpleNamespace(
+        info=info,
+        placement=placement,
+        source=SimpleNamespace(partial=PartialModel(path)),
+        publish_serving=lambda: None,
+    )
+    monkeypatch.setattr(capacity, "matmul_gflops", lambda: 50.0)
+    store = ArtifactStore(tmp_path / "store")
+    await advertisement.measure(Gossip(), AgentConfig(), "x", model, store)
+    first_speed = next(sha for fields, sha in seen if "compute_speed" in fields)
+    assert first_speed == whole_map.sha256 == placement.source_sha256
+    # And its record says it read the header without the tokenizer.
+    assert advertisement.no_tokenizer(path) == (whole_map.sha256,)
