@@ -27,6 +27,7 @@ from gguf.constants import (
 from gguf.quants import quant_shape_to_byte_shape
 
 VERSIONS = (2, 3)
+TOKENIZER_PREFIX = "tokenizer."  # metadata only the first and last stages of a split carry
 
 _SCALARS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",

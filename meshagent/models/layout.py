@@ -11,7 +11,7 @@ from typing import Any
 
 from meshagent.errors import ModelError
 from meshagent.models.architectures import split_refusal, stage_refusal
-from meshagent.models.gguf_file import GGUFFile
+from meshagent.models.gguf_file import TOKENIZER_PREFIX, GGUFFile
 
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 KV_BYTES_F16 = 2
@@ -158,8 +158,15 @@ def inspect_model(path: Path) -> ModelLayout:
         split_refusal=split_refusal(arch, set(r.fields)),
         stage_refusal=stage_refusal(arch, set(r.fields)),
         layer_n_head_kv=layer_n_head_kv,
-        tokenizer_bytes=sum(b - a for k, (a, b) in r.spans.items() if k.startswith("tokenizer."))
-        + sum(b - a for a, b, _ in r.gaps),
+        tokenizer_bytes=_tokenizer_bytes(r),
+    )
+
+
+def _tokenizer_bytes(r: GGUFFile) -> int:
+    """Header bytes of the `tokenizer.*` entries: read, or left out (a partial copy's gaps)."""
+    spans = r.spans.items()
+    return sum(b - a for k, (a, b) in spans if k.startswith(TOKENIZER_PREFIX)) + sum(
+        b - a for a, b, _ in r.gaps
     )
 
 

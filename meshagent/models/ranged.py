@@ -31,7 +31,14 @@ from typing import Any
 import structlog
 
 from meshagent.errors import ModelError
-from meshagent.models.gguf_file import Gap, Header, HeaderTruncated, parse_header, tensor_bytes
+from meshagent.models.gguf_file import (
+    TOKENIZER_PREFIX,
+    Gap,
+    Header,
+    HeaderTruncated,
+    parse_header,
+    tensor_bytes,
+)
 from meshagent.models.layout import file_sha256, write_atomic
 
 log = structlog.get_logger(__name__)
@@ -42,7 +49,6 @@ SIDECAR_VERSION = 1
 # fetched past its end (tensor bytes, kept) is at most a third of what was fetched.
 HEADER_PROBE = 256 << 10
 MAX_HEADER = 1 << 30  # a header larger than this is not a model's
-TOKENIZER_PREFIX = "tokenizer."  # the entries only the first and last stages carry
 COALESCE_GAP = 4096  # tensors this close are fetched in one request (alignment padding)
 RECORD_EVERY = 1 << 20  # the sidecar is rewritten after each MiB written
 _lock = threading.RLock()  # one download into the partial files at a time

@@ -18,7 +18,7 @@ from gguf import GGUFValueType
 
 from meshagent.errors import ModelError
 from meshagent.models.family import ATTENTION, RECURRENT, family_traits
-from meshagent.models.gguf_file import GGUFFile
+from meshagent.models.gguf_file import TOKENIZER_PREFIX, GGUFFile
 from meshagent.models.layout import LAYER_TENSOR, ModelLayout, open_gguf
 
 PLACEHOLDER_VOCAB = 8
@@ -157,7 +157,7 @@ def write_layers(
     def skip(key: str) -> bool:
         if key == f"{arch}.block_count" or key.startswith(SLICE_KEY_PREFIX):
             return True
-        return not last and (key.startswith("tokenizer.") or key == f"{arch}.vocab_size")
+        return not last and (key.startswith(TOKENIZER_PREFIX) or key == f"{arch}.vocab_size")
 
     _copy_metadata(reader, writer, skip=skip, layers=sources, per_layer=per_layer)
     writer.add_uint32(f"{arch}.block_count", len(sources))
