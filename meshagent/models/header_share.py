@@ -37,7 +37,7 @@ LABEL = "header/1"
 VERSION = 1
 MAX_MESSAGE = 64 * 1024
 MAX_GAPS = 64
-ASK_TIMEOUT = 5.0  # seconds per peer asked, connection included
+ASK_TIMEOUT = 5.0  # seconds for the peers to answer, connections included
 K_VERSION, K_SHA256, K_END, K_GAPS, K_ERROR = range(5)
 
 
@@ -141,32 +141,39 @@ async def ask(open_stream: Callable[[], Awaitable[Any]], sha256: str) -> HeaderM
 
 
 def ask_peers(addresses: Sequence[str], mesh: Any, sha256: str) -> HeaderMap | None:
-    """The first map one of the peers at `addresses` gives, asked in turn with a throwaway
-    identity of mesh `mesh` (blocking; the agent is not up yet), or None."""
+    """The first map one of the peers at `addresses` gives, all asked at once with a
+    throwaway identity of mesh `mesh` for at most `ASK_TIMEOUT` seconds in all (blocking; the
+    agent is not up yet), or None."""
     from meshagent.identity.keys import NodeIdentity
     from meshagent.net.manager import ConnectionManager
     from meshagent.net.tcp import TcpTransport
     from meshagent.wire.handshake import LocalPeer
 
-    async def main() -> HeaderMap | None:
+    found: list[HeaderMap] = []
+
+    async def ask_one(node: ConnectionManager, address: str, done: trio.CancelScope) -> None:
+        try:
+            conn = await node.dial(address)
+            found.append(await ask(lambda: conn.open_stream(LABEL), sha256))
+        except (MeshError, OSError) as e:
+            log.info("header_share.no_map", peer=address, error=str(e))
+            return
+        log.info("header_share.map", peer=address, left_out=found[-1].gap_bytes)
+        done.cancel()  # the first answer is enough
+
+    async def main() -> None:
         node = ConnectionManager(LocalPeer.create(NodeIdentity.generate(), mesh), TcpTransport())
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             try:
-                for address in addresses:
-                    with trio.move_on_after(ASK_TIMEOUT):
-                        try:
-                            conn = await node.dial(address)
-                            found = await ask(lambda c=conn: c.open_stream(LABEL), sha256)
-                        except (MeshError, OSError) as e:
-                            log.info("header_share.no_map", peer=address, error=str(e))
-                            continue
-                        log.info("header_share.map", peer=address, left_out=found.gap_bytes)
-                        return found
-                return None
+                with trio.move_on_after(ASK_TIMEOUT) as done:
+                    async with trio.open_nursery() as asking:
+                        for address in dict.fromkeys(addresses):
+                            asking.start_soon(ask_one, node, address, done)
             finally:
                 with trio.CancelScope(shield=True):
                     await node.aclose(grace=1.0)
                 nursery.cancel_scope.cancel()
 
-    return trio.run(main)
+    trio.run(main)
+    return found[0] if found else None
