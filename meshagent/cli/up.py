@@ -16,10 +16,10 @@ from meshagent.cli.progress import ProgressBar
 from meshagent.config import API_KEY_ENV, AgentConfig, DataDir
 from meshagent.identity.mesh import MeshSecret, decode_invite
 from meshagent.identity.mesh_file import load_mesh
+from meshagent.models.header_map import HeaderMap
 from meshagent.models.header_share import ask_peers
 from meshagent.models.hub import model_for_agent
 from meshagent.models.names import HubName, parse_model_name
-from meshagent.models.ranged import HeaderMap
 from meshagent.net.address import Address, is_loopback
 from meshagent.services import Services
 from meshagent.serving.mesh_model import UNSERVED_SETTLE, MeshModel

@@ -27,7 +27,8 @@ import trio
 
 from meshagent.errors import MeshError
 from meshagent.models.gguf_file import parse_header
-from meshagent.models.ranged import HeaderMap, PartialModel, header_map, is_partial
+from meshagent.models.header_map import HeaderMap, header_map
+from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.net.framed import receive_cbor
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 

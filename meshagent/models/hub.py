@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from meshagent.errors import ModelError
+from meshagent.models.header_map import HeaderMap
 from meshagent.models.names import HubName, choose_file
 from meshagent.models.ranged import (
     HashMismatch,
-    HeaderMap,
     PartialModel,
     RemoteFile,
     check_room,

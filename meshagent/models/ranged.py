@@ -31,14 +31,8 @@ from typing import Any
 import structlog
 
 from meshagent.errors import ModelError
-from meshagent.models.gguf_file import (
-    TOKENIZER_PREFIX,
-    Gap,
-    Header,
-    HeaderTruncated,
-    parse_header,
-    tensor_bytes,
-)
+from meshagent.models.gguf_file import Gap, Header, HeaderTruncated, parse_header, tensor_bytes
+from meshagent.models.header_map import HeaderMap
 from meshagent.models.layout import file_sha256, write_atomic
 
 log = structlog.get_logger(__name__)
@@ -70,33 +64,6 @@ class RemoteFile:
     size: int
     sha256: str
     url: str
-
-
-@dataclass(frozen=True)
-class HeaderMap:
-    """Where the header of the model file `sha256` ends (its data section's offset) and the
-    metadata entries a stage without the tokenizer may leave unread (`gaps`)."""
-
-    sha256: str
-    end: int
-    gaps: tuple[Gap, ...]
-
-    @property
-    def gap_bytes(self) -> int:
-        return sum(b - a for a, b, _ in self.gaps)
-
-
-def header_map(header: Header, sha256: str) -> HeaderMap:
-    """The map of a header read whole: its `tokenizer.*` entries, adjacent ones as one gap."""
-    gaps: list[Gap] = []
-    for key, (a, b) in header.spans.items():
-        if not key.startswith(TOKENIZER_PREFIX):
-            continue
-        if gaps and gaps[-1][1] == a:
-            gaps[-1] = (gaps[-1][0], b, gaps[-1][2] + 1)
-        else:
-            gaps.append((a, b, 1))
-    return HeaderMap(sha256, header.data_offset, tuple(gaps))
 
 
 def header_gaps(path: Path) -> tuple[Gap, ...]:
