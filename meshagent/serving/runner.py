@@ -30,6 +30,7 @@ from meshagent.serving.steps import Event, Failed, Step, Token
 log = structlog.get_logger(__name__)
 
 _SWITCH_INTERVAL = 0.0002  # seconds; see ModelRunner.run
+_HANDOVER = 0.001  # seconds at most; see ModelRunner.tokens_ready
 
 
 class SequenceHandle:
@@ -90,6 +91,8 @@ class ModelRunner:
         self._handles: dict[int, SequenceHandle] = {}
         self._ids = itertools.count()
         self._stopping = False
+        self._idle = False  # the worker waits for a step
+        self._took = threading.Event()  # set: the worker took a step, or found none
         self._token: trio.lowlevel.TrioToken | None = None
         self._shares: dict[str, int] = {}  # a shared prompt's key -> the sequence prefilling it
 
@@ -170,7 +173,14 @@ class ModelRunner:
             return 0 if prefix is None else prefix.next_id
 
     def tokens_ready(self, tokens: list[SampledToken]) -> None:
-        """Tokens sampled elsewhere (a split's last stage), on the event loop."""
+        """Tokens sampled elsewhere (a split's last stage), on the event loop.
+
+        When the worker is idle, the event loop lets it take its next step before it turns
+        the tokens into text: both want the GIL, and the worker, which starts the next
+        token's compute, is the one on the critical path. Left to the interpreter, the
+        worker waits for the switch interval while the loop writes to the clients (about
+        0.3 ms per token of a split here). The wait ends when the worker holds its step or
+        finds none, and lasts `_HANDOVER` at most."""
         with self._lock:
             now = time.perf_counter()  # the trip of each window that ends here (auto's cost)
             sched = self.scheduler
@@ -178,6 +188,11 @@ class ModelRunner:
                 e for slot, tok, ms, lp in tokens for e in sched.token(slot, tok, ms, now, lp)
             ]
             self._lock.notify()
+            handing = self._idle
+            if handing:
+                self._took.clear()
+        if handing:
+            self._took.wait(_HANDOVER)
         self._deliver(events)
 
     def fail_slot(self, slot: int, error: MeshError) -> None:
@@ -245,9 +260,12 @@ class ModelRunner:
         with self._lock:
             while not self._stopping:
                 step = self.scheduler.next_step(time.perf_counter())
+                self._took.set()  # (tokens_ready)
                 if step is not None:
                     return step
+                self._idle = True
                 self._lock.wait()
+                self._idle = False
             return None
 
     def _work(self) -> None:

@@ -143,7 +143,10 @@ class StageServer:
                             except sm.StageProtocolError as e:
                                 msgs = e
                             if msgs:
-                                await room.acquire()
+                                try:  # no scheduler pass before the worker has its job
+                                    room.acquire_nowait()
+                                except trio.WouldBlock:
+                                    await room.acquire()
                                 jobs.put(msgs)
                             if isinstance(msgs, sm.StageProtocolError):
                                 break

@@ -3,12 +3,16 @@ queueing and failures, in milliseconds."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import trio
 
 from meshagent.errors import EngineError, QueueFull, ShuttingDown
+from meshagent.serving import runner as runner_module
 from meshagent.serving.generation import Delta, Finished, GenerationRequest
 from meshagent.serving.local_model import LocalModel
+from meshagent.serving.runner import ModelRunner
 from meshagent.serving.sampling import SamplingParams
 from meshagent.testing.fake_engine import FakeEngine, fake_logits
 
@@ -149,3 +153,44 @@ async def test_abort_fails_waiting_requests(nursery):
         await trio.sleep(0.05)
         model.runner.abort("moved")
     assert errors == ["moved"] * 3
+
+
+class _LaterTokens:
+    """An executor whose tokens come back later (as a split's do): it records its steps."""
+
+    n_slots, slot_ctx, depth, max_windows = 1, 64, 1, 1
+    speculates = exact_windows = False
+    windows_reason = prefix_reason = ""
+    prefix_budget, kept_size = 0, None
+
+    def __init__(self) -> None:
+        self.steps: list = []
+
+    def run_step(self, step):
+        self.steps.append(step)
+        return []
+
+    async def run(self, runner, *, task_status):
+        task_status.started()
+
+
+async def test_tokens_from_elsewhere_hand_the_worker_its_next_step_first(nursery, monkeypatch):
+    # The event loop lets the idle worker take the next step before it delivers the token:
+    # the step, not the text, is on the critical path. The wait ends when the worker has
+    # its step (or finds none), not when the bound runs out.
+    monkeypatch.setattr(runner_module, "_HANDOVER", 30.0)
+    executor = _LaterTokens()
+    runner = ModelRunner(executor, max_queue=1, is_end=lambda tok: False)
+    await nursery.start(runner.run)
+    handle = runner.start((1, 2, 3), 3, GREEDY)
+    while not executor.steps:  # the prompt's step
+        await trio.sleep(0.001)
+    slot = executor.steps[0].items[0].slot
+    for n, tok in enumerate((7, 8, 9), start=1):
+        t0 = time.perf_counter()
+        runner.tokens_ready([(slot, tok, (), None)])
+        assert time.perf_counter() - t0 < 10  # the worker ended the wait
+        if n < 3:  # it holds the step of the token just delivered
+            assert runner.steps_in_flight() == 1
+        assert (await handle.next()).token == tok
+    assert handle.finished and runner.steps_in_flight() == 0
