@@ -1,5 +1,5 @@
-"""Embeddings of a model served whole (`POST /v1/embeddings`): a llama.cpp context of its own
-in embedding mode, mean-pooled over each input's tokens and normalised to length 1, opened at
+"""Embeddings of a model served whole (`POST /v1/embeddings`): an embedding context of its own
+(`engine/embedder.py`: mean-pooled over each input's tokens, normalised to length 1), opened at
 the first request (it maps the same GGUF file, so its weights' pages are shared with the
 serving engine's) and used by one request at a time on a worker thread.
 
@@ -9,33 +9,28 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from meshagent.errors import ContextOverflow
+
+if TYPE_CHECKING:
+    from meshagent.engine.embedder import LlamaEmbedder
 
 
 class Embedder:
     def __init__(self, path: str, *, threads: int = 0, n_ctx: int = 2048) -> None:
         self.path, self.n_ctx = path, n_ctx
         self.threads = threads or os.cpu_count() or 1
-        self._llm: Any = None
+        self._llm: LlamaEmbedder | None = None
         self._lock = trio.Lock()
 
-    def _open(self) -> Any:
-        import llama_cpp
+    def _open(self) -> LlamaEmbedder:
+        from meshagent.engine.embedder import LlamaEmbedder  # llama.cpp, at the first request
 
-        return llama_cpp.Llama(
-            self.path,
-            embedding=True,
-            pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
-            n_ctx=self.n_ctx,
-            n_batch=self.n_ctx,
-            n_ubatch=self.n_ctx,  # an input is pooled in one batch: it must fit in one
-            n_threads=self.threads,
-            verbose=False,
-        )
+        return LlamaEmbedder(Path(self.path), n_ctx=self.n_ctx, threads=self.threads)
 
     async def embed(self, texts: Sequence[str]) -> tuple[list[list[float]], int]:
         """One unit vector per text, and the tokens read. ContextOverflow for a text longer
@@ -44,19 +39,19 @@ class Embedder:
             if self._llm is None:
                 self._llm = await trio.to_thread.run_sync(self._open)
             llm = self._llm
+            inputs = []
             for text in texts:
-                n = len(llm.tokenize(text.encode(), add_bos=True))
-                if n > self.n_ctx:
+                tokens = llm.tokenize(text)
+                if len(tokens) > self.n_ctx:
                     raise ContextOverflow(
-                        f"An input is {n} tokens long; this model embeds at most {self.n_ctx} "
-                        "tokens per input. Shorten it.",
-                        prompt_tokens=n,
+                        f"An input is {len(tokens)} tokens long; this model embeds at most "
+                        f"{self.n_ctx} tokens per input. Shorten it.",
+                        prompt_tokens=len(tokens),
                         limit=self.n_ctx,
                     )
-            vectors, count = await trio.to_thread.run_sync(
-                lambda: llm.embed(list(texts), normalize=True, truncate=False, return_count=True)
-            )
-            return [list(map(float, v)) for v in vectors], int(count)
+                inputs.append(tokens)
+            vectors = await trio.to_thread.run_sync(lambda: [llm.embed(t) for t in inputs])
+            return [list(map(float, v)) for v in vectors], sum(map(len, inputs))
 
     async def aclose(self) -> None:
         """Free the context, once no request uses it."""
