@@ -15,6 +15,7 @@ import llama_cpp
 import numpy as np
 
 from meshagent.engine.runtime import load_model
+from meshagent.engine.vocab import Vocab
 from meshagent.errors import EngineError
 
 
@@ -22,7 +23,7 @@ class LlamaEmbedder:
     def __init__(self, path: Path, *, n_ctx: int, threads: int) -> None:
         self.n_ctx = n_ctx
         self.model = load_model(path)
-        self._vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self._vocab = Vocab(self.model)
         self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx  # an input is pooled in one batch
@@ -41,14 +42,7 @@ class LlamaEmbedder:
 
     def tokenize(self, text: str) -> list[int]:
         """The input's tokens, with the model's BOS; special-token text stays plain text."""
-        data = text.encode()
-        cap = len(data) + 8
-        while True:
-            buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, True, False)
-            if n >= 0:
-                return list(buf[:n])
-            cap = -n
+        return self._vocab.tokenize(text, add_bos=True, special=False)
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
         """The unit vector of one input's tokens (at most `n_ctx`)."""

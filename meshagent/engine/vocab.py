@@ -26,12 +26,14 @@ class Vocab:
         """Only the vocabulary of a GGUF (no weights are loaded)."""
         return cls(load_model(path, vocab_only=True), owned=True)
 
-    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
+        """`special`: text such as `<|im_start|>` becomes its control token (a rendered chat
+        template); otherwise it stays plain text (input that is only text)."""
         data = text.encode()
         cap = len(data) + 8
         while True:
             buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_bos, True)
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_bos, special)
             if n >= 0:
                 return list(buf[:n])
             cap = -n
