@@ -12,7 +12,8 @@ window of n tokens costs next to one token, and from that and each workload's ac
 most any draft length could gain on this machine (the ceiling), and, from the model's greedy
 answer to each workload, the most drafts copied from the request's own text could gain on that
 answer (the answer's ceiling: where the model does not copy, no drafter from the text can
-help); where the lower of the two is below the goal, it is the target. Prints a table and
+help), and the same for drafts found by the last token, as an n-gram drafter finds them;
+where the lower of the first two is below the goal, it is the target. Prints a table and
 writes JSON (default bench/results/speculation.json). Never asserts on time: compare the
 figures yourself.
 
@@ -146,16 +147,21 @@ def tokenized(pairs: dict[str, tuple[str, str]]) -> dict[str, tuple[list[int], l
         engine.close()
 
 
-def copy_runs(prompt: list[int], answer: list[int]) -> list[int]:
+def copy_runs(prompt: list[int], answer: list[int], context: int = 0) -> list[int]:
     """For each position i of `answer`: the most tokens from i on that a copy of some stretch
     of the text known then (the prompt and answer[:i]) gives, whichever stretch: what the
-    best drafter that drafts from the request's own text could have had right there."""
+    best drafter that drafts from the request's own text could have had right there. With
+    `context`, only stretches that follow the same `context` tokens as position i does: what
+    a drafter that finds its stretch by the last tokens (an n-gram drafter, n >= `context`)
+    could have had, choosing the best of the stretches that match."""
     text = prompt + answer
     runs = []
     for i in range(len(answer)):
         known = len(prompt) + i
         best = 0
-        for j in range(known):
+        for j in range(context, known):
+            if context and text[j - context : j] != text[known - context : known]:
+                continue
             n = 0
             while n < known - j and i + n < len(answer) and text[j + n] == answer[i + n]:
                 n += 1
@@ -247,6 +253,9 @@ def main() -> None:
         copied = copy_runs(*tokens[w])
         row["answer_copies"] = round(sum(1 for n in copied if n) / max(len(copied), 1), 3)
         row["copy_ceiling"] = round(copy_ceiling(costs, copied), 3)
+        # The same for drafts found by the last token (any n-gram drafter's case), still
+        # choosing the best matching stretch and its length with hindsight.
+        row["context_ceiling"] = round(copy_ceiling(costs, copy_runs(*tokens[w], 1)), 3)
         allowed = min(row["ceiling"], row["copy_ceiling"])
         row["target"] = round(min(goal, allowed) if goal > 1 else goal, 3)
         best = max(row[m]["vs_base"] for m in modes if m != base)
@@ -266,14 +275,15 @@ def main() -> None:
     }
     head = f"{'workload':10}{'goal':>10}" + "".join(f"{m + ' tok/s':>13}{'x':>7}" for m in modes)
     print(
-        head + f"{'accepted/drafted':>18}{'ceiling':>9}{'answer ceil.':>14}{'of target':>11}"
-        f"{'same text':>11}"
+        head + f"{'accepted/drafted':>18}{'ceiling':>9}{'answer ceil.':>14}{'by context':>12}"
+        f"{'of target':>11}{'same text':>11}"
     )
     for w, row in table.items():
         cells = "".join(f"{row[m]['tok_s']:>13}{row[m]['vs_base']:>7}" for m in modes)
         acc = row[modes[-1]]["acceptance"]
         print(f"{w:10}{row['goal']:>10}{cells}{acc if acc is not None else '-':>18}"
-              f"{row['ceiling']:>9}{row['copy_ceiling']:>14}{row['of_target']:>11}"
+              f"{row['ceiling']:>9}{row['copy_ceiling']:>14}{row['context_ceiling']:>12}"
+              f"{row['of_target']:>11}"
               f"{'yes' if row['identical'] else 'NO':>11}")  # fmt: skip
     costs_line = ", ".join(f"{n}: {c:.2f}" for n, c in costs.items())
     print(
@@ -283,7 +293,9 @@ def main() -> None:
     print(
         "ceiling: every draft accepted, at the best length; answer ceil.: the most drafts "
         "copied from the request's own text could gain on the model's greedy answer, "
-        "knowing it in advance; target: the goal, or the lower ceiling where that is less"
+        "knowing it in advance; by context: the same for drafts found by the last token, "
+        "as an n-gram drafter finds them; target: the goal, or the lower of the first two "
+        "ceilings where that is less"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
