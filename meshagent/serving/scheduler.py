@@ -50,7 +50,9 @@ Policy:
   `Opened.restore` tells the executor to load that entry's KV into the slot and cut it to the
   shared length, and only the rest is prefilled. A sequence that ends (not one that failed)
   leaves the KV of the tokens its slot holds as an entry (`Step.saves`, before the slot is
-  cleared); entries the index evicts are in `Step.dropped`, after the step's restores.
+  cleared); one cancelled with a step in flight (a stop string) leaves, at once, the tokens
+  its slot holds whatever that step's verdict, so that a request sent right after it finds
+  them. Entries the index evicts are in `Step.dropped`, after the step's restores.
 - Sequences that share a prompt (`n` completions of one request) are prefilled once: one
   submitted `after` another waits in the queue until that one's prompt has all run, which then
   keeps its prompt's KV as an entry (a `Save` of a live slot, before its first decode token
@@ -253,8 +255,27 @@ class Scheduler:
             self._unblock(s)
         elif s.busy:
             s.cancelled = True
+            self._keep_settled(s)
         else:
             self._release(s)
+
+    def _keep_settled(self, s: SeqState) -> None:
+        """A sequence cancelled with a step in flight (a stop string found in its text) keeps
+        the prefix its slot will hold whatever the step's verdict, now rather than when its
+        token comes back: a request sent right after it (the conversation's next turn) finds
+        it. Its first window's first token and the drafts already verified stay in the cache;
+        the window's later drafts may not. The save runs at the next step, after the one in
+        flight, and its release later keeps nothing more."""
+        if not (s.cache and self.prefix is not None and s.windows):
+            return
+        w = s.windows[0]
+        n = min(w.pos + 1 + w.at, len(s.tokens))
+        assert s.slot is not None
+        stored = self.prefix.insert(s.tokens[:n])
+        if stored.entry is not None:
+            self._saves.append(Save(s.slot, stored.entry, n))
+        self._dropped += stored.dropped
+        s.cache = False
 
     def next_step(self, now: float | None = None) -> Step | None:
         """The next batch to run, or None when no sequence has input to run. `now` (any

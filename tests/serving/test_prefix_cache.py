@@ -214,14 +214,9 @@ async def test_a_stop_string_mid_generation_leaves_a_prefix_that_still_answers_r
     stop = full[10:12]
     cut, _ = await complete(model, prompt, 30, stop=(stop,))
     assert cut == full[: full.index(stop)]
-    # The cut sequence's KV is saved by the worker's next step, which may run after the
-    # reply reached us (under load, after the next request was admitted without it).
-    executor = model.runner.executor
-    with trio.fail_after(10):
-        while (
-            executor.kept_bytes() == 0 or executor.kept_bytes() != model.runner.stats().prefix_bytes
-        ):
-            await trio.sleep(0.001)
+    # Asked at once: the cut sequence's prefix is in the index before its reply ends, even
+    # with its next window in flight (the KV itself is saved at the next step, before any
+    # restore of it).
     again, fin = await complete(model, prompt, 30)
     assert again == full and fin.cached_tokens > 0
 
@@ -285,6 +280,32 @@ def test_a_request_that_continues_a_replay_reuses_only_what_its_prompt_shares():
     step = sched.next_step()
     assert step.opened[0].restore == (saved.entry, len(prompt) + 2)
     assert [it.tokens for it in step.items] == [(32,)]  # history, one per step
+
+
+def test_a_sequence_cut_with_its_step_in_flight_leaves_its_prefix_for_the_next_request():
+    # A stop string is found in the text while the sequence's next window is in flight: the
+    # conversation's next turn, sent at once, finds the prefix, not only once the token of
+    # the window in flight comes back.
+    from meshagent.serving.scheduler import Scheduler
+
+    sched = Scheduler(n_slots=2, slot_ctx=256, max_queue=1, is_end=lambda t: t == 0)
+    sched.prefix = PrefixIndex(10_000, per_token)
+    prompt = tuple(range(2, 42))
+    sched.submit(1, prompt, 10, GREEDY, cache=True)
+    sched.next_step()
+    sched.token(0, 50)
+    sched.next_step()
+    sched.token(0, 51)
+    assert sched.next_step().items[0].tokens == (51,)  # in flight
+    sched.cancel(1)
+    sched.submit(2, (*prompt, 50, 51, 60, 61), 5, GREEDY, cache=True)
+    step = sched.next_step()
+    # Positions up to 51's hold whatever the window's verdict: kept, and restored.
+    assert [s.tokens for s in step.saves] == [len(prompt) + 2]
+    assert step.opened[0].restore == (step.saves[0].entry, len(prompt) + 2)
+    assert [it.tokens for it in step.items] == [(60, 61)]
+    assert sched.token(0, 52) == []  # the cut sequence's token: nothing, and nothing kept
+    assert not sched.next_step().saves
 
 
 async def test_a_soak_of_500_requests_keeps_within_the_budget_and_starves_no_one(nursery):
