@@ -63,7 +63,7 @@ Policy:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshagent.errors import ContextOverflow, MeshError, QueueFull, ShuttingDown
@@ -271,10 +271,7 @@ class Scheduler:
         w = s.windows[0]
         n = min(w.pos + 1 + w.at, len(s.tokens))
         assert s.slot is not None
-        stored = self.prefix.insert(s.tokens[:n])
-        if stored.entry is not None:
-            self._saves.append(Save(s.slot, stored.entry, n))
-        self._dropped += stored.dropped
+        self._keep(s.slot, s.tokens[:n])
         s.cache = False
 
     def next_step(self, now: float | None = None) -> Step | None:
@@ -537,11 +534,17 @@ class Scheduler:
                 assert s.slot is not None and self.prefix is not None
                 # Its slot holds the prompt's positions and no more: its first token has
                 # not run yet (it runs in this step, after the saves).
-                stored = self.prefix.insert(s.prompt)
-                if stored.entry is not None:
-                    self._saves.append(Save(s.slot, stored.entry, len(s.prompt)))
-                self._dropped += stored.dropped
+                self._keep(s.slot, s.prompt)
                 self._unblock(s)
+
+    def _keep(self, slot: int, tokens: Sequence[int]) -> None:
+        """Index `tokens` as a kept prefix; the executor saves their KV from `slot` at the
+        next step (unless an entry already holds them)."""
+        assert self.prefix is not None
+        stored = self.prefix.insert(tokens)
+        if stored.entry is not None:
+            self._saves.append(Save(slot, stored.entry, len(tokens)))
+        self._dropped += stored.dropped
 
     def _unblock(self, s: SeqState) -> None:
         """Those waiting for `s`'s prompt wait no more (it ran, or never will)."""
@@ -556,11 +559,7 @@ class Scheduler:
         if keep and s.cache and self.prefix is not None:
             # Its slot holds the KV of every token sent in a step whose verdict came (a
             # rejected draft's positions are cut by the executor), less the last sampled.
-            n = min(s.n_past, len(s.tokens))
-            stored = self.prefix.insert(s.tokens[:n])
-            if stored.entry is not None:
-                self._saves.append(Save(s.slot, stored.entry, n))
-            self._dropped += stored.dropped
+            self._keep(s.slot, s.tokens[: min(s.n_past, len(s.tokens))])
         del self._by_slot[s.slot]
         self._by_id.pop(s.id, None)
         self._released.append(s.slot)
