@@ -101,10 +101,9 @@ class LocalExecutor:
     def run_step(self, step: Step) -> list[SampledToken]:
         # Evicted entries go before the new ones come, so the kept bytes stay within the
         # budget; only those this step still restores or saves wait until after it.
-        held = {op.restore[0] for op in step.opened if op.restore} | {s.entry for s in step.saves}
-        for entry in step.dropped:
-            if entry not in held:
-                self._kept.pop(entry, None)
+        early, late = step.drops()
+        for entry in early:
+            self._kept.pop(entry, None)
         for save in step.saves:
             self._kept[save.entry] = self.engine.export_sequence(save.slot, save.tokens)
         for slot in step.released:
@@ -116,7 +115,7 @@ class LocalExecutor:
                 entry, keep = op.restore
                 self.engine.import_sequence(op.slot, self._kept[entry])
                 self.engine.trim_sequence(op.slot, keep)
-        for entry in step.dropped:
+        for entry in late:
             self._kept.pop(entry, None)
         if not step.items:
             return []

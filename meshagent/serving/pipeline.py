@@ -237,6 +237,11 @@ class PipelineExecutor:
                 self.entry.clear_sequence(slot)
                 self._ends.pop(slot, None)
             return []
+        # Evicted entries go before the new ones come, here and at every stage, so the kept
+        # bytes stay within the budget; only those this step restores or saves wait.
+        early, late = step.drops()
+        for entry in early:
+            self._kept.pop(entry, None)
         for save in step.saves:
             self._kept[save.entry] = self.entry.export_sequence(save.slot, save.tokens)
         for slot in step.released:
@@ -248,18 +253,19 @@ class PipelineExecutor:
                 self.entry.import_sequence(op.slot, self._kept[entry])
                 self.entry.trim_sequence(op.slot, keep)
                 self._ends[op.slot] = keep
-        for entry in step.dropped:
+        for entry in late:
             self._kept.pop(entry, None)
         if self.failed is not None:
             if not step.items:
                 return []  # only slots to forget: the stages start afresh on a new chain
             # A request needs the chain: open it again (the stage may be back by now).
             self._on_loop(self._reconnect)
-        messages: list[sm.Message] = [sm.Keep(x.slot, x.entry, x.tokens) for x in step.saves]
+        messages: list[sm.Message] = [sm.Drop(early)] if early else []
+        messages += [sm.Keep(x.slot, x.entry, x.tokens) for x in step.saves]
         messages += [sm.Close(slot) for slot in step.released]
         messages += [sm.Open(op.slot, op.sampling, op.history, op.restore) for op in step.opened]
-        if step.dropped:
-            messages.append(sm.Drop(step.dropped))
+        if late:
+            messages.append(sm.Drop(late))
         generation = self._generation
         if step.items:
             t0 = time.perf_counter()

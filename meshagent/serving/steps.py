@@ -49,15 +49,25 @@ class Save:
 
 @dataclass(frozen=True)
 class Step:
-    """One batch to run. `saves` are kept first, then `released` slots are forgotten (their
-    KV cleared), `opened` sequences are introduced, and the `dropped` prefix-cache entries
-    freed, before `items` run."""
+    """One batch to run. The `dropped` prefix-cache entries no restore or save of this step
+    names are freed first (`drops`), then `saves` are kept, `released` slots are forgotten
+    (their KV cleared), `opened` sequences are introduced, and the rest of `dropped` freed,
+    before `items` run: the kept bytes never exceed the budget."""
 
     items: tuple[StepItem, ...]
     opened: tuple[Opened, ...] = ()
     released: tuple[int, ...] = ()
     saves: tuple[Save, ...] = ()
     dropped: tuple[int, ...] = ()
+
+    def drops(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """`dropped` as (those freed first, those freed after this step's restores and
+        saves, which name them)."""
+        held = {op.restore[0] for op in self.opened if op.restore} | {s.entry for s in self.saves}
+        return (
+            tuple(e for e in self.dropped if e not in held),
+            tuple(e for e in self.dropped if e in held),
+        )
 
 
 @dataclass(frozen=True)

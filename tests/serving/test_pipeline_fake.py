@@ -310,6 +310,32 @@ async def test_a_split_keeps_prefixes_in_every_stage_and_changes_no_token(nurser
     assert [t for t, _ in concurrent] == [t for t, _ in alone]
 
 
+class PeakBytes(dict):
+    """A kept-prefix store that remembers the most bytes it ever held at once."""
+
+    peak = 0
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.peak = max(self.peak, sum(len(v) for v in self.values()))
+
+
+async def test_an_evicted_prefix_is_freed_before_the_new_one_is_kept_at_every_stage(nursery):
+    from meshagent.testing.fake_engine import STATE_BYTES
+
+    budget = STATE_BYTES * 120  # room for two of these conversations, not three
+    chain = FakeChain(nursery, depth=2, prefix_budget=budget)
+    held = [PeakBytes() for _ in range(3)]
+    chain.pipeline._kept, chain.servers[0]._kept, chain.servers[1]._kept = held
+    await nursery.start(chain.model.run)
+    for i in range(6):  # (the fake tokenizer reads letters only)
+        await complete(chain.model, "".join(chr(97 + (i + 3 * j) % 26) for j in range(80)), 8)
+    await stages_hold_what_the_entry_keeps(chain)
+    assert chain.pipeline.kept_bytes() > 0
+    # Each new conversation evicts the oldest: its Drop reaches every stage before the Keep.
+    assert [h.peak <= budget for h in held] == [True, True, True], [h.peak for h in held]
+
+
 async def test_a_broken_chain_forgets_its_prefixes_and_still_gives_the_same_text(nursery):
     # The stages of a new chain start with no kept prefix (a stage restarted, or its host
     # was replaced): the entry forgets them all, and prompts prefill in full again.
