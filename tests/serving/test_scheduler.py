@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshagent.errors import ContextOverflow, EngineError, QueueFull, ShuttingDown
+from meshagent.serving.prefix_cache import PrefixIndex
 from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.scheduler import Scheduler
 from meshagent.serving.steps import Failed, Token
@@ -316,6 +319,97 @@ def test_windows_sent_before_the_verdict_change_no_token(requests, program, wind
             s.cancel(seq)
             done.add(seq)
     assert not chain.sent and s.stats().active == 0
+    for i, (prompt, limit) in prompts.items():
+        if i not in cancelled:
+            assert got[i] == _plain(prompt, limit), i
+
+
+class _KeepingChain(_Chain):
+    """`_Chain` that also keeps prefixes as an executor does: a save copies the positions its
+    slot's cache holds, which must be the tokens the index keeps under that entry, and a
+    restore puts them back in a slot."""
+
+    def __init__(self, entries: dict[int, tuple[int, ...]]) -> None:
+        super().__init__()
+        self.entries = entries  # entry -> the tokens the scheduler's index keeps
+        self.saved: dict[int, list[int]] = {}
+
+    def run(self, step) -> list[tuple[int, int]]:
+        for save in step.saves:
+            held = self.cache.get(save.slot, [])[: save.tokens]
+            assert held == list(self.entries[save.entry]), "a save of positions not yet right"
+            self.saved[save.entry] = held
+        for slot in step.released:
+            self.cache.pop(slot, None)
+            self.carry.pop(slot, None)
+        for op in step.opened:
+            if op.restore is not None:
+                entry, keep = op.restore
+                self.cache[op.slot] = list(self.saved[entry][:keep])
+        return super().run(replace(step, released=(), saves=(), opened=()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 12), st.integers(1, 30)), min_size=2, max_size=6),
+    st.lists(st.sampled_from(["step", "step", "deliver", "cancel"]), max_size=400),
+    st.integers(1, 3),
+    st.sampled_from(["off", "on", "auto"]),
+)
+def test_kept_prefixes_hold_only_right_positions_whenever_a_sequence_is_cut(
+    requests, program, windows, mode
+):
+    """Sequences sharing a long prefix keep and restore it while windows are in flight and
+    some are cancelled mid-step (as a stop string does): every save holds exactly the tokens
+    the index keeps for it (no rejected draft, no position not yet computed), and the
+    sequences that start from a kept prefix decode as plain greedy decoding does."""
+    s = Scheduler(
+        n_slots=2,
+        slot_ctx=256,
+        max_queue=8,
+        is_end=lambda t: t == END,
+        max_batch_tokens=64,
+        depth=2,
+        max_windows=windows,
+    )
+    s.window_cost.slope, s.window_cost.weight = 0.05, 0.0
+    s.prefix = index = PrefixIndex(1 << 30, lambda n: n)
+    entries: dict[int, tuple[int, ...]] = {}
+    insert = index.insert
+
+    def recorded(tokens):
+        stored = insert(tokens)
+        if stored.entry is not None:
+            entries[stored.entry] = tuple(tokens)
+        return stored
+
+    index.insert = recorded
+    chain = _KeepingChain(entries)
+    got: dict[int, list[int]] = {}
+    cancelled: set[int] = set()
+    prompts = {}
+    common = tuple(2 + (j * 3) % 7 for j in range(24))
+    for i, (tail, limit) in enumerate(requests):
+        prompt = (*common, *(2 + (j * 5 + i) % 9 for j in range(tail)))
+        prompts[i] = (prompt, limit)
+        s.submit(i, prompt, limit, GREEDY, speculation=mode, cache=True)
+        got[i] = []
+    for op in [*program, *["step", "deliver"] * 600]:
+        if op == "step":
+            step = s.next_step()
+            if step is not None:
+                chain.sent.append(step)
+        elif op == "deliver" and chain.sent:
+            for slot, token in chain.run(chain.sent.pop(0)):
+                for ev in s.token(slot, token):
+                    if ev.finish != "stop":
+                        got[ev.seq].append(ev.token)
+        elif op == "cancel" and len(cancelled) < len(requests) // 2:
+            seq = len(cancelled)
+            cancelled.add(seq)
+            s.cancel(seq)
+    assert not chain.sent and s.stats().active == 0
+    assert chain.saved  # prefixes were kept
     for i, (prompt, limit) in prompts.items():
         if i not in cancelled:
             assert got[i] == _plain(prompt, limit), i
