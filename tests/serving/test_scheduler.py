@@ -275,6 +275,16 @@ def test_windows_sent_before_the_verdict_change_no_token(requests, program, wind
     void at both ends. Whatever the order of steps and verdicts, each sequence gets the
     tokens of plain greedy decoding, every step starts where the stages' caches allow, and
     no token comes for a slot after its sequence ended."""
+    s = _split_scheduler(windows)
+    prompts = {
+        i: (tuple(2 + (j * 7 + i) % 5 for j in range(n)), limit)
+        for i, (n, limit) in enumerate(requests)
+    }
+    _run_program(s, _Chain(), prompts, program, speculation=mode)
+
+
+def _split_scheduler(windows: int) -> Scheduler:
+    """A split's entry: two slots, a pipeline two deep, `windows` in flight per sequence."""
     s = Scheduler(
         n_slots=2,
         slot_ctx=256,
@@ -285,35 +295,33 @@ def test_windows_sent_before_the_verdict_change_no_token(requests, program, wind
         max_windows=windows,
     )
     s.window_cost.slope, s.window_cost.weight = 0.05, 0.0  # cheap windows: auto drafts too
-    chain = _Chain()
+    return s
+
+
+def _run_program(s, chain, prompts, program, **submit) -> None:
+    """Submit `prompts` (seq -> (prompt, limit)), play `program` (steps taken, steps
+    delivered by `chain`, the first half of the sequences cancelled in turn), then run to
+    the end: no token after a sequence ended, and each not cancelled got plain decoding's."""
     got: dict[int, list[int]] = {}
     done: set[int] = set()
     cancelled: set[int] = set()
-    prompts = {}
-    for i, (n, limit) in enumerate(requests):
-        prompt = tuple(2 + (j * 7 + i) % 5 for j in range(n))
-        prompts[i] = (prompt, limit)
-        s.submit(i, prompt, limit, GREEDY, speculation=mode)
+    for i, (prompt, limit) in prompts.items():
+        s.submit(i, prompt, limit, GREEDY, **submit)
         got[i] = []
-
-    def deliver() -> None:
-        step = chain.sent.pop(0)
-        for slot, token in chain.run(step):
-            for ev in s.token(slot, token):
-                assert ev.seq not in done, "a token after the end"
-                if ev.finish != "stop":
-                    got[ev.seq].append(ev.token)
-                if ev.finish:
-                    done.add(ev.seq)
-
     for op in [*program, *["step", "deliver"] * 600]:
         if op == "step":
             step = s.next_step()
             if step is not None:
                 chain.sent.append(step)
         elif op == "deliver" and chain.sent:
-            deliver()
-        elif op == "cancel" and len(cancelled) < len(requests) // 2:
+            for slot, token in chain.run(chain.sent.pop(0)):
+                for ev in s.token(slot, token):
+                    assert ev.seq not in done, "a token after the end"
+                    if ev.finish != "stop":
+                        got[ev.seq].append(ev.token)
+                    if ev.finish:
+                        done.add(ev.seq)
+        elif op == "cancel" and len(cancelled) < len(prompts) // 2:
             seq = len(cancelled)
             cancelled.add(seq)
             s.cancel(seq)
@@ -363,16 +371,7 @@ def test_kept_prefixes_hold_only_right_positions_whenever_a_sequence_is_cut(
     some are cancelled mid-step (as a stop string does): every save holds exactly the tokens
     the index keeps for it (no rejected draft, no position not yet computed), and the
     sequences that start from a kept prefix decode as plain greedy decoding does."""
-    s = Scheduler(
-        n_slots=2,
-        slot_ctx=256,
-        max_queue=8,
-        is_end=lambda t: t == END,
-        max_batch_tokens=64,
-        depth=2,
-        max_windows=windows,
-    )
-    s.window_cost.slope, s.window_cost.weight = 0.05, 0.0
+    s = _split_scheduler(windows)
     s.prefix = index = PrefixIndex(1 << 30, lambda n: n)
     entries: dict[int, tuple[int, ...]] = {}
     insert = index.insert
@@ -385,31 +384,10 @@ def test_kept_prefixes_hold_only_right_positions_whenever_a_sequence_is_cut(
 
     index.insert = recorded
     chain = _KeepingChain(entries)
-    got: dict[int, list[int]] = {}
-    cancelled: set[int] = set()
-    prompts = {}
     common = tuple(2 + (j * 3) % 7 for j in range(24))
-    for i, (tail, limit) in enumerate(requests):
-        prompt = (*common, *(2 + (j * 5 + i) % 9 for j in range(tail)))
-        prompts[i] = (prompt, limit)
-        s.submit(i, prompt, limit, GREEDY, speculation=mode, cache=True)
-        got[i] = []
-    for op in [*program, *["step", "deliver"] * 600]:
-        if op == "step":
-            step = s.next_step()
-            if step is not None:
-                chain.sent.append(step)
-        elif op == "deliver" and chain.sent:
-            for slot, token in chain.run(chain.sent.pop(0)):
-                for ev in s.token(slot, token):
-                    if ev.finish != "stop":
-                        got[ev.seq].append(ev.token)
-        elif op == "cancel" and len(cancelled) < len(requests) // 2:
-            seq = len(cancelled)
-            cancelled.add(seq)
-            s.cancel(seq)
-    assert not chain.sent and s.stats().active == 0
+    prompts = {
+        i: ((*common, *(2 + (j * 5 + i) % 9 for j in range(tail))), limit)
+        for i, (tail, limit) in enumerate(requests)
+    }
+    _run_program(s, chain, prompts, program, speculation=mode, cache=True)
     assert chain.saved  # prefixes were kept
-    for i, (prompt, limit) in prompts.items():
-        if i not in cancelled:
-            assert got[i] == _plain(prompt, limit), i
