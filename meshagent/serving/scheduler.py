@@ -263,15 +263,14 @@ class Scheduler:
         """A sequence cancelled with a step in flight (a stop string found in its text) keeps
         the prefix its slot will hold whatever the step's verdict, now rather than when its
         token comes back: a request sent right after it (the conversation's next turn) finds
-        it. Its first window's first token and the drafts already verified stay in the cache;
-        the window's later drafts may not. The save runs at the next step, after the one in
-        flight, and its release later keeps nothing more."""
-        if not (s.cache and self.prefix is not None and s.windows):
+        it. Its tokens so far end with the first token of its oldest window in flight and
+        the drafts of it already verified: those stay in the cache, the window's later
+        drafts may not. The save runs at the next step, after the one in flight, and its
+        release later keeps nothing more."""
+        if not (s.cache and self.prefix is not None):
             return
-        w = s.windows[0]
-        n = min(w.pos + 1 + w.at, len(s.tokens))
         assert s.slot is not None
-        self._keep(s.slot, s.tokens[:n])
+        self._keep(s.slot, s.tokens)
         s.cache = False
 
     def next_step(self, now: float | None = None) -> Step | None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -220,9 +218,11 @@ class _Chain:
         self.sent: list = []  # steps in flight, oldest first
 
     def run(self, step) -> list[tuple[int, int]]:
+        self.keep(step)
         for slot in step.released:
             self.cache.pop(slot, None)
             self.carry.pop(slot, None)
+        self.restore(step)
         out = []
         for it in step.items:
             cache = self.cache.setdefault(it.slot, [])
@@ -249,6 +249,12 @@ class _Chain:
                 self.carry.pop(it.slot, None)
             out += [(it.slot, t) for t in kept]
         return out
+
+    def keep(self, step) -> None:
+        """The step's saves, before its slots are released (none kept here)."""
+
+    def restore(self, step) -> None:
+        """The step's restores, after its slots are released (none kept here)."""
 
 
 def _plain(prompt: tuple[int, ...], limit: int) -> list[int]:
@@ -342,19 +348,17 @@ class _KeepingChain(_Chain):
         self.entries = entries  # entry -> the tokens the scheduler's index keeps
         self.saved: dict[int, list[int]] = {}
 
-    def run(self, step) -> list[tuple[int, int]]:
+    def keep(self, step) -> None:
         for save in step.saves:
             held = self.cache.get(save.slot, [])[: save.tokens]
             assert held == list(self.entries[save.entry]), "a save of positions not yet right"
             self.saved[save.entry] = held
-        for slot in step.released:
-            self.cache.pop(slot, None)
-            self.carry.pop(slot, None)
+
+    def restore(self, step) -> None:
         for op in step.opened:
             if op.restore is not None:
                 entry, keep = op.restore
                 self.cache[op.slot] = list(self.saved[entry][:keep])
-        return super().run(replace(step, released=(), saves=(), opened=()))
 
 
 @settings(max_examples=200, deadline=None)
