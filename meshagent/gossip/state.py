@@ -239,11 +239,18 @@ class GossipState:
     def declare_dead(self, peer_id: str, *, now: float, reason: str) -> list[Change]:
         """`peer_id` is gone for certain (say, nothing listens where its process did): sign
         its obituary now instead of waiting out `dead_after`. A peer that is in fact alive
-        refutes it with its next heartbeat. Returns what changed."""
+        refutes it (it outgrows the obituary's beat when it hears of it). Returns what changed.
+
+        The obituary's beat covers the heartbeats the peer may have sent before it died that
+        have not reached us yet (a wall-clock ms beat sent at most `suspect_after` before it
+        arrived here, by the gossip timers' own bound): signed at the last beat seen, such a
+        heartbeat arriving late by way of another peer would bring the dead peer back."""
         e = self.entries.get(peer_id)
         if e is None or peer_id == self.self_id or e.obituary is not None:
             return []
-        e.obituary = Obituary.sign(self.identity, peer_id, e.beat, self.mesh)
+        unseen_s = max(0.0, now - e.last_progress) + self.config.suspect_after
+        beat = e.beat + int(unseen_s * 1000)
+        e.obituary = Obituary.sign(self.identity, peer_id, beat, self.mesh)
         log.info("gossip.peer_dead", peer=peer_id, reason=reason, announced_by="us")
         changes: list[Change] = []
         self._set_state(e, PeerState.DEAD, now, changes)

@@ -245,3 +245,25 @@ def test_a_peer_declared_dead_is_dead_at_once_until_it_beats_again():
         b.beat(now=t, wall_time=1000.0 + t)
         exchange(a, b, now=t)
     assert a.entries[b.self_id].state is PeerState.ALIVE
+
+
+def test_a_peer_declared_dead_stays_dead_when_a_heartbeat_it_sent_before_dying_arrives_late():
+    # a declares p dead on direct evidence (nothing listens where it did), having last seen an
+    # older beat of p than b has: the newer one, sent before p died, reaches a afterwards by
+    # way of b. It must not bring p back; only p itself, beating again, can.
+    a, b, p = make_state("a"), make_state("b"), make_state("p")
+    exchange(a, p, now=0.0)
+    exchange(a, b, now=0.0)
+    for t in (1.0, 2.0):  # p's last beats reach b only; then p dies
+        p.beat(now=t, wall_time=1000.0 + t)
+        exchange(b, p, now=t)
+    a.declare_dead(p.self_id, now=2.5, reason="nothing listens where it did")
+    for t in (2.6, 2.7):
+        exchange(b, a, now=t)
+        exchange(a, b, now=t)
+    assert a.entries[p.self_id].state is PeerState.DEAD
+    assert b.entries[p.self_id].state is PeerState.DEAD
+    # Were p alive after all, it hears of its obituary and outgrows it.
+    exchange(a, p, now=3.0)
+    exchange(p, a, now=3.1)
+    assert a.entries[p.self_id].state is PeerState.ALIVE
