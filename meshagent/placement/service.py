@@ -163,6 +163,12 @@ class PlacementService:
         self._seen: tuple[str, float] | None = None  # (digest of the plan in force, since)
         self._failed: str | None = None  # digest of a plan this agent could not load
         self._load_error: str | None = None  # and why
+        # Loading a part runs beside the decisions (a download can take minutes, and the mesh
+        # may change meanwhile): one load at a time, the digest it loads, the last one done.
+        self._loads: trio.Nursery | None = None  # while `run` runs
+        self._loading: str | None = None
+        self._loaded: str | None = None
+        self._load_done = trio.Event()
         self.in_force: Claim | None = None
         self.mine: Claim | None = None
         self.routable = False
@@ -227,29 +233,21 @@ class PlacementService:
                 repair = before is not None and is_repair(before, winner.plan)
                 self._seen_settle = self.repair_settle if repair else self.settle
                 self._seen = (digest, now)
+            await self._release_stale(winner)
         if winner is not None and not self._follows(winner):
+            assert self._seen is not None
+            digest = self._seen[0]
             pending = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, False)
             if self.mine != pending:
-                if self.mine is not None and self.mine.ready and self._release is not None:
-                    # The plan this agent serves is no longer in force: stop serving it now,
-                    # not after the settling time (its peers may be gone).
-                    await self._release(winner.plan)
                 self._publish(pending)
-            assert self._seen is not None
-            if now - self._seen[1] >= self._seen_settle and self._failed != self._seen[0]:
-                try:
-                    if me in winner.plan.peers:
-                        await self._take_part(winner.plan)
-                except MeshError as e:
-                    # This agent cannot load its part: it stays out of the plan (never
-                    # claims it ready) instead of exiting; a later plan is tried afresh.
-                    self._failed = self._seen[0]
-                    self._load_error = f"could not load this agent's part of the plan: {e}"
-                    log.error("placement.take_part_failed", epoch=winner.epoch, error=str(e))
-                else:
+            if now - self._seen[1] >= self._seen_settle and self._failed != digest:
+                if me not in winner.plan.peers or self._loaded == digest:
                     ready = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, True)
                     self._publish(ready)
                     claims[me] = ready
+                elif self._loading is None and self._loads is not None:
+                    self._loading, self._loaded = digest, None
+                    self._loads.start_soon(self._load, digest, winner)
         self.in_force = winner
         alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD}
         was = self.routable
@@ -263,6 +261,35 @@ class PlacementService:
             )
         self.changed.set()
         self.changed = trio.Event()
+
+    async def _release_stale(self, winner: Claim) -> None:
+        """The part loaded here (served, or loaded for a plan replaced meanwhile) is not of
+        `winner`'s plan: stop serving it now, not after the settling time (its peers may be
+        gone). Never while a load runs: that one is judged when it ends."""
+        if self._loaded in (None, plan_digest(winner.plan)) or self._loading is not None:
+            return
+        self._loaded = None
+        if self._release is not None:
+            await self._release(winner.plan)
+
+    async def _load(self, digest: str, winner: Claim) -> None:
+        """Load this agent's part of `winner`'s plan. Decisions go on meanwhile: the plan is
+        claimed ready by the next one if it is still in force then; if another replaced it,
+        that one is loaded next (a repair that keeps this agent's part loads nothing)."""
+        try:
+            await self._take_part(winner.plan)
+        except MeshError as e:
+            # This agent cannot load its part: it stays out of the plan (never claims it
+            # ready) instead of exiting; a later plan is tried afresh.
+            self._failed = digest
+            self._load_error = f"could not load this agent's part of the plan: {e}"
+            log.error("placement.take_part_failed", epoch=winner.epoch, error=str(e))
+        else:
+            self._loaded = digest
+        finally:
+            self._loading = None
+            self._load_done.set()
+            self._load_done = trio.Event()
 
     def _next_wake(self) -> float:
         """Seconds until the next decision is due even without a gossip change."""
@@ -283,13 +310,36 @@ class PlacementService:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        seen = -1
         with self._running:
-            while True:
-                seen = self.gossip.generation
-                await self.step()
-                with trio.move_on_after(self._next_wake()):
-                    await self.gossip.wait_changed(seen)
+            async with trio.open_nursery() as loads:
+                self._loads = loads
+                try:
+                    await self._decide()
+                finally:
+                    self._loads = None
+
+    async def _decide(self) -> None:
+        """A decision on every gossip change, load done, and `_next_wake`."""
+        while True:
+            seen = self.gossip.generation
+            await self.step()
+            with trio.move_on_after(self._next_wake()):
+                await self._changed(seen, self._load_done)
+
+    async def _changed(self, seen: int, load_done: trio.Event) -> None:
+        """Returns when gossip moves past generation `seen` or `load_done` is set."""
+        async with trio.open_nursery() as race:
+
+            async def gossip_changed() -> None:
+                await self.gossip.wait_changed(seen)
+                race.cancel_scope.cancel()
+
+            async def loaded() -> None:
+                await load_done.wait()
+                race.cancel_scope.cancel()
+
+            race.start_soon(gossip_changed)
+            race.start_soon(loaded)
 
     def stop(self) -> None:
         """This agent is leaving: it proposes no plan and takes no part from now on (what it

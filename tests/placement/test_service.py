@@ -74,14 +74,23 @@ class FakeGossip:
         return self.world.generation
 
 
-def agent(world: World, pid: str, gb: float, loads: list):
+def agent(world: World, pid: str, gb: float, loads: list, *, load_s: float = 0.5, released=None):
     world.views[pid] = View(Record(int(gb * GB)))
 
     async def take_part(plan: Plan) -> None:
         loads.append((pid, plan_digest(plan)))
-        await trio.sleep(0.5)  # loading a stage takes a while
+        await trio.sleep(load_s)  # loading a stage takes a while
 
-    return PlacementService(FakeGossip(world, pid), MODEL, context_tokens=1000, take_part=take_part)
+    async def release(plan: Plan) -> None:
+        released.append((pid, trio.current_time()))
+
+    return PlacementService(
+        FakeGossip(world, pid),
+        MODEL,
+        context_tokens=1000,
+        take_part=take_part,
+        release=release if released is not None else None,
+    )
 
 
 async def three_agreed(world: World, loads: list, nursery: trio.Nursery) -> list:
@@ -182,6 +191,69 @@ async def test_a_repair_settles_sooner_than_a_new_plan(autojump_clock):
         assert is_repair(before, after) and "s" in after.peers
         assert waited < services[0].settle <= 2 * waited + 2  # sooner, yet not at once
         assert waited >= services[0].repair_settle
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_agent_loading_its_part_follows_the_mesh_meanwhile(autojump_clock):
+    # Loading a part can take minutes (a download). Meanwhile a peer of the plan dies: every
+    # agent, the ones loading included, moves to the new plan at once and says so (status,
+    # routing), rather than when its load is over; the load of the plan no longer in force is
+    # never claimed ready, and each agent then loads its part of the new plan.
+    world = World()
+    loads: list = []
+    services = [agent(world, p, 1.3, loads, load_s=60.0) for p in ("a", "b", "c")]
+    async with trio.open_nursery() as nursery:
+        for s in services:
+            nursery.start_soon(s.run)
+        with trio.fail_after(10):
+            while len(loads) < 3:  # all three are loading their parts
+                await trio.sleep(0.01)
+        first = services[0].in_force.plan
+        spare = agent(world, "s", 1.3, loads, load_s=60.0)
+        nursery.start_soon(spare.run)
+        services[2].stop()
+        world.views["c"] = replace(world.views["c"], state="dead")
+        world.bump()
+        await trio.sleep(5)
+        for s in services[:2]:
+            assert s.in_force.plan != first and "c" not in s.in_force.plan.peers
+            assert s.mine.plan == s.in_force.plan and not s.mine.ready and not s.routable
+        after = services[0].in_force.plan
+        await trio.sleep(200)
+        live = [*services[:2], spare]
+        assert all(s.routable and s.in_force.plan == after and s.mine.ready for s in live)
+        assert sorted(pid for pid, d in loads if d == plan_digest(after)) == ["a", "b", "s"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_part_loaded_for_a_plan_replaced_meanwhile_is_released_when_loaded(autojump_clock):
+    # a, b and c load their parts of a split (slowly); meanwhile c dies and d, big enough to
+    # serve the model alone, joins. a and b agree to the new plan at once (they have no part
+    # in it) and release what they were loading as soon as it is loaded, not serving it.
+    world = World()
+    loads: list = []
+    released: list = []
+    services = [agent(world, p, 1.3, loads, load_s=60.0, released=released) for p in "abc"]
+    async with trio.open_nursery() as nursery:
+        for s in services:
+            nursery.start_soon(s.run)
+        with trio.fail_after(10):
+            while len(loads) < 3:
+                await trio.sleep(0.01)
+        started = trio.current_time()
+        d = agent(world, "d", 8.0, loads, load_s=60.0, released=released)
+        nursery.start_soon(d.run)
+        services[2].stop()
+        world.views["c"] = replace(world.views["c"], state="dead")
+        world.bump()
+        await trio.sleep(5)
+        for s in services[:2]:
+            assert s.in_force.plan.replicas == ("d",) and s.mine.ready and not s.routable
+        assert released == []  # a load in flight is judged when it ends
+        await trio.sleep(100)
+        assert all(s.routable for s in (*services[:2], d))
+        assert sorted(pid for pid, _ in released) == ["a", "b"]
+        assert all(60 <= t - started < 61 for _, t in released)
         nursery.cancel_scope.cancel()
 
 
