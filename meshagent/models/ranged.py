@@ -368,7 +368,7 @@ class PartialModel:
             )
             log.info("partial.fetching", file=self.remote.filename, ranges=len(todo), bytes=total)
             if progress is None:
-                progress = _logging_progress(self.remote.filename)
+                progress = logging_progress("partial.progress", file=self.remote.filename)
             got = 0
             for a, b in todo:
                 got = self._fetch(a, b, got, total, progress)
@@ -535,16 +535,16 @@ def _punch_hole(path: Path, offset: int, length: int) -> bool:
         os.close(fd)
 
 
-def _logging_progress(what: str) -> Progress:
-    """Progress as a log line per tenth (`partial.progress`), for downloads no one watches
-    on a terminal: a stage's ranges fetched while the agent runs."""
+def logging_progress(event: str, **what: str) -> Progress:
+    """Progress as a log line per tenth (`event`, with `what`), for downloads no one watches
+    on a terminal: a stage's ranges or artifact fetched while the agent runs."""
     said = [0]
 
     def report(done: int, total: int) -> None:
         tenth = 10 * done // max(total, 1)
         if tenth > said[0]:
             said[0] = tenth
-            log.info("partial.progress", file=what, percent=10 * tenth, bytes=done, of=total)
+            log.info(event, **what, percent=10 * tenth, bytes=done, of=total)
 
     return report
 

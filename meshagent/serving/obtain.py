@@ -25,7 +25,7 @@ from meshagent.gossip.record import ModelHeld
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore, SliceManifest, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout
-from meshagent.models.ranged import PartialModel, Ranges, coalesce, is_partial
+from meshagent.models.ranged import PartialModel, Ranges, coalesce, is_partial, logging_progress
 from meshagent.models.slicer import tensors_read
 from meshagent.placement.planner import Plan
 
@@ -169,6 +169,7 @@ class ArtifactSource:
                     key,
                     self.store,
                     expected_sha256=sha,
+                    progress=logging_progress("artifact.progress", key=key, peer=peer_id),
                     max_attempts=2,
                 )
             except (MeshError, OSError) as e:

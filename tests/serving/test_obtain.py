@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from structlog.testing import capture_logs
 
 from meshagent.errors import ModelError
 from meshagent.gossip.record import ArtifactHeld, ModelHeld
@@ -66,8 +67,13 @@ async def test_a_slice_a_peer_holds_comes_from_that_peer_not_the_hub(hub, whole,
     _, manifest = theirs.ensure_layers(whole, 2, 4)
     source = await _beside(nursery, theirs, manifest, hub, tmp_path)
     header_only = hub.served
-    await source.obtain("layers", 2, 4)
+    with capture_logs() as logs:
+        await source.obtain("layers", 2, 4)
     assert hub.served == header_only  # nothing more from the hub
+    # Its progress is logged as it comes (a stage's artifact can take minutes).
+    said = [e for e in logs if e["event"] == "artifact.progress"]
+    assert said and said[-1]["key"] == manifest.key and said[-1]["percent"] == 100
+    assert said[-1]["bytes"] == said[-1]["of"] == manifest.size_bytes
     got = source.store.get(manifest.key)
     assert got is not None and got.sha256 == manifest.sha256
     part = PartialModel(source.model_path)
