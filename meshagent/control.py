@@ -66,9 +66,12 @@ def status(services: Services) -> dict[str, Any]:
 
 
 def _download(s: Services) -> dict[str, Any] | None:
-    """A model held in part (`models/ranged.py`): what came from the hub and from peers."""
+    """A model held in part (`models/ranged.py`): what came from the hub and from peers,
+    and the artifacts being downloaded now."""
     path = Path(s.model.model_path)
-    return PartialModel(path).status() if is_partial(path) else None
+    if not is_partial(path):
+        return None
+    return {**PartialModel(path).status(), "fetching": s.model.source.downloads()}
 
 
 def _models(s: Services) -> list[dict[str, Any]]:

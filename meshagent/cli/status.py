@@ -119,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
         )
         for key, verdict in sorted(d["artifacts"].items()):
             print(f"  {key}  {verdict}")
+        for f in d.get("fetching") or []:
+            got = f"{f['done_bytes'] / mb:.1f} of {f['total_bytes'] / mb:.1f} MB"
+            got = got if f["total_bytes"] else "starting"
+            print(f"  {f['key']}  fetching from {f['source']}: {got}")
     peers = st.get("peers", [])
     print(f"peers     {len(peers)} connected")
     for p in peers:

@@ -16,7 +16,7 @@ import structlog
 
 from meshagent.errors import ModelError
 from meshagent.models.layout import ModelLayout, file_sha256, inspect_model, write_atomic
-from meshagent.models.ranged import PartialModel, is_partial
+from meshagent.models.ranged import PartialModel, Progress, is_partial
 from meshagent.models.slicer import tensors_read, write_entry, write_layers
 
 log = structlog.get_logger(__name__)
@@ -209,24 +209,43 @@ class ArtifactStore:
         return dst
 
     def ensure_layers(
-        self, model: Path, start: int, end: int, layout: ModelLayout | None = None
+        self,
+        model: Path,
+        start: int,
+        end: int,
+        layout: ModelLayout | None = None,
+        *,
+        progress: Progress | None = None,
     ) -> tuple[Path, SliceManifest]:
-        """The layers artifact for [start, end) of `model`, cut now if not cached."""
-        return self._ensure(model, "layers", start, end, layout)
+        """The layers artifact for [start, end) of `model`, cut now if not cached. From a
+        partial copy, `progress(done, total)` follows the bytes it downloads for the cut."""
+        return self._ensure(model, "layers", start, end, layout, progress)
 
     def ensure_entry(
-        self, model: Path, layout: ModelLayout | None = None
+        self, model: Path, layout: ModelLayout | None = None, *, progress: Progress | None = None
     ) -> tuple[Path, SliceManifest]:
-        return self._ensure(model, "entry", 0, 0, layout)
+        return self._ensure(model, "entry", 0, 0, layout, progress)
 
     def _ensure(
-        self, model: Path, kind: str, start: int, end: int, layout: ModelLayout | None
+        self,
+        model: Path,
+        kind: str,
+        start: int,
+        end: int,
+        layout: ModelLayout | None,
+        progress: Progress | None = None,
     ) -> tuple[Path, SliceManifest]:
         with self._writing:
-            return self._cut(model, kind, start, end, layout)
+            return self._cut(model, kind, start, end, layout, progress)
 
     def _cut(
-        self, model: Path, kind: str, start: int, end: int, layout: ModelLayout | None
+        self,
+        model: Path,
+        kind: str,
+        start: int,
+        end: int,
+        layout: ModelLayout | None,
+        progress: Progress | None = None,
     ) -> tuple[Path, SliceManifest]:
         source = self.source_sha256(model)
         key = artifact_key(source, kind, start, end)
@@ -239,8 +258,8 @@ class ArtifactStore:
         if is_partial(model):  # download the bytes the cut reads, only those
             part = PartialModel(model)
             if kind == "entry" or end == layout.n_layers:
-                part.fill_gaps()  # these carry the tokenizer
-            part.ensure_tensors(tensors_read(layout, kind, start, end))
+                part.fill_gaps(progress)  # these carry the tokenizer
+            part.ensure_tensors(tensors_read(layout, kind, start, end), progress)
         tmp = self.blobs / f"{key}.tmp"
         provenance: dict[str, str | int] = {"source_sha256": source, "start": start, "end": end}
         log.info("artifact.cutting", model=model.name, kind=kind, layers=(start, end))

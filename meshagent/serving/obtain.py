@@ -14,6 +14,7 @@ An agent that holds the whole file cuts its artifacts locally and needs none of 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,14 @@ from meshagent.gossip.record import ModelHeld
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore, SliceManifest, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout
-from meshagent.models.ranged import PartialModel, Ranges, coalesce, is_partial, logging_progress
+from meshagent.models.ranged import (
+    PartialModel,
+    Progress,
+    Ranges,
+    coalesce,
+    is_partial,
+    logging_progress,
+)
 from meshagent.models.slicer import tensors_read
 from meshagent.placement.planner import Plan
 
@@ -87,13 +95,39 @@ def needed_by(plan: Plan, key: str) -> bool:
 
 
 def cut_artifact(
-    store: ArtifactStore, model_path: Path, layout: ModelLayout, kind: str, start: int, end: int
+    store: ArtifactStore,
+    model_path: Path,
+    layout: ModelLayout,
+    kind: str,
+    start: int,
+    end: int,
+    progress: Progress | None = None,
 ) -> SliceManifest:
     """The store's artifact (`kind`, `start`, `end`) of the model, cut now if it lacks it
-    (blocking; a partial copy downloads the ranges the cut reads)."""
+    (blocking; a partial copy downloads the ranges the cut reads, told to `progress`)."""
     if kind == "entry":
-        return store.ensure_entry(model_path, layout)[1]
-    return store.ensure_layers(model_path, start, end, layout)[1]
+        return store.ensure_entry(model_path, layout, progress=progress)[1]
+    return store.ensure_layers(model_path, start, end, layout, progress=progress)[1]
+
+
+@dataclass
+class Fetch:
+    """An artifact being downloaded: from where, and how far it is (`meshagent status`)."""
+
+    key: str
+    source: str  # "peer <id>" or "hub"
+    done_bytes: int = 0
+    total_bytes: int = 0  # 0 until the first bytes arrive
+
+    def progress(self, log_event: str, **what: str) -> Progress:
+        """A `Progress` that keeps this up to date and logs a line per tenth."""
+        say = logging_progress(log_event, **what)
+
+        def report(done: int, total: int) -> None:
+            self.done_bytes, self.total_bytes = done, total
+            say(done, total)
+
+        return report
 
 
 class ArtifactSource:
@@ -115,6 +149,11 @@ class ArtifactSource:
         self.store = store
         self.views = views  # gossip's snapshot: peer -> view with .record.artifacts
         self.open_stream = open_stream
+        self.fetching: dict[str, Fetch] = {}  # artifact key -> its download under way
+
+    def downloads(self) -> list[dict[str, Any]]:
+        """The artifacts being downloaded now, for the status document."""
+        return [asdict(f) for f in list(self.fetching.values())]
 
     @property
     def partial(self) -> PartialModel | None:
@@ -163,18 +202,21 @@ class ArtifactSource:
         sources = list(published(views, key, self.peer_id).items())
         sources += [(p, None) for p in file_holders(views, part.sha256, self.peer_id)]
         for peer_id, sha in sources:
+            fetch = self.fetching[key] = Fetch(key, f"peer {peer_id}")
             try:
                 _, manifest = await transfer.fetch_artifact(
                     lambda p=peer_id: self.open_stream(p, transfer.LABEL),
                     key,
                     self.store,
                     expected_sha256=sha,
-                    progress=logging_progress("artifact.progress", key=key, peer=peer_id),
+                    progress=fetch.progress("artifact.progress", key=key, peer=peer_id),
                     max_attempts=2,
                 )
             except (MeshError, OSError) as e:
                 log.warning("artifact.peer_fetch_failed", key=key, peer=peer_id, error=str(e))
                 continue
+            finally:
+                self.fetching.pop(key, None)
             await trio.to_thread.run_sync(part.note_artifact, key, "from peer", manifest.size_bytes)
             log.info("artifact.from_peer", key=key, peer=peer_id, bytes=manifest.size_bytes)
             return
@@ -187,7 +229,12 @@ class ArtifactSource:
         """Cut the artifact from ranges fetched off the hub, checked against the hash peers
         publish for it."""
         for attempt in (1, 2):
-            manifest = await trio.to_thread.run_sync(self._cut, kind, start, end)
+            fetch = self.fetching[key] = Fetch(key, "hub")
+            progress = fetch.progress("partial.progress", file=part.remote.filename, key=key)
+            try:
+                manifest = await trio.to_thread.run_sync(self._cut, kind, start, end, progress)
+            finally:
+                self.fetching.pop(key, None)
             agreed = set(published(self.views(), key, self.peer_id).values())
             if not agreed or manifest.sha256 in agreed:
                 verdict = "verified" if agreed else "unverified"
@@ -252,5 +299,7 @@ class ArtifactSource:
         release frees whole blocks between them). Reads the header: off the event loop."""
         return coalesce(part.tensor_ranges(tensors_read(self.layout, kind, start, end)))
 
-    def _cut(self, kind: str, start: int, end: int) -> SliceManifest:
-        return cut_artifact(self.store, self.model_path, self.layout, kind, start, end)
+    def _cut(
+        self, kind: str, start: int, end: int, progress: Progress | None = None
+    ) -> SliceManifest:
+        return cut_artifact(self.store, self.model_path, self.layout, kind, start, end, progress)

@@ -74,6 +74,7 @@ def test_stage_hosts_download_only_their_layers(
         st = status(x)
         d = st["download"]
         assert d["size_bytes"] == size and not d["complete"]
+        assert d["fetching"] == []  # every download is over once the split routes
         held = st["artifacts"]
         assert held, x.data_dir.name
         # Byte-identical to the artifacts cut from the whole file.

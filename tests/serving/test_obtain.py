@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import trio
 from structlog.testing import capture_logs
 
 from meshagent.errors import ModelError
@@ -62,27 +63,56 @@ async def _beside(nursery, theirs, manifest, hub, tmp_path) -> ArtifactSource:
     return _source(hub, tmp_path, views, lambda peer, label: b.open_stream(peer, label))
 
 
+async def _watching(source: ArtifactSource, obtaining) -> list[dict]:
+    """Runs `obtaining`, noting what `source.downloads()` lists at every checkpoint."""
+    seen: list[dict] = []
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            while True:
+                seen.extend(source.downloads())
+                await trio.sleep(0)
+
+        nursery.start_soon(watch)
+        await obtaining
+        nursery.cancel_scope.cancel()
+    return seen
+
+
+def a_peer(source: ArtifactSource) -> str:
+    [peer] = source.views()
+    return peer
+
+
 async def test_a_slice_a_peer_holds_comes_from_that_peer_not_the_hub(hub, whole, tmp_path, nursery):
     theirs = ArtifactStore(tmp_path / "theirs")
     _, manifest = theirs.ensure_layers(whole, 2, 4)
     source = await _beside(nursery, theirs, manifest, hub, tmp_path)
     header_only = hub.served
     with capture_logs() as logs:
-        await source.obtain("layers", 2, 4)
+        seen = await _watching(source, source.obtain("layers", 2, 4))
     assert hub.served == header_only  # nothing more from the hub
-    # Its progress is logged as it comes (a stage's artifact can take minutes).
+    # While it comes, the status says so, and its progress is logged (a stage's artifact can
+    # take minutes); once here, it is no longer listed.
+    assert {(f["key"], f["source"]) for f in seen} == {(manifest.key, f"peer {a_peer(source)}")}
     said = [e for e in logs if e["event"] == "artifact.progress"]
     assert said and said[-1]["key"] == manifest.key and said[-1]["percent"] == 100
     assert said[-1]["bytes"] == said[-1]["of"] == manifest.size_bytes
+    assert source.downloads() == []
     got = source.store.get(manifest.key)
     assert got is not None and got.sha256 == manifest.sha256
     part = PartialModel(source.model_path)
     assert part.artifacts == {manifest.key: "from peer"}
     assert part.from_peers == manifest.size_bytes
     # Not held by any peer: from the hub's ranges, and unverified (no hash to compare).
-    await source.obtain("layers", 4, 6)
+    with capture_logs() as logs:
+        seen = await _watching(source, source.obtain("layers", 4, 6))
     assert hub.served > header_only
     key = artifact_key(part.sha256, "layers", 4, 6)
+    assert {(f["key"], f["source"]) for f in seen} == {(key, "hub")}
+    said = [e for e in logs if e["event"] == "partial.progress" and e.get("key") == key]
+    assert said and said[-1]["percent"] == 100 and said[-1]["bytes"] == said[-1]["of"] > 0
+    assert source.downloads() == []
     assert source.store.get(key) is not None
     after = PartialModel(source.model_path)
     assert after.artifacts[key] == "unverified"
