@@ -194,6 +194,26 @@ async def test_a_repair_settles_sooner_than_a_new_plan(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def three_loading(world: World, loads: list, nursery: trio.Nursery, released=None) -> list:
+    """Agents a, b and c of 1.3 GB each, once each is loading its part of their split (a
+    load takes a minute)."""
+    services = [agent(world, p, 1.3, loads, load_s=60.0, released=released) for p in "abc"]
+    for s in services:
+        nursery.start_soon(s.run)
+    with trio.fail_after(10):
+        while len(loads) < 3:
+            await trio.sleep(0.01)
+    return services
+
+
+def kill(world: World, service: PlacementService) -> None:
+    """The agent of `service` dies: it stops, and the others' gossip says it is dead."""
+    service.stop()
+    pid = service.gossip.peer_id
+    world.views[pid] = replace(world.views[pid], state="dead")
+    world.bump()
+
+
 async def test_an_agent_loading_its_part_follows_the_mesh_meanwhile(autojump_clock):
     # Loading a part can take minutes (a download). Meanwhile a peer of the plan dies: every
     # agent, the ones loading included, moves to the new plan at once and says so (status,
@@ -201,19 +221,12 @@ async def test_an_agent_loading_its_part_follows_the_mesh_meanwhile(autojump_clo
     # never claimed ready, and each agent then loads its part of the new plan.
     world = World()
     loads: list = []
-    services = [agent(world, p, 1.3, loads, load_s=60.0) for p in ("a", "b", "c")]
     async with trio.open_nursery() as nursery:
-        for s in services:
-            nursery.start_soon(s.run)
-        with trio.fail_after(10):
-            while len(loads) < 3:  # all three are loading their parts
-                await trio.sleep(0.01)
+        services = await three_loading(world, loads, nursery)
         first = services[0].in_force.plan
         spare = agent(world, "s", 1.3, loads, load_s=60.0)
         nursery.start_soon(spare.run)
-        services[2].stop()
-        world.views["c"] = replace(world.views["c"], state="dead")
-        world.bump()
+        kill(world, services[2])
         await trio.sleep(5)
         for s in services[:2]:
             assert s.in_force.plan != first and "c" not in s.in_force.plan.peers
@@ -233,19 +246,12 @@ async def test_a_part_loaded_for_a_plan_replaced_meanwhile_is_released_when_load
     world = World()
     loads: list = []
     released: list = []
-    services = [agent(world, p, 1.3, loads, load_s=60.0, released=released) for p in "abc"]
     async with trio.open_nursery() as nursery:
-        for s in services:
-            nursery.start_soon(s.run)
-        with trio.fail_after(10):
-            while len(loads) < 3:
-                await trio.sleep(0.01)
+        services = await three_loading(world, loads, nursery, released)
         started = trio.current_time()
         d = agent(world, "d", 8.0, loads, load_s=60.0, released=released)
         nursery.start_soon(d.run)
-        services[2].stop()
-        world.views["c"] = replace(world.views["c"], state="dead")
-        world.bump()
+        kill(world, services[2])
         await trio.sleep(5)
         for s in services[:2]:
             assert s.in_force.plan.replicas == ("d",) and s.mine.ready and not s.routable
