@@ -66,8 +66,15 @@ def test_stage_hosts_download_only_their_layers(
         return all(status(x)["placement"][model_id]["routable"] for x in agents)
 
     wait_for(routable, timeout=180)
-    wait_for(lambda: not any(m["end"] - m["start"] == 30 for m in status(c)["artifacts"]), 30)
-    assert not old.exists() and "artifact.pruned" in c.log_text()
+
+    # The prune deletes, then logs, on a worker thread: a status request answered meanwhile
+    # sees the deletion before the line is written. Wait for both.
+    def pruned() -> bool:
+        gone = not any(m["end"] - m["start"] == 30 for m in status(c)["artifacts"])
+        return gone and "artifact.pruned" in c.log_text()
+
+    wait_for(pruned, 30)
+    assert not old.exists()
     size = model_path.stat().st_size
     reference = ArtifactStore(tmp_path / "reference")
     for x in agents:
