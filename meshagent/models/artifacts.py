@@ -219,24 +219,14 @@ class ArtifactStore:
     ) -> tuple[Path, SliceManifest]:
         """The layers artifact for [start, end) of `model`, cut now if not cached. From a
         partial copy, `progress(done, total)` follows the bytes it downloads for the cut."""
-        return self._ensure(model, "layers", start, end, layout, progress)
+        with self._writing:
+            return self._cut(model, "layers", start, end, layout, progress)
 
     def ensure_entry(
         self, model: Path, layout: ModelLayout | None = None, *, progress: Progress | None = None
     ) -> tuple[Path, SliceManifest]:
-        return self._ensure(model, "entry", 0, 0, layout, progress)
-
-    def _ensure(
-        self,
-        model: Path,
-        kind: str,
-        start: int,
-        end: int,
-        layout: ModelLayout | None,
-        progress: Progress | None = None,
-    ) -> tuple[Path, SliceManifest]:
         with self._writing:
-            return self._cut(model, kind, start, end, layout, progress)
+            return self._cut(model, "entry", 0, 0, layout, progress)
 
     def _cut(
         self,
