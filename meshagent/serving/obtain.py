@@ -149,11 +149,11 @@ class ArtifactSource:
         self.store = store
         self.views = views  # gossip's snapshot: peer -> view with .record.artifacts
         self.open_stream = open_stream
-        self.fetching: dict[str, Fetch] = {}  # artifact key -> its download under way
+        self._fetching: dict[str, Fetch] = {}  # artifact key -> its download under way
 
     def downloads(self) -> list[dict[str, Any]]:
         """The artifacts being downloaded now, for the status document."""
-        return [asdict(f) for f in list(self.fetching.values())]
+        return [asdict(f) for f in list(self._fetching.values())]
 
     @property
     def partial(self) -> PartialModel | None:
@@ -202,7 +202,7 @@ class ArtifactSource:
         sources = list(published(views, key, self.peer_id).items())
         sources += [(p, None) for p in file_holders(views, part.sha256, self.peer_id)]
         for peer_id, sha in sources:
-            fetch = self.fetching[key] = Fetch(key, f"peer {peer_id}")
+            fetch = self._fetching[key] = Fetch(key, f"peer {peer_id}")
             try:
                 _, manifest = await transfer.fetch_artifact(
                     lambda p=peer_id: self.open_stream(p, transfer.LABEL),
@@ -216,7 +216,7 @@ class ArtifactSource:
                 log.warning("artifact.peer_fetch_failed", key=key, peer=peer_id, error=str(e))
                 continue
             finally:
-                self.fetching.pop(key, None)
+                self._fetching.pop(key, None)
             await trio.to_thread.run_sync(part.note_artifact, key, "from peer", manifest.size_bytes)
             log.info("artifact.from_peer", key=key, peer=peer_id, bytes=manifest.size_bytes)
             return
@@ -229,12 +229,12 @@ class ArtifactSource:
         """Cut the artifact from ranges fetched off the hub, checked against the hash peers
         publish for it."""
         for attempt in (1, 2):
-            fetch = self.fetching[key] = Fetch(key, "hub")
+            fetch = self._fetching[key] = Fetch(key, "hub")
             progress = fetch.progress("partial.progress", file=part.remote.filename, key=key)
             try:
                 manifest = await trio.to_thread.run_sync(self._cut, kind, start, end, progress)
             finally:
-                self.fetching.pop(key, None)
+                self._fetching.pop(key, None)
             agreed = set(published(self.views(), key, self.peer_id).values())
             if not agreed or manifest.sha256 in agreed:
                 verdict = "verified" if agreed else "unverified"
