@@ -93,11 +93,17 @@ def agent(world: World, pid: str, gb: float, loads: list, *, load_s: float = 0.5
     )
 
 
-async def three_agreed(world: World, loads: list, nursery: trio.Nursery) -> list:
-    """Agents a, b and c of 1.3 GB each, running until they agree on a plan."""
-    services = [agent(world, p, 1.3, loads) for p in ("a", "b", "c")]
+def start_three(world: World, loads: list, nursery: trio.Nursery, **kw) -> list:
+    """Agents a, b and c of 1.3 GB each, running (`kw`: as `agent` takes them)."""
+    services = [agent(world, p, 1.3, loads, **kw) for p in "abc"]
     for s in services:
         nursery.start_soon(s.run)
+    return services
+
+
+async def three_agreed(world: World, loads: list, nursery: trio.Nursery) -> list:
+    """Agents a, b and c, running until they agree on a plan."""
+    services = start_three(world, loads, nursery)
     await settle(services)
     return services
 
@@ -195,11 +201,9 @@ async def test_a_repair_settles_sooner_than_a_new_plan(autojump_clock):
 
 
 async def three_loading(world: World, loads: list, nursery: trio.Nursery, released=None) -> list:
-    """Agents a, b and c of 1.3 GB each, once each is loading its part of their split (a
-    load takes a minute)."""
-    services = [agent(world, p, 1.3, loads, load_s=60.0, released=released) for p in "abc"]
-    for s in services:
-        nursery.start_soon(s.run)
+    """Agents a, b and c, once each is loading its part of their split (a load takes a
+    minute)."""
+    services = start_three(world, loads, nursery, load_s=60.0, released=released)
     with trio.fail_after(10):
         while len(loads) < 3:
             await trio.sleep(0.01)
