@@ -35,6 +35,7 @@ import httpx
 from chat_stream import stream_chat
 
 from meshagent.launch import start_agent
+from meshagent.models.default import default_model_path
 
 DOC = {
     "name": "meshagent",
@@ -97,15 +98,14 @@ def one(url: str, model: str, prompt: str, mode: str, max_tokens: int) -> dict:
 WINDOWS = (1, 2, 3, 5, 9, 17)
 
 
-def window_costs(threads: int, repeats: int = 8) -> dict[int, float]:
+def window_costs(model: Path, threads: int, repeats: int = 8) -> dict[int, float]:
     """What a step of n tokens of one sequence costs here, relative to a step of one: the
-    embedded model in this process, with the agent's slots, context and threads, after a
-    short prompt, median of `repeats` (each window's positions are cut from the cache again)."""
+    model in this process, with the agent's slots, context and threads, after a short
+    prompt, median of `repeats` (each window's positions are cut from the cache again)."""
     from meshagent.engine.base import ForwardItem
     from meshagent.engine.llama import LlamaEngine
-    from meshagent.models.default import default_model_path
 
-    engine = LlamaEngine(default_model_path(), threads=threads)
+    engine = LlamaEngine(model, threads=threads)
     try:
         prompt = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 10, add_bos=True)
         engine.forward([ForwardItem(0, 0, prompt, False)])
@@ -132,12 +132,13 @@ def window_cost(costs: dict[int, float], n: int) -> float:
     return costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
 
 
-def tokenized(pairs: dict[str, tuple[str, str]]) -> dict[str, tuple[list[int], list[int]]]:
-    """Each workload's prompt and answer as the embedded model's tokens."""
+def tokenized(
+    model: Path, pairs: dict[str, tuple[str, str]]
+) -> dict[str, tuple[list[int], list[int]]]:
+    """Each workload's prompt and answer as the model's tokens."""
     from meshagent.engine.llama import LlamaEngine
-    from meshagent.models.default import default_model_path
 
-    engine = LlamaEngine(default_model_path(), threads=1)
+    engine = LlamaEngine(model, threads=1)
     try:
         return {
             w: (engine.tokenize(p, add_bos=False), engine.tokenize(a, add_bos=False))
@@ -203,12 +204,21 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--modes", default="off,auto", help="comma-separated; the first is the base")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="a GGUF file to serve instead of the embedded model (bench/coder_model.py "
+        "fetches one that performs the code rename)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/speculation.json"))
     args = ap.parse_args()
+    model_path = args.model or default_model_path()
     modes = args.modes.split(",")
     runs: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in WORKLOADS}
     with tempfile.TemporaryDirectory(prefix="meshagent-bench-") as tmp:
-        agent = start_agent(Path(tmp), "--threads", str(args.threads))
+        agent = start_agent(
+            Path(tmp), "--threads", str(args.threads), "--model", str(model_path), timeout=300
+        )
         try:
             url = agent.url
             model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
@@ -220,8 +230,9 @@ def main() -> None:
                         runs[w][m].append(one(url, model, prompt, m, args.max_tokens))
         finally:
             agent.stop()
-    costs = window_costs(args.threads)
-    tokens = tokenized({w: (WORKLOADS[w], runs[w][modes[0]][0]["text"]) for w in WORKLOADS})
+    costs = window_costs(model_path, args.threads)
+    answers = {w: (WORKLOADS[w], runs[w][modes[0]][0]["text"]) for w in WORKLOADS}
+    tokens = tokenized(model_path, answers)
 
     base = modes[0]
     table = {}
@@ -264,6 +275,7 @@ def main() -> None:
 
     result = {
         "benchmark": "speculation",
+        "model": model_path.name,
         "threads": args.threads,
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,

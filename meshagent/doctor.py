@@ -228,7 +228,7 @@ def _reason(e: BaseException) -> str:
 def check_build() -> list[Finding]:
     import llama_cpp
 
-    from meshagent.engine.runtime import built_with_llamafile
+    from meshagent.engine.runtime import TILED_ENV, built_with_llamafile, tiled_kernels_on
 
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
     # "CPU : SSE3 = 1 | AVX = 1 | ...": a backend's name, then its features
@@ -274,6 +274,17 @@ def check_build() -> list[Finding]:
                 "and kept prefixes are not reused",
                 'CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --force-reinstall --no-cache-dir '
                 "llama-cpp-python",
+            )
+        )
+    if tiled_kernels_on():
+        out.append(
+            Finding(
+                WARN,
+                "llama.cpp",
+                f"{TILED_ENV} is on: for K-quant and IQ models (Q4_K_M and the like) draft "
+                "windows and prompt chunks are inexact, so speculation stays off and kept "
+                "prefixes are not reused (prefill is faster)",
+                f"unset {TILED_ENV}",
             )
         )
     return out

@@ -105,3 +105,16 @@ def test_a_relay_the_agent_is_not_registered_at_is_a_warning():
     s = doctor.Situation(DataDir(Path("/nonexistent")), config, status)
     [f] = doctor.check_relays(s, connect=lambda host, port: None)
     assert f.level == "warn" and "not registered" in f.said
+
+
+def test_llamas_tiled_kernels_turned_on_are_a_warning_with_the_fix(monkeypatch):
+    from meshagent.engine.runtime import TILED_ENV
+
+    def said() -> list[doctor.Finding]:
+        return [f for f in doctor.check_build() if TILED_ENV in f.said]
+
+    monkeypatch.setenv(TILED_ENV, "0")
+    assert said() == []
+    monkeypatch.setenv(TILED_ENV, "1")
+    (warning,) = said()
+    assert warning.level == doctor.WARN and warning.fix == f"unset {TILED_ENV}"

@@ -11,10 +11,9 @@ import structlog
 from meshagent.engine.base import ForwardItem, ModelInfo
 from meshagent.engine.runtime import (
     FLASH_ATTN_WINDOWS,
-    LLAMAFILE_WINDOWS,
     LlamaRuntime,
     RuntimeDelegate,
-    built_with_llamafile,
+    inexact_build,
 )
 from meshagent.engine.vocab import Vocab, VocabDelegate
 
@@ -54,9 +53,9 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
         self.slot_ctx = slot_ctx
         self.rewindable = self.runtime.rewindable
         # Read by `engine.windows.check_windows`: flash attention is not checked, a LLAMAFILE
-        # build is (and, when it fails, told how to mend).
+        # build or llama.cpp's tiled kernels are (and, when the check fails, told how to mend).
         self.inexact_windows = None if flash_attn is False else FLASH_ATTN_WINDOWS
-        self.windows_hint = LLAMAFILE_WINDOWS if built_with_llamafile() else None
+        self.windows_hint = inexact_build() or None
         self.n_vocab = self.vocab.n_vocab
         rt = self.runtime
         self.info = ModelInfo(

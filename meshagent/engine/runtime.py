@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +29,22 @@ def _llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
 
 _backend_ready = False
 
+# llama.cpp's CPU backend multiplies K-quant and IQ weights (Q4_K_M and the like) by a batch
+# of 8 or more rows with its tiled kernels, and a smaller batch with its dot products; the two
+# round differently, so a draft's window or a prompt chunk of 8 tokens or more gives other
+# logits than one-token steps (decision 11). meshagent turns the tiled kernels off unless the
+# environment chooses; llama.cpp reads the variable once per process, at its first product.
+TILED_ENV = "GGML_CPU_TILED_MM"
+TILED_WINDOWS = (
+    f"llama.cpp's tiled K-quant kernels are on ({TILED_ENV} is set): batches of 8 or more "
+    f"tokens round otherwise than one-token steps; unset {TILED_ENV} or set it to 0"
+)
+
 
 def init_backend() -> None:
     global _backend_ready
     if not _backend_ready:
+        os.environ.setdefault(TILED_ENV, "0")
         llama_cpp.llama_log_set(_llama_log, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         _backend_ready = True
@@ -50,6 +63,25 @@ def built_with_llamafile() -> bool:
     """Whether llama.cpp was built with LLAMAFILE (tinyBLAS), whose kernels compute a batch of
     two or more tokens with other arithmetic than one token (docs/speculation.md)."""
     return b"LLAMAFILE = 1" in llama_cpp.llama_print_system_info()
+
+
+def tiled_kernels_on() -> bool:
+    """Whether llama.cpp's tiled K-quant kernels are on in this process, reading the variable
+    as llama.cpp does (C's atoi: non-zero is on). Unset means off: `init_backend`, which runs
+    before llama.cpp computes anything here, sets it to 0."""
+    value = os.environ.get(TILED_ENV, "0")
+    digits = re.match(r"\s*([+-]?\d+)", value)
+    return digits is not None and int(digits.group(1)) != 0
+
+
+def inexact_build() -> str:
+    """Why this process's llama.cpp computes a batch of several tokens otherwise than one
+    token, whatever the model ('' where nothing says so; the load-time window check still
+    measures the model at hand)."""
+    reasons = [LLAMAFILE_WINDOWS] if built_with_llamafile() else []
+    if tiled_kernels_on():
+        reasons.append(TILED_WINDOWS)
+    return "; ".join(reasons)
 
 
 # Why a draft's window cannot compute what one-token steps compute (engine/windows.py).

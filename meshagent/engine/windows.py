@@ -5,9 +5,10 @@ batch, samples it. That yields plain decoding's text only if each row of the win
 bit for bit, the logits a one-token step at that position gives. Whether it does is a property
 of the engine's kernels, not of the algorithm: llama.cpp built with LLAMAFILE computes the
 attention of a batch of two or more tokens with tinyBLAS and that of one token with its own
-dot products, and the two round differently (docs/speculation.md). So each engine is checked
-when it is loaded: `check_windows` decodes a short text one token at a time, then again in
-windows, and compares the logits.
+dot products, and the two round differently (docs/speculation.md); its tiled K-quant kernels
+take a batch of 8 or more tokens only (decision 11). So each engine is checked when it is
+loaded: `check_windows` decodes a short text one token at a time, then again in a window of 3
+tokens and one of 9, and compares the logits.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ class WindowCheck:
     reason: str  # one line for `meshagent status`
 
 
-def check_windows(engine: Engine, *, slot: int = 0, steps: int = 8) -> WindowCheck:
+def check_windows(engine: Engine, *, slot: int = 0, steps: int = 12) -> WindowCheck:
     """Decode `steps` greedy tokens after TEXT one at a time in `slot`, then the same tokens
-    in two windows, and compare every row with its step. Clears `slot` before and after.
+    in two windows (3 tokens, then the rest: 9 by default, past the size from which llama.cpp
+    may take other kernels), and compare every row with its step. Clears `slot` before and
+    after.
     An engine that names a reason its windows cannot be exact (`inexact_windows`) is not
     run."""
     known = getattr(engine, "inexact_windows", None)

@@ -4,9 +4,17 @@ no token."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import llama_cpp
+
 from meshagent.engine.llama import LlamaEngine
-from meshagent.engine.runtime import built_with_llamafile
+from meshagent.engine.runtime import TILED_ENV, built_with_llamafile
 from meshagent.engine.windows import check_windows
+from tests.engine.tiny_models import quantize, write_tiny_model
 
 
 def test_windows_are_exact_on_the_installed_build(model_path):
@@ -30,3 +38,38 @@ def test_flash_attention_is_taken_as_inexact_without_a_check(model_path):
         assert "flash attention" in check.reason
     finally:
         engine.close()
+
+
+_CHECK = """
+import json, sys
+from pathlib import Path
+from meshagent.engine.llama import LlamaEngine
+from meshagent.engine.windows import check_windows
+engine = LlamaEngine(Path(sys.argv[1]), slots=1, slot_ctx=256, threads=2)
+check = check_windows(engine)
+print(json.dumps({"exact": check.exact, "reason": check.reason}))
+"""
+
+
+def test_k_quant_windows_are_exact_unless_llamas_tiled_kernels_are_turned_on(tmp_path):
+    # llama.cpp multiplies K-quant weights by a batch of 8 tokens or more with tiled kernels
+    # that round otherwise than its dot products. An agent turns them off (decision 11); a
+    # user who turns them back on is told that windows are inexact, and why.
+    f32 = write_tiny_model(tmp_path / "f32.gguf", "llama", n_layers=2, n_embd=256, n_ff=512)
+    model = quantize(f32, tmp_path / "q4_k_m.gguf", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)
+
+    def check(**env: str) -> dict:
+        base = {k: v for k, v in os.environ.items() if k != TILED_ENV}
+        out = subprocess.run(
+            [sys.executable, "-c", _CHECK, str(model)],
+            env={**base, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    assert check() == {"exact": True, "reason": "a window's logits equal one-token steps"}
+    tiled = check(**{TILED_ENV: "1"})
+    assert not tiled["exact"]
+    assert f"unset {TILED_ENV}" in tiled["reason"]

@@ -221,3 +221,17 @@ def write_tiny_jamba(
             )
         _dense_ffn(g, p, n_embd, n_ff)
     return _finish(w, path)
+
+
+def quantize(src: Path, dst: Path, ftype: int) -> Path:
+    """`src` quantized by llama.cpp itself (`ftype`: a `llama_cpp.LLAMA_FTYPE_*`)."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 1
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)):
+        raise RuntimeError(f"llama.cpp could not quantize {src}")
+    return dst
