@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from meshagent.serving.copying import Copier, Cursor, Joined
 from meshagent.serving.sampling import Sampler
 
 MAX_DRAFT = 16  # the most tokens a draft holds
@@ -38,7 +39,8 @@ MAX_DRAFT = 16  # the most tokens a draft holds
 
 class SuffixDrafter:
     """An index of a sequence's n-grams (`min_n` to `max_n` tokens) to the position after
-    their most recent occurrence, kept up to date as tokens are added."""
+    their most recent occurrence, kept up to date as tokens are added, and a cursor on the
+    text the sequence is copying from, with the edits it made (`serving/copying.py`)."""
 
     def __init__(self, tokens: Iterable[int] = (), *, min_n: int = 2, max_n: int = 6) -> None:
         if not 1 <= min_n <= max_n:
@@ -49,36 +51,73 @@ class SuffixDrafter:
         # ends the sequence is not indexed until a token follows it: a match is always an
         # earlier occurrence, with at least one token after it.
         self._after: dict[tuple[int, ...], int] = {}
-        self.extend(tokens)
+        self.copier = Copier()
+        self.cursor: Cursor | None = None  # set by the tokens added after these
+        for token in tokens:
+            self._index(token)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def extend(self, tokens: Iterable[int]) -> None:
-        toks, after = self.tokens, self._after
-        for token in tokens:
-            end = len(toks)  # the n-grams ending here get a token after them now
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                after[tuple(toks[end - n : end])] = end
-            toks.append(token)
+    @property
+    def copying(self) -> bool:
+        """Whether its next draft goes on copying the text the sequence has been following."""
+        return self.cursor is not None and self.cursor.following and self.cursor.trusted
 
-    def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
-        """Up to `k` tokens that followed the longest suffix's most recent earlier
-        occurrence; () when no suffix of `min_n` tokens or more occurred before. With
-        `after`, as if the sequence went on with those tokens (drafts not yet verified:
-        what to draft next, beyond them), without indexing them."""
-        if k < 1:
-            return ()
-        toks = self.tokens
-        tail = [*toks[-self.max_n :], *after][-self.max_n :] if after else toks
+    def _index(self, token: int) -> None:
+        toks, end = self.tokens, len(self.tokens)  # the n-grams ending here get a token now
+        for n in range(self.min_n, min(self.max_n, end) + 1):
+            self._after[tuple(toks[end - n : end])] = end
+        toks.append(token)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Add generated tokens: the cursor follows them (and learns the edits they make);
+        where there is none (yet, or no more: the text went elsewhere), the most recent
+        earlier occurrence of the longest suffix becomes its source."""
+        for token in tokens:
+            if self.cursor is not None:
+                self.cursor = self.copier.step(self.tokens, self.cursor, token, learn=True)
+            self._index(token)
+            if self.cursor is None:
+                start = self._match(self.tokens)
+                if start is not None:
+                    self.cursor = Cursor(start)
+
+    def _match(self, tail: Sequence[int]) -> int | None:
+        """Where the tokens after the longest suffix of `tail` (`min_n` tokens or more) start,
+        at its most recent earlier occurrence."""
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
             start = self._after.get(tuple(tail[len(tail) - n :]))
             if start is not None:
-                got = toks[start : start + k]  # and on into `after`, where the match is recent
-                if len(got) < k and after:
-                    got = [*got, *after[: k - len(got)]]
-                return tuple(got)
-        return ()
+                return start
+        return None
+
+    def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
+        """Up to `k` tokens: the copied text from the cursor on, with the edits made; else
+        what followed the longest suffix's most recent earlier occurrence; () when no suffix
+        of `min_n` tokens or more occurred before. With `after`, as if the sequence went on
+        with those tokens (drafts not yet verified: what to draft next, beyond them), without
+        indexing them or learning from them."""
+        if k < 1:
+            return ()
+        cur = self.cursor
+        for i, token in enumerate(after):
+            if cur is None:
+                break
+            cur = self.copier.step(Joined(self.tokens, after[:i]), cur, token, learn=False)
+        text = Joined(self.tokens, after) if after else self.tokens
+        if cur is not None and cur.trusted:
+            got = self.copier.draft(text, cur, k)
+            if got:
+                return got
+        tail = [*self.tokens[-self.max_n :], *after][-self.max_n :] if after else self.tokens
+        start = self._match(tail)
+        if start is None:
+            return ()
+        got = self.tokens[start : start + k]  # and on into `after`, where the match is recent
+        if len(got) < k and after:
+            got = [*got, *after[: k - len(got)]]
+        return tuple(got)
 
 
 class DraftLength:
@@ -217,17 +256,22 @@ class Acceptance:
     def __init__(self, prior: float = 0.7, *, weight: float = 2.0, decay: float = 0.9) -> None:
         self.first = _Rate(prior, weight, decay)
         self.then = _Rate(prior, weight, decay)
+        # A window whose draft goes on copying the text the sequence follows (the drafter's
+        # cursor, `copying`) starts right far more often than one that guesses from an
+        # n-gram after a miss: each kind keeps its own first rate.
+        self.first_copying = _Rate(prior, weight, decay)
 
-    def update(self, hits: int, trials: int, *, run: bool = False) -> None:
+    def update(self, hits: int, trials: int, *, run: bool = False, copying: bool = False) -> None:
         """A window whose first `hits` draft tokens were right, of `trials` judged (one more
         than `hits` where a wrong one ended it). With `run`, its first token followed a
-        right one (a window sent before the verdict on the one before it)."""
+        right one (a window sent before the verdict on the one before it). `copying`: its
+        draft came from the text the sequence was copying."""
         if trials < 1:
             return
         if run:
             self.then.update(hits, trials)
             return
-        self.first.update(hits >= 1, 1)
+        (self.first_copying if copying else self.first).update(hits >= 1, 1)
         if hits >= 1:
             self.then.update(hits - 1, trials - 1)
 
@@ -241,31 +285,42 @@ class Acceptance:
         """The chance of the next draft token being right, at a window's start."""
         return self.first.value
 
-    def reach(self, n: int) -> float:
+    def reach(self, n: int, *, copying: bool = False) -> float:
         """The chance that the next n draft tokens are all right."""
-        return 1.0 if n < 1 else self.first.value * self.then.value ** (n - 1)
+        first = (self.first_copying if copying else self.first).value
+        return 1.0 if n < 1 else first * self.then.value ** (n - 1)
 
-    def expected(self, k: int) -> float:
+    def expected(self, k: int, *, copying: bool = False) -> float:
         """The tokens a window of k draft tokens yields on average: the right ones up to the
         first wrong one, and the model's own token after them."""
-        f, c = self.first.value, self.then.value
+        f = (self.first_copying if copying else self.first).value
+        c = self.then.value
         return 1 + f * (1 - c**k) / (1 - c)
 
 
-def best_draft(acc: Acceptance, cost: WindowCost, room: int, *, margin: float = 1.05) -> int:
+def best_draft(
+    acc: Acceptance, cost: WindowCost, room: int, *, margin: float = 1.05, copying: bool = False
+) -> int:
     """How many draft tokens make a step yield the most tokens per unit of its time (a draft
     is kept up to its first wrong token, plus the model's own token there); 0 when no draft
-    beats plain decoding by `margin`."""
+    beats plain decoding by `margin`. `copying`: the draft goes on copying the text the
+    sequence follows."""
     best_k, best = 0, margin
     for k in range(1, room + 1):
-        gain = acc.expected(k) / cost.cost(k + 1)
+        gain = acc.expected(k, copying=copying) / cost.cost(k + 1)
         if gain > best:
             best_k, best = k, gain
     return best_k
 
 
 def follow_up_draft(
-    acc: Acceptance, cost: WindowCost, ahead: int, proposal: Sequence[int], *, margin: float = 1.05
+    acc: Acceptance,
+    cost: WindowCost,
+    ahead: int,
+    proposal: Sequence[int],
+    *,
+    margin: float = 1.05,
+    copying: bool = False,
 ) -> int | None:
     """How many draft tokens a window sent before the verdict on those in flight should hold
     after its guess (the proposal's first token), or None to send none. `ahead`: the tokens
@@ -274,8 +329,12 @@ def follow_up_draft(
     is sent while that expected saving beats what the sequence makes per step without it
     (the best plain window's yield)."""
     per_token = max(cost.slope, 0.02)  # never free: the stages compute it
-    serial = max(margin, *(acc.expected(k) / cost.cost(k + 1) for k in range(MAX_DRAFT + 1)))
+    serial = max(
+        margin,
+        *(acc.expected(k, copying=copying) / cost.cost(k + 1) for k in range(MAX_DRAFT + 1)),
+    )
     count = 0
-    while count < len(proposal) and acc.reach(ahead + 1 + count) / per_token > serial:
+    reach = acc.reach
+    while count < len(proposal) and reach(ahead + 1 + count, copying=copying) / per_token > serial:
         count += 1
     return count - 1 if count else None

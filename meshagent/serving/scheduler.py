@@ -314,7 +314,9 @@ class Scheduler:
             items.append(StepItem(s.id, s.slot, s.n_past, tokens, last, len(draft)))
             if last:  # a decode step's trip is timed
                 sent_at = now if take == 1 and not s.behind_void else None
-                s.windows.append(Window(s.n_past + take - 1, draft, sent_at=sent_at))
+                w = Window(s.n_past + take - 1, draft, sent_at=sent_at)
+                w.copying = s.copying and bool(draft)
+                s.windows.append(w)
                 s.behind_void = False
             s.n_past += len(tokens)
             s.busy = last
@@ -351,14 +353,17 @@ class Scheduler:
             if not proposal or self._is_end(proposal[0]):
                 continue
             if s.acceptance is not None:
-                k = follow_up_draft(s.acceptance, self.window_cost, len(ahead), proposal)
+                copying = s.windows[0].copying
+                k = follow_up_draft(
+                    s.acceptance, self.window_cost, len(ahead), proposal, copying=copying
+                )
                 if k is None:
                     continue
                 proposal = proposal[: k + 1]
             assert s.slot is not None
             guess, draft = proposal[0], tuple(proposal[1:])
             items.append(StepItem(s.id, s.slot, s.n_past, proposal, True, len(draft), True))
-            s.windows.append(Window(s.n_past, draft, guess))
+            s.windows.append(Window(s.n_past, draft, guess, copying=s.windows[0].copying))
             s.n_past += len(proposal)
             self._tokens += len(proposal)
             budget -= len(proposal)
@@ -371,12 +376,13 @@ class Scheduler:
         # The drafter holds the prompt, the history and every token since: the pending one
         # is its last.
         proposal = s.drafter.propose(room) if room > 0 else ()
+        s.copying = s.drafter.copying
         if s.acceptance is None or not proposal:
             return proposal
-        k = best_draft(s.acceptance, self.window_cost, len(proposal))
+        k = best_draft(s.acceptance, self.window_cost, len(proposal), copying=s.copying)
         if not k:  # it would not pay: see whether its tokens would have been right
             if not s.shadow:
-                s.shadow, s.shadow_after = proposal, False
+                s.shadow, s.shadow_after, s.shadow_copying = proposal, False, s.copying
             return ()
         s.shadow = ()
         if k < len(proposal):
@@ -439,7 +445,7 @@ class Scheduler:
                 s.length.update(drafted, accepted)
             if s.acceptance is not None and drafted:
                 judged = accepted + (accepted < drafted)
-                s.acceptance.update(accepted, judged, run=w.guess is not None)
+                s.acceptance.update(accepted, judged, run=w.guess is not None, copying=w.copying)
         if s.cancelled:
             if not s.busy:
                 self._release(s)
@@ -465,7 +471,7 @@ class Scheduler:
             if s.shadow_after:
                 s.acceptance.then_seen(hit)
             else:
-                s.acceptance.update(hit, 1)
+                s.acceptance.update(hit, 1, copying=s.shadow_copying)
             s.shadow, s.shadow_after = (s.shadow[1:] if hit else ()), True
         if right:  # more of the window is coming
             return [Token(s.id, token, None, timing, cached=cached, logprob=logprob)]

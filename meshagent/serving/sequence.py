@@ -33,6 +33,8 @@ class SeqState:
     # instead (evidence for `Acceptance.first`, then, while right, for `Acceptance.then`)
     shadow: tuple[int, ...] = ()
     shadow_after: bool = False  # the shadow's next token follows a right one
+    copying: bool = False  # its last proposal went on copying the text it follows
+    shadow_copying: bool = False  # ... and so did the shadow's
     # "auto", drafting fewer tokens than proposed: the first one it left out, to see whether
     # it would have been right after the drafted ones (evidence for `Acceptance.then` that a
     # short window gives no other way)
@@ -59,6 +61,7 @@ class Window:
     guess: int | None = None
     sent_at: float | None = None  # when the step was taken; None: not timed
     at: int = 0  # the index in the draft of the next token to come back
+    copying: bool = False  # its draft went on copying the text the sequence follows
 
     def ahead(self) -> list[int]:
         """Its tokens not yet verified, in order."""

@@ -52,7 +52,11 @@ def test_no_proposal_without_an_earlier_occurrence():
 def test_extending_token_by_token_is_building_at_once(tokens, cut, k):
     d = SuffixDrafter(tokens[:cut])
     d.extend(tokens[cut:])
-    assert d.propose(k) == SuffixDrafter(tokens).propose(k)
+    at_once = SuffixDrafter(tokens)
+    assert (d.tokens, d._after) == (at_once.tokens, at_once._after)
+    if d.cursor is not None and d.cursor.trusted:
+        return  # it drafts the text it follows, which one built at once does not know
+    assert d.propose(k) == at_once.propose(k)
     # and what it proposes did follow that suffix somewhere before
     proposal = d.propose(k)
     if proposal:
@@ -60,6 +64,97 @@ def test_extending_token_by_token_is_building_at_once(tokens, cut, k):
         suffix = tuple(tokens[len(tokens) - n :])
         starts = [i for i in range(len(tokens) - n) if tuple(tokens[i : i + n]) == suffix]
         assert any(tuple(tokens[i + n : i + n + len(proposal)]) == proposal for i in starts)
+
+
+def windows_to_write(d: SuffixDrafter, answer: list[int], k: int = 16) -> list[int]:
+    """Decode `answer` with drafts from `d` checked against it: the tokens each window
+    yields (its accepted drafts and the token after them)."""
+    at, got = 0, []
+    while at < len(answer):
+        draft = d.propose(k)
+        n = 0
+        while n < len(draft) and at + n < len(answer) and draft[n] == answer[at + n]:
+            n += 1
+        window = answer[at : at + n + 1]
+        d.extend(window)
+        at += len(window)
+        got.append(len(window))
+    return got
+
+
+OLD, NEW = 50, (60, 61)  # a variable's name, and the two tokens of the name it gets
+CODE = [10, 11, 12, OLD, 13, 14, 15, 16, 17, 18, 19, OLD, 20, 21, 22, 23, 24, 25, 26, 27]
+CODE += [OLD, 28, 29, 30, 31, 32, 33, 34, OLD, 35, 36, 37, 38]
+
+
+def renamed(code: list[int]) -> list[int]:
+    return [t for c in code for t in (NEW if c == OLD else (c,))]
+
+
+def test_a_rename_is_learnt_where_it_is_first_made_and_drafted_where_it_comes_again():
+    prompt = [1, 2, *CODE, 3, 4, OLD, 5, *NEW, 6]  # the code, then "rename OLD to NEW"
+    answer = renamed(CODE)
+    windows = windows_to_write(SuffixDrafter(prompt), answer)
+    # After the first use, the drafts copy the code with the new name in: each later use
+    # lies inside a window, and the rest takes two windows.
+    assert windows[-2:] == [17, 7], windows
+    # A drafter that learns no edit breaks its draft at every use of the name.
+    plain = SuffixDrafter(prompt)
+    plain.copier.edits = _Forgetful()
+    assert len(windows_to_write(plain, answer)) >= len(windows) + 3
+
+
+class _Forgetful(dict):
+    def __setitem__(self, key, value):  # learns nothing
+        pass
+
+
+def test_an_edit_is_not_forced_where_the_text_keeps_the_original():
+    # The name is renamed in code but kept where it is a word in a string: drafts propose
+    # the edit, the text writes the original, and the cursor follows the original.
+    prompt = [1, *CODE, 2]
+    answer = renamed(CODE[:12]) + CODE[12:]
+    d = SuffixDrafter(prompt)
+    d.extend(answer[:16])
+    assert d.copier.edits == {(OLD,): NEW}
+    d.extend(answer[16:])
+    assert d.cursor is not None and d.cursor.following
+
+
+def test_an_edit_is_learnt_only_once_the_text_is_back_on_its_source_for_a_second_token():
+    prompt = [1, *CODE, 2]
+    d = SuffixDrafter(prompt)
+    d.extend(CODE[:11])  # following the copy
+    d.extend([70, 20])  # the name replaced by 70... and back on the source (20 after OLD)
+    assert d.copier.edits == {}  # one token back is not yet an edit
+    d.extend([21])
+    assert d.copier.edits == {(OLD,): (70,)}
+    # a detour that comes back on a token by chance is not learnt
+    d2 = SuffixDrafter(prompt)
+    d2.extend(CODE[:11])
+    d2.extend([70, 20, 99])
+    assert d2.copier.edits == {}
+
+
+def test_a_cursor_drafts_only_once_it_has_followed_its_source_for_a_few_tokens():
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    d = SuffixDrafter(prompt)
+    d.extend([20, 6, 7])  # (6, 7) occurred before: a cursor, not yet trusted
+    assert d.cursor is not None and not d.cursor.trusted
+    assert d.propose(4) == (8, 9, 10, 11)  # the n-gram's continuation, as always
+    d.extend([8, 9, 10])
+    assert d.cursor.trusted and d.propose(3) == (11, 12, 20)
+
+
+def test_drafts_in_flight_move_the_cursor_without_teaching_it():
+    prompt = [1, *CODE, 2]
+    d = SuffixDrafter(prompt)
+    d.extend(renamed(CODE[:13]))  # the rename learnt
+    assert d.copier.edits == {(OLD,): NEW}
+    ahead = CODE[13:19]  # drafts in flight, right so far
+    assert d.propose(4, ahead) == (27, *NEW, 28)
+    d.propose(4, [*CODE[13:19], 99, 98, 97])  # wrong drafts in flight teach nothing
+    assert d.copier.edits == {(OLD,): NEW}
 
 
 def test_draft_length_grows_on_success_and_shrinks_on_failure():
@@ -143,6 +238,19 @@ def test_acceptance_knows_that_misses_come_in_runs():
 def fixed(rate: float) -> Acceptance:
     """Every draft token right with probability `rate`, whatever came before."""
     return Acceptance(prior=rate, weight=1e12)
+
+
+def test_windows_that_go_on_copying_keep_their_own_first_rate():
+    # Around an edit the drafter guesses from an n-gram and misses; once back on the text it
+    # copies, its drafts are right: one rate for both would draft short everywhere.
+    acc = Acceptance()
+    for _ in range(10):
+        acc.update(0, 1)
+        acc.update(8, 8, copying=True)
+    assert acc.reach(1, copying=True) > 0.9 and acc.reach(1) < 0.2
+    cost = WindowCost(slope=0.3)
+    assert best_draft(acc, cost, 16) == 0
+    assert best_draft(acc, cost, 16, copying=True) >= 8
 
 
 def test_the_best_draft_pays_for_its_window_or_is_none():

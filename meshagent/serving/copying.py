@@ -1,0 +1,140 @@
+"""Where a sequence is copying from, and the edits it makes while it copies.
+
+An answer that repeats its input (a renamed variable, a document with one field changed)
+copies a stretch of earlier text token by token, leaves it where it edits, and comes back a
+few tokens further on. `Copier` follows that: a `Cursor` points at the next token of the text
+being copied; a token that differs starts a divergence, and when a written token matches the
+source again within `MAX_SKIP` tokens of where the text left it, the cursor goes on from
+there and the edit (the source tokens skipped, the tokens written instead) is learnt once the
+next token confirms it. A learnt edit is applied wherever its source tokens come up again in
+a draft, so the second and later uses of a renamed variable are drafted right instead of
+breaking the draft: a plain n-gram drafter sees, after the new name, text that never occurred
+before, and finds its way back only by chance.
+
+No I/O, no model: plain objects, tested alone (`SuffixDrafter` uses them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+MAX_SKIP = 8  # the most source tokens an edit replaces
+MAX_EDIT = 8  # the most tokens an edit writes instead
+TRUST = 3  # source tokens followed in a row before the cursor drafts
+COPYING = 4  # ... and before a divergence is taken for an edit of a copy
+SHORT_EDIT = 3  # the most tokens written that a draft guesses an edit ends after
+
+
+@dataclass(frozen=True)
+class Cursor:
+    at: int  # the index in the text of the next source token (after `pending`)
+    pending: tuple[int, ...] = ()  # tokens of a learnt edit still to come before `at`
+    left: int = -1  # where the text left the source (-1: following it)
+    written: tuple[int, ...] = ()  # the tokens written since it left
+    unconfirmed: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # an edit just seen
+    run: int = 0  # source tokens followed in a row before now (kept across an edit)
+
+    @property
+    def following(self) -> bool:
+        return self.left < 0
+
+    @property
+    def trusted(self) -> bool:
+        """Whether to draft from it: a cursor that has followed its source for a while (a
+        suffix that occurred before is often a coincidence in prose), and one that left a
+        long copy a token or two ago (an edit under way)."""
+        if self.following:
+            return self.run >= TRUST
+        return self.run >= COPYING and 2 <= len(self.written) <= SHORT_EDIT
+
+
+class Copier:
+    """The edits learnt for one sequence, and the steps of its cursor."""
+
+    def __init__(self) -> None:
+        self.edits: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._longest = 0  # the longest source side of an edit learnt
+
+    def edit_at(self, text: Sequence[int], i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The learnt edit whose source tokens start at `text[i]` (the longest), or ((), ())."""
+        for n in range(min(self._longest, len(text) - i), 0, -1):
+            source = tuple(text[i : i + n])
+            wrote = self.edits.get(source)
+            if wrote is not None:
+                return source, wrote
+        return (), ()
+
+    def step(self, text: Sequence[int], cur: Cursor, token: int, *, learn: bool) -> Cursor | None:
+        """The cursor after `token` follows `text`; None once the text has gone elsewhere
+        (more than MAX_EDIT tokens written without coming back). With `learn`, an edit
+        confirmed here is kept."""
+        if cur.following:
+            return self._follow(text, cur, token, learn)
+        written = (*cur.written, token)
+        for j in range(cur.left, min(cur.left + MAX_SKIP + 1, len(text))):
+            if text[j] == token:  # back on the source: text[left:j] was replaced
+                source = tuple(text[cur.left : j])
+                edit = (source, written[:-1]) if source and written[:-1] else None
+                # A short edit of a copy keeps its trust; coming back after a long detour
+                # may be a coincidence and has to earn it again.
+                short = j - cur.left <= 2 and len(written) <= SHORT_EDIT + 1
+                return Cursor(j + 1, unconfirmed=edit, run=cur.run if short else 0)
+        if len(written) > MAX_EDIT:
+            return None
+        return replace(cur, written=written)
+
+    def _follow(self, text: Sequence[int], cur: Cursor, token: int, learn: bool) -> Cursor:
+        if cur.pending:
+            if token == cur.pending[0]:
+                return replace(cur, pending=cur.pending[1:], run=cur.run + 1)
+            return Cursor(cur.at, left=cur.at, written=(token,), run=cur.run)
+        if cur.at < len(text):
+            source, wrote = self.edit_at(text, cur.at)
+            if wrote and token == wrote[0]:
+                return Cursor(cur.at + len(source), pending=wrote[1:], run=cur.run + 1)
+            if token == text[cur.at]:
+                if learn and cur.unconfirmed is not None:
+                    self._learn(*cur.unconfirmed)
+                return Cursor(cur.at + 1, run=cur.run + 1)
+        return Cursor(cur.at, left=cur.at, written=(token,), run=cur.run)
+
+    def _learn(self, source: tuple[int, ...], wrote: tuple[int, ...]) -> None:
+        if len(wrote) <= MAX_EDIT and source != wrote:
+            self.edits[source] = wrote
+            self._longest = max(self._longest, len(source))
+
+    def draft(self, text: Sequence[int], cur: Cursor, k: int) -> tuple[int, ...]:
+        """Up to `k` tokens: what the source holds from the cursor on, with the learnt edits
+        made. A cursor that has left the source guesses that the text comes back right after
+        the one token it left at (a one-token source replaced, as a rename is)."""
+        out = list(cur.pending[:k])
+        i = cur.at if cur.following else cur.left + 1
+        while len(out) < k and i < len(text):
+            source, wrote = self.edit_at(text, i)
+            if wrote:
+                out += wrote
+                i += len(source)
+            else:
+                out.append(text[i])
+                i += 1
+        return tuple(out[:k])
+
+
+class Joined(Sequence[int]):
+    """`head` then `tail` as one sequence, without copying `head` (a sequence's text and the
+    drafts in flight after it)."""
+
+    def __init__(self, head: Sequence[int], tail: Sequence[int]) -> None:
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self.head)
+        if i < 0:
+            i += len(self)
+        return self.head[i] if i < n else self.tail[i - n]
