@@ -253,28 +253,13 @@ class Acceptance:
     is right for long stretches and wrong around an edit: `then` is high and `first` lower,
     and a long draft pays where a rate per token would have cut it short."""
 
-    def __init__(
-        self,
-        prior: float = 0.7,
-        *,
-        weight: float = 2.0,
-        decay: float = 0.9,
-        copying: tuple[float, float] | None = None,
-    ) -> None:
+    def __init__(self, prior: float = 0.7, *, weight: float = 2.0, decay: float = 0.9) -> None:
         self.first = _Rate(prior, weight, decay)
         self.then = _Rate(prior, weight, decay)
         # A window whose draft goes on copying the text the sequence follows (the drafter's
-        # cursor, `copying`) starts right, and stays right, far more often than one that
-        # guesses from an n-gram after a miss: that kind keeps its own two rates. They say
-        # more about the model and the kind of request than about one sequence, so a
-        # sequence may start from another's (`copying`: its first and then rates).
-        first, then = copying or (prior, prior)
-        self.first_copying = _Rate(first, weight, decay)
-        self.then_copying = _Rate(then, weight, decay)
-        self.copied = 0  # windows judged that went on copying
-
-    def _rates(self, copying: bool) -> tuple[_Rate, _Rate]:
-        return (self.first_copying, self.then_copying) if copying else (self.first, self.then)
+        # cursor, `copying`) starts right far more often than one that guesses from an
+        # n-gram after a miss: each kind keeps its own first rate.
+        self.first_copying = _Rate(prior, weight, decay)
 
     def update(self, hits: int, trials: int, *, run: bool = False, copying: bool = False) -> None:
         """A window whose first `hits` draft tokens were right, of `trials` judged (one more
@@ -283,27 +268,17 @@ class Acceptance:
         draft came from the text the sequence was copying."""
         if trials < 1:
             return
-        first, then = self._rates(copying)
-        self.copied += copying
         if run:
-            then.update(hits, trials)
+            self.then.update(hits, trials)
             return
-        first.update(hits >= 1, 1)
+        (self.first_copying if copying else self.first).update(hits >= 1, 1)
         if hits >= 1:
-            then.update(hits - 1, trials - 1)
+            self.then.update(hits - 1, trials - 1)
 
-    def then_seen(self, right: bool, *, copying: bool = False) -> None:
+    def then_seen(self, right: bool) -> None:
         """A token that was proposed but not drafted, after drafted ones that were all
         right, would have been `right` (a short window would else never tell `then`)."""
-        self._rates(copying)[1].update(int(right), 1)
-
-    @property
-    def copying_rates(self) -> tuple[float, float] | None:
-        """The first and then rates of its windows that went on copying, once it has had
-        some (to start another sequence of the same model from)."""
-        if self.copied < 2:
-            return None
-        return self.first_copying.value, self.then_copying.value
+        self.then.update(int(right), 1)
 
     @property
     def rate(self) -> float:
@@ -312,14 +287,14 @@ class Acceptance:
 
     def reach(self, n: int, *, copying: bool = False) -> float:
         """The chance that the next n draft tokens are all right."""
-        first, then = self._rates(copying)
-        return 1.0 if n < 1 else first.value * then.value ** (n - 1)
+        first = (self.first_copying if copying else self.first).value
+        return 1.0 if n < 1 else first * self.then.value ** (n - 1)
 
     def expected(self, k: int, *, copying: bool = False) -> float:
         """The tokens a window of k draft tokens yields on average: the right ones up to the
         first wrong one, and the model's own token after them."""
-        first, then = self._rates(copying)
-        f, c = first.value, then.value
+        f = (self.first_copying if copying else self.first).value
+        c = self.then.value
         return 1 + f * (1 - c**k) / (1 - c)
 
 

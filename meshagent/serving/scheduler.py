@@ -33,10 +33,10 @@ Policy:
   moving. With "on", the draft's length follows its acceptance (`DraftLength`). With "auto",
   a sequence drafts as many tokens as make a step yield the most tokens per unit of its
   time, or none: its drafts' acceptance (`Acceptance`: of a window's first draft token and of
-  one after a right one, apart for drafts that go on copying, whose rates the next sequence
-  starts from; fed also by comparing proposals it did not send with the tokens that came)
-  against what a window costs next to a one-token step (`WindowCost`, learnt from the decode
-  steps the runner times, `observe`, or in a split from each window's trip).
+  one after a right one, fed also by comparing proposals it did not send with the tokens that
+  came) against what a window costs next to a one-token step
+  (`WindowCost`, learnt from the decode steps the runner times, `observe`, or in a split from
+  each window's trip, from `next_step` to its last token, both given a `now`).
 - With `max_windows` > 1 (a split's entry, whose tokens come back a trip later), a busy
   sequence may send its next window before the verdict on those in flight: it assumes every
   draft in flight is right, and the window's first token is its drafter's guess at the token
@@ -141,8 +141,6 @@ class Scheduler:
         # What a window costs against a one-token step, learnt from decode steps (`observe`):
         # what "auto" weighs a draft's expected tokens against.
         self.window_cost = WindowCost()
-        # The copying drafts' rates of the last sequence that had some: the next one's prior.
-        self._copying_rates: tuple[float, float] | None = None
         self.closed = False
 
     # ----- what callers ask -----
@@ -225,7 +223,7 @@ class Scheduler:
         if speculation != "off":
             s.drafter = SuffixDrafter((*prompt, *history))
             if speculation == "auto":
-                s.acceptance = Acceptance(copying=self._copying_rates)
+                s.acceptance = Acceptance()
             else:
                 s.length = DraftLength()
         leader = self._by_id.get(after) if after is not None else None
@@ -355,8 +353,10 @@ class Scheduler:
             if not proposal or self._is_end(proposal[0]):
                 continue
             if s.acceptance is not None:
-                args = (s.acceptance, self.window_cost, len(ahead), proposal)
-                k = follow_up_draft(*args, copying=s.windows[0].copying)
+                copying = s.windows[0].copying
+                k = follow_up_draft(
+                    s.acceptance, self.window_cost, len(ahead), proposal, copying=copying
+                )
                 if k is None:
                     continue
                 proposal = proposal[: k + 1]
@@ -428,7 +428,7 @@ class Scheduler:
                 # Every drafted token was right and no window follows: the model's own token
                 # here says whether the next proposed one would have been right too.
                 if at == len(window) and not s.windows and s.acceptance is not None:
-                    s.acceptance.then_seen(token == s.beyond, copying=w.copying)
+                    s.acceptance.then_seen(token == s.beyond)
                 s.beyond = None
             if now is not None and w.sent_at is not None:
                 self.window_cost.observe(len(window) + 1, now - w.sent_at)
@@ -469,7 +469,7 @@ class Scheduler:
         if s.shadow and s.acceptance is not None:
             hit = token == s.shadow[0]
             if s.shadow_after:
-                s.acceptance.then_seen(hit, copying=s.shadow_copying)
+                s.acceptance.then_seen(hit)
             else:
                 s.acceptance.update(hit, 1, copying=s.shadow_copying)
             s.shadow, s.shadow_after = (s.shadow[1:] if hit else ()), True
@@ -561,8 +561,6 @@ class Scheduler:
 
     def _release(self, s: SeqState, *, keep: bool = True) -> None:
         assert s.slot is not None
-        if s.acceptance is not None and s.acceptance.copying_rates is not None:
-            self._copying_rates = s.acceptance.copying_rates  # the next sequence's prior
         if keep and s.cache and self.prefix is not None:
             # Its slot holds the KV of every token sent in a step whose verdict came (a
             # rejected draft's positions are cut by the executor), less the last sampled.

@@ -325,26 +325,3 @@ async def test_sampled_text_keeps_the_models_distribution_with_drafts(nursery):
     z = 3.09
     limit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
     assert len(cells) > 10 and chi2 < limit, (chi2, limit, len(cells))
-
-
-async def test_a_sequence_starts_from_the_copying_rates_of_the_last_one(nursery, monkeypatch):
-    # How often drafts that go on copying are right says more about the model and the kind
-    # of request than about one sequence: "auto" starts the next sequence from them.
-    from meshagent.serving import scheduler as scheduling
-
-    started = []
-
-    class Recorded(scheduling.Acceptance):
-        def __init__(self, **kw) -> None:
-            super().__init__(**kw)
-            started.append(kw.get("copying"))
-
-    monkeypatch.setattr(scheduling, "Acceptance", Recorded)
-    model = LocalModel.whole(FakeEngine(slots=2, slot_ctx=512, copy_back=6), max_queue=2)
-    await nursery.start(model.run)
-    first, _ = await run(model, "abcdef abcdef", 120, sampling=GREEDY, speculation="auto")
-    rates = model.runner.scheduler._copying_rates
-    assert rates is not None and rates[0] > 0.9 and rates[1] > 0.9
-    again, _ = await run(model, "abcdef abcdef", 120, sampling=GREEDY, speculation="auto")
-    assert again == first
-    assert started == [None, rates]
