@@ -1,23 +1,25 @@
 """Speculative decoding: decode speed with drafts from a request's own text against without.
 
-One agent on loopback serves the embedded model. Each workload is a greedy chat request, sent
-with `"meshagent": {"speculation": MODE}` for each mode in turn, several rounds, interleaved so
-that the machine's other load touches every mode alike. Decode tokens/s runs from the first
-streamed text to the end of the stream (the prompt's prefill is left out), over the completion
-tokens after the first. Two workloads are copy-shaped (the answer repeats much of the prompt:
-a JSON document with one field changed, a code block with a variable renamed), one is novel
-prose, where drafts rarely fit. The texts of all modes must be identical (greedy); the script
-says so per workload. It then measures, in this process and with the agent's settings, what a
-window of n tokens costs next to one token, and from that and each workload's acceptance the
-most any draft length could gain on this machine (the ceiling), and, from the model's greedy
-answer to each workload, the most drafts copied from the request's own text could gain on that
-answer (the answer's ceiling: where the model does not copy, no drafter from the text can
-help), and the same for drafts found by the last token, as an n-gram drafter finds them;
-where the lower of the first two is below the goal, it is the target. Prints a table and
-writes JSON (default bench/results/speculation.json). Never asserts on time: compare the
-figures yourself.
+One agent on loopback serves the embedded model, or `--model FILE` (SmolLM2 does not perform
+the code rename; `bench/coder_model.py` fetches Qwen2.5-Coder-1.5B, which does). Each workload
+is a greedy chat request, sent with `"meshagent": {"speculation": MODE}` for each mode in turn,
+several rounds, interleaved so that the machine's other load touches every mode alike. Decode
+tokens/s runs from the first streamed text to the end of the stream (the prompt's prefill is
+left out), over the completion tokens after the first. Two workloads are copy-shaped (the
+answer repeats much of the prompt: a JSON document with one field changed, a code block with a
+variable renamed), one is novel prose, where drafts rarely fit. The texts of all modes must be
+identical (greedy); the script says so per workload. It then measures, in this process and with
+the agent's settings, what a window of n tokens costs next to one token, and from that and each
+workload's acceptance the most any draft length could gain on this machine (the ceiling), and,
+from the model's greedy answer to each workload, the most drafts copied from the request's own
+text could gain on that answer (the answer's ceiling: where the model does not copy, no drafter
+from the text can help), and the same for drafts found by the last token, as an n-gram drafter
+finds them; where the lower of the first two is below the goal, it is the target. Prints a
+table and writes JSON (default bench/results/speculation.json). Never asserts on time: compare
+the figures yourself.
 
     .venv/bin/python bench/speculation.py [--rounds 3] [--max-tokens 256] [--modes off,auto,on]
+        [--model FILE]
 """
 
 from __future__ import annotations
