@@ -122,14 +122,16 @@ class Copier:
 
 
 class Joined(Sequence[int]):
-    """`head` then `tail` as one sequence, without copying `head` (a sequence's text and the
-    drafts in flight after it)."""
+    """`head` then the first `taken` tokens of `tail` as one sequence, without copying either
+    (a sequence's text and the drafts in flight after it). `taken` may be moved on, so that
+    one view serves every step through the drafts."""
 
     def __init__(self, head: Sequence[int], tail: Sequence[int]) -> None:
         self.head, self.tail = head, tail
+        self.taken = len(tail)
 
     def __len__(self) -> int:
-        return len(self.head) + len(self.tail)
+        return len(self.head) + self.taken
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
@@ -137,4 +139,6 @@ class Joined(Sequence[int]):
         n = len(self.head)
         if i < 0:
             i += len(self)
+        if not 0 <= i < n + self.taken:
+            raise IndexError(i)
         return self.head[i] if i < n else self.tail[i - n]

@@ -100,12 +100,14 @@ class SuffixDrafter:
         indexing them or learning from them."""
         if k < 1:
             return ()
-        cur = self.cursor
+        cur, joined = self.cursor, Joined(self.tokens, after)
         for i, token in enumerate(after):
             if cur is None:
                 break
-            cur = self.copier.step(Joined(self.tokens, after[:i]), cur, token, learn=False)
-        text = Joined(self.tokens, after) if after else self.tokens
+            joined.taken = i  # the text before this draft token
+            cur = self.copier.step(joined, cur, token, learn=False)
+        joined.taken = len(after)
+        text = joined if after else self.tokens
         if cur is not None and cur.trusted:
             got = self.copier.draft(text, cur, k)
             if got:
