@@ -18,7 +18,7 @@ import trio
 from meshagent import __version__, capacity, devices
 from meshagent.config import AgentConfig
 from meshagent.discovery import addresses
-from meshagent.engine.runtime import inexact_build
+from meshagent.engine.runtime import inexact_build, inexact_model
 from meshagent.errors import ModelError
 from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, DeviceOffer, ModelHeld
 from meshagent.gossip.service import GossipService
@@ -74,7 +74,7 @@ def static_fields(
         if model.source.partial is None
         else (),
         # A split drafts by default only where all its stages compute windows exactly.
-        "windows_inexact": inexact_build(),
+        "windows_inexact": inexact_build() or inexact_model(model.layout.weight_types),
     }
 
 

@@ -326,8 +326,31 @@ def check_memory(s: Situation, model_path: Path | None) -> list[Finding]:
     ]
 
 
+def check_windows(model_path: Path | None) -> list[Finding]:
+    """Whether llama.cpp repacks the model's weights here ($MESHAGENT_REPACK), which makes a
+    draft's window and a kept prefix inexact (decision 12): a warning, since it turns
+    speculation and prefix reuse off."""
+    from meshagent.engine.runtime import REPACK_ENV, inexact_model
+    from meshagent.models.layout import inspect_model
+
+    if model_path is None:
+        return []
+    why = inexact_model(inspect_model(model_path).weight_types)
+    if not why:
+        return []
+    return [
+        Finding(
+            WARN,
+            "windows",
+            f"{why.split(';')[0]}: decode is faster, but on {model_path.stem} drafts "
+            "(--speculation auto) and kept prefixes stay off",
+            f"unset {REPACK_ENV}",
+        )
+    ]
+
+
 def diagnose(s: Situation, model_path: Path | None, *, build: bool = True) -> list[Finding]:
     out = check_files(s) + check_ports(s) + check_mdns(s) + check_relays(s)
     if build:
-        out += check_build()
+        out += check_build() + check_windows(model_path)
     return out + check_memory(s, model_path)

@@ -118,3 +118,21 @@ def test_llamas_tiled_kernels_turned_on_are_a_warning_with_the_fix(monkeypatch):
     monkeypatch.setenv(TILED_ENV, "1")
     (warning,) = said()
     assert warning.level == doctor.WARN and warning.fix == f"unset {TILED_ENV}"
+
+
+def test_repacked_weights_are_a_warning_with_what_they_turn_off(monkeypatch, tmp_path):
+    import llama_cpp
+
+    from meshagent.engine.runtime import REPACK_ENV
+    from tests.engine.tiny_models import quantize, write_tiny_model
+
+    f32 = write_tiny_model(tmp_path / "f32.gguf", "llama", n_layers=2, n_embd=256, n_ff=512)
+    q4k = quantize(f32, tmp_path / "q4_k_m.gguf", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)
+    monkeypatch.setattr("meshagent.engine.runtime.cpu_has_amx", lambda: False)
+    monkeypatch.delenv(REPACK_ENV, raising=False)
+    assert doctor.check_windows(q4k) == []  # agents load without repacking by default
+    monkeypatch.setenv(REPACK_ENV, "1")
+    (said,) = doctor.check_windows(q4k)
+    assert said.level == doctor.WARN and said.check == "windows" and "Q4_K" in said.said
+    assert said.fix == f"unset {REPACK_ENV}"
+    assert doctor.check_windows(f32) == []  # f32 weights are never repacked

@@ -14,6 +14,7 @@ from meshagent.engine.runtime import (
     LlamaRuntime,
     RuntimeDelegate,
     inexact_build,
+    inexact_model,
 )
 from meshagent.engine.vocab import Vocab, VocabDelegate
 
@@ -23,6 +24,15 @@ log = structlog.get_logger(__name__)
 def model_id_for(path: Path) -> str:
     """The name clients use for a GGUF file: its file name without `.gguf`."""
     return path.name.removesuffix(".gguf")
+
+
+def _weight_types(path: Path) -> tuple[str, ...]:
+    from meshagent.models.layout import inspect_model
+
+    try:
+        return inspect_model(path).weight_types
+    except Exception:  # only a hint's wording depends on it
+        return ()
 
 
 class LlamaEngine(VocabDelegate, RuntimeDelegate):
@@ -53,9 +63,10 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
         self.slot_ctx = slot_ctx
         self.rewindable = self.runtime.rewindable
         # Read by `engine.windows.check_windows`: flash attention is not checked, a LLAMAFILE
-        # build or llama.cpp's tiled kernels are (and, when the check fails, told how to mend).
+        # build, llama.cpp's tiled kernels or repacked weights are (and, when the check
+        # fails, told how to mend).
         self.inexact_windows = None if flash_attn is False else FLASH_ATTN_WINDOWS
-        self.windows_hint = inexact_build() or None
+        self.windows_hint = inexact_build() or inexact_model(_weight_types(path)) or None
         self.n_vocab = self.vocab.n_vocab
         rt = self.runtime
         self.info = ModelInfo(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +41,19 @@ TILED_WINDOWS = (
 )
 
 
+# On CPUs with wide integer kernels (AVX2 and up, ARM's dot products), llama.cpp 0.3.36 can
+# repack weights of these types into interleaved blocks when it loads them ("extra buffer
+# types"), and then multiplies them by one row with one kernel and by 4 rows or more with
+# another, which rounds otherwise (decision 12): on such a model a window of 4 tokens or more,
+# or a prompt chunk, is not what one-token steps compute, so drafts and kept prefixes would
+# change tokens. Repacked decode is faster (about 1.3x on a 2-core AVX-512 EPYC), but agents
+# load without repacking unless $MESHAGENT_REPACK asks for it.
+REPACK_ENV = "MESHAGENT_REPACK"
+REPACKED_TYPES = frozenset(
+    {"Q4_0", "Q8_0", "Q2_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "MXFP4", "Q1_0"}
+)
+
+
 def init_backend() -> None:
     global _backend_ready
     if not _backend_ready:
@@ -57,6 +70,28 @@ def cpu_has_amx() -> bool:
     except OSError:
         return False
     return " amx_tile" in flags
+
+
+def repack_on() -> bool:
+    """Whether llama.cpp may repack weights in this process: where $MESHAGENT_REPACK is set
+    to a non-zero number, and never on AMX CPUs (see `model_params`)."""
+    value = os.environ.get(REPACK_ENV, "0")
+    digits = re.match(r"\s*([+-]?\d+)", value)
+    return digits is not None and int(digits.group(1)) != 0 and not cpu_has_amx()
+
+
+def inexact_model(weight_types: Iterable[str]) -> str:
+    """Why a model with weights of `weight_types` computes a window of several tokens
+    otherwise than one-token steps in this process, whatever the build ('' where its types
+    are not repacked here)."""
+    repacked = sorted(set(weight_types) & REPACKED_TYPES) if repack_on() else []
+    if not repacked:
+        return ""
+    return (
+        f"llama.cpp repacks this model's {', '.join(repacked)} weights ({REPACK_ENV} is set) "
+        f"and multiplies 4 or more rows of them otherwise than one row; unset {REPACK_ENV} "
+        "or set it to 0"
+    )
 
 
 def built_with_llamafile() -> bool:
@@ -100,7 +135,8 @@ def model_params(*, vocab_only: bool = False, gpu_layers: int = 0) -> llama_cpp.
 
     Extra buffer types (weights repacked for AMX, or for the CPU's wider kernels) are off on
     AMX CPUs: llama.cpp 0.3.36's AMX matrix multiply crashes the process there (seen on a
-    Xeon with amx_tile, for any batch of more than one token of a Q4_1 model).
+    Xeon with amx_tile, for any batch of more than one token of a Q4_1 model); and elsewhere
+    unless $MESHAGENT_REPACK asks for them (`repack_on`, decision 12).
 
     `gpu_layers`: how many of the model's last layers go on the GPUs (llama.cpp's
     `n_gpu_layers`; more than the model has: its output head too); 0 keeps every layer in
@@ -108,7 +144,7 @@ def model_params(*, vocab_only: bool = False, gpu_layers: int = 0) -> llama_cpp.
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = vocab_only
     params.n_gpu_layers = gpu_layers
-    if cpu_has_amx():
+    if not repack_on():
         params.use_extra_bufts = False
     return params
 

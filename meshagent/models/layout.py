@@ -42,6 +42,9 @@ class ModelLayout:
     # Header bytes of its `tokenizer.*` entries: what a stage host fetches besides its tensors
     # when it carries the tokenizer (first and last stage) and read the header around them.
     tokenizer_bytes: int = 0
+    # The ggml types of its weight matrices (`Q4_K`, `Q6_K`, ...): whether llama.cpp may
+    # repack them (engine/runtime.py, `inexact_model`).
+    weight_types: tuple[str, ...] = ()
 
     @property
     def splittable(self) -> bool:
@@ -135,6 +138,7 @@ def inspect_model(path: Path) -> ModelLayout:
         else:
             other += int(t.n_bytes)
     tied = not any(t.name == "output.weight" for t in r.tensors)
+    weight_types = sorted({t.tensor_type.name for t in r.tensors if len(t.shape) >= 2})
     if tied:
         head += embedding  # the last stage needs the embeddings as its output head
     return ModelLayout(
@@ -159,6 +163,7 @@ def inspect_model(path: Path) -> ModelLayout:
         stage_refusal=stage_refusal(arch, set(r.fields)),
         layer_n_head_kv=layer_n_head_kv,
         tokenizer_bytes=_tokenizer_bytes(r),
+        weight_types=tuple(weight_types),
     )
 
 

@@ -25,9 +25,9 @@ import trio
 from meshagent.engine.base import ModelInfo
 from meshagent.engine.runtime import (
     FLASH_ATTN_WINDOWS,
-    LLAMAFILE_WINDOWS,
     EmbdItem,
-    built_with_llamafile,
+    inexact_build,
+    inexact_model,
 )
 from meshagent.engine.stage import WIRE_DTYPES, StageEngine
 from meshagent.engine.vocab import Vocab, VocabDelegate
@@ -59,6 +59,7 @@ class EntryEngine(VocabDelegate):
         entry_artifact: Path,
         first_stage: StageEngine,
         info: ModelInfo,
+        weight_types: Sequence[str] = (),
     ) -> None:
         self.vocab = Vocab.load(entry_artifact)
         self.embed = TokenEmbeddings(entry_artifact)
@@ -77,13 +78,19 @@ class EntryEngine(VocabDelegate):
         self.end_layer: int | None = first_stage.end  # where the next stage must start
         self.rewindable = first_stage.runtime.rewindable
         # A draft's window computes what one-token steps compute where llama.cpp is built
-        # without LLAMAFILE and runs without flash attention (engine/windows.py). Judged by
-        # this agent's build: the stages of one mesh run one install.
-        trouble = (FLASH_ATTN_WINDOWS if first_stage.flash_attn is not False else None) or (
-            LLAMAFILE_WINDOWS if built_with_llamafile() else None
+        # without LLAMAFILE, runs without flash attention or its tiled kernels, and has not
+        # repacked the model's weights (`weight_types`, engine/windows.py). Judged by this
+        # agent's build and settings; each other stage's agent says in gossip how its own
+        # compute (`MeshModel._judge_windows`).
+        trouble = (
+            (FLASH_ATTN_WINDOWS if first_stage.flash_attn is not False else "")
+            or inexact_build()
+            or inexact_model(weight_types)
         )
-        self.exact_windows = trouble is None
-        self.windows_reason = "a split: " + (trouble or "judged by this agent's llama.cpp build")
+        self.exact_windows = not trouble
+        self.windows_reason = "a split: " + (
+            trouble or "judged by this agent's llama.cpp build and the model's weight types"
+        )
 
     def run_first(self, items: Sequence[tuple[int, int, list[int]]]) -> list[np.ndarray]:
         """items: (seq, pos, tokens). Returns the first stage's output rows per item."""

@@ -167,7 +167,7 @@ class SplitHost:
                 lambda: self.store.ensure_entry(self.model_path, self.layout)
             )
             self._entry = await trio.to_thread.run_sync(
-                lambda: EntryEngine(entry_path, engine, self.info)
+                lambda: EntryEngine(entry_path, engine, self.info, self.layout.weight_types)
             )
             assert nxt is not None
             biggest = max(st.end - st.start for st in plan.stages)

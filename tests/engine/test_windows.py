@@ -8,11 +8,18 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import llama_cpp
 
 from meshagent.engine.llama import LlamaEngine
-from meshagent.engine.runtime import TILED_ENV, built_with_llamafile
+from meshagent.engine.runtime import (
+    REPACK_ENV,
+    TILED_ENV,
+    built_with_llamafile,
+    cpu_has_amx,
+    inexact_model,
+)
 from meshagent.engine.windows import check_windows
 from tests.engine.tiny_models import quantize, write_tiny_model
 
@@ -51,15 +58,25 @@ print(json.dumps({"exact": check.exact, "reason": check.reason}))
 """
 
 
-def test_k_quant_windows_are_exact_unless_llamas_tiled_kernels_are_turned_on(tmp_path):
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
+
+
+def test_k_quant_windows_are_exact_unless_weights_are_repacked_or_tiled(tmp_path):
     # llama.cpp multiplies K-quant weights by a batch of 8 tokens or more with tiled kernels
-    # that round otherwise than its dot products. An agent turns them off (decision 11); a
-    # user who turns them back on is told that windows are inexact, and why.
+    # that round otherwise than its dot products: an agent turns them off (decision 11). On a
+    # CPU with AVX2 (and no AMX) llama.cpp can also repack such weights at load and multiply
+    # 4 rows or more with another kernel: an agent loads without repacking (decision 12). A
+    # user who turns either back on is told that windows are inexact, and why.
     f32 = write_tiny_model(tmp_path / "f32.gguf", "llama", n_layers=2, n_embd=256, n_ff=512)
     model = quantize(f32, tmp_path / "q4_k_m.gguf", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)
 
     def check(**env: str) -> dict:
-        base = {k: v for k, v in os.environ.items() if k != TILED_ENV}
+        base = {k: v for k, v in os.environ.items() if k not in (TILED_ENV, REPACK_ENV)}
         out = subprocess.run(
             [sys.executable, "-c", _CHECK, str(model)],
             env={**base, **env},
@@ -73,3 +90,20 @@ def test_k_quant_windows_are_exact_unless_llamas_tiled_kernels_are_turned_on(tmp
     tiled = check(**{TILED_ENV: "1"})
     assert not tiled["exact"]
     assert f"unset {TILED_ENV}" in tiled["reason"]
+    repacked = check(**{REPACK_ENV: "1"})
+    if "avx2" in _cpu_flags() and not cpu_has_amx():
+        assert not repacked["exact"]
+    if not repacked["exact"]:
+        assert "Q4_K" in repacked["reason"] and f"unset {REPACK_ENV}" in repacked["reason"]
+
+
+def test_only_repacked_weight_types_are_judged_inexact(monkeypatch):
+    monkeypatch.setattr("meshagent.engine.runtime.cpu_has_amx", lambda: False)
+    monkeypatch.delenv(REPACK_ENV, raising=False)
+    assert inexact_model(["Q4_K"]) == ""  # not repacked unless asked
+    monkeypatch.setenv(REPACK_ENV, "1")
+    assert inexact_model(["F32", "Q4_1"]) == ""
+    why = inexact_model(["F32", "Q6_K", "Q4_K"])
+    assert "Q4_K, Q6_K" in why and f"unset {REPACK_ENV}" in why
+    monkeypatch.setattr("meshagent.engine.runtime.cpu_has_amx", lambda: True)
+    assert inexact_model(["Q4_K"]) == ""  # no extra buffer types on AMX CPUs
