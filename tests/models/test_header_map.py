@@ -215,6 +215,7 @@ async def test_placement_knows_a_partial_copys_file_before_the_agent_publishes_i
 
     model = SimpleNamespace(
         info=info,
+        layout=inspect_model(path),
         placement=placement,
         source=SimpleNamespace(partial=PartialModel(path)),
         publish_serving=lambda: None,
