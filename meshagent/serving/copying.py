@@ -11,12 +11,19 @@ a draft, so the second and later uses of a renamed variable are drafted right in
 breaking the draft: a plain n-gram drafter sees, after the new name, text that never occurred
 before, and finds its way back only by chance.
 
+A renamed variable is spelt by other tokens in other places (` total` after a space, `total`
+after a brace or a quote), and a name may be renamed in code and kept in a string. With
+`name` (a token's text as an identifier, or None), a draft therefore stops before a source
+token that spells a renamed name where no learnt edit says what it becomes, or where the text
+has also kept that token unchanged since: the model's own token there comes with the window,
+where a draft on through it would most likely be wrong from there on.
+
 No I/O, no model: plain objects, tested alone (`SuffixDrafter` uses them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 MAX_SKIP = 8  # the most source tokens an edit replaces
@@ -50,11 +57,25 @@ class Cursor:
 
 
 class Copier:
-    """The edits learnt for one sequence, and the steps of its cursor."""
+    """The edits learnt for one sequence, and the steps of its cursor. `name`: the identifier
+    a token spells (its text without the spaces around it), or None (see the module's
+    docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: Callable[[int], str | None] | None = None) -> None:
         self.edits: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._longest = 0  # the longest source side of an edit learnt
+        self._name = name
+        self.renamed: set[str] = set()  # names a one-token edit replaced
+        self.kept: set[int] = set()  # tokens of those names the text copied unchanged since
+
+    def unsure(self, token: int) -> bool:
+        """Whether a draft should stop before `token` of the source: it spells a renamed
+        name, and no edit learnt for it says what it becomes, or the text also kept it."""
+        if not self.renamed or self._name is None:
+            return False
+        if self._name(token) not in self.renamed:
+            return False
+        return (token,) not in self.edits or token in self.kept
 
     def edit_at(self, text: Sequence[int], i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The learnt edit whose source tokens start at `text[i]` (the longest), or ((), ())."""
@@ -91,11 +112,14 @@ class Copier:
             return Cursor(cur.at, left=cur.at, written=(token,), run=cur.run)
         if cur.at < len(text):
             source, wrote = self.edit_at(text, cur.at)
-            if wrote and token == wrote[0]:
+            edited = bool(wrote) and token == wrote[0]
+            if learn and cur.unconfirmed is not None and (edited or token == text[cur.at]):
+                self._learn(*cur.unconfirmed)  # back on the source (or an edit of it)
+            if edited:
                 return Cursor(cur.at + len(source), pending=wrote[1:], run=cur.run + 1)
             if token == text[cur.at]:
-                if learn and cur.unconfirmed is not None:
-                    self._learn(*cur.unconfirmed)
+                if learn and self._name is not None and self._name(token) in self.renamed:
+                    self.kept.add(token)  # a renamed name the text keeps here
                 return Cursor(cur.at + 1, run=cur.run + 1)
         return Cursor(cur.at, left=cur.at, written=(token,), run=cur.run)
 
@@ -103,14 +127,20 @@ class Copier:
         if len(wrote) <= MAX_EDIT and source != wrote:
             self.edits[source] = wrote
             self._longest = max(self._longest, len(source))
+            name = self._name(source[0]) if self._name is not None and len(source) == 1 else None
+            if name:
+                self.renamed.add(name)
 
-    def draft(self, text: Sequence[int], cur: Cursor, k: int) -> tuple[int, ...]:
+    def draft(self, text: Sequence[int], cur: Cursor, k: int) -> tuple[tuple[int, ...], bool]:
         """Up to `k` tokens: what the source holds from the cursor on, with the learnt edits
-        made. A cursor that has left the source guesses that the text comes back right after
-        the one token it left at (a one-token source replaced, as a rename is)."""
+        made; and whether it stopped short before an `unsure` token. A cursor that has left
+        the source guesses that the text comes back right after the one token it left at (a
+        one-token source replaced, as a rename is)."""
         out = list(cur.pending[:k])
         i = cur.at if cur.following else cur.left + 1
         while len(out) < k and i < len(text):
+            if self.unsure(text[i]):
+                return tuple(out), True
             source, wrote = self.edit_at(text, i)
             if wrote:
                 out += wrote
@@ -118,7 +148,22 @@ class Copier:
             else:
                 out.append(text[i])
                 i += 1
-        return tuple(out[:k])
+        return tuple(out[:k]), False
+
+
+class TokenNames:
+    """The identifier each token spells (its text without the spaces around it, where that is
+    a name of two characters or more), from the vocabulary's `token_bytes`; remembered."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._bytes = token_bytes
+        self._names: dict[int, str | None] = {}
+
+    def __call__(self, token: int) -> str | None:
+        if token not in self._names:
+            text = self._bytes(token).decode("utf-8", "replace").strip()
+            self._names[token] = text if len(text) >= 2 and text.isidentifier() else None
+        return self._names[token]
 
 
 class Joined(Sequence[int]):

@@ -42,7 +42,14 @@ class SuffixDrafter:
     their most recent occurrence, kept up to date as tokens are added, and a cursor on the
     text the sequence is copying from, with the edits it made (`serving/copying.py`)."""
 
-    def __init__(self, tokens: Iterable[int] = (), *, min_n: int = 2, max_n: int = 6) -> None:
+    def __init__(
+        self,
+        tokens: Iterable[int] = (),
+        *,
+        min_n: int = 2,
+        max_n: int = 6,
+        name: Callable[[int], str | None] | None = None,
+    ) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n (got {min_n}, {max_n})")
         self.min_n, self.max_n = min_n, max_n
@@ -51,7 +58,7 @@ class SuffixDrafter:
         # ends the sequence is not indexed until a token follows it: a match is always an
         # earlier occurrence, with at least one token after it.
         self._after: dict[tuple[int, ...], int] = {}
-        self.copier = Copier()
+        self.copier = Copier(name)  # `name`: what identifier a token spells, if any
         self.cursor: Cursor | None = None  # set by the tokens added after these
         for token in tokens:
             self._index(token)
@@ -109,8 +116,8 @@ class SuffixDrafter:
         joined.taken = len(after)
         text = joined if after else self.tokens
         if cur is not None and cur.trusted:
-            got = self.copier.draft(text, cur, k)
-            if got:
+            got, stopped = self.copier.draft(text, cur, k)
+            if got or stopped:  # (stopped at once: the model's own token decides there)
                 return got
         tail = [*self.tokens[-self.max_n :], *after][-self.max_n :] if after else self.tokens
         start = self._match(tail)

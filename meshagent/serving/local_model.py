@@ -44,6 +44,7 @@ class LocalModel:
             LocalExecutor(engine, prefix_budget=prefix_budget),
             max_queue=max_queue,
             is_end=engine.is_end_of_generation,
+            token_bytes=engine.token_bytes,
         )
         return cls(engine, runner)
 

@@ -21,6 +21,7 @@ import structlog
 import trio
 
 from meshagent.errors import EngineError, MeshError
+from meshagent.serving.copying import TokenNames
 from meshagent.serving.executor import Executor, SampledToken
 from meshagent.serving.prefix_cache import PrefixIndex
 from meshagent.serving.sampling import SamplingParams
@@ -74,7 +75,10 @@ class ModelRunner:
         max_queue: int,
         is_end: Callable[[int], bool],
         max_batch_tokens: int = 512,
+        token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
+        """`token_bytes`: the vocabulary's text of a token, which lets drafts tell a renamed
+        name in its other spellings (`serving/copying.py`)."""
         self.executor = executor
         self.slot_ctx = executor.slot_ctx
         self.scheduler = Scheduler(
@@ -85,6 +89,7 @@ class ModelRunner:
             max_batch_tokens=max_batch_tokens,
             depth=executor.depth,
             max_windows=executor.max_windows,
+            token_name=TokenNames(token_bytes) if token_bytes is not None else None,
         )
         self.aborted: MeshError | None = None
         self._lock = threading.Condition()

@@ -112,6 +112,7 @@ class Scheduler:
         depth: int = 1,
         max_windows: int = 1,
         prefix: PrefixIndex | None = None,
+        token_name: Callable[[int], str | None] | None = None,
     ) -> None:
         if max_batch_tokens <= n_slots:
             raise ValueError("the token budget of a step must exceed the number of slots")
@@ -124,6 +125,7 @@ class Scheduler:
         # sends a window before the verdict on the last comes back (a split's entry).
         self.max_windows = max(1, max_windows)
         self._is_end = is_end
+        self._token_name = token_name  # what identifier a token spells (drafts' renames)
         self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._queue: deque[SeqState] = deque()
         self._by_slot: dict[int, SeqState] = {}
@@ -221,7 +223,7 @@ class Scheduler:
         if speculation not in ("auto", "on", "off"):
             raise ValueError(f"speculation must be auto, on or off, not {speculation!r}")
         if speculation != "off":
-            s.drafter = SuffixDrafter((*prompt, *history))
+            s.drafter = SuffixDrafter((*prompt, *history), name=self._token_name)
             if speculation == "auto":
                 s.acceptance = Acceptance()
             else:

@@ -183,6 +183,7 @@ class SplitHost:
                 self.pipeline,
                 max_queue=s.max_queue,
                 is_end=self._entry.is_end_of_generation,
+                token_bytes=self._entry.token_bytes,
             )
             self.model = LocalModel(self._entry, runner)
         elif nxt is not None:

@@ -157,6 +157,56 @@ def test_drafts_in_flight_move_the_cursor_without_teaching_it():
     assert d.copier.edits == {(OLD,): NEW}
 
 
+SPELT = 51  # the variable's name spelt by another token (after a brace, without a space)
+NAMES = {OLD: "total", SPELT: "total", 60: "running", 61: "_sum", 62: "running"}
+FSTRING = [40, 41, SPELT, 42, 43]  # `print(f"total={total}")`, SPELT where the name is
+F_RENAMED = [40, 41, SPELT, 42, 62, 61, 43]  # the text keeps the first, renames the second
+
+
+def wasted(d: SuffixDrafter, answer: list[int], k: int = 16) -> int:
+    """Draft tokens proposed and rejected while decoding `answer` (see windows_to_write)."""
+    at, lost = 0, 0
+    while at < len(answer):
+        draft = d.propose(k)
+        n = 0
+        while n < len(draft) and at + n < len(answer) and draft[n] == answer[at + n]:
+            n += 1
+        lost += len(draft) - n
+        d.extend(answer[at : at + n + 1])
+        at += n + 1
+    return lost
+
+
+def test_a_draft_stops_before_a_renamed_name_spelt_otherwise_or_also_kept():
+    code = [*CODE[:20], 40, 41, SPELT, 42, SPELT, 43, *CODE[20:]]
+    answer = [*renamed(CODE[:20]), *F_RENAMED, *renamed(CODE[20:])]
+    prompt = [1, 2, *code, 3]
+    d = SuffixDrafter(prompt, name=NAMES.get)
+    d.extend(answer[:24])  # the rename learnt, up to the f-string's `f"`
+    assert d.copier.edits == {(OLD,): NEW}
+    # Ahead: the name spelt otherwise, which no edit covers: the draft stops before it.
+    assert d.propose(8) == ()
+    d.extend([SPELT, 42])  # the text keeps it here ...
+    assert d.propose(8) == ()  # ... and the next is the same token: stop again
+    rest = renamed(CODE[20:])
+    d.extend([62, 61, 43, rest[0]])  # ... renamed there (learnt once the next token follows)
+    assert d.copier.edits[(SPELT,)] == (62, 61) and SPELT in d.copier.kept
+    # Both seen for that token: no edit is forced on it; the usual spelling is still drafted
+    # with its edit.
+    assert d.propose(16)[: len(rest) - 1] == tuple(rest[1:])
+    # Over the whole answer the name-aware drafts waste fewer tokens, and no more windows.
+    plain, aware = SuffixDrafter(prompt), SuffixDrafter(prompt, name=NAMES.get)
+    assert wasted(aware, answer) < wasted(plain, answer)
+
+
+def test_names_are_identifiers_spelt_by_a_token():
+    from meshagent.serving.copying import TokenNames
+
+    texts = {1: b" total", 2: b"total", 3: b"={", 4: b" 0", 5: b"_sum", 6: b" x", 7: b"\xff"}
+    names = TokenNames(texts.__getitem__)
+    assert [names(t) for t in texts] == ["total", "total", None, None, "_sum", None, None]
+
+
 def test_draft_length_grows_on_success_and_shrinks_on_failure():
     length = DraftLength(4, max_k=16)
     length.update(4, 4)
