@@ -9,7 +9,9 @@ left out), over the completion tokens after the first. Two workloads are copy-sh
 answer repeats much of the prompt: a JSON document with one field changed, a code block with a
 variable renamed), one is novel prose, where drafts rarely fit. The texts of all modes must be
 identical (greedy); the script says so per workload. It then measures, in this process and with
-the agent's settings, what a window of n tokens costs next to one token, and from that and each
+the agent's settings, what a window of n tokens costs next to one token (with the part of each
+agent step beyond the engine's, from the agent's time per token without drafts, paid once per
+window as a step pays it), and from that and each
 workload's acceptance the most any draft length could gain on this machine (the ceiling), and,
 from the model's greedy answer to each workload, the most drafts copied from the request's own
 text could gain on that answer (the answer's ceiling: where the model does not copy, no drafter
@@ -100,29 +102,38 @@ def one(url: str, model: str, prompt: str, mode: str, max_tokens: int) -> dict:
 WINDOWS = (1, 2, 3, 5, 9, 17)
 
 
-def window_costs(model: Path, threads: int, repeats: int = 8) -> dict[int, float]:
+def window_costs(model: Path, threads: int, repeats: int = 12) -> tuple[dict[int, float], float]:
     """What a step of n tokens of one sequence costs here, relative to a step of one: the
-    model in this process, with the agent's slots, context and threads, after a short
-    prompt, median of `repeats` (each window's positions are cut from the cache again)."""
+    model in this process, with the agent's slots, context and threads, after a prompt as
+    long as the workloads' (about 300 tokens), median of `repeats` rounds that take every
+    size in turn (so that the machine's drift touches each size alike; each window's
+    positions are cut from the cache again); and the seconds of a step of one."""
     from meshagent.engine.base import ForwardItem
     from meshagent.engine.llama import LlamaEngine
 
     engine = LlamaEngine(model, threads=threads)
     try:
-        prompt = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 10, add_bos=True)
+        prompt = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 30, add_bos=True)
         engine.forward([ForwardItem(0, 0, prompt, False)])
-        at, ms = len(prompt), {}
-        for n in WINDOWS:
-            times = []
-            for _ in range(repeats):
+        at, times = len(prompt), {n: [] for n in WINDOWS}
+        for _ in range(repeats):
+            for n in WINDOWS:
                 t = time.perf_counter()
                 engine.forward([ForwardItem(0, at, prompt[1 : 1 + n], True, n)])
-                times.append(time.perf_counter() - t)
+                times[n].append(time.perf_counter() - t)
                 engine.trim_sequence(0, at)
-            ms[n] = statistics.median(times)
+        ms = {n: statistics.median(ts) for n, ts in times.items()}
     finally:
         engine.close()
-    return {n: ms[n] / ms[1] for n in WINDOWS}
+    return {n: ms[n] / ms[1] for n in WINDOWS}, ms[1]
+
+
+def with_overhead(costs: dict[int, float], step: float, agent_step: float) -> dict[int, float]:
+    """The window costs as the agent pays them: each of its decode steps costs the engine's
+    step and a fixed part besides (scheduling, sampling, streaming), measured as the agent's
+    time per token without drafts less the engine's step; a window pays that part once."""
+    extra = max(0.0, agent_step / step - 1)
+    return {n: (c + extra) / (1 + extra) for n, c in costs.items()}
 
 
 def window_cost(costs: dict[int, float], n: int) -> float:
@@ -232,7 +243,12 @@ def main() -> None:
                         runs[w][m].append(one(url, model, prompt, m, args.max_tokens))
         finally:
             agent.stop()
-    costs = window_costs(model_path, args.threads)
+    engine_costs, step = window_costs(model_path, args.threads)
+    # The agent's time per token without drafts: what a one-token step costs it in full.
+    agent_step = statistics.median(
+        1 / x["tok_s"] for w in WORKLOADS for x in runs[w][modes[0]] if x["tok_s"] > 0
+    )
+    costs = with_overhead(engine_costs, step, agent_step)
     answers = {w: (WORKLOADS[w], runs[w][modes[0]][0]["text"]) for w in WORKLOADS}
     tokens = tokenized(model_path, answers)
 
@@ -285,6 +301,9 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "workloads": table,
         "window_cost": {str(n): round(c, 3) for n, c in costs.items()},
+        "engine_window_cost": {str(n): round(c, 3) for n, c in engine_costs.items()},
+        "engine_step_ms": round(step * 1000, 2),
+        "agent_step_ms": round(agent_step * 1000, 2),
         "ceiling_all_accepted": round(ceiling(costs, 1.0), 3),
     }
     head = f"{'workload':10}{'goal':>10}" + "".join(f"{m + ' tok/s':>13}{'x':>7}" for m in modes)
@@ -301,7 +320,9 @@ def main() -> None:
               f"{'yes' if row['identical'] else 'NO':>11}")  # fmt: skip
     costs_line = ", ".join(f"{n}: {c:.2f}" for n, c in costs.items())
     print(
-        f"a window of n tokens costs, against one token: {costs_line}; with every draft "
+        f"a window of n tokens costs, against one token: {costs_line} (the engine's step "
+        f"{step * 1000:.1f} ms and the agent's {agent_step * 1000:.1f} ms per token without "
+        "drafts: each step's fixed part, paid once per window, counted); with every draft "
         f"accepted, the most a draft could gain here: {result['ceiling_all_accepted']}x"
     )
     print(
