@@ -27,11 +27,12 @@ def model_id_for(path: Path) -> str:
 
 
 def _weight_types(path: Path) -> tuple[str, ...]:
+    from meshagent.errors import ModelError
     from meshagent.models.layout import inspect_model
 
     try:
         return inspect_model(path).weight_types
-    except Exception:  # only a hint's wording depends on it
+    except (ModelError, OSError, ValueError):  # only a hint's wording depends on it
         return ()
 
 

@@ -118,7 +118,7 @@ class Copier:
             if edited:
                 return Cursor(cur.at + len(source), pending=wrote[1:], run=cur.run + 1)
             if token == text[cur.at]:
-                if learn and self._name is not None and self._name(token) in self.renamed:
+                if learn and self.renamed and self._name and self._name(token) in self.renamed:
                     self.kept.add(token)  # a renamed name the text keeps here
                 return Cursor(cur.at + 1, run=cur.run + 1)
         return Cursor(cur.at, left=cur.at, written=(token,), run=cur.run)
