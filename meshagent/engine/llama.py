@@ -15,6 +15,7 @@ from meshagent.engine.runtime import (
     RuntimeDelegate,
     inexact_build,
     inexact_model,
+    repack_on,
 )
 from meshagent.engine.vocab import Vocab, VocabDelegate
 
@@ -27,9 +28,12 @@ def model_id_for(path: Path) -> str:
 
 
 def _weight_types(path: Path) -> tuple[str, ...]:
+    """The model's weight types where they can make windows inexact here (repacking on)."""
     from meshagent.errors import ModelError
     from meshagent.models.layout import inspect_model
 
+    if not repack_on():
+        return ()  # the header is not read for nothing
     try:
         return inspect_model(path).weight_types
     except (ModelError, OSError, ValueError):  # only a hint's wording depends on it

@@ -72,12 +72,17 @@ def cpu_has_amx() -> bool:
     return " amx_tile" in flags
 
 
+def _env_on(name: str) -> bool:
+    """A switch in the environment read as llama.cpp reads its own (C's atoi: a number, and
+    non-zero is on); unset is off."""
+    digits = re.match(r"\s*([+-]?\d+)", os.environ.get(name, "0"))
+    return digits is not None and int(digits.group(1)) != 0
+
+
 def repack_on() -> bool:
     """Whether llama.cpp may repack weights in this process: where $MESHAGENT_REPACK is set
     to a non-zero number, and never on AMX CPUs (see `model_params`)."""
-    value = os.environ.get(REPACK_ENV, "0")
-    digits = re.match(r"\s*([+-]?\d+)", value)
-    return digits is not None and int(digits.group(1)) != 0 and not cpu_has_amx()
+    return _env_on(REPACK_ENV) and not cpu_has_amx()
 
 
 def inexact_model(weight_types: Iterable[str]) -> str:
@@ -104,9 +109,7 @@ def tiled_kernels_on() -> bool:
     """Whether llama.cpp's tiled K-quant kernels are on in this process, reading the variable
     as llama.cpp does (C's atoi: non-zero is on). Unset means off: `init_backend`, which runs
     before llama.cpp computes anything here, sets it to 0."""
-    value = os.environ.get(TILED_ENV, "0")
-    digits = re.match(r"\s*([+-]?\d+)", value)
-    return digits is not None and int(digits.group(1)) != 0
+    return _env_on(TILED_ENV)
 
 
 def inexact_build() -> str:

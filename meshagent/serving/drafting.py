@@ -35,7 +35,7 @@ from meshagent.serving.copying import Copier, Cursor, Joined
 from meshagent.serving.sampling import Sampler
 
 MAX_DRAFT = 16  # the most tokens a draft holds
-COPYING_PRIOR = 0.9  # the chance a copying window's first draft token is right, before any
+COPYING_PRIOR = 0.9  # a copying window's first draft token is right: the chance, before evidence
 
 
 class SuffixDrafter:
