@@ -97,9 +97,12 @@ class Copier:
             if text[j] == token:  # back on the source: text[left:j] was replaced
                 source = tuple(text[cur.left : j])
                 edit = (source, written[:-1]) if source and written[:-1] else None
-                # A short edit of a copy keeps its trust; coming back after a long detour
-                # may be a coincidence and has to earn it again.
-                short = j - cur.left <= 2 and len(written) <= SHORT_EDIT + 1
+                # A short edit of a copy keeps its trust, and so does one that wrote as many
+                # tokens as it replaced (a number or a date changed digit for digit); coming
+                # back after a long detour may be a coincidence and has to earn it again.
+                short = (j - cur.left <= 2 and len(written) <= SHORT_EDIT + 1) or (
+                    j - cur.left == len(written) - 1 <= SHORT_EDIT
+                )
                 return Cursor(j + 1, unconfirmed=edit, run=cur.run if short else 0)
         if len(written) > MAX_EDIT:
             return None

@@ -35,13 +35,21 @@ from meshagent.serving.copying import Copier, Cursor, Joined
 from meshagent.serving.sampling import Sampler
 
 MAX_DRAFT = 16  # the most tokens a draft holds
-COPYING_PRIOR = 0.9  # a copying window's first draft token is right: the chance, before evidence
+# How often a copy goes on as its source does, before evidence (and how many tokens that
+# prior weighs): about what the benchmark's JSON and code copies showed at their start. The
+# evidence fades by FOLLOW_DECAY a token, so a copy that turns into new text shows soon.
+FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY = 0.9, 4.0, 0.98
 
 
 class SuffixDrafter:
     """An index of a sequence's n-grams (`min_n` to `max_n` tokens) to the position after
     their most recent occurrence, kept up to date as tokens are added, and a cursor on the
-    text the sequence is copying from, with the edits it made (`serving/copying.py`)."""
+    text the sequence is copying from, with the edits it made (`serving/copying.py`).
+
+    `follow` is how often the copy goes on: of the tokens that came while the cursor followed
+    its source and would have drafted the next one (`copying`, and not a token it stops
+    before), the share that the source, with its edits, had right. Every token counts, drafted
+    or not, so a sequence knows how well it copies before it drafts; misses are the edits."""
 
     def __init__(
         self,
@@ -61,6 +69,7 @@ class SuffixDrafter:
         self._after: dict[tuple[int, ...], int] = {}
         self.copier = Copier(name)  # `name`: what identifier a token spells, if any
         self.cursor: Cursor | None = None  # set by the tokens added after these
+        self.follow = _Rate(FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY)
         for token in tokens:
             self._index(token)
 
@@ -84,20 +93,33 @@ class SuffixDrafter:
         earlier occurrence of the longest suffix becomes its source."""
         for token in tokens:
             if self.cursor is not None:
+                judged = self._judged(self.cursor)
                 self.cursor = self.copier.step(self.tokens, self.cursor, token, learn=True)
+                if judged:
+                    self.follow.update(int(self.cursor is not None and self.cursor.following), 1)
             self._index(token)
             if self.cursor is None:
-                start = self._match(self.tokens)
-                if start is not None:
-                    self.cursor = Cursor(start)
+                match = self._match(self.tokens)
+                if match is not None:
+                    # The suffix that matched has been followed already: its length counts
+                    # toward the trust a cursor needs before it drafts.
+                    self.cursor = Cursor(match[0], run=match[1])
 
-    def _match(self, tail: Sequence[int]) -> int | None:
+    def _judged(self, cur: Cursor) -> bool:
+        """Whether the next token tells how well the copy goes on: the cursor would draft it."""
+        if not (cur.following and cur.trusted):
+            return False
+        return bool(cur.pending) or (
+            cur.at < len(self.tokens) and not self.copier.unsure(self.tokens[cur.at])
+        )
+
+    def _match(self, tail: Sequence[int]) -> tuple[int, int] | None:
         """Where the tokens after the longest suffix of `tail` (`min_n` tokens or more) start,
-        at its most recent earlier occurrence."""
+        at its most recent earlier occurrence, and that suffix's length."""
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
             start = self._after.get(tuple(tail[len(tail) - n :]))
             if start is not None:
-                return start
+                return start, n
         return None
 
     def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
@@ -121,9 +143,10 @@ class SuffixDrafter:
             if got or stopped:  # (stopped at once: the model's own token decides there)
                 return got
         tail = [*self.tokens[-self.max_n :], *after][-self.max_n :] if after else self.tokens
-        start = self._match(tail)
-        if start is None:
+        match = self._match(tail)
+        if match is None:
             return ()
+        start = match[0]
         got = self.tokens[start : start + k]  # and on into `after`, where the match is recent
         if len(got) < k and after:
             got = [*got, *after[: k - len(got)]]
@@ -258,32 +281,37 @@ class Acceptance:
     sequence that stopped drafting can tell when drafting would pay again). Recent evidence
     weighs most.
 
-    Two rates, because misses come in runs: the chance that a window's first draft token is
-    right (`first`), and that a draft token is right after a right one (`then`). Copied text
-    is right for long stretches and wrong around an edit: `then` is high and `first` lower,
-    and a long draft pays where a rate per token would have cut it short."""
+    Two rates for drafts guessed from an n-gram, because misses come in runs: the chance
+    that a window's first draft token is right (`first`), and that a draft token is right
+    after a right one (`then`); a long draft pays where a rate per token would have cut it
+    short. A draft that goes on copying the text the sequence follows (the drafter's cursor,
+    `copying`) is right as often as the copy goes on: `follow`, the drafter's own count over
+    every token it followed (`SuffixDrafter.follow`), drafted or not, for its first token and
+    each after it; its windows' verdicts are among those tokens and add nothing to the rest."""
 
-    def __init__(self, prior: float = 0.7, *, weight: float = 2.0, decay: float = 0.9) -> None:
+    def __init__(
+        self,
+        prior: float = 0.7,
+        *,
+        weight: float = 2.0,
+        decay: float = 0.9,
+        follow: _Rate | None = None,
+    ) -> None:
         self.first = _Rate(prior, weight, decay)
         self.then = _Rate(prior, weight, decay)
-        # A window whose draft goes on copying the text the sequence follows (the drafter's
-        # cursor, `copying`) starts right far more often than one that guesses from an
-        # n-gram after a miss: each kind keeps its own first rate, and a copy's starts from
-        # what copies showed (9 in 10 draft tokens right on the benchmark's JSON and code),
-        # so that a request drafts from its first copied lines where windows cost much.
-        self.first_copying = _Rate(max(prior, COPYING_PRIOR), weight, decay)
+        self.follow = follow or _Rate(FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY)
 
     def update(self, hits: int, trials: int, *, run: bool = False, copying: bool = False) -> None:
         """A window whose first `hits` draft tokens were right, of `trials` judged (one more
         than `hits` where a wrong one ended it). With `run`, its first token followed a
         right one (a window sent before the verdict on the one before it). `copying`: its
-        draft came from the text the sequence was copying."""
-        if trials < 1:
+        draft came from the text the sequence was copying (counted by `follow` already)."""
+        if trials < 1 or copying:
             return
         if run:
             self.then.update(hits, trials)
             return
-        (self.first_copying if copying else self.first).update(hits >= 1, 1)
+        self.first.update(hits >= 1, 1)
         if hits >= 1:
             self.then.update(hits - 1, trials - 1)
 
@@ -297,16 +325,20 @@ class Acceptance:
         """The chance of the next draft token being right, at a window's start."""
         return self.first.value
 
+    def _rates(self, copying: bool) -> tuple[float, float]:
+        if copying:
+            return self.follow.value, self.follow.value
+        return self.first.value, self.then.value
+
     def reach(self, n: int, *, copying: bool = False) -> float:
         """The chance that the next n draft tokens are all right."""
-        first = (self.first_copying if copying else self.first).value
-        return 1.0 if n < 1 else first * self.then.value ** (n - 1)
+        first, then = self._rates(copying)
+        return 1.0 if n < 1 else first * then ** (n - 1)
 
     def expected(self, k: int, *, copying: bool = False) -> float:
         """The tokens a window of k draft tokens yields on average: the right ones up to the
         first wrong one, and the model's own token after them."""
-        f = (self.first_copying if copying else self.first).value
-        c = self.then.value
+        f, c = self._rates(copying)
         return 1 + f * (1 - c**k) / (1 - c)
 
 

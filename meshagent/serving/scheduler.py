@@ -225,7 +225,7 @@ class Scheduler:
         if speculation != "off":
             s.drafter = SuffixDrafter((*prompt, *history), name=self._token_name)
             if speculation == "auto":
-                s.acceptance = Acceptance()
+                s.acceptance = Acceptance(follow=s.drafter.follow)
             else:
                 s.length = DraftLength()
         leader = self._by_id.get(after) if after is not None else None
@@ -383,8 +383,8 @@ class Scheduler:
             return proposal
         k = best_draft(s.acceptance, self.window_cost, len(proposal), copying=s.copying)
         if not k:  # it would not pay: see whether its tokens would have been right
-            if not s.shadow:
-                s.shadow, s.shadow_after, s.shadow_copying = proposal, False, s.copying
+            if not s.shadow and not s.copying:  # (a copy's tokens are counted as they come)
+                s.shadow, s.shadow_after = proposal, False
             return ()
         s.shadow = ()
         if k < len(proposal):
@@ -429,7 +429,7 @@ class Scheduler:
             if s.beyond is not None:
                 # Every drafted token was right and no window follows: the model's own token
                 # here says whether the next proposed one would have been right too.
-                if at == len(window) and not s.windows and s.acceptance is not None:
+                if at == len(window) and not s.windows and s.acceptance and not w.copying:
                     s.acceptance.then_seen(token == s.beyond)
                 s.beyond = None
             if now is not None and w.sent_at is not None:
@@ -473,7 +473,7 @@ class Scheduler:
             if s.shadow_after:
                 s.acceptance.then_seen(hit)
             else:
-                s.acceptance.update(hit, 1, copying=s.shadow_copying)
+                s.acceptance.update(hit, 1)
             s.shadow, s.shadow_after = (s.shadow[1:] if hit else ()), True
         if right:  # more of the window is coming
             return [Token(s.id, token, None, timing, cached=cached, logprob=logprob)]

@@ -29,12 +29,12 @@ class SeqState:
     drafter: SuffixDrafter | None = None  # speculating: its text so far, indexed
     length: DraftLength | None = None  # "on": how many tokens to draft
     acceptance: Acceptance | None = None  # "auto": how often its drafts are right
-    # "auto", not drafting: what it would have drafted, checked against the tokens decoded
-    # instead (evidence for `Acceptance.first`, then, while right, for `Acceptance.then`)
+    # "auto", not drafting a guess from an n-gram: what it would have drafted, checked
+    # against the tokens decoded instead (evidence for `Acceptance.first`, then, while right,
+    # for `Acceptance.then`; a copy's tokens are counted by its drafter as they come)
     shadow: tuple[int, ...] = ()
     shadow_after: bool = False  # the shadow's next token follows a right one
     copying: bool = False  # its last proposal went on copying the text it follows
-    shadow_copying: bool = False  # ... and so did the shadow's
     # "auto", drafting fewer tokens than proposed: the first one it left out, to see whether
     # it would have been right after the drafted ones (evidence for `Acceptance.then` that a
     # short window gives no other way)

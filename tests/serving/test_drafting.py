@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshagent.serving.drafting import (
+    FOLLOW_WEIGHT,
     Acceptance,
     DraftLength,
     SuffixDrafter,
@@ -142,8 +143,24 @@ def test_a_cursor_drafts_only_once_it_has_followed_its_source_for_a_few_tokens()
     d.extend([20, 6, 7])  # (6, 7) occurred before: a cursor, not yet trusted
     assert d.cursor is not None and not d.cursor.trusted
     assert d.propose(4) == (8, 9, 10, 11)  # the n-gram's continuation, as always
-    d.extend([8, 9, 10])
-    assert d.cursor.trusted and d.propose(3) == (11, 12, 20)
+    # The suffix it was found by counts as followed: one token more and it drafts.
+    assert d.cursor.run == 2
+    d.extend([8])
+    assert d.cursor.trusted and d.propose(3) == (9, 10, 11)
+
+
+def test_an_edit_as_long_as_what_it_replaced_keeps_the_cursor_trusted():
+    # A number changed digit for digit ("port": 9337 becomes 9400): back on the source
+    # after as many tokens as it replaced, the copy goes on at once.
+    doc = [30, 31, 32, 9, 3, 3, 7, 33, 34, 35, 36, 37, 38]
+    d = SuffixDrafter([1, *doc, 2])
+    d.extend([30, 31, 32, 9, 4, 0, 0, 33])
+    assert d.cursor is not None and d.cursor.following and d.cursor.trusted
+    assert d.propose(3) == (34, 35, 36)
+    # One that wrote more than it replaced, after a long copy of nothing, earns it again.
+    d2 = SuffixDrafter([1, *doc, 2])
+    d2.extend([30, 31, 32, 9, 4, 0, 0, 0, 0, 7, 33])
+    assert d2.cursor is not None and not d2.cursor.trusted
 
 
 def test_drafts_in_flight_move_the_cursor_without_teaching_it():
@@ -290,17 +307,55 @@ def fixed(rate: float) -> Acceptance:
     return Acceptance(prior=rate, weight=1e12)
 
 
-def test_windows_that_go_on_copying_keep_their_own_first_rate():
+def test_windows_that_go_on_copying_are_judged_by_how_often_the_copy_goes_on():
     # Around an edit the drafter guesses from an n-gram and misses; once back on the text it
     # copies, its drafts are right: one rate for both would draft short everywhere.
-    acc = Acceptance()
+    d = SuffixDrafter([1, *CODE, 2])
+    d.extend(CODE)
+    acc = Acceptance(follow=d.follow)
     for _ in range(10):
         acc.update(0, 1)
-        acc.update(8, 8, copying=True)
-    assert acc.reach(1, copying=True) > 0.9 and acc.reach(1) < 0.2
+        acc.update(8, 8, copying=True)  # counted by the drafter as its tokens came
+    assert acc.reach(1) < 0.2 and acc.reach(8, copying=True) > 0.7
+    assert acc.then.value == pytest.approx(0.7)  # no evidence from the copy's windows
     cost = WindowCost(slope=0.3)
     assert best_draft(acc, cost, 16) == 0
     assert best_draft(acc, cost, 16, copying=True) >= 8
+
+
+def test_the_drafter_counts_how_often_its_copy_goes_on():
+    prompt = [1, *CODE, 2]
+    d = SuffixDrafter(prompt)
+    prior = d.follow.value
+    d.extend(CODE[:3])  # matched, not yet trusted: nothing counted
+    assert d.follow.trials == pytest.approx(FOLLOW_WEIGHT)
+    d.extend(CODE[3:11])
+    assert d.follow.value > prior and d.follow.trials > FOLLOW_WEIGHT + 5
+    high = d.follow.value
+    d.extend([70])  # an edit: the copy did not go on
+    assert d.follow.value < high
+    # Fresh text, no cursor: nothing counted; text whose matches are chance (prose that
+    # repeats a few words now and then) counts low.
+    novel = SuffixDrafter([1, 2, 3, 4, 5, 6])
+    novel.extend([7, 8, 9, 10])
+    assert novel.follow.trials == pytest.approx(FOLLOW_WEIGHT)
+    rng = random.Random(7)
+    loose = SuffixDrafter([rng.randrange(4) for _ in range(50)])
+    loose.extend([rng.randrange(4) for _ in range(300)])
+    assert loose.follow.trials > 2 * FOLLOW_WEIGHT and loose.follow.value < 0.6
+
+
+def test_a_token_the_draft_stops_before_is_not_counted():
+    code = [*CODE[:20], 40, 41, SPELT, 42, SPELT, 43, *CODE[20:]]
+    answer = [*renamed(CODE[:20]), *F_RENAMED]
+    d = SuffixDrafter([1, 2, *code, 3], name=NAMES.get)
+    d.extend(answer[:24])  # up to the f-string's `f"`: the draft stops before SPELT
+    assert d.copying and d.propose(8) == ()
+    trials = d.follow.trials
+    d.extend([SPELT])  # kept: whichever way it went, it tells nothing of the copy
+    assert d.follow.trials == trials
+    d.extend([42])  # the token after it is drafted again, and counts
+    assert d.follow.trials > trials
 
 
 def test_the_best_draft_pays_for_its_window_or_is_none():
