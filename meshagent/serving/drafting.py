@@ -99,11 +99,9 @@ class SuffixDrafter:
                     self.follow.update(int(self.cursor is not None and self.cursor.following), 1)
             self._index(token)
             if self.cursor is None:
-                match = self._match(self.tokens)
-                if match is not None:
-                    # The suffix that matched has been followed already: its length counts
-                    # toward the trust a cursor needs before it drafts.
-                    self.cursor = Cursor(match[0], run=match[1])
+                start = self._match(self.tokens)
+                if start is not None:
+                    self.cursor = Cursor(start)
 
     def _judged(self, cur: Cursor) -> bool:
         """Whether the next token tells how well the copy goes on: the cursor would draft it."""
@@ -113,13 +111,13 @@ class SuffixDrafter:
             cur.at < len(self.tokens) and not self.copier.unsure(self.tokens[cur.at])
         )
 
-    def _match(self, tail: Sequence[int]) -> tuple[int, int] | None:
+    def _match(self, tail: Sequence[int]) -> int | None:
         """Where the tokens after the longest suffix of `tail` (`min_n` tokens or more) start,
-        at its most recent earlier occurrence, and that suffix's length."""
+        at its most recent earlier occurrence."""
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
             start = self._after.get(tuple(tail[len(tail) - n :]))
             if start is not None:
-                return start, n
+                return start
         return None
 
     def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
@@ -143,10 +141,9 @@ class SuffixDrafter:
             if got or stopped:  # (stopped at once: the model's own token decides there)
                 return got
         tail = [*self.tokens[-self.max_n :], *after][-self.max_n :] if after else self.tokens
-        match = self._match(tail)
-        if match is None:
+        start = self._match(tail)
+        if start is None:
             return ()
-        start = match[0]
         got = self.tokens[start : start + k]  # and on into `after`, where the match is recent
         if len(got) < k and after:
             got = [*got, *after[: k - len(got)]]

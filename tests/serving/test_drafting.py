@@ -143,24 +143,23 @@ def test_a_cursor_drafts_only_once_it_has_followed_its_source_for_a_few_tokens()
     d.extend([20, 6, 7])  # (6, 7) occurred before: a cursor, not yet trusted
     assert d.cursor is not None and not d.cursor.trusted
     assert d.propose(4) == (8, 9, 10, 11)  # the n-gram's continuation, as always
-    # The suffix it was found by counts as followed: one token more and it drafts.
-    assert d.cursor.run == 2
-    d.extend([8])
-    assert d.cursor.trusted and d.propose(3) == (9, 10, 11)
+    d.extend([8, 9, 10])
+    assert d.cursor.trusted and d.propose(3) == (11, 12, 20)
 
 
 def test_an_edit_as_long_as_what_it_replaced_keeps_the_cursor_trusted():
     # A number changed digit for digit ("port": 9337 becomes 9400): back on the source
     # after as many tokens as it replaced, the copy goes on at once.
-    doc = [30, 31, 32, 9, 3, 3, 7, 33, 34, 35, 36, 37, 38]
+    doc = [20, 21, 22, 23, 30, 31, 32, 9, 3, 3, 7, 33, 34, 35, 36, 37, 38]
     d = SuffixDrafter([1, *doc, 2])
-    d.extend([30, 31, 32, 9, 4, 0, 0, 33])
+    d.extend([20, 21, 22, 23, 30, 31, 32, 9, 4, 0, 0, 33])
     assert d.cursor is not None and d.cursor.following and d.cursor.trusted
     assert d.propose(3) == (34, 35, 36)
-    # One that wrote more than it replaced, after a long copy of nothing, earns it again.
+    # One that wrote more tokens than it replaced, and more than a short edit writes, has to
+    # earn it again.
     d2 = SuffixDrafter([1, *doc, 2])
-    d2.extend([30, 31, 32, 9, 4, 0, 0, 0, 0, 7, 33])
-    assert d2.cursor is not None and not d2.cursor.trusted
+    d2.extend([20, 21, 22, 23, 30, 31, 32, 9, 4, 0, 0, 0, 0, 7, 33])
+    assert d2.cursor is not None and d2.cursor.following and not d2.cursor.trusted
 
 
 def test_drafts_in_flight_move_the_cursor_without_teaching_it():
