@@ -32,11 +32,11 @@ Policy:
   rest. Drafts take budget after the decode tokens and at most half of it, so prompts keep
   moving. With "on", the draft's length follows its acceptance (`DraftLength`). With "auto",
   a sequence drafts as many tokens as make a step yield the most tokens per unit of its
-  time, or none: its drafts' acceptance (`Acceptance`: of a window's first draft token and of
-  one after a right one, fed also by comparing proposals it did not send with the tokens that
-  came) against what a window costs next to a one-token step
-  (`WindowCost`, learnt from the decode steps the runner times, `observe`, or in a split from
-  each window's trip, from `next_step` to its last token, both given a `now`).
+  time, or none: its drafts' acceptance (`Acceptance`: for a copy, how often it goes on, which
+  its drafter counts on every token; else of an n-gram window's first token and of one after a
+  right one, fed also by proposals it did not send) against what a window costs next to one
+  token's step (`WindowCost`, learnt from the decode steps the runner times, `observe`, or in
+  a split from each window's trip, from `next_step` to its last token, both given a `now`).
 - With `max_windows` > 1 (a split's entry, whose tokens come back a trip later), a busy
   sequence may send its next window before the verdict on those in flight: it assumes every
   draft in flight is right, and the window's first token is its drafter's guess at the token
