@@ -36,7 +36,7 @@ import speculation as live
 
 from meshagent.engine.vocab import Vocab
 from meshagent.serving.copying import TokenNames
-from meshagent.serving.drafting import SuffixDrafter
+from meshagent.serving.drafting import MAX_DRAFT, SuffixDrafter
 from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.scheduler import Scheduler
 
@@ -198,7 +198,7 @@ def oracle(x: dict, end: int, costs: dict, token_name) -> float:
     full = [*x["answer"], end]
     drafter = SuffixDrafter(x["prompt"], name=token_name)
     drafter.extend(full[:1])
-    longest = max(costs) - 1
+    longest = min(max(costs) - 1, MAX_DRAFT)  # the drafts `auto` may send
     right = {}
     for i in range(1, len(full)):
         proposal = drafter.propose(longest)
