@@ -387,7 +387,7 @@ class Scheduler:
                 s.shadow, s.shadow_after = proposal, False
             return ()
         s.shadow = ()
-        if k < len(proposal):
+        if k < len(proposal) and not s.copying:  # (a copy's tokens are counted as they come)
             s.beyond = proposal[k]
         return proposal[:k]
 
@@ -429,7 +429,7 @@ class Scheduler:
             if s.beyond is not None:
                 # Every drafted token was right and no window follows: the model's own token
                 # here says whether the next proposed one would have been right too.
-                if at == len(window) and not s.windows and s.acceptance and not w.copying:
+                if at == len(window) and not s.windows and s.acceptance is not None:
                     s.acceptance.then_seen(token == s.beyond)
                 s.beyond = None
             if now is not None and w.sent_at is not None:

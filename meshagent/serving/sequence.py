@@ -35,7 +35,7 @@ class SeqState:
     shadow: tuple[int, ...] = ()
     shadow_after: bool = False  # the shadow's next token follows a right one
     copying: bool = False  # its last proposal went on copying the text it follows
-    # "auto", drafting fewer tokens than proposed: the first one it left out, to see whether
+    # "auto", drafting fewer n-gram tokens than proposed: the first it left out, to see whether
     # it would have been right after the drafted ones (evidence for `Acceptance.then` that a
     # short window gives no other way)
     beyond: int | None = None
