@@ -101,12 +101,14 @@ def _prefix_cache(model: LocalModel) -> dict[str, Any]:
 
 
 def _speculation(model: LocalModel) -> dict[str, Any]:
-    """The default mode and whether this engine's draft windows are exact (checked at load)."""
+    """The default mode, whether this engine's draft windows are exact (checked at load), and
+    what its decode steps cost by their tokens (what `auto` weighs drafts against)."""
     executor = model.runner.executor
     return {
         "default": model.speculation,
         "exact_windows": executor.exact_windows,
         "reason": executor.windows_reason,
+        "window_cost": model.runner.scheduler.window_cost.summary(),
     }
 
 

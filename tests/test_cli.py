@@ -95,6 +95,8 @@ def test_status_of_a_running_agent(spawn_agent, model_id, capsys):
     assert main(["status", "--data-dir", str(agent.data_dir)]) == 0
     out = capsys.readouterr().out
     assert f"drafts    {usage['meshagent']['speculation']['windows']} windows, {accepted} of" in out
+    [steps] = [x for x in out.splitlines() if x.startswith("steps     ")]
+    assert " decode steps timed (" in steps and "a window of n tokens costs 1 + " in steps
 
 
 def test_an_agent_that_cannot_serve_its_model_says_why(spawn_agent, capsys):

@@ -76,6 +76,15 @@ def run(args: argparse.Namespace) -> int:
                 f"drafts    {s['draft_windows']} windows, {s['draft_accepted']} of "
                 f"{s['draft_tokens']} draft tokens accepted ({share:.0%}): that many steps saved"
             )
+        cost = (spec or {}).get("window_cost") or {}
+        if steps := cost.get("steps"):
+            one = steps.get("1")
+            ones = f"{one['count']}, {one['mean_ms']:.1f} ms each" if one else "none"
+            print(
+                f"steps     {sum(x['count'] for x in steps.values())} decode steps timed ({ones} "
+                f"of one token); a window of n tokens costs 1 + {cost['jump']:.2f} + "
+                f"{cost['slope']:.2f} x (n - 1) one-token steps, as learnt now"
+            )
         cache = m.get("prefix_cache")
         if cache:
             mib = cache["budget_bytes"] / (1 << 20)

@@ -214,10 +214,15 @@ class WindowCost:
         self.jump = 0.0
         self.weight = weight
         self._seen: dict[int, tuple[float, int]] = {}  # tokens -> (mean seconds, count)
+        self._total: dict[int, tuple[float, int]] = {}  # tokens -> (seconds, count), all steps
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A decode step of `tokens` tokens (one per sequence, plus drafts) took `seconds`."""
-        if not 1 <= tokens <= self._SIZES or seconds <= 0 or not self.weight:
+        if not 1 <= tokens <= self._SIZES or seconds <= 0:
+            return
+        spent, steps = self._total.get(tokens, (0.0, 0))
+        self._total[tokens] = (spent + seconds, steps + 1)
+        if not self.weight:
             return  # (with weight 0 the slope stays as set)
         mean, count = self._seen.get(tokens, (seconds, 0))
         self._seen[tokens] = (mean + self.weight * (seconds - mean), count + 1)
@@ -241,6 +246,18 @@ class WindowCost:
         if tokens <= 1:
             return 1.0
         return 1 + self.jump + self.slope * (tokens - 1)
+
+    def summary(self) -> dict[str, object]:
+        """The line as fitted now, and every size of step timed since the start: how many
+        and their mean time (all of them, not the moving average the line follows)."""
+        return {
+            "slope": round(self.slope, 4),
+            "jump": round(self.jump, 4),
+            "steps": {
+                str(n): {"count": c, "mean_ms": round(t / c * 1000, 3)}
+                for n, (t, c) in sorted(self._total.items())
+            },
+        }
 
 
 def _line(seen: dict[int, tuple[float, int]]) -> tuple[float, float] | None:

@@ -388,6 +388,12 @@ def test_speculation_changes_no_token_and_its_receipt_counts_the_drafts(
         for mode in ("off", "on", "auto")
     }
     assert text["on"] == text["off"] == text["auto"]
+    # The agent timed its decode steps by their tokens: one-token steps and windows.
+    [model] = httpx.get(f"{agent.url}/control/status").json()["models"]
+    steps = model["speculation"]["window_cost"]["steps"]
+    assert steps["1"]["count"] > 0 and steps["1"]["mean_ms"] > 0
+    windows = {int(n): v for n, v in steps.items() if int(n) > 1}
+    assert windows and all(v["count"] > 0 and v["mean_ms"] > 0 for v in windows.values())
 
 
 def test_a_bad_speculation_choice_is_a_400(agent: AgentProcess, model_id: str) -> None:

@@ -249,6 +249,26 @@ def test_the_window_cost_is_learnt_from_decode_steps():
     assert cost.slope == 0.0
 
 
+def test_the_summary_keeps_every_step_timed_while_the_line_follows_recent_ones():
+    cost = WindowCost(slope=0.3, weight=0.5)
+    for seconds in (0.010, 0.010, 0.040):  # the one-token step slows: its average follows
+        cost.observe(1, seconds)
+    cost.observe(5, 0.050)
+    cost.observe(99, 1.0)  # more tokens than any window: not counted
+    summary = cost.summary()
+    assert summary["steps"] == {
+        "1": {"count": 3, "mean_ms": 20.0},
+        "5": {"count": 1, "mean_ms": 50.0},
+    }
+    # The line goes through the one token's moving average, 25 ms (6.25 ms a token more,
+    # over 25: 0.25), not through the mean of all its steps, 20 ms (which would give 0.375).
+    assert summary["slope"] == pytest.approx(0.25)
+    frozen = WindowCost(slope=0.3, weight=0.0)  # a cost that does not learn still times
+    frozen.observe(1, 0.02)
+    assert frozen.summary()["steps"] == {"1": {"count": 1, "mean_ms": 20.0}}
+    assert frozen.slope == 0.3
+
+
 def test_windows_of_two_lengths_give_the_cost_without_a_one_token_step():
     # A split's entry that drafts on every trip never times a one-token step: a trip of 3
     # tokens at 84 ms and one of 9 at 96 ms put time(n) at 78 + 2n ms, so 2/80 per token.
