@@ -8,11 +8,13 @@ tokens/s runs from the first streamed text to the end of the stream (the prompt'
 left out), over the completion tokens after the first. Two workloads are copy-shaped (the
 answer repeats much of the prompt: a JSON document with one field changed, a code block with a
 variable renamed), one is novel prose, where drafts rarely fit. The texts of all modes must be
-identical (greedy); the script says so per workload. It then measures, in this process and with
-the agent's settings, what a window of n tokens costs next to one token (with the part of each
-agent step beyond the engine's, from the agent's time per token without drafts, paid once per
-window as a step pays it), and from that and each
-workload's acceptance the most any draft length could gain on this machine (the ceiling), and,
+identical (greedy); the script says so per workload. It then takes what a window of n tokens
+costs next to one token from the agent's own decode steps in the runs, timed by their tokens
+(its status's `window_cost.steps`; the same minutes as the figures, since this machine's speed
+drifts), with the part of each agent step beyond the engine's, from the agent's time per token
+without drafts, paid once per window as a step pays it; it also measures the same in this
+process after the runs, one sequence at a fixed position, and prints both. From those costs:
+the most any draft length could gain on this machine (the ceiling), and,
 from the model's greedy answer to each workload, the most drafts copied from the request's own
 text could gain on that answer (the answer's ceiling: where the model does not copy, no drafter
 from the text can help), and the same for drafts found by the last token, as an n-gram drafter
@@ -99,7 +101,7 @@ def one(url: str, model: str, prompt: str, mode: str, max_tokens: int) -> dict:
     }
 
 
-WINDOWS = (1, 2, 3, 5, 9, 17)
+WINDOWS = (1, 2, 3, 5, 9, 15, 16, 17, 32, 33)
 
 
 def window_costs(model: Path, threads: int, repeats: int = 12) -> tuple[dict[int, float], float]:
@@ -126,6 +128,17 @@ def window_costs(model: Path, threads: int, repeats: int = 12) -> tuple[dict[int
     finally:
         engine.close()
     return {n: ms[n] / ms[1] for n in WINDOWS}, ms[1]
+
+
+def timed_costs(steps: dict[str, dict], least: int = 10) -> tuple[dict[int, float], float] | None:
+    """The same from the agent's own decode steps in the runs (`window_cost.steps` of its
+    status: each size's count and mean time), so from the same minutes as the figures (this
+    machine's speed drifts by 5-10% from one minute to the next): sizes timed at least
+    `least` times, against the one-token step; None without one-token steps and a window."""
+    means = {int(n): x["mean_ms"] / 1000 for n, x in steps.items() if x["count"] >= least}
+    if 1 not in means or len(means) < 2:
+        return None
+    return {n: means[n] / means[1] for n in sorted(means)}, means[1]
 
 
 def with_overhead(costs: dict[int, float], step: float, agent_step: float) -> dict[int, float]:
@@ -241,14 +254,19 @@ def main() -> None:
                     order = modes if r % 2 == 0 else modes[::-1]
                     for m in order:
                         runs[w][m].append(one(url, model, prompt, m, args.max_tokens))
+            [served] = httpx.get(f"{url}/control/status").json()["models"]
+            steps = served["speculation"]["window_cost"]["steps"]
         finally:
             agent.stop()
-    engine_costs, step = window_costs(model_path, args.threads)
+    apart_costs, apart_step = window_costs(model_path, args.threads)
+    timed = timed_costs(steps)
+    engine_costs, step = timed or (apart_costs, apart_step)
     # The agent's time per token without drafts: what a one-token step costs it in full.
     agent_step = statistics.median(
         1 / x["tok_s"] for w in WORKLOADS for x in runs[w][modes[0]] if x["tok_s"] > 0
     )
     costs = with_overhead(engine_costs, step, agent_step)
+    apart = with_overhead(apart_costs, apart_step, agent_step)
     answers = {w: (WORKLOADS[w], runs[w][modes[0]][0]["text"]) for w in WORKLOADS}
     tokens = tokenized(model_path, answers)
 
@@ -307,6 +325,13 @@ def main() -> None:
         "engine_step_ms": round(step * 1000, 2),
         "agent_step_ms": round(agent_step * 1000, 2),
         "ceiling_all_accepted": round(ceiling(costs, 1.0), 3),
+        # Where the costs came from: the agent's decode steps in the runs ("runs"), or, where
+        # it timed too few windows (no mode drafts), a measurement after them ("apart").
+        "costs_from": "runs" if timed else "apart",
+        "agent_steps": steps,
+        "window_cost_apart": {str(n): round(c, 3) for n, c in apart.items()},
+        "engine_step_apart_ms": round(apart_step * 1000, 2),
+        "ceiling_apart": round(ceiling(apart, 1.0), 3),
     }
     head = f"{'workload':10}{'goal':>10}" + "".join(f"{m + ' tok/s':>13}{'x':>7}" for m in modes)
     print(
@@ -320,12 +345,25 @@ def main() -> None:
               f"{row['ceiling']:>9}{row['copy_ceiling']:>14}{row['context_ceiling']:>12}"
               f"{row['of_target']:>11}"
               f"{'yes' if row['identical'] else 'NO':>11}")  # fmt: skip
-    costs_line = ", ".join(f"{n}: {c:.2f}" for n, c in costs.items())
+
+    def line(cs: dict[int, float]) -> str:
+        return ", ".join(f"{n}: {c:.2f}" for n, c in cs.items())
+
+    where = (
+        "timed by the agent in these runs"
+        if timed
+        else "measured after the runs (the agent timed too few windows)"
+    )
     print(
-        f"a window of n tokens costs, against one token: {costs_line} (the engine's step "
-        f"{step * 1000:.1f} ms and the agent's {agent_step * 1000:.1f} ms per token without "
-        "drafts: each step's fixed part, paid once per window, counted); with every draft "
-        f"accepted, the most a draft could gain here: {result['ceiling_all_accepted']}x"
+        f"a window of n tokens costs, against one token, {where}: {line(costs)} (the "
+        f"engine's step {step * 1000:.1f} ms and the agent's {agent_step * 1000:.1f} ms per "
+        "token without drafts: each step's fixed part, paid once per window, counted); with "
+        f"every draft accepted, the most a draft could gain here: "
+        f"{result['ceiling_all_accepted']}x"
+    )
+    print(
+        f"measured apart, after the runs (one sequence, fixed position): {line(apart)} (the "
+        f"engine's step {apart_step * 1000:.1f} ms): a ceiling of {result['ceiling_apart']}x"
     )
     print(
         "ceiling: every draft accepted, at the best length; answer ceil.: the most drafts "
