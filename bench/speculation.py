@@ -303,6 +303,9 @@ def main() -> None:
         # The same for drafts found by the last token (any n-gram drafter's case), still
         # choosing the best matching stretch and its length with hindsight.
         row["context_ceiling"] = round(copy_ceiling(costs, copy_runs(*tokens[w], 1)), 3)
+        # The answer's ceiling with the window costs measured apart, for every size measured
+        # (windows longer than the agent's are in that measurement only).
+        row["copy_ceiling_apart"] = round(copy_ceiling(apart, copied), 3)
         allowed = min(row["ceiling"], row["copy_ceiling"])
         row["target"] = round(min(goal, allowed) if goal > 1 else goal, 3)
         # What a user gets by default: `auto`'s gain, where it ran (else the best mode's).
@@ -361,9 +364,11 @@ def main() -> None:
         f"every draft accepted, the most a draft could gain here: "
         f"{result['ceiling_all_accepted']}x"
     )
+    answers_apart = ", ".join(f"{w} {row['copy_ceiling_apart']}x" for w, row in table.items())
     print(
         f"measured apart, after the runs (one sequence, fixed position): {line(apart)} (the "
-        f"engine's step {apart_step * 1000:.1f} ms): a ceiling of {result['ceiling_apart']}x"
+        f"engine's step {apart_step * 1000:.1f} ms): a ceiling of {result['ceiling_apart']}x; "
+        f"the answers' ceilings with those costs: {answers_apart}"
     )
     print(
         "ceiling: every draft accepted, at the best length; answer ceil.: the most drafts "

@@ -12,15 +12,19 @@ verdict read from the answer. A request's time is the sum of its decode steps' c
 
 Each copy workload's figure is set against the best any choice of window lengths could do with
 the same drafts: a dynamic program over the answer that knows where every draft goes wrong (the
-oracle). Prose is set against plain decoding. Cost tables: this machine's (measured as
-`bench/speculation.py` measures it) and any given with `--costs NAME=1:1,2:1.6,17:6.6`
-(sizes between those given: interpolated); the Xeon's from docs/benchmarks.md is built in.
+oracle). Prose is set against plain decoding. Cost tables: this machine's (measured apart, as
+`bench/speculation.py` measures it after its runs), any given with `--costs
+NAME=1:1,2:1.6,17:6.6` (sizes between those given: interpolated), and those a live agent timed
+in `bench/speculation.py`'s runs (`--costs-from RESULT.json`, named after the file: the
+replay's figures match the live ones best with these); the Xeon's from docs/benchmarks.md is
+built in.
 Besides the benchmark's three workloads it replays four more copies (a config value changed,
 a flag flipped in a JSON list, a parameter renamed in a Python class, a variable renamed in
 JavaScript) and two more prose prompts, so that a change is judged on more than two answers.
 Prints a table and writes JSON (default bench/results/speculation_replay.json).
 
     .venv/bin/python bench/speculation_replay.py --model "$(.venv/bin/python bench/coder_model.py)"
+        [--costs NAME=N:C,...] [--costs-from bench/results/speculation.json] [--no-measure]
 """
 
 from __future__ import annotations
@@ -234,6 +238,14 @@ def main() -> None:
     ap.add_argument(
         "--costs", type=parse_costs, action="append", default=[], metavar="NAME=N:C,..."
     )
+    ap.add_argument(
+        "--costs-from",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a bench/speculation.py result: the window costs its agent timed in its runs",
+    )
     ap.add_argument("--no-measure", action="store_true", help="only the given cost tables")
     ap.add_argument("--out", type=Path, default=Path("bench/results/speculation_replay.json"))
     args = ap.parse_args()
@@ -242,6 +254,11 @@ def main() -> None:
     answers, end = greedy_answers(model, args.threads, args.max_tokens)
     token_name = TokenNames(Vocab.load(model).token_bytes)  # as the agent's runner gives it
     tables = {"xeon": XEON, **dict(args.costs)}
+    for path in args.costs_from:
+        timed = live.timed_costs(json.loads(path.read_text())["agent_steps"])
+        if timed is None:
+            raise SystemExit(f"{path}: its agent timed too few windows for a cost table")
+        tables[path.stem] = timed[0]
     if not args.no_measure:
         tables = {"here": live.window_costs(model, args.threads)[0], **tables}
     rows: dict[str, dict[str, dict]] = {}
