@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from meshagent.engine.windows import check_windows
+from meshagent.serving.drafting import MAX_DRAFT
 from meshagent.serving.generation import Finished, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import SamplingParams
@@ -164,6 +165,22 @@ async def test_auto_drafts_as_far_as_the_window_pays_for_itself(nursery, slope):
     assert (accepted > 80) if slope < 1 else (accepted == 0), fin.speculation
     if slope < 1:  # the cheaper the window, the longer the drafts
         assert fin.speculation.windows < (20 if slope < 0.1 else 40), fin.speculation
+
+
+async def test_windows_hold_at_most_16_tokens_however_cheap(nursery):
+    # llama.cpp's CPU products take a batch's tokens 16 at a time (a 17th costs about two),
+    # so even where windows are nearly free a long copy's windows stop at 16 tokens; the
+    # runner's timings by size show which sizes ran.
+    engine = FakeEngine(slots=2, slot_ctx=512, copy_back=30)  # repeats its last 30 tokens
+    model = LocalModel.whole(engine, max_queue=2)
+    await nursery.start(model.run)
+    cost = model.runner.scheduler.window_cost
+    cost.slope, cost.weight = 0.02, 0.0  # as if measured on a GPU, and fixed
+    prompt = "the quick brown fox jumps over the lazy dog"
+    for mode in ("auto", "on"):
+        await run(model, prompt, 200, sampling=GREEDY, speculation=mode)
+    sizes = {int(n) for n in cost.summary()["steps"]}
+    assert max(sizes) == MAX_DRAFT + 1 == 16, sizes
 
 
 async def test_auto_learns_long_drafts_pay_where_short_ones_do_not(nursery):
