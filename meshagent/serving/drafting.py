@@ -219,7 +219,7 @@ class WindowCost:
         self.slope = slope
         self.jump = 0.0
         self.weight = weight
-        self._seen: dict[int, tuple[float, int]] = {}  # tokens -> (mean seconds, count)
+        self._seen: dict[int, float] = {}  # tokens -> moving mean of its seconds
         self._total: dict[int, tuple[float, int]] = {}  # tokens -> (seconds, count), all steps
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -230,18 +230,19 @@ class WindowCost:
         self._total[tokens] = (spent + seconds, steps + 1)
         if not self.weight:
             return  # (with weight 0 the slope stays as set)
-        mean, count = self._seen.get(tokens, (seconds, 0))
-        self._seen[tokens] = (mean + self.weight * (seconds - mean), count + 1)
+        mean = self._seen.get(tokens, seconds)
+        self._seen[tokens] = mean + self.weight * (seconds - mean)
         if len(self._seen) >= 2:
             self._fit()
 
     def _fit(self) -> None:
         windows = {n: v for n, v in self._seen.items() if n > 1}
-        line = _line(windows if len(windows) >= 2 else self._seen)
+        seen = windows if len(windows) >= 2 else self._seen
+        line = _line({n: (t, self._total[n][1]) for n, t in seen.items()})
         if line is None:
             return
         a, b = line
-        one = self._seen[1][0] if 1 in self._seen else a + b
+        one = self._seen[1] if 1 in self._seen else a + b
         if one <= 0:
             self.slope, self.jump = 2.0, 0.0
             return
