@@ -106,6 +106,7 @@ MORE = {
     "prose3": "Write a long letter from a sailor to his sister describing a storm at sea.",
 }
 PROSE = ("prose", "prose2", "prose3")
+LIMIT = 256  # the tokens a request asks for: bench/speculation.py's default --max-tokens
 # Measured on a 2.6 GHz Xeon with AVX-512 (docs/benchmarks.md, 2026-12-03): windows are cheap.
 XEON = {1: 1.0, 2: 1.26, 5: 2.17, 17: 6.05}
 
@@ -148,12 +149,16 @@ def greedy_answers(model: Path, threads: int, limit: int) -> tuple[dict[str, dic
     return out, end
 
 
-def replay_one(sch: Scheduler, seq: int, x: dict, end: int, costs: dict, mode: str) -> float:
+def replay_one(
+    sch: Scheduler, seq: int, x: dict, end: int, costs: dict, mode: str, limit: int = LIMIT
+) -> float:
     """Decode one answer through `sch` (its windows verified against the answer) and return
-    its decode steps' cost after the first token, in one-token steps."""
+    its decode steps' cost after the first token, in one-token steps. The request asks for up
+    to `limit` tokens, as the benchmark's do, so that near the answer's end a draft may run
+    past it as the agent's would."""
     prompt, full = x["prompt"], [*x["answer"], end]
     greedy = SamplingParams(temperature=0.0)
-    sch.submit(seq, tuple(prompt), len(full) + 5, greedy, speculation=mode)
+    sch.submit(seq, tuple(prompt), max(limit, len(full) + 1), greedy, speculation=mode)
     total, first, done = 0.0, True, False
     while not done:
         step = sch.next_step()
@@ -200,7 +205,7 @@ def oracle(x: dict, end: int, costs: dict, token_name) -> float:
     """The best gain any choice of window lengths gives with the drafter's proposals, knowing
     where each goes wrong (a dynamic program over the answer)."""
     full = [*x["answer"], end]
-    drafter = SuffixDrafter(x["prompt"], name=token_name)
+    drafter = SuffixDrafter.answering(x["prompt"], (), token_name)
     drafter.extend(full[:1])
     longest = min(max(costs) - 1, MAX_DRAFT)  # the drafts `auto` may send
     right = {}

@@ -67,6 +67,7 @@ class Copier:
         self._name = name
         self.renamed: set[str] = set()  # names a one-token edit replaced
         self.kept: set[int] = set()  # tokens of those names the text copied unchanged since
+        self.learnt = 0  # edits learnt (and learnt anew, where the text edits a source otherwise)
 
     def unsure(self, token: int) -> bool:
         """Whether a draft should stop before `token` of the source: it spells a renamed
@@ -128,6 +129,7 @@ class Copier:
 
     def _learn(self, source: tuple[int, ...], wrote: tuple[int, ...]) -> None:
         if len(wrote) <= MAX_EDIT and source != wrote:
+            self.learnt += self.edits.get(source) != wrote
             self.edits[source] = wrote
             self._longest = max(self._longest, len(source))
             name = self._name(source[0]) if self._name is not None and len(source) == 1 else None
@@ -156,17 +158,24 @@ class Copier:
 
 class TokenNames:
     """The identifier each token spells (its text without the spaces around it, where that is
-    a name of two characters or more), from the vocabulary's `token_bytes`; remembered."""
+    a name of two characters or more), from the vocabulary's `token_bytes`; remembered. And
+    its text (`text`)."""
 
     def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
         self._bytes = token_bytes
         self._names: dict[int, str | None] = {}
+        self._texts: dict[int, str] = {}
 
     def __call__(self, token: int) -> str | None:
         if token not in self._names:
-            text = self._bytes(token).decode("utf-8", "replace").strip()
+            text = self.text(token).strip()
             self._names[token] = text if len(text) >= 2 and text.isidentifier() else None
         return self._names[token]
+
+    def text(self, token: int) -> str:
+        if token not in self._texts:
+            self._texts[token] = self._bytes(token).decode("utf-8", "replace")
+        return self._texts[token]
 
 
 class Joined(Sequence[int]):

@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from meshagent.serving.copying import Copier, Cursor, Joined
+from meshagent.serving.blocks import BlockEnd
+from meshagent.serving.copying import COPYING, Copier, Cursor, Joined, TokenNames
 from meshagent.serving.sampling import Sampler
 
 # The most tokens a draft holds: a window of 16 tokens with the sequence's last one. llama.cpp's
@@ -45,6 +46,11 @@ MAX_DRAFT = 15
 # prior weighs): about what the benchmark's JSON and code copies showed at their start. The
 # evidence fades by FOLLOW_DECAY a token, so a copy that turns into new text shows soon.
 FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY = 0.9, 4.0, 0.98
+# What a miss that taught the drafter an edit of a copy counts for, once the edit is confirmed:
+# half of one. A learnt edit is drafted right wherever it comes up again (a renamed variable's
+# later uses), so its first miss says less about the misses to come than one that taught
+# nothing; but not nothing, since a text that edits once may edit elsewhere too.
+EDIT_MISS = 0.5
 
 
 class SuffixDrafter:
@@ -55,7 +61,11 @@ class SuffixDrafter:
     `follow` is how often the copy goes on: of the tokens that came while the cursor followed
     its source and would have drafted the next one (`copying`, and not a token it stops
     before), the share that the source, with its edits, had right. Every token counts, drafted
-    or not, so a sequence knows how well it copies before it drafts; misses are the edits."""
+    or not, so a sequence knows how well it copies before it drafts; misses are the edits
+    (a miss that taught an edit of a copy counts `EDIT_MISS` of one).
+
+    With `text` (a token's text) and `answer_from` (where the answer starts in `tokens`), a
+    draft stops where the answer's block closes (`serving/blocks.py`)."""
 
     def __init__(
         self,
@@ -64,6 +74,8 @@ class SuffixDrafter:
         min_n: int = 2,
         max_n: int = 6,
         name: Callable[[int], str | None] | None = None,
+        text: Callable[[int], str] | None = None,
+        answer_from: int | None = None,
     ) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n (got {min_n}, {max_n})")
@@ -78,6 +90,17 @@ class SuffixDrafter:
         self.follow = _Rate(FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY)
         for token in tokens:
             self._index(token)
+        answer = self.tokens[answer_from:] if answer_from is not None else ()
+        self.block = BlockEnd(text, answer) if text is not None else None
+
+    @classmethod
+    def answering(
+        cls, prompt: Sequence[int], history: Sequence[int] = (), names: TokenNames | None = None
+    ) -> SuffixDrafter:
+        """A drafter for the answer to `prompt` that has written `history` so far; with the
+        vocabulary's `names`, it tells renamed names and where the answer's block ends."""
+        text = names.text if names is not None else None
+        return cls((*prompt, *history), name=names, text=text, answer_from=len(prompt))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -99,11 +122,15 @@ class SuffixDrafter:
         earlier occurrence of the longest suffix becomes its source."""
         for token in tokens:
             if self.cursor is not None:
-                judged = self._judged(self.cursor)
+                judged, learnt = self._judged(self.cursor), self.copier.learnt
                 self.cursor = self.copier.step(self.tokens, self.cursor, token, learn=True)
                 if judged:
                     self.follow.update(int(self.cursor is not None and self.cursor.following), 1)
+                if self.copier.learnt > learnt and self.cursor and self.cursor.run >= COPYING:
+                    self.follow.take_back(1 - EDIT_MISS)  # the miss that began the edit
             self._index(token)
+            if self.block is not None:
+                self.block.extend((token,))
             if self.cursor is None:
                 start = self._match(self.tokens)
                 if start is not None:
@@ -131,7 +158,13 @@ class SuffixDrafter:
         what followed the longest suffix's most recent earlier occurrence; () when no suffix
         of `min_n` tokens or more occurred before. With `after`, as if the sequence went on
         with those tokens (drafts not yet verified: what to draft next, beyond them), without
-        indexing them or learning from them."""
+        indexing them or learning from them. Stops where the answer's block closes."""
+        got = self._propose(k, after)
+        if self.block is not None and got:
+            got = got[: self.block.keep(got, after)]
+        return got
+
+    def _propose(self, k: int, after: Sequence[int]) -> tuple[int, ...]:
         if k < 1:
             return ()
         cur, joined = self.cursor, Joined(self.tokens, after)
@@ -290,6 +323,10 @@ class _Rate:
     def update(self, hits: int, trials: int) -> None:
         self.hits = self.hits * self.decay + hits
         self.trials = self.trials * self.decay + trials
+
+    def take_back(self, misses: float) -> None:
+        """Count `misses` of those seen as hits after all."""
+        self.hits = min(self.trials, self.hits + misses)
 
     @property
     def value(self) -> float:

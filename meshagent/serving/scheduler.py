@@ -72,6 +72,7 @@ from meshagent.serving.drafting import (
     Acceptance,
     DraftLength,
     SuffixDrafter,
+    TokenNames,
     WindowCost,
     best_draft,
     follow_up_draft,
@@ -112,7 +113,7 @@ class Scheduler:
         depth: int = 1,
         max_windows: int = 1,
         prefix: PrefixIndex | None = None,
-        token_name: Callable[[int], str | None] | None = None,
+        token_name: TokenNames | None = None,  # (`serving/copying.py`)
     ) -> None:
         if max_batch_tokens <= n_slots:
             raise ValueError("the token budget of a step must exceed the number of slots")
@@ -125,7 +126,7 @@ class Scheduler:
         # sends a window before the verdict on the last comes back (a split's entry).
         self.max_windows = max(1, max_windows)
         self._is_end = is_end
-        self._token_name = token_name  # what identifier a token spells (drafts' renames)
+        self._token_name = token_name  # tokens' text and names (drafts' renames, blocks)
         self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._queue: deque[SeqState] = deque()
         self._by_slot: dict[int, SeqState] = {}
@@ -140,9 +141,7 @@ class Scheduler:
         self._steps = 0
         self._tokens = 0
         self._drafts = [0, 0, 0]  # windows, tokens drafted, tokens accepted
-        # What a window costs against a one-token step, learnt from decode steps (`observe`):
-        # what "auto" weighs a draft's expected tokens against.
-        self.window_cost = WindowCost()
+        self.window_cost = WindowCost()  # a window against a step, for "auto" (`observe`)
         self.closed = False
 
     # ----- what callers ask -----
@@ -223,7 +222,7 @@ class Scheduler:
         if speculation not in ("auto", "on", "off"):
             raise ValueError(f"speculation must be auto, on or off, not {speculation!r}")
         if speculation != "off":
-            s.drafter = SuffixDrafter((*prompt, *history), name=self._token_name)
+            s.drafter = SuffixDrafter.answering(prompt, history, self._token_name)
             if speculation == "auto":
                 s.acceptance = Acceptance(follow=s.drafter.follow)
             else:

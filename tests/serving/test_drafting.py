@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshagent.serving import drafting
 from meshagent.serving.drafting import (
     FOLLOW_WEIGHT,
     Acceptance,
@@ -362,6 +363,25 @@ def test_the_drafter_counts_how_often_its_copy_goes_on():
     loose = SuffixDrafter([rng.randrange(4) for _ in range(50)])
     loose.extend([rng.randrange(4) for _ in range(300)])
     assert loose.follow.trials > 2 * FOLLOW_WEIGHT and loose.follow.value < 0.6
+
+
+def test_a_miss_that_taught_an_edit_of_a_copy_counts_half(monkeypatch):
+    prompt = [1, *CODE, 2]
+
+    def follow_after(answer: list[int], edit_miss: float) -> float:
+        monkeypatch.setattr(drafting, "EDIT_MISS", edit_miss)
+        d = SuffixDrafter(prompt)
+        d.extend(answer)
+        return d.follow.hits
+
+    # The name replaced by 70 after a copy of 11 tokens, back on the source for two tokens:
+    # the edit is learnt, and its miss counts EDIT_MISS of one.
+    renamed = [*CODE[:11], 70, 20, 21]
+    assert follow_after(renamed, 0.5) == pytest.approx(follow_after(renamed, 1.0) + 0.5)
+    assert follow_after(renamed, 0.5) == pytest.approx(follow_after(renamed, 0.0) - 0.5)
+    # One learnt where the copy had only begun (a cursor that does not draft yet) counts whole.
+    early = [*CODE[:2], 70, CODE[3], CODE[4], CODE[5], *CODE[6:11]]
+    assert follow_after(early, 0.5) == pytest.approx(follow_after(early, 1.0))
 
 
 def test_a_token_the_draft_stops_before_is_not_counted():
