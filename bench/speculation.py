@@ -77,6 +77,13 @@ WORKLOADS = {
 COPY_SHAPED = ("json", "code")
 
 
+def agent_steps(url: str) -> dict[str, dict]:
+    """The agent's decode steps timed since it loaded, by size (its status's
+    `window_cost.steps`)."""
+    [served] = httpx.get(f"{url}/control/status").json()["models"]
+    return served["speculation"]["window_cost"]["steps"]
+
+
 def one(url: str, model: str, prompt: str, mode: str, max_tokens: int) -> dict:
     body = {
         "model": model,
@@ -139,6 +146,19 @@ def timed_costs(steps: dict[str, dict], least: int = 10) -> tuple[dict[int, floa
     if 1 not in means or len(means) < 2:
         return None
     return {n: means[n] / means[1] for n in sorted(means)}, means[1]
+
+
+def between(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """The steps timed between two of the agent's `window_cost.steps` (each size's count and
+    mean time since it loaded): each size's count and mean time in between."""
+    out = {}
+    for n, x in after.items():
+        b = before.get(n, {"count": 0, "mean_ms": 0.0})
+        count = x["count"] - b["count"]
+        if count > 0:
+            spent = x["count"] * x["mean_ms"] - b["count"] * b["mean_ms"]
+            out[n] = {"count": count, "mean_ms": spent / count}
+    return out
 
 
 def with_overhead(costs: dict[int, float], step: float, agent_step: float) -> dict[int, float]:
@@ -224,6 +244,31 @@ def ceiling(costs: dict[int, float], acceptance: float) -> float:
     return best
 
 
+def round_shares(
+    per_round: list[dict[str, dict]],
+    mode_runs: list[dict],
+    base_runs: list[dict],
+    all_base: list[list[dict]],
+    copied: list[int],
+) -> dict[str, object]:
+    """A mode's gain round by round (its run of a workload against the base mode's run of it
+    in the same round, minutes apart) over the lower ceiling that round's own decode steps
+    give (sizes timed at least 3 times in it; each step's fixed part from that round's base
+    runs of every workload, `all_base`): what a window costs against a step drifts here from
+    one minute to the next, so each round's figure is set against its own minutes' ceiling.
+    The median share, and each round's."""
+    shares = []
+    for r, steps in enumerate(per_round):
+        timed = timed_costs(steps, least=3)
+        bases = [runs[r]["tok_s"] for runs in all_base if runs[r]["tok_s"] > 0]
+        if timed is None or not bases or mode_runs[r]["tok_s"] <= 0 or base_runs[r]["tok_s"] <= 0:
+            continue
+        costs = with_overhead(*timed, statistics.median(1 / b for b in bases))
+        allowed = min(ceiling(costs, 1.0), copy_ceiling(costs, copied))
+        shares.append(round(mode_runs[r]["tok_s"] / base_runs[r]["tok_s"] / allowed, 3))
+    return {"median": statistics.median(shares) if shares else None, "rounds": shares}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=3)
@@ -249,13 +294,15 @@ def main() -> None:
             url = agent.url
             model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
             one(url, model, "Hello", "off", 8)  # warm up
+            steps, per_round = agent_steps(url), []
             for r in range(args.rounds):
                 for w, prompt in WORKLOADS.items():
                     order = modes if r % 2 == 0 else modes[::-1]
                     for m in order:
                         runs[w][m].append(one(url, model, prompt, m, args.max_tokens))
-            [served] = httpx.get(f"{url}/control/status").json()["models"]
-            steps = served["speculation"]["window_cost"]["steps"]
+                now = agent_steps(url)
+                per_round.append(between(steps, now))
+                steps = now
         finally:
             agent.stop()
     apart_costs, apart_step = window_costs(model_path, args.threads)
@@ -312,6 +359,11 @@ def main() -> None:
         judged = "auto" if "auto" in modes and base != "auto" else None
         gain = row[judged]["vs_base"] if judged else max(row[m]["vs_base"] for m in modes[1:])
         row["of_target"] = round(gain / row["target"], 3)
+        if judged and w in COPY_SHAPED:
+            all_base = [runs[v][base] for v in WORKLOADS]
+            row["of_round_ceiling"] = round_shares(
+                per_round, runs[w][judged], runs[w][base], all_base, copied
+            )
         table[w] = row
 
     result = {
@@ -364,6 +416,14 @@ def main() -> None:
         f"every draft accepted, the most a draft could gain here: "
         f"{result['ceiling_all_accepted']}x"
     )
+    for w, row in table.items():
+        if "of_round_ceiling" in row:
+            by_round = row["of_round_ceiling"]
+            print(
+                f"{w}: auto's gain round by round over the lower ceiling of that round's own "
+                f"steps: {', '.join(f'{x:.3f}' for x in by_round['rounds'])} (median "
+                f"{by_round['median']:.3f})"
+            )
     answers_apart = ", ".join(f"{w} {row['copy_ceiling_apart']}x" for w, row in table.items())
     print(
         f"measured apart, after the runs (one sequence, fixed position): {line(apart)} (the "

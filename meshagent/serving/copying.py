@@ -18,12 +18,20 @@ token that spells a renamed name where no learnt edit says what it becomes, or w
 has also kept that token unchanged since: the model's own token there comes with the window,
 where a draft on through it would most likely be wrong from there on.
 
+A request that asks for a copy with changes usually names what changes, and names code in
+backticks ("rename `total` to `running_sum`"): a draft also stops before a name the request
+`mentioned` so (`mentioned_names`) until the text shows what becomes of it, an edit (then the
+name is renamed, as above) or the name copied unchanged (then it is no longer in doubt). So
+even the first use of a renamed name ends a window with the model's own token instead of a
+miss.
+
 No I/O, no model: plain objects, tested alone (`SuffixDrafter` uses them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 MAX_SKIP = 8  # the most source tokens an edit replaces
@@ -61,20 +69,27 @@ class Copier:
     a token spells (its text without the spaces around it), or None (see the module's
     docstring)."""
 
-    def __init__(self, name: Callable[[int], str | None] | None = None) -> None:
+    def __init__(
+        self, name: Callable[[int], str | None] | None = None, mentioned: Iterable[str] = ()
+    ) -> None:
         self.edits: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._longest = 0  # the longest source side of an edit learnt
         self._name = name
+        self.mentioned = set(mentioned)  # names the request named, not yet seen edited or kept
         self.renamed: set[str] = set()  # names a one-token edit replaced
         self.kept: set[int] = set()  # tokens of those names the text copied unchanged since
         self.learnt = 0  # edits learnt (and learnt anew, where the text edits a source otherwise)
 
     def unsure(self, token: int) -> bool:
         """Whether a draft should stop before `token` of the source: it spells a renamed
-        name, and no edit learnt for it says what it becomes, or the text also kept it."""
-        if not self.renamed or self._name is None:
+        name, and no edit learnt for it says what it becomes, or the text also kept it; or
+        it spells a name the request mentioned that the text has neither edited nor kept."""
+        if not (self.renamed or self.mentioned) or self._name is None:
             return False
-        if self._name(token) not in self.renamed:
+        name = self._name(token)
+        if name in self.mentioned:
+            return True
+        if name not in self.renamed:
             return False
         return (token,) not in self.edits or token in self.kept
 
@@ -122,8 +137,11 @@ class Copier:
             if edited:
                 return Cursor(cur.at + len(source), pending=wrote[1:], run=cur.run + 1)
             if token == text[cur.at]:
-                if learn and self.renamed and self._name and self._name(token) in self.renamed:
-                    self.kept.add(token)  # a renamed name the text keeps here
+                if learn and (self.renamed or self.mentioned) and self._name:
+                    name = self._name(token)
+                    self.mentioned.discard(name)  # kept: not in doubt any more
+                    if name in self.renamed:
+                        self.kept.add(token)  # a renamed name the text keeps here
                 return Cursor(cur.at + 1, run=cur.run + 1)
         return Cursor(cur.at, left=cur.at, written=(token,), run=cur.run)
 
@@ -135,6 +153,7 @@ class Copier:
             name = self._name(source[0]) if self._name is not None and len(source) == 1 else None
             if name:
                 self.renamed.add(name)
+                self.mentioned.discard(name)
 
     def draft(self, text: Sequence[int], cur: Cursor, k: int) -> tuple[tuple[int, ...], bool]:
         """Up to `k` tokens: what the source holds from the cursor on, with the learnt edits
@@ -154,6 +173,18 @@ class Copier:
                 out.append(text[i])
                 i += 1
         return tuple(out[:k]), False
+
+
+_FENCED = re.compile(r"```.*?(```|$)", re.S)
+_INLINE = re.compile(r"`([^`\n]+)`")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]+")
+
+
+def mentioned_names(text: str) -> set[str]:
+    """The names a request's words give as code: in backticks, outside fenced blocks
+    ("rename `total` to `running_sum`" names both), of two characters or more."""
+    words = _FENCED.sub(" ", text)
+    return {n for span in _INLINE.findall(words) for n in _NAME.findall(span)}
 
 
 class TokenNames:

@@ -32,7 +32,14 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from meshagent.serving.blocks import BlockEnd
-from meshagent.serving.copying import COPYING, Copier, Cursor, Joined, TokenNames
+from meshagent.serving.copying import (
+    COPYING,
+    Copier,
+    Cursor,
+    Joined,
+    TokenNames,
+    mentioned_names,
+)
 from meshagent.serving.sampling import Sampler
 
 # The most tokens a draft holds: a window of 16 tokens with the sequence's last one. llama.cpp's
@@ -64,8 +71,8 @@ class SuffixDrafter:
     or not, so a sequence knows how well it copies before it drafts; misses are the edits
     (a miss that taught an edit of a copy counts `EDIT_MISS` of one).
 
-    With `text` (a token's text) and `answer_from` (where the answer starts in `tokens`), a
-    draft stops where the answer's block closes (`serving/blocks.py`)."""
+    `block`, where one is set (`answering`), follows the answer's text, and a draft stops
+    where the answer's block closes (`serving/blocks.py`)."""
 
     def __init__(
         self,
@@ -74,8 +81,6 @@ class SuffixDrafter:
         min_n: int = 2,
         max_n: int = 6,
         name: Callable[[int], str | None] | None = None,
-        text: Callable[[int], str] | None = None,
-        answer_from: int | None = None,
     ) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n (got {min_n}, {max_n})")
@@ -90,17 +95,20 @@ class SuffixDrafter:
         self.follow = _Rate(FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY)
         for token in tokens:
             self._index(token)
-        answer = self.tokens[answer_from:] if answer_from is not None else ()
-        self.block = BlockEnd(text, answer) if text is not None else None
+        self.block: BlockEnd | None = None
 
     @classmethod
     def answering(
         cls, prompt: Sequence[int], history: Sequence[int] = (), names: TokenNames | None = None
     ) -> SuffixDrafter:
         """A drafter for the answer to `prompt` that has written `history` so far; with the
-        vocabulary's `names`, it tells renamed names and where the answer's block ends."""
-        text = names.text if names is not None else None
-        return cls((*prompt, *history), name=names, text=text, answer_from=len(prompt))
+        vocabulary's `names`, it tells renamed names, the names the request mentions, and
+        where the answer's block ends."""
+        drafter = cls((*prompt, *history), name=names)
+        if names is not None:
+            drafter.block = BlockEnd(names.text, history)
+            drafter.copier.mentioned = mentioned_names("".join(map(names.text, prompt)))
+        return drafter
 
     def __len__(self) -> int:
         return len(self.tokens)

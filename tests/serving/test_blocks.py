@@ -5,13 +5,37 @@ goes on with the request's own words, which the answer does not repeat."""
 from __future__ import annotations
 
 from meshagent.serving.blocks import BlockEnd
+from meshagent.serving.copying import TokenNames
 from meshagent.serving.drafting import SuffixDrafter
 
 # A vocabulary of text pieces, one token each.
 PIECES = [
-    "{\n", '  "port": ', "9337", "9400", ",\n", '  "name": "', "a}b{", '"\n', "}", "\n",
-    "Repeat", " it", ".", "```", "python", "\n", "def f():", "    return 1", "``", "`",
-    "  ", "[", "]", "Sure", '"\\"', "here",
+    "{\n",
+    '  "port": ',
+    "9337",
+    "9400",
+    ",\n",
+    '  "name": "',
+    "a}b{",
+    '"\n',
+    "}",
+    "\n",
+    "Repeat",
+    " it",
+    ".",
+    "```",
+    "python",
+    "\n",
+    "def f():",
+    "    return 1",
+    "``",
+    "`",
+    "  ",
+    "[",
+    "]",
+    "Sure",
+    '"\\"',
+    "here",
 ]
 TOKEN = {p: i for i, p in enumerate(PIECES)}
 
@@ -64,9 +88,10 @@ def test_the_drafter_stops_its_copy_at_the_close_and_only_with_the_vocabulary():
     doc = toks("{\n", '  "port": ', "9337", ",\n", '  "name": "', '"\n', "}")
     prompt = [*toks("Sure", "\n"), *doc, *toks("\n", "Repeat", " it", ".")]
     answer = toks("{\n", '  "port": ', "9400", ",\n", '  "name": "')
-    d = SuffixDrafter([*prompt, *answer], text=text, answer_from=len(prompt))
+    vocabulary = TokenNames(lambda token: PIECES[token].encode())
     # (built with the answer so far, as a replayed sequence is: its block is open)
+    d = SuffixDrafter.answering(prompt, answer, vocabulary)
     assert d.propose(6) == tuple(toks('"\n', "}"))
-    # without the vocabulary's text it copies on into the request's words
-    plain = SuffixDrafter([*prompt, *answer])
+    # without the vocabulary it copies on into the request's words
+    plain = SuffixDrafter.answering(prompt, answer)
     assert plain.propose(6) == tuple(toks('"\n', "}", "\n", "Repeat", " it", "."))

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshagent.serving import drafting
+from meshagent.serving.copying import mentioned_names
 from meshagent.serving.drafting import (
     FOLLOW_WEIGHT,
     Acceptance,
@@ -214,6 +215,33 @@ def test_a_draft_stops_before_a_renamed_name_spelt_otherwise_or_also_kept():
     # Over the whole answer the name-aware drafts waste fewer tokens, and no more windows.
     plain, aware = SuffixDrafter(prompt), SuffixDrafter(prompt, name=NAMES.get)
     assert wasted(aware, answer) < wasted(plain, answer)
+
+
+def test_the_names_a_request_gives_in_backticks_outside_code_blocks_are_mentioned():
+    text = (
+        "Here is a function:\n```python\ndef f(total):\n    return `x`\n```\n"
+        "Rename `total` to `running_sum` and keep `fn(x)`, nothing else. `a` is no name."
+    )
+    assert mentioned_names(text) == {"total", "running_sum", "fn"}
+    assert mentioned_names("```\nan open block `x1`") == set()
+
+
+def test_a_draft_stops_before_a_name_the_request_mentioned_until_the_text_shows_its_fate():
+    prompt = [1, 2, *CODE, 3]
+    d = SuffixDrafter(prompt, name=NAMES.get)
+    d.copier.mentioned = {"total"}  # as "rename `total`" gives it
+    d.extend(CODE[4:11])  # copying; the name comes next
+    assert d.copying and d.propose(8) == ()  # the model's own token decides it
+    trials = d.follow.trials
+    d.extend([*NEW, CODE[12], CODE[13]])  # renamed: learnt, and no miss counted
+    assert d.copier.edits == {(OLD,): NEW} and "total" not in d.copier.mentioned
+    assert d.follow.value > 0.9 and d.follow.trials > trials
+    assert d.propose(16)[:9] == (*CODE[14:20], *NEW, CODE[21])  # drafted with its edit now
+    # A mentioned name the text copies unchanged is no longer in doubt.
+    kept = SuffixDrafter(prompt, name=NAMES.get)
+    kept.copier.mentioned = {"total"}
+    kept.extend(CODE[4:12])
+    assert not kept.copier.mentioned and kept.propose(16)[:10] == tuple(CODE[12:22])
 
 
 def test_names_are_identifiers_spelt_by_a_token():
