@@ -18,19 +18,18 @@ token that spells a renamed name where no learnt edit says what it becomes, or w
 has also kept that token unchanged since: the model's own token there comes with the window,
 where a draft on through it would most likely be wrong from there on.
 
-A request that asks for a copy with changes usually names what changes, and names code in
-backticks ("rename `total` to `running_sum`"): a draft also stops before a name the request
-`mentioned` so (`mentioned_names`) until the text shows what becomes of it, an edit (then the
-name is renamed, as above) or the name copied unchanged (then it is no longer in doubt). So
-even the first use of a renamed name ends a window with the model's own token instead of a
-miss.
+A request that asks for a copy with changes usually names what changes
+(`serving/mentions.py`): a draft also stops before a name the request `mentioned` (in
+backticks), and at a `doubtful` position of the text (a number the request's words give),
+until the text shows what becomes of it there: an edit (a name then is renamed, as above) or
+the same token copied (then it is no longer in doubt). So even the first use of a renamed
+name, or the changed number, ends a window with the model's own token instead of a miss.
 
 No I/O, no model: plain objects, tested alone (`SuffixDrafter` uses them).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -76,6 +75,7 @@ class Copier:
         self._longest = 0  # the longest source side of an edit learnt
         self._name = name
         self.mentioned = set(mentioned)  # names the request named, not yet seen edited or kept
+        self.doubtful: set[int] = set()  # positions of the text likewise (numbers named)
         self.renamed: set[str] = set()  # names a one-token edit replaced
         self.kept: set[int] = set()  # tokens of those names the text copied unchanged since
         self.learnt = 0  # edits learnt (and learnt anew, where the text edits a source otherwise)
@@ -92,6 +92,11 @@ class Copier:
         if name not in self.renamed:
             return False
         return (token,) not in self.edits or token in self.kept
+
+    def stops_at(self, text: Sequence[int], i: int) -> bool:
+        """Whether a draft should stop before `text[i]`: `unsure` of its token, or a
+        `doubtful` position."""
+        return i in self.doubtful or self.unsure(text[i])
 
     def edit_at(self, text: Sequence[int], i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The learnt edit whose source tokens start at `text[i]` (the longest), or ((), ())."""
@@ -137,6 +142,8 @@ class Copier:
             if edited:
                 return Cursor(cur.at + len(source), pending=wrote[1:], run=cur.run + 1)
             if token == text[cur.at]:
+                if learn:
+                    self.doubtful.discard(cur.at)  # copied: not in doubt any more
                 if learn and (self.renamed or self.mentioned) and self._name:
                     name = self._name(token)
                     self.mentioned.discard(name)  # kept: not in doubt any more
@@ -163,7 +170,7 @@ class Copier:
         out = list(cur.pending[:k])
         i = cur.at if cur.following else cur.left + 1
         while len(out) < k and i < len(text):
-            if self.unsure(text[i]):
+            if self.stops_at(text, i):
                 return tuple(out), True
             source, wrote = self.edit_at(text, i)
             if wrote:
@@ -173,18 +180,6 @@ class Copier:
                 out.append(text[i])
                 i += 1
         return tuple(out[:k]), False
-
-
-_FENCED = re.compile(r"```.*?(```|$)", re.S)
-_INLINE = re.compile(r"`([^`\n]+)`")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]+")
-
-
-def mentioned_names(text: str) -> set[str]:
-    """The names a request's words give as code: in backticks, outside fenced blocks
-    ("rename `total` to `running_sum`" names both), of two characters or more."""
-    words = _FENCED.sub(" ", text)
-    return {n for span in _INLINE.findall(words) for n in _NAME.findall(span)}
 
 
 class TokenNames:

@@ -32,14 +32,8 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from meshagent.serving.blocks import BlockEnd
-from meshagent.serving.copying import (
-    COPYING,
-    Copier,
-    Cursor,
-    Joined,
-    TokenNames,
-    mentioned_names,
-)
+from meshagent.serving.copying import COPYING, Copier, Cursor, Joined, TokenNames
+from meshagent.serving.mentions import mentioned_names, mentioned_numbers, number_positions
 from meshagent.serving.sampling import Sampler
 
 # The most tokens a draft holds: a window of 16 tokens with the sequence's last one. llama.cpp's
@@ -107,7 +101,10 @@ class SuffixDrafter:
         drafter = cls((*prompt, *history), name=names)
         if names is not None:
             drafter.block = BlockEnd(names.text, history)
-            drafter.copier.mentioned = mentioned_names("".join(map(names.text, prompt)))
+            texts = [names.text(t) for t in prompt]
+            request = "".join(texts)
+            drafter.copier.mentioned = mentioned_names(request)
+            drafter.copier.doubtful = number_positions(texts, mentioned_numbers(request))
         return drafter
 
     def __len__(self) -> int:
@@ -149,7 +146,7 @@ class SuffixDrafter:
         if not (cur.following and cur.trusted):
             return False
         return bool(cur.pending) or (
-            cur.at < len(self.tokens) and not self.copier.unsure(self.tokens[cur.at])
+            cur.at < len(self.tokens) and not self.copier.stops_at(self.tokens, cur.at)
         )
 
     def _match(self, tail: Sequence[int]) -> int | None:

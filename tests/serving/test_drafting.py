@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshagent.serving import drafting
-from meshagent.serving.copying import mentioned_names
 from meshagent.serving.drafting import (
     FOLLOW_WEIGHT,
     Acceptance,
@@ -217,15 +216,6 @@ def test_a_draft_stops_before_a_renamed_name_spelt_otherwise_or_also_kept():
     assert wasted(aware, answer) < wasted(plain, answer)
 
 
-def test_the_names_a_request_gives_in_backticks_outside_code_blocks_are_mentioned():
-    text = (
-        "Here is a function:\n```python\ndef f(total):\n    return `x`\n```\n"
-        "Rename `total` to `running_sum` and keep `fn(x)`, nothing else. `a` is no name."
-    )
-    assert mentioned_names(text) == {"total", "running_sum", "fn"}
-    assert mentioned_names("```\nan open block `x1`") == set()
-
-
 def test_a_draft_stops_before_a_name_the_request_mentioned_until_the_text_shows_its_fate():
     prompt = [1, 2, *CODE, 3]
     d = SuffixDrafter(prompt, name=NAMES.get)
@@ -242,6 +232,23 @@ def test_a_draft_stops_before_a_name_the_request_mentioned_until_the_text_shows_
     kept.copier.mentioned = {"total"}
     kept.extend(CODE[4:12])
     assert not kept.copier.mentioned and kept.propose(16)[:10] == tuple(CODE[12:22])
+
+
+def test_a_draft_stops_at_a_number_the_request_mentioned_until_the_text_copies_or_edits_it():
+    doc = [20, 21, 22, 23, 30, 31, 32, 9, 3, 3, 7, 33, 34, 35, 36, 37, 38]
+    prompt = [1, *doc, 2]
+    number = {8, 9, 10, 11}  # where "9337" is spelt (the request: "9337 becomes 9400")
+    d = SuffixDrafter(prompt)
+    d.copier.doubtful = set(number)
+    d.extend(doc[:7])
+    assert d.copying and d.propose(8) == ()  # stops before its first digit
+    trials = d.follow.trials
+    d.extend([9])  # the same digit: copied, so that position is no longer in doubt
+    assert d.copier.doubtful == number - {8} and d.follow.trials == trials
+    assert d.propose(8) == ()  # the next digit is
+    d.extend([4, 0, 0, 33, 34])  # edited: learnt, and no miss counted
+    assert d.copier.edits == {(3, 3, 7): (4, 0, 0)} and d.follow.trials > trials
+    assert d.follow.value > 0.9 and d.propose(3) == (35, 36, 37)
 
 
 def test_names_are_identifiers_spelt_by_a_token():
