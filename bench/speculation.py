@@ -18,9 +18,12 @@ the most any draft length could gain on this machine (the ceiling), and,
 from the model's greedy answer to each workload, the most drafts copied from the request's own
 text could gain on that answer (the answer's ceiling: where the model does not copy, no drafter
 from the text can help), and the same for drafts found by the last token, as an n-gram drafter
-finds them; where the lower of the first two is below the goal, it is the target. Prints a
-table and writes JSON (default bench/results/speculation.json). Never asserts on time: compare
-the figures yourself.
+finds them; where the lower of the first two is below the goal, it is the target. What a
+window costs against a step also drifts here from one minute to the next, so the agent's steps
+are read after every round too, and each round's gain (its `auto` run against its base run) is
+also set against the lower ceiling that round's own steps give; the median of those is printed
+per copy workload. Prints a table and writes JSON (default bench/results/speculation.json).
+Never asserts on time: compare the figures yourself.
 
     .venv/bin/python bench/speculation.py [--rounds 3] [--max-tokens 256] [--modes off,auto,on]
         [--model FILE]

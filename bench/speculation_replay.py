@@ -8,7 +8,9 @@ scheduler for all requests, the workloads in rounds, each with `speculation` "of
 "auto", every step's time taken from a table of what a window of n tokens costs against one
 token (the scheduler learns those costs from the steps, as an agent does), and each window's
 verdict read from the answer. A request's time is the sum of its decode steps' costs, so
-`auto` against "off" is a ratio of costs, the same in every run.
+`auto` against "off" is a ratio of costs, the same in every run. Each request asks for up to
+256 tokens, as the benchmark's do, so that near an answer's end a draft may run past it as
+the agent's would.
 
 Each copy workload's figure is set against the best any choice of window lengths could do with
 the same drafts: a dynamic program over the answer that knows where every draft goes wrong (the
