@@ -48,19 +48,31 @@ class _State:
         return replace(s, fences=fences, ticks=ticks), closed
 
     def _json(self, text: str) -> tuple[_State, bool]:
-        depth, string, escape = self.depth, self.string, self.escape
-        for ch in text:
-            if string:
-                escape, string = (False, True) if escape else (ch == "\\", ch != '"')
-            elif ch == '"':
-                string = True
-            elif ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth <= 0:
-                    return replace(self, json=False, depth=0, string=False, escape=False), True
+        depth, string, escape, end = scan_json(text, self.depth, self.string, self.escape)
+        if end is not None:
+            return replace(self, json=False, depth=0, string=False, escape=False), True
         return replace(self, depth=depth, string=string, escape=escape), False
+
+
+def scan_json(
+    text: str, depth: int = 0, string: bool = False, escape: bool = False, start: int = 0
+) -> tuple[int, bool, bool, int | None]:
+    """JSON's brackets and strings through `text` from `start`, from `depth` brackets open
+    (`string`: inside a string; `escape`: after a backslash in one): the same after it, and
+    the index after the bracket that closes the last one open, where one does (None if not)."""
+    for i in range(start, len(text)):
+        ch = text[i]
+        if string:
+            escape, string = (False, True) if escape else (ch == "\\", ch != '"')
+        elif ch == '"':
+            string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return 0, False, False, i + 1
+    return depth, string, escape, None
 
 
 class BlockEnd:

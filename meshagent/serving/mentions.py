@@ -18,6 +18,8 @@ import bisect
 import re
 from collections.abc import Sequence
 
+from meshagent.serving.blocks import scan_json
+
 _FENCED = re.compile(r"```.*?(```|$)", re.S)
 _INLINE = re.compile(r"`([^`\n]+)`")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]+")
@@ -32,27 +34,10 @@ def words(text: str) -> str:
         if line.start() < at:
             continue  # inside a value already cut
         out.append(text[at : line.start()])
-        at = _json_end(text, line.end() - 1)
+        end = scan_json(text, start=line.end() - 1)[3]  # (the value's opening bracket on)
+        at = len(text) if end is None else end
     out.append(text[at:])
     return " ".join(out)
-
-
-def _json_end(text: str, start: int) -> int:
-    """Where the JSON value that opens at `text[start]` ends (the text's end if it does not)."""
-    depth, string, escape = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if string:
-            escape, string = (False, True) if escape else (ch == "\\", ch != '"')
-        elif ch == '"':
-            string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(text)
 
 
 def mentioned_names(text: str) -> set[str]:
