@@ -30,7 +30,7 @@ No I/O, no model: plain objects, tested alone (`SuffixDrafter` uses them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 MAX_SKIP = 8  # the most source tokens an edit replaces
@@ -68,13 +68,11 @@ class Copier:
     a token spells (its text without the spaces around it), or None (see the module's
     docstring)."""
 
-    def __init__(
-        self, name: Callable[[int], str | None] | None = None, mentioned: Iterable[str] = ()
-    ) -> None:
+    def __init__(self, name: Callable[[int], str | None] | None = None) -> None:
         self.edits: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._longest = 0  # the longest source side of an edit learnt
         self._name = name
-        self.mentioned = set(mentioned)  # names the request named, not yet seen edited or kept
+        self.mentioned: set[str] = set()  # names the request gave, not yet seen edited or kept
         self.doubtful: set[int] = set()  # positions of the text likewise (numbers named)
         self.renamed: set[str] = set()  # names a one-token edit replaced
         self.kept: set[int] = set()  # tokens of those names the text copied unchanged since

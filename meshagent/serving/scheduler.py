@@ -67,12 +67,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshagent.errors import ContextOverflow, MeshError, QueueFull, ShuttingDown
+from meshagent.serving.copying import TokenNames
 from meshagent.serving.drafting import (
     MAX_DRAFT,
     Acceptance,
     DraftLength,
     SuffixDrafter,
-    TokenNames,
     WindowCost,
     best_draft,
     follow_up_draft,
