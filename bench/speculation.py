@@ -420,8 +420,8 @@ def main() -> None:
         f"{result['ceiling_all_accepted']}x"
     )
     for w, row in table.items():
-        if "of_round_ceiling" in row:
-            by_round = row["of_round_ceiling"]
+        by_round = row.get("of_round_ceiling")
+        if by_round and by_round["median"] is not None:
             print(
                 f"{w}: auto's gain round by round over the lower ceiling of that round's own "
                 f"steps: {', '.join(f'{x:.3f}' for x in by_round['rounds'])} (median "
