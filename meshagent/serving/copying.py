@@ -141,14 +141,19 @@ class Copier:
                 return Cursor(cur.at + len(source), pending=wrote[1:], run=cur.run + 1)
             if token == text[cur.at]:
                 if learn:
-                    self.doubtful.discard(cur.at)  # copied: not in doubt any more
-                if learn and (self.renamed or self.mentioned) and self._name:
-                    name = self._name(token)
-                    self.mentioned.discard(name)  # kept: not in doubt any more
-                    if name in self.renamed:
-                        self.kept.add(token)  # a renamed name the text keeps here
+                    self._copied(cur.at, token)
                 return Cursor(cur.at + 1, run=cur.run + 1)
         return Cursor(cur.at, left=cur.at, written=(token,), run=cur.run)
+
+    def _copied(self, at: int, token: int) -> None:
+        """The text copied `token` from its source at `at` unchanged: not in doubt there, nor
+        as a name the request gave; a renamed name kept here."""
+        self.doubtful.discard(at)
+        if (self.renamed or self.mentioned) and self._name:
+            name = self._name(token)
+            self.mentioned.discard(name)
+            if name in self.renamed:
+                self.kept.add(token)
 
     def _learn(self, source: tuple[int, ...], wrote: tuple[int, ...]) -> None:
         if len(wrote) <= MAX_EDIT and source != wrote:

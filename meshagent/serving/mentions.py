@@ -15,6 +15,7 @@ No I/O, no model: functions of text, tested alone (`SuffixDrafter.answering` use
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -55,10 +56,7 @@ def number_positions(texts: Sequence[str], numbers: set[str]) -> set[int]:
     `numbers` where it stands whole (not inside a longer number or name)."""
     if not numbers:
         return set()
-    ends, at = [], 0
-    for t in texts:
-        at += len(t)
-        ends.append(at)
+    ends = list(itertools.accumulate(map(len, texts)))  # where each token's text ends
     text = "".join(texts)
     found: set[int] = set()
     for m in _NUMBER.finditer(text):
