@@ -11,9 +11,11 @@ from typing import Any
 import platformdirs
 
 from meshagent.errors import ConfigError
+from meshagent.identity.private_file import write_private
 from meshagent.net.address import is_loopback
 
 API_KEY_ENV = "MESHAGENT_API_KEY"  # an API key from the environment, for agents and clients
+JOIN_ENV = "MESHAGENT_JOIN"  # an invite token from the environment, for `meshagent up`
 
 DEFAULT_API_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 9337
@@ -78,6 +80,7 @@ class AgentConfig:
     api_host: str = DEFAULT_API_HOST
     api_port: int = DEFAULT_API_PORT
     api_keys: tuple[str, ...] = ()  # Bearer keys the HTTP API asks for; none: no key
+    api_key_file: str = ""  # a file of more keys, one per line (config.toml or --api-key-file)
     insecure_no_api_key: bool = False  # serve a non-loopback API without a key anyway
     listen: str = DEFAULT_LISTEN  # the overlay's address; port 0 picks a free one
     peers: tuple[str, ...] = ()  # overlay addresses to dial at start (host:port)
@@ -180,6 +183,7 @@ CONFIG_TEMPLATE = """\
 # api_host = "127.0.0.1"
 # api_port = 9337
 # api_keys = ["a long random string"]   # clients send it as a Bearer key
+# api_key_file = "/path/to/keys"        # or keys in a file of their own, one per line
 # listen = "0.0.0.0:9338"
 # peers = ["192.168.1.20:9338"]
 # ctx_size = 2048
@@ -235,7 +239,8 @@ class DataDir:
     def ensure(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         if not self.config_path.exists():
-            self.config_path.write_text(CONFIG_TEMPLATE)
+            # Private from the start: the file is where API keys may be written.
+            write_private(self.config_path, CONFIG_TEMPLATE.encode())
 
     def load_config(self) -> dict[str, Any]:
         if not self.config_path.exists():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import stat
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 import httpx
 
 from meshagent import capacity
-from meshagent.config import AgentConfig, DataDir
+from meshagent.config import API_KEY_ENV, JOIN_ENV, AgentConfig, DataDir
 from meshagent.discovery import addresses
 from meshagent.errors import MeshError
 from meshagent.net.address import Address, is_loopback
@@ -38,12 +39,49 @@ class Finding:
 
 @dataclass(frozen=True)
 class Situation:
-    """What the checks look at: the data dir, its config, and the running agent's status
-    (None when no agent runs for the data dir)."""
+    """What the checks look at: the data dir, its config, the running agent's status (None
+    when no agent runs for the data dir) and its command line (None when unknown)."""
 
     data_dir: DataDir
     config: AgentConfig
     status: dict[str, Any] | None
+    command: AgentCommand | None = None
+
+
+@dataclass(frozen=True)
+class AgentCommand:
+    """The running agent's command line, as every user of the host can read it
+    (`/proc/PID/cmdline`), and the directory relative paths in it start from."""
+
+    pid: int
+    argv: tuple[str, ...]
+    cwd: Path
+
+    def values(self, flag: str) -> list[str]:
+        """The values given to `flag` (as `--flag VALUE` or `--flag=VALUE`)."""
+        out = []
+        for i, arg in enumerate(self.argv):
+            if arg == flag and i + 1 < len(self.argv):
+                out.append(self.argv[i + 1])
+            elif arg.startswith(flag + "="):
+                out.append(arg[len(flag) + 1 :])
+        return out
+
+
+def agent_command(dd: DataDir) -> AgentCommand | None:
+    """The command line of the agent whose run file is in `dd`, where this host shows it
+    (Linux's /proc); None when no agent runs or it cannot be read."""
+    try:
+        pid = int(json.loads(dd.run_path.read_text())["pid"])
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        cwd = dd.root
+    argv = tuple(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+    return AgentCommand(pid, argv, cwd)
 
 
 def running_status(dd: DataDir, headers: dict[str, str]) -> dict[str, Any] | None:
@@ -87,6 +125,61 @@ def check_files(s: Situation) -> list[Finding]:
             )
         else:
             out.append(Finding(OK, "data dir", f"the {what} {path} is private (mode {mode:o})"))
+    return out
+
+
+def check_secrets(s: Situation) -> list[Finding]:
+    """Secrets other users of this host can read: an API key or invite token the running
+    agent was given on its command line (the process list shows it), and a file holding
+    API keys (config.toml with api_keys, an API key file) readable by group or others."""
+    out = []
+    exposed = {
+        "--api-key": (
+            "an API key",
+            f"restart it with --api-key-file PATH (mode 600) or ${API_KEY_ENV} instead",
+        ),
+        "--join": (
+            "the invite token, which carries the mesh secret,",
+            "restart it without --join (the mesh is stored in mesh.key); to join, pass the "
+            f"token as --join - (standard input), --join-file PATH or ${JOIN_ENV}",
+        ),
+    }
+    c = s.command
+    for flag, (what, fix) in exposed.items():
+        if c is not None and any(v != "-" for v in c.values(flag)):
+            out.append(
+                Finding(
+                    WARN,
+                    "secrets",
+                    f"the running agent (pid {c.pid}) was given {what} on its command line "
+                    f"({flag}): every user of this host can read it in the process list",
+                    fix,
+                )
+            )
+    files: list[tuple[Path, str]] = []
+    if s.config.api_keys:
+        files.append((s.data_dir.config_path, "config.toml, which holds API keys,"))
+    if s.config.api_key_file:
+        files.append((Path(s.config.api_key_file).expanduser(), "the API key file"))
+    if c is not None:
+        files += [(c.cwd / p, "the API key file") for p in c.values("--api-key-file")]
+        files += [(c.cwd / p, "the invite token file") for p in c.values("--join-file")]
+    for path, what in dict(files).items():
+        try:
+            mode = stat.S_IMODE(path.stat().st_mode)
+        except OSError:
+            continue
+        if mode & 0o077:
+            out.append(
+                Finding(
+                    WARN,
+                    "secrets",
+                    f"{what} {path} can be read by other users (mode {mode:o})",
+                    f"chmod 600 {path}",
+                )
+            )
+    if not out:
+        out.append(Finding(OK, "secrets", "no key on the command line or in a file others read"))
     return out
 
 
@@ -350,7 +443,7 @@ def check_windows(model_path: Path | None) -> list[Finding]:
 
 
 def diagnose(s: Situation, model_path: Path | None, *, build: bool = True) -> list[Finding]:
-    out = check_files(s) + check_ports(s) + check_mdns(s) + check_relays(s)
+    out = check_files(s) + check_secrets(s) + check_ports(s) + check_mdns(s) + check_relays(s)
     if build:
         out += check_build() + check_windows(model_path)
     return out + check_memory(s, model_path)

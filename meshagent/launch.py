@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,10 +42,16 @@ class AgentProcess:
 
 
 def start_agent(
-    data_dir: Path, *args: str, timeout: float = 60.0, wait_model: bool = True
+    data_dir: Path,
+    *args: str,
+    timeout: float = 60.0,
+    wait_model: bool = True,
+    env: Mapping[str, str] | None = None,
+    stdin: str | None = None,
 ) -> AgentProcess:
     """Run `meshagent up` with `data_dir` on free loopback ports; return once /health answers
-    (and, with `wait_model`, once the API lists a model it can serve)."""
+    (and, with `wait_model`, once the API lists a model it can serve). `env` adds to the
+    environment; `stdin` is written to the agent's standard input (`--join -`)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     run_file = data_dir / "agent.json"
     run_file.unlink(missing_ok=True)
@@ -52,12 +59,22 @@ def start_agent(
     if "--listen" not in args:
         cmd += ["--listen", "127.0.0.1:0"]
     log = open(data_dir / "agent.log", "wb")  # noqa: SIM115 - the child owns it
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=log, env=env)
+    environ = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [*cmd, *args],
+        stdout=log,
+        stderr=log,
+        env=environ,
+        stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+    )
     log.close()
+    if stdin is not None:
+        assert proc.stdin is not None
+        proc.stdin.write(stdin.encode())
+        proc.stdin.close()
     agent = AgentProcess(proc, data_dir, "")
-    keys = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--api-key"]
-    auth = {"authorization": f"Bearer {keys[0]}"} if keys else {}
+    key = api_key_of(args, environ, stdin)
+    auth = {"authorization": f"Bearer {key}"} if key else {}
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -80,6 +97,25 @@ def start_agent(
                 f"agent did not start within {timeout}s:\n{agent.log_text()[-3000:]}"
             )
         time.sleep(0.05)
+
+
+def api_key_of(args: Sequence[str], environ: Mapping[str, str], stdin: str | None) -> str | None:
+    """A key the agent `up ARGS` asks clients for, wherever it was given: `--api-key KEY`
+    (`-`: standard input), `--api-key-file PATH`, or $MESHAGENT_API_KEY."""
+    for i, a in enumerate(args):
+        flag, _, value = a.partition("=")
+        if not value and i + 1 < len(args):
+            value = args[i + 1]
+        if flag == "--api-key" and value:
+            if value != "-":
+                return value
+            if stdin and stdin.strip():
+                return stdin.split()[0]
+        if flag == "--api-key-file" and value:
+            keys = Path(value).read_text().split()
+            if keys:
+                return keys[0]
+    return environ.get("MESHAGENT_API_KEY") or None
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:

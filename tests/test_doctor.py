@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,87 @@ def test_repacked_weights_are_a_warning_with_what_they_turn_off(monkeypatch, tmp
     assert said.level == doctor.WARN and said.check == "windows" and "Q4_K" in said.said
     assert said.fix == f"unset {REPACK_ENV}"
     assert doctor.check_windows(f32) == []  # f32 weights are never repacked
+
+
+@pytest.fixture
+def fake_agent(tmp_path):
+    """A process whose command line is an agent's, named by the data dir's run file."""
+    started: list[subprocess.Popen] = []
+
+    def start(root: Path, *args: str) -> subprocess.Popen:
+        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+        proc = subprocess.Popen([*sleeper, "up", "--data-dir", str(root), *args], cwd=tmp_path)
+        started.append(proc)
+        (root / "agent.json").write_text(json.dumps({"pid": proc.pid, "api": "http://127.0.0.1:9"}))
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def secrets_found(findings: list[dict]) -> list[dict]:
+    return [f for f in findings if f["check"] == "secrets" and f["level"] != "ok"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="no /proc on this host")
+def test_keys_on_the_running_agents_command_line_are_warned_about(tmp_path, capsys, fake_agent):
+    root = data_dir(tmp_path)
+    proc = fake_agent(root, "--api-key", "hunter2-key", "--join=meshinv1sometoken")
+    rc, findings = run_doctor(root, capsys)
+    assert rc == 0  # a warning, not a failure
+    warned = {f["said"].split("(")[2].split(")")[0]: f for f in secrets_found(findings)}
+    assert set(warned) == {"--api-key", "--join"}, findings
+    for f in warned.values():
+        assert f"pid {proc.pid}" in f["said"] and "process list" in f["said"]
+        assert "hunter2" not in f["said"] + f["fix"] and "\n" not in f["fix"]
+    assert "--api-key-file" in warned["--api-key"]["fix"]
+    assert "--join -" in warned["--join"]["fix"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="no /proc on this host")
+def test_keys_from_a_file_or_standard_input_are_not_warned_about(tmp_path, capsys, fake_agent):
+    root = data_dir(tmp_path)
+    (tmp_path / "keys").write_text("a-key\n")
+    (tmp_path / "keys").chmod(0o600)
+    fake_agent(root, "--api-key", "-", "--api-key-file", "keys", "--join", "-")
+    _, findings = run_doctor(root, capsys)
+    assert secrets_found(findings) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="no /proc on this host")
+def test_a_key_file_others_can_read_is_warned_about_with_chmod(tmp_path, capsys, fake_agent):
+    root = data_dir(tmp_path)
+    keys = tmp_path / "keys"
+    keys.write_text("a-key\n")
+    keys.chmod(0o640)
+    fake_agent(root, "--api-key-file", "keys")  # relative to the agent's directory
+    _, findings = run_doctor(root, capsys)
+    [f] = secrets_found(findings)
+    assert f["level"] == "warn" and str(keys) in f["said"] and "mode 640" in f["said"]
+    assert f["fix"] == f"chmod 600 {keys}"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o600])
+def test_a_config_holding_keys_others_can_read_is_warned_about(tmp_path, capsys, mode):
+    root = data_dir(tmp_path, api_keys=["a-key"])
+    config = root / "config.toml"
+    config.chmod(mode)
+    rc, findings = run_doctor(root, capsys)
+    warned = secrets_found(findings)
+    if mode == 0o600:
+        assert warned == []
+        return
+    [f] = warned
+    assert rc == 0 and "holds API keys" in f["said"] and f["fix"] == f"chmod 600 {config}"
+
+
+def test_an_api_key_file_in_the_config_is_checked_too(tmp_path, capsys):
+    keys = tmp_path / "keys"
+    keys.write_text("a-key\n")
+    keys.chmod(0o604)
+    root = data_dir(tmp_path, api_key_file=str(keys))
+    _, findings = run_doctor(root, capsys)
+    [f] = secrets_found(findings)
+    assert str(keys) in f["said"] and f["fix"] == f"chmod 600 {keys}"

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from meshagent.cli.secrets import read_key_file
 from meshagent.config import API_KEY_ENV, DataDir, default_data_dir
 from meshagent.errors import MeshError
 
@@ -47,8 +48,8 @@ def control_get(args: argparse.Namespace, path: str) -> dict[str, Any]:
         r = httpx.get(f"{url}{path}", headers=auth_headers(dd), timeout=5.0)
         if r.status_code == 401:
             raise NoAgent(
-                f"the agent at {url} needs an API key: set ${API_KEY_ENV}, or api_keys in "
-                f"{dd.config_path}"
+                f"the agent at {url} needs an API key: set ${API_KEY_ENV}, or api_key_file "
+                f"(or api_keys) in {dd.config_path}"
             )
         r.raise_for_status()
         return r.json()
@@ -58,11 +59,14 @@ def control_get(args: argparse.Namespace, path: str) -> dict[str, Any]:
 
 def auth_headers(dd: DataDir) -> dict[str, str]:
     """The key a client of the local agent sends: ${API_KEY_ENV}, else the first of the
-    data dir's `api_keys`; none if neither is set."""
+    data dir's `api_keys`, else the first in its `api_key_file`; none if none is set."""
     key = os.environ.get(API_KEY_ENV)
     if not key:
         try:
-            keys = dd.load_config().get("api_keys") or []
+            config = dd.load_config()
+            keys = list(config.get("api_keys") or [])
+            if not keys and config.get("api_key_file"):
+                keys = list(read_key_file(str(config["api_key_file"])))
         except MeshError:
             keys = []
         key = str(keys[0]) if keys else ""

@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     except MeshError as e:
         findings.append(doctor.Finding(doctor.FAIL, "model", str(e), "see the message"))
         model_path = None
-    situation = doctor.Situation(dd, config, doctor.running_status(dd, auth_headers(dd)))
+    situation = doctor.Situation(
+        dd, config, doctor.running_status(dd, auth_headers(dd)), doctor.agent_command(dd)
+    )
     findings += doctor.diagnose(situation, model_path)
     failed = sum(f.level == doctor.FAIL for f in findings)
     if args.json:

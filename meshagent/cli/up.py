@@ -7,13 +7,15 @@ import os
 import sys
 from collections.abc import Callable
 
+import structlog
 import trio
 
 from meshagent import capacity, logs
 from meshagent.agent import Agent
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.cli.progress import ProgressBar
-from meshagent.config import API_KEY_ENV, AgentConfig, DataDir
+from meshagent.cli.secrets import gather, read_key_file
+from meshagent.config import API_KEY_ENV, JOIN_ENV, AgentConfig, DataDir
 from meshagent.identity.mesh import MeshSecret, decode_invite
 from meshagent.identity.mesh_file import load_mesh
 from meshagent.models.header_map import HeaderMap
@@ -23,6 +25,8 @@ from meshagent.models.names import HubName, parse_model_name
 from meshagent.net.address import Address, is_loopback
 from meshagent.services import Services
 from meshagent.serving.mesh_model import UNSERVED_SETTLE, MeshModel
+
+log = structlog.get_logger(__name__)
 
 _SAY_EVERY = 0.5  # seconds between looks at whether the model is served
 
@@ -44,8 +48,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         dest="api_keys",
         metavar="KEY",
         help=f"a key clients must send as 'Authorization: Bearer KEY' on every endpoint but "
-        f"/health (repeatable; also ${API_KEY_ENV} and api_keys in config.toml; default: none, "
-        "which only a loopback --api-host allows)",
+        "/health (repeatable; '-' reads it from standard input; a KEY given here is visible "
+        f"to other users in the process list: prefer --api-key-file or ${API_KEY_ENV}; "
+        "default: api_keys in config.toml, else none, which only a loopback --api-host allows)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="a file holding API keys, one per line (keep it mode 600); added to --api-key "
+        f"and ${API_KEY_ENV}",
     )
     p.add_argument(
         "--insecure-no-api-key",
@@ -65,7 +76,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--join",
         metavar="TOKEN",
-        help="join the mesh of this invite (from `meshagent invite`); replaces the stored mesh",
+        help="join the mesh of this invite (from `meshagent invite`); replaces the stored mesh. "
+        "'-' reads the token from standard input; a TOKEN given here (it carries the mesh "
+        f"secret) is visible to other users in the process list: prefer '-', --join-file or "
+        f"${JOIN_ENV}",
+    )
+    p.add_argument(
+        "--join-file",
+        metavar="PATH",
+        help="join the mesh of the invite token in this file (as --join)",
     )
     p.add_argument(
         "--relay",
@@ -189,24 +208,30 @@ def run(args: argparse.Namespace) -> int:
             "mdns",
         )
     }
+    secrets = gather(
+        api_keys=args.api_keys,
+        api_key_file=args.api_key_file,
+        join=args.join,
+        join_file=args.join_file,
+        environ=os.environ,
+    )
     join = None
-    invite = None
     peers = tuple(args.peers or ())
     relays = tuple(args.relays or ())
-    if args.join:
-        invite = decode_invite(args.join)
+    if secrets.join is not None:
+        invite = decode_invite(secrets.join)
         join = invite.secret
         peers += tuple(a for a in invite.bootstrap if a not in peers)
         relays += tuple(a for a in invite.relays if a not in relays)
     for address in (*peers, *relays):
         Address.parse(address)  # refuse a typo now, with the flag's value in the message
-    keys = tuple(args.api_keys or ())
-    if os.environ.get(API_KEY_ENV):
-        keys += (os.environ[API_KEY_ENV],)
-    overrides["api_keys"] = keys or None
+    # Keys given to this command replace those of config.toml (its api_keys and api_key_file).
+    overrides["api_keys"] = secrets.api_keys or None
     overrides["peers"] = peers or None
     overrides["relays"] = relays or None
     config = AgentConfig().merged(data_dir.load_config()).merged(overrides)
+    if not secrets.api_keys and config.api_key_file:
+        config = config.merged({"api_keys": config.api_keys + read_key_file(config.api_key_file)})
     config.validate()
     name = parse_model_name(config.model) if config.model else None
     if isinstance(name, HubName):
@@ -229,6 +254,13 @@ def run(args: argparse.Namespace) -> int:
         config = config.merged({"model": str(path)})
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
     logs.configure(config.log_level, json=fmt)
+    for e in secrets.exposed:
+        log.warning(
+            "secret.on_command_line",
+            flag=e.flag,
+            why="every user of this machine can read it in the process list",
+            fix=e.fix,
+        )
     agent = Agent(config, data_dir, join=join)
 
     async def main() -> None:

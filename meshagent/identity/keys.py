@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from nacl.signing import SigningKey, VerifyKey
 
 from meshagent.errors import ConfigError
+from meshagent.identity.private_file import write_private
 
 KEY_FILE_HEADER = b"meshagent-ed25519-v1\n"
 
@@ -45,13 +45,9 @@ class NodeIdentity:
         return cls(SigningKey.generate())
 
     def save(self, path: Path) -> None:
-        """Write the seed to `path` with mode 0600, never exposing it to other users."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(KEY_FILE_HEADER + base64.b64encode(bytes(self.signing_key)) + b"\n")
-        os.replace(tmp, path)
+        """Write the seed to `path` with mode 0600, never exposing it to other users, and
+        flushed to disk before it replaces the old file (`private_file.write_private`)."""
+        write_private(path, KEY_FILE_HEADER + base64.b64encode(bytes(self.signing_key)) + b"\n")
 
     @classmethod
     def load(cls, path: Path) -> NodeIdentity:

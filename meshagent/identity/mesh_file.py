@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import base64
-import os
 from pathlib import Path
 
 from meshagent.errors import ConfigError
 from meshagent.identity.mesh import SECRET_LEN, MeshSecret
+from meshagent.identity.private_file import write_private
 
 HEADER = b"meshagent-mesh-v1\n"
 
 
 def save_mesh(path: Path, secret: MeshSecret) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(HEADER + base64.b64encode(secret.value) + b"\n")
-    os.replace(tmp, path)
+    """Store the secret with mode 0600, flushed to disk before it replaces the old file."""
+    write_private(path, HEADER + base64.b64encode(secret.value) + b"\n")
 
 
 def load_mesh(path: Path) -> MeshSecret:
