@@ -43,6 +43,7 @@ from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import CapabilityStore
 from meshagent.models.default import resolve_model
 from meshagent.models.layout import ModelLayout, inspect_model
+from meshagent.net.budgets import StreamBudgets
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport
@@ -55,6 +56,23 @@ from meshagent.wire.handshake import LocalPeer
 log = structlog.get_logger(__name__)
 
 StreamHandler = Callable[[MeshStream], Awaitable[None]]
+
+# Inbound streams one peer may hold open here at once, by label (docs/protocol.md, section 11).
+# An honest peer holds one gossip exchange, probe or header ask at a time, a hearing ask per
+# peer it judges and an artifact fetch or two; the inference labels carry its clients'
+# requests, which this agent's queue bounds anyway (past slots + max_queue they end at once,
+# answered 429). Together they stay below the multiplexer's 256 streams per connection, so a
+# flood of one label leaves room for the others. Stage labels are not limited here: who may
+# open them is the split's to judge.
+STREAM_BUDGETS: dict[str, int] = {
+    gossip_service.LABEL: 4,
+    probe.LABEL: 2,
+    hearing.LABEL: 32,
+    header_share.LABEL: 4,
+    transfer.LABEL: 8,
+    GENERATE_LABEL: 128,
+    FORWARD_LABEL: 64,
+}
 
 
 class Services:
@@ -116,6 +134,7 @@ class Services:
         self.name = config.name or os.uname().nodename
         self.started_at = time.time()
         self.inflight = InFlight()
+        self.stream_budgets = StreamBudgets(STREAM_BUDGETS)
         self.overlay = ConnectionManager(
             LocalPeer.create(identity, mesh),
             TcpTransport(),
@@ -247,12 +266,14 @@ class Services:
         return self.alone_note if self.alone_note and not self.overlay.links() else None
 
     async def _route_stream(self, stream: MeshStream) -> None:
-        """Inbound overlay streams go to the service named by their label."""
-        handler = self._routes.get(stream.label.split(":", 1)[0])
+        """Inbound overlay streams go to the service named by their label, each within the
+        peer's budget of streams for that service (`STREAM_BUDGETS`)."""
+        service = stream.label.split(":", 1)[0]
+        handler = self._routes.get(service)
         if handler is None:
             stream.reset(f"no service for stream label {stream.label!r}")
             return
-        await handler(stream)
+        await self.stream_budgets.serve(stream, service, handler)
 
     def _sighted(self, sighting: Sighting) -> None:
         self.dialer.offer(sighting.peer_id, addresses=sighting.addresses, source="mdns", renew=True)

@@ -17,6 +17,12 @@ class OverlayConfig:
 
     handshake_timeout: float = 10.0
     max_pending_handshakes: int = 256  # inbound handshakes in progress at once, per listener
+    # Authenticated connections peers opened to us, all peers together (a member can make
+    # identities at will: each one's connection counts here), and from one peer id: its
+    # active connection and one being replaced (drained). Past either, a new inbound
+    # connection is refused with BYE(REFUSED) and a logged reason; dialing out is not limited.
+    max_inbound_connections: int = 128
+    max_connections_per_peer: int = 2
     drain_grace: float = 5.0
     ping_interval: float = 0.5
     silent_after: float | None = 1.25

@@ -520,7 +520,12 @@ class Connection:
             self._accept(ev)
         elif kind is StreamReset:
             stream = self._streams.pop(ev.stream_id, None)
-            self._log.debug("stream.reset", stream=ev.stream_id, code=ev.code.name, by_peer=True)
+            if stream is None and not ev.by_peer and ev.code is ErrorCode.REFUSED_STREAM:
+                self._log.warning("stream.refused", stream=ev.stream_id, reason=ev.reason)
+            else:
+                self._log.debug(
+                    "stream.reset", stream=ev.stream_id, code=ev.code.name, by_peer=ev.by_peer
+                )
             if stream is not None:
                 stream._fail(StreamResetError(ev.stream_id, ev.code, ev.reason, by_peer=ev.by_peer))
         elif kind is GoAway:

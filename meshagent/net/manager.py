@@ -350,9 +350,46 @@ class ConnectionManager:
         # listener only ever sees direct connections.
         await self._run_connection(self._make(stream, result, leftover, remote, DIRECT))
 
+    def _over_budget(self, conn: Connection) -> str | None:
+        """Why an authenticated connection the peer opened is refused, or None: past the
+        inbound connections of all peers together, or of this peer id (a member may make
+        identities, and connections under one, at will)."""
+        inbound = [c for c in self._all if not c.initiator and not c.is_closed]
+        most = self.config.max_inbound_connections
+        if len(inbound) >= most:
+            return f"{len(inbound)} inbound connections are open, the most this agent takes"
+        most = self.config.max_connections_per_peer
+        same = sum(1 for c in inbound if c.peer_id == conn.peer_id)
+        if same >= most:
+            return (
+                f"this peer has {same} connections open to us already, the most one peer may "
+                "(an active one and one being replaced)"
+            )
+        return None
+
+    async def _refuse(self, conn: Connection, reason: str) -> None:
+        """Run `conn` only long enough to tell the peer why it is refused (BYE REFUSED)."""
+        log.warning(
+            "peer.connection_refused",
+            peer=conn.peer_id,
+            remote=conn.remote,
+            path=conn.path,
+            reason=reason,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(conn.run)
+            await conn.aclose(ErrorCode.REFUSED, f"connection refused: {reason}")
+
     async def _run_connection(
         self, conn: Connection, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        # Checked and counted with no checkpoint between: simultaneous arrivals cannot both
+        # pass a budget with room for one.
+        refused = None if conn.initiator else self._over_budget(conn)
+        if refused is not None:
+            await self._refuse(conn, refused)
+            task_status.started()
+            return
         self._all.add(conn)
         try:
             async with trio.open_nursery() as nursery:

@@ -21,6 +21,7 @@ class ErrorCode(IntEnum):
     FRAME_TOO_LARGE = 8  # a record or frame larger than the negotiated maximum
     SHUTDOWN = 9  # the node is stopping
     UNRESPONSIVE = 10  # no PONG for the dead-peer timeout
+    REFUSED = 11  # the connection was not taken: over a budget (connections per peer, in all)
 
     @classmethod
     def parse(cls, value: int) -> ErrorCode:

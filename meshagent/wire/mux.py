@@ -513,11 +513,12 @@ class Multiplexer:
                 encode_frame(ResetFrame(sid, ErrorCode.REFUSED_STREAM, "connection going away"))
             )
             return []
-        if self.open_streams_by(local=False) >= self.local_settings.max_streams:
-            self._queue_control(
-                encode_frame(ResetFrame(sid, ErrorCode.REFUSED_STREAM, "too many open streams"))
-            )
-            return []
+        limit = self.local_settings.max_streams
+        if self.open_streams_by(local=False) >= limit:
+            # Said as an event so that the I/O layer logs the refusal; the stream never opens.
+            reason = f"too many open streams: {limit} already open on this connection"
+            self._queue_control(encode_frame(ResetFrame(sid, ErrorCode.REFUSED_STREAM, reason)))
+            return [StreamReset(sid, ErrorCode.REFUSED_STREAM, reason, by_peer=False)]
         self._streams[sid] = _Stream(
             sid,
             frame.label,
