@@ -20,6 +20,7 @@ from meshagent.identity.mesh import MeshSecret
 from meshagent.net.address import Address
 from meshagent.net.backoff import Backoff
 from meshagent.net.connection import RELAYED, Connection
+from meshagent.net.errors import ConnectionUnavailable
 from meshagent.net.framed import receive_frame
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.transport import Transport
@@ -202,6 +203,7 @@ class RelayClient:
             RelayError,
             RelayRefused,
             HandshakeError,
+            ConnectionUnavailable,  # the overlay refused it: too many handshakes pending
             trio.TooSlowError,
             *_TRANSPORT_ERRORS,
         ) as e:

@@ -8,6 +8,7 @@ import pytest
 import trio
 
 from meshagent.net.connection import DIRECT, RELAYED
+from meshagent.net.errors import ConnectionUnavailable
 from meshagent.relay import protocol as p
 from meshagent.relay.errors import Refusal, RelayRefused
 from meshagent.relay.limits import RelayLimits
@@ -182,4 +183,27 @@ async def test_direct_path_replaces_the_relayed_one_without_losing_a_byte(sim_en
         await relayed.wait_closed()
         assert relayed.close_reason == "replaced"
         assert stream.connection.path == RELAYED
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_circuit_refused_for_too_many_handshakes_ends_only_that_circuit(env, clock):
+    """The overlay refuses a circuit when too many inbound handshakes are pending: that
+    circuit ends, the relay client goes on taking the next ones."""
+    async with trio.open_nursery() as nursery:
+        _server, address, _ = await start_relay(env, nursery)
+        a = await start_agent(env, nursery, "a", address)
+        b = await start_agent(env, nursery, "b", address)
+        adopt = b.overlay.adopt
+
+        async def busy(stream, **kw):
+            await trio.aclose_forcefully(stream)
+            raise ConnectionUnavailable("refused: 16 inbound handshakes are already in progress")
+
+        b.overlay.adopt = busy
+        with trio.fail_after(30), pytest.raises(Exception):  # noqa: B017 - how a dial fails varies
+            await a.client.dial(b.peer_id)
+        b.overlay.adopt = adopt
+        with trio.fail_after(30):
+            conn = await a.client.dial(b.peer_id)
+        assert conn.path == RELAYED and conn.peer_id == b.peer_id
         nursery.cancel_scope.cancel()
