@@ -79,15 +79,21 @@ class Member:
         config: OverlayConfig | None = None,
     ) -> AsyncIterator[Member]:
         """Connect to `agent` with its mesh secret; the connection ends with the block.
-        Streams the agent opens go to `on_stream` (none: refused)."""
+        Streams the agent opens go to `on_stream` (none: refused). A failed dial raises its
+        `DialError`, and an error of the block comes out as it is, not in a group."""
         local = LocalPeer.create(identity or NodeIdentity.generate(), agent.mesh)
         node = ConnectionManager(local, TcpTransport(), on_stream=on_stream, config=config)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(node.run)
-            try:
-                conn = await node.dial(agent.overlay, peer_id=agent.peer_id)
-                yield cls(node, conn, agent)
-            finally:
-                with trio.CancelScope(shield=True), trio.move_on_after(2):
-                    await node.aclose(grace=0.5)
-                nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                try:
+                    conn = await node.dial(agent.overlay, peer_id=agent.peer_id)
+                    yield cls(node, conn, agent)
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(2):
+                        await node.aclose(grace=0.5)
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
