@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshagent.errors import ConfigError
+from meshagent.gossip.merge import BEAT_LEAD_MS
+
+# An obituary is dated up to `suspect_after` plus the silence before it past its subject's
+# last beat; the timers stay well inside the lead an obituary may have (merge.BEAT_LEAD_MS).
+_MAX_TIMERS_S = BEAT_LEAD_MS / 1000 / 2
 
 
 @dataclass(frozen=True)
@@ -34,4 +39,10 @@ class GossipConfig:
             raise ConfigError(
                 "gossip timers must satisfy interval < suspect_after < dead_after "
                 f"(got {self.interval}, {self.suspect_after}, {self.dead_after})"
+            )
+        total = self.interval + self.suspect_after + self.dead_after
+        if total > _MAX_TIMERS_S:
+            raise ConfigError(
+                "gossip timers interval + suspect_after + dead_after must stay within "
+                f"{_MAX_TIMERS_S:g} s (got {total:g})"
             )

@@ -73,6 +73,8 @@ class Exchange:
 
     def _handle(self, msg: object, now: float) -> bytes:
         budget = self.state.config.max_message
+        if isinstance(msg, Delta):
+            self._check(msg)
         if self._step is _Step.AWAIT_DIGEST and isinstance(msg, Digest):
             self._step = _Step.AWAIT_FINAL
             items = self.state.items_for(msg.entries, complete=True, budget=budget)
@@ -94,6 +96,14 @@ class Exchange:
             self._step = _Step.DONE
             return b""
         raise ExchangeError(f"unexpected {type(msg).__name__} in step {self._step.name}")
+
+    def _check(self, delta: Delta) -> None:
+        """A delta holds at most one item of each kind per member, so never more of a kind
+        than the members we track: past that, the sender is not honest."""
+        most = self.state.config.max_members
+        items = delta.items
+        if max(len(items.records), len(items.beats), len(items.obituaries)) > most:
+            raise ExchangeError(f"a delta of more items of one kind than {most} members")
 
     def _out(self, data: bytes) -> bytes:
         self.bytes_sent += len(data)

@@ -16,6 +16,7 @@ from typing import Any
 import cbor2
 
 from meshagent.gossip.errors import ExchangeError
+from meshagent.gossip.signed import MAX_BEAT
 from meshagent.wire.framing import Framing
 
 MESSAGE_VERSION = 1
@@ -23,7 +24,9 @@ T_DIGEST, T_DELTA, T_BUSY = 1, 2, 3
 # The u32 is the only limit here: a receiver applies its own (`framing(max_message)`).
 FRAMING = Framing("gossip message", width=4, max_size=(1 << 32) - 1, error=ExchangeError)
 MAX_DIGEST_ENTRIES = 4096
-MAX_ITEMS = 4096
+MAX_ITEMS = 4096  # of each kind in one delta (a receiver also holds them to its max_members)
+MAX_REASON = 200  # characters of a BUSY's reason
+_U64 = 1 << 64
 
 
 @dataclass(frozen=True, order=True)
@@ -50,11 +53,17 @@ class DigestEntry:
             or len(v) != 4
             or not isinstance(v[0], str)
             or not 0 < len(v[0]) <= 64
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v[1:3])
+            or not _in_range(v[1], _U64 - 1)
+            or not _in_range(v[2], MAX_BEAT)
             or not isinstance(v[3], bool)
         ):
             raise ExchangeError(f"malformed digest entry {v!r:.80}")
         return cls(v[0], v[1], v[2], v[3])
+
+
+def _in_range(v: Any, most: int) -> bool:
+    """`v` is an integer from 0 to `most` (True and 1.0 equal 1, but are no integers here)."""
+    return type(v) is int and 0 <= v <= most
 
 
 @dataclass(frozen=True)
@@ -122,9 +131,11 @@ def decode(data: bytes) -> Message:
         d = cbor2.loads(data)
     except Exception as e:  # cbor2 raises several unrelated types on garbage
         raise ExchangeError(f"gossip message is not valid CBOR ({e})") from e
-    if not isinstance(d, dict) or d.get(0) != MESSAGE_VERSION:
+    if not isinstance(d, dict) or type(d.get(0)) is not int or d[0] != MESSAGE_VERSION:
         raise ExchangeError("gossip message is malformed or of an unsupported version")
     kind = d.get(1)
+    if not _in_range(kind, T_BUSY):
+        raise ExchangeError(f"unknown gossip message type {kind!r:.40}")
     if kind == T_DIGEST:
         return Digest(_entries(d.get(2)))
     if kind == T_DELTA:
@@ -132,7 +143,9 @@ def decode(data: bytes) -> Message:
         return Delta(items, _entries(d.get(6, [])))
     if kind == T_BUSY:
         reason = d.get(7, "")
-        return Busy(reason if isinstance(reason, str) else "")
+        if not isinstance(reason, str) or len(reason) > MAX_REASON:
+            raise ExchangeError(f"a busy reason is text of at most {MAX_REASON} characters")
+        return Busy(reason)
     raise ExchangeError(f"unknown gossip message type {kind!r}")
 
 

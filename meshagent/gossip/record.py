@@ -244,7 +244,7 @@ class PeerRecord:
             d = cbor2.loads(body)
         except Exception as e:  # cbor2 raises several unrelated types on garbage
             raise RecordRejected(f"record is not valid CBOR ({e})") from e
-        if not isinstance(d, dict) or d.get(0) != RECORD_VERSION:
+        if not isinstance(d, dict) or type(d.get(0)) is not int or d[0] != RECORD_VERSION:
             raise RecordRejected("record is malformed or of an unsupported version")
         try:
             pk = d[2]

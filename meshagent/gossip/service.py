@@ -44,6 +44,7 @@ _STREAM_ERRORS = (
 )
 
 LocalFields = Callable[[], dict[str, Any]]
+_BUCKETS_KEPT = 256  # rate-limit buckets kept before the full ones are forgotten
 
 
 class _Bucket:
@@ -51,6 +52,9 @@ class _Bucket:
 
     def __init__(self, burst: int, rate: float, now: float) -> None:
         self.tokens, self.burst, self.rate, self.at = float(burst), burst, rate, now
+
+    def full(self, now: float) -> bool:
+        return self.tokens + (now - self.at) * self.rate >= self.burst
 
     def take(self, now: float) -> bool:
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
@@ -164,6 +168,7 @@ class GossipService:
         now = trio.current_time()
         bucket = self._buckets.get(peer)
         if bucket is None:
+            self._prune_buckets(now)
             bucket = self._buckets[peer] = _Bucket(
                 self.config.inbound_burst, self.config.inbound_rate, now
             )
@@ -184,6 +189,9 @@ class GossipService:
             self.failed_exchanges += 1
             log.debug("gossip.exchange_failed", peer=peer, role="responder", error=str(e))
             stream.reset(f"gossip exchange failed: {e}")
+        except Exception as e:  # a bug met by one exchange ends that exchange only
+            self._failed_unexpectedly(peer, "responder", e)
+            stream.reset(f"gossip exchange failed: {type(e).__name__}")
         finally:
             self._account(ex)
         await stream.aclose()
@@ -271,6 +279,8 @@ class GossipService:
         except _STREAM_ERRORS as e:
             self.failed_exchanges += 1
             log.debug("gossip.exchange_failed", peer=peer, role="initiator", error=str(e))
+        except Exception as e:  # a bug met by one exchange ends that exchange only
+            self._failed_unexpectedly(peer, "initiator", e)
         finally:
             self._account(ex)
             self._busy_with.discard(peer)
@@ -286,6 +296,25 @@ class GossipService:
             out = ex.receive_data(bytes(data), now=trio.current_time())
             if out:
                 await stream.send_all(out)
+
+    def _prune_buckets(self, now: float) -> None:
+        """Forget the buckets that have refilled (their peers start afresh anyway), so peers
+        under ever new identities leave no state here."""
+        if len(self._buckets) < _BUCKETS_KEPT:
+            return
+        for peer, bucket in list(self._buckets.items()):
+            if bucket.full(now):
+                del self._buckets[peer]
+
+    def _failed_unexpectedly(self, peer: str, role: str, error: Exception) -> None:
+        self.failed_exchanges += 1
+        log.error(
+            "gossip.exchange_failed",
+            peer=peer,
+            role=role,
+            error=f"{type(error).__name__}: {error}",
+            exc_info=error,
+        )
 
     def _account(self, ex: Exchange) -> None:
         self.bytes_sent += ex.bytes_sent

@@ -30,6 +30,11 @@ _RECORD_CONTEXT = b"meshagent/gossip-record/v1\x00"
 _BEAT_CONTEXT = b"meshagent/gossip-beat/v1\x00"
 _OBIT_CONTEXT = b"meshagent/gossip-obituary/v1\x00"
 _U64 = struct.Struct(">Q")
+# The largest beat an item may carry. Beats are wall-clock milliseconds (2**63 ms is some 292
+# million years); the headroom above it up to the u64 of the signed message is what keeps
+# every beat derived from a received one (a refutation's `beat + 1`, an obituary dated
+# forward) representable.
+MAX_BEAT = (1 << 63) - 1
 
 
 @lru_cache(maxsize=4096)
@@ -56,7 +61,7 @@ def _load(data: bytes, n: int, what: str) -> dict[int, Any]:
         d = cbor2.loads(data)
     except Exception as e:  # cbor2 raises several unrelated types on garbage
         raise RecordRejected(f"{what} is not valid CBOR ({e})") from e
-    if not isinstance(d, dict) or d.get(0) != ITEM_VERSION or len(d) != n:
+    if not isinstance(d, dict) or type(d.get(0)) is not int or d[0] != ITEM_VERSION or len(d) != n:
         raise RecordRejected(f"{what} is malformed or of an unsupported version")
     return d
 
@@ -67,9 +72,9 @@ def _bytes(v: Any, n: int, what: str) -> bytes:
     return v
 
 
-def _count(v: Any, what: str) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 64:
-        raise RecordRejected(f"{what} must be an unsigned 64-bit integer")
+def _beat(v: Any, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_BEAT:
+        raise RecordRejected(f"{what} must be an integer from 0 to {MAX_BEAT}, got {v!r:.40}")
     return v
 
 
@@ -139,7 +144,7 @@ class Heartbeat:
         d = _load(data, 4, "heartbeat")
         return cls(
             _bytes(d[1], 32, "heartbeat key"),
-            _count(d[2], "heartbeat beat"),
+            _beat(d[2], "heartbeat beat"),
             _bytes(d[3], 64, "heartbeat signature"),
         )
 
@@ -191,7 +196,7 @@ class Obituary:
             raise RecordRejected("obituary subject must be a peer id")
         return cls(
             subject,
-            _count(d[2], "obituary beat"),
+            _beat(d[2], "obituary beat"),
             _bytes(d[3], 32, "obituary reporter key"),
             _bytes(d[4], 64, "obituary signature"),
         )

@@ -2,8 +2,9 @@
 others send, and when it declares a peer suspect or dead.
 
 No clocks, sockets or tasks here: callers pass `now` (a monotonic time, seconds) and
-`wall_time` (the wall clock, for owner-side sequence numbers). Everything is plain method
-calls, so the protocol's rules are tested with tables (tests/gossip/).
+`wall_time` (the wall clock, for owner-side sequence numbers and beats; between two beats the
+table reads it as the last one advanced by `now`). Everything is plain method calls, so the
+protocol's rules are tested with tables (tests/gossip/).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from meshagent.gossip.failure import PeerState, classify
 from meshagent.gossip.merge import Verdict
 from meshagent.gossip.messages import DigestEntry, Items
 from meshagent.gossip.record import PUBLISHABLE, PeerRecord
-from meshagent.gossip.signed import Heartbeat, Obituary, SignedRecord
+from meshagent.gossip.signed import MAX_BEAT, Heartbeat, Obituary, SignedRecord
 from meshagent.identity.keys import NodeIdentity
 
 log = structlog.get_logger(__name__)
 
 # Bytes of a DELTA message that are not items (CBOR map, the wants list's framing).
 _DELTA_OVERHEAD = 64
+_MAX_SEQ = (1 << 64) - 1
 
 
 @dataclass
@@ -52,6 +54,12 @@ class Entry:
     @property
     def seq(self) -> int:
         return self.record.seq if self.record is not None else 0
+
+    def beat_clock(self, now: float) -> int | None:
+        """Where this peer's beats can have got to by `now` (None: no heartbeat of it)."""
+        if self.heartbeat is None:
+            return None
+        return merge.beat_clock(self.heartbeat.beat, now - self.last_progress)
 
     def digest_entry(self) -> DigestEntry:
         obit = self.obituary.beat if self.obituary is not None else 0
@@ -80,6 +88,17 @@ class PeerView:
 
 
 @dataclass
+class _Delta:
+    """One call of `apply`: where its items came from, what changed, what was rejected (and
+    why), and the (kind, peer) pairs seen so far."""
+
+    source: str
+    changes: list[Change] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    seen: set[tuple[str, str]] = field(default_factory=set)
+
+
+@dataclass
 class Stats:
     accepted: Counter = field(default_factory=Counter)  # by item kind
     stale: Counter = field(default_factory=Counter)
@@ -101,6 +120,7 @@ class GossipState:
         self.stats = Stats()
         self._fields: dict[str, Any] = {}
         self._wall = 0.0
+        self._wall_at: float | None = None  # `now` of the beat that last read the wall clock
         self.leaving = False
 
     @property
@@ -133,9 +153,11 @@ class GossipState:
         return signed
 
     def beat(self, *, now: float, wall_time: float, min_beat: int = 0) -> Heartbeat:
-        """Issue our next heartbeat: wall-clock milliseconds, kept strictly increasing."""
+        """Issue our next heartbeat: wall-clock milliseconds, kept strictly increasing (up to
+        `MAX_BEAT`)."""
         self._wall = max(self._wall, wall_time)
-        value = max(int(self._wall * 1000), self.me.beat + 1, min_beat)
+        self._wall_at = now
+        value = min(max(int(self._wall * 1000), self.me.beat + 1, min_beat), MAX_BEAT)
         me = self.me
         me.heartbeat = Heartbeat.sign(self.identity, value, self.mesh)
         me.last_progress = now
@@ -199,16 +221,23 @@ class GossipState:
         return Items(tuple(chosen["records"]), tuple(chosen["beats"]), tuple(chosen["obits"]))
 
     def apply(self, items: Items, *, now: float, source: str = "?") -> list[Change]:
-        """Merge items received from `source`; forged, malformed and stale items are
-        counted and ignored. Returns what changed."""
-        changes: list[Change] = []
+        """Merge items received from `source`; forged, malformed, stale and duplicate items
+        (a second of one kind for one peer) are counted and ignored, the rejected ones logged
+        once per call. Returns what changed."""
+        delta = _Delta(source)
         for raw in items.records:
-            self._apply_record(raw, now, source, changes)
+            self._apply_record(raw, now, delta)
         for raw in items.beats:
-            self._apply_beat(raw, now, source, changes)
+            self._apply_beat(raw, now, delta)
         for raw in items.obituaries:
-            self._apply_obituary(raw, now, source, changes)
-        return changes
+            self._apply_obituary(raw, now, delta)
+        if delta.rejected:
+            kind, reason = delta.rejected[0]
+            counts = dict(Counter(k for k, _ in delta.rejected))
+            log.warning(
+                "gossip.item_rejected", source=source, kind=kind, reason=reason, counts=counts
+            )
+        return delta.changes
 
     # ----- failure detection -----
 
@@ -249,7 +278,7 @@ class GossipState:
         if e is None or peer_id == self.self_id or e.obituary is not None:
             return []
         unseen_s = max(0.0, now - e.last_progress) + self.config.suspect_after
-        beat = e.beat + int(unseen_s * 1000)
+        beat = min(merge.beat_clock(e.beat, unseen_s), MAX_BEAT)
         e.obituary = Obituary.sign(self.identity, peer_id, beat, self.mesh)
         log.info("gossip.peer_dead", peer=peer_id, reason=reason, announced_by="us")
         changes: list[Change] = []
@@ -280,19 +309,38 @@ class GossipState:
             e = self.entries[peer_id] = Entry(peer_id, now, now, state_since=now)
         return e
 
-    def _reject(self, kind: str, source: str, error: RecordRejected) -> None:
-        self.stats.rejected[kind] += 1
-        log.warning("gossip.item_rejected", kind=kind, source=source, reason=str(error))
+    def _wall_now(self, now: float) -> float:
+        """Our wall clock at `now`: the last beat's reading, advanced by `now`."""
+        return self._wall + (max(0.0, now - self._wall_at) if self._wall_at is not None else 0)
 
-    def _apply_record(self, raw: bytes, now: float, source: str, changes: list[Change]) -> None:
+    def _wall_ms(self, now: float) -> int | None:
+        """Our wall clock at `now` in ms (None before our first beat)."""
+        return None if self._wall_at is None else int(self._wall_now(now) * 1000)
+
+    def _reject(self, kind: str, reason: str, delta: _Delta) -> None:
+        self.stats.rejected[kind] += 1
+        delta.rejected.append((kind, reason))
+
+    def _first(self, kind: str, peer_id: str, delta: _Delta) -> bool:
+        """Whether this is the first item of `kind` for `peer_id` in one delta: an honest one
+        carries at most one, and a second must not cost a second check of its signature."""
+        if (kind, peer_id) in delta.seen:
+            self._reject(kind, f"a second {kind} for {peer_id} in one delta", delta)
+            return False
+        delta.seen.add((kind, peer_id))
+        return True
+
+    def _apply_record(self, raw: bytes, now: float, delta: _Delta) -> None:
         try:
             signed = SignedRecord.from_cbor(raw, self.mesh)
         except RecordRejected as e:
-            self._reject("record", source, e)
+            self._reject("record", str(e), delta)
             return
         pid = signed.peer_id
+        if not self._first("record", pid, delta):
+            return
         if pid == self.self_id:
-            if signed.seq > self.me.seq:  # a record of ours from before a restart
+            if self.me.seq < signed.seq < _MAX_SEQ:  # a record of ours from before a restart
                 self.publish(wall_time=self._wall, min_seq=signed.seq + 1)
             self.stats.stale["record"] += 1
             return
@@ -310,16 +358,18 @@ class GossipState:
         e.record = signed
         kind = "joined" if verdict is Verdict.NEW else "record"
         if kind == "joined":
-            log.info("gossip.peer_joined", peer=pid, name=signed.record.name, source=source)
-        changes.append(Change(pid, kind, e.state))
+            log.info("gossip.peer_joined", peer=pid, name=signed.record.name, source=delta.source)
+        delta.changes.append(Change(pid, kind, e.state))
 
-    def _apply_beat(self, raw: bytes, now: float, source: str, changes: list[Change]) -> None:
+    def _apply_beat(self, raw: bytes, now: float, delta: _Delta) -> None:
         try:
             hb = Heartbeat.decode(raw)
         except RecordRejected as e:
-            self._reject("heartbeat", source, e)
+            self._reject("heartbeat", str(e), delta)
             return
         pid = hb.peer_id
+        if not self._first("heartbeat", pid, delta):
+            return
         known = self.entries.get(pid)
         known_beat = known.beat if known is not None and known.heartbeat is not None else None
         if merge.beat_verdict(known_beat, hb.beat) is Verdict.STALE:
@@ -328,10 +378,10 @@ class GossipState:
         try:
             hb.verify(self.mesh)
         except RecordRejected as e:
-            self._reject("heartbeat", source, e)
+            self._reject("heartbeat", str(e), delta)
             return
         if pid == self.self_id:  # a beat of ours from before a restart: outgrow it
-            self.beat(now=now, wall_time=self._wall, min_beat=hb.beat + 1)
+            self.beat(now=now, wall_time=self._wall_now(now), min_beat=hb.beat + 1)
             return
         e = self._entry(pid, now, "heartbeat")
         if e is None:
@@ -341,44 +391,57 @@ class GossipState:
         e.last_progress = now
         if e.obituary is not None and not merge.obituary_survives(e.obituary.beat, hb.beat):
             e.obituary = None
-            log.info("gossip.peer_back", peer=pid, source=source)
-        self._set_state(e, PeerState.ALIVE if e.obituary is None else e.state, now, changes)
+            log.info("gossip.peer_back", peer=pid, source=delta.source)
+        self._set_state(e, PeerState.ALIVE if e.obituary is None else e.state, now, delta.changes)
 
-    def _apply_obituary(self, raw: bytes, now: float, source: str, changes: list[Change]):
+    def _apply_obituary(self, raw: bytes, now: float, delta: _Delta) -> None:
         try:
             obit = Obituary.decode(raw)
         except RecordRejected as e:
-            self._reject("obituary", source, e)
+            self._reject("obituary", str(e), delta)
             return
         pid = obit.subject
-        known = self.entries.get(pid)
+        if not self._first("obituary", pid, delta):
+            return
+        e = self.entries.get(pid)
+        if e is None:  # nothing to declare dead here (and no room taken for a stranger)
+            self.stats.stale["obituary"] += 1
+            return
         verdict = merge.obituary_verdict(
-            known.beat if known is not None and known.heartbeat is not None else None,
-            known.obituary.beat if known is not None and known.obituary is not None else None,
+            e.beat if e.heartbeat is not None else None,
+            e.obituary.beat if e.obituary is not None else None,
             obit.beat,
         )
-        if verdict is Verdict.STALE:
+        if verdict is Verdict.STALE or (pid == self.self_id and self.leaving):
             self.stats.stale["obituary"] += 1
+            return
+        wall = self._wall_ms(now)
+        if wall is None:  # before our first beat: too early to judge a date (it comes again)
+            self.stats.stale["obituary"] += 1
+            return
+        if pid == self.self_id:
+            ceiling = merge.refute_ceiling(wall)
+        else:
+            ceiling = merge.obituary_ceiling(wall, e.beat_clock(now))
+        if obit.beat > ceiling:
+            past = (obit.beat - ceiling) / 1000
+            reason = f"an obituary for {pid} dated {past:.0f} s past the latest it may carry"
+            self._reject("obituary", reason, delta)
             return
         try:
             obit.verify(self.mesh)
-        except RecordRejected as e:
-            self._reject("obituary", source, e)
-            return
-        if pid == self.self_id and self.leaving:
+        except RecordRejected as err:
+            self._reject("obituary", str(err), delta)
             return
         if pid == self.self_id:  # we are said to be dead: refute with a newer heartbeat
-            log.info("gossip.refuted_obituary", reporter=obit.reporter, source=source)
-            self.beat(now=now, wall_time=self._wall, min_beat=obit.beat + 1)
-            return
-        e = self._entry(pid, now, "obituary")
-        if e is None:
+            log.info("gossip.refuted_obituary", reporter=obit.reporter, source=delta.source)
+            self.beat(now=now, wall_time=self._wall_now(now), min_beat=obit.beat + 1)
             return
         self.stats.accepted["obituary"] += 1
         e.obituary = obit
         if e.state is not PeerState.DEAD:
-            log.info("gossip.peer_dead", peer=pid, announced_by=obit.reporter, source=source)
-        self._set_state(e, PeerState.DEAD, now, changes)
+            log.info("gossip.peer_dead", peer=pid, announced_by=obit.reporter, source=delta.source)
+        self._set_state(e, PeerState.DEAD, now, delta.changes)
 
     def _set_state(self, e: Entry, state: PeerState, now: float, changes: list[Change]) -> None:
         if state is e.state:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -16,6 +17,7 @@ from meshagent.gossip.service import LABEL, GossipService
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.net.manager import ConnectionManager
+from meshagent.net.stream import MeshStream
 from meshagent.testing.sim_network import SimNetwork
 from meshagent.wire.handshake import LocalPeer
 
@@ -47,7 +49,10 @@ async def start_sim_agent(
     seed: int = 0,
     identity: NodeIdentity | None = None,
     port: int = 0,
+    serve_gossip: Callable[[MeshStream], Awaitable[None]] | None = None,
 ) -> SimAgent:
+    """An agent named `name` on `net`; `serve_gossip` answers its inbound `gossip/1` streams
+    in place of its gossip service (a hostile member's, say)."""
     identity = identity or NodeIdentity.generate()
     handlers = {}
 
@@ -83,7 +88,7 @@ async def start_sim_agent(
                     local_fields=lambda: {"addresses": tuple(str(a) for a in addresses)},
                     rng=random.Random(seed + 1),
                 )
-                handlers[LABEL] = gossip.handle
+                handlers[LABEL] = serve_gossip or gossip.handle
                 handlers[hearing.LABEL] = partial(hearing.serve, overlay)
                 dialer = PeerDialer(
                     overlay, gossip=gossip, config=DialerConfig(), rng=random.Random(seed + 2)
