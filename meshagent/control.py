@@ -177,13 +177,19 @@ def peers(services: Services) -> dict[str, Any]:
 
 
 async def probe(overlay: ConnectionManager, body: dict[str, Any]) -> dict[str, Any]:
-    """Push bytes to the connected peer whose id starts with `body["peer"]` and verify them."""
-    want = str(body.get("peer", ""))
+    """Push bytes to the connected peer whose id starts with `body["peer"]` and verify them:
+    at most `probe.MAX_BYTES`, paced over at most `probe.MAX_SECONDS`, within a deadline."""
+    want, total, seconds = body.get("peer", ""), body.get("bytes", 1 << 20), body.get("seconds", 0)
+    if not isinstance(want, str):
+        raise path_probe.ProbeError("a probe's 'peer' must be (the start of) a peer id")
+    if not isinstance(total, int) or isinstance(total, bool):
+        raise path_probe.ProbeError(f"a probe's 'bytes' must be an integer, not {total!r}")
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        raise path_probe.ProbeError(f"a probe's 'seconds' must be a number, not {seconds!r}")
+    path_probe.check(total, float(seconds))
     matches = [link.peer_id for link in overlay.links() if link.peer_id.startswith(want)]
     if not want or len(matches) != 1:
         raise path_probe.ProbeError(
-            f"peer {want!r} matches {len(matches)} connected peers; give more of its id"
+            f"peer {want[:80]!r} matches {len(matches)} connected peers; give more of its id"
         )
-    total = int(body.get("bytes", 1 << 20))
-    seconds = float(body.get("seconds", 0.0))
-    return await path_probe.probe(overlay, matches[0], total=total, seconds=seconds)
+    return await path_probe.probe(overlay, matches[0], total=total, seconds=float(seconds))

@@ -15,7 +15,7 @@ import structlog
 import trio
 
 from meshagent.api import errors, forwarding, ollama
-from meshagent.api.access import Access
+from meshagent.api.access import Access, refuse_peer
 from meshagent.api.choices import produce_choices
 from meshagent.api.delivery import Event, Failed, stream_reply, whole_reply
 from meshagent.api.embeddings import embedding_reply, parse_embedding
@@ -32,6 +32,7 @@ from meshagent.api.routing import LOCAL as HERE
 from meshagent.api.routing import PrefixRouter, prefix_keys
 from meshagent.api.schemas import ChatCompletionRequest
 from meshagent.api.tools import SYNTAXES
+from meshagent.discovery.probe import ProbeTimeout
 from meshagent.errors import ContextOverflow, MeshError, ModelMoved
 from meshagent.serving.directory import ModelDirectory, RemoteModel
 from meshagent.serving.generation import Delta, Finished, GenerationRequest, check_fits
@@ -42,6 +43,9 @@ log = structlog.get_logger(__name__)
 
 
 _SERVED_POLL = 0.1  # seconds between looks for a model being placed again
+# Seconds an embeddings request carried to the peer serving its model may take, answer and
+# all (this agent's own take at most 256 inputs of 2048 tokens).
+EMBEDDINGS_DEADLINE = 300.0
 
 
 class OpenAIApp:
@@ -94,10 +98,17 @@ class OpenAIApp:
             return
         ex = Exchange(scope, receive, send)
         try:
-            if "meshagent.forwarded_by" not in scope:  # the overlay's: authorised by the mesh
-                refused = self.access.refuse(ex.path, scope.get("headers", ()))
+            peer = scope.get("meshagent.forwarded_by")
+            if peer is not None:  # over the overlay: a member of the mesh, inference only
+                refused = refuse_peer(ex.method, ex.path)
                 if refused is not None:
-                    raise refused
+                    log.warning(
+                        "api.peer_refused", peer=peer, method=ex.method[:16], path=ex.path[:200]
+                    )
+            else:
+                refused = self.access.refuse(ex.method, ex.path, scope.get("headers", ()))
+            if refused is not None:
+                raise refused
             await self._dispatch(ex)
         except ApiError as e:
             if not ex.started:
@@ -230,6 +241,8 @@ class OpenAIApp:
             raise errors.bad_request(f"Bad probe request: {e}") from e
         except trio.BrokenResourceError as e:  # includes the overlay's StreamResetError
             raise errors.unavailable(f"The probe failed: {e}", code="probe_failed") from e
+        except ProbeTimeout as e:
+            raise ApiError(504, str(e), type="server_error", code="probe_timeout") from e
         except MeshError as e:
             raise errors.bad_request(str(e), code="probe_failed") from e
         await ex.send_json(200, result)
@@ -317,7 +330,8 @@ class OpenAIApp:
         await self._await_served(req.model)
         model = self._local(req.model)
         if model is None and (remote := self._remote(req.model)) is not None:
-            await self._forward(ex, remote)  # the agent serving it answers (or says why not)
+            # The agent serving it answers (or says why not).
+            await self._forward_watched(ex, remote, EMBEDDINGS_DEADLINE)
             return
         model = self._model(req.model)
         if model.embedder is None:
@@ -428,8 +442,35 @@ class OpenAIApp:
                 await whole_reply(ex, events, reply, head.echo, receipt, meter)
             nursery.cancel_scope.cancel()
 
+    async def _forward_watched(self, ex: Exchange, remote: RemoteModel, deadline: float) -> None:
+        """`_forward`, stopped when the client leaves and given up after `deadline` seconds."""
+        failure: ApiError | None = None  # raised out of the nursery, not in a group
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+            with trio.move_on_after(deadline) as timer:
+                try:
+                    await self._forward(ex, remote)
+                except ApiError as e:
+                    failure = e
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        if timer.cancelled_caught:
+            log.warning("forward.timeout", peer=remote.peer_id, path=ex.path, seconds=deadline)
+            if ex.started:  # what came is all the client gets
+                if not ex.finished:
+                    await ex.end()
+                return
+            raise ApiError(
+                504,
+                f"The peer serving '{remote.id}' ({remote.peer_id[:12]}) did not answer within "
+                f"{deadline:g} s; retry, or send fewer inputs per request.",
+                type="server_error",
+                code="peer_timeout",
+            )
+
     async def _forward(self, ex: Exchange, remote: RemoteModel) -> None:
-        """The request over `api/1`: the peer's HTTP response, passed through."""
+        """The request over `api/1`: the peer's HTTP response, its body passed through."""
         try:
             stream = await self.directory.open_stream(remote.peer_id)
         except MeshError as e:
@@ -452,7 +493,10 @@ class OpenAIApp:
                 type="server_error",
                 code="peer_failed",
             ) from e
-        headers.append((b"x-meshagent-served-by", remote.peer_id.encode()))
+        headers = [
+            *forwarding.relayed(headers),
+            (b"x-meshagent-served-by", remote.peer_id.encode()),
+        ]
         await ex.start(status, headers)
         sse = (b"content-type", b"text/event-stream") in headers
         last = b"\n\n"

@@ -6,6 +6,11 @@ The asking agent's model directory opens a stream labelled `api/1` (`FORWARD_LAB
 serving agent runs the request through its own ASGI app and streams the response back as one
 head message (status, headers) followed by the raw body, then ends its side. Streaming
 responses (SSE) pass through unchanged, chunk by chunk.
+
+A member of the mesh may ask only for inference this way (`api/access.py`, `PEER_PATHS`); the
+app answers anything else with 403. The asker passes on to its client only the response
+headers an answer of this API carries (`RELAYED_HEADERS`): a peer does not set cookies or
+CORS rules on the asker's origin.
 """
 
 from __future__ import annotations
@@ -24,7 +29,22 @@ log = structlog.get_logger(__name__)
 
 VERSION = 1
 MAX_HEAD = 16 * 1024 * 1024  # a request body is at most 8 MiB
+REQUEST_DEADLINE = 30.0  # seconds a peer has to send its request once it opened the stream
 _LINGER = 30.0  # seconds the serving side waits for the asker to close after the response
+# Response headers of this API (`api/exchange.py`, `api/errors.py`, the receipt of
+# docs/api.md) that the asker relays; `x-meshagent-served-by` is the asker's to add.
+RELAYED_HEADERS = frozenset(
+    {
+        b"content-type",
+        b"cache-control",
+        b"x-accel-buffering",
+        b"retry-after",
+        b"x-meshagent-stages",
+        b"x-meshagent-wire-dtype",
+        b"x-meshagent-wire-exact",
+    }
+)
+_MAX_HEADER_VALUE = 8192
 
 
 class ForwardError(MeshError):
@@ -66,17 +86,40 @@ async def read_response_head(
     (`frames.leftover()`)."""
     head = await _read_message(stream, frames)
     status, headers = head.get(1), head.get(2)
-    if not isinstance(status, int) or not isinstance(headers, list):
+    if not isinstance(status, int) or not 200 <= status <= 599 or not isinstance(headers, list):
         raise ForwardError("malformed forwarded response head")
-    return status, [(bytes(k), bytes(v)) for k, v in headers]
+    if not all(
+        isinstance(h, list) and len(h) == 2 and all(isinstance(x, bytes) for x in h)
+        for h in headers
+    ):
+        raise ForwardError("malformed forwarded response headers")
+    return status, [(k, v) for k, v in headers]
+
+
+def relayed(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The peer's response headers that may reach the asker's client (`RELAYED_HEADERS`),
+    each value a plain header value."""
+    return [
+        (name, value)
+        for k, value in headers
+        if (name := k.lower()) in RELAYED_HEADERS
+        and len(value) <= _MAX_HEADER_VALUE
+        and all(32 <= c < 127 or c == 9 for c in value)
+    ]
 
 
 async def serve_forwarded(stream: Any, app: Any, *, peer_id: str) -> None:
     """Answer one forwarded request on `stream` with the local ASGI `app`."""
     try:
-        req = await _read_message(stream, LengthPrefixDecoder(FRAMING))
+        with trio.fail_after(REQUEST_DEADLINE):
+            req = await _read_message(stream, LengthPrefixDecoder(FRAMING))
     except ForwardError as e:
         log.warning("forward.bad_request", peer=peer_id, error=str(e))
+        return
+    except trio.TooSlowError:
+        log.warning(
+            "forward.bad_request", peer=peer_id, error="no request", seconds=REQUEST_DEADLINE
+        )
         return
     method, path, body = req.get(1), req.get(2), req.get(3)
     if not (isinstance(method, str) and isinstance(path, str) and isinstance(body, bytes)):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from functools import partial
+
 import httpx
 import openai
 import pytest
 import trio
+import trio.testing
 from openai import OpenAI
 
-from meshagent.api import forwarding, resumable
-from meshagent.api.app import OpenAIApp
+from meshagent.api import access, forwarding, resumable
+from meshagent.api.access import Access
+from meshagent.api.app import EMBEDDINGS_DEADLINE, OpenAIApp
 from meshagent.api.inflight import InFlight
 from meshagent.api.server import HttpBinding, serve_http
 from meshagent.engine.llama import LlamaEngine
@@ -19,7 +24,9 @@ from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
 from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL, Headers, RemoteModel
 from meshagent.serving.local_model import LocalModel
+from meshagent.wire.framing import LengthPrefixDecoder
 from meshagent.wire.handshake import LocalPeer
+from tests.api.asgi import call
 
 MESH = MeshSecret.generate()
 
@@ -208,3 +215,197 @@ async def test_an_unreachable_peer_is_a_503(model_path, nursery, model_id):
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "peer_unavailable"
     stop.set()
+
+
+# -- what a peer may ask over api/1, and what comes back from one ---------------------------
+
+
+async def ask_over_api1(
+    app, method: str, path: str, body: bytes = b"{}"
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """One request carried to `app` over an `api/1` stream (in memory), as a peer sends it."""
+    asker, server = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(forwarding.serve_forwarded, server, app, peer_id="p33r"))
+        await forwarding.send_request(asker, method, path, body)
+        frames = LengthPrefixDecoder(forwarding.FRAMING)
+        status, headers = await forwarding.read_response_head(asker, frames)
+        data = frames.leftover()
+        while more := await asker.receive_some():
+            data += more
+        await asker.aclose()
+    return status, headers, data
+
+
+def control_app(**kw) -> OpenAIApp:
+    """An app with every control endpoint wired, and a key (which the overlay never sends)."""
+    return OpenAIApp(
+        StaticDirectory(),
+        InFlight(),
+        lambda: {"peer_id": "me", "secret": "status-document-7"},
+        peers=lambda: {"peers": ["peer-list-9"]},
+        probe=_never_probe,
+        access=Access.for_binding(["s3cret"], "127.0.0.1", 9400),
+        **kw,
+    )
+
+
+async def _never_probe(body):
+    raise AssertionError("a peer made this agent probe")
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/control/status"),
+        ("GET", "/control/peers"),
+        ("GET", "/control/events"),
+        ("POST", "/control/probe"),
+        ("GET", "/metrics"),
+        ("GET", "/console"),
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("POST", "/v1/responses"),
+        ("POST", "/api/chat"),
+        ("GET", "/v1/chat/completions"),
+        ("POST", "/v1/chat/completions/../../control/status"),
+    ],
+)
+async def test_a_peer_reaches_no_path_but_inference(method, path):
+    body = json.dumps({"peer": "someone", "bytes": 1 << 30}).encode()
+    with trio.fail_after(10):
+        status, _, data = await ask_over_api1(control_app(), method, path, body)
+    assert status == 403, data
+    error = json.loads(data)["error"]
+    assert error["code"] == "peer_not_allowed"
+    assert "members of the mesh" in error["message"] and path in error["message"]
+    assert b"status-document-7" not in data and b"peer-list-9" not in data
+
+
+async def test_a_peers_inference_request_goes_through_to_the_endpoint():
+    messages = [{"role": "user", "content": "hi"}]
+    body = json.dumps({"model": "nope", "messages": messages, "prompt": "hi", "input": "hi"})
+    for path in access.PEER_PATHS:
+        with trio.fail_after(10):
+            status, _, data = await ask_over_api1(control_app(), "POST", path, body.encode())
+        assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found", path
+
+
+async def test_a_real_peer_gets_completions_over_api1_but_not_the_control_plane(
+    two_agents, model_id
+):
+    _, _, a = two_agents
+    async with trio.open_nursery() as nursery:
+        c = ConnectionManager(LocalPeer.create(NodeIdentity.generate(), MESH), TcpTransport())
+        await nursery.start(c.run)
+        await c.dial(a.listen_addresses[0], peer_id=a.peer_id)
+
+        async def ask(method: str, path: str, body: dict) -> tuple[int, dict, bytes]:
+            stream = await c.open_stream(a.peer_id, FORWARD_LABEL)
+            async with stream:
+                await forwarding.send_request(stream, method, path, json.dumps(body).encode())
+                frames = LengthPrefixDecoder(forwarding.FRAMING)
+                status, headers = await forwarding.read_response_head(stream, frames)
+                data = frames.leftover()
+                while more := await stream.receive_some():
+                    data += more
+            return status, dict(headers), data
+
+        chat = {"model": model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        with trio.fail_after(60):
+            status, headers, data = await ask("POST", "/v1/chat/completions", chat)
+            assert status == 200, data
+            assert json.loads(data)["choices"][0]["message"]["content"]
+            assert headers[b"x-meshagent-stages"] == b"a:0-30"
+            status, _, data = await ask("GET", "/control/status", {})
+            assert status == 403 and json.loads(data)["error"]["code"] == "peer_not_allowed"
+        await c.aclose(grace=0.5)
+        nursery.cancel_scope.cancel()
+
+
+class PipeDirectory(StaticDirectory):
+    """Its one remote model's peer is `peer_app`, served over an in-memory `api/1` stream."""
+
+    def __init__(self, nursery: trio.Nursery, peer_app) -> None:
+        super().__init__(remote=[RemoteModel("m", "p33r", "whole")])
+        self.nursery, self.peer_app = nursery, peer_app
+
+    async def open_stream(self, peer_id: str, label: str = FORWARD_LABEL):
+        asker, server = trio.testing.memory_stream_pair()
+        serve = partial(forwarding.serve_forwarded, server, self.peer_app, peer_id="asker")
+        self.nursery.start_soon(serve)
+        return asker
+
+
+EMBED = {"model": "m", "input": "hello"}
+
+
+async def test_a_peers_response_headers_are_filtered_before_they_reach_the_client():
+    async def peer(scope, receive, send):
+        await receive()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-meshagent-stages", b"p33r:0-30"),
+            (b"retry-after", b"3"),
+            (b"set-cookie", b"session=stolen; Domain=127.0.0.1"),
+            (b"x-meshagent-served-by", b"someone-else"),
+            (b"content-length", b"999"),
+            (b"location", b"http://evil.example/"),
+            (b"access-control-allow-origin", b"*"),
+            (b"x-other", b"1"),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b'{"data": []}'})
+
+    async with trio.open_nursery() as nursery:
+        app = OpenAIApp(PipeDirectory(nursery, peer), InFlight(), lambda: {})
+        with trio.fail_after(10):
+            r = await call(app, "POST", "/v1/embeddings", body=EMBED)
+    assert r.status == 200 and r.json() == {"data": []}
+    kept = {"content-type", "x-meshagent-stages", "retry-after", "x-meshagent-served-by"}
+    assert r.names() == kept
+    assert r.header("x-meshagent-served-by") == "p33r"  # who this agent sent it to
+    assert r.header("x-meshagent-stages") == "p33r:0-30"
+
+
+async def test_a_peer_that_never_answers_an_embeddings_request_is_given_up_on(autojump_clock):
+    asked = trio.Event()
+
+    async def peer(scope, receive, send):
+        await receive()
+        asked.set()
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        app = OpenAIApp(PipeDirectory(nursery, peer), InFlight(), lambda: {})
+        with trio.fail_after(EMBEDDINGS_DEADLINE + 60):
+            r = await call(app, "POST", "/v1/embeddings", body=EMBED, gone=trio.Event())
+        assert trio.current_time() >= EMBEDDINGS_DEADLINE
+        nursery.cancel_scope.cancel()
+    assert asked.is_set()
+    assert r.status == 504, r.body
+    error = r.json()["error"]
+    assert error["code"] == "peer_timeout" and f"{EMBEDDINGS_DEADLINE:g} s" in error["message"]
+
+
+async def test_a_client_gone_mid_embeddings_closes_the_peers_stream(autojump_clock):
+    asked, heard_gone, gone = trio.Event(), trio.Event(), trio.Event()
+
+    async def peer(scope, receive, send):
+        await receive()
+        asked.set()
+        if (await receive())["type"] == "http.disconnect":
+            heard_gone.set()
+
+    async with trio.open_nursery() as nursery:
+        app = OpenAIApp(PipeDirectory(nursery, peer), InFlight(), lambda: {})
+
+        async def client_leaves():
+            await asked.wait()
+            gone.set()
+
+        nursery.start_soon(client_leaves)
+        with trio.fail_after(5):
+            await call(app, "POST", "/v1/embeddings", body=EMBED, gone=gone)
+            await heard_gone.wait()
+        nursery.cancel_scope.cancel()

@@ -1,15 +1,25 @@
 """An agent started with --api-key: every endpoint but /health needs the key (the official
-client works with it), a foreign Host is refused on loopback, `meshagent status` finds the key,
-and an API beyond loopback without a key is refused at start."""
+client works with it), a foreign Host or Origin is refused on loopback, a POST body must be
+JSON, a member of the mesh reaches inference only (over `api/1`, where no key is asked),
+`meshagent status` finds the key, and an API beyond loopback without a key is refused at
+start."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
 import pytest
+import trio
 from openai import OpenAI
 
+from meshagent.api import forwarding
 from meshagent.cli.main import main
+from meshagent.launch import AgentProcess
+from meshagent.serving.directory import FORWARD_LABEL
+from meshagent.testing.member import AgentAddress, Member
+from meshagent.wire.framing import LengthPrefixDecoder
 
 KEY = "test-key-7f3a"
 
@@ -46,6 +56,9 @@ def test_every_endpoint_but_health_needs_the_key(spawn_agent, model_id, monkeypa
     )
     assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
 
+    _pages_of_other_sites_are_refused(agent)
+    trio.run(_peers_reach_inference_only, agent, model_id)
+
     # `meshagent status` says what it needs, then uses the key from the environment.
     monkeypatch.delenv("MESHAGENT_API_KEY", raising=False)
     assert main(["status", "--data-dir", str(agent.data_dir)]) == 1
@@ -61,3 +74,49 @@ def test_an_api_beyond_loopback_without_a_key_is_refused(tmp_path, monkeypatch, 
     assert rc == 1
     err = capsys.readouterr().err
     assert "without a key" in err and "--api-key" in err and "--insecure-no-api-key" in err
+
+
+def _pages_of_other_sites_are_refused(agent: AgentProcess) -> None:
+    auth = {"authorization": f"Bearer {KEY}"}
+    chat = {"model": "x", "messages": [{"role": "user", "content": "Hi"}]}
+    page = {**auth, "origin": "http://evil.example"}
+    r = httpx.post(f"{agent.url}/v1/chat/completions", json=chat, headers=page, timeout=10)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    text = {**auth, "content-type": "text/plain"}
+    r = httpx.post(f"{agent.url}/control/probe", content=b"{}", headers=text, timeout=10)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    own = {**auth, "origin": agent.url}
+    assert httpx.get(f"{agent.url}/control/status", headers=own, timeout=10).status_code == 200
+
+
+async def _peers_reach_inference_only(agent: AgentProcess, model_id: str) -> None:
+    """A member of the mesh (its secret, an identity of its own, no API key) over `api/1`."""
+
+    async def ask(member: Member, method: str, path: str, body: dict) -> tuple[int, bytes]:
+        stream = await member.open(FORWARD_LABEL)
+        async with stream:
+            await forwarding.send_request(stream, method, path, json.dumps(body).encode())
+            frames = LengthPrefixDecoder(forwarding.FRAMING)
+            status, _ = await forwarding.read_response_head(stream, frames)
+            data = frames.leftover()
+            while more := await stream.receive_some():
+                data += more
+        return status, data
+
+    with trio.fail_after(120):
+        async with Member.join(AgentAddress.of(agent.data_dir)) as member:
+            for method, path in (
+                ("GET", "/control/status"),
+                ("GET", "/control/peers"),
+                ("GET", "/metrics"),
+                ("POST", "/control/probe"),
+            ):
+                body = {"peer": agent.data_dir.name, "bytes": 1 << 20}
+                status, data = await ask(member, method, path, body)
+                assert status == 403, (path, data)
+                assert json.loads(data)["error"]["code"] == "peer_not_allowed"
+            hi = [{"role": "user", "content": "Hi"}]
+            chat = {"model": model_id, "messages": hi, "max_tokens": 4}
+            status, data = await ask(member, "POST", "/v1/chat/completions", chat)
+            assert status == 200, data
+            assert json.loads(data)["choices"][0]["message"]["content"]
