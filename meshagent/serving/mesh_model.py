@@ -52,6 +52,9 @@ _CERTIFICATION_INTERVAL = 2.0  # seconds between looks for a record that allows 
 _RECORD_WAIT = 10.0  # seconds a stage of a certified-only split waits for the record
 _REROUTE_POLL = 0.05  # seconds between looks for what serves a request being replayed
 _SPARE_CUT_INTERVAL = 2.0  # seconds between a spare's looks for stages to cut ahead of time
+# A split's entry keeps prefixes within this share of each stage's free bytes: its size of a
+# prefix is an estimate, and a stage refuses past what it has free (`SplitSettings`).
+_STAGE_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -211,16 +214,32 @@ class MeshModel:
     def _prefix_budget(self, plan: Plan) -> int:
         """Bytes of kept prefixes this agent's part may use: of what it offers, what the
         plan's part here leaves free (`config.prefix_budget`). A split's entry counts them
-        for every stage: the other agents keep what it tells them to."""
+        for every stage, which keep what it tells them to up to what they have free: it
+        keeps no more than `_STAGE_SHARE` of any stage's free bytes, as gossip shows them."""
         me = self.placement.gossip.snapshot().get(self.peer_id)
         offered = offered_memory(me.record) if me is not None else 0
+        free = self._free_bytes(plan, self.peer_id) or 0
+        budget = prefix_budget(self.settings.prefix_cache, offered, offered - free)
+        if plan.split and plan.stages[0].peer_id == self.peer_id:
+            for st in plan.stages[1:]:
+                free = self._free_bytes(plan, st.peer_id)
+                if free is not None:
+                    budget = min(budget, int(free * _STAGE_SHARE))
+        return budget
+
+    def _free_bytes(self, plan: Plan, peer: str) -> int | None:
+        """What `peer`'s part of `plan` leaves free of what it offers (None: its record is
+        not known here). A later stage holds kept prefixes up to this (`kept_budget`)."""
+        view = self.placement.gossip.snapshot().get(peer)
+        if view is None:
+            return None
         start, end = 0, self.cost.n_layers
         for st in plan.stages:
-            if st.peer_id == self.peer_id:
+            if st.peer_id == peer:
                 start, end = st.start, st.end
-        spare = getattr(me.record, "mem_spare_bytes", 0) if me is not None else 0
+        spare = getattr(view.record, "mem_spare_bytes", 0)
         needed = self.cost.offer_bytes(start, end, plan.context_tokens, spare)
-        return prefix_budget(self.settings.prefix_cache, offered, needed)
+        return max(0, offered_memory(view.record) - needed)
 
     def in_plan(self, key: str) -> bool:
         """Whether artifact `key` is part of the split in force (a peer may have it cut here
@@ -340,6 +359,8 @@ class MeshModel:
             # The plan was repaired around a lost peer and this agent's part is unchanged:
             # nothing to load, and requests replayed on this entry find its runner.
             self.split.rewire(plan)
+            if self.split.pipeline is not None:  # the entry: within the new stages' room
+                self.split.pipeline.rebudget(self._prefix_budget(plan))
             self._judge_windows(plan)
             if self.local is not None:
                 self._offer(self.local, self._split_receipt(plan), plan)
@@ -392,6 +413,7 @@ class MeshModel:
                     wire_dtype=wire.dtype,
                     prefix_budget=self._prefix_budget(plan),
                     vram=s.vram,
+                    kept_budget=self._free_bytes(plan, self.peer_id) or 0,
                 ),
             )
             await host.load(plan)

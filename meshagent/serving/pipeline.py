@@ -36,6 +36,7 @@ from meshagent.errors import EngineError, SplitUnavailable
 from meshagent.models.slicer import TokenEmbeddings
 from meshagent.net.outbox import Outbox
 from meshagent.serving import stage_messages as sm
+from meshagent.serving.awaited import AwaitedWindows
 from meshagent.serving.executor import SampledToken
 from meshagent.serving.runner import ModelRunner
 from meshagent.serving.sampling import TokenLogprob
@@ -177,6 +178,9 @@ class PipelineExecutor:
         self.peak_rounds_in_flight = 0
         self.largest_round = 0  # sequences in the biggest round so far
         self.failed: str | None = None
+        # What the last stage may say: tokens of the vocabulary, for the windows in flight.
+        self._reply_limits = sm.StageLimits(entry.n_slots, entry.slot_ctx, entry.info.n_vocab)
+        self._awaited = AwaitedWindows()  # on the event loop, as sent
 
     @property
     def prefix_reason(self) -> str:
@@ -188,6 +192,14 @@ class PipelineExecutor:
             why = self.windows_reason
             return f"off: a prefix computed in other batches would change tokens ({why})"
         return "on"
+
+    def rebudget(self, budget: int) -> None:
+        """Keep prefixes within `budget` bytes from now on (the chain's stages changed, and
+        with them the room they have for them)."""
+        self.prefix_budget = budget
+        index = self._runner.scheduler.prefix if self._runner is not None else None
+        if index is not None:
+            index.budget = budget
 
     def kept_bytes(self) -> int:
         """Bytes of the first stage's KV kept for prefixes now."""
@@ -274,6 +286,7 @@ class PipelineExecutor:
         if late:
             messages.append(sm.Drop(late))
         generation = self._generation
+        items: tuple[sm.ForwardItem, ...] = ()
         if step.items:
             t0 = time.perf_counter()
             for it in step.items:
@@ -306,7 +319,9 @@ class PipelineExecutor:
                 self._on_loop(self._open)
             # Not waiting for the send: the event loop sends when it next runs.
             assert self._runner is not None
-            self._runner.post(self._put, generation, b"".join(sm.encode(m) for m in messages))
+            data = b"".join(sm.encode(m) for m in messages)
+            opened = [op.slot for op in step.opened]
+            self._runner.post(self._put, generation, data, step.released, opened, items)
         return []
 
     def _on_loop(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
@@ -335,12 +350,21 @@ class PipelineExecutor:
 
         outbox = self._outbox = Outbox(self._down, self._nursery, lost)
 
-    def _put(self, generation: int, data: bytes) -> None:
+    def _put(
+        self,
+        generation: int,
+        data: bytes,
+        released: Sequence[int] = (),
+        opened: Sequence[int] = (),
+        items: Sequence[sm.ForwardItem] = (),
+    ) -> None:
         """Send a step's messages, unless the chain they were made for broke meanwhile: a
-        new chain must not get a Forward for a sequence it was never told to open."""
+        new chain must not get a Forward for a sequence it was never told to open. What
+        they ask of the last stage is awaited from here on."""
         if generation != self._generation:
             return
         if self._outbox is not None and self.failed is None:  # closed with the executor
+            self._awaited.sent(released, opened, items)
             self._outbox.put(data)
 
     async def _reconnect(self) -> None:
@@ -377,6 +401,7 @@ class PipelineExecutor:
             # From here on the chain is history: whatever its streams still say (a late
             # token, its reply stream closing as it tears down) is ignored.
             self._generation += 1
+            self._awaited.clear()
             log.error("pipeline.broken", why=why)
         if self._runner is not None:
             # The next chain's stages start without kept prefixes: forget them first, so
@@ -387,7 +412,7 @@ class PipelineExecutor:
     async def handle_reply(self, stream: trio.abc.ReceiveStream) -> None:
         """Tokens from the last stage; a failure or a lost reply stream fails the waiters."""
         generation = self._generation
-        decoder = sm.StageDecoder()
+        decoder = sm.StageDecoder(self._reply_limits)
         try:
             while data := await stream.receive_some():
                 msgs = decoder.feed(data)
@@ -407,6 +432,8 @@ class PipelineExecutor:
         tokens: list[SampledToken] = []
         for msg in msgs:
             if isinstance(msg, sm.Token):
+                if not self._awaited.token(msg):
+                    continue  # for a sequence that ended while it was in flight
                 lps: list[TokenLogprob | None] = [*msg.logprobs] or [None] * (1 + len(msg.more))
                 tokens.append((msg.seq, msg.token, msg.timing, lps[0]))
                 # a verified draft
@@ -415,7 +442,8 @@ class PipelineExecutor:
                 if msg.seq is None:
                     self._broken(msg.message)
                     return
-                self._runner.fail_slot(msg.seq, EngineError(f"a stage failed: {msg.message}"))
+                if self._awaited.failure(msg.seq):
+                    self._runner.fail_slot(msg.seq, EngineError(f"a stage failed: {msg.message}"))
             else:
                 raise sm.StageProtocolError(f"unexpected {type(msg).__name__} on the reply stream")
         if tokens:

@@ -54,6 +54,14 @@ class SplitSettings:
     # and its results change with the thread count, which peers do not share.
     flash_attn: bool | None = False
     vram: int = 0  # GPU memory offered here, all devices together
+    # Bytes of kept prefixes a later stage holds at most, whatever its upstream asks: what
+    # the plan leaves free of this agent's offer (the entry keeps within every stage's).
+    kept_budget: int = 0
+
+
+# Reply streams the entry reads at once from the last stage: the one of the chain in force,
+# and one that an older chain's last stage has not closed yet. A newer one resets the oldest.
+MAX_REPLY_STREAMS = 2
 
 
 class SplitHost:
@@ -86,8 +94,14 @@ class SplitHost:
         self.server: StageServer | None = None  # set on other stages
         self._engine: StageEngine | None = None
         self._entry: EntryEngine | None = None
-        self._next: str | None = None  # the peer of the next stage (None: this is the last)
-        self._entry_peer = ""  # the peer of the entry, where the last stage replies
+        # The plan's peers this agent's streams go to or come from: the next stage (None:
+        # this is the last), the previous one (None: this is the entry), the entry (where the
+        # last stage replies) and the last stage (whose replies the entry takes).
+        self._next: str | None = None
+        self._previous: str | None = None
+        self._entry_peer = ""
+        self._last_peer = ""
+        self._replies: list[MeshStream] = []  # reply streams the entry reads now, oldest first
 
     async def _obtain(self, kind: str, start: int, end: int) -> None:
         if self._obtain_artifact is not None:
@@ -101,11 +115,13 @@ class SplitHost:
     def is_entry(self) -> bool:
         return self.part is not None and self.part.start == 0
 
-    def _neighbours(self, plan: Plan) -> tuple[str | None, str]:
+    def _wire(self, plan: Plan) -> None:
+        """Take this agent's neighbours in `plan`: where its streams go, whence they may come."""
         order = [s.peer_id for s in plan.stages]
         i = order.index(self.peer_id)
-        nxt = order[i + 1] if i + 1 < len(order) else None
-        return nxt, order[0]
+        self._next = order[i + 1] if i + 1 < len(order) else None
+        self._previous = order[i - 1] if i > 0 else None
+        self._entry_peer, self._last_peer = order[0], order[-1]
 
     def keeps_part(self, plan: Plan) -> bool:
         """Whether `plan` gives this agent the part it has loaded, in a chain as long (only
@@ -126,8 +142,13 @@ class SplitHost:
         if not self.keeps_part(plan):
             raise EngineError(f"peer {self.peer_id} has another part in this plan")
         self.plan = plan
-        self._next, self._entry_peer = self._neighbours(plan)
-        log.info("split.rewired", layers=(self.part.start, self.part.end), next=self._next)
+        self._wire(plan)
+        log.info(
+            "split.rewired",
+            layers=(self.part.start, self.part.end),
+            next=self._next,
+            previous=self._previous,
+        )
 
     async def load(self, plan: Plan) -> None:
         """Load this agent's stage of `plan` (blocking work off the event loop)."""
@@ -155,8 +176,8 @@ class SplitHost:
             )
         )
         self.plan, self.part, self._engine = plan, part, engine
-        nxt, entry = self._neighbours(plan)
-        self._next, self._entry_peer = nxt, entry
+        self._wire(plan)
+        nxt = self._next
         window = {
             "window_bytes": ACTIVATION_WINDOW_BYTES,
             "window_frames": ACTIVATION_WINDOW_FRAMES,
@@ -189,29 +210,64 @@ class SplitHost:
         elif nxt is not None:
             self.server = StageServer(
                 engine,
+                n_vocab=self.info.n_vocab,
+                kept_budget=s.kept_budget,
                 open_next=lambda: self._open_stream(self._next, STAGE_LABEL, **window),
                 open_reply=None,
             )
         else:
             self.server = StageServer(
                 engine,
+                n_vocab=self.info.n_vocab,
+                kept_budget=s.kept_budget,
                 open_next=None,
                 open_reply=lambda: self._open_stream(self._entry_peer, REPLY_LABEL),
             )
         log.info("split.loaded", layers=(part.start, part.end), entry=self.is_entry, next=nxt)
 
     async def handle_stage(self, stream: MeshStream) -> None:
+        """Serve a `stage/1` stream from the previous stage of the plan (a new one replaces
+        the one served before it); from any other peer, refuse it and disturb nothing."""
         if self.server is None:
             stream.reset("this agent runs no middle or last stage")
+            return
+        if stream.peer_id != self._previous:
+            self._refuse(stream, "the previous stage", self._previous)
             return
         await self.server.handle(stream)
 
     async def handle_reply(self, stream: MeshStream) -> None:
+        """Take tokens on a `stage-reply/1` stream from the plan's last stage only."""
         if self.model is None:
             stream.reset("this agent is not the entry of a split")
             return
+        if stream.peer_id != self._last_peer:
+            self._refuse(stream, "the last stage", self._last_peer)
+            return
         assert self.pipeline is not None
-        await self.pipeline.handle_reply(stream)
+        if len(self._replies) >= MAX_REPLY_STREAMS:
+            oldest = self._replies.pop(0)
+            oldest.reset("a newer reply stream from the last stage replaced this one")
+        self._replies.append(stream)
+        try:
+            await self.pipeline.handle_reply(stream)
+        finally:
+            if stream in self._replies:
+                self._replies.remove(stream)
+
+    def _refuse(self, stream: MeshStream, role: str, allowed: str | None) -> None:
+        why = (
+            f"{stream.label} streams come from {role} of the split's plan ({allowed}), "
+            f"not from {stream.peer_id}"
+        )
+        log.warning(
+            "split.stream_refused",
+            label=stream.label,
+            peer=stream.peer_id,
+            allowed=allowed,
+            layers=self.layers,
+        )
+        stream.reset(why)
 
     async def aclose(self) -> None:
         """Free the engines once nothing computes with them: a middle or last stage first

@@ -3,11 +3,19 @@
 A message is `u32 header length (little-endian) | cbor header | payload`. Headers are cbor
 maps with small integer keys and a version; activations travel as the payload in raw
 little-endian f16 or f32, never as cbor arrays. `StageDecoder` is fed bytes and returns
-messages, raising `StageProtocolError` on anything malformed.
+messages, raising `StageProtocolError` on anything malformed or out of range.
+
+A receiver decodes against `StageLimits`, what it knows of itself: its slots, their context,
+the vocabulary and the hidden width. Every value a peer sends is checked there, once, before
+any of it reaches the engine (llama.cpp aborts the process on a sequence id past its slots),
+and each message type's payload is capped by what that type can hold before a byte of it is
+buffered.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +28,8 @@ from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 VERSION = 1
 MAX_HEADER = 64 * 1024
-MAX_PAYLOAD = 256 * 1024 * 1024
+MAX_PAYLOAD = 256 * 1024 * 1024  # whatever the limits, no message carries more
+MAX_ID = 2**63 - 1  # prefix-cache entries, layers, seeds: any id the sender's counters reach
 DTYPES = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4")}
 
 # header keys
@@ -39,10 +48,58 @@ K_LOGPROBS = 18  # Token: per token, [logprob, [[id, logprob], ...]] (where aske
 MAX_TOP_LOGPROBS = 20
 MAX_STAGES = 64
 T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR, T_KEEP, T_DROP = 1, 2, 3, 4, 5, 6, 7
+# What each kind of stream carries: upstream, the entry's messages (a failure only from a
+# middle stage, to say why it stopped); back to the entry, tokens and failures.
+UPSTREAM = frozenset({T_OPEN, T_FORWARD, T_CLOSE, T_ERROR, T_KEEP, T_DROP})
+REPLIES = frozenset({T_TOKEN, T_ERROR})
 
 
 class StageProtocolError(MeshError):
     """A malformed stage message: the stream it came on is closed."""
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """What a receiver holds, which every value in its stage messages must fit: `slots`
+    sequences of `slot_ctx` positions each, token ids below `n_vocab`, hidden rows `width`
+    wide. Without a width the stream is one back to the entry (tokens and failures only)."""
+
+    slots: int
+    slot_ctx: int
+    n_vocab: int
+    width: int | None = None
+
+    @property
+    def accepts(self) -> frozenset[int]:
+        return REPLIES if self.width is None else UPSTREAM
+
+    def seq(self, seq: int) -> int:
+        if seq >= self.slots:
+            raise StageProtocolError(f"sequence {seq} is not one of the {self.slots} slots")
+        return seq
+
+    def span(self, seq: int, pos: int, n: int) -> None:
+        """Positions pos..pos+n-1 of a sequence: within its slot."""
+        self.seq(seq)
+        if pos + n > self.slot_ctx:
+            raise StageProtocolError(
+                f"positions {pos}-{pos + n - 1} of sequence {seq} are past its slot's "
+                f"{self.slot_ctx} positions"
+            )
+
+    def tokens(self, ids: Any, what: str) -> tuple[int, ...]:
+        """`ids`, a list of token ids of the vocabulary (at most a slot's worth)."""
+        ok = isinstance(ids, list | tuple) and len(ids) <= self.slot_ctx
+        if not ok or not all(_uint(x) and x < self.n_vocab for x in ids):
+            raise StageProtocolError(
+                f"{what} must be at most {self.slot_ctx} token ids below {self.n_vocab}"
+            )
+        return tuple(ids)
+
+    def rows(self) -> int:
+        """The most hidden rows a Forward may carry: every slot's context, full (and no more
+        than `MAX_PAYLOAD` holds)."""
+        return min(self.slots * self.slot_ctx, MAX_PAYLOAD // (4 * (self.width or 1)))
 
 
 # Only the header is framed (little-endian, unlike the other framings); the payload follows
@@ -149,26 +206,46 @@ def _sampling_to_cbor(p: SamplingParams) -> dict[int, Any]:
 
 
 def _sampling_from_cbor(d: Any) -> SamplingParams:
-    if not isinstance(d, dict):
-        raise StageProtocolError("sampling parameters must be a map")
-    try:
-        return SamplingParams(
-            temperature=float(d[0]),
-            top_p=float(d[1]),
-            seed=None if d[2] is None else int(d[2]),
-            presence_penalty=float(d[3]),
-            frequency_penalty=float(d[4]),
-            grammar=_optional(d.get(5), str, "grammar"),
-            logprobs=_top_count(d.get(6)),
-            grammar_trigger=_optional(d.get(7), str, "grammar trigger"),
-            close_within=_optional(d.get(8), int, "closing budget"),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise StageProtocolError(f"bad sampling parameters: {e}") from e
+    if not isinstance(d, dict) or not all(k in d for k in range(5)):
+        raise StageProtocolError("sampling parameters must be a map of at least keys 0-4")
+    temperature, top_p = _finite(d[0], "temperature"), _finite(d[1], "top_p")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise StageProtocolError("a sampling temperature must be >= 0 and top_p in (0, 1]")
+    seed = d[2]
+    if seed is not None and not (_int_like(seed) and -MAX_ID <= seed <= MAX_ID):
+        raise StageProtocolError("a sampling seed must be a 64-bit integer")
+    close_within = _optional(d.get(8), int, "closing budget")
+    if close_within is not None and not (_uint(close_within) and 0 < close_within <= MAX_ID):
+        raise StageProtocolError("a sampling closing budget must be a positive integer")
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        presence_penalty=_finite(d[3], "presence penalty"),
+        frequency_penalty=_finite(d[4], "frequency penalty"),
+        grammar=_optional(d.get(5), str, "grammar"),
+        logprobs=_top_count(d.get(6)),
+        grammar_trigger=_optional(d.get(7), str, "grammar trigger"),
+        close_within=close_within,
+    )
+
+
+def _finite(x: Any, what: str) -> float:
+    if not _number(x) or not math.isfinite(x):
+        raise StageProtocolError(f"a sampling {what} must be a finite number")
+    return float(x)
+
+
+def _int_like(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _uint(x: Any) -> bool:
+    return _int_like(x) and x >= 0
 
 
 def _optional(value: Any, kind: type, what: str) -> Any:
-    if value is not None and not isinstance(value, kind):
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
         raise StageProtocolError(f"a sampling {what} must be a {kind.__name__}")
     return value
 
@@ -191,7 +268,7 @@ def _number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-def _logprobs(h: dict[int, Any], tokens: int) -> tuple[TokenLogprob, ...]:
+def _logprobs(h: dict[int, Any], tokens: int, limits: StageLimits) -> tuple[TokenLogprob, ...]:
     raw = h.get(K_LOGPROBS)
     if raw is None:
         return ()
@@ -205,14 +282,15 @@ def _logprobs(h: dict[int, Any], tokens: int) -> tuple[TokenLogprob, ...]:
         ok = ok and all(
             isinstance(p, list)
             and len(p) == 2
-            and isinstance(p[0], int)
-            and not isinstance(p[0], bool)
-            and p[0] >= 0
+            and _uint(p[0])
+            and p[0] < limits.n_vocab
             and _number(p[1])
             for p in top  # type: ignore[union-attr]
         )
         if not ok:
-            raise StageProtocolError("a token's logprob must be [logprob, [[id, logprob]...]]")
+            raise StageProtocolError(
+                "a token's logprob must be [logprob, [[id, logprob]...]], ids of the vocabulary"
+            )
         out.append(TokenLogprob(float(entry[0]), tuple((p[0], float(p[1])) for p in top)))
     return tuple(out)
 
@@ -225,10 +303,11 @@ def _item_to_cbor(i: ForwardItem) -> list[Any]:
     return [*fields, list(i.draft)] if i.draft else fields
 
 
-def _item_from_cbor(it: Any) -> ForwardItem:
+def _item_from_cbor(it: Any, limits: StageLimits) -> ForwardItem:
     ok = isinstance(it, list) and len(it) in (4, 5, 6) and isinstance(it[3], bool)
-    if not ok or not all(isinstance(x, int) and x >= 0 for x in it[:3]) or it[2] == 0:
+    if not ok or not all(_uint(x) for x in it[:3]) or it[2] == 0:
         raise StageProtocolError(f"bad forward item {it!r}")
+    limits.span(it[0], it[1], it[2])
     draft: tuple[int, ...] = ()
     follows = len(it) == 6
     if follows and it[5] is not True:
@@ -236,20 +315,11 @@ def _item_from_cbor(it: Any) -> ForwardItem:
     if len(it) >= 5:
         d = it[4]
         # A window that follows another is all draft; any other keeps its first token.
-        fits = len(d) == it[2] if follows else 0 < len(d) < it[2]
-        ok = isinstance(d, list) and fits and it[3]
-        if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in d):
+        fits = isinstance(d, list) and (len(d) == it[2] if follows else 0 < len(d) < it[2])
+        if not fits or not it[3]:
             raise StageProtocolError(f"bad draft in forward item {it!r}")
-        draft = tuple(d)
+        draft = limits.tokens(d, "a forward item's draft")
     return ForwardItem(it[0], it[1], it[2], it[3], draft, follows)
-
-
-def _tokens(h: dict[int, Any]) -> tuple[int, ...]:
-    more = h.get(K_MORE, [])
-    ok = isinstance(more, list) and len(more) <= MAX_HEADER
-    if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in more):
-        raise StageProtocolError("a token's draft tokens must be non-negative integers")
-    return tuple(more)
 
 
 def encode(msg: Message) -> bytes:
@@ -294,27 +364,34 @@ def encode(msg: Message) -> bytes:
     return FRAMING.encode(cbor2.dumps(header)) + payload
 
 
+Build = Callable[[bytes], Message]  # a checked header's message, given its payload
+
+
 @dataclass
 class StageDecoder:
-    """Feed bytes in, take whole messages out."""
+    """Feed bytes in, take whole messages out, each checked against `limits`. A header is
+    checked whole before its payload is waited for, so a payload is never buffered past what
+    its message type may carry."""
 
+    limits: StageLimits
     _frames: LengthPrefixDecoder = field(default_factory=lambda: LengthPrefixDecoder(FRAMING))
-    _header: dict[int, Any] | None = None
+    _pending: tuple[int, Build] | None = None
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
         self._frames.feed(data)
         out: list[Message] = []
         while True:
-            if self._header is None:
+            if self._pending is None:
                 raw = self._frames.next_frame()
                 if raw is None:
                     return out
-                self._header = _header(raw)
-            payload = self._frames.take(int(self._header.get(K_SIZE, 0)))
+                self._pending = _parse(_header(raw), self.limits)
+            size, build = self._pending
+            payload = self._frames.take(size)
             if payload is None:
                 return out
-            header, self._header = self._header, None
-            out.append(_message(header, payload))
+            self._pending = None
+            out.append(build(payload))
 
 
 def _header(raw: bytes) -> dict[int, Any]:
@@ -324,94 +401,142 @@ def _header(raw: bytes) -> dict[int, Any]:
         raise StageProtocolError(f"stage header is not cbor: {e}") from e
     if not isinstance(h, dict) or h.get(K_VERSION) != VERSION:
         raise StageProtocolError("stage header of an unknown version or shape")
-    size = h.get(K_SIZE, 0)
-    if not isinstance(size, int) or not 0 <= size <= MAX_PAYLOAD:
-        raise StageProtocolError(f"bad stage payload size {size!r}")
     return h
 
 
 def _int(h: dict[int, Any], key: int, what: str) -> int:
     v = h.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+    if not _uint(v) or v > MAX_ID:
         raise StageProtocolError(f"stage message needs a non-negative integer {what}")
     return v
+
+
+def _size(h: dict[int, Any], cap: int, what: str) -> int:
+    """The payload size the header gives: at most `cap` bytes, what `what` may carry."""
+    size = h.get(K_SIZE, 0)
+    if not _uint(size) or size > cap:
+        raise StageProtocolError(f"{what} carries at most {cap} payload bytes, not {size!r}")
+    return size
 
 
 def _timing(h: dict[int, Any]) -> tuple[float, ...]:
     t = h.get(K_TIMING, [])
     if not isinstance(t, list) or len(t) > MAX_STAGES:
         raise StageProtocolError("stage timing must be a short list")
-    if not all(isinstance(x, int | float) and not isinstance(x, bool) and x >= 0 for x in t):
+    if not all(_number(x) and 0 <= x < math.inf for x in t):
         raise StageProtocolError("stage timing must hold non-negative numbers")
     return tuple(float(x) for x in t)
 
 
-def _message(h: dict[int, Any], payload: bytes) -> Message:
+def _bare(msg: Message) -> Build:
+    """A message that carries no payload."""
+
+    def build(payload: bytes) -> Message:
+        return msg
+
+    return build
+
+
+def _parse(h: dict[int, Any], limits: StageLimits) -> tuple[int, Build]:
+    """Check a header whole, against `limits`: the size of its payload, and how to make the
+    message of it."""
     t = h.get(K_TYPE)
+    if not _int_like(t) or t not in limits.accepts:
+        what = "to the entry" if limits.width is None else "from upstream"
+        raise StageProtocolError(f"stage message type {t!r} does not come {what}")
+    if t == T_FORWARD:
+        return _parse_forward(h, limits)
     if t == T_OPEN:
-        history: tuple[int, ...] = ()
-        if h.get(K_HISTORY):
-            if len(payload) % 4:
-                raise StageProtocolError("an open's history must be whole u32 token ids")
-            history = tuple(int(x) for x in np.frombuffer(payload, dtype="<u4"))
-        elif payload:
-            raise StageProtocolError("an open without history carries no payload")
-        restore = h.get(K_RESTORE)
-        if restore is not None:
-            ok = isinstance(restore, list) and len(restore) == 2
-            if not ok or not all(isinstance(x, int) and not isinstance(x, bool) for x in restore):
-                raise StageProtocolError("an open's restore must be [entry, length]")
-            if restore[0] < 0 or restore[1] < 1:
-                raise StageProtocolError("an open's restore must be [entry, length]")
-            restore = (restore[0], restore[1])
-        seq = _int(h, K_SEQ, "seq")
-        return Open(seq, _sampling_from_cbor(h.get(K_SAMPLING)), history, restore)
+        return _parse_open(h, limits)
+    _size(h, 0, f"a stage message of type {t}")
     if t == T_KEEP:
-        keep = Keep(_int(h, K_SEQ, "seq"), _int(h, K_ENTRY, "entry"), _int(h, K_LENGTH, "length"))
-        if payload:
-            raise StageProtocolError("a keep carries no payload")
-        return keep
+        seq, entry = limits.seq(_int(h, K_SEQ, "seq")), _int(h, K_ENTRY, "entry")
+        length = _int(h, K_LENGTH, "length")
+        if not 0 < length <= limits.slot_ctx:
+            raise StageProtocolError(f"a keep's length must be 1-{limits.slot_ctx}")
+        return 0, _bare(Keep(seq, entry, length))
     if t == T_DROP:
         entries = h.get(K_ENTRIES)
         ok = isinstance(entries, list) and len(entries) <= MAX_HEADER
-        if not ok or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entries
-        ):
+        if not ok or not all(_uint(x) and x <= MAX_ID for x in entries):
             raise StageProtocolError("a drop's entries must be non-negative integers")
-        return Drop(tuple(entries))
+        return 0, _bare(Drop(tuple(entries)))
     if t == T_CLOSE:
-        return Close(_int(h, K_SEQ, "seq"))
+        return 0, _bare(Close(limits.seq(_int(h, K_SEQ, "seq"))))
     if t == T_TOKEN:
-        more = _tokens(h)
-        return Token(
-            _int(h, K_SEQ, "seq"),
-            _int(h, K_TOKEN, "token"),
-            _timing(h),
-            more,
-            _logprobs(h, 1 + len(more)),
-        )
-    if t == T_ERROR:
-        seq = h.get(K_SEQ)
-        if seq is not None and (not isinstance(seq, int) or seq < 0):
-            raise StageProtocolError("bad seq in stage error")
-        return StageFailure(seq, str(h.get(K_ERROR, "")))
-    if t == T_FORWARD:
-        dtype = DTYPES.get(h.get(K_DTYPE))  # type: ignore[arg-type]
-        width = h.get(K_WIDTH)
-        raw_items = h.get(K_ITEMS)
-        if dtype is None or not isinstance(width, int) or width <= 0:
-            raise StageProtocolError("forward needs a dtype (f16/f32) and a positive width")
-        if not isinstance(raw_items, list) or not raw_items:
-            raise StageProtocolError("forward needs a non-empty item list")
-        items = [_item_from_cbor(it) for it in raw_items]
-        rows = sum(i.n for i in items)
-        if len(payload) != rows * width * dtype.itemsize:
+        seq = limits.seq(_int(h, K_SEQ, "seq"))
+        token = _int(h, K_TOKEN, "token")
+        if token >= limits.n_vocab:
+            raise StageProtocolError(f"token {token} is not of the vocabulary of {limits.n_vocab}")
+        more = limits.tokens(h.get(K_MORE, []), "a token's verified draft")
+        lps = _logprobs(h, 1 + len(more), limits)
+        return 0, _bare(Token(seq, token, _timing(h), more, lps))
+    assert t == T_ERROR
+    seq = h.get(K_SEQ)
+    if seq is not None:
+        seq = limits.seq(_int(h, K_SEQ, "seq"))
+    message = h.get(K_ERROR, "")
+    if not isinstance(message, str):
+        raise StageProtocolError("a stage failure's message must be text")
+    return 0, _bare(StageFailure(seq, message))
+
+
+def _parse_open(h: dict[int, Any], limits: StageLimits) -> tuple[int, Build]:
+    seq = limits.seq(_int(h, K_SEQ, "seq"))
+    sampling = _sampling_from_cbor(h.get(K_SAMPLING))
+    restore = h.get(K_RESTORE)
+    if restore is not None:
+        ok = isinstance(restore, list) and len(restore) == 2
+        if not ok or not _uint(restore[0]) or restore[0] > MAX_ID or not _uint(restore[1]):
+            raise StageProtocolError("an open's restore must be [entry, length]")
+        if not 0 < restore[1] <= limits.slot_ctx:
+            raise StageProtocolError(f"an open's restore length must be 1-{limits.slot_ctx}")
+        restore = (restore[0], restore[1])
+    # A replay's tokens so far: at most a slot's worth, u32 each.
+    history = bool(h.get(K_HISTORY))
+    size = _size(h, 4 * limits.slot_ctx if history else 0, "an open")
+    if size % 4:
+        raise StageProtocolError("an open's history must be whole u32 token ids")
+
+    def build(payload: bytes) -> Message:
+        ids = np.frombuffer(payload, dtype="<u4")
+        if len(ids) and int(ids.max()) >= limits.n_vocab:
             raise StageProtocolError(
-                f"forward payload of {len(payload)} bytes does not hold {rows}x{width} {dtype}"
+                f"an open's history holds token {int(ids.max())}, not of the vocabulary "
+                f"of {limits.n_vocab}"
             )
+        return Open(seq, sampling, tuple(int(x) for x in ids), restore)
+
+    return size, build
+
+
+def _parse_forward(h: dict[int, Any], limits: StageLimits) -> tuple[int, Build]:
+    name = h.get(K_DTYPE)
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
+    width = h.get(K_WIDTH)
+    raw_items = h.get(K_ITEMS)
+    if dtype is None or not _uint(width):
+        raise StageProtocolError("forward needs a dtype (f16/f32) and a positive width")
+    if width != limits.width:
+        raise StageProtocolError(f"hidden states {width} wide reached a stage {limits.width} wide")
+    if not isinstance(raw_items, list) or not raw_items:
+        raise StageProtocolError("forward needs a non-empty item list")
+    items = tuple(_item_from_cbor(it, limits) for it in raw_items)
+    rows = sum(i.n for i in items)
+    if rows > limits.rows():
+        raise StageProtocolError(f"forward of {rows} rows is over the {limits.rows()} slots hold")
+    size = h.get(K_SIZE, 0)
+    if size != rows * width * dtype.itemsize:
+        raise StageProtocolError(
+            f"forward payload of {size!r} bytes does not hold {rows}x{width} {dtype}"
+        )
+    timing = _timing(h)
+    layer = h.get(K_LAYER)
+    if layer is not None:
+        layer = _int(h, K_LAYER, "layer")
+
+    def build(payload: bytes) -> Message:
         hidden = np.frombuffer(payload, dtype=dtype).reshape(rows, width)
-        layer = h.get(K_LAYER)
-        if layer is not None:
-            layer = _int(h, K_LAYER, "layer")
-        return Forward(tuple(items), hidden, _timing(h), layer)
-    raise StageProtocolError(f"unknown stage message type {t!r}")
+        return Forward(items, hidden, timing, layer)
+
+    return size, build

@@ -24,6 +24,10 @@ from meshagent.serving.sampling import Sampler
 log = structlog.get_logger(__name__)
 
 OpenStream = Callable[[], Awaitable[trio.abc.SendStream]]
+# Kept prefixes a stage holds at most, whatever their bytes: the entry keeps whole
+# conversations (16 tokens at least), so a legitimate one reaches this only with a prefix
+# budget of gigabytes on a tiny model; each costs a few hundred bytes besides its KV.
+MAX_KEPT = 65536
 
 
 class StageServer:
@@ -31,21 +35,31 @@ class StageServer:
     the dtype they came in: the entry chooses the wire dtype for the whole chain.
 
     `open_next` opens the stream to the next stage (middle stages); `open_reply` opens the
-    reply stream to the entry (the last stage).
+    reply stream to the entry (the last stage). Every message is checked against this stage's
+    slots, their context, the model's `n_vocab` and its hidden width where it is decoded; the
+    kept prefixes the entry asks for may take `kept_budget` bytes and `max_kept` entries at
+    most. A message past any of them ends the stream with a protocol error, never the agent.
     """
 
     def __init__(
         self,
         engine: StageEngine,
         *,
+        n_vocab: int,
+        kept_budget: int,
         open_next: OpenStream | None,
         open_reply: OpenStream | None,
+        max_kept: int = MAX_KEPT,
     ) -> None:
         if (open_next is None) == (open_reply is None):
             raise ValueError("a stage sends either to the next stage or back to the entry")
         self.engine = engine
+        self.limits = sm.StageLimits(engine.n_slots, engine.slot_ctx, n_vocab, engine.n_embd)
+        self.kept_budget = kept_budget
+        self.max_kept = max_kept
         self._open_next = open_next
         self._open_reply = open_reply
+        # Keyed by sequence ids checked against the slots: at most one per slot.
         self._samplers: dict[int, Sampler] = {}
         # Per sequence, the position after the last token this stage took: a Forward that
         # starts before it follows a draft whose tail the last stage rejected.
@@ -54,7 +68,8 @@ class StageServer:
         # draft in it was right (a window that follows must have guessed it).
         self._carry: dict[int, int] = {}
         # Kept prefixes: entry -> this stage's KV of it. The entry decides what is kept and
-        # freed (`Keep`, `Drop`); a new upstream stream starts without any.
+        # freed (`Keep`, `Drop`), within `kept_budget`; a new upstream stream starts without
+        # any.
         self._kept: dict[int, bytes] = {}
         self._serving: trio.CancelScope | None = None  # the upstream stream served now
         self._engine_lock = trio.Lock()  # held by the stream served, its worker included
@@ -103,12 +118,14 @@ class StageServer:
         room = trio.Semaphore(1)  # batches handed to the worker and not yet back
         reading = trio.CancelScope()
 
+        peer = getattr(upstream, "peer_id", None)  # a mesh stream's; in-process ones have none
+
         def done(data: bytes, error: BaseException | None) -> None:  # on the event loop
             room.release()
             outbox.put(data)
             if error is not None:
                 if isinstance(error, sm.StageProtocolError):
-                    log.warning("stage.protocol_error", error=str(error))
+                    log.warning("stage.protocol_error", error=str(error), peer=peer)
                 else:
                     log.error("stage.forward_failed", error=str(error))
                 stop.set()
@@ -135,7 +152,7 @@ class StageServer:
                 nursery.start_soon(partial(trio.to_thread.run_sync, work))
                 try:
                     with reading:
-                        decoder = sm.StageDecoder()
+                        decoder = sm.StageDecoder(self.limits)
                         while data := await upstream.receive_some():
                             try:
                                 msgs: list[sm.Message] | sm.StageProtocolError
@@ -188,7 +205,7 @@ class StageServer:
                 else:
                     out.append(msg)
             elif isinstance(msg, sm.Keep):
-                self._kept[msg.entry] = self.engine.export_sequence(msg.seq, msg.length)
+                self._keep(msg.entry, self.engine.export_sequence(msg.seq, msg.length))
                 if not self.engine.last:
                     out.append(msg)
             elif isinstance(msg, sm.Drop):
@@ -203,6 +220,9 @@ class StageServer:
                 self._carry.pop(msg.seq, None)
                 if not self.engine.last:
                     out.append(msg)
+            elif isinstance(msg, sm.StageFailure):
+                # A middle stage stopped on a bad message: its reason goes on to the entry.
+                raise sm.StageProtocolError(f"an earlier stage stopped: {msg.message}")
             else:
                 raise sm.StageProtocolError(f"unexpected {type(msg).__name__} from upstream")
             i += 1
@@ -217,6 +237,21 @@ class StageServer:
         self.engine.import_sequence(seq, state)
         self.engine.trim_sequence(seq, length)
         self._ends[seq] = length
+
+    def _keep(self, entry: int, state: bytes) -> None:
+        """Hold `state` as kept prefix `entry`, within the budgets."""
+        old = len(self._kept.get(entry, b""))
+        if entry not in self._kept and len(self._kept) >= self.max_kept:
+            raise sm.StageProtocolError(
+                f"kept prefix {entry} would be more than the {self.max_kept} this stage holds"
+            )
+        total = self.kept_bytes() - old + len(state)
+        if total > self.kept_budget:
+            raise sm.StageProtocolError(
+                f"kept prefix {entry} would bring this stage's kept prefixes to {total} bytes, "
+                f"over its budget of {self.kept_budget}"
+            )
+        self._kept[entry] = state
 
     def kept_bytes(self) -> int:
         return sum(len(b) for b in self._kept.values())

@@ -146,3 +146,29 @@ def test_a_spare_cuts_every_stage_of_the_split_it_may_join_and_nothing_else():
     assert cuts_here(split, "c") == [("layers", 21, 30)]
     assert cuts_here(split, "d") == spare_cuts(split, "d")
     assert cuts_here(Plan("m", 256, replicas=("a",)), "a") == []
+
+
+def test_a_splits_entry_keeps_prefixes_within_every_stages_room(model_path, store):
+    # Each later stage holds what the entry tells it to keep, up to what its part leaves free
+    # of its offer (beyond that it refuses, and the chain breaks): the entry's budget stays
+    # within a share of the least of them, however much it has free itself.
+    from meshagent.serving.mesh_model import _STAGE_SHARE
+
+    world = World()
+    for pid, gb in (("a", 8), ("b", 1), ("c", 2)):
+        world.views[pid] = View(Record(gb * GB))
+    settings = MeshModelSettings(slots=2, slot_ctx=512, threads=1, max_queue=2)
+    a, b, c = (_mesh_model(pid, world, model_path, store, settings) for pid in "abc")
+    plan = Plan(
+        a.info.id,
+        1024,
+        stages=(
+            StageAssignment("a", 0, 10),
+            StageAssignment("b", 10, 20),
+            StageAssignment("c", 20, 30),
+        ),
+    )
+    room = {pid: m._free_bytes(plan, pid) for pid, m in zip("abc", (a, b, c), strict=True)}
+    assert room["b"] < room["c"] < room["a"]
+    assert a._prefix_budget(plan) == int(room["b"] * _STAGE_SHARE)
+    assert b._free_bytes(plan, "b") == room["b"] == a._free_bytes(plan, "b")  # as b holds it

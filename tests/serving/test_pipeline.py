@@ -34,6 +34,7 @@ from meshagent.serving.stage_server import StageServer
 from meshagent.wire.handshake import LocalPeer
 from tests.api.test_forwarding import StaticDirectory, serve
 from tests.serving.conftest import PROMPTS, text_of
+from tests.serving.stages import ROOMY
 
 MESH = MeshSecret.generate()
 SPLIT = [(0, 10), (10, 20), (20, 30)]
@@ -76,11 +77,15 @@ async def start_split(nursery, model_path, store, wire: str, *, slots: int = 4, 
     servers = [
         StageServer(
             stages[1],
+            n_vocab=info.n_vocab,
+            kept_budget=ROOMY,
             open_next=lambda: b.open_stream(c.peer_id, STAGE_LABEL, **window),
             open_reply=None,
         ),
         StageServer(
             stages[2],
+            n_vocab=info.n_vocab,
+            kept_budget=ROOMY,
             open_next=None,
             open_reply=lambda: c.open_stream(a.peer_id, REPLY_LABEL),
         ),

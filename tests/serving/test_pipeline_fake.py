@@ -12,13 +12,14 @@ import trio
 import trio.testing
 
 from meshagent.errors import SplitUnavailable
+from meshagent.serving import stage_messages as sm
 from meshagent.serving.generation import Delta, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import PipelineExecutor
 from meshagent.serving.runner import ModelRunner
 from meshagent.serving.sampling import SamplingParams
-from meshagent.serving.stage_server import StageServer
 from meshagent.testing.fake_engine import FakeEngine, FakeEntry, FakeStage
+from tests.serving.stages import fake_server, reply_decoder
 from tests.serving.test_runner import complete
 
 PROMPTS = ["alpha", "beta", "gamma", "delta"]
@@ -52,8 +53,8 @@ class FakeChain:
             prefix_budget=prefix_budget,
         )
         self.servers = [
-            StageServer(self.stages[0], open_next=self._open_last, open_reply=None),
-            StageServer(self.stages[1], open_next=None, open_reply=self._open_reply),
+            fake_server(self.stages[0], open_next=self._open_last),
+            fake_server(self.stages[1], open_reply=self._open_reply),
         ]
         runner = ModelRunner(
             self.pipeline,
@@ -162,8 +163,6 @@ async def test_a_broken_chain_fails_its_requests_then_serves_again(nursery, whol
 async def test_a_stage_refuses_hidden_states_meant_for_another_layer():
     """A stage of another plan (a replan moved the cut) answers with a failure naming both
     layers, never computes on the wrong input."""
-    from meshagent.serving import stage_messages as sm
-    from meshagent.serving.sampling import SamplingParams
 
     stage = FakeStage(last=True)
     stage.start = 20  # what a StageEngine says: the first layer it runs
@@ -173,14 +172,14 @@ async def test_a_stage_refuses_hidden_states_meant_for_another_layer():
         a, b = trio.testing.memory_stream_pair()
 
         async def read():
-            decoder = sm.StageDecoder()
+            decoder = reply_decoder(stage)
             while data := await b.receive_some():
                 replies.extend(decoder.feed(data))
 
         nursery.start_soon(read)
         return a
 
-    server = StageServer(stage, open_next=None, open_reply=open_reply)
+    server = fake_server(stage, open_reply=open_reply)
     up, down = trio.testing.memory_stream_pair()
     rows = np.zeros((1, 4), dtype=np.float32)
     item = sm.ForwardItem(0, 0, 1, True)
@@ -426,3 +425,37 @@ async def test_a_split_enforces_a_grammar_and_reports_logprobs_as_the_whole_mode
         assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.logprob for lp in lps)
         got.append((text, lps))
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize(
+    ("forged", "why"),
+    [
+        (sm.Token(3, 5), "a token for sequence 3, which awaits none"),
+        (sm.Token(0, 10**6), "token 1000000 is not of the vocabulary of 40"),
+        (sm.Token(0, 5, more=(5,) * 30), "verified drafts|awaits none"),
+    ],
+    ids=["idle slot", "past the vocabulary", "more than the draft"],
+)
+async def test_a_forged_token_breaks_the_chain_and_never_reaches_a_completion(
+    nursery, whole, forged, why
+):
+    # What comes back on a reply stream is checked against what the entry awaits: a token
+    # for a slot with nothing in flight, of no vocabulary, or past its window's draft is a
+    # protocol error of that stream; the requests fail (and replay elsewhere), none takes it.
+    chain = FakeChain(nursery, depth=1, delay=0.005)
+    await nursery.start(chain.model.run)
+    async with trio.open_nursery() as n:
+
+        async def doomed():
+            with pytest.raises(SplitUnavailable, match=why):
+                await complete(chain.model, PROMPTS[0], 200)
+
+        n.start_soon(doomed)
+        while not chain.model.runner.busy():
+            await trio.sleep(0.001)
+        forger, reply = trio.testing.memory_stream_pair()
+        n.start_soon(chain.pipeline.handle_reply, reply)
+        await forger.send_all(sm.encode(forged))
+        await forger.aclose()
+    text, _ = await complete(chain.model, PROMPTS[1], 16)
+    assert text == whole[1][0]

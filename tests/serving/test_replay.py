@@ -17,8 +17,8 @@ from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import Sampler, SamplingParams
 from meshagent.serving.scheduler import Scheduler
-from meshagent.serving.stage_server import StageServer
 from meshagent.testing.fake_engine import FakeEngine, FakeStage
+from tests.serving.stages import fake_server, reply_decoder
 from tests.serving.test_pipeline_fake import FakeChain
 from tests.serving.test_runner import complete
 
@@ -55,8 +55,10 @@ def test_unseeded_requests_get_a_seed_and_greedy_ones_need_none():
 def test_open_carries_history_and_a_fresh_open_has_no_payload():
     fresh = sm.encode(sm.Open(3, WARM))
     replayed = sm.encode(sm.Open(3, WARM, (5, 0, 70000, 2**32 - 1)))
-    assert sm.StageDecoder().feed(fresh) == [sm.Open(3, WARM)]
-    assert sm.StageDecoder().feed(replayed) == [sm.Open(3, WARM, (5, 0, 70000, 2**32 - 1))]
+    # (a vocabulary as large as u32 ids go)
+    limits = sm.StageLimits(slots=4, slot_ctx=64, n_vocab=2**32, width=4)
+    assert sm.StageDecoder(limits).feed(fresh) == [sm.Open(3, WARM)]
+    assert sm.StageDecoder(limits).feed(replayed) == [sm.Open(3, WARM, (5, 0, 70000, 2**32 - 1))]
     history = np.array([5, 0, 70000, 2**32 - 1], dtype="<u4").tobytes()
     assert replayed.endswith(history)  # the history is raw u32 after the header
     assert len(replayed) == len(fresh) + 4 + len(history)  # two small header entries more
@@ -114,7 +116,7 @@ async def _never():
 
 def test_a_stage_runs_one_sequences_batches_apart_and_other_sequences_together():
     stage = FakeStage(last=True, batch_sensitive=True)
-    server = StageServer(stage, open_next=None, open_reply=_never)
+    server = fake_server(stage, open_reply=_never)
     out = server._run(
         [
             sm.Open(0, GREEDY),
@@ -127,7 +129,7 @@ def test_a_stage_runs_one_sequences_batches_apart_and_other_sequences_together()
     assert stage.caches.batches(0) == (3, 2)
     assert stage.caches.batches(1) == (2,)
     assert stage.forwards == 2
-    assert [m.seq for m in sm.StageDecoder().feed(out)] == [0, 1]
+    assert [m.seq for m in reply_decoder(stage).feed(out)] == [0, 1]
 
 
 # ----- a request through a chain that breaks -----
@@ -229,7 +231,7 @@ async def test_a_chain_that_loses_a_step_silently_is_broken_and_the_request_repl
     await nursery.start(chain.model.run)
     put, lost = chain.pipeline._put, []
 
-    def lose_one(generation, data):
+    def lose_one(generation, data, *sent):
         lost.append(data)
         chain.pipeline._put = put
 
@@ -316,7 +318,7 @@ async def test_a_closed_stage_server_waits_for_its_running_forward_and_serves_no
         replies.append(recv)
         return send
 
-    server = StageServer(stage, open_next=None, open_reply=open_reply)
+    server = fake_server(stage, open_reply=open_reply)
     up_send, up_recv = trio.testing.memory_stream_pair()
     nursery.start_soon(server.handle, up_recv)
     await up_send.send_all(sm.encode(sm.Open(0, GREEDY)) + sm.encode(_forward((0, 0, 2, True))))
