@@ -17,6 +17,12 @@ class EngineError(MeshError):
     """The inference engine failed to load or run."""
 
 
+class OutOfRange(EngineError):
+    """A token id, sequence or position outside what the model and its slots hold, refused
+    before it reaches llama.cpp (which would abort the process): a bug, or a peer's message
+    that was not checked where it arrived."""
+
+
 class SplitUnavailable(EngineError):
     """A split serving the model lost a stage or cannot reach one. Temporary: the mesh
     replans or the stage comes back, and the split serves again; retry shortly."""

@@ -8,6 +8,16 @@ from typing import Protocol
 
 import numpy as np
 
+from meshagent.errors import OutOfRange
+
+
+def check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
+    """Raise OutOfRange unless every token id is of a vocabulary of `n_vocab` (llama.cpp
+    aborts the process on one that is not)."""
+    if len(tokens) and (min(tokens) < 0 or max(tokens) >= n_vocab):
+        bad = next(t for t in tokens if not 0 <= t < n_vocab)
+        raise OutOfRange(f"token id {bad} is outside the vocabulary (0-{n_vocab - 1})")
+
 
 @dataclass(frozen=True)
 class ModelInfo:

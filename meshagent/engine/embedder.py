@@ -14,6 +14,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from meshagent.engine.base import check_tokens
 from meshagent.engine.runtime import load_model
 from meshagent.engine.vocab import Vocab
 from meshagent.errors import EngineError
@@ -49,6 +50,7 @@ class LlamaEmbedder:
         n = len(tokens)
         if not 0 < n <= self.n_ctx:
             raise EngineError(f"an input of {n} tokens does not fit {self.n_ctx}")
+        check_tokens(tokens, self._vocab.n_vocab)
         llama_cpp.llama_memory_clear(self._memory, True)
         batch = self._batch
         for i, token in enumerate(tokens):

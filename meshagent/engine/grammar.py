@@ -13,6 +13,7 @@ from collections.abc import Callable
 import llama_cpp
 import numpy as np
 
+from meshagent.engine.base import check_tokens
 from meshagent.engine.json_close import JsonCloser
 from meshagent.errors import EngineError
 
@@ -128,6 +129,7 @@ class GrammarConstraint:
         return data[: array.size]
 
     def allows(self, token: int) -> bool:
+        check_tokens((token,), self._n)
         closing = self._closing_set()
         if closing is not None and token not in closing:
             return False

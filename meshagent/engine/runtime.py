@@ -13,8 +13,9 @@ import llama_cpp
 import numpy as np
 import structlog
 
+from meshagent.engine.base import check_tokens
 from meshagent.engine.native import Capture, capture_hook
-from meshagent.errors import EngineError, ModelError
+from meshagent.errors import EngineError, ModelError, OutOfRange
 
 log = structlog.get_logger(__name__)
 
@@ -266,6 +267,25 @@ class LlamaRuntime:
         if n > self.max_batch_tokens:
             raise EngineError(f"batch of {n} tokens exceeds {self.max_batch_tokens}")
 
+    # llama.cpp aborts the process on a sequence id past its slots (and reads -1 as every
+    # sequence), on a token id past its vocabulary, and places positions past a slot's end in
+    # no slot: whatever the caller, such values are refused here, before any llama.cpp call.
+
+    def _check_seq(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.slots:
+            raise OutOfRange(
+                f"sequence {seq_id} is not one of the {self.slots} slots (0-{self.slots - 1})"
+            )
+
+    def _check_span(self, seq_id: int, pos: int, n: int) -> None:
+        """Positions pos..pos+n-1 of a sequence: within its slot."""
+        self._check_seq(seq_id)
+        if pos < 0 or pos + n > self.slot_ctx:
+            raise OutOfRange(
+                f"{n} positions from {pos} of sequence {seq_id} do not fit its slot "
+                f"(positions 0-{self.slot_ctx - 1})"
+            )
+
     def decode_tokens(
         self, items: Sequence[tuple[int, int, Sequence[int], int]]
     ) -> list[np.ndarray | None]:
@@ -273,6 +293,9 @@ class LlamaRuntime:
         (rows 1), of its last `rows` tokens as one array (rows > 1), or None (rows 0)."""
         batch = self._tokens
         self._check_size(sum(len(tokens) for _, _, tokens, _ in items))
+        for seq, pos, tokens, _ in items:
+            self._check_span(seq, pos, len(tokens))
+            check_tokens(tokens, self.n_vocab)
         order = _by_sequence([seq for seq, _, _, _ in items])
         n = 0
         wanted: list[range | None] = [None] * len(items)
@@ -311,6 +334,8 @@ class LlamaRuntime:
         batch = self._embd
         total = sum(it.hidden.shape[0] for it in items)
         self._check_size(total)
+        for it in items:
+            self._check_span(it.seq_id, it.pos, it.hidden.shape[0])
         embd = self._embd_view
         order = _by_sequence([it.seq_id for it in items])
         n = 0
@@ -362,14 +387,19 @@ class LlamaRuntime:
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def clear(self, seq_id: int) -> None:
+        self._check_seq(seq_id)
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
 
     def length(self, seq_id: int) -> int:
         """How many positions of a sequence the context holds (0 for an empty one)."""
+        self._check_seq(seq_id)
         return int(llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)) + 1
 
     def check_trim(self, seq_id: int, keep: int) -> None:
         """Raise if `trim(seq_id, keep)` would be refused; change nothing."""
+        self._check_seq(seq_id)
+        if keep < 0:
+            raise OutOfRange(f"cannot trim sequence {seq_id} to {keep} tokens")
         if not self.rewindable and 0 < keep < self.length(seq_id):
             raise EngineError(
                 f"cannot trim sequence {seq_id} to {keep} of {self.length(seq_id)} tokens: "
@@ -389,6 +419,7 @@ class LlamaRuntime:
     def export_sequence(self, seq_id: int) -> bytes:
         """One sequence's state (its KV cells, its recurrent state, or both), as llama.cpp
         serialises it for `import_sequence` into a context of the same model."""
+        self._check_seq(seq_id)
         size = int(llama_cpp.llama_state_seq_get_size(self.ctx, seq_id))
         buf = (ctypes.c_uint8 * size)()
         n = int(llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq_id))
@@ -396,6 +427,7 @@ class LlamaRuntime:
 
     def import_sequence(self, seq_id: int, state: bytes) -> None:
         """Replace a sequence's state with one from `export_sequence`."""
+        self._check_seq(seq_id)
         buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
         if not llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(state), seq_id):
             raise EngineError(f"llama.cpp could not load a state into sequence {seq_id}")

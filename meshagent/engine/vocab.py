@@ -7,6 +7,7 @@ from pathlib import Path
 
 import llama_cpp
 
+from meshagent.engine.base import check_tokens
 from meshagent.engine.grammar import GrammarConstraint, TokenTables, check_grammar
 from meshagent.engine.runtime import load_model
 
@@ -41,6 +42,7 @@ class Vocab:
     def token_bytes(self, token: int) -> bytes:
         cached = self._bytes.get(token)
         if cached is None:
+            check_tokens((token,), self.n_vocab)
             n = llama_cpp.llama_token_to_piece(
                 self._vocab, token, self._piece, len(self._piece), 0, False
             )
@@ -73,7 +75,8 @@ class Vocab:
 
     def token_text(self, token: int) -> str:
         if token < 0:
-            return ""
+            return ""  # (no such token: a model without BOS says -1)
+        check_tokens((token,), self.n_vocab)
         raw = llama_cpp.llama_vocab_get_text(self._vocab, token)
         return raw.decode(errors="replace") if raw else ""
 

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 from gguf import GGUFValueType
 
-from meshagent.errors import ModelError
+from meshagent.errors import ModelError, OutOfRange
 from meshagent.models.family import ATTENTION, RECURRENT, family_traits
 from meshagent.models.gguf_file import TOKENIZER_PREFIX, GGUFFile
 from meshagent.models.layout import LAYER_TENSOR, ModelLayout, open_gguf
@@ -216,15 +216,29 @@ class TokenEmbeddings:
         self._rows: dict[int, np.ndarray] = {}  # decode steps look up one token at a time
 
     def __call__(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """The rows of `tokens`; OutOfRange for an id outside the vocabulary (numpy would
+        read -1 as the last row)."""
         if len(tokens) == 1:
             token = int(tokens[0])
             row = self._rows.get(token)
             if row is None:
+                self._check(token, token)
                 row = self._lookup(np.asarray([token]))
                 row.flags.writeable = False  # shared by every later lookup of this token
                 self._rows[token] = row
             return row
-        return self._lookup(np.asarray(tokens, dtype=np.int64))
+        try:
+            ids = np.asarray(tokens, dtype=np.int64)
+        except OverflowError as e:
+            raise OutOfRange(f"a token id outside the vocabulary (0-{self.n_vocab - 1})") from e
+        if len(ids):
+            self._check(int(ids.min()), int(ids.max()))
+        return self._lookup(ids)
+
+    def _check(self, low: int, high: int) -> None:
+        if low < 0 or high >= self.n_vocab:
+            bad = low if low < 0 else high
+            raise OutOfRange(f"token id {bad} is outside the vocabulary (0-{self.n_vocab - 1})")
 
     def _lookup(self, tokens: np.ndarray) -> np.ndarray:
         rows = self._data[tokens]
