@@ -2,12 +2,16 @@
 
 Each is `u32 length | cbor map` (the framing of `api/1`), key 0 the version and key 1 the
 kind: an `Ask` (asker to entry), then a `Head` or a `Fail`, then `Delta`s and a `Finished`
-(`done`) or a `Fail` (entry to asker). Decoding validates every field once; anything else is a
-`GenMessageError`.
+(`done`) or a `Fail` (entry to asker). Decoding validates every field once, each integer
+against its range (`TOKEN_IDS`, `COUNTS`, `SEEDS`, `STATUSES`, `RETRY_AFTER`); anything else is
+a `GenMessageError`. What only the entry knows (its vocabulary, its slot's context) the entry
+checks when it takes the ask (`api/resumable.py`).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +25,17 @@ from meshagent.serving.directory import Headers
 from meshagent.serving.generation import Delta, Finished, Logprob, Replay, Speculation
 
 VERSION = 1
+
+# The ranges of the integers a message may carry.
+TOKEN_IDS = range(2**31)  # llama.cpp's token ids are int32 (the entry checks its vocabulary)
+COUNTS = range(2**31)  # tokens and characters of one request
+SEEDS = range(2**64)  # a seed as the sampler reads it: its low 64 bits (`encode` sends those)
+STATUSES = range(400, 600)  # a carried error's HTTP status
+RETRY_AFTER = range(86_400 + 1)  # seconds: a day at most
+
+# The receipt headers an entry may send (the asker hands them to its client): meshagent's own.
+_RECEIPT_NAME = re.compile(rb"x-meshagent-[a-z0-9-]+")
+_HEADER_VALUE = re.compile(rb"[\x20-\x7e]*")
 
 
 class GenMessageError(MeshError):
@@ -65,11 +80,12 @@ def _fields(msg: Message) -> dict[int, Any]:
     if isinstance(msg, Ask):
         fields: dict[int, Any] = {1: "ask", 2: msg.method, 3: msg.path, 4: msg.body}
         if msg.history or msg.delivered or msg.seed is not None:
-            fields.update({5: list(msg.history), 6: msg.delivered, 7: msg.seed})
+            fields.update({5: list(msg.history), 6: msg.delivered, 7: _seed_bits(msg.seed)})
         return fields
     if isinstance(msg, Head):
         headers = [[k, v] for k, v in msg.headers]
-        head = {1: "head", 2: headers, 3: msg.model, 4: msg.seed, 5: msg.prompt_tokens, 6: msg.echo}
+        seed = _seed_bits(msg.seed)
+        head = {1: "head", 2: headers, 3: msg.model, 4: seed, 5: msg.prompt_tokens, 6: msg.echo}
         if msg.tools is not None:
             head[7] = msg.tools
         return head
@@ -97,6 +113,12 @@ def _fields(msg: Message) -> dict[int, Any]:
     return done
 
 
+def _seed_bits(seed: int | None) -> int | None:
+    """A seed as it travels: the 64 bits the sampler draws with (`serving/sampling.py`), so
+    an HTTP client's seed of any size or sign samples alike on every entry."""
+    return None if seed is None else seed & (SEEDS.stop - 1)
+
+
 def decode(body: bytes) -> Message:
     """One message from its frame's body; `GenMessageError` if it is not one of this version."""
     try:
@@ -114,46 +136,96 @@ def _message(m: dict[int, Any]) -> Message:
     kind = m[1]
     if kind == "delta":
         lps = tuple(
-            Logprob(bytes(e[0]), float(e[1]), tuple((bytes(t), float(v)) for t, v in e[2]))
+            Logprob(_bytes(e[0]), _logprob(e[1]), tuple((_bytes(t), _logprob(v)) for t, v in e[2]))
             for e in m.get(4, ())
         )
-        return Delta(_str(m[2]), tuple(_int(t) for t in m[3]), lps)
+        return Delta(_str(m[2]), _tokens(m[3]), lps)
     if kind == "done":
         replays = tuple(
-            Replay(_str(r[0]), _int(r[1]), float(r[2]), float(r[3]), tuple(map(_str, r[4])))
+            Replay(
+                _str(r[0]),
+                _int(r[1], COUNTS, "replayed tokens"),
+                _ms(r[2]),
+                _ms(r[3]),
+                tuple(map(_str, r[4])),
+            )
             for r in m[6]
         )
-        spec = None if m.get(7) is None else Speculation(*(_int(x) for x in m[7][:4]))
-        stage_ms = tuple(float(x) for x in m[5])
-        cached = _int(m.get(8, 0))
-        return Finished(_str(m[2]), _int(m[3]), _int(m[4]), stage_ms, replays, spec, cached)
+        spec = None
+        if m.get(7) is not None:
+            spec = Speculation(*(_int(x, COUNTS, "speculation count") for x in m[7][:4]))
+        stage_ms = tuple(_ms(x) for x in m[5])
+        cached = _int(m.get(8, 0), COUNTS, "cached tokens")
+        prompt = _int(m[3], COUNTS, "prompt tokens")
+        completion = _int(m[4], COUNTS, "completion tokens")
+        return Finished(_str(m[2]), prompt, completion, stage_ms, replays, spec, cached)
     if kind == "head":
-        headers = [(bytes(k), bytes(v)) for k, v in m[2]]
-        seed = None if m[4] is None else _int(m[4])
+        headers = [_receipt_header(_bytes(k), _bytes(v)) for k, v in m[2]]
+        seed = None if m[4] is None else _int(m[4], SEEDS, "seed")
         tools = m.get(7)
         if tools is not None and tools not in SYNTAXES:
             raise GenMessageError(f"unknown tool-call syntax {tools!r}")
-        return Head(headers, _str(m[3]), seed, _int(m[5]), _str(m[6]), tools)
+        prompt = _int(m[5], COUNTS, "prompt tokens")
+        return Head(headers, _str(m[3]), seed, prompt, _str(m[6]), tools)
     if kind == "fail":
-        retry = None if m[4] is None else _int(m[4])
-        return Fail(from_body(_int(m[2]), m[3], retry), bool(m[5]))
+        retry = None if m[4] is None else _int(m[4], RETRY_AFTER, "Retry-After")
+        return Fail(from_body(_int(m[2], STATUSES, "error status"), m[3], retry), bool(m[5]))
     if kind == "ask":
         seed = m.get(7)
         return Ask(
             _str(m[2]),
             _str(m[3]),
-            bytes(m[4]),
-            tuple(_int(t) for t in m.get(5, ())),
-            _int(m.get(6, 0)),
-            None if seed is None else _int(seed),
+            _bytes(m[4]),
+            _tokens(m.get(5, ())),
+            _int(m.get(6, 0), COUNTS, "delivered characters"),
+            None if seed is None else _int(seed, SEEDS, "seed"),
         )
     raise GenMessageError(f"unknown gen/1 message kind {kind!r}")
 
 
-def _int(v: Any) -> int:
+def _tokens(v: Any) -> tuple[int, ...]:
+    return tuple(_int(t, TOKEN_IDS, "token id") for t in v)
+
+
+def _int(v: Any, allowed: range, what: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise TypeError(f"expected an integer, got {type(v).__name__}")
+    if v not in allowed:
+        raise GenMessageError(f"{what} {v} is outside {allowed.start}-{allowed.stop - 1}")
     return v
+
+
+def _float(v: Any) -> float:
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise TypeError(f"expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _ms(v: Any) -> float:
+    ms = _float(v)
+    if not (math.isfinite(ms) and ms >= 0):
+        raise GenMessageError(f"a duration of {ms} ms")
+    return ms
+
+
+def _logprob(v: Any) -> float:
+    lp = _float(v)
+    if math.isnan(lp):
+        raise GenMessageError("a log-probability that is not a number")
+    return lp
+
+
+def _bytes(v: Any) -> bytes:
+    # (Never `bytes(v)`: an integer there would allocate that many bytes.)
+    if not isinstance(v, bytes):
+        raise TypeError(f"expected bytes, got {type(v).__name__}")
+    return v
+
+
+def _receipt_header(name: bytes, value: bytes) -> tuple[bytes, bytes]:
+    if not _RECEIPT_NAME.fullmatch(name) or not _HEADER_VALUE.fullmatch(value):
+        raise GenMessageError(f"a receipt header that is not meshagent's: {name[:40]!r}")
+    return name, value
 
 
 def _str(v: Any) -> str:

@@ -16,7 +16,10 @@ prompt and tokens and goes on from the next token (`generation.generate`), and t
 sees one stream: the same text an undisturbed run gives, greedy or seeded. Past the deadline
 with no entry, the request fails as temporarily unavailable.
 
-The messages are in `api/gen_messages.py`.
+The messages are in `api/gen_messages.py`, which checks each field's range as it decodes;
+the entry checks a continuation against its model's vocabulary before it answers. Neither side
+waits for a stream's first message for ever: the entry gives up on an ask after
+`ASK_DEADLINE`, the asker on a head after `HEAD_DEADLINE`.
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ from meshagent.api.errors import ApiError, api_error_for
 from meshagent.api.forwarding import FRAMING
 from meshagent.api.gen_messages import Ask, Fail, GenMessageError, Head, Message, decode, encode
 from meshagent.api.prepare import Prepared
-from meshagent.errors import MeshError, ModelMoved, ShuttingDown
+from meshagent.errors import MeshError, ModelMoved, OutOfRange, ShuttingDown
 from meshagent.net.errors import StreamResetError
 from meshagent.net.framed import receive_frame
 from meshagent.serving.directory import GENERATE_LABEL, ModelDirectory, RemoteModel
-from meshagent.serving.generation import Delta, Finished, Replay, check_fits
+from meshagent.serving.generation import Delta, Finished, Replay, check_fits, check_history
 from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
@@ -47,6 +50,11 @@ log = structlog.get_logger(__name__)
 _RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds before asking again after an entry failed
 _LOOK = 0.05  # seconds between looks at the directory for an entry that serves
 _LINGER = 5.0  # seconds an entry waits for the asker to close after the last message
+# Seconds an entry waits for the ask once a gen/1 stream is open (the asker sends it at once),
+# and an asker for the entry's head or fail once it sent the ask (the entry answers once it has
+# prepared the request, before it generates).
+ASK_DEADLINE = 30.0
+HEAD_DEADLINE = 30.0
 
 Events = trio.MemorySendChannel[Delta | Finished]
 
@@ -75,20 +83,15 @@ async def _read(stream: Any, frames: LengthPrefixDecoder) -> Message:
 
 async def serve(stream: Any, app: Any, *, peer_id: str) -> None:
     """Answer one `gen/1` stream with the local model (`app` is the agent's `OpenAIApp`)."""
-    try:
-        ask = await _read(stream, LengthPrefixDecoder(FRAMING))
-        if not isinstance(ask, Ask):
-            raise Broken("a gen/1 stream must begin with an ask")
-    except Broken as e:
-        log.warning("gen.bad_request", peer=peer_id, error=str(e))
-        stream.reset(str(e))
+    ask = await _receive_ask(stream, peer_id)
+    if ask is None:
         return
     try:
         with app.inflight.track() as grace:
             with grace:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_watch_asker, stream, nursery.cancel_scope)
-                    await _answer(stream, app, ask)
+                    await _answer(stream, app, ask, peer_id)
                     nursery.cancel_scope.cancel()
             if grace.cancelled_caught:  # the shutdown grace expired: another entry goes on
                 gone = errors.unavailable("the entry shut down", code="shutting_down")
@@ -99,7 +102,31 @@ async def serve(stream: Any, app: Any, *, peer_id: str) -> None:
         log.info("gen.asker_gone", peer=peer_id, path=ask.path)
 
 
-async def _answer(stream: Any, app: Any, ask: Ask) -> None:
+async def _receive_ask(stream: Any, peer_id: str) -> Ask | None:
+    """The stream's ask; None when there is none to answer (no ask within `ASK_DEADLINE`, or
+    a first message that is not one): the asker is told why in a `Fail`."""
+    why = f"no ask within {ASK_DEADLINE:g} s"
+    with trio.move_on_after(ASK_DEADLINE):
+        try:
+            first = await _read(stream, LengthPrefixDecoder(FRAMING))
+            if isinstance(first, Ask):
+                return first
+            why = "a gen/1 stream must begin with an ask"
+        except Broken as e:
+            why = str(e)
+    await _refuse(stream, peer_id, why, code="invalid_gen_message")
+    with trio.move_on_after(_LINGER):  # the asker reads the Fail, then closes
+        await _watch_asker(stream, None)
+    return None
+
+
+async def _refuse(stream: Any, peer_id: str, why: str, *, code: str) -> None:
+    """Refuse an ask a peer should not have sent: logged, and a `Fail` on its stream."""
+    log.warning("gen.ask_refused", peer=peer_id, reason=why)
+    await _send_quietly(stream, Fail(errors.bad_request(f"Ask refused: {why}.", code=code), False))
+
+
+async def _answer(stream: Any, app: Any, ask: Ask, peer_id: str) -> None:
     try:
         prepared: Prepared | None = app.prepare_here(ask.path, ask.body)
         if prepared is None:  # the mesh moved the model, or this agent is stopping
@@ -110,6 +137,10 @@ async def _answer(stream: Any, app: Any, ask: Ask) -> None:
         sampling = replace(sampling, seed=ask.seed) if ask.seed is not None else sampling.seeded()
         gen = replace(prepared.gen, sampling=sampling, history=ask.history, delivered=ask.delivered)
         check_fits(gen, prepared.model.engine.slot_ctx)
+        check_history(gen, prepared.model.info.n_vocab)
+    except OutOfRange as e:  # a continuation this model cannot have generated
+        await _refuse(stream, peer_id, str(e), code="invalid_continuation")
+        return
     except ApiError as e:
         await stream.send_all(encode(Fail(e, False)))
         return
@@ -315,7 +346,11 @@ class Carried:
             await stream.send_all(encode(ask))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise Broken(str(e)) from e
-        first = await _read(stream, self._frames)
+        first: Message | None = None
+        with trio.move_on_after(HEAD_DEADLINE):
+            first = await _read(stream, self._frames)
+        if first is None:
+            raise Broken(f"no head within {HEAD_DEADLINE:g} s")
         if isinstance(first, Fail):
             await self._close()
             if first.resumable:
@@ -389,6 +424,16 @@ class Carried:
         gen, seed = prepared.gen, self.ask.seed
         sampling = gen.sampling if seed is None else replace(gen.sampling, seed=seed)
         gen = replace(gen, sampling=sampling, history=tuple(self.history), delivered=self.delivered)
+        try:
+            check_history(gen, prepared.model.info.n_vocab)
+        except OutOfRange as e:  # the entries' deltas: checked here, where the vocabulary is
+            log.warning("gen.bad_continuation", peer=self.entry, reason=str(e))
+            raise ApiError(
+                502,
+                f"An entry that served this request sent tokens it cannot have generated ({e}).",
+                "server_error",
+                code="bad_continuation",
+            ) from e
         self.prompt_tokens = len(gen.prompt_tokens)
         failed: list[MeshError] = []
         async with trio.open_nursery() as nursery:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import structlog
 import trio
 
+from meshagent.engine.base import check_tokens
 from meshagent.errors import ContextOverflow, SplitUnavailable
 from meshagent.serving.runner import ModelRunner
 from meshagent.serving.sampling import SamplingParams, TokenLogprob
@@ -85,6 +86,13 @@ def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
             limit=slot_ctx,
         )
     return request.max_tokens
+
+
+def check_history(request: GenerationRequest, n_vocab: int) -> None:
+    """Raise OutOfRange unless a continuation's tokens (another agent's word for what was
+    generated) are all of the model's vocabulary of `n_vocab`. (More tokens than the request
+    may generate are not an error: it ends at once, its length reached.)"""
+    check_tokens(request.history, n_vocab)
 
 
 @dataclass

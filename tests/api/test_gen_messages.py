@@ -1,6 +1,7 @@
 """`gen/1` messages on their own: every kind round-trips, a continuation's fields travel only
-when there is one, a carried error keeps its shape, and bytes that are not a message are
-refused with a reason (never another exception)."""
+when there is one, a carried error keeps its shape, and bytes that are not a message, or
+whose integers are out of their ranges, are refused with a reason (never another
+exception)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,19 @@ from hypothesis import strategies as st
 
 from meshagent.api.errors import ApiError, from_body, unavailable
 from meshagent.api.forwarding import FRAMING
-from meshagent.api.gen_messages import Ask, Fail, GenMessageError, Head, decode, encode
+from meshagent.api.gen_messages import (
+    COUNTS,
+    RETRY_AFTER,
+    SEEDS,
+    STATUSES,
+    TOKEN_IDS,
+    Ask,
+    Fail,
+    GenMessageError,
+    Head,
+    decode,
+    encode,
+)
 from meshagent.serving.generation import Delta, Finished, Logprob, Replay, Speculation
 from meshagent.wire.framing import LengthPrefixDecoder
 
@@ -30,8 +43,8 @@ def _body(data: bytes) -> bytes:
     "msg",
     [
         Ask("POST", "/v1/completions", b'{"a": 1}'),
-        Ask("POST", "/v1/chat/completions", b"{}", (5, 0, 2**40), 17, 2**62),
-        Ask("POST", "/v1/completions", b"{}", seed=-3),
+        Ask("POST", "/v1/chat/completions", b"{}", (5, 0, 2**31 - 1), 17, 2**64 - 1),
+        Ask("POST", "/v1/completions", b"{}", seed=0),
         Head([(b"x-meshagent-stages", b"a:0-30")], "m", 99, 12, "echo"),
         Head([], "m", None, 3),
         Delta("héllo", (1, 2, 3)),
@@ -53,6 +66,12 @@ def test_a_fresh_ask_carries_no_continuation():
     assert sorted(fresh) == [0, 1, 2, 3, 4]
     cont = cbor2.loads(_body(encode(Ask("POST", "/v1/completions", b"{}", (7,), 1, 5))))
     assert (cont[5], cont[6], cont[7]) == ([7], 1, 5)
+
+
+def test_a_seed_travels_as_the_64_bits_the_sampler_reads():
+    for seed, sent in ((-3, 2**64 - 3), (2**70 + 5, 5), (7, 7)):
+        assert decode(_body(encode(Ask("POST", "/v1/completions", b"{}", seed=seed)))).seed == sent
+        assert decode(_body(encode(Head([], "m", seed, 1)))).seed == sent
 
 
 def test_a_carried_error_keeps_its_shape_and_its_retry_after():
@@ -97,7 +116,117 @@ def test_any_bytes_decode_to_a_message_or_a_clear_error(data):
         decode(data)
 
 
-@given(st.text(), st.lists(st.integers(0, 2**32 - 1), max_size=20))
+@given(st.text(), st.lists(st.integers(0, 2**31 - 1), max_size=20))
 def test_any_delta_round_trips(text, tokens):
     delta = Delta(text, tuple(tokens))
     assert decode(_body(encode(delta))) == delta
+
+
+# ----- every integer field of every kind, out of its range -----
+
+VALID = {
+    "ask": Ask("POST", "/v1/completions", b"{}", (5, 7), 3, 11),
+    "head": Head([(b"x-meshagent-stages", b"a:0-30")], "m", 99, 12),
+    "fail": Fail(unavailable("gone", retry_after=5), True),
+    "delta": Delta("ab", (5, 6)),
+    "done": Finished(
+        "stop", 10, 20, (1.5,), (Replay("lost", 30, 1.0, 0.5),), Speculation(3, 12, 7, 2), 4
+    ),
+}
+
+# Where each integer sits in its kind's map (keys and list indices), and its range.
+INT_FIELDS = [
+    ("ask", (5, 0), TOKEN_IDS),
+    ("ask", (5, 1), TOKEN_IDS),
+    ("ask", (6,), COUNTS),
+    ("ask", (7,), SEEDS),
+    ("head", (4,), SEEDS),
+    ("head", (5,), COUNTS),
+    ("fail", (2,), STATUSES),
+    ("fail", (4,), RETRY_AFTER),
+    ("delta", (3, 0), TOKEN_IDS),
+    ("delta", (3, 1), TOKEN_IDS),
+    ("done", (3,), COUNTS),
+    ("done", (4,), COUNTS),
+    ("done", (6, 0, 1), COUNTS),
+    *(("done", (7, i), COUNTS) for i in range(4)),
+    ("done", (8,), COUNTS),
+]
+
+
+def _map(kind: str) -> dict:
+    return cbor2.loads(_body(encode(VALID[kind])))
+
+
+def _with(kind: str, path: tuple[int, ...], value: object) -> bytes:
+    m = _map(kind)
+    *outer, last = path
+    holder = m
+    for k in outer:
+        holder = holder[k]
+    holder[last] = value
+    return cbor2.dumps(m)
+
+
+def _int_paths(v: object, path: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
+    if isinstance(v, dict):
+        return [p for k, x in v.items() if k != 0 for p in _int_paths(x, (*path, k))]
+    if isinstance(v, list):
+        return [p for i, x in enumerate(v) for p in _int_paths(x, (*path, i))]
+    return [path] if isinstance(v, int) and not isinstance(v, bool) else []
+
+
+def test_the_table_names_every_integer_of_every_kind():
+    listed = sorted((kind, path) for kind, path, _ in INT_FIELDS)
+    assert listed == sorted((kind, p) for kind in VALID for p in _int_paths(_map(kind)))
+
+
+@pytest.mark.parametrize("kind,path,allowed", INT_FIELDS)
+def test_each_range_holds_its_ends(kind, path, allowed):
+    for v in (allowed.start, allowed.stop - 1):
+        decode(_with(kind, path, v))
+
+
+def _outside(allowed: range) -> st.SearchStrategy[int]:
+    return st.one_of(
+        st.integers(max_value=allowed.start - 1),
+        st.integers(min_value=allowed.stop),
+        st.sampled_from([allowed.start - 1, allowed.stop, -(2**63), 2**64, -(2**200), 2**200]),
+    )
+
+
+@given(
+    st.sampled_from(INT_FIELDS).flatmap(
+        lambda f: st.tuples(st.just(f), st.one_of(_outside(f[2]), st.floats(), st.booleans()))
+    )
+)
+def test_an_integer_out_of_its_range_is_refused_with_the_protocols_error(case):
+    (kind, path, _), value = case
+    with pytest.raises(GenMessageError):
+        decode(_with(kind, path, value))
+
+
+@pytest.mark.parametrize(
+    "kind,path",
+    [("ask", (4,)), ("head", (2, 0, 0)), ("head", (2, 0, 1))],
+    ids=["ask-body", "header-name", "header-value"],
+)
+def test_a_number_where_bytes_belong_is_refused_not_allocated(kind, path):
+    with pytest.raises(GenMessageError):
+        decode(_with(kind, path, 2**26))  # a 9-byte field: 64 MiB as `bytes(n)`
+
+
+@pytest.mark.parametrize(
+    "header",
+    [[b"set-cookie", b"a=b"], [b"x-meshagent-stages", b"a\r\nset-cookie: a=b"], [b"X-Other", b"1"]],
+)
+def test_a_receipt_carries_only_meshagents_own_headers(header):
+    with pytest.raises(GenMessageError):
+        decode(_with("head", (2, 0), header))
+
+
+@pytest.mark.parametrize("ms", [float("nan"), float("inf"), -1.0, "5"])
+def test_a_duration_is_a_finite_number_of_milliseconds(ms):
+    for path in ((5, 0), (6, 0, 2), (6, 0, 3)):
+        with pytest.raises(GenMessageError):
+            decode(_with("done", path, ms))

@@ -1,19 +1,24 @@
 """A completion carried to another agent survives losing that agent: over real overlay
 connections on loopback, with fake models, the agent holding the client continues the request
 on the next entry (or on itself) with the tokens the client has, and the client gets the text
-of an undisturbed run, once, ending in [DONE]; and an entry from before `gen/1` gets the
-request over `api/1`."""
+of an undisturbed run, once, ending in [DONE]; an entry from before `gen/1` gets the request
+over `api/1`; a continuation outside the vocabulary is refused on either side; and neither side
+waits for a stream's first message for ever."""
 
 from __future__ import annotations
 
 import json
 
+import cbor2
 import httpx
 import pytest
 import trio
 
 from meshagent.api import resumable
 from meshagent.api.app import OpenAIApp
+from meshagent.api.errors import ApiError
+from meshagent.api.forwarding import FRAMING
+from meshagent.api.gen_messages import Fail
 from meshagent.api.inflight import InFlight
 from meshagent.errors import ModelMoved
 from meshagent.identity.keys import NodeIdentity
@@ -23,6 +28,7 @@ from meshagent.serving import sampling as sampling_module
 from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
 from meshagent.serving.local_model import LocalModel
 from meshagent.testing.fake_engine import FakeEngine
+from meshagent.wire.framing import LengthPrefixDecoder
 from meshagent.wire.handshake import LocalPeer
 from tests.api.test_forwarding import MESH, StaticDirectory, route_api, serve
 
@@ -267,3 +273,94 @@ async def test_a_bad_request_is_refused_by_the_entry_with_its_own_error(mesh):
         )
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+# ----- what a member may not send, and the first message's deadlines -----
+
+
+def _raw_ask(history: list[int]) -> bytes:
+    """An ask as any member could frame it, whatever its values."""
+    body = json.dumps({"model": "fake", "prompt": PROMPT, "max_tokens": 8}).encode()
+    ask = {0: 1, 1: "ask", 2: "POST", 3: "/v1/completions", 4: body, 5: history, 6: 0, 7: None}
+    return FRAMING.encode(cbor2.dumps(ask))
+
+
+async def _first_reply(directory, entry, payload: bytes):
+    stream = await directory.open_stream(entry.node.peer_id, resumable.GENERATE_LABEL)
+    try:
+        await stream.send_all(payload)
+        with trio.fail_after(5):
+            return await resumable._read(stream, LengthPrefixDecoder(FRAMING))
+    finally:
+        await stream.aclose()
+
+
+@pytest.mark.parametrize(
+    "history,code",
+    [
+        ([5, -1], "invalid_gen_message"),
+        ([2**31], "invalid_gen_message"),
+        ([5, 40], "invalid_continuation"),  # the fake model's vocabulary is 0-39
+    ],
+    ids=["negative", "2**31", "vocabulary-size"],
+)
+async def test_a_continuation_outside_the_vocabulary_is_refused_and_the_entry_serves_on(
+    mesh, history, code
+):
+    url, (first, _), directory, _ = mesh
+    reply = await _first_reply(directory, first, _raw_ask(history))
+    assert isinstance(reply, Fail) and not reply.resumable, reply
+    assert reply.error.status == 400 and reply.error.code == code
+    assert "outside" in reply.error.message
+    text, usage, events = await stream_text(url, {"temperature": 0})
+    assert text and events[-1] == "[DONE]" and usage["completion_tokens"] == TOKENS
+
+
+async def test_an_entry_waits_for_an_ask_only_so_long(mesh, monkeypatch):
+    _, (first, _), directory, _ = mesh
+    monkeypatch.setattr(resumable, "ASK_DEADLINE", 0.2)
+    reply = await _first_reply(directory, first, b"")
+    assert isinstance(reply, Fail) and reply.error.code == "invalid_gen_message"
+    assert "no ask within 0.2 s" in reply.error.message
+
+
+async def test_an_asker_waits_for_a_head_only_so_long(mesh, nursery, monkeypatch):
+    _, _, directory, _ = mesh
+    held = []  # a member that takes gen/1 streams and never answers
+
+    async def hold(stream):
+        held.append(stream)
+        await trio.sleep_forever()
+
+    silent = ConnectionManager(
+        LocalPeer.create(NodeIdentity.generate(), MESH),
+        TcpTransport(),
+        listen=["127.0.0.1:0"],
+        on_stream=hold,
+    )
+    await nursery.start(silent.run)
+    await directory.node.dial(silent.listen_addresses[0], peer_id=silent.peer_id)
+    remote = RemoteModel("fake", silent.peer_id, "whole", layers=3)
+    directory.remote = [remote]
+    monkeypatch.setattr(resumable, "HEAD_DEADLINE", 0.2)
+    ask = resumable.Ask("POST", "/v1/completions", b"{}")
+    carried = resumable.Carried(directory, ask, "fake", 1.0, lambda: None)
+    with trio.fail_after(5), pytest.raises(ApiError) as refused:
+        await carried.start(remote)
+    await carried.aclose()
+    assert refused.value.status == 503 and "no head within 0.2 s" in refused.value.message
+    assert held
+
+
+async def test_tokens_an_entry_cannot_have_generated_are_refused_where_the_asker_goes_on(mesh):
+    _, (first, _), directory, _ = mesh
+    body = json.dumps({"model": "fake", "prompt": PROMPT, "max_tokens": 8}).encode()
+    prepared = first.app.prepare_here("/v1/completions", body)
+    ask = resumable.Ask("POST", "/v1/completions", body)
+    # The deltas of a lost entry held a token outside the vocabulary; the model is here now.
+    carried = resumable.Carried(directory, ask, "fake", 1.0, lambda: prepared, history=[3, 40])
+    send, _ = trio.open_memory_channel(100)
+    with trio.fail_after(5), pytest.raises(ApiError) as refused:
+        await carried.hand_on("the mesh moved the model", send)
+    assert refused.value.status == 502 and refused.value.code == "bad_continuation"
+    assert "token id 40" in refused.value.message
