@@ -7,7 +7,7 @@ import json
 import os
 import threading
 from collections.abc import Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,14 @@ log = structlog.get_logger(__name__)
 
 MANIFEST_VERSION = 1
 KINDS = ("layers", "entry")
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and 0 <= v < 1 << 63
+
+
+def _text(v: Any) -> bool:
+    return type(v) is str and len(v) <= 1024
 
 
 def role_of(start: int, end: int, total: int) -> str:
@@ -60,6 +68,10 @@ class SliceManifest:
     def from_dict(cls, d: dict[str, Any]) -> SliceManifest:
         if d.get("version") != MANIFEST_VERSION:
             raise ModelError(f"unsupported manifest version {d.get('version')!r}")
+        for f in fields(cls):  # a peer sends manifests too: each field of its type, in range
+            v = d.get(f.name)  # (one missing: `cls(**d)` names it)
+            if f.name in d and not (_text(v) if f.type == "str" else _count(v)):
+                raise ModelError(f"malformed manifest: {f.name} is {v!r:.40}")
         try:
             m = cls(**d)
         except TypeError as e:

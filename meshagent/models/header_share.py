@@ -28,7 +28,7 @@ import trio
 from meshagent.errors import MeshError
 from meshagent.models.gguf_file import parse_header
 from meshagent.models.header_map import HeaderMap, header_map
-from meshagent.models.ranged import PartialModel, is_partial
+from meshagent.models.ranged import MAX_HEADER, PartialModel, is_partial
 from meshagent.net.framed import receive_cbor
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
@@ -94,8 +94,8 @@ class HeaderMapServer:
 
     async def _answer(self, msg: dict[int, Any]) -> dict[int, Any]:
         sha256 = msg.get(K_SHA256)
-        if not isinstance(sha256, str) or len(sha256) != 64:
-            return {K_ERROR: "a request names a sha256"}
+        if not _is_sha256(sha256):
+            return {K_ERROR: "a request names a sha256 (64 hex digits)"}
         try:
             found = await trio.to_thread.run_sync(self._map, sha256)
         except (OSError, ValueError) as e:
@@ -117,17 +117,34 @@ class HeaderMapServer:
 
 
 def _parse_answer(msg: dict[int, Any], sha256: str) -> HeaderMap:
+    """The map in a peer's answer, checked: a header end of 1 byte to `MAX_HEADER`, at most
+    `MAX_GAPS` gaps in order within it, apart, each of at least one entry and a byte per
+    entry. HeaderShareError otherwise, or with the peer's reason for having none."""
     if K_ERROR in msg:
         raise HeaderShareError(str(msg[K_ERROR])[:200])
     end, gaps = msg.get(K_END), msg.get(K_GAPS)
-    if not isinstance(end, int) or not isinstance(gaps, list) or len(gaps) > MAX_GAPS:
-        raise HeaderShareError("a header map without an end or gaps")
-    out = []
+    if not _count(end) or not 0 < end <= MAX_HEADER:
+        raise HeaderShareError(f"a header map's end is not 1 to {MAX_HEADER}: {end!r:.40}")
+    if not isinstance(gaps, list) or len(gaps) > MAX_GAPS:
+        raise HeaderShareError(f"a header map's gaps are not a list of at most {MAX_GAPS}")
+    out: list[tuple[int, int, int]] = []
     for g in gaps:
-        if not (isinstance(g, list) and len(g) == 3 and all(isinstance(x, int) for x in g)):
+        if not (isinstance(g, list) and len(g) == 3 and all(_count(x) for x in g)):
             raise HeaderShareError("a header map's gap is not [start, end, count]")
-        out.append((g[0], g[1], g[2]))
+        start, stop, count = g
+        after = out[-1][1] if out else 0
+        if not (after <= start < stop <= end and 0 < count <= stop - start):
+            raise HeaderShareError(f"a header map's gap {g!r:.60} does not fit its header")
+        out.append((start, stop, count))
     return HeaderMap(sha256, end, tuple(out))
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _is_sha256(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
 
 async def ask(open_stream: Callable[[], Awaitable[Any]], sha256: str) -> HeaderMap:

@@ -2,7 +2,9 @@
 from a peer that holds it first, from the hub as the fallback.
 
 A peer's copy comes over the overlay with per-chunk hashes (`models/transfer.py`), checked
-against the sha256 that peer publishes in gossip. A copy cut from ranges fetched off the hub
+against the sha256 and size that peer publishes in gossip (a copy cut on request: against
+the size of the model file), and a peer whose messages break the protocol ends only that
+fetch. A copy cut from ranges fetched off the hub
 is checked against the sha256 any peer publishes for the same artifact: a mismatch drops the
 ranges it was cut from and fetches them again, once. With no published hash to compare, the
 artifact is kept and marked unverified (`meshagent status` says so): its bytes are only known
@@ -22,7 +24,7 @@ import structlog
 import trio
 
 from meshagent.errors import MeshError, ModelError
-from meshagent.gossip.record import ModelHeld
+from meshagent.gossip.record import ArtifactHeld, ModelHeld
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore, SliceManifest, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout
@@ -40,17 +42,20 @@ from meshagent.placement.planner import Plan
 log = structlog.get_logger(__name__)
 
 OpenStream = Callable[[str, str], Awaitable[Any]]  # (peer_id, label) -> stream
+# What a slice adds to the bytes it copies from its model file: its provenance keys, padding.
+_SLICE_SLACK = 1 << 20
 
 
-def published(views: Mapping[str, Any], key: str, me: str) -> dict[str, str]:
-    """Peer -> the sha256 it publishes for artifact `key`, for every other peer holding it."""
+def published(views: Mapping[str, Any], key: str, me: str) -> dict[str, ArtifactHeld]:
+    """Peer -> what it publishes of artifact `key` (its sha256 and size), for every other
+    peer holding it."""
     out = {}
     for peer_id, view in views.items():
         if peer_id == me:
             continue
         for held in view.record.artifacts:
             if held.key == key:
-                out[peer_id] = held.sha256
+                out[peer_id] = held
     return out
 
 
@@ -197,18 +202,21 @@ class ArtifactSource:
         if self.store.get(key) is not None:
             return
         views = self.views()
-        # Peers that hold the artifact (checked against the hash each publishes), then peers
-        # that hold the whole file and cut it on request; the hub last.
+        # Peers that hold the artifact (checked against the hash and size each publishes),
+        # then peers that hold the whole file and cut it on request; the hub last. A slice
+        # copies part of the file (`_SLICE_SLACK`: what it adds), so none is larger.
         sources = list(published(views, key, self.peer_id).items())
         sources += [(p, None) for p in file_holders(views, part.sha256, self.peer_id)]
-        for peer_id, sha in sources:
+        for peer_id, held in sources:
             fetch = self._fetching[key] = Fetch(key, f"peer {peer_id}")
             try:
                 _, manifest = await transfer.fetch_artifact(
                     lambda p=peer_id: self.open_stream(p, transfer.LABEL),
                     key,
                     self.store,
-                    expected_sha256=sha,
+                    expected_sha256=held.sha256 if held is not None else None,
+                    expected_size=held.size_bytes if held is not None else None,
+                    max_size=part.remote.size + _SLICE_SLACK,
                     progress=fetch.progress("artifact.progress", key=key, peer=peer_id),
                     max_attempts=2,
                 )
@@ -235,7 +243,7 @@ class ArtifactSource:
                 manifest = await trio.to_thread.run_sync(self._cut, kind, start, end, progress)
             finally:
                 self._fetching.pop(key, None)
-            agreed = set(published(self.views(), key, self.peer_id).values())
+            agreed = {h.sha256 for h in published(self.views(), key, self.peer_id).values()}
             if not agreed or manifest.sha256 in agreed:
                 verdict = "verified" if agreed else "unverified"
                 await trio.to_thread.run_sync(part.note_artifact, key, verdict)

@@ -6,22 +6,26 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import cbor2
 import pytest
 import trio
+from structlog.testing import capture_logs
 
 from meshagent.errors import ModelError
 from meshagent.gossip.record import ArtifactHeld, ModelHeld
-from meshagent.models import ranged
+from meshagent.models import ranged, transfer
 from meshagent.models.artifacts import ArtifactStore, artifact_key
 from meshagent.models.hub import locate
 from meshagent.models.layout import inspect_model
 from meshagent.models.names import HubName
 from meshagent.models.ranged import PartialModel
 from meshagent.models.transfer import ArtifactServer
+from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving.obtain import ArtifactSource
 from tests.engine.tiny_models import write_tiny_model
 from tests.models.fake_hub import FakeHub
 from tests.models.test_transfer import two_nodes
+from tests.models.test_transfer_hostile import Liar
 
 REPO, FILE = "org/tiny-GGUF", "tiny-F32.gguf"
 
@@ -245,3 +249,34 @@ def test_a_prune_follows_a_split_and_leaves_what_is_served_whole_alone(whole, tm
     # A spare of that split keeps every stage's (none of these): with none here, none stay.
     spare = Plan("m", 256, stages=(StageAssignment("b", 0, 3), StageAssignment("c", 3, 6)))
     assert sorted(source.prune(spare)) == sorted(cut[1:])
+
+
+def _malformed_header(manifest) -> bytes:
+    fields = {
+        transfer.K_VERSION: transfer.VERSION,
+        transfer.K_TYPE: transfer.T_HEADER,
+        transfer.K_MANIFEST: manifest.to_cbor(),
+        transfer.K_CHUNK: "a lot",
+        transfer.K_HASHES: b"",
+    }
+    return transfer.FRAMING.encode(cbor2.dumps(fields))
+
+
+async def test_a_malformed_header_ends_one_fetch_not_the_spares_task(hub, whole, tmp_path, nursery):
+    theirs = ArtifactStore(tmp_path / "theirs")
+    _, manifest = theirs.ensure_layers(whole, 2, 4)
+    liar = Liar(_malformed_header(manifest))
+    a, b = await two_nodes(nursery, liar)
+    views = _views(a.peer_id, manifest)
+    source = _source(hub, tmp_path, views, lambda peer, label: b.open_stream(peer, label))
+    stages = [
+        StageAssignment(p, start, start + 2) for p, start in ((a.peer_id, 0), ("c", 2), ("d", 4))
+    ]
+    plan = Plan("m", 256, stages=tuple(stages))
+    failed: set[tuple[str, int, int]] = set()
+    with capture_logs() as logs:
+        await source.prepare_spare(plan, failed, lambda: True)
+    assert liar.gets == 1  # asked once: a peer that breaks the protocol is not asked again
+    [why] = [e["error"] for e in logs if e["event"] == "artifact.peer_fetch_failed"]
+    assert "chunk size" in why
+    assert source.store.get(manifest.key) is None
