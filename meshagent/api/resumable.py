@@ -17,9 +17,9 @@ sees one stream: the same text an undisturbed run gives, greedy or seeded. Past 
 with no entry, the request fails as temporarily unavailable.
 
 The messages are in `api/gen_messages.py`, which checks each field's range as it decodes;
-the entry checks a continuation against its model's vocabulary before it answers. Neither side
-waits for a stream's first message for ever: the entry gives up on an ask after
-`ASK_DEADLINE`, the asker on a head after `HEAD_DEADLINE`.
+the entry checks a continuation against its model (the vocabulary, the request's limit, the
+text's length) before it answers. Neither side waits for a stream's first message for ever:
+the entry gives up on an ask after `ASK_DEADLINE`, the asker on a head after `HEAD_DEADLINE`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from meshagent.api.errors import ApiError, api_error_for
 from meshagent.api.forwarding import FRAMING
 from meshagent.api.gen_messages import Ask, Fail, GenMessageError, Head, Message, decode, encode
 from meshagent.api.prepare import Prepared
-from meshagent.errors import MeshError, ModelMoved, OutOfRange, ShuttingDown
+from meshagent.errors import ContextOverflow, MeshError, ModelMoved, OutOfRange, ShuttingDown
 from meshagent.net.errors import StreamResetError
 from meshagent.net.framed import receive_frame
 from meshagent.serving.directory import GENERATE_LABEL, ModelDirectory, RemoteModel
@@ -136,8 +136,8 @@ async def _answer(stream: Any, app: Any, ask: Ask, peer_id: str) -> None:
         sampling = prepared.gen.sampling
         sampling = replace(sampling, seed=ask.seed) if ask.seed is not None else sampling.seeded()
         gen = replace(prepared.gen, sampling=sampling, history=ask.history, delivered=ask.delivered)
-        check_fits(gen, prepared.model.engine.slot_ctx)
-        check_history(gen, prepared.model.info.n_vocab)
+        limit = check_fits(gen, prepared.model.engine.slot_ctx)
+        check_history(gen, prepared.model.engine, limit)
     except OutOfRange as e:  # a continuation this model cannot have generated
         await _refuse(stream, peer_id, str(e), code="invalid_continuation")
         return
@@ -425,7 +425,9 @@ class Carried:
         sampling = gen.sampling if seed is None else replace(gen.sampling, seed=seed)
         gen = replace(gen, sampling=sampling, history=tuple(self.history), delivered=self.delivered)
         try:
-            check_history(gen, prepared.model.info.n_vocab)
+            check_history(
+                gen, prepared.model.engine, check_fits(gen, prepared.model.engine.slot_ctx)
+            )
         except OutOfRange as e:  # the entries' deltas: checked here, where the vocabulary is
             log.warning("gen.bad_continuation", peer=self.entry, reason=str(e))
             raise ApiError(
@@ -434,6 +436,8 @@ class Carried:
                 "server_error",
                 code="bad_continuation",
             ) from e
+        except ContextOverflow as e:
+            raise api_error_for(e, prompt_param=prepared.prompt_param) from e
         self.prompt_tokens = len(gen.prompt_tokens)
         failed: list[MeshError] = []
         async with trio.open_nursery() as nursery:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import structlog
 import trio
 
-from meshagent.engine.base import check_tokens
-from meshagent.errors import ContextOverflow, SplitUnavailable
+from meshagent.engine.base import TokenModel, check_tokens
+from meshagent.errors import ContextOverflow, OutOfRange, SplitUnavailable
 from meshagent.serving.runner import ModelRunner
 from meshagent.serving.sampling import SamplingParams, TokenLogprob
 from meshagent.serving.stops import StopMatcher
@@ -88,11 +88,23 @@ def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
     return request.max_tokens
 
 
-def check_history(request: GenerationRequest, n_vocab: int) -> None:
-    """Raise OutOfRange unless a continuation's tokens (another agent's word for what was
-    generated) are all of the model's vocabulary of `n_vocab`. (More tokens than the request
-    may generate are not an error: it ends at once, its length reached.)"""
-    check_tokens(request.history, n_vocab)
+def check_history(request: GenerationRequest, model: TokenModel, limit: int) -> None:
+    """Raise OutOfRange unless a continuation (another agent's word for what was generated)
+    could have been generated for `request` on `model`: at most `limit` tokens (`check_fits`),
+    each of the vocabulary, and no more characters delivered than their text holds."""
+    history = request.history
+    if len(history) > limit:
+        raise OutOfRange(
+            f"a continuation of {len(history)} tokens, more than the request may generate "
+            f"here ({limit})"
+        )
+    check_tokens(history, model.info.n_vocab)
+    # Each character of the text took at least one byte of it.
+    if request.delivered > sum(len(model.token_bytes(t)) for t in history):
+        raise OutOfRange(
+            f"{request.delivered} characters delivered: more characters than the text of "
+            f"the continuation's {len(history)} tokens holds"
+        )
 
 
 @dataclass

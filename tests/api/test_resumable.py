@@ -278,10 +278,11 @@ async def test_a_bad_request_is_refused_by_the_entry_with_its_own_error(mesh):
 # ----- what a member may not send, and the first message's deadlines -----
 
 
-def _raw_ask(history: list[int]) -> bytes:
-    """An ask as any member could frame it, whatever its values."""
+def _raw_ask(history: list[int], delivered: int = 0) -> bytes:
+    """An ask for 8 tokens as any member could frame it, whatever its values."""
     body = json.dumps({"model": "fake", "prompt": PROMPT, "max_tokens": 8}).encode()
-    ask = {0: 1, 1: "ask", 2: "POST", 3: "/v1/completions", 4: body, 5: history, 6: 0, 7: None}
+    ask = {0: 1, 1: "ask", 2: "POST", 3: "/v1/completions", 4: body, 5: history}
+    ask.update({6: delivered, 7: None})
     return FRAMING.encode(cbor2.dumps(ask))
 
 
@@ -296,22 +297,24 @@ async def _first_reply(directory, entry, payload: bytes):
 
 
 @pytest.mark.parametrize(
-    "history,code",
+    "ask,code,why",
     [
-        ([5, -1], "invalid_gen_message"),
-        ([2**31], "invalid_gen_message"),
-        ([5, 40], "invalid_continuation"),  # the fake model's vocabulary is 0-39
+        (_raw_ask([5, -1]), "invalid_gen_message", "outside"),
+        (_raw_ask([2**31]), "invalid_gen_message", "outside"),
+        (_raw_ask([5, 40]), "invalid_continuation", "outside"),  # the fake's vocabulary: 0-39
+        (_raw_ask([5] * 9), "invalid_continuation", "more than"),  # the ask is for 8 tokens
+        (_raw_ask([5, 6], 10**6), "invalid_continuation", "more characters"),
     ],
-    ids=["negative", "2**31", "vocabulary-size"],
+    ids=["negative", "2**31", "vocabulary-size", "too-long", "delivered-past-its-text"],
 )
-async def test_a_continuation_outside_the_vocabulary_is_refused_and_the_entry_serves_on(
-    mesh, history, code
+async def test_a_continuation_the_model_cannot_have_generated_is_refused_and_the_entry_serves_on(
+    mesh, ask, code, why
 ):
     url, (first, _), directory, _ = mesh
-    reply = await _first_reply(directory, first, _raw_ask(history))
+    reply = await _first_reply(directory, first, ask)
     assert isinstance(reply, Fail) and not reply.resumable, reply
     assert reply.error.status == 400 and reply.error.code == code
-    assert "outside" in reply.error.message
+    assert why in reply.error.message
     text, usage, events = await stream_text(url, {"temperature": 0})
     assert text and events[-1] == "[DONE]" and usage["completion_tokens"] == TOKENS
 
