@@ -61,8 +61,10 @@ def _load(data: bytes, n: int, what: str) -> dict[int, Any]:
         d = cbor2.loads(data)
     except Exception as e:  # cbor2 raises several unrelated types on garbage
         raise RecordRejected(f"{what} is not valid CBOR ({e})") from e
-    if not isinstance(d, dict) or type(d.get(0)) is not int or d[0] != ITEM_VERSION or len(d) != n:
+    if not isinstance(d, dict) or type(d.get(0)) is not int or d[0] != ITEM_VERSION:
         raise RecordRejected(f"{what} is malformed or of an unsupported version")
+    if d.keys() != set(range(n)):
+        raise RecordRejected(f"{what} must hold keys 0 to {n - 1}, got {sorted(d, key=repr)!r:.60}")
     return d
 
 

@@ -150,6 +150,15 @@ def test_any_item_decodes_or_is_refused(fields):
             parse(data)
 
 
+@pytest.mark.parametrize("keys", [(0, 2, 3), (0, 1, 5), (0, 3, 4, 5), (0, 1, 2, 4, 6)])
+def test_an_item_without_one_of_its_keys_is_refused(keys):
+    """As many keys as the item has, but not its own: refused, never a KeyError."""
+    data = cbor2.dumps({k: (1 if k == 0 else bytes(64)) for k in keys})
+    for parse in (Heartbeat.decode, Obituary.decode, lambda d: SignedRecord.from_cbor(d, MESH)):
+        with pytest.raises(RecordRejected):
+            parse(data)
+
+
 # ----- records: every integer field ----------------------------------------------------------
 
 MODEL = ["m", SHA, "llama", 30, 1000]
