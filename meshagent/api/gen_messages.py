@@ -23,13 +23,13 @@ from meshagent.api.tools import SYNTAXES
 from meshagent.errors import MeshError
 from meshagent.serving.directory import Headers
 from meshagent.serving.generation import Delta, Finished, Logprob, Replay, Speculation
+from meshagent.serving.sampling import SEEDS, seed_word
 
 VERSION = 1
 
 # The ranges of the integers a message may carry.
 TOKEN_IDS = range(2**31)  # llama.cpp's token ids are int32 (the entry checks its vocabulary)
 COUNTS = range(2**31)  # tokens and characters of one request
-SEEDS = range(2**64)  # a seed as the sampler reads it: its low 64 bits (`encode` sends those)
 STATUSES = range(400, 600)  # a carried error's HTTP status
 RETRY_AFTER = range(86_400 + 1)  # seconds: a day at most
 
@@ -116,7 +116,7 @@ def _fields(msg: Message) -> dict[int, Any]:
 def _seed_bits(seed: int | None) -> int | None:
     """A seed as it travels: the 64 bits the sampler draws with (`serving/sampling.py`), so
     an HTTP client's seed of any size or sign samples alike on every entry."""
-    return None if seed is None else seed & (SEEDS.stop - 1)
+    return None if seed is None else seed_word(seed)
 
 
 def decode(body: bytes) -> Message:

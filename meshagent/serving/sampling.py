@@ -24,7 +24,13 @@ from meshagent.errors import EngineError
 # Nucleus sampling looks at this many top candidates first and sorts the full vocabulary
 # only when they do not hold top_p of the probability mass.
 _NUCLEUS_CANDIDATES = 64
-_SEED_MASK = (1 << 64) - 1  # seeds may be negative; numpy's seed words may not
+SEEDS = range(1 << 64)  # a seed as the sampler reads it (numpy's seed words are unsigned)
+
+
+def seed_word(seed: int) -> int:
+    """The 64 bits of `seed` the sampler draws with: seeds of any size or sign sample alike,
+    so a seed travels between agents as these bits."""
+    return seed & (SEEDS.stop - 1)
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ class Sampler:
     def _rng(self) -> np.random.Generator:
         if self.params.seed is None:
             return np.random.default_rng()
-        return np.random.default_rng((self.params.seed & _SEED_MASK, self._index))
+        return np.random.default_rng((seed_word(self.params.seed), self._index))
 
     def _sample_random(self, logits: np.ndarray, rng: np.random.Generator) -> int:
         p = self.params

@@ -23,7 +23,7 @@ import cbor2
 import numpy as np
 
 from meshagent.errors import MeshError
-from meshagent.serving.sampling import SamplingParams, TokenLogprob
+from meshagent.serving.sampling import SEEDS, SamplingParams, TokenLogprob, seed_word
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 VERSION = 1
@@ -193,7 +193,8 @@ Message = Open | Forward | Close | Token | StageFailure | Keep | Drop
 
 
 def _sampling_to_cbor(p: SamplingParams) -> dict[int, Any]:
-    d = {0: p.temperature, 1: p.top_p, 2: p.seed, 3: p.presence_penalty, 4: p.frequency_penalty}
+    seed = None if p.seed is None else seed_word(p.seed)  # as it samples, whatever its sign
+    d = {0: p.temperature, 1: p.top_p, 2: seed, 3: p.presence_penalty, 4: p.frequency_penalty}
     if p.grammar is not None:  # both omitted when unset: the map is the bytes it always was
         d[5] = p.grammar
     if p.logprobs is not None:
@@ -212,8 +213,8 @@ def _sampling_from_cbor(d: Any) -> SamplingParams:
     if temperature < 0 or not 0 < top_p <= 1:
         raise StageProtocolError("a sampling temperature must be >= 0 and top_p in (0, 1]")
     seed = d[2]
-    if seed is not None and not (_int_like(seed) and -MAX_ID <= seed <= MAX_ID):
-        raise StageProtocolError("a sampling seed must be a 64-bit integer")
+    if seed is not None and not (_int_like(seed) and seed in SEEDS):
+        raise StageProtocolError(f"a sampling seed must be an integer from 0 to {SEEDS.stop - 1}")
     close_within = _optional(d.get(8), int, "closing budget")
     if close_within is not None and not (_uint(close_within) and 0 < close_within <= MAX_ID):
         raise StageProtocolError("a sampling closing budget must be a positive integer")

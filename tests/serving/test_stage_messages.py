@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshagent.serving.sampling import SamplingParams, TokenLogprob
+from meshagent.serving.sampling import SamplingParams, TokenLogprob, seed_word
 from meshagent.serving.stage_messages import (
     FRAMING,
     MAX_ID,
@@ -265,7 +265,7 @@ SLOTS, CTX, VOCAB = LIMITS.slots, LIMITS.slot_ctx, LIMITS.n_vocab
 FIELDS = [
     # Open
     ("open seq", 0, SLOTS - 1, lambda v: _open({2: v})),
-    ("open seed", -MAX_ID, MAX_ID, lambda v: _open({3: SAMPLING | {2: v}})),
+    ("open seed", 0, 2**64 - 1, lambda v: _open({3: SAMPLING | {2: v}})),
     ("open logprobs", 0, 20, lambda v: _open({3: SAMPLING | {6: v}})),
     ("open closing budget", 1, MAX_ID, lambda v: _open({3: SAMPLING | {8: v}})),
     ("open restore entry", 0, MAX_ID, lambda v: _open({16: [v, 3]})),
@@ -390,3 +390,12 @@ def test_each_stream_takes_its_own_kinds_of_message(limits, msg):
 def test_sampling_parameters_are_finite_and_of_their_types(sampling):
     with pytest.raises(StageProtocolError, match="sampling"):
         StageDecoder(LIMITS).feed(_open({3: sampling}))
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 + 5, 2**64 - 1, 2**70 + 3])
+def test_a_seed_of_any_size_or_sign_travels_as_the_bits_it_samples_with(seed):
+    """An HTTP client's seed reaches the last stage as the 64 bits the sampler reads, so a
+    seed that the entry took is never one its own chain refuses."""
+    (msg,) = StageDecoder(LIMITS).feed(encode(Open(3, SamplingParams(temperature=0.7, seed=seed))))
+    assert msg.sampling.seed == seed_word(seed)
+    assert 0 <= msg.sampling.seed < 2**64
