@@ -430,7 +430,10 @@ class OpenAIApp:
         logprobs = req.top_count() is not None
         tools = None if head.tools is None else SYNTAXES[head.tools]
         reply = Reply(chat=chat, model=head.model, logprobs=logprobs, tools=tools)
-        receipt = [*head.headers, (b"x-meshagent-served-by", carried.entry.encode())]
+        receipt = [
+            *forwarding.relayed(head.headers),
+            (b"x-meshagent-served-by", carried.entry.encode()),
+        ]
         meter.receipt(receipt)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(produce)

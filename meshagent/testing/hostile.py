@@ -389,7 +389,9 @@ def _(d: Draw) -> Case:
 def _(d: Draw) -> Case:
     if d.rng.random() < 0.5:
         return d.case(_ask(d, history=(1, 2), delivered=d.bad_int(10**9)))
-    return d.case(_ask(d, seed=d.bad_int()))
+    # A seed of any size or sign is a usable seed (its low 64 bits sample); what a peer may
+    # not send is one the wire's range does not hold, or not an integer.
+    return d.case(_ask_raw(d, f5=[1, 2], f6=0, f7=d.pick(2**64, 2**70, -1, 1.5, "7")))
 
 
 @_case(GENERATE_LABEL, "gen.wrong_types")

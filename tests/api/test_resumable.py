@@ -14,6 +14,7 @@ import httpx
 import pytest
 import trio
 
+from meshagent.api import gen_messages as gm
 from meshagent.api import resumable
 from meshagent.api.app import OpenAIApp
 from meshagent.api.errors import ApiError
@@ -26,6 +27,7 @@ from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
 from meshagent.serving import sampling as sampling_module
 from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
+from meshagent.serving.generation import Delta, Finished
 from meshagent.serving.local_model import LocalModel
 from meshagent.testing.fake_engine import FakeEngine
 from meshagent.wire.framing import LengthPrefixDecoder
@@ -367,3 +369,43 @@ async def test_tokens_an_entry_cannot_have_generated_are_refused_where_the_asker
         await carried.hand_on("the mesh moved the model", send)
     assert refused.value.status == 502 and refused.value.code == "bad_continuation"
     assert "token id 40" in refused.value.message
+
+
+async def test_an_entrys_receipt_reaches_the_client_filtered_and_named_by_the_asker(mesh, nursery):
+    """An entry's head may carry any `x-meshagent-*` name; the client gets the receipt's
+    headers only, and `x-meshagent-served-by` once: the peer this agent carried it to."""
+    url, _, directory, _ = mesh
+
+    async def forge(stream):
+        frames = LengthPrefixDecoder(FRAMING)
+        while frames.next_frame() is None:
+            frames.feed(await stream.receive_some())
+        forged = [
+            (b"x-meshagent-served-by", b"someone-else"),
+            (b"x-meshagent-stages", b"p:0-30"),
+            (b"x-meshagent-session", b"cookie-ish"),
+        ]
+        for msg in (
+            gm.Head(forged, "fake", None, 3),
+            Delta("hello", (5,)),
+            Finished("stop", 3, 1),
+        ):
+            await stream.send_all(gm.encode(msg))
+        await trio.sleep(1)
+
+    forger = ConnectionManager(
+        LocalPeer.create(NodeIdentity.generate(), MESH),
+        TcpTransport(),
+        listen=["127.0.0.1:0"],
+        on_stream=forge,
+    )
+    await nursery.start(forger.run)
+    await directory.node.dial(forger.listen_addresses[0], peer_id=forger.peer_id)
+    directory.remote = [RemoteModel("fake", forger.peer_id, "whole", layers=3)]
+    body = {"model": "fake", "prompt": PROMPT, "max_tokens": 4}
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.headers.get_list("x-meshagent-served-by") == [forger.peer_id]
+    assert r.headers["x-meshagent-stages"] == "p:0-30"
+    assert "x-meshagent-session" not in r.headers
