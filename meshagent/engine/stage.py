@@ -77,6 +77,7 @@ class StageEngine(RuntimeDelegate):
         self._vocab: Vocab | None = None  # the last stage's, for grammars (`constraint`)
         self.n_slots = slots
         self.slot_ctx = slot_ctx
+        self.max_batch_tokens = self.runtime.max_batch_tokens  # rows one forward may take
 
     def constraint(
         self, text: str, trigger: str | None = None, close_within: int | None = None

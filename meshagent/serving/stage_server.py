@@ -188,11 +188,15 @@ class StageServer:
                 # Forwards that arrived together run as one batch, unless two carry the same
                 # sequence: its tokens then run in the batches the entry made, as they would
                 # in the whole model (a batch's shape shows in llama.cpp's last bits).
-                group, seqs = [msg], {it.seq for it in msg.items}
+                # Together they stay within what one forward of the engine takes.
+                group, seqs, rows = [msg], {it.seq for it in msg.items}, len(msg.hidden)
                 while i + 1 < len(msgs) and isinstance(nxt := msgs[i + 1], sm.Forward):
                     if any(it.seq in seqs for it in nxt.items):
                         break
+                    if rows + len(nxt.hidden) > self.engine.max_batch_tokens:
+                        break
                     seqs.update(it.seq for it in nxt.items)
+                    rows += len(nxt.hidden)
                     group.append(nxt)
                     i += 1
                 out += self._forward(group)

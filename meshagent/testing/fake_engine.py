@@ -371,6 +371,7 @@ class FakeStage(_FakeCompute):
         eos_every: int = 0,
         batch_sensitive: bool = False,
         copy_back: int = 0,
+        max_batch_tokens: int = 512,
     ) -> None:
         super().__init__(
             n_vocab=n_vocab,
@@ -383,6 +384,7 @@ class FakeStage(_FakeCompute):
         )
         self.last = last
         self.n_embd = WIDTH
+        self.max_batch_tokens = max_batch_tokens  # as llama.cpp's batch, refused beyond
         # Fakes have no layers: a stage checks a Forward's layer only where both say one.
         self.start: int | None = None
         self.end: int | None = None
@@ -393,7 +395,9 @@ class FakeStage(_FakeCompute):
         return FakeConstraint(text, trigger, close_within)
 
     def forward(self, items: Sequence[EmbdItem]) -> StageOutput:
-        self._compute(sum(len(it.hidden) for it in items))
+        if (n := sum(len(it.hidden) for it in items)) > self.max_batch_tokens:
+            raise EngineError(f"batch of {n} tokens exceeds {self.max_batch_tokens}")
+        self._compute(n)
         hidden, logits = [], []
         for it in items:
             rows = np.asarray(it.hidden, dtype=np.float32)

@@ -159,3 +159,13 @@ async def test_an_earlier_stages_failure_reaches_the_entry_with_its_reason(nurse
     reason = "protocol error: sequence 9 is not one of the 4 slots"
     got = await last.exchange(sm.encode(sm.StageFailure(None, reason)))
     assert got[0].message == f"protocol error: an earlier stage stopped: {reason}"
+
+
+async def test_forwards_that_arrive_together_run_in_batches_the_engine_takes(nursery):
+    """Prompt chunks of several sequences that arrive at once are batched together only up to
+    the rows one forward of the engine takes; each is answered."""
+    last = LastStage(nursery)
+    last.stage.max_batch_tokens = 8
+    opened = sm.encode(sm.Open(0, GREEDY)) + sm.encode(sm.Open(1, GREEDY))
+    got = await last.exchange(opened + forward(0, 0, [5] * 6) + forward(1, 0, [6] * 6), expect=2)
+    assert [(type(m), m.seq) for m in got] == [(sm.Token, 0), (sm.Token, 1)]
