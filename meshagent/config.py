@@ -11,6 +11,7 @@ from typing import Any
 import platformdirs
 
 from meshagent.errors import ConfigError
+from meshagent.gossip.config import GossipConfig
 from meshagent.identity.private_file import write_private
 from meshagent.net.address import is_loopback
 
@@ -150,11 +151,12 @@ class AgentConfig:
             raise ConfigError("grace must be >= 0 seconds")
         if self.replay_deadline < 0:
             raise ConfigError("replay-deadline must be >= 0 seconds")
-        if not 0 < self.gossip_interval < self.suspect_after < self.dead_after:
-            raise ConfigError(
-                "gossip timers must satisfy 0 < gossip_interval < suspect_after < dead_after "
-                f"(got {self.gossip_interval}, {self.suspect_after}, {self.dead_after})"
-            )
+        # The gossip service's own rule, so that a config it refuses is refused here, by name.
+        GossipConfig(
+            interval=self.gossip_interval,
+            suspect_after=self.suspect_after,
+            dead_after=self.dead_after,
+        ).validate()
         if self.max_memory < 0:
             raise ConfigError(f"max-memory must be >= 0 bytes (0: no cap), got {self.max_memory}")
         if self.max_vram < VRAM_ALL:

@@ -46,6 +46,18 @@ def test_validation_explains_itself():
         AgentConfig(slots=0).validate()
 
 
+@pytest.mark.parametrize(
+    ("timers", "why"),
+    [
+        ({"suspect_after": 0.5}, "interval < suspect_after < dead_after"),
+        ({"dead_after": 400.0}, "within 300 s"),
+    ],
+)
+def test_gossip_timers_the_gossip_service_would_refuse_are_refused_by_the_config(timers, why):
+    with pytest.raises(ConfigError, match=why):
+        AgentConfig(**timers).validate()
+
+
 def test_broken_config_file_names_the_file(tmp_path):
     dd = DataDir(tmp_path)
     dd.config_path.write_text("api_port = = 3")
