@@ -7,6 +7,12 @@ serving agent runs the request through its own ASGI app and streams the response
 head message (status, headers) followed by the raw body, then ends its side. Streaming
 responses (SSE) pass through unchanged, chunk by chunk.
 
+Each side checks what the other sends once, where it decodes it: the serving side a request
+(`decode_request`: the version, an HTTP method, a path, a body within the API's limit), the
+asking side a head (`decode_head`: a status of 200-599, a few headers of bytes, in at most
+`MAX_RESPONSE_HEAD` bytes). Anything else is a `ForwardError` that names the field and ends
+that stream.
+
 A member of the mesh may ask only for inference this way (`api/access.py`, `PEER_PATHS`); the
 app answers anything else with 403. The asker passes on to its client only the response
 headers an answer of this API carries (`RELAYED_HEADERS`): a peer does not set cookies or
@@ -15,15 +21,19 @@ CORS rules on the asker's origin.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import cbor2
 import structlog
 import trio
 
+from meshagent.api.exchange import MAX_BODY
 from meshagent.errors import MeshError
 from meshagent.net.framed import receive_frame
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
+from meshagent.wire.quoted import quoted
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +55,14 @@ RELAYED_HEADERS = frozenset(
     }
 )
 _MAX_HEADER_VALUE = 8192
+# What an asker sends (`OpenAIApp._forward`: the method and path its client used), bounded
+# far above any path this API has; the app answers what it does not serve.
+_METHOD = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,16}")  # an HTTP token
+MAX_PATH = 4096
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# A response head is a status and the few headers of this API: far under this.
+MAX_RESPONSE_HEAD = 64 * 1024
+MAX_HEADERS = 64
 
 
 class ForwardError(MeshError):
@@ -58,21 +76,82 @@ def _closed_mid_message() -> ForwardError:
     return ForwardError("the peer closed the stream mid-message")
 
 
-async def _read_message(
-    stream: trio.abc.ReceiveStream, frames: LengthPrefixDecoder
-) -> dict[int, Any]:
-    body = await receive_frame(stream, frames, on_eof=_closed_mid_message)
+async def _read_frame(stream: trio.abc.ReceiveStream, frames: LengthPrefixDecoder) -> bytes:
+    return await receive_frame(stream, frames, on_eof=_closed_mid_message)
+
+
+def _fields(body: bytes, what: str) -> dict[Any, Any]:
+    """A message's CBOR map of this version; ForwardError naming what is wrong."""
     try:
         msg = cbor2.loads(body)
     except Exception as e:  # cbor2 raises several unrelated types on garbage
-        raise ForwardError(f"malformed forwarded message: {e}") from e
-    if not isinstance(msg, dict) or msg.get(0) != VERSION:
-        raise ForwardError("forwarded message of an unknown version or shape")
+        raise ForwardError(f"malformed forwarded {what}: {e}") from e
+    if not isinstance(msg, dict):
+        raise ForwardError(f"a forwarded {what} is a map, not {quoted(msg)}")
+    version = msg.get(0)
+    if type(version) is not int or version != VERSION:  # True and 1.0 equal 1
+        raise ForwardError(f"forwarded {what} of version {quoted(version)}, not {VERSION}")
     return msg
 
 
 def _message(fields: dict[int, Any]) -> bytes:
     return FRAMING.encode(cbor2.dumps({0: VERSION, **fields}))
+
+
+@dataclass(frozen=True)
+class ForwardedRequest:
+    method: str
+    path: str
+    body: bytes
+
+
+def decode_request(body: bytes) -> ForwardedRequest:
+    """A request message as the serving side takes it: every field what an asker sends;
+    ForwardError naming the field and its value otherwise."""
+    msg = _fields(body, "request")
+    method, path, data = msg.get(1), msg.get(2), msg.get(3)
+    if not isinstance(method, str) or not _METHOD.fullmatch(method):
+        raise ForwardError(f"forwarded request method {quoted(method)} is not an HTTP method")
+    if (
+        not isinstance(path, str)
+        or not path.startswith("/")
+        or len(path) > MAX_PATH
+        or _CONTROL.search(path)
+    ):
+        raise ForwardError(
+            f"forwarded request path {quoted(path)} is not a path of at most {MAX_PATH} characters"
+        )
+    if not isinstance(data, bytes) or len(data) > MAX_BODY:
+        shown = f"of {len(data)} bytes" if isinstance(data, bytes) else quoted(data)
+        raise ForwardError(
+            f"forwarded request body {shown} is not bytes of at most {MAX_BODY} bytes"
+        )
+    return ForwardedRequest(method, path, data)
+
+
+def decode_head(body: bytes) -> tuple[int, list[tuple[bytes, bytes]]]:
+    """A response head as the asking side takes it: a status of 200-599 and at most
+    `MAX_HEADERS` headers, name and value bytes; ForwardError naming what is not."""
+    if len(body) > MAX_RESPONSE_HEAD:
+        raise ForwardError(
+            f"forwarded response head of {len(body)} bytes is over the "
+            f"{MAX_RESPONSE_HEAD}-byte limit"
+        )
+    head = _fields(body, "response head")
+    status, headers = head.get(1), head.get(2)
+    if type(status) is not int or not 200 <= status <= 599:
+        raise ForwardError(f"forwarded response status {quoted(status)} is not 200-599")
+    if not isinstance(headers, list) or len(headers) > MAX_HEADERS:
+        shown = f"{len(headers)} of them" if isinstance(headers, list) else quoted(headers)
+        raise ForwardError(
+            f"forwarded response headers ({shown}) are not a list of at most {MAX_HEADERS}"
+        )
+    for h in headers:
+        if not (isinstance(h, list) and len(h) == 2 and all(type(x) is bytes for x in h)):
+            raise ForwardError(
+                f"forwarded response headers hold {quoted(h)}, not a [name, value] of bytes"
+            )
+    return status, [(k, v) for k, v in headers]
 
 
 async def send_request(stream: trio.abc.SendStream, method: str, path: str, body: bytes) -> None:
@@ -82,18 +161,9 @@ async def send_request(stream: trio.abc.SendStream, method: str, path: str, body
 async def read_response_head(
     stream: trio.abc.ReceiveStream, frames: LengthPrefixDecoder
 ) -> tuple[int, list[tuple[bytes, bytes]]]:
-    """The response's status and headers; body bytes read past them stay in `frames`
-    (`frames.leftover()`)."""
-    head = await _read_message(stream, frames)
-    status, headers = head.get(1), head.get(2)
-    if not isinstance(status, int) or not 200 <= status <= 599 or not isinstance(headers, list):
-        raise ForwardError("malformed forwarded response head")
-    if not all(
-        isinstance(h, list) and len(h) == 2 and all(isinstance(x, bytes) for x in h)
-        for h in headers
-    ):
-        raise ForwardError("malformed forwarded response headers")
-    return status, [(k, v) for k, v in headers]
+    """The response's status and headers (`decode_head`); body bytes read past them stay in
+    `frames` (`frames.leftover()`)."""
+    return decode_head(await _read_frame(stream, frames))
 
 
 def relayed(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -112,7 +182,7 @@ async def serve_forwarded(stream: Any, app: Any, *, peer_id: str) -> None:
     """Answer one forwarded request on `stream` with the local ASGI `app`."""
     try:
         with trio.fail_after(REQUEST_DEADLINE):
-            req = await _read_message(stream, LengthPrefixDecoder(FRAMING))
+            req = decode_request(await _read_frame(stream, LengthPrefixDecoder(FRAMING)))
     except ForwardError as e:
         log.warning("forward.bad_request", peer=peer_id, error=str(e))
         return
@@ -121,10 +191,7 @@ async def serve_forwarded(stream: Any, app: Any, *, peer_id: str) -> None:
             "forward.bad_request", peer=peer_id, error="no request", seconds=REQUEST_DEADLINE
         )
         return
-    method, path, body = req.get(1), req.get(2), req.get(3)
-    if not (isinstance(method, str) and isinstance(path, str) and isinstance(body, bytes)):
-        log.warning("forward.bad_request", peer=peer_id, error="missing fields")
-        return
+    method, path, body = req.method, req.path, req.body
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
