@@ -5,15 +5,18 @@ peer is gone (a power cut) or only the path between the two is (a partition): th
 The asker opens a stream labelled `hear/1:<peer id>` to each other connected peer and
 half-closes it at once (it has nothing more to say); each answers with how long its own
 connection to that peer has gone without a PONG, in milliseconds (u32, big-endian;
-`NO_LINK` when it has no connection to it), and half-closes.
+`NO_LINK` when it has no connection to it), and half-closes. Any four bytes are an answer;
+anything else is a `HearingError`, and the asker counts no answer from that peer.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 
 import trio
 
+from meshagent.errors import MeshError
 from meshagent.net.errors import ConnectionUnavailable
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
@@ -24,17 +27,23 @@ _REPLY = struct.Struct(">I")
 _MAX_ID = 128
 
 
+class HearingError(MeshError):
+    """A `hear/1` answer that is not one; the message says how."""
+
+
 def reply(silent_s: float | None) -> bytes:
-    """The answer: milliseconds without a PONG, or `NO_LINK` for None."""
+    """The answer: milliseconds without a PONG (0 up to `NO_LINK` - 1, whatever the clock
+    says), or `NO_LINK` for None."""
     if silent_s is None:
         return _REPLY.pack(NO_LINK)
-    return _REPLY.pack(min(int(silent_s * 1000), NO_LINK - 1))
+    ms = silent_s * 1000 if not math.isnan(silent_s) else 0.0
+    return _REPLY.pack(int(min(max(ms, 0.0), NO_LINK - 1)))
 
 
 def parse(data: bytes) -> float | None:
-    """Seconds from an answer, None for `NO_LINK`; ValueError if it is not one."""
+    """Seconds from an answer, None for `NO_LINK`; HearingError if it is not one."""
     if len(data) != _REPLY.size:
-        raise ValueError(f"a hear/1 answer is {_REPLY.size} bytes, not {len(data)}")
+        raise HearingError(f"a hear/1 answer is {_REPLY.size} bytes, not {len(data)}")
     (ms,) = _REPLY.unpack(data)
     return None if ms == NO_LINK else ms / 1000
 
@@ -67,6 +76,6 @@ async def ask(overlay: ConnectionManager, peer_id: str, about: str, timeout: flo
                 return parse(bytes(data))
             finally:
                 await stream.aclose()
-        except (ConnectionUnavailable, OSError, ValueError, trio.BrokenResourceError):
+        except (ConnectionUnavailable, OSError, HearingError, trio.BrokenResourceError):
             return None  # no connection, a reset stream, a malformed answer: no answer
     return None

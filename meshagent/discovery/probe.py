@@ -3,7 +3,8 @@
 `meshagent peers --probe PEER` uses it to show that a path works and how fast; the relay
 acceptance test uses it to move a known plaintext across a relay and through a change of
 path. One stream (label `probe/1`): the prober sends the bytes (paced over `seconds` if
-asked) and half-closes; the peer replies with sha256 and the byte count.
+asked) and half-closes; the peer replies with sha256 and the byte count (`read_reply`: a
+count past `MAX_BYTES` is no answer, since the peer resets a longer probe).
 
 Both ends are bounded: at most `MAX_BYTES`, paced over at most `MAX_SECONDS`; each side gives
 up `SLACK` seconds after the pacing would have ended, and the prober waits at most
@@ -64,6 +65,19 @@ async def serve(stream: MeshStream) -> None:
     await stream.aclose()
 
 
+def read_reply(data: bytes) -> tuple[bytes, int]:
+    """The peer's reply: the sha256 of what it received and its byte count, at most
+    `MAX_BYTES` (it resets a longer probe); ProbeError naming what is out of range."""
+    if len(data) != _REPLY.size:
+        raise ProbeError(f"a probe reply is {_REPLY.size} bytes, not {len(data)} bytes")
+    digest, total = _REPLY.unpack(data)
+    if total > MAX_BYTES:
+        raise ProbeError(
+            f"a probe reply counts {total} bytes, over the {MAX_BYTES} any probe sends"
+        )
+    return digest, total
+
+
 def check(total: int, seconds: float) -> None:
     """ProbeError unless a probe of `total` bytes over `seconds` is within the bounds."""
     if not 0 < total <= MAX_BYTES:
@@ -114,9 +128,10 @@ async def probe(
     finally:
         await stream.aclose()
     elapsed = trio.current_time() - started
-    if len(reply) != _REPLY.size:
-        raise ProbeError(f"peer {peer_id} sent a malformed probe reply")
-    their_hash, their_total = _REPLY.unpack(reply)
+    try:
+        their_hash, their_total = read_reply(reply)
+    except ProbeError as e:
+        raise ProbeError(f"peer {peer_id} sent a malformed probe reply: {e}") from e
     ok = their_hash == digest.digest() and their_total == sent
     active = overlay.connection(peer_id)
     return {

@@ -12,7 +12,7 @@ def test_answers_round_trip_and_bad_ones_are_refused():
     assert hearing.parse(hearing.reply(1.234)) == pytest.approx(1.234)
     assert hearing.parse(hearing.reply(None)) is None
     assert hearing.parse(hearing.reply(1e9)) is not None  # clamped, never read as NO_LINK
-    with pytest.raises(ValueError):
+    with pytest.raises(hearing.HearingError):
         hearing.parse(b"\x00\x01")
 
 
