@@ -77,12 +77,12 @@ class Exchange:
             self._check(msg)
         if self._step is _Step.AWAIT_DIGEST and isinstance(msg, Digest):
             self._step = _Step.AWAIT_FINAL
-            items = self.state.items_for(msg.entries, complete=True, budget=budget)
+            items = self.state.items_for(msg.entries, complete=True, budget=budget, now=now)
             wants = tuple(self.state.wants_from(msg.entries))
             return self._out(encode(Delta(items, wants)))
         if self._step is _Step.AWAIT_DELTA and isinstance(msg, Delta):
             self.changes += self.state.apply(msg.items, now=now, source=self.source)
-            items = self.state.items_for(msg.wants, complete=False, budget=budget)
+            items = self.state.items_for(msg.wants, complete=False, budget=budget, now=now)
             self._step = _Step.DONE
             return self._out(encode(Delta(items)))
         if self._step is _Step.AWAIT_DELTA and isinstance(msg, Busy):

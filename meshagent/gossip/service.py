@@ -21,9 +21,11 @@ from typing import Any
 import structlog
 import trio
 
+from meshagent.gossip.budget import Buckets
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.errors import ExchangeError, GossipError
 from meshagent.gossip.exchange import Exchange
+from meshagent.gossip.hearsay import Heard
 from meshagent.gossip.state import Change, GossipState, PeerView
 from meshagent.identity.keys import NodeIdentity
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
@@ -44,25 +46,19 @@ _STREAM_ERRORS = (
 )
 
 LocalFields = Callable[[], dict[str, Any]]
-_BUCKETS_KEPT = 256  # rate-limit buckets kept before the full ones are forgotten
 
 
-class _Bucket:
-    """Token bucket: `burst` exchanges at once, refilled at `rate` per second."""
+def heard_on(overlay: ConnectionManager) -> Heard:
+    """When this agent last heard each peer directly: the last PONG on its connection to it
+    (its start before the first), None without one."""
 
-    def __init__(self, burst: int, rate: float, now: float) -> None:
-        self.tokens, self.burst, self.rate, self.at = float(burst), burst, rate, now
+    def heard(peer_id: str) -> float | None:
+        conn = overlay.connection(peer_id)
+        if conn is None or conn.is_closed:
+            return None
+        return trio.current_time() - conn.silent_for()
 
-    def full(self, now: float) -> bool:
-        return self.tokens + (now - self.at) * self.rate >= self.burst
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
+    return heard
 
 
 class GossipService:
@@ -76,16 +72,21 @@ class GossipService:
         local_fields: LocalFields | None = None,
         rng: random.Random | None = None,
         wall_clock: Callable[[], float] = time.time,
+        heard: Heard | None = None,
     ) -> None:
+        """`heard` says when this agent last heard a peer directly (hearsay.py); by default
+        the last PONG on the overlay's connection to it (`heard_on`)."""
         self.config = config or GossipConfig()
-        self.state = GossipState(identity, mesh, self.config, now=0.0)
+        self.state = GossipState(
+            identity, mesh, self.config, now=0.0, heard=heard or heard_on(overlay)
+        )
         self.overlay = overlay
         self._local_fields = local_fields
         self._rng = rng or random.Random()
         self._wall = wall_clock
         self._generation = 0
         self._changed = trio.Event()
-        self._buckets: dict[str, _Bucket] = {}
+        self._buckets = Buckets(self.config.inbound_burst, self.config.inbound_rate)
         self._known_links: set[str] = set()
         self._busy_with: set[str] = set()
         self._again: set[str] = set()  # asked for while busy: exchange again once it ends
@@ -139,6 +140,8 @@ class GossipService:
             "accepted": dict(st.accepted),
             "stale": dict(st.stale),
             "rejected": dict(st.rejected),
+            "disputed": st.disputed,
+            "evicted": st.evicted,
         }
 
     # ----- service -----
@@ -165,17 +168,10 @@ class GossipService:
     async def handle(self, stream: MeshStream) -> None:
         """Serve an exchange another peer started (`gossip/1` streams)."""
         peer = stream.peer_id
-        now = trio.current_time()
-        bucket = self._buckets.get(peer)
-        if bucket is None:
-            self._prune_buckets(now)
-            bucket = self._buckets[peer] = _Bucket(
-                self.config.inbound_burst, self.config.inbound_rate, now
-            )
         ex = Exchange(self.state, initiator=False, source=peer)
         try:
             with trio.move_on_after(self.config.exchange_timeout) as scope:
-                if not bucket.take(now):
+                if not self._buckets.take(peer, trio.current_time()):
                     self.refused_exchanges += 1
                     log.info("gossip.exchange_refused", peer=peer, reason="rate limit")
                     await stream.send_all(ex.refuse("rate limit: too many exchanges"))
@@ -296,15 +292,6 @@ class GossipService:
             out = ex.receive_data(bytes(data), now=trio.current_time())
             if out:
                 await stream.send_all(out)
-
-    def _prune_buckets(self, now: float) -> None:
-        """Forget the buckets that have refilled (their peers start afresh anyway), so peers
-        under ever new identities leave no state here."""
-        if len(self._buckets) < _BUCKETS_KEPT:
-            return
-        for peer, bucket in list(self._buckets.items()):
-            if bucket.full(now):
-                del self._buckets[peer]
 
     def _failed_unexpectedly(self, peer: str, role: str, error: Exception) -> None:
         self.failed_exchanges += 1

@@ -3,8 +3,9 @@ others send, and when it declares a peer suspect or dead.
 
 No clocks, sockets or tasks here: callers pass `now` (a monotonic time, seconds) and
 `wall_time` (the wall clock, for owner-side sequence numbers and beats; between two beats the
-table reads it as the last one advanced by `now`). Everything is plain method calls, so the
-protocol's rules are tested with tables (tests/gossip/).
+table reads it as the last one advanced by `now`), and a `Heard` function says when this node
+last heard a peer directly (hearsay.py: what it hears itself beats hearsay). Everything is
+plain method calls, so the protocol's rules are tested with tables (tests/gossip/).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from meshagent.gossip import merge
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.errors import GossipError, RecordRejected
 from meshagent.gossip.failure import PeerState, classify
+from meshagent.gossip.hearsay import Heard, hears, introductions
 from meshagent.gossip.merge import Verdict
 from meshagent.gossip.messages import DigestEntry, Items
 from meshagent.gossip.record import PUBLISHABLE, PeerRecord
@@ -46,6 +48,7 @@ class Entry:
     obituary: Obituary | None = None
     state: PeerState = PeerState.ALIVE
     state_since: float = 0.0
+    disputed: tuple[str, int] | None = None  # (issuer, beat) of the last obituary disputed
 
     @property
     def beat(self) -> int:
@@ -69,7 +72,8 @@ class Entry:
 @dataclass(frozen=True)
 class Change:
     """Something placement may care about: a peer `joined` (its first record), its `record`
-    changed, its `state` changed, or it was `forgotten` (dead for `forget_after`)."""
+    changed, its `state` changed, or it was `forgotten` (dead for `forget_after`, or dropped
+    from a full table to make room for a peer this node hears)."""
 
     peer_id: str
     kind: str
@@ -90,12 +94,13 @@ class PeerView:
 @dataclass
 class _Delta:
     """One call of `apply`: where its items came from, what changed, what was rejected (and
-    why), and the (kind, peer) pairs seen so far."""
+    why), the (kind, peer) pairs seen so far, and the new members refused (by reason)."""
 
     source: str
     changes: list[Change] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
     seen: set[tuple[str, str]] = field(default_factory=set)
+    refused: Counter = field(default_factory=Counter)
 
 
 @dataclass
@@ -103,13 +108,22 @@ class Stats:
     accepted: Counter = field(default_factory=Counter)  # by item kind
     stale: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
+    disputed: int = 0  # obituaries about peers heard directly, not taken
+    evicted: int = 0  # members dropped from a full table for one heard directly
 
 
 class GossipState:
-    """The table of one node. Its own entry is always alive and only it signs its items."""
+    """The table of one node. Its own entry is always alive and only it signs its items.
+    `heard` says when this node last heard a peer directly (None: it hears nobody)."""
 
     def __init__(
-        self, identity: NodeIdentity, mesh: str, config: GossipConfig, *, now: float
+        self,
+        identity: NodeIdentity,
+        mesh: str,
+        config: GossipConfig,
+        *,
+        now: float,
+        heard: Heard | None = None,
     ) -> None:
         config.validate()
         self.identity = identity
@@ -118,6 +132,8 @@ class GossipState:
         self.config = config
         self.entries: dict[str, Entry] = {self.self_id: Entry(self.self_id, now, now)}
         self.stats = Stats()
+        self.heard = heard
+        self._introductions = introductions()
         self._fields: dict[str, Any] = {}
         self._wall = 0.0
         self._wall_at: float | None = None  # `now` of the beat that last read the wall clock
@@ -186,16 +202,23 @@ class GossipState:
                 out.append(entry or DigestEntry(t.peer_id))
         return out
 
-    def items_for(self, theirs: Iterable[DigestEntry], *, complete: bool, budget: int) -> Items:
+    def items_for(
+        self, theirs: Iterable[DigestEntry], *, complete: bool, budget: int, now: float
+    ) -> Items:
         """The items the other side lacks, given its digest. `complete`: `theirs` lists
         everything it knows (peers absent from it are unknown to it); otherwise only the
         listed peers are considered. At most `budget` bytes of items: obituaries and
-        heartbeats first (they are small and carry liveness), then records."""
+        heartbeats first (they are small and carry liveness), then records; of each kind,
+        ours and those of the peers we hear directly first (a joining agent learns the
+        members that are surely real before the ones only heard of)."""
         known = {t.peer_id: t for t in theirs}
-        peers = (
-            self.entries.values()
-            if complete
-            else (self.entries[p] for p in known if p in self.entries)
+        peers = sorted(
+            (
+                self.entries.values()
+                if complete
+                else (self.entries[p] for p in known if p in self.entries)
+            ),
+            key=lambda e: e.peer_id != self.self_id and not self._hears(e.peer_id, now),
         )
         obits: list[bytes] = []
         beats: list[bytes] = []
@@ -236,6 +259,13 @@ class GossipState:
             counts = dict(Counter(k for k, _ in delta.rejected))
             log.warning(
                 "gossip.item_rejected", source=source, kind=kind, reason=reason, counts=counts
+            )
+        if delta.refused:
+            log.warning(
+                "gossip.members_refused",
+                source=source,
+                limit=self.config.max_members,
+                **dict(delta.refused),
             )
         return delta.changes
 
@@ -299,15 +329,51 @@ class GossipState:
 
     # ----- internals -----
 
-    def _entry(self, peer_id: str, now: float, kind: str) -> Entry | None:
+    def _hears(self, peer_id: str, now: float) -> bool:
+        return hears(self.heard, peer_id, now)
+
+    def _entry(self, peer_id: str, now: float, kind: str, delta: _Delta) -> Entry | None:
+        """The entry of `peer_id`, made if new and there is room (hearsay.py: a member heard
+        directly gets room in a full table; a peer introduces others within a budget)."""
         e = self.entries.get(peer_id)
-        if e is None:
-            if len(self.entries) >= self.config.max_members:
-                self.stats.rejected[f"{kind}:member_limit"] += 1
-                log.warning("gossip.member_limit", peer=peer_id, limit=self.config.max_members)
-                return None
-            e = self.entries[peer_id] = Entry(peer_id, now, now, state_since=now)
+        if e is not None:
+            return e
+        direct = self._hears(peer_id, now)
+        hearsay = not direct and peer_id != delta.source
+        reason = None
+        if len(self.entries) >= self.config.max_members:
+            if not (direct and self._make_room(peer_id, now, delta)):
+                reason = "member_limit"
+        elif hearsay and not self._introductions.take(delta.source, now):
+            reason = "introductions"
+        if reason is not None:
+            self.stats.rejected[f"{kind}:{reason}"] += 1
+            delta.refused[reason] += 1
+            return None
+        e = self.entries[peer_id] = Entry(peer_id, now, now, state_since=now)
         return e
+
+    def _make_room(self, newcomer: str, now: float, delta: _Delta) -> bool:
+        """Drop, for `newcomer`, the member we do not hear whose heartbeat advanced least
+        recently (made-up members, dead ones); False when we hear every member."""
+        heard_of = [
+            e
+            for e in self.entries.values()
+            if e.peer_id != self.self_id and not self._hears(e.peer_id, now)
+        ]
+        if not heard_of:
+            return False
+        e = min(heard_of, key=lambda e: e.last_progress)
+        del self.entries[e.peer_id]
+        self.stats.evicted += 1
+        delta.changes.append(Change(e.peer_id, "forgotten", e.state))
+        log.info(
+            "gossip.member_evicted",
+            peer=e.peer_id,
+            silent_s=round(now - e.last_progress, 2),
+            room_for=newcomer,
+        )
+        return True
 
     def _wall_now(self, now: float) -> float:
         """Our wall clock at `now`: the last beat's reading, advanced by `now`."""
@@ -351,7 +417,7 @@ class GossipState:
         if verdict is Verdict.STALE:
             self.stats.stale["record"] += 1
             return
-        e = self._entry(pid, now, "record")
+        e = self._entry(pid, now, "record", delta)
         if e is None:
             return
         self.stats.accepted["record"] += 1
@@ -383,7 +449,7 @@ class GossipState:
         if pid == self.self_id:  # a beat of ours from before a restart: outgrow it
             self.beat(now=now, wall_time=self._wall_now(now), min_beat=hb.beat + 1)
             return
-        e = self._entry(pid, now, "heartbeat")
+        e = self._entry(pid, now, "heartbeat", delta)
         if e is None:
             return
         self.stats.accepted["heartbeat"] += 1
@@ -437,11 +503,27 @@ class GossipState:
             log.info("gossip.refuted_obituary", reporter=obit.reporter, source=delta.source)
             self.beat(now=now, wall_time=self._wall_now(now), min_beat=obit.beat + 1)
             return
+        if obit.reporter != pid and self._hears(pid, now):
+            self._dispute(e, obit, delta)
+            return
         self.stats.accepted["obituary"] += 1
         e.obituary = obit
         if e.state is not PeerState.DEAD:
             log.info("gossip.peer_dead", peer=pid, announced_by=obit.reporter, source=delta.source)
         self._set_state(e, PeerState.DEAD, now, delta.changes)
+
+    def _dispute(self, e: Entry, obit: Obituary, delta: _Delta) -> None:
+        """Another peer says `e` is dead while we hear it: it stays alive here, and we do not
+        pass the obituary on. Logged once per obituary (peers push it while digests differ)."""
+        self.stats.disputed += 1
+        if e.disputed != (obit.reporter, obit.beat):
+            e.disputed = (obit.reporter, obit.beat)
+            log.warning(
+                "gossip.obituary_disputed",
+                issuer=obit.reporter,
+                subject=e.peer_id,
+                source=delta.source,
+            )
 
     def _set_state(self, e: Entry, state: PeerState, now: float, changes: list[Change]) -> None:
         if state is e.state:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.exchange import Exchange
+from meshagent.gossip.hearsay import Heard
 from meshagent.gossip.state import Change, GossipState
 from meshagent.identity.keys import NodeIdentity
 
@@ -12,9 +13,16 @@ FAST = GossipConfig(interval=1.0, suspect_after=3.0, dead_after=6.0, forget_afte
 
 
 def make_state(
-    name: str = "n", *, now: float = 0.0, config: GossipConfig = FAST, **fields
+    name: str = "n",
+    *,
+    now: float = 0.0,
+    config: GossipConfig = FAST,
+    heard: Heard | None = None,
+    **fields,
 ) -> GossipState:
-    st = GossipState(NodeIdentity.generate(), MESH, config, now=now)
+    """A node that has published a record (`name`, `fields`) and beaten once; `heard` says
+    when it last heard a peer directly (None: it hears nobody)."""
+    st = GossipState(NodeIdentity.generate(), MESH, config, now=now, heard=heard)
     st.publish(wall_time=1000.0 + now, name=name, **fields)
     st.beat(now=now, wall_time=1000.0 + now)
     return st

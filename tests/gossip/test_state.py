@@ -162,7 +162,7 @@ def test_delta_respects_the_byte_budget_liveness_first():
     for o in others:
         exchange(a, o, now=0.0)
     fresh = make_state("fresh")
-    items = a.items_for(fresh.digest(), complete=True, budget=2500)
+    items = a.items_for(fresh.digest(), complete=True, budget=2500, now=0.0)
     size = sum(map(len, items.records + items.beats + items.obituaries))
     assert size <= 2500
     assert len(items.beats) > len(items.records)
