@@ -84,8 +84,9 @@ class RelayClient:
                 try:
                     await self._session(nursery)
                     delays = self._backoff.delays(self._rng)  # it worked for a while
-                except (RelayError, trio.TooSlowError, *_TRANSPORT_ERRORS) as e:
-                    self.last_error = str(e) or type(e).__name__
+                except* (RelayError, trio.TooSlowError, *_TRANSPORT_ERRORS) as group:
+                    # A session's reader runs beside its pinger: what ends it comes in a group.
+                    self.last_error = "; ".join(str(e) or type(e).__name__ for e in _leaves(group))
                     log.warning("relay.client_disconnected", relay=self.name, error=self.last_error)
                 self.registered = False
                 self.members = set()
@@ -128,7 +129,7 @@ class RelayClient:
                 msg = await _read_message(stream, frames)
             if msg.type != p.HELLO:
                 raise RelayProtocolError(f"expected HELLO, got {msg.name}")
-            nonce = msg.get(2, bytes, size=p.NONCE_LEN)
+            nonce = p.hello_nonce(msg)
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
@@ -157,8 +158,7 @@ class RelayClient:
                     if msg.type == p.MEMBERS:
                         self._set_members(p.peer_list(msg))
                     elif msg.type == p.INCOMING:
-                        circuit = msg.get(2, bytes, size=16)
-                        from_peer = msg.get(3, str)
+                        circuit, from_peer = p.incoming_circuit(msg)
                         nursery.start_soon(self._accept, circuit, from_peer)
                     elif msg.type == p.PONG:
                         pass
@@ -208,6 +208,13 @@ class RelayClient:
             *_TRANSPORT_ERRORS,
         ) as e:
             log.warning("relay.accept_failed", relay=self.name, peer=from_peer, error=str(e))
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out += _leaves(e) if isinstance(e, BaseExceptionGroup) else [e]
+    return out
 
 
 def _relay_closed() -> RelayError:

@@ -19,6 +19,11 @@ handshake and encrypted records: the relay never sees plaintext), or with REFUSE
 
 Framing: `u16 length || CBOR map {0: version, 1: type, ...}`, at most 16 KiB (`FRAMING`;
 read with a `LengthPrefixDecoder`, whose `leftover()` after SPLICED belongs to the splice).
+A relay faces anyone on the network and a client faces a relay it does not control: `decode`
+takes only version 1 and a known type, and each field is read through this module
+(`Message.get`, `verify_request`, `hello_nonce`, `peer_list`, `incoming_circuit`,
+`raise_if_refused`), which checks its type and size. Anything else is a RelayError that
+names the field and its value, and ends that connection.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from meshagent.identity.keys import NodeIdentity, peer_id_for
 from meshagent.identity.mesh import MeshSecret
 from meshagent.relay.errors import Refusal, RelayProtocolError, RelayRefused
 from meshagent.wire.framing import Framing
+from meshagent.wire.quoted import quoted
 
 VERSION = 1
 MAX_MESSAGE = 16 * 1024
@@ -57,6 +63,9 @@ _NAMES = {
     PONG: "PONG",
 }
 MAX_MEMBERS_LISTED = 1024
+MAX_PEER_ID = 64  # characters of a peer id a relay names
+MAX_SUBJECT = 256  # bytes of a request's subject
+CIRCUIT_LEN = 16
 
 
 def rendezvous_tag(mesh: MeshSecret) -> bytes:
@@ -80,25 +89,42 @@ class Message:
         FRAMING.check(len(data))  # the other side would refuse it
         return FRAMING.encode(data)
 
-    def get(self, key: int, kind: type, *, size: int | None = None) -> Any:
+    def get(self, key: int, kind: type, *, size: int | None = None, most: int | None = None) -> Any:
+        """Field `key`, a `kind` (a bool is no int), `size` long or at most `most` long;
+        RelayProtocolError naming the field and its value otherwise."""
         v = self.fields.get(key)
         if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
-            raise RelayProtocolError(f"{self.name} field {key} must be a {kind.__name__}")
+            raise RelayProtocolError(
+                f"{self.name} field {key} must be a {kind.__name__}, not {quoted(v)}"
+            )
         if size is not None and len(v) != size:
-            raise RelayProtocolError(f"{self.name} field {key} must be {size} long")
+            raise RelayProtocolError(f"{self.name} field {key} must be {size} long, not {len(v)}")
+        if most is not None and len(v) > most:
+            raise RelayProtocolError(
+                f"{self.name} field {key} must be at most {most} long, not {len(v)}"
+            )
         return v
 
 
 def decode(data: bytes) -> Message:
+    """A message of this version and a known type (RelayRefused(VERSION) for another
+    version, RelayProtocolError for the rest); its fields are read with `Message.get`."""
     try:
         d = cbor2.loads(data)
     except Exception as e:  # cbor2 raises several unrelated types on garbage
         raise RelayProtocolError(f"relay message is not valid CBOR ({e})") from e
-    if not isinstance(d, dict) or not isinstance(d.get(1), int):
-        raise RelayProtocolError("relay message is malformed")
-    if d.get(0) != VERSION:
-        raise RelayRefused(Refusal.VERSION, f"relay protocol version {d.get(0)!r} not supported")
-    return Message(d[1], {k: v for k, v in d.items() if isinstance(k, int) and k >= 2})
+    if not isinstance(d, dict):
+        raise RelayProtocolError(f"a relay message is a map, not {quoted(d)}")
+    version, kind = d.get(0), d.get(1)
+    if type(version) is not int or version != VERSION:  # True and 1.0 equal 1
+        raise RelayRefused(
+            Refusal.VERSION, f"relay protocol version {quoted(version)} not supported"
+        )
+    if type(kind) is not int or kind not in _NAMES:
+        raise RelayProtocolError(
+            f"relay message of type {quoted(kind)}, not one of {min(_NAMES)}-{max(_NAMES)}"
+        )
+    return Message(kind, {k: v for k, v in d.items() if type(k) is int and k >= 2})
 
 
 # ----- messages -----
@@ -130,9 +156,7 @@ def verify_request(msg: Message, nonce: bytes) -> tuple[str, bytes]:
     (the signer's peer id, the subject). Raises RelayRefused(BAD_SIGNATURE)."""
     pk = msg.get(2, bytes, size=32)
     sig = msg.get(3, bytes, size=64)
-    subject = msg.get(4, bytes)
-    if len(subject) > 256:
-        raise RelayProtocolError("request subject is too long")
+    subject = msg.get(4, bytes, most=MAX_SUBJECT)
     try:
         VerifyKey(pk).verify(_CONTEXT + nonce + bytes([msg.type]) + subject, sig)
     except (BadSignatureError, ValueError) as e:
@@ -160,18 +184,41 @@ def refused(code: Refusal, reason: str) -> Message:
     return Message(REFUSED, {2: int(code), 3: reason[:512]})
 
 
+_CODES = frozenset(int(c) for c in Refusal)
+
+
 def raise_if_refused(msg: Message) -> None:
+    """RelayRefused with the relay's code and reason if `msg` is a REFUSED; a code this
+    side does not know is a RelayProtocolError naming it."""
     if msg.type == REFUSED:
-        try:
-            code = Refusal(msg.fields.get(2))
-        except ValueError:
-            code = Refusal.BAD_MESSAGE
+        code = msg.fields.get(2)
+        if type(code) is not int or code not in _CODES:
+            raise RelayProtocolError(
+                f"REFUSED with code {quoted(code)}, not one of {min(_CODES)}-{max(_CODES)}"
+            )
         reason = msg.fields.get(3)
-        raise RelayRefused(code, reason if isinstance(reason, str) else "no reason given")
+        raise RelayRefused(
+            Refusal(code), reason[:512] if isinstance(reason, str) else "no reason given"
+        )
+
+
+def hello_nonce(msg: Message) -> bytes:
+    """The nonce of a HELLO, which a request signs."""
+    return msg.get(2, bytes, size=NONCE_LEN)
 
 
 def peer_list(msg: Message) -> list[str]:
-    v = msg.get(2, list)
-    if len(v) > MAX_MEMBERS_LISTED or not all(isinstance(p, str) and len(p) <= 64 for p in v):
-        raise RelayProtocolError(f"{msg.name} member list is malformed")
+    """The peer ids of a REGISTERED or MEMBERS."""
+    v = msg.get(2, list, most=MAX_MEMBERS_LISTED)
+    for peer in v:
+        if not isinstance(peer, str) or len(peer) > MAX_PEER_ID:
+            raise RelayProtocolError(
+                f"{msg.name} lists {quoted(peer)}, not a peer id of at most {MAX_PEER_ID} "
+                "characters"
+            )
     return v
+
+
+def incoming_circuit(msg: Message) -> tuple[bytes, str]:
+    """The circuit id of an INCOMING and the peer that opened it."""
+    return msg.get(2, bytes, size=CIRCUIT_LEN), msg.get(3, str, most=MAX_PEER_ID)
