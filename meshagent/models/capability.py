@@ -9,13 +9,18 @@ gave the whole model's greedy output on every prompt and cut tried.
 
 On disk and on the wire a record is CBOR `{0: version, 1: body, 2: public key, 3: signature}`;
 the signature covers a context string and the body, and the body is the record's own CBOR.
-Decoding verifies: a record that decodes is the one its signer wrote.
+Decoding verifies: a record that decodes is the one its signer wrote. Any member can sign a
+record naming itself, so the body is checked too, every field once, at decode (`from_dict`):
+a value out of its range is a ModelError naming the field.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +30,22 @@ from nacl.signing import VerifyKey
 
 from meshagent.errors import ModelError
 from meshagent.identity.keys import NodeIdentity, peer_id_for
+from meshagent.wire.quoted import quoted
 
 RECORD_VERSION = 1
 MAX_SIGNED_BYTES = 8 * 1024
 _CONTEXT = b"meshagent/capability-record/v1\x00"
 STATE_KINDS = ("kv", "recurrent", "hybrid")
+LAYER_TYPES = ("attention", "recurrent", "unknown")  # models/family.py
+# The ranges of what a record holds.
+LAYERS = range(1, 1 << 16)
+COUNTS = range(2**31)  # positions compared, tokens of context
+MAX_TEXT = 255
+MAX_WIRE = 16  # wire dtypes measured
+MAX_DTYPE = 16
+MAX_CUTS = 64
+MAX_PROMPTS = 64
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,41 @@ class WireResult:
             self.greedy_identical
             and self.chunked_prefill_identical
             and self.soak_identical is not False
+        )
+
+    @classmethod
+    def from_dict(cls, w: Any) -> WireResult:
+        """One dtype's measurements from a record's body (`exact` is derived, not read)."""
+        if not isinstance(w, dict):
+            raise ModelError(f"capability record field 'wire' holds {quoted(w)}, not a map")
+        _known_keys(w, _WIRE_FIELDS | {"exact"}, "capability record field 'wire'")
+        dtype = _text(w, "dtype")
+        if not 0 < len(dtype) <= MAX_DTYPE:
+            raise ModelError(f"capability record field 'dtype' is {quoted(dtype)}")
+        top1 = _number(w, "top1_agreement")
+        if not 0.0 <= top1 <= 1.0:
+            raise ModelError(
+                f"capability record field 'top1_agreement' is {quoted(top1)}, not a share of 0-1"
+            )
+        diff = _number(w, "max_logit_diff")
+        if not diff >= 0.0:  # NaN too
+            raise ModelError(
+                f"capability record field 'max_logit_diff' is {quoted(diff)}, not a distance"
+            )
+        soak = w.get("soak_identical")
+        if soak is not None and type(soak) is not bool:
+            raise ModelError(
+                f"capability record field 'soak_identical' is {quoted(soak)}, not true, false "
+                "or null"
+            )
+        return cls(
+            dtype=dtype,
+            top1_agreement=top1,
+            max_logit_diff=diff,
+            greedy_identical=_bool(w, "greedy_identical"),
+            chunked_prefill_identical=_bool(w, "chunked_prefill_identical"),
+            positions=_int(w, "positions", COUNTS),
+            soak_identical=soak,
         )
 
 
@@ -87,29 +138,50 @@ class CapabilityRecord:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CapabilityRecord:
-        if not isinstance(d, dict) or d.get("version") != RECORD_VERSION:
-            raise ModelError("capability record of an unsupported version")
-        try:
-            wire = tuple(
-                WireResult(**{k: v for k, v in w.items() if k != "exact"}) for w in d["wire"]
+    def from_dict(cls, d: Any) -> CapabilityRecord:
+        """The record a body holds; ModelError naming the first field out of its range."""
+        if not isinstance(d, dict):
+            raise ModelError(f"a capability record is a map, not {quoted(d)}")
+        _version(d.get("version"))
+        _known_keys(d, _RECORD_FIELDS, "capability record")
+        n_layers = _int(d, "n_layers", LAYERS)
+        layer_types = _list(d, "layer_types", n_layers)
+        if len(layer_types) != n_layers or not all(t in LAYER_TYPES for t in layer_types):
+            raise ModelError(
+                f"capability record field 'layer_types' must list one of {LAYER_TYPES} for "
+                f"each of the {n_layers} layers, not {quoted(layer_types)}"
             )
-            rec = cls(
-                **{
-                    **d,
-                    "layer_types": tuple(d["layer_types"]),
-                    "cuts": tuple(tuple(c) for c in d["cuts"]),
-                    "wire": wire,
-                    "prompts": tuple(d.get("prompts", ())),
-                }
+        state_kind = _text(d, "state_kind")
+        if state_kind not in STATE_KINDS:
+            raise ModelError(
+                f"capability record field 'state_kind' is {quoted(state_kind)}, not one of "
+                f"{STATE_KINDS}"
             )
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ModelError(f"malformed capability record: {e}") from e
-        if len(rec.model_sha256) != 64 or rec.state_kind not in STATE_KINDS:
-            raise ModelError("malformed capability record: bad hash or state kind")
-        if len(rec.layer_types) != rec.n_layers:
-            raise ModelError("malformed capability record: layer types do not match layers")
-        return rec
+        sha = _text(d, "model_sha256")
+        if not _SHA256.fullmatch(sha):
+            raise ModelError(
+                f"capability record field 'model_sha256' is {quoted(sha)}, not a sha256 in hex"
+            )
+        return cls(
+            model_sha256=sha,
+            model_name=_text(d, "model_name"),
+            architecture=_text(d, "architecture"),
+            n_layers=n_layers,
+            splittable=_bool(d, "splittable"),
+            layer_types=tuple(layer_types),
+            state_kind=state_kind,
+            state_portable=_bool(d, "state_portable"),
+            cuts=tuple(_cut(c, n_layers) for c in _list(d, "cuts", MAX_CUTS)),
+            wire=tuple(WireResult.from_dict(w) for w in _list(d, "wire", MAX_WIRE)),
+            certified_ctx=_int(d, "certified_ctx", COUNTS),
+            llama_cpp_version=_text(d, "llama_cpp_version"),
+            certifier=_text(d, "certifier"),
+            certified_at=_unix_time(d, "certified_at"),
+            prompts=tuple(
+                _text_of(p, "prompts")
+                for p in (_list(d, "prompts", MAX_PROMPTS) if "prompts" in d else ())
+            ),
+        )
 
     def sign(self, identity: NodeIdentity) -> SignedRecord:
         if self.certifier != identity.peer_id:
@@ -137,24 +209,116 @@ class SignedRecord:
             d = cbor2.loads(data)
         except Exception as e:  # cbor2 raises several unrelated types on garbage
             raise ModelError(f"capability record is not valid CBOR ({e})") from e
-        if not isinstance(d, dict) or d.get(0) != RECORD_VERSION or len(d) != 4:
-            raise ModelError("capability record is malformed or of an unsupported version")
+        if not isinstance(d, dict) or set(d) != {0, 1, 2, 3}:
+            raise ModelError(f"capability record is malformed: {quoted(d)}")
+        _version(d[0])
         body, key, sig = d[1], d[2], d[3]
         if not all(isinstance(x, bytes) for x in (body, key, sig)):
-            raise ModelError("capability record is malformed")
+            raise ModelError("capability record is malformed: body, key and signature are bytes")
         try:
             VerifyKey(key).verify(_CONTEXT + body, sig)
         except (BadSignatureError, ValueError) as e:
             raise ModelError("capability record: bad signature (forged or tampered with)") from e
         try:
-            record = CapabilityRecord.from_dict(cbor2.loads(body))
-        except ModelError:
-            raise
-        except Exception as e:
+            fields_ = cbor2.loads(body)
+        except Exception as e:  # cbor2 raises several unrelated types on garbage
             raise ModelError(f"capability record body is not valid CBOR ({e})") from e
+        record = CapabilityRecord.from_dict(fields_)
         if record.certifier != peer_id_for(key):
             raise ModelError("capability record names a certifier other than its signer")
         return cls(record, body, key, sig)
+
+
+_RECORD_FIELDS = frozenset(f.name for f in fields(CapabilityRecord))
+_WIRE_FIELDS = frozenset(f.name for f in fields(WireResult))
+
+
+def _known_keys(d: dict[Any, Any], known: frozenset[str], what: str) -> None:
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        raise ModelError(f"{what} has a field of no version of it: {quoted(unknown[0])}")
+
+
+def _value(d: dict[Any, Any], name: Any) -> Any:
+    if name not in d:
+        raise ModelError(f"capability record lacks field {name!r}")
+    return d[name]
+
+
+def _version(v: Any) -> None:
+    if type(v) is not int or v != RECORD_VERSION:  # True and 1.0 equal 1
+        raise ModelError(f"capability record of version {quoted(v)}, not {RECORD_VERSION}")
+
+
+def _int(d: dict[str, Any], name: str, allowed: range) -> int:
+    v = _value(d, name)
+    if type(v) is not int or v not in allowed:
+        raise ModelError(
+            f"capability record field {name!r} is {quoted(v)}, not an integer of "
+            f"{allowed.start}-{allowed.stop - 1}"
+        )
+    return v
+
+
+def _bool(d: dict[str, Any], name: str) -> bool:
+    v = _value(d, name)
+    if type(v) is not bool:
+        raise ModelError(f"capability record field {name!r} is {quoted(v)}, not true or false")
+    return v
+
+
+def _text(d: dict[str, Any], name: str) -> str:
+    return _text_of(_value(d, name), name)
+
+
+def _text_of(v: Any, name: str) -> str:
+    if not isinstance(v, str) or len(v) > MAX_TEXT:
+        raise ModelError(
+            f"capability record field {name!r} is {quoted(v)}, not text of at most "
+            f"{MAX_TEXT} characters"
+        )
+    return v
+
+
+def _number(d: dict[str, Any], name: str) -> float:
+    v = _value(d, name)
+    if type(v) is float or (type(v) is int and abs(v) < 2**53):
+        return float(v)
+    raise ModelError(f"capability record field {name!r} is {quoted(v)}, not a number")
+
+
+def _unix_time(d: dict[str, Any], name: str) -> float:
+    t = _number(d, name)
+    if not 0.0 <= t < math.inf:
+        raise ModelError(f"capability record field {name!r} is {quoted(t)}, not a unix time")
+    return t
+
+
+def _list(d: dict[str, Any], name: str, most: int) -> list[Any]:
+    v = _value(d, name)
+    if not isinstance(v, list) or len(v) > most:
+        shown = f"{len(v)} items" if isinstance(v, list) else quoted(v)
+        raise ModelError(
+            f"capability record field {name!r} is {shown}, not a list of at most {most}"
+        )
+    return v
+
+
+def _cut(c: Any, n_layers: int) -> tuple[int, ...]:
+    """Stage boundaries: 0, then strictly rising, ending at the last layer."""
+    if (
+        not isinstance(c, list)
+        or len(c) < 2
+        or not all(type(b) is int for b in c)
+        or c[0] != 0
+        or c[-1] != n_layers
+        or any(a >= b for a, b in itertools.pairwise(c))
+    ):
+        raise ModelError(
+            f"capability record field 'cuts' holds {quoted(c)}, not stage boundaries from 0 "
+            f"to {n_layers}"
+        )
+    return tuple(c)
 
 
 class CapabilityStore:
