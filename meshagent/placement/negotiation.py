@@ -7,6 +7,11 @@ the one proposed by the lowest peer id wins. So every agent that sees the same c
 same plan. A new plan gets the next epoch; agents only propose one when the planner says the
 gain passes the replan threshold (see `planner.should_replan`), so the mesh does not flap.
 A split is routable once every peer of the plan in force claims that plan and is ready.
+
+A claim is read once, where gossip brings it (`Claim.from_cbor`), against what the reader
+knows of the model (its id, its layer count): every field of its type and range, a plan
+whole (replicas) or split (stages from layer 0 to the last, one peer each). Anything else is
+a ClaimError naming the field, and that peer's claim is left out.
 """
 
 from __future__ import annotations
@@ -20,8 +25,16 @@ import cbor2
 
 from meshagent.errors import MeshError
 from meshagent.placement.planner import Plan, StageAssignment
+from meshagent.wire.quoted import quoted
 
 CLAIM_VERSION = 1
+# The ranges of a claim's fields.
+EPOCHS = range(2**63)
+CONTEXTS = range(1, 2**31)
+LAYERS = range(1 << 16)
+MAX_PEERS = 256  # replicas or stages of one plan
+MAX_PEER_ID = 64
+MAX_MODEL_ID = 255
 
 
 class ClaimError(MeshError):
@@ -71,21 +84,100 @@ class Claim:
         }
 
     @classmethod
-    def from_cbor(cls, d: Any) -> Claim:
-        try:
-            if not isinstance(d, dict) or d[0] != CLAIM_VERSION:
-                raise ClaimError("placement claim of an unknown version")
-            stages = tuple(StageAssignment(str(a), int(b), int(c)) for a, b, c in d[6])
-            plan = Plan(
-                model_id=str(d[1]),
-                context_tokens=int(d[4]),
-                replicas=tuple(str(x) for x in d[5]),
-                stages=stages,
-                est_token_ms=float(d[8]),
+    def from_cbor(
+        cls, d: Any, *, model_id: str | None = None, n_layers: int | None = None
+    ) -> Claim:
+        """A gossiped claim, for `model_id` and its `n_layers` where given; ClaimError
+        naming the first field out of its range."""
+        if not isinstance(d, dict):
+            raise ClaimError(f"a placement claim is a map, not {quoted(d)}")
+        version = d.get(0)
+        if type(version) is not int or version != CLAIM_VERSION:  # True and 1.0 equal 1
+            raise ClaimError(f"placement claim of version {quoted(version)}, not {CLAIM_VERSION}")
+        model = _text(d.get(1), "model id", MAX_MODEL_ID)
+        if model_id is not None and model != model_id:
+            raise ClaimError(f"placement claim for model {quoted(model)}, not {model_id!r}")
+        replicas = _peers(d.get(5), "replicas", "replica")
+        stages = _stages(d.get(6), n_layers)
+        if bool(replicas) == bool(stages):
+            raise ClaimError(
+                "placement claim's plan names replicas or stages, one of them: "
+                f"{len(replicas)} replicas and {len(stages)} stages"
             )
-            return cls(str(d[1]), int(d[2]), str(d[3]), plan, bool(d[7]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ClaimError(f"malformed placement claim: {e}") from e
+        ready = d.get(7)
+        if type(ready) is not bool:
+            raise ClaimError(f"placement claim's ready is {quoted(ready)}, not true or false")
+        est = d.get(8)
+        if not (type(est) is float or type(est) is int) or not 0 <= est < 2**53:
+            raise ClaimError(
+                f"placement claim's est_token_ms is {quoted(est)}, not a finite number >= 0"
+            )
+        plan = Plan(
+            model_id=model,
+            context_tokens=_int(d.get(4), "context tokens", CONTEXTS),
+            replicas=replicas,
+            stages=stages,
+            est_token_ms=float(est),
+        )
+        proposer = _text(d.get(3), "proposer", MAX_PEER_ID)
+        return cls(model, _int(d.get(2), "epoch", EPOCHS), proposer, plan, ready)
+
+
+def _int(v: Any, what: str, allowed: range) -> int:
+    if type(v) is not int or v not in allowed:
+        raise ClaimError(
+            f"placement claim's {what} is {quoted(v)}, not an integer of "
+            f"{allowed.start}-{allowed.stop - 1}"
+        )
+    return v
+
+
+def _text(v: Any, what: str, most: int) -> str:
+    if not isinstance(v, str) or not 0 < len(v) <= most:
+        raise ClaimError(
+            f"placement claim's {what} is {quoted(v)}, not text of 1-{most} characters"
+        )
+    return v
+
+
+def _peers(v: Any, what: str, each: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or len(v) > MAX_PEERS:
+        shown = f"{len(v)} of them" if isinstance(v, list) else quoted(v)
+        raise ClaimError(
+            f"placement claim's {what} ({shown}) are not a list of at most {MAX_PEERS}"
+        )
+    peers = tuple(_text(p, each, MAX_PEER_ID) for p in v)
+    if len(set(peers)) != len(peers):
+        raise ClaimError(f"placement claim's {what} name a peer twice: {quoted(list(peers))}")
+    return peers
+
+
+def _stages(v: Any, n_layers: int | None) -> tuple[StageAssignment, ...]:
+    """A split's stages: one peer each, from layer 0 to the last without gap or overlap."""
+    if not isinstance(v, list) or len(v) > MAX_PEERS:
+        shown = f"{len(v)} of them" if isinstance(v, list) else quoted(v)
+        raise ClaimError(
+            f"placement claim's stages ({shown}) are not a list of at most {MAX_PEERS}"
+        )
+    stages, end = [], 0
+    for s in v:
+        if not isinstance(s, list) or len(s) != 3:
+            raise ClaimError(f"placement claim's stage {quoted(s)} is not [peer, start, end]")
+        peer = _text(s[0], "stage host", MAX_PEER_ID)
+        start, stop = _int(s[1], "stage start", LAYERS), _int(s[2], "stage end", LAYERS)
+        if start != end or stop <= start:
+            raise ClaimError(
+                f"placement claim's stage {quoted(s)} does not follow layer {end}: stages run "
+                "from layer 0 to the last, each over at least one"
+            )
+        stages.append(StageAssignment(peer, start, stop))
+        end = stop
+    if stages and n_layers is not None and end != n_layers:
+        raise ClaimError(
+            f"placement claim's stages end at layer {end}, not at the model's {n_layers}"
+        )
+    _peers([s.peer_id for s in stages], "stages", "stage host")
+    return tuple(stages)
 
 
 def plan_in_force(claims: Mapping[str, Claim]) -> Claim | None:

@@ -110,7 +110,11 @@ def capacities(
     return out
 
 
-def claims_for(model_id: str, views: Mapping[str, Any]) -> dict[str, Claim]:
+def claims_for(
+    model_id: str, views: Mapping[str, Any], n_layers: int | None = None
+) -> dict[str, Claim]:
+    """The claims alive peers gossip for `model_id` (of `n_layers`, where given); a claim
+    that does not decode is logged and left out."""
     out: dict[str, Claim] = {}
     for pid, view in views.items():
         if view.state == PeerState.DEAD:
@@ -119,7 +123,7 @@ def claims_for(model_id: str, views: Mapping[str, Any]) -> dict[str, Claim]:
         if not isinstance(raw, dict) or model_id not in raw:
             continue
         try:
-            claim = Claim.from_cbor(raw[model_id])
+            claim = Claim.from_cbor(raw[model_id], model_id=model_id, n_layers=n_layers)
         except ClaimError as e:
             log.warning("placement.bad_claim", peer=pid, error=str(e))
             continue
@@ -200,7 +204,7 @@ class PlacementService:
         views = self.gossip.snapshot()
         me = self.gossip.peer_id
         caps = capacities(views, self.cost.flops_per_layer, self.source_sha256)
-        claims = claims_for(self.cost.model_id, views)
+        claims = claims_for(self.cost.model_id, views, self.cost.n_layers)
         winner = plan_in_force(claims)
         error = None
         try:
