@@ -108,10 +108,9 @@ class Claim:
         if type(ready) is not bool:
             raise ClaimError(f"placement claim's ready is {quoted(ready)}, not true or false")
         est = d.get(8)
-        if not (type(est) is float or type(est) is int) or not 0 <= est < 2**53:
-            raise ClaimError(
-                f"placement claim's est_token_ms is {quoted(est)}, not a finite number >= 0"
-            )
+        # A plan on a peer of (absurdly) tiny speed is estimated at infinity: still a plan.
+        if not (type(est) is float or (type(est) is int and est < 2**53)) or not est >= 0:
+            raise ClaimError(f"placement claim's est_token_ms is {quoted(est)}, not a number >= 0")
         plan = Plan(
             model_id=model,
             context_tokens=_int(d.get(4), "context tokens", CONTEXTS),

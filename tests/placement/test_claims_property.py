@@ -82,7 +82,7 @@ FIELDS: list[tuple[Claim, tuple[Any, ...], str, st.SearchStrategy[Any]]] = [
         "est_token_ms",
         st.one_of(
             st.floats(max_value=-1e-9),
-            st.sampled_from([math.nan, math.inf, True, "1", None]),
+            st.sampled_from([math.nan, -math.inf, True, "1", None]),
             wide_ints,
         ),
     ),
@@ -103,6 +103,13 @@ def with_value(claim: Claim, path: tuple[Any, ...], value: Any) -> dict[int, Any
 def test_both_claims_round_trip():
     for claim in (SPLIT, WHOLE):
         assert Claim.from_cbor(claim.to_cbor(), model_id="m", n_layers=N_LAYERS) == claim
+
+
+def test_a_plan_estimated_at_infinity_is_a_plan_still():
+    """The planner's estimate on a peer whose record gives a speed of 5e-324 (which gossip
+    takes): refusing it would leave the model without any plan."""
+    slow = Claim("m", 1, "p", Plan("m", 1000, replicas=("a",), est_token_ms=math.inf), True)
+    assert Claim.from_cbor(slow.to_cbor(), model_id="m", n_layers=N_LAYERS) == slow
 
 
 def _int_paths(v: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
