@@ -357,7 +357,7 @@ class OpenAIApp:
             raise errors.not_found(f"Unknown endpoint POST {path}.", code="unknown_url")
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # not JSON, not UTF-8, or an integer past 4300 digits
             raise errors.bad_request(f"We could not parse the JSON body ({e}).") from e
         req = parse_completion(path, data)
         model = self._local(req.model)

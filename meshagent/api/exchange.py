@@ -57,7 +57,7 @@ class Exchange:
             raise bad_request("The request body is empty; send a JSON object.")
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # not JSON, not UTF-8, or an integer past 4300 digits
             raise bad_request(
                 f"We could not parse the JSON body of your request ({e}). "
                 "Send valid JSON with Content-Type: application/json."

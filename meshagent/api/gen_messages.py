@@ -24,6 +24,7 @@ from meshagent.errors import MeshError
 from meshagent.serving.directory import Headers
 from meshagent.serving.generation import Delta, Finished, Logprob, Replay, Speculation
 from meshagent.serving.sampling import SEEDS, seed_word
+from meshagent.wire.quoted import quoted
 
 VERSION = 1
 
@@ -164,7 +165,7 @@ def _message(m: dict[int, Any]) -> Message:
         seed = None if m[4] is None else _int(m[4], SEEDS, "seed")
         tools = m.get(7)
         if tools is not None and tools not in SYNTAXES:
-            raise GenMessageError(f"unknown tool-call syntax {tools!r}")
+            raise GenMessageError(f"unknown tool-call syntax {quoted(tools)}")
         prompt = _int(m[5], COUNTS, "prompt tokens")
         return Head(headers, _str(m[3]), seed, prompt, _str(m[6]), tools)
     if kind == "fail":
@@ -180,7 +181,7 @@ def _message(m: dict[int, Any]) -> Message:
             _int(m.get(6, 0), COUNTS, "delivered characters"),
             None if seed is None else _int(seed, SEEDS, "seed"),
         )
-    raise GenMessageError(f"unknown gen/1 message kind {kind!r}")
+    raise GenMessageError(f"unknown gen/1 message kind {quoted(kind)}")
 
 
 def _tokens(v: Any) -> tuple[int, ...]:
@@ -191,25 +192,28 @@ def _int(v: Any, allowed: range, what: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise TypeError(f"expected an integer, got {type(v).__name__}")
     if v not in allowed:
-        raise GenMessageError(f"{what} {v} is outside {allowed.start}-{allowed.stop - 1}")
+        raise GenMessageError(f"{what} {quoted(v)} is outside {allowed.start}-{allowed.stop - 1}")
     return v
 
 
-def _float(v: Any) -> float:
+def _float(v: Any, what: str) -> float:
     if not isinstance(v, int | float) or isinstance(v, bool):
         raise TypeError(f"expected a number, got {type(v).__name__}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer past 1.8e308
+        raise GenMessageError(f"{what} of {quoted(v)}, which no float holds") from None
 
 
 def _ms(v: Any) -> float:
-    ms = _float(v)
+    ms = _float(v, "a duration")
     if not (math.isfinite(ms) and ms >= 0):
         raise GenMessageError(f"a duration of {ms} ms")
     return ms
 
 
 def _logprob(v: Any) -> float:
-    lp = _float(v)
+    lp = _float(v, "a log-probability")
     if math.isnan(lp):
         raise GenMessageError("a log-probability that is not a number")
     return lp

@@ -18,6 +18,7 @@ import cbor2
 from meshagent.gossip.errors import ExchangeError
 from meshagent.gossip.signed import MAX_BEAT
 from meshagent.wire.framing import Framing
+from meshagent.wire.quoted import quoted
 
 MESSAGE_VERSION = 1
 T_DIGEST, T_DELTA, T_BUSY = 1, 2, 3
@@ -57,7 +58,7 @@ class DigestEntry:
             or not _in_range(v[2], MAX_BEAT)
             or not isinstance(v[3], bool)
         ):
-            raise ExchangeError(f"malformed digest entry {v!r:.80}")
+            raise ExchangeError(f"malformed digest entry {quoted(v, 80)}")
         return cls(v[0], v[1], v[2], v[3])
 
 
@@ -135,7 +136,7 @@ def decode(data: bytes) -> Message:
         raise ExchangeError("gossip message is malformed or of an unsupported version")
     kind = d.get(1)
     if not _in_range(kind, T_BUSY):
-        raise ExchangeError(f"unknown gossip message type {kind!r:.40}")
+        raise ExchangeError(f"unknown gossip message type {quoted(kind)}")
     if kind == T_DIGEST:
         return Digest(_entries(d.get(2)))
     if kind == T_DELTA:
@@ -146,7 +147,7 @@ def decode(data: bytes) -> Message:
         if not isinstance(reason, str) or len(reason) > MAX_REASON:
             raise ExchangeError(f"a busy reason is text of at most {MAX_REASON} characters")
         return Busy(reason)
-    raise ExchangeError(f"unknown gossip message type {kind!r}")
+    raise ExchangeError(f"unknown gossip message type {quoted(kind)}")
 
 
 def framing(max_message: int) -> Framing:

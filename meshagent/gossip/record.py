@@ -14,6 +14,7 @@ from typing import Any
 import cbor2
 
 from meshagent.gossip.errors import RecordRejected
+from meshagent.wire.quoted import quoted
 
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 64 * 1024  # encoded body; an owner refuses to publish a larger one
@@ -339,13 +340,13 @@ def _jsonable(v: Any) -> Any:
 
 def _text(v: Any) -> str:
     if not isinstance(v, str) or len(v) > MAX_TEXT:
-        raise RecordRejected(f"expected text of at most {MAX_TEXT} characters, got {v!r:.60}")
+        raise RecordRejected(f"expected text of at most {MAX_TEXT} characters, got {quoted(v, 60)}")
     return v
 
 
 def _hash(v: Any) -> str:
     if not isinstance(v, str) or len(v) != 64:
-        raise RecordRejected(f"expected a sha256 hex digest, got {v!r:.80}")
+        raise RecordRejected(f"expected a sha256 hex digest, got {quoted(v, 80)}")
     return v
 
 
@@ -361,14 +362,17 @@ def _blob(v: Any, limit: int) -> bytes:
 
 def _uint(v: Any) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 64:
-        raise RecordRejected(f"expected an unsigned 64-bit integer, got {v!r:.40}")
+        raise RecordRejected(f"expected an unsigned 64-bit integer, got {quoted(v)}")
     return v
 
 
 def _float(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-        raise RecordRejected(f"expected a finite non-negative number, got {v!r:.40}")
-    return float(v)
+    # (An integer is taken where a float holds it: `float()` overflows past 1.8e308.)
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**1023:
+        return float(v)
+    if type(v) is not float or not math.isfinite(v) or v < 0:
+        raise RecordRejected(f"expected a finite non-negative number, got {quoted(v)}")
+    return v
 
 
 def _list(v: Any, n: int, what: str) -> list[Any]:

@@ -23,6 +23,7 @@ from nacl.signing import VerifyKey
 from meshagent.gossip.errors import RecordRejected
 from meshagent.gossip.record import MAX_RECORD_BYTES, PeerRecord
 from meshagent.identity.keys import NodeIdentity, peer_id_for
+from meshagent.wire.quoted import quoted
 
 ITEM_VERSION = 1
 MAX_ITEM_BYTES = MAX_RECORD_BYTES + 256
@@ -64,7 +65,8 @@ def _load(data: bytes, n: int, what: str) -> dict[int, Any]:
     if not isinstance(d, dict) or type(d.get(0)) is not int or d[0] != ITEM_VERSION:
         raise RecordRejected(f"{what} is malformed or of an unsupported version")
     if d.keys() != set(range(n)):
-        raise RecordRejected(f"{what} must hold keys 0 to {n - 1}, got {sorted(d, key=repr)!r:.60}")
+        keys = ", ".join(sorted(quoted(k, 20) for k in d))
+        raise RecordRejected(f"{what} must hold keys 0 to {n - 1}, got {keys:.60}")
     return d
 
 
@@ -76,7 +78,7 @@ def _bytes(v: Any, n: int, what: str) -> bytes:
 
 def _beat(v: Any, what: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_BEAT:
-        raise RecordRejected(f"{what} must be an integer from 0 to {MAX_BEAT}, got {v!r:.40}")
+        raise RecordRejected(f"{what} must be an integer from 0 to {MAX_BEAT}, got {quoted(v)}")
     return v
 
 

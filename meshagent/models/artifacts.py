@@ -18,6 +18,7 @@ from meshagent.errors import ModelError
 from meshagent.models.layout import ModelLayout, file_sha256, inspect_model, write_atomic
 from meshagent.models.ranged import PartialModel, Progress, is_partial
 from meshagent.models.slicer import tensors_read, write_entry, write_layers
+from meshagent.wire.quoted import quoted
 
 log = structlog.get_logger(__name__)
 
@@ -67,11 +68,11 @@ class SliceManifest:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SliceManifest:
         if d.get("version") != MANIFEST_VERSION:
-            raise ModelError(f"unsupported manifest version {d.get('version')!r}")
+            raise ModelError(f"unsupported manifest version {quoted(d.get('version'))}")
         for f in fields(cls):  # a peer sends manifests too: each field of its type, in range
             v = d.get(f.name)  # (one missing: `cls(**d)` names it)
             if f.name in d and not (_text(v) if f.type == "str" else _count(v)):
-                raise ModelError(f"malformed manifest: {f.name} is {v!r:.40}")
+                raise ModelError(f"malformed manifest: {f.name} is {quoted(v)}")
         try:
             m = cls(**d)
         except TypeError as e:

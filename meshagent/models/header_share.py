@@ -31,6 +31,7 @@ from meshagent.models.header_map import HeaderMap, header_map
 from meshagent.models.ranged import MAX_HEADER, PartialModel, is_partial
 from meshagent.net.framed import receive_cbor
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
+from meshagent.wire.quoted import quoted
 
 log = structlog.get_logger(__name__)
 
@@ -121,10 +122,11 @@ def _parse_answer(msg: dict[int, Any], sha256: str) -> HeaderMap:
     `MAX_GAPS` gaps in order within it, apart, each of at least one entry and a byte per
     entry. HeaderShareError otherwise, or with the peer's reason for having none."""
     if K_ERROR in msg:
-        raise HeaderShareError(str(msg[K_ERROR])[:200])
+        why = msg[K_ERROR]
+        raise HeaderShareError(why[:200] if isinstance(why, str) else f"no map: {quoted(why)}")
     end, gaps = msg.get(K_END), msg.get(K_GAPS)
     if not _count(end) or not 0 < end <= MAX_HEADER:
-        raise HeaderShareError(f"a header map's end is not 1 to {MAX_HEADER}: {end!r:.40}")
+        raise HeaderShareError(f"a header map's end is not 1 to {MAX_HEADER}: {quoted(end)}")
     if not isinstance(gaps, list) or len(gaps) > MAX_GAPS:
         raise HeaderShareError(f"a header map's gaps are not a list of at most {MAX_GAPS}")
     out: list[tuple[int, int, int]] = []
@@ -134,7 +136,7 @@ def _parse_answer(msg: dict[int, Any], sha256: str) -> HeaderMap:
         start, stop, count = g
         after = out[-1][1] if out else 0
         if not (after <= start < stop <= end and 0 < count <= stop - start):
-            raise HeaderShareError(f"a header map's gap {g!r:.60} does not fit its header")
+            raise HeaderShareError(f"a header map's gap {quoted(g, 60)} does not fit its header")
         out.append((start, stop, count))
     return HeaderMap(sha256, end, tuple(out))
 

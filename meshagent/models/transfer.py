@@ -37,6 +37,7 @@ from meshagent.errors import MeshError, ModelError
 from meshagent.models.artifacts import ArtifactStore, SliceManifest, parse_key
 from meshagent.net.framed import receive_cbor, receive_frame
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
+from meshagent.wire.quoted import quoted
 
 log = structlog.get_logger(__name__)
 
@@ -161,7 +162,9 @@ class _Header:
         for anything else that is not a HEADER or not what `expect` allows."""
         kind = msg.get(K_TYPE)
         if kind == T_ERROR and type(kind) is int:
-            raise PeerRefused(f"the peer refused: {str(msg.get(K_ERROR))[:200]}")
+            reason = msg.get(K_ERROR)
+            said = reason[:200] if isinstance(reason, str) else quoted(reason)
+            raise PeerRefused(f"the peer refused: {said}")
         if kind != T_HEADER or type(kind) is not int:
             raise PeerMisbehaved("expected a transfer header")
         raw, chunk, hashes = msg.get(K_MANIFEST), msg.get(K_CHUNK), msg.get(K_HASHES)
@@ -181,7 +184,7 @@ class _Header:
         if expect.most is not None and size > expect.most:
             raise PeerMisbehaved(f"the peer's {key} is {size} bytes, over the {expect.most}")
         if not _uint(chunk) or not 0 < chunk <= MAX_CHUNK:
-            raise PeerMisbehaved(f"the peer's chunk size {chunk!r:.40} is not 1 to {MAX_CHUNK}")
+            raise PeerMisbehaved(f"the peer's chunk size {quoted(chunk)} is not 1 to {MAX_CHUNK}")
         count = math.ceil(size / chunk)
         if not isinstance(hashes, bytes) or len(hashes) != 32 * count:
             got = len(hashes) / 32 if isinstance(hashes, bytes) else type(hashes).__name__

@@ -25,6 +25,7 @@ import numpy as np
 from meshagent.errors import MeshError
 from meshagent.serving.sampling import SEEDS, SamplingParams, TokenLogprob, seed_word
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
+from meshagent.wire.quoted import quoted
 
 VERSION = 1
 MAX_HEADER = 64 * 1024
@@ -75,7 +76,7 @@ class StageLimits:
 
     def seq(self, seq: int) -> int:
         if seq >= self.slots:
-            raise StageProtocolError(f"sequence {seq} is not one of the {self.slots} slots")
+            raise StageProtocolError(f"sequence {quoted(seq)} is not one of the {self.slots} slots")
         return seq
 
     def span(self, seq: int, pos: int, n: int) -> None:
@@ -83,8 +84,8 @@ class StageLimits:
         self.seq(seq)
         if pos + n > self.slot_ctx:
             raise StageProtocolError(
-                f"positions {pos}-{pos + n - 1} of sequence {seq} are past its slot's "
-                f"{self.slot_ctx} positions"
+                f"positions {quoted(pos)}-{quoted(pos + n - 1)} of sequence {seq} are past "
+                f"its slot's {self.slot_ctx} positions"
             )
 
     def tokens(self, ids: Any, what: str) -> tuple[int, ...]:
@@ -232,9 +233,10 @@ def _sampling_from_cbor(d: Any) -> SamplingParams:
 
 
 def _finite(x: Any, what: str) -> float:
-    if not _number(x) or not math.isfinite(x):
+    f = _float(x)
+    if f is None or not math.isfinite(f):
         raise StageProtocolError(f"a sampling {what} must be a finite number")
-    return float(x)
+    return f
 
 
 def _int_like(x: Any) -> bool:
@@ -269,6 +271,16 @@ def _number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def _float(x: Any) -> float | None:
+    """`x` as a float, where it is a number a float holds; None otherwise."""
+    if not _number(x):
+        return None
+    try:
+        return float(x)
+    except OverflowError:  # an integer past 1.8e308
+        return None
+
+
 def _logprobs(h: dict[int, Any], tokens: int, limits: StageLimits) -> tuple[TokenLogprob, ...]:
     raw = h.get(K_LOGPROBS)
     if raw is None:
@@ -277,7 +289,7 @@ def _logprobs(h: dict[int, Any], tokens: int, limits: StageLimits) -> tuple[Toke
         raise StageProtocolError("a token's logprobs must be one per token")
     out = []
     for entry in raw:
-        ok = isinstance(entry, list) and len(entry) == 2 and _number(entry[0])
+        ok = isinstance(entry, list) and len(entry) == 2 and _float(entry[0]) is not None
         top = entry[1] if ok else None
         ok = ok and isinstance(top, list) and len(top) <= MAX_TOP_LOGPROBS
         ok = ok and all(
@@ -285,7 +297,7 @@ def _logprobs(h: dict[int, Any], tokens: int, limits: StageLimits) -> tuple[Toke
             and len(p) == 2
             and _uint(p[0])
             and p[0] < limits.n_vocab
-            and _number(p[1])
+            and _float(p[1]) is not None
             for p in top  # type: ignore[union-attr]
         )
         if not ok:
@@ -307,18 +319,18 @@ def _item_to_cbor(i: ForwardItem) -> list[Any]:
 def _item_from_cbor(it: Any, limits: StageLimits) -> ForwardItem:
     ok = isinstance(it, list) and len(it) in (4, 5, 6) and isinstance(it[3], bool)
     if not ok or not all(_uint(x) for x in it[:3]) or it[2] == 0:
-        raise StageProtocolError(f"bad forward item {it!r}")
+        raise StageProtocolError(f"bad forward item {quoted(it, 80)}")
     limits.span(it[0], it[1], it[2])
     draft: tuple[int, ...] = ()
     follows = len(it) == 6
     if follows and it[5] is not True:
-        raise StageProtocolError(f"bad forward item {it!r}")
+        raise StageProtocolError(f"bad forward item {quoted(it, 80)}")
     if len(it) >= 5:
         d = it[4]
         # A window that follows another is all draft; any other keeps its first token.
         fits = isinstance(d, list) and (len(d) == it[2] if follows else 0 < len(d) < it[2])
         if not fits or not it[3]:
-            raise StageProtocolError(f"bad draft in forward item {it!r}")
+            raise StageProtocolError(f"bad draft in forward item {quoted(it, 80)}")
         draft = limits.tokens(d, "a forward item's draft")
     return ForwardItem(it[0], it[1], it[2], it[3], draft, follows)
 
@@ -416,7 +428,7 @@ def _size(h: dict[int, Any], cap: int, what: str) -> int:
     """The payload size the header gives: at most `cap` bytes, what `what` may carry."""
     size = h.get(K_SIZE, 0)
     if not _uint(size) or size > cap:
-        raise StageProtocolError(f"{what} carries at most {cap} payload bytes, not {size!r}")
+        raise StageProtocolError(f"{what} carries at most {cap} payload bytes, not {quoted(size)}")
     return size
 
 
@@ -424,9 +436,10 @@ def _timing(h: dict[int, Any]) -> tuple[float, ...]:
     t = h.get(K_TIMING, [])
     if not isinstance(t, list) or len(t) > MAX_STAGES:
         raise StageProtocolError("stage timing must be a short list")
-    if not all(_number(x) and 0 <= x < math.inf for x in t):
+    times = tuple(_float(x) for x in t)
+    if not all(x is not None and 0 <= x < math.inf for x in times):
         raise StageProtocolError("stage timing must hold non-negative numbers")
-    return tuple(float(x) for x in t)
+    return times  # type: ignore[return-value]
 
 
 def _bare(msg: Message) -> Build:
@@ -444,7 +457,7 @@ def _parse(h: dict[int, Any], limits: StageLimits) -> tuple[int, Build]:
     t = h.get(K_TYPE)
     if not _int_like(t) or t not in limits.accepts:
         what = "to the entry" if limits.width is None else "from upstream"
-        raise StageProtocolError(f"stage message type {t!r} does not come {what}")
+        raise StageProtocolError(f"stage message type {quoted(t)} does not come {what}")
     if t == T_FORWARD:
         return _parse_forward(h, limits)
     if t == T_OPEN:
@@ -519,7 +532,9 @@ def _parse_forward(h: dict[int, Any], limits: StageLimits) -> tuple[int, Build]:
     if dtype is None or not _uint(width):
         raise StageProtocolError("forward needs a dtype (f16/f32) and a positive width")
     if width != limits.width:
-        raise StageProtocolError(f"hidden states {width} wide reached a stage {limits.width} wide")
+        raise StageProtocolError(
+            f"hidden states {quoted(width)} wide reached a stage {limits.width} wide"
+        )
     if not isinstance(raw_items, list) or not raw_items:
         raise StageProtocolError("forward needs a non-empty item list")
     items = tuple(_item_from_cbor(it, limits) for it in raw_items)
@@ -529,7 +544,7 @@ def _parse_forward(h: dict[int, Any], limits: StageLimits) -> tuple[int, Build]:
     size = h.get(K_SIZE, 0)
     if size != rows * width * dtype.itemsize:
         raise StageProtocolError(
-            f"forward payload of {size!r} bytes does not hold {rows}x{width} {dtype}"
+            f"forward payload of {quoted(size)} bytes does not hold {rows}x{width} {dtype}"
         )
     timing = _timing(h)
     layer = h.get(K_LAYER)

@@ -8,6 +8,7 @@ from typing import Any
 import cbor2
 
 from meshagent.wire.errors import ProtocolError
+from meshagent.wire.quoted import quoted
 
 CONTROL_VERSION = 1
 MAX_REASON_LEN = 1024
@@ -31,7 +32,7 @@ def decode_control(body: bytes | memoryview, what: str) -> dict[int, Any]:
     if not isinstance(value, dict) or not all(type(k) is int for k in value):
         raise ProtocolError(f"{what} frame body is not a map with integer keys")
     if value.get(0) != CONTROL_VERSION:
-        raise ProtocolError(f"{what} frame body has unsupported version {value.get(0)!r}")
+        raise ProtocolError(f"{what} frame body has unsupported version {quoted(value.get(0))}")
     return value
 
 

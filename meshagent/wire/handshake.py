@@ -32,6 +32,7 @@ from meshagent.identity.keys import NodeIdentity, peer_id_for
 from meshagent.identity.mesh import MeshSecret
 from meshagent.wire import ciphers
 from meshagent.wire.errors import HandshakeError, LocalUsageError
+from meshagent.wire.quoted import quoted
 from meshagent.wire.replay import ReplayGuard
 from meshagent.wire.settings import StreamSettings
 
@@ -332,9 +333,10 @@ class Handshake:
         lo = max(offered[0], self._local.versions[0])
         hi = min(offered[1], self._local.versions[1])
         if lo > hi:
+            theirs = f"{quoted(offered[0])}-{quoted(offered[1])}"
             raise self._refuse(
                 Refusal.NO_COMMON_VERSION,
-                f"no common protocol version: peer speaks {offered[0]}-{offered[1]}, "
+                f"no common protocol version: peer speaks {theirs}, "
                 f"we speak {self._local.versions[0]}-{self._local.versions[1]}; upgrade one side",
             )
         self._version = hi
@@ -355,12 +357,14 @@ class Handshake:
         version = body.get(2)
         lo, hi = self._local.versions
         if type(version) is not int or not lo <= version <= hi:
-            raise HandshakeError(f"responder chose protocol version {version!r}, outside {lo}-{hi}")
+            raise HandshakeError(
+                f"responder chose protocol version {quoted(version)}, outside {lo}-{hi}"
+            )
         self._version = version
         cipher = body.get(8, ciphers.CHACHAPOLY)
         if cipher != ciphers.CHACHAPOLY and cipher not in self._local.ciphers:
             raise HandshakeError(
-                f"responder chose record cipher {cipher!r}, which we did not offer"
+                f"responder chose record cipher {quoted(cipher)}, which we did not offer"
             )
         self._cipher = cipher
         identity = self._verify_identity(body)
@@ -397,7 +401,9 @@ class Handshake:
         ):
             raise HandshakeError("peer identity payload is malformed")
         if peer_id_for(public_key) != peer_id:
-            raise HandshakeError(f"peer claims id {peer_id!r} which does not match its public key")
+            raise HandshakeError(
+                f"peer claims id {quoted(peer_id, 80)} which does not match its public key"
+            )
         remote_static = self._hs_state.rs.public_bytes
         try:
             VerifyKey(public_key).verify(STATIC_KEY_CONTEXT + remote_static, signature)

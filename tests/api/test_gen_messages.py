@@ -187,10 +187,17 @@ def test_each_range_holds_its_ends(kind, path, allowed):
         decode(_with(kind, path, v))
 
 
+# Integers past the 4300 digits Python prints (a CBOR bignum of some 2 KB): quoted with repr()
+# or str() they raise ValueError, and the refusal would name that, not the field.
+huge = st.integers(4400, 5000).map(lambda n: 10**n)
+
+
 def _outside(allowed: range) -> st.SearchStrategy[int]:
     return st.one_of(
         st.integers(max_value=allowed.start - 1),
         st.integers(min_value=allowed.stop),
+        huge,
+        huge.map(lambda v: -v),
         st.sampled_from([allowed.start - 1, allowed.stop, -(2**63), 2**64, -(2**200), 2**200]),
     )
 
@@ -202,8 +209,28 @@ def _outside(allowed: range) -> st.SearchStrategy[int]:
 )
 def test_an_integer_out_of_its_range_is_refused_with_the_protocols_error(case):
     (kind, path, _), value = case
-    with pytest.raises(GenMessageError):
+    with pytest.raises(GenMessageError) as refused:
         decode(_with(kind, path, value))
+    if type(value) is int:  # named for what it is, however wide
+        assert " is outside " in str(refused.value)
+
+
+@given(st.one_of(st.just(10**400), st.integers(309, 5000).map(lambda n: -(10**n)), huge))
+def test_a_number_no_float_holds_is_refused_as_what_it_is(value):
+    for path, what in [((5, 0), "duration"), ((6, 0, 2), "duration"), ((6, 0, 3), "duration")]:
+        with pytest.raises(GenMessageError, match=what):
+            decode(_with("done", path, value))
+    delta = _map("delta") | {4: [[b"a", value, []]]}
+    with pytest.raises(GenMessageError, match="log-probability"):
+        decode(cbor2.dumps(delta))
+
+
+@given(st.one_of(huge, st.integers(), st.binary(max_size=8)))
+def test_an_unknown_kind_or_tool_syntax_is_refused_as_what_it_is(value):
+    with pytest.raises(GenMessageError, match="unknown gen/1 message kind"):
+        decode(cbor2.dumps(_map("ask") | {1: value}))
+    with pytest.raises(GenMessageError, match="unknown tool-call syntax"):
+        decode(_with("head", (7,), value))
 
 
 @pytest.mark.parametrize(

@@ -409,3 +409,21 @@ async def test_an_entrys_receipt_reaches_the_client_filtered_and_named_by_the_as
     assert r.headers.get_list("x-meshagent-served-by") == [forger.peer_id]
     assert r.headers["x-meshagent-stages"] == "p:0-30"
     assert "x-meshagent-session" not in r.headers
+
+
+async def test_an_ask_whose_body_holds_a_number_past_what_python_reads_is_refused(mesh):
+    """A JSON integer of over 4300 digits is refused by Python's parser with a ValueError
+    of its own: the entry answers 400 and serves on."""
+    url, (first, _), directory, _ = mesh
+    body = b'{"model": "fake", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"
+    ask = {0: 1, 1: "ask", 2: "POST", 3: "/v1/completions", 4: body, 5: [], 6: 0, 7: None}
+    reply = await _first_reply(directory, first, FRAMING.encode(cbor2.dumps(ask)))
+    assert isinstance(reply, Fail) and not reply.resumable, reply
+    assert reply.error.status == 400 and "JSON" in reply.error.message
+    async with httpx.AsyncClient() as client:
+        answer = await client.post(
+            f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
+    assert answer.status_code == 400 and "JSON" in answer.json()["error"]["message"]
+    text, usage, events = await stream_text(url, {"temperature": 0})
+    assert text and events[-1] == "[DONE]" and usage["completion_tokens"] == TOKENS

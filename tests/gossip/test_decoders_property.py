@@ -5,6 +5,7 @@ no input makes a decoder raise anything else."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import cbor2
@@ -25,6 +26,11 @@ PEER = NodeIdentity.generate()
 KEY = PEER.public_key
 SHA = "ab" * 32
 
+# Integers past the 4300 digits Python prints (a CBOR bignum of some 2 KB): a decoder that
+# quotes one with repr() or str() raises ValueError instead of its own error.
+huge = st.integers(4400, 5000).map(lambda n: 10**n)
+wide = st.one_of(huge, huge.map(lambda v: -v))
+
 not_an_int = st.one_of(
     st.booleans(),
     st.none(),
@@ -41,6 +47,7 @@ def out_of(most: int) -> st.SearchStrategy[Any]:
         st.integers(max_value=-1),
         st.integers(min_value=most + 1, max_value=most + 2**70),
         st.just(most + 1),
+        wide,
         not_an_int,
     )
 
@@ -75,26 +82,26 @@ def test_a_want_out_of_range_is_refused(field):
         decode(cbor2.dumps({0: 1, 1: 2, 3: [], 4: [], 5: [], 6: [want]}))
 
 
-@given(st.one_of(st.integers().filter(lambda v: v != 1), not_an_int))
+@given(st.one_of(st.integers().filter(lambda v: v != 1), wide, not_an_int))
 def test_a_message_version_out_of_range_is_refused(version):
     with pytest.raises(ExchangeError):
         decode(cbor2.dumps({0: version, 1: 1, 2: []}))
 
 
-@given(st.one_of(st.integers().filter(lambda v: v not in (1, 2, 3)), not_an_int))
+@given(st.one_of(st.integers().filter(lambda v: v not in (1, 2, 3)), wide, not_an_int))
 def test_a_message_type_out_of_range_is_refused(kind):
     with pytest.raises(ExchangeError):
         decode(cbor2.dumps({0: 1, 1: kind, 2: []}))
 
 
-@given(st.one_of(st.text(min_size=201, max_size=300), st.integers(), st.binary()))
+@given(st.one_of(st.text(min_size=201, max_size=300), st.integers(), wide, st.binary()))
 def test_a_busy_reason_that_is_not_short_text_is_refused(reason):
     with pytest.raises(ExchangeError):
         decode(cbor2.dumps({0: 1, 1: 3, 7: reason}))
 
 
 cbor_values = st.recursive(
-    st.one_of(st.integers(-(2**70), 2**70), st.binary(max_size=40), st.text(max_size=70)),
+    st.one_of(st.integers(-(2**70), 2**70), wide, st.binary(max_size=40), st.text(max_size=70)),
     lambda inner: st.one_of(
         st.lists(inner, max_size=5), st.dictionaries(st.integers(0, 8), inner, max_size=5)
     ),
@@ -131,7 +138,7 @@ def test_an_obituary_beat_out_of_range_is_refused(beat):
         Obituary.decode(cbor2.dumps({0: 1, 1: PEER.peer_id, 2: beat, 3: KEY, 4: bytes(64)}))
 
 
-@given(st.one_of(st.integers().filter(lambda v: v != 1), not_an_int))
+@given(st.one_of(st.integers().filter(lambda v: v != 1), wide, not_an_int))
 def test_an_item_version_out_of_range_is_refused(version):
     with pytest.raises(RecordRejected):
         Heartbeat.decode(cbor2.dumps({0: version, 1: KEY, 2: 1, 3: bytes(64)}))
@@ -147,6 +154,15 @@ def test_any_item_decodes_or_is_refused(fields):
         lambda d: SignedRecord.from_cbor(d, MESH),
     ):
         with contextlib.suppress(RecordRejected):
+            parse(data)
+
+
+@given(wide)
+def test_an_item_with_a_key_of_its_own_is_refused(key):
+    """A key no item has, too wide to print: refused, the key named by its width."""
+    data = cbor2.dumps({0: 1, 1: KEY, 2: 1, key: bytes(64)})
+    for parse in (Heartbeat.decode, Obituary.decode, lambda d: SignedRecord.from_cbor(d, MESH)):
+        with pytest.raises(RecordRejected):
             parse(data)
 
 
@@ -197,5 +213,35 @@ def test_the_template_record_decodes():
 @pytest.mark.parametrize(("where", "put"), INTEGER_FIELDS, ids=[w for w, _ in INTEGER_FIELDS])
 @given(value=out_of(U64 - 1))
 def test_a_record_integer_out_of_range_is_refused(where, put, value):
+    with pytest.raises(RecordRejected):
+        PeerRecord.from_body(cbor2.dumps(put(value)))
+
+
+# (where in the record, how to put a value there): the fields that are numbers
+FLOAT_FIELDS = [
+    *((f"field {k}", lambda v, k=k: body() | {k: v}) for k in (4, 11)),
+    ("rtt", lambda v: body() | {13: [["p", v]]}),
+    ("device[6]", lambda v: with_item(20, DEVICE, 6, v)),
+]
+
+
+def test_the_number_fields_take_a_number():
+    for _, put in FLOAT_FIELDS:
+        PeerRecord.from_body(cbor2.dumps(put(2.5)))
+        PeerRecord.from_body(cbor2.dumps(put(7)))
+
+
+@pytest.mark.parametrize(("where", "put"), FLOAT_FIELDS, ids=[w for w, _ in FLOAT_FIELDS])
+@given(
+    value=st.one_of(
+        st.just(10**400),  # no float holds it
+        st.integers(309, 5000).map(lambda n: 10**n),
+        st.floats(max_value=-1e-300),
+        st.sampled_from([math.inf, -math.inf, math.nan]),
+        wide,
+        not_an_int.filter(lambda v: not isinstance(v, float)),
+    )
+)
+def test_a_record_number_out_of_range_is_refused(where, put, value):
     with pytest.raises(RecordRejected):
         PeerRecord.from_body(cbor2.dumps(put(value)))

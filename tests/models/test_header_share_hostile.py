@@ -31,7 +31,7 @@ GiB = 1 << 30
 
 
 def answer(**fields: Any) -> bytes:
-    keys = {"end": header_share.K_END, "gaps": header_share.K_GAPS}
+    keys = {"end": header_share.K_END, "gaps": header_share.K_GAPS, "error": header_share.K_ERROR}
     body = {header_share.K_VERSION: header_share.VERSION}
     body |= {keys[k]: v for k, v in fields.items()}
     return header_share.FRAMING.encode(cbor2.dumps(body))
@@ -77,8 +77,14 @@ async def test_a_map_that_fits_no_header_is_refused(end, gaps):
         await asked(answer(end=end, gaps=gaps))
 
 
+# Integers past the 4300 digits Python prints (a CBOR bignum of some 2 KB): quoted with repr()
+# or str() they raise ValueError, not the protocol's error.
+huge = st.integers(4400, 5000).map(lambda n: 10**n)
+wide = st.one_of(huge, huge.map(lambda v: -v))
+
 wire_values = st.one_of(
     st.integers(-(2**70), 2**70),
+    wide,
     st.booleans(),
     st.none(),
     st.floats(),
@@ -90,7 +96,14 @@ wire_values = st.one_of(
 @settings(max_examples=300)
 @given(
     st.one_of(st.integers(-(2**70), 2**70), wire_values),
-    st.one_of(st.lists(st.lists(wire_values, max_size=4), max_size=6), wire_values),
+    st.one_of(
+        st.lists(st.lists(wire_values, max_size=4), max_size=6),
+        # one gap of one wide value among fitting ones
+        st.tuples(st.integers(0, 2), wide).map(
+            lambda a: [[a[1] if i == a[0] else x for i, x in enumerate([10, 20, 1])]]
+        ),
+        wire_values,
+    ),
 )
 async def test_any_answer_is_a_map_that_fits_or_refused(end, gaps):
     try:
@@ -102,6 +115,13 @@ async def test_any_answer_is_a_map_that_fits_or_refused(end, gaps):
     for start, stop, count in got.gaps:
         assert after <= start < stop <= got.end and 0 < count <= stop - start
         after = stop
+
+
+@settings(max_examples=30)
+@given(st.one_of(wide, wire_values))
+async def test_a_peer_with_no_map_is_refused_with_its_reason_whatever_it_is(why):
+    with pytest.raises(HeaderShareError):
+        await asked(answer(error=why))
 
 
 async def test_a_lying_peer_over_the_overlay_gives_no_map(nursery):

@@ -5,6 +5,7 @@ drops a reader that stalls."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from typing import Any
@@ -15,6 +16,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from meshagent.errors import ModelError
 from meshagent.identity.keys import NodeIdentity
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore, SliceManifest
@@ -116,6 +118,11 @@ def manifest_with(**changes: Any) -> bytes:
         (header(hashes=b"x" * 32 * 1000), "has 3 chunks, but the header gives 1000"),
         ({transfer.K_TYPE: 99}, "expected a transfer header"),
         ({transfer.K_TYPE: True}, "expected a transfer header"),
+        # integers past the 4300 digits Python prints, as the peer's own error too
+        (header(chunk=10**4400), "chunk size"),
+        (header(manifest=manifest_with(end=-(10**4400))), "malformed manifest: end"),
+        (header(manifest=manifest_with(version=10**4400)), "manifest version"),
+        ({transfer.K_TYPE: transfer.T_ERROR, transfer.K_ERROR: 10**4400}, "refused"),
     ],
 )
 async def test_a_malformed_header_ends_the_transfer_at_once(fields, why, tmp_path, nursery):
@@ -190,8 +197,14 @@ def reply_of(stream: ScriptedStream) -> dict[int, Any]:
     return cbor2.loads(body)
 
 
+# Integers past the 4300 digits Python prints (a CBOR bignum of some 2 KB): quoted with repr()
+# or str() they raise ValueError, not the transfer's error.
+huge = st.integers(4400, 5000).map(lambda n: 10**n)
+wide = st.one_of(huge, huge.map(lambda v: -v))
+
 any_value = st.one_of(
     st.integers(-(2**70), 2**70),
+    wide,
     st.booleans(),
     st.none(),
     st.floats(),
@@ -222,6 +235,44 @@ async def test_any_request_is_answered_or_refused_never_raised(source, fields):
     stream = ScriptedStream(frame(fields))
     await ArtifactServer(source, chunk_size=16).handle(stream)
     assert reply_of(stream)[transfer.K_TYPE] in (transfer.T_HEADER, transfer.T_ERROR)
+
+
+MANIFEST_INTS = ["start", "end", "total_layers", "size_bytes", "weight_bytes", "version"]
+
+
+@given(
+    st.sampled_from([*MANIFEST_INTS, "kind", "sha256"]),
+    st.one_of(wide, st.integers(1 << 63, 1 << 70), st.integers(max_value=-1)),
+)
+def test_a_manifest_field_out_of_range_is_refused_with_the_model_error(field, value):
+    with pytest.raises(ModelError):
+        SliceManifest.from_cbor(manifest_with(**{field: value}))
+
+
+# A HEADER for KEY, any of whose fields may be anything.
+headers = st.fixed_dictionaries(
+    {},
+    optional={
+        transfer.K_TYPE: st.one_of(st.sampled_from([transfer.T_HEADER, transfer.T_ERROR]), wide),
+        transfer.K_MANIFEST: st.one_of(
+            st.just(MANIFEST.to_cbor()),
+            st.sampled_from(MANIFEST_INTS).flatmap(
+                lambda f: any_value.map(lambda v, f=f: manifest_with(**{f: v}))
+            ),
+            any_value,
+        ),
+        transfer.K_CHUNK: st.one_of(st.just(16), any_value),
+        transfer.K_HASHES: st.one_of(st.just(header()[transfer.K_HASHES]), any_value),
+        transfer.K_ERROR: any_value,
+    },
+)
+
+
+@settings(max_examples=300)
+@given(headers)
+def test_any_header_is_taken_or_refused_with_the_transfers_error(fields):
+    with contextlib.suppress(transfer.PeerRefused):
+        transfer._Header.decode(fields, KEY, transfer.Expected())
 
 
 @pytest.mark.parametrize("first", ["x", [1], -1, 2**70, True, 1.5, None])

@@ -255,9 +255,19 @@ def _u32(v: int) -> int:
     return v if 0 <= v < VOCAB else VOCAB + abs(v) % (2**32 - VOCAB)
 
 
+# Integers past the 4300 digits Python prints (a CBOR bignum of some 2 KB): quoted with repr()
+# or str() they raise ValueError, not the protocol's error.
+huge = st.integers(4400, 5000).map(lambda n: 10**n)
+
+
 def _out_of(lo: int, hi: int):
     """Integers outside lo..hi (both included), as large as cbor carries and beyond."""
-    return st.one_of(st.integers(max_value=lo - 1), st.integers(min_value=hi + 1))
+    return st.one_of(
+        st.integers(max_value=lo - 1),
+        st.integers(min_value=hi + 1),
+        huge.map(lambda v: -v),
+        huge,
+    )
 
 
 SLOTS, CTX, VOCAB = LIMITS.slots, LIMITS.slot_ctx, LIMITS.n_vocab
@@ -390,6 +400,38 @@ def test_each_stream_takes_its_own_kinds_of_message(limits, msg):
 def test_sampling_parameters_are_finite_and_of_their_types(sampling):
     with pytest.raises(StageProtocolError, match="sampling"):
         StageDecoder(LIMITS).feed(_open({3: sampling}))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.one_of(_out_of(1, 7), st.text(max_size=4), st.none()))
+def test_a_message_type_out_of_range_is_refused_with_the_protocol_error(kind):
+    for limits in (LIMITS, REPLIES):
+        with pytest.raises(StageProtocolError, match="does not come"):
+            StageDecoder(limits).feed(_raw({1: kind, 2: 0}))
+
+
+# Each number field: the message with it as v (an integer no float holds is out of range).
+NUMBER_FIELDS = [
+    ("open temperature", LIMITS, lambda v: _open({3: SAMPLING | {0: v}})),
+    ("open top_p", LIMITS, lambda v: _open({3: SAMPLING | {1: v}})),
+    ("open presence penalty", LIMITS, lambda v: _open({3: SAMPLING | {3: v}})),
+    ("open frequency penalty", LIMITS, lambda v: _open({3: SAMPLING | {4: v}})),
+    ("forward timing", LIMITS, lambda v: _forward([[0, 0, 1, True]], extra={10: [1.0, v]})),
+    ("token timing", REPLIES, lambda v: _token({10: [v]})),
+    ("token logprob", REPLIES, lambda v: _token({18: [[v, [[3, -1.0]]]]})),
+    ("token top logprob", REPLIES, lambda v: _token({18: [[-1.0, [[3, v]]]]})),
+]
+
+
+@settings(max_examples=30, deadline=None)
+@given(value=st.one_of(st.just(10**400), st.integers(309, 5000).map(lambda n: -(10**n)), huge))
+@pytest.mark.parametrize(
+    ("what", "limits", "make"), NUMBER_FIELDS, ids=[f[0] for f in NUMBER_FIELDS]
+)
+def test_a_number_no_float_holds_is_refused_with_the_protocol_error(what, limits, make, value):
+    assert len(StageDecoder(limits).feed(make(1))) == 1
+    with pytest.raises(StageProtocolError):
+        StageDecoder(limits).feed(make(value))
 
 
 @pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 + 5, 2**64 - 1, 2**70 + 3])

@@ -105,8 +105,18 @@ def test_malformed_frames_raise_protocol_errors_naming_the_problem(raw, message)
         decode_frame(raw)
 
 
+# Integers past the 4300 digits Python prints (a CBOR bignum of some 2 KB): quoted with repr()
+# they raise ValueError, which would end the connection's reader (and what runs it).
+huge = st.integers(4400, 5000).map(lambda n: 10**n)
+wide = st.one_of(huge, huge.map(lambda v: -v))
+
 cbor_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=20) | st.binary(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | wide
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.integers(-2, 5), inner),
     max_leaves=10,
 )
@@ -132,6 +142,18 @@ def test_frames_with_arbitrary_cbor_bodies_raise_only_protocol_errors(kind, stre
 def test_control_decoder_raises_only_protocol_errors(raw):
     with contextlib.suppress(ProtocolError):
         decode_control(raw, "TEST")
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.sampled_from([FrameType.OPEN, FrameType.RESET, FrameType.GOAWAY, FrameType.BYE]),
+    st.one_of(wide, st.integers().filter(lambda v: v != 1)),
+)
+def test_a_control_frame_of_another_version_is_a_protocol_error(kind, version):
+    stream_id = 0 if kind in (FrameType.GOAWAY, FrameType.BYE) else 1
+    raw = bytes([kind]) + stream_id.to_bytes(4, "big") + cbor2.dumps({0: version, 1: 0})
+    with pytest.raises(ProtocolError, match="unsupported version"):
+        decode_frame(raw)
 
 
 def test_deeply_nested_cbor_is_a_protocol_error_not_a_crash():

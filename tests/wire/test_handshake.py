@@ -1,6 +1,7 @@
 import contextlib
 import dataclasses
 
+import cbor2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,6 +10,7 @@ from meshagent.identity.mesh import MeshSecret
 from meshagent.wire.errors import HandshakeError, ProtocolError
 from meshagent.wire.handshake import Handshake
 from meshagent.wire.replay import ReplayGuard
+from meshagent.wire.settings import StreamSettings
 from tests.wire.pairs import peer, run_handshake
 
 A = peer()
@@ -207,3 +209,53 @@ def test_version_refusal_names_both_ranges():
         new.receive_data(old.start())
     with pytest.raises(HandshakeError, match="responder speaks 2-3, we speak 1-1"):
         old.receive_data(new.refusal)
+
+
+# ----- a member's payload fields out of range, too wide to print ------------------------------
+
+# Integers past the 4300 digits Python prints (a CBOR bignum of some 2 KB): quoted with repr()
+# they raise ValueError, which no caller of a handshake catches.
+huge = st.integers(4400, 5000).map(lambda n: 10**n)
+wide = st.one_of(huge, huge.map(lambda v: -v))
+
+
+class Tampering(Handshake):
+    """A member's responder that puts `fields` into its reply (its own keys sign it)."""
+
+    def __init__(self, *args, fields: dict, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields = fields
+
+    def _identity_payload(self) -> bytes:
+        return cbor2.dumps(cbor2.loads(super()._identity_payload()) | self.fields)
+
+
+@settings(max_examples=30, deadline=None)
+@given(wide, st.sampled_from([lambda v: (2, v), lambda v: (v, 0)]))
+def test_a_version_range_out_of_range_is_refused_with_the_handshake_error(v, offer):
+    initiator = Handshake(dataclasses.replace(A, versions=offer(v)), initiator=True)
+    responder = Handshake(B, initiator=False)
+    responder.start()
+    with pytest.raises(HandshakeError, match="no common protocol version"):
+        responder.receive_data(initiator.start())
+    assert responder.refusal
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.one_of(wide, st.integers(2**32, 2**70), st.integers(max_value=0)),
+    st.sampled_from(
+        [
+            lambda v: {2: v},  # the version it chose
+            lambda v: {8: v},  # the record cipher it chose
+            lambda v: {6: StreamSettings().to_cbor() | {1: v}},  # its stream window
+        ]
+    ),
+)
+def test_a_reply_field_out_of_range_is_refused_with_the_handshake_error(v, field):
+    initiator = Handshake(A, initiator=True)
+    responder = Tampering(B, initiator=False, fields=field(v))
+    responder.start()
+    msg2 = responder.receive_data(initiator.start())
+    with pytest.raises(HandshakeError):
+        initiator.receive_data(msg2)
