@@ -4,11 +4,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
+from meshagent import logs
 from meshagent.engine.vocab import Vocab
 from meshagent.launch import AgentProcess, start_agent
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.default import default_model_path
+
+
+@pytest.fixture(autouse=True)
+def _loggers_never_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command run in process configures logging (`meshagent.logs`) to cache each logger
+    on its first use, with that configuration's processors: a later configuration would leave
+    those loggers out of every later test's `capture_logs`. In tests nothing is cached."""
+    configure = logs.configure
+
+    def uncached(*args, **kwargs) -> None:
+        configure(*args, **kwargs)
+        structlog.configure(cache_logger_on_first_use=False)
+
+    monkeypatch.setattr(logs, "configure", uncached)
 
 
 @pytest.fixture(scope="session")
