@@ -18,24 +18,12 @@ from meshagent.api import forwarding
 from meshagent.api.forwarding import ForwardError
 from meshagent.wire.framing import LengthPrefixDecoder
 from tests.net.scripted import ScriptedStream
+from tests.peer_values import not_an_int, wide_ints
 
 REQUEST = {0: 1, 1: "POST", 2: "/v1/chat/completions", 3: b"{}"}
 HEAD = {0: 1, 1: 200, 2: [[b"content-type", b"application/json"]]}
 MIB = 1 << 20
 
-not_an_int = st.one_of(
-    st.booleans(),
-    st.none(),
-    st.floats(allow_nan=True),
-    st.text(max_size=8),
-    st.binary(max_size=8),
-    st.lists(st.integers(0, 3), max_size=2),
-)
-wide_ints = st.one_of(
-    st.integers(min_value=2**64, max_value=2**200),
-    st.integers(min_value=-(2**200), max_value=-(2**64)),
-    st.just(10**5000),  # past what Python prints: an error message must not try
-)
 not_text = st.one_of(
     st.integers(-(2**70), 2**70), wide_ints, not_an_int.filter(lambda v: not isinstance(v, str))
 )

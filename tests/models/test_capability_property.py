@@ -21,34 +21,10 @@ from meshagent.models import capability
 from meshagent.models.capability import CapabilityStore, SignedRecord
 from meshagent.serving.capabilities import Capabilities
 from tests.models.test_capability import record
+from tests.peer_values import outside, wide_ints
 
 ME = NodeIdentity.generate()
 BODY = record(ME.peer_id).to_dict()
-
-not_an_int = st.one_of(
-    st.booleans(),
-    st.none(),
-    st.floats(allow_nan=True),
-    st.text(max_size=8),
-    st.binary(max_size=8),
-    st.lists(st.integers(0, 3), max_size=2),
-)
-wide_ints = st.one_of(
-    st.integers(min_value=2**64, max_value=2**200),
-    st.integers(min_value=-(2**200), max_value=-(2**64)),
-    # a CBOR bignum that fits a record and that Python won't print
-    st.integers(0, 1).map(lambda k: -(10**5000) if k else 10**5000),
-)
-
-
-def outside(allowed: range) -> st.SearchStrategy[Any]:
-    return st.one_of(
-        st.integers(max_value=allowed.start - 1),
-        st.integers(min_value=allowed.stop, max_value=allowed.stop + 2**70),
-        wide_ints,
-        st.sampled_from([allowed.start - 1, allowed.stop, True, float(allowed.start)]),
-        not_an_int,
-    )
 
 
 not_a_bool = st.one_of(st.integers(-2, 2), st.none(), st.floats(), st.text(max_size=5))

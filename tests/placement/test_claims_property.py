@@ -18,35 +18,12 @@ from meshagent.gossip.failure import PeerState
 from meshagent.placement.negotiation import Claim, ClaimError
 from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.placement.service import EXTRAS_KEY, claims_for
+from tests.peer_values import not_an_int, outside, wide_ints
 
 N_LAYERS = 30
 STAGES = (StageAssignment("a", 0, 10), StageAssignment("b", 10, 30))
 SPLIT = Claim("m", 7, "p", Plan("m", 1000, stages=STAGES, est_token_ms=30.0), True)
 WHOLE = Claim("m", 3, "p", Plan("m", 1000, replicas=("a", "b"), est_token_ms=12.5), False)
-
-not_an_int = st.one_of(
-    st.booleans(),
-    st.none(),
-    st.floats(allow_nan=True),
-    st.text(max_size=8),
-    st.binary(max_size=8),
-    st.lists(st.integers(0, 3), max_size=2),
-)
-wide_ints = st.one_of(
-    st.integers(min_value=2**64, max_value=2**200),
-    st.integers(min_value=-(2**200), max_value=-(2**64)),
-    st.integers(0, 1).map(lambda k: -(10**5000) if k else 10**5000),
-)
-
-
-def outside(allowed: range) -> st.SearchStrategy[Any]:
-    return st.one_of(
-        st.integers(max_value=allowed.start - 1),
-        st.integers(min_value=allowed.stop, max_value=allowed.stop + 2**70),
-        wide_ints,
-        st.sampled_from([allowed.start - 1, allowed.stop, True, float(allowed.start), "7"]),
-        not_an_int,
-    )
 
 
 not_a_peer = st.one_of(

@@ -20,35 +20,11 @@ from meshagent.net.address import Address
 from meshagent.relay import protocol as p
 from meshagent.relay.errors import Refusal, RelayError, RelayProtocolError, RelayRefused
 from meshagent.wire.framing import LengthPrefixDecoder
+from tests.peer_values import not_an_int, outside, wide_ints
 from tests.relay.support import MESH, start_agent, start_relay
 
 TYPES = range(p.HELLO, p.PONG + 1)
 CODES = range(min(Refusal), max(Refusal) + 1)
-
-not_an_int = st.one_of(
-    st.booleans(),
-    st.none(),
-    st.floats(allow_nan=True),
-    st.text(max_size=8),
-    st.binary(max_size=8),
-    st.lists(st.integers(0, 3), max_size=2),
-)
-wide_ints = st.one_of(
-    st.integers(min_value=2**64, max_value=2**200),
-    st.integers(min_value=-(2**200), max_value=-(2**64)),
-    # a CBOR bignum that fits one message and that Python won't print
-    st.integers(0, 3).map(lambda k: -(10 ** (5000 + k)) if k % 2 else 10 ** (5000 + k)),
-)
-
-
-def outside(allowed: range) -> st.SearchStrategy[Any]:
-    return st.one_of(
-        st.integers(max_value=allowed.start - 1),
-        st.integers(min_value=allowed.stop),
-        wide_ints,
-        st.sampled_from([allowed.start - 1, allowed.stop, True, float(allowed.start)]),
-        not_an_int,
-    )
 
 
 def body(fields: dict[Any, Any]) -> bytes:
