@@ -33,3 +33,21 @@ def outside(allowed: range) -> st.SearchStrategy[Any]:
         st.sampled_from([allowed.start - 1, allowed.stop, True, float(allowed.start), "7"]),
         not_an_int,
     )
+
+
+def any_cbor(keys: int, *, size: int = 40, leaves: int = 16) -> st.SearchStrategy[Any]:
+    """Any CBOR value: scalars, and lists and maps of them (map keys 0 to `keys`)."""
+    return st.recursive(
+        st.one_of(
+            st.integers(-(2**70), 2**70),
+            st.binary(max_size=size),
+            st.text(max_size=size),
+            st.booleans(),
+            st.none(),
+            st.floats(),
+        ),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=4), st.dictionaries(st.integers(0, keys), inner, max_size=4)
+        ),
+        max_leaves=leaves,
+    )

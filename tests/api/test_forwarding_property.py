@@ -18,7 +18,7 @@ from meshagent.api import forwarding
 from meshagent.api.forwarding import ForwardError
 from meshagent.wire.framing import LengthPrefixDecoder
 from tests.net.scripted import ScriptedStream
-from tests.peer_values import not_an_int, wide_ints
+from tests.peer_values import any_cbor, not_an_int, wide_ints
 
 REQUEST = {0: 1, 1: "POST", 2: "/v1/chat/completions", 3: b"{}"}
 HEAD = {0: 1, 1: 200, 2: [[b"content-type", b"application/json"]]}
@@ -116,20 +116,7 @@ async def test_a_request_within_every_range_reaches_the_app():
     assert stream.sent.endswith(b"{}") and stream.eof_sent
 
 
-cbor_values = st.recursive(
-    st.one_of(
-        st.integers(-(2**70), 2**70),
-        st.binary(max_size=40),
-        st.text(max_size=40),
-        st.booleans(),
-        st.none(),
-        st.floats(),
-    ),
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(st.integers(0, 4), inner, max_size=4)
-    ),
-    max_leaves=16,
-)
+cbor_values = any_cbor(4)
 
 
 @settings(max_examples=300, deadline=None)

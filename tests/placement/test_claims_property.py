@@ -18,7 +18,7 @@ from meshagent.gossip.failure import PeerState
 from meshagent.placement.negotiation import Claim, ClaimError
 from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.placement.service import EXTRAS_KEY, claims_for
-from tests.peer_values import not_an_int, outside, wide_ints
+from tests.peer_values import any_cbor, not_an_int, outside, wide_ints
 
 N_LAYERS = 30
 STAGES = (StageAssignment("a", 0, 10), StageAssignment("b", 10, 30))
@@ -131,20 +131,7 @@ def test_a_plan_with_both_replicas_and_stages_or_neither_is_refused():
             Claim.from_cbor(d, model_id="m", n_layers=N_LAYERS)
 
 
-cbor_values = st.recursive(
-    st.one_of(
-        st.integers(-(2**70), 2**70),
-        st.binary(max_size=8),
-        st.text(max_size=8),
-        st.booleans(),
-        st.none(),
-        st.floats(),
-    ),
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(st.integers(0, 9), inner, max_size=4)
-    ),
-    max_leaves=16,
-)
+cbor_values = any_cbor(9, size=8)
 
 
 @settings(max_examples=300)
