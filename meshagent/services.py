@@ -265,15 +265,15 @@ class Services:
         """Why this agent has no peer though it was told where its mesh is, while so."""
         return self.alone_note if self.alone_note and not self.overlay.links() else None
 
-    async def _route_stream(self, stream: MeshStream) -> None:
+    def _route_stream(self, stream: MeshStream) -> Awaitable[None]:
         """Inbound overlay streams go to the service named by their label, each within the
-        peer's budget of streams for that service (`STREAM_BUDGETS`)."""
+        peer's budget of streams for that service (`STREAM_BUDGETS`), judged as it arrives."""
         service = stream.label.split(":", 1)[0]
         handler = self._routes.get(service)
         if handler is None:
             stream.reset(f"no service for stream label {stream.label!r}")
-            return
-        await self.stream_budgets.serve(stream, service, handler)
+            handler = _refused
+        return self.stream_budgets.admit(stream, service, handler)
 
     def _sighted(self, sighting: Sighting) -> None:
         self.dialer.offer(sighting.peer_id, addresses=sighting.addresses, source="mdns", renew=True)
@@ -285,3 +285,7 @@ class Services:
     async def _relay_dial(self, relay: str, peer_id: str) -> Any:
         client = next(r for r in self.relays if r.name == relay)
         return await client.dial(peer_id)
+
+
+async def _refused(stream: MeshStream) -> None:
+    """Nothing to serve: the stream was reset as it arrived."""

@@ -36,18 +36,19 @@ class StreamBudgets:
     def open_streams(self, peer_id: str, service: str) -> int:
         return self._open[peer_id, service]
 
-    async def serve(
+    def admit(
         self,
         stream: MeshStream,
         service: str,
         handler: Callable[[MeshStream], Awaitable[None]],
-    ) -> None:
-        """Run `handler` on `stream` if its peer is within the service's budget, else
-        refuse the stream."""
+    ) -> Awaitable[None]:
+        """Decide at once, as the stream arrives, whether its peer is within the service's
+        budget: the work to await is `handler` on `stream` (the stream counted until it
+        ends), or nothing once the stream is refused. Counted at arrival, so of streams that
+        arrive together the first ones are served, whatever order their tasks then run in."""
         limit = self.limits.get(service)
         if limit is None:
-            await handler(stream)
-            return
+            return handler(stream)
         key = (stream.peer_id, service)
         held = self._open[key]
         if held >= limit:
@@ -58,11 +59,23 @@ class StreamBudgets:
             self.refused[service] += 1
             log.warning("stream.refused", peer=stream.peer_id, label=stream.label, reason=reason)
             stream.reset(reason, ErrorCode.REFUSED_STREAM)
-            return
+            return _nothing()
         self._open[key] = held + 1
+        return self._counted(key, stream, handler)
+
+    async def _counted(
+        self,
+        key: tuple[str, str],
+        stream: MeshStream,
+        handler: Callable[[MeshStream], Awaitable[None]],
+    ) -> None:
         try:
             await handler(stream)
         finally:
             self._open[key] -= 1
             if not self._open[key]:
                 del self._open[key]
+
+
+async def _nothing() -> None:
+    pass

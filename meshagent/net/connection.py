@@ -3,7 +3,7 @@
 Three tasks, all owned by `run`: the reader feeds received bytes through the record reader
 and the multiplexer and dispatches events; the writer seals queued frames and writes them in
 batches; the pinger measures RTT and detects a dead peer. Inbound streams are served by the
-`on_stream` callback in tasks owned by the connection too.
+`on_stream` callback, called in order of arrival, in tasks owned by the connection too.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from meshagent.wire.rtt import RttSnapshot
 
 log = structlog.get_logger(__name__)
 
+# Called with each inbound stream as it arrives, in the order streams arrive; what it returns
+# is awaited in the stream's own task. An `async def handle(stream)` is one; a plain function
+# that decides at arrival (a budget, say) and returns the work is another.
 StreamAcceptor = Callable[[MeshStream], Awaitable[None]]
 
 DIRECT = "direct"
@@ -540,12 +543,14 @@ class Connection:
             return
         stream = MeshStream(self, ev.stream_id, ev.label)
         self._streams[ev.stream_id] = stream
-        self._nursery.start_soon(self._serve_stream, stream, name=f"stream-{ev.stream_id}")
+        # Called here, not in the task: tasks started together run in no set order, and
+        # what the acceptor decides at arrival (a budget's count) must follow the peer's.
+        work = self._on_stream(stream)
+        self._nursery.start_soon(self._serve_stream, stream, work, name=f"stream-{ev.stream_id}")
 
-    async def _serve_stream(self, stream: MeshStream) -> None:
-        assert self._on_stream is not None
+    async def _serve_stream(self, stream: MeshStream, work: Awaitable[None]) -> None:
         try:
-            await self._on_stream(stream)
+            await work
         except Exception as e:
             resets = reset_reasons(e)
             if resets is not None:  # a peer went or gave up: routine, not a bug

@@ -128,8 +128,8 @@ async def test_streams_past_a_services_budget_are_refused_per_peer(env, clock):
         await hash_reply(stream)
         served.set()
 
-    async def route(stream: MeshStream) -> None:
-        await budgets.serve(stream, stream.label.split(":", 1)[0], slow)
+    def route(stream: MeshStream):
+        return budgets.admit(stream, stream.label.split(":", 1)[0], slow)
 
     async with (
         trio.open_nursery() as nursery,
@@ -159,6 +159,34 @@ async def test_streams_past_a_services_budget_are_refused_per_peer(env, clock):
             await hash_exchange(await m.open_stream(a.peer_id, "slow/1"), [b"again"])
             await hash_exchange(held[1], [])
         assert served.is_set()
+        nursery.cancel_scope.cancel()
+
+
+async def test_of_streams_that_arrive_together_the_first_ones_are_served(env, clock):
+    """The budget is judged as each stream arrives, not when its task first runs (tasks
+    started together run in no set order): streams opened back to back, without waiting,
+    are served or refused by their order."""
+    budgets = StreamBudgets({"slow/1": 2})
+
+    def route(stream: MeshStream):
+        return budgets.admit(stream, "slow/1", hash_reply)
+
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "a", nursery, on_stream=route) as (a, addr),
+        node(env, "m", nursery, listen=False) as (m, _),
+    ):
+        await m.dial(addr, peer_id=a.peer_id)
+        with trio.fail_after(30):
+            for _ in range(12):  # arrival order kept every time, not by luck
+                streams = [await m.open_stream(a.peer_id, "slow/1") for _ in range(4)]
+                for over in streams[2:]:
+                    with pytest.raises(StreamResetError) as refused:
+                        await over.receive_some()
+                    assert refused.value.code is ErrorCode.REFUSED_STREAM
+                for held in streams[:2]:
+                    await hash_exchange(held, [b"first"])
+                await wait_for(lambda: budgets.open_streams(m.peer_id, "slow/1") == 0)
         nursery.cancel_scope.cancel()
 
 
