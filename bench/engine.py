@@ -21,7 +21,7 @@ import numpy as np
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
 from meshagent.engine.runtime import EmbdItem
-from meshagent.engine.staged import StagedEngine
+from meshagent.engine.split_in_process import StagedEngine
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.default import default_model_path
 from meshagent.models.slicer import TokenEmbeddings

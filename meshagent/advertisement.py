@@ -20,7 +20,7 @@ from meshagent.config import AgentConfig
 from meshagent.discovery import addresses
 from meshagent.engine.runtime import inexact_build, inexact_model
 from meshagent.errors import ModelError
-from meshagent.gossip.record import MAX_ARTIFACTS, ArtifactHeld, DeviceOffer, ModelHeld
+from meshagent.gossip.peer_record import MAX_ARTIFACTS, ArtifactHeld, DeviceOffer, ModelHeld
 from meshagent.gossip.service import GossipService
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.ranged import PartialModel, is_partial

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshagent.capacity import RESERVE_BYTES, MemoryOffer, memory_offer, offered_memory
-from meshagent.gossip.record import PeerRecord
+from meshagent.gossip.peer_record import PeerRecord
 from meshagent.identity.keys import NodeIdentity
 
 GIB = 1 << 30

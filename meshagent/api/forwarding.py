@@ -31,7 +31,7 @@ import trio
 
 from meshagent.api.exchange import MAX_BODY
 from meshagent.errors import MeshError
-from meshagent.net.framed import receive_frame
+from meshagent.net.frame_reader import receive_frame
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 from meshagent.wire.quoted import quoted
 

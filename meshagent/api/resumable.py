@@ -40,7 +40,7 @@ from meshagent.api.gen_messages import Ask, Fail, GenMessageError, Head, Message
 from meshagent.api.prepare import Prepared
 from meshagent.errors import ContextOverflow, MeshError, ModelMoved, OutOfRange, ShuttingDown
 from meshagent.net.errors import StreamResetError
-from meshagent.net.framed import receive_frame
+from meshagent.net.frame_reader import receive_frame
 from meshagent.serving.directory import GENERATE_LABEL, ModelDirectory, RemoteModel
 from meshagent.serving.generation import Delta, Finished, Replay, check_fits, check_history
 from meshagent.wire.framing import LengthPrefixDecoder

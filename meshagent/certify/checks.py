@@ -27,8 +27,8 @@ import numpy as np
 from meshagent.certify.prompts import PROMPTS, Prompt
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
+from meshagent.engine.split_in_process import StagedEngine
 from meshagent.engine.stage import WIRE_DTYPES
-from meshagent.engine.staged import StagedEngine
 from meshagent.errors import ModelError
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.layout import ModelLayout

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from meshagent.gossip.record import PeerRecord
+from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.state import PeerView
 from meshagent.net.manager import PeerLink
 

@@ -21,7 +21,7 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
 from meshagent.gossip.errors import RecordRejected
-from meshagent.gossip.record import MAX_RECORD_BYTES, PeerRecord
+from meshagent.gossip.peer_record import MAX_RECORD_BYTES, PeerRecord
 from meshagent.identity.keys import NodeIdentity, peer_id_for
 from meshagent.wire.quoted import quoted
 

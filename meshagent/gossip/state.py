@@ -24,7 +24,7 @@ from meshagent.gossip.failure import PeerState, classify
 from meshagent.gossip.hearsay import Heard, hears, introductions
 from meshagent.gossip.merge import Verdict
 from meshagent.gossip.messages import DigestEntry, Items
-from meshagent.gossip.record import PUBLISHABLE, PeerRecord
+from meshagent.gossip.peer_record import PUBLISHABLE, PeerRecord
 from meshagent.gossip.signed import MAX_BEAT, Heartbeat, Obituary, SignedRecord
 from meshagent.identity.keys import NodeIdentity
 

@@ -29,7 +29,7 @@ from meshagent.errors import MeshError
 from meshagent.models.gguf_file import parse_header
 from meshagent.models.header_map import HeaderMap, header_map
 from meshagent.models.ranged import MAX_HEADER, PartialModel, is_partial
-from meshagent.net.framed import receive_cbor
+from meshagent.net.frame_reader import receive_cbor
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 from meshagent.wire.quoted import quoted
 

@@ -35,7 +35,7 @@ import trio
 
 from meshagent.errors import MeshError, ModelError
 from meshagent.models.artifacts import ArtifactStore, SliceManifest, parse_key
-from meshagent.net.framed import receive_cbor, receive_frame
+from meshagent.net.frame_reader import receive_cbor, receive_frame
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 from meshagent.wire.quoted import quoted
 

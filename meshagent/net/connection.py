@@ -34,8 +34,8 @@ from meshagent.wire.events import (
 from meshagent.wire.frames import FrameDecoder
 from meshagent.wire.handshake import HandshakeResult, LocalPeer
 from meshagent.wire.mux import Multiplexer
-from meshagent.wire.records import RecordReader, RecordSealer
 from meshagent.wire.rtt import RttSnapshot
+from meshagent.wire.sealed_records import RecordReader, RecordSealer
 
 log = structlog.get_logger(__name__)
 

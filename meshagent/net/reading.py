@@ -37,7 +37,7 @@ from typing import Any
 
 import trio
 
-from meshagent.wire.records import RecordReader
+from meshagent.wire.sealed_records import RecordReader
 
 # A read this small most likely emptied the socket (a message, not a stream of them), so the
 # reader waits for the next one rather than trying a recv that would fail.

@@ -7,7 +7,7 @@ import socket
 import trio
 
 from meshagent.wire.mux import Multiplexer
-from meshagent.wire.records import RecordSealer
+from meshagent.wire.sealed_records import RecordSealer
 
 
 class RecordWriter:

@@ -21,7 +21,7 @@ from meshagent.net.address import Address
 from meshagent.net.backoff import Backoff
 from meshagent.net.connection import RELAYED, Connection
 from meshagent.net.errors import ConnectionUnavailable
-from meshagent.net.framed import receive_frame
+from meshagent.net.frame_reader import receive_frame
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.transport import Transport
 from meshagent.relay import protocol as p

@@ -18,7 +18,7 @@ import structlog
 import trio
 
 from meshagent.net.address import Address
-from meshagent.net.framed import receive_frame
+from meshagent.net.frame_reader import receive_frame
 from meshagent.net.transport import Transport
 from meshagent.relay import protocol as p
 from meshagent.relay.errors import Refusal, RelayProtocolError, RelayRefused

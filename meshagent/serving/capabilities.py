@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from meshagent.errors import ModelError
-from meshagent.gossip.record import MAX_CAPABILITIES
+from meshagent.gossip.peer_record import MAX_CAPABILITIES
 from meshagent.models.capability import CapabilityStore, SignedRecord
 
 log = structlog.get_logger(__name__)

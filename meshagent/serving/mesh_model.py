@@ -23,7 +23,7 @@ from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
 from meshagent.errors import EngineError, MeshError, ModelMoved
 from meshagent.gossip.failure import PeerState
-from meshagent.gossip.record import Serving
+from meshagent.gossip.peer_record import Serving
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.family import family_traits

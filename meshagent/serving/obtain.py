@@ -24,7 +24,7 @@ import structlog
 import trio
 
 from meshagent.errors import MeshError, ModelError
-from meshagent.gossip.record import ArtifactHeld, ModelHeld
+from meshagent.gossip.peer_record import ArtifactHeld, ModelHeld
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore, SliceManifest, artifact_key, parse_key
 from meshagent.models.layout import ModelLayout

@@ -23,7 +23,7 @@ from meshagent.wire.control import (
     uint_field,
 )
 from meshagent.wire.errors import ErrorCode, ProtocolError
-from meshagent.wire.records import RecordReader
+from meshagent.wire.sealed_records import RecordReader
 from meshagent.wire.settings import FRAME_HEADER_LEN
 
 _HEADER = struct.Struct(">BI")

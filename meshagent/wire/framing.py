@@ -4,7 +4,7 @@ Every protocol that frames messages on a byte stream uses this one rule: `api/1`
 `artifact/1` (u32, big-endian), `gossip/1` (u32), `stage/1` (u32, little-endian, then a
 payload whose size the frame gives) and the relay (u16). A `Framing` holds what differs
 between them; `LengthPrefixDecoder` turns received bytes into frame bodies. The trio side
-that reads one frame from a stream is `meshagent.net.framed.receive_frame`.
+that reads one frame from a stream is `meshagent.net.frame_reader.receive_frame`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from meshagent.discovery.mesh_view import peer_rows
 from meshagent.gossip.failure import PeerState
-from meshagent.gossip.record import PeerRecord, Serving
+from meshagent.gossip.peer_record import PeerRecord, Serving
 from meshagent.gossip.state import PeerView
 from meshagent.net.manager import PeerLink
 from meshagent.wire.rtt import RttSnapshot

@@ -23,7 +23,7 @@ from openai import OpenAI
 from meshagent.api.forwarding import FRAMING
 from meshagent.api.gen_messages import Fail, Head, Message, decode
 from meshagent.launch import AgentProcess, start_agent
-from meshagent.net.framed import receive_frame
+from meshagent.net.frame_reader import receive_frame
 from meshagent.net.stream import MeshStream
 from meshagent.serving.directory import GENERATE_LABEL
 from meshagent.serving.generation import Delta, Finished

@@ -7,7 +7,7 @@ import pytest
 
 from meshagent.engine import native
 from meshagent.engine.base import ForwardItem
-from meshagent.engine.staged import StagedEngine
+from meshagent.engine.split_in_process import StagedEngine
 
 
 def test_the_native_hook_was_built_and_is_used():

@@ -28,7 +28,7 @@ def _cases(workdir: Path) -> Iterator[tuple[str, Callable[[], object]]]:
     from meshagent.engine.base import ForwardItem
     from meshagent.engine.llama import LlamaEngine
     from meshagent.engine.runtime import EmbdItem
-    from meshagent.engine.staged import StagedEngine
+    from meshagent.engine.split_in_process import StagedEngine
     from meshagent.models.artifacts import ArtifactStore
 
     path = write_tiny_model(workdir / "tiny-llama.gguf", "llama", n_layers=4)

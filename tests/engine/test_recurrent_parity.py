@@ -11,7 +11,7 @@ import pytest
 
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
-from meshagent.engine.staged import StagedEngine
+from meshagent.engine.split_in_process import StagedEngine
 from meshagent.errors import EngineError, ModelError
 from meshagent.models.family import family_traits
 from meshagent.models.layout import inspect_model, open_gguf

@@ -10,7 +10,7 @@ import pytest
 
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
-from meshagent.engine.staged import StagedEngine
+from meshagent.engine.split_in_process import StagedEngine
 from meshagent.errors import ModelError
 from tests.engine.tiny_models import write_tiny_model
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from meshagent.gossip.errors import ExchangeError, RecordRejected
 from meshagent.gossip.messages import decode
-from meshagent.gossip.record import PeerRecord
+from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.signed import Heartbeat, Obituary, SignedRecord
 from meshagent.identity.keys import NodeIdentity
 from tests.gossip.support import MESH

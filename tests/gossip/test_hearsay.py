@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.hearsay import HEARS_WITHIN_S, INTRODUCE_BURST, INTRODUCE_PER_MINUTE
 from meshagent.gossip.messages import Items
-from meshagent.gossip.record import PeerRecord
+from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.signed import Heartbeat, Obituary, SignedRecord
 from meshagent.identity.keys import NodeIdentity
 from tests.gossip.support import FAST, MESH, exchange, make_state

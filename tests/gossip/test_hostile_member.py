@@ -9,7 +9,7 @@ import trio
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.messages import Delta, Items, decode, encode, framing
-from meshagent.gossip.record import PeerRecord
+from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.signed import Heartbeat, Obituary, SignedRecord
 from meshagent.identity.keys import NodeIdentity
 from meshagent.testing.sim_network import LinkSpec, SimNetwork

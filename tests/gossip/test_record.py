@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshagent.gossip.errors import RecordRejected
-from meshagent.gossip.record import (
+from meshagent.gossip.peer_record import (
     MAX_RECORD_BYTES,
     ArtifactHeld,
     DeviceOffer,

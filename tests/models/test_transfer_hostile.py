@@ -21,7 +21,7 @@ from meshagent.identity.keys import NodeIdentity
 from meshagent.models import transfer
 from meshagent.models.artifacts import ArtifactStore, SliceManifest
 from meshagent.models.transfer import LABEL, ArtifactServer, TransferError, fetch_artifact
-from meshagent.net.framed import receive_frame
+from meshagent.net.frame_reader import receive_frame
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
 from meshagent.wire.framing import LengthPrefixDecoder

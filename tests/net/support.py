@@ -19,7 +19,7 @@ from meshagent.net.tcp import TcpTransport
 from meshagent.net.transport import Transport
 from meshagent.testing.sim_network import LinkSpec, SimNetwork
 from meshagent.wire.handshake import HandshakeResult, LocalPeer
-from meshagent.wire.records import RecordSealer
+from meshagent.wire.sealed_records import RecordSealer
 from meshagent.wire.settings import StreamSettings
 
 MESH = MeshSecret(b"\x42" * 32)

@@ -4,7 +4,7 @@ nonce, so a write cut short would make everything after it undecryptable."""
 import trio
 
 from meshagent.wire.frames import DataFrame, FrameDecoder
-from meshagent.wire.records import RecordReader
+from meshagent.wire.sealed_records import RecordReader
 from tests.net.support import honest_handshake, local_peer, node, quick
 
 MIB = 1 << 20

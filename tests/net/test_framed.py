@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshagent.net.framed import receive_frame
+from meshagent.net.frame_reader import receive_frame
 from meshagent.wire.errors import FramingError
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 from tests.net.scripted import ScriptedStream

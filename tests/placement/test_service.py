@@ -280,7 +280,7 @@ def test_capacities_say_what_each_peer_holds_of_the_model_file():
     from types import SimpleNamespace
 
     from meshagent.gossip.failure import PeerState
-    from meshagent.gossip.record import ArtifactHeld, ModelHeld, PeerRecord
+    from meshagent.gossip.peer_record import ArtifactHeld, ModelHeld, PeerRecord
     from meshagent.placement.service import capacities
 
     sha, other = "a" * 64, "b" * 64

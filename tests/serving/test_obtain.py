@@ -12,7 +12,7 @@ import trio
 from structlog.testing import capture_logs
 
 from meshagent.errors import ModelError
-from meshagent.gossip.record import ArtifactHeld, ModelHeld
+from meshagent.gossip.peer_record import ArtifactHeld, ModelHeld
 from meshagent.models import ranged, transfer
 from meshagent.models.artifacts import ArtifactStore, artifact_key
 from meshagent.models.hub import locate

@@ -3,7 +3,7 @@ import pytest
 from meshagent.wire.ciphers import AESGCM_256, CHACHAPOLY, CIPHERS, choose, preferred, rekey
 from meshagent.wire.errors import ProtocolError
 from meshagent.wire.handshake import Handshake
-from meshagent.wire.records import RecordReader, RecordSealer
+from meshagent.wire.sealed_records import RecordReader, RecordSealer
 from tests.wire.pairs import peer, run_handshake
 
 KEY = bytes(range(32))

@@ -22,7 +22,7 @@ from meshagent.wire.frames import (
     decode_frame,
     encode_frame,
 )
-from meshagent.wire.records import RecordReader, RecordSealer
+from meshagent.wire.sealed_records import RecordReader, RecordSealer
 
 KEY = b"\x01" * 32
 u32 = st.integers(0, 2**32 - 1)

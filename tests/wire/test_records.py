@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshagent.wire.errors import ErrorCode, ProtocolError
-from meshagent.wire.records import HEADER_LEN, TAG_LEN, RecordReader, RecordSealer
+from meshagent.wire.sealed_records import HEADER_LEN, TAG_LEN, RecordReader, RecordSealer
 
 KEY = bytes(range(32))
 
