@@ -34,9 +34,7 @@ from split import start_split
 
 from meshagent.launch import start_agent
 from meshagent.models.default import default_model_path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' shared schemas
-from tests.e2e.structured import ADD, WEATHER, reference_logprobs
+from meshagent.testing.structured_output import ADD, WEATHER, reference_logprobs
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SMALL = ["--max-memory", "80M", "--slots", "2", "--ctx-size", "1024", "--threads", "1"]

@@ -77,8 +77,7 @@ if [ -z "$MODEL" ]; then
 import sys
 from pathlib import Path
 
-sys.path.insert(0, ".")
-from tests.engine.tiny_models import write_tiny_model
+from meshagent.testing.tiny_gguf import write_tiny_model
 
 write_tiny_model(
     Path(sys.argv[1]), "llama", n_layers=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536

@@ -25,11 +25,9 @@ import structlog
 import trio
 import trio.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from meshagent.gossip.config import GossipConfig
+from meshagent.testing.sim_agents import start_sim_agent
 from meshagent.testing.sim_network import LinkSpec, SimNetwork
-from tests.gossip.sim_mesh import start_sim_agent
 
 
 async def run_one(n: int, window: float, config: GossipConfig) -> dict[str, float]:

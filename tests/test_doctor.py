@@ -126,7 +126,7 @@ def test_repacked_weights_are_a_warning_with_what_they_turn_off(monkeypatch, tmp
     import llama_cpp
 
     from meshagent.engine.runtime import REPACK_ENV
-    from tests.engine.tiny_models import quantize, write_tiny_model
+    from meshagent.testing.tiny_gguf import quantize, write_tiny_model
 
     f32 = write_tiny_model(tmp_path / "f32.gguf", "llama", n_layers=2, n_embd=256, n_ff=512)
     q4k = quantize(f32, tmp_path / "q4_k_m.gguf", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)

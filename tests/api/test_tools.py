@@ -25,8 +25,8 @@ from meshagent.api.tools import (
     syntax_for,
 )
 from meshagent.serving.chat import ChatMessage, ChatTemplate
-from tests.e2e.structured import TOOL_SCHEMAS
-from tests.e2e.structured import TOOLS as E2E_TOOLS
+from meshagent.testing.structured_output import TOOL_SCHEMAS
+from meshagent.testing.structured_output import TOOLS as E2E_TOOLS
 from tests.engine.test_grammar import walk
 
 TOOLS = E2E_TOOLS

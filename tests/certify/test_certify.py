@@ -14,7 +14,7 @@ from meshagent.config import DataDir
 from meshagent.models.capability import CapabilityStore
 from meshagent.models.family import family_traits
 from meshagent.models.layout import inspect_model
-from tests.engine.tiny_models import write_tiny_jamba, write_tiny_mamba, write_tiny_model
+from meshagent.testing.tiny_gguf import write_tiny_jamba, write_tiny_mamba, write_tiny_model
 
 QUICK = ["--tokens", "4", "--ctx-size", "96", "--threads", "1", "--no-soak"]
 

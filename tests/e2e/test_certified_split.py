@@ -12,8 +12,8 @@ import sys
 import httpx
 import pytest
 
+from meshagent.testing.tiny_gguf import write_tiny_jamba, write_tiny_mamba
 from tests.e2e.agents import invite, status, wait_for
-from tests.engine.tiny_models import write_tiny_jamba, write_tiny_mamba
 
 # With 2 slots of 256 tokens the tiny jamba needs ~1.7 MB whole and the tiny mamba ~0.9 MB;
 # with 10% headroom no agent offering 800 KB (jamba) or 400 KB (mamba) holds one, and no two

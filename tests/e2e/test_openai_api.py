@@ -555,7 +555,7 @@ def test_ollamas_endpoints_through_the_ollama_client(agent: AgentProcess, model_
         options={"num_predict": 200, "temperature": 0},
     )
     assert isinstance(json.loads(shaped.message.content), dict)
-    from tests.e2e.structured import TOOL_SCHEMAS, TOOLS
+    from meshagent.testing.structured_output import TOOL_SCHEMAS, TOOLS
 
     called = client.chat(
         model=model_id,
@@ -601,7 +601,7 @@ def test_a_client_leaving_a_responses_stream_stops_its_generation(
 def test_json_schema_output_validates_and_json_object_parses(client: OpenAI, model_id: str) -> None:
     import jsonschema
 
-    from tests.e2e.structured import MAX_TOKENS, PEOPLE, PERSON, person_format
+    from meshagent.testing.structured_output import MAX_TOKENS, PEOPLE, PERSON, person_format
 
     for who in PEOPLE:
         r = client.chat.completions.create(
@@ -630,7 +630,7 @@ def test_json_schema_output_validates_and_json_object_parses(client: OpenAI, mod
 def test_logprobs_are_llama_cpps_log_softmax(
     agent: AgentProcess, client: OpenAI, model_id: str, model_path
 ) -> None:
-    from tests.e2e.structured import reference_logprobs
+    from meshagent.testing.structured_output import reference_logprobs
 
     prompt = "The capital of France is"
     ref = reference_logprobs(model_path, prompt, 6)
@@ -677,7 +677,7 @@ def test_forced_tool_calls_follow_their_schemas_whole_and_streamed(
 ) -> None:
     import jsonschema
 
-    from tests.e2e.structured import TOOL_PROMPTS, TOOL_SCHEMAS, TOOLS
+    from meshagent.testing.structured_output import TOOL_PROMPTS, TOOL_SCHEMAS, TOOLS
 
     named = {"type": "function", "function": {"name": "get_weather"}}
     for prompt in TOOL_PROMPTS:
@@ -746,7 +746,7 @@ def test_forced_tool_calls_follow_their_schemas_whole_and_streamed(
 
 
 def test_bad_tools_are_400s_naming_the_field(agent: AgentProcess, model_id: str) -> None:
-    from tests.e2e.structured import TOOLS
+    from meshagent.testing.structured_output import TOOLS
 
     base = {"model": model_id, "messages": [{"role": "user", "content": "hi"}]}
     for extra, param in (
@@ -824,7 +824,7 @@ def test_the_responses_api_calls_functions_and_follows_a_json_schema(
 ) -> None:
     import jsonschema
 
-    from tests.e2e.structured import MAX_TOKENS, PERSON, TOOL_SCHEMAS, TOOLS
+    from meshagent.testing.structured_output import MAX_TOKENS, PERSON, TOOL_SCHEMAS, TOOLS
 
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
     ask = dict(

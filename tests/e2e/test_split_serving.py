@@ -8,8 +8,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.e2e.agents import invite, wait_for
-from tests.e2e.structured import (
+from meshagent.testing.structured_output import (
     MAX_TOKENS,
     PEOPLE,
     PERSON,
@@ -19,6 +18,7 @@ from tests.e2e.structured import (
     person_format,
     reference_logprobs,
 )
+from tests.e2e.agents import invite, wait_for
 from tests.e2e.test_openai_api import COPY
 
 # SmolLM2 with 2 slots of 1024 tokens needs ~145 MB (weights + KV); with 10% headroom no

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.engine.tiny_models import N_VOCAB, write_tiny_model
+from meshagent.testing.tiny_gguf import N_VOCAB, write_tiny_model
 
 SLOTS, SLOT_CTX = 2, 64
 N_EMBD = 64  # write_tiny_model's default

@@ -12,8 +12,8 @@ from meshagent.engine.llama import LlamaEngine
 from meshagent.engine.runtime import EmbdItem
 from meshagent.models.slicer import TokenEmbeddings
 from meshagent.testing.numpy_ref import NumpyStage
+from meshagent.testing.tiny_gguf import write_tiny_model
 from tests.engine.test_stage_parity import PROMPT
-from tests.engine.tiny_models import write_tiny_model
 
 
 def teacher_forced_top1(llama: LlamaEngine, model_path, tokens: list[int], split: list[int]):

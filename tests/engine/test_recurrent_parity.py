@@ -16,7 +16,7 @@ from meshagent.errors import EngineError, ModelError
 from meshagent.models.family import family_traits
 from meshagent.models.layout import inspect_model, open_gguf
 from meshagent.models.slicer import PAD_LAYERS_KEY, SLICE_KEY_PREFIX, write_layers
-from tests.engine.tiny_models import write_tiny_jamba, write_tiny_mamba, write_tiny_model
+from meshagent.testing.tiny_gguf import write_tiny_jamba, write_tiny_mamba, write_tiny_model
 
 STEPS = 12
 CHUNKS = (5, 17)  # then the rest: a prompt prefilled in three calls

@@ -12,7 +12,7 @@ from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
 from meshagent.engine.split_in_process import StagedEngine
 from meshagent.errors import ModelError
-from tests.engine.tiny_models import write_tiny_model
+from meshagent.testing.tiny_gguf import write_tiny_model
 
 PROMPT = (
     "The keeper of the northern lighthouse kept a log of every ship that passed, "

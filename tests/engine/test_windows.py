@@ -21,7 +21,7 @@ from meshagent.engine.runtime import (
     inexact_model,
 )
 from meshagent.engine.windows import check_windows
-from tests.engine.tiny_models import quantize, write_tiny_model
+from meshagent.testing.tiny_gguf import quantize, write_tiny_model
 
 
 def test_windows_are_exact_on_the_installed_build(model_path):

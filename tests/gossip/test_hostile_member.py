@@ -12,9 +12,9 @@ from meshagent.gossip.messages import Delta, Items, decode, encode, framing
 from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.signed import Heartbeat, Obituary, SignedRecord
 from meshagent.identity.keys import NodeIdentity
+from meshagent.testing.sim_agents import SECRET, SimAgent, start_sim_agent
 from meshagent.testing.sim_network import LinkSpec, SimNetwork
 from meshagent.wire.framing import LengthPrefixDecoder
-from tests.gossip.sim_mesh import SECRET, SimAgent, start_sim_agent
 
 MINUTE_MS = 60_000
 

@@ -11,8 +11,8 @@ from meshagent.discovery.dialer import DialerConfig
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.failure import PeerState
 from meshagent.identity.keys import NodeIdentity
+from meshagent.testing.sim_agents import start_sim_agent
 from meshagent.testing.sim_network import LinkSpec, SimNetwork
-from tests.gossip.sim_mesh import start_sim_agent
 
 CFG = GossipConfig(rtt_refresh=2.0)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import trio
 
 from meshagent.gossip.failure import PeerState
+from meshagent.testing.sim_agents import start_sim_agent
 from meshagent.testing.sim_network import LinkSpec, SimNetwork
-from tests.gossip.sim_mesh import start_sim_agent
 
 N = 30
 CONVERGE_BOUND_S = 5.0  # virtual seconds from the dials to a full view everywhere (measured: 2.0)

@@ -9,7 +9,7 @@ import pytest
 from meshagent.errors import ModelError
 from meshagent.models.gguf_file import GGUFFile
 from meshagent.models.layout import open_gguf
-from tests.engine.tiny_models import write_tiny_jamba, write_tiny_mamba, write_tiny_model
+from meshagent.testing.tiny_gguf import write_tiny_jamba, write_tiny_mamba, write_tiny_model
 
 
 def _same_as_gguf_reader(path) -> None:

@@ -20,9 +20,9 @@ from meshagent.models.header_share import LABEL, HeaderMapServer, HeaderShareErr
 from meshagent.models.layout import file_sha256
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
+from meshagent.testing.tiny_gguf import write_tiny_model
 from meshagent.wire.framing import LengthPrefixDecoder
 from meshagent.wire.handshake import LocalPeer
-from tests.engine.tiny_models import write_tiny_model
 from tests.net.scripted import ScriptedStream
 
 SHA = "ab" * 32

@@ -23,7 +23,7 @@ from meshagent.models.ranged import (
     sidecar,
 )
 from meshagent.models.slicer import tensors_read
-from tests.engine.tiny_models import write_tiny_model
+from meshagent.testing.tiny_gguf import write_tiny_model
 from tests.models.fake_hub import FakeHub
 
 REPO = "org/tiny-GGUF"

@@ -22,7 +22,7 @@ from meshagent.models.ranged import PartialModel
 from meshagent.models.transfer import ArtifactServer
 from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving.obtain import ArtifactSource
-from tests.engine.tiny_models import write_tiny_model
+from meshagent.testing.tiny_gguf import write_tiny_model
 from tests.models.fake_hub import FakeHub
 from tests.models.test_transfer import two_nodes
 from tests.models.test_transfer_hostile import Liar

@@ -14,8 +14,8 @@ from meshagent.engine.windows import check_windows
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.layout import inspect_model
 from meshagent.serving.pipeline import EntryEngine
+from meshagent.testing.tiny_gguf import quantize, write_tiny_model
 from tests.engine.test_windows import _cpu_flags
-from tests.engine.tiny_models import quantize, write_tiny_model
 
 
 @pytest.mark.parametrize("repack", ["1", "0"])

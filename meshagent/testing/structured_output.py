@@ -1,5 +1,6 @@
-"""What the structured-output and logprob tests share: a schema with nested objects, arrays,
-enums and integers, prompts for it, and log-probabilities computed by llama.cpp directly.
+"""What the structured-output and logprob tests and `bench/agent_api.py` share: a schema with
+nested objects, arrays, enums and integers, prompts for it, tools, and log-probabilities
+computed by llama.cpp directly.
 
 The schema bounds its strings and arrays, so that every text it admits fits in `MAX_TOKENS`
 (a character may take three byte tokens): a model that repeats itself inside a string

@@ -1,4 +1,5 @@
-"""N agents' overlay + gossip + dialer on one simulated network (no models, no HTTP)."""
+"""Agents on one simulated network, each an overlay, gossip and a dialer (no models, no HTTP):
+for the gossip tests and `bench/gossip.py`."""
 
 from __future__ import annotations
 
