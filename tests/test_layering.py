@@ -43,7 +43,6 @@ RULES: list[tuple[str, str]] = [
 KNOWN: set[tuple[str, str]] = set()
 KNOWN_CIRCLES: set[tuple[str, ...]] = {
     ("meshagent.control", "meshagent.services"),
-    ("meshagent.models.layout", "meshagent.models.ranged"),
     ("meshagent.net.connection", "meshagent.net.stream"),
 }
 

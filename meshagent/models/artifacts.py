@@ -15,7 +15,8 @@ import cbor2
 import structlog
 
 from meshagent.errors import ModelError
-from meshagent.models.layout import ModelLayout, file_sha256, inspect_model, write_atomic
+from meshagent.models.files import file_sha256, write_atomic
+from meshagent.models.layout import ModelLayout, inspect_model
 from meshagent.models.ranged import PartialModel, Progress, is_partial
 from meshagent.models.slicer import tensors_read, write_entry, write_layers
 from meshagent.wire.quoted import quoted

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +10,7 @@ from typing import Any
 from meshagent.errors import ModelError
 from meshagent.models.architectures import split_refusal, stage_refusal
 from meshagent.models.gguf_file import TOKENIZER_PREFIX, GGUFFile
+from meshagent.models.ranged import header_gaps
 
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 KV_BYTES_F16 = 2
@@ -94,8 +93,6 @@ def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
 
 def open_gguf(path: Path) -> GGUFFile:
     """The GGUF at `path`; a partial copy's header read around the entries not fetched."""
-    from meshagent.models.ranged import header_gaps  # ranged builds on this module
-
     if not path.is_file():
         raise ModelError(f"model file not found: {path}")
     try:
@@ -182,23 +179,3 @@ def per_layer(value: Any, n_layers: int) -> tuple[int, ...]:
             raise ModelError(f"a per-layer array of {len(value)} values for {n_layers} layers")
         return tuple(int(v) for v in value)
     return (int(value or 0),) * n_layers
-
-
-def file_sha256(path: Path, *, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` whole or not at all (a temporary file, then a rename); a
-    write that fails (a full disk) leaves the old file and no temporary one."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_bytes(data)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)

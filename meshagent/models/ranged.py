@@ -31,9 +31,9 @@ from typing import Any
 import structlog
 
 from meshagent.errors import ModelError
+from meshagent.models.files import file_sha256, write_atomic
 from meshagent.models.gguf_file import Gap, Header, HeaderTruncated, parse_header, tensor_bytes
 from meshagent.models.header_map import HeaderMap
-from meshagent.models.layout import file_sha256, write_atomic
 
 log = structlog.get_logger(__name__)
 

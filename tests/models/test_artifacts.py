@@ -7,7 +7,7 @@ import os
 import threading
 
 from meshagent.models.artifacts import ArtifactStore
-from meshagent.models.layout import file_sha256
+from meshagent.models.files import file_sha256
 
 
 def test_two_threads_cutting_the_same_layers_get_one_good_artifact(model_path, tmp_path, capsys):

@@ -16,11 +16,12 @@ from meshagent.engine.llama import read_model_info
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.files import file_sha256
 from meshagent.models.gguf_file import parse_header
 from meshagent.models.header_map import HeaderMap, header_map
 from meshagent.models.header_share import LABEL, HeaderMapServer, ask_peers, map_of
 from meshagent.models.hub import locate
-from meshagent.models.layout import file_sha256, inspect_model
+from meshagent.models.layout import inspect_model
 from meshagent.models.names import HubName
 from meshagent.models.ranged import PartialModel
 from meshagent.net.manager import ConnectionManager

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.models import header_share
+from meshagent.models.files import file_sha256
 from meshagent.models.header_map import HeaderMap
 from meshagent.models.header_share import LABEL, HeaderMapServer, HeaderShareError, ask
-from meshagent.models.layout import file_sha256
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
 from meshagent.testing.tiny_gguf import write_tiny_model
