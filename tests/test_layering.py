@@ -43,7 +43,6 @@ RULES: list[tuple[str, str]] = [
 KNOWN: set[tuple[str, str]] = set()
 KNOWN_CIRCLES: set[tuple[str, ...]] = {
     ("meshagent.control", "meshagent.services"),
-    ("meshagent.net.connection", "meshagent.net.stream"),
 }
 
 # Where code that is shipped or run as a tool lives: none of it may import the tests (what a

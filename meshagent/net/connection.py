@@ -263,19 +263,25 @@ class Connection:
             why = f"connection {reason}: stream still open when the {grace:g} s drain grace expired"
             self._log.warning("conn.drain_expired", reason=reason, streams=stuck, grace=grace)
             for sid in stuck:
-                self._reset(sid, code, why)
+                self.reset_stream(sid, code, why)
         await self.aclose(code, reason)
 
-    # ----- used by MeshStream -----
+    # ----- used by MeshStream (its `StreamCarrier`) -----
 
-    def _send(self, stream_id: int, view: memoryview) -> int:
+    def send_data(self, stream_id: int, view: memoryview) -> int:
         try:
             return self.mux.send_data(stream_id, view)
         except LocalUsageError as e:
             code = self.close_code or ErrorCode.INTERNAL_ERROR
             raise StreamResetError(stream_id, code, str(e), by_peer=False) from e
 
-    async def _send_inline(self) -> None:
+    def has_send_credit(self, stream_id: int) -> bool:
+        return self.mux.send_credit(stream_id)[0] != 0
+
+    def is_remote_open(self, stream_id: int) -> bool:
+        return self.mux.is_remote_open(stream_id)
+
+    async def write_inline(self) -> None:
         """Write queued frames from the calling (application) task when no write is in
         progress, saving a task switch per message; otherwise leave them to the writer."""
         if self._writing or self.is_closed:
@@ -287,8 +293,8 @@ class Connection:
             self._log.info("conn.lost", during="write", error=str(e))
             self._lose(str(e))
 
-    def _write_now(self) -> None:
-        """`_send_inline` for code that cannot wait: what the socket takes at once goes now,
+    def write_now(self) -> None:
+        """`write_inline` for code that cannot wait: what the socket takes at once goes now,
         the rest to the writer task."""
         if self._writing or self.is_closed:
             self._kick()
@@ -300,7 +306,7 @@ class Connection:
             self._log.info("conn.lost", during="write", error=str(e))
             self._lose(str(e))
 
-    def _read(self, stream_id: int, max_bytes: int) -> bytes | bytearray | None:
+    def read_data(self, stream_id: int, max_bytes: int) -> bytes | bytearray | None:
         data = self.mux.read(stream_id, max_bytes)
         if self.mux.has_output:
             self._kick()
@@ -308,7 +314,7 @@ class Connection:
             self._notify()
         return data
 
-    def _send_eof(self, stream_id: int) -> None:
+    def send_eof(self, stream_id: int) -> None:
         try:
             self.mux.send_eof(stream_id)
         except LocalUsageError as e:
@@ -317,16 +323,16 @@ class Connection:
         self._kick()
         self._notify()
 
-    def _reset(self, stream_id: int, code: ErrorCode, reason: str) -> None:
+    def reset_stream(self, stream_id: int, code: ErrorCode, reason: str) -> None:
         self.mux.reset(stream_id, code, reason)
         stream = self._streams.pop(stream_id, None)
         if stream is not None:
-            stream._fail(StreamResetError(stream_id, code, reason, by_peer=False))
+            stream.fail(StreamResetError(stream_id, code, reason, by_peer=False))
             self._wake(stream)
         self._kick()
         self._notify()
 
-    def _forget(self, stream_id: int) -> None:
+    def forget_stream(self, stream_id: int) -> None:
         self.mux.forget(stream_id)
         stream = self._streams.pop(stream_id, None)
         if stream is not None:  # closed here: a task still reading it raises at once
@@ -334,7 +340,7 @@ class Connection:
         self._notify()
 
     def _wake(self, stream: MeshStream) -> None:
-        stream._wake_reader()
+        stream.wake_reader()
         self._input.wake_holder(stream)  # it may wait on the socket, not on its event
 
     # ----- internals -----
@@ -407,7 +413,7 @@ class Connection:
         for ev in resets:
             stream = self._streams.pop(ev.stream_id, None)
             if stream is not None:
-                stream._fail(StreamResetError(ev.stream_id, ev.code, ev.reason, by_peer=False))
+                stream.fail(StreamResetError(ev.stream_id, ev.code, ev.reason, by_peer=False))
 
     async def _finalize(self) -> None:
         if self._dead:
@@ -469,12 +475,12 @@ class Connection:
         self._log.warning("conn.protocol_error", code=e.code.name, reason=str(e))
         return True
 
-    async def _read_for(self, stream: MeshStream) -> None:
-        """Return once `stream` has something to read (data, EOF or an error). While the
-        reader task is idle, this task reads the socket itself (`net/reading.py`)."""
+    async def read_until(self, stream: MeshStream, ready: Callable[[], bool]) -> None:
+        """While no other task reads the socket, read it from `stream`'s task until `ready()`
+        (`net/reading.py`)."""
         if not self.is_closed:
             try:
-                await self._input.read_for(stream, stream._readable.is_set)
+                await self._input.read_for(stream, ready)
             except EOFError:
                 self._log.info("conn.lost", during="read", error="EOF without BYE")
                 self._lose("EOF without BYE")
@@ -484,8 +490,6 @@ class Connection:
             except _TRANSPORT_ERRORS as e:
                 self._log.info("conn.lost", during="read", error=str(e))
                 self._lose(str(e))
-        if not stream._readable.is_set():  # (waiting on a set event would still yield)
-            await stream._readable.wait()
 
     def _process_records(self) -> bool:  # (for SocketReader: False once closed)
         self._process_frames()
@@ -510,15 +514,15 @@ class Connection:
         if kind is DataReceived or kind is StreamClosed:
             stream = self._streams.get(ev.stream_id)
             if stream is not None:
-                stream._wake_reader()
+                stream.wake_reader()
         elif kind is CreditGranted:
             if ev.stream_id == 0:  # connection credit: any stream may be waiting for it
                 for stream in list(self._streams.values()):
-                    stream._wake_writer()
+                    stream.wake_writer()
             else:
                 stream = self._streams.get(ev.stream_id)
                 if stream is not None:
-                    stream._wake_writer()
+                    stream.wake_writer()
         elif kind is StreamOpened:
             self._accept(ev)
         elif kind is StreamReset:
@@ -530,7 +534,7 @@ class Connection:
                     "stream.reset", stream=ev.stream_id, code=ev.code.name, by_peer=ev.by_peer
                 )
             if stream is not None:
-                stream._fail(StreamResetError(ev.stream_id, ev.code, ev.reason, by_peer=ev.by_peer))
+                stream.fail(StreamResetError(ev.stream_id, ev.code, ev.reason, by_peer=ev.by_peer))
         elif kind is GoAway:
             self._log.info("conn.goaway_received", code=ev.code.name, reason=ev.reason)
         elif kind is ConnectionTerminated:

@@ -2,17 +2,50 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
 from meshagent.net.errors import StreamResetError
 from meshagent.wire.errors import ErrorCode
 
-if TYPE_CHECKING:
-    from meshagent.net.connection import Connection
-
 DEFAULT_RECEIVE = 256 * 1024
+
+
+class StreamCarrier(Protocol):
+    """What a stream asks of the connection it runs over (`net/connection.py`), by stream id.
+    The connection calls back `wake_reader`, `wake_writer` and `fail` on its streams."""
+
+    peer_id: str
+    session_id: str
+    path: str
+
+    def send_data(self, stream_id: int, view: memoryview) -> int:
+        """Queue what credit allows of `view`; how many bytes were taken."""
+
+    async def write_inline(self) -> None:
+        """Write the queued frames from the calling task, or leave them to the writer task."""
+
+    def write_now(self) -> None:
+        """`write_inline` for code that cannot wait."""
+
+    def has_send_credit(self, stream_id: int) -> bool: ...
+
+    def read_data(self, stream_id: int, max_bytes: int) -> bytes | bytearray | None:
+        """Received bytes (b"" at EOF), or None while there are none."""
+
+    async def read_until(self, stream: MeshStream, ready: Callable[[], bool]) -> None:
+        """While no other task reads the connection, read it from the calling task until
+        `ready()`; the caller then waits for its stream's wake-up itself."""
+
+    def send_eof(self, stream_id: int) -> None: ...
+
+    def reset_stream(self, stream_id: int, code: ErrorCode, reason: str) -> None: ...
+
+    def is_remote_open(self, stream_id: int) -> bool: ...
+
+    def forget_stream(self, stream_id: int) -> None: ...
 
 
 class MeshStream(trio.abc.HalfCloseableStream):
@@ -23,7 +56,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
     the peer, or when the connection ends) raises StreamResetError from both.
     """
 
-    def __init__(self, conn: Connection, stream_id: int, label: str) -> None:
+    def __init__(self, conn: StreamCarrier, stream_id: int, label: str) -> None:
         self._conn = conn
         self.stream_id = stream_id
         self.label = label
@@ -40,18 +73,22 @@ class MeshStream(trio.abc.HalfCloseableStream):
         return self._conn.peer_id
 
     @property
-    def connection(self) -> Connection:
+    def connection(self) -> StreamCarrier:
+        """The connection it runs over."""
         return self._conn
 
     # ----- called by the connection -----
 
-    def _wake_reader(self) -> None:
+    def wake_reader(self) -> None:
+        """Something arrived to read: data, EOF or a reset."""
         self._readable.set()
 
-    def _wake_writer(self) -> None:
+    def wake_writer(self) -> None:
+        """The peer granted credit."""
         self._writable.set()
 
-    def _fail(self, error: StreamResetError) -> None:
+    def fail(self, error: StreamResetError) -> None:
+        """The stream was reset (or its connection ended): every operation raises `error`."""
         if self._error is None:
             self._error = error
         self._readable.set()
@@ -79,10 +116,10 @@ class MeshStream(trio.abc.HalfCloseableStream):
             view = memoryview(data).cast("B")
             while view:
                 self._check_send()
-                n = self._conn._send(self.stream_id, view)
+                n = self._conn.send_data(self.stream_id, view)
                 if n:
                     view = view[n:]
-                    await self._conn._send_inline()
+                    await self._conn.write_inline()
                     continue
                 self._writable = trio.Event()
                 await self._writable.wait()
@@ -96,14 +133,14 @@ class MeshStream(trio.abc.HalfCloseableStream):
         if self._sending:
             raise trio.BusyResourceError("another task is sending on this stream")
         self._check_send()
-        n = self._conn._send(self.stream_id, memoryview(data).cast("B"))
+        n = self._conn.send_data(self.stream_id, memoryview(data).cast("B"))
         if n:
-            self._conn._write_now()
+            self._conn.write_now()
         return n
 
     async def wait_send_all_might_not_block(self) -> None:
         self._check_send()
-        while self._conn.mux.send_credit(self.stream_id)[0] == 0:
+        while not self._conn.has_send_credit(self.stream_id):
             self._writable = trio.Event()
             await self._writable.wait()
             self._check_send()
@@ -124,13 +161,16 @@ class MeshStream(trio.abc.HalfCloseableStream):
                     raise trio.ClosedResourceError("stream was closed locally")
                 if self._error is not None:
                     raise self._error
-                data = self._conn._read(self.stream_id, max_bytes or DEFAULT_RECEIVE)
+                data = self._conn.read_data(self.stream_id, max_bytes or DEFAULT_RECEIVE)
                 if data is not None:
                     if not waited:
                         await trio.lowlevel.cancel_shielded_checkpoint()
                     return data
                 self._readable = trio.Event()
-                await self._conn._read_for(self)
+                # While no other task reads the connection, this one does (`net/reading.py`).
+                await self._conn.read_until(self, self._readable.is_set)
+                if not self._readable.is_set():  # (waiting on a set event would still yield)
+                    await self._readable.wait()
                 waited = True
         finally:
             self._receiving = False
@@ -143,26 +183,27 @@ class MeshStream(trio.abc.HalfCloseableStream):
             raise self._error
         if not self._eof_sent:
             self._eof_sent = True
-            self._conn._send_eof(self.stream_id)
-            await self._conn._send_inline()
+            self._conn.send_eof(self.stream_id)
+            await self._conn.write_inline()
         await trio.lowlevel.checkpoint()
 
     def reset(self, reason: str = "reset by the application", code=ErrorCode.CANCEL) -> None:
         """Abort both directions now; the peer's operations raise StreamResetError(reason)."""
         if self._error is None and not self._closed:
-            self._conn._reset(self.stream_id, code, reason)
-            self._fail(StreamResetError(self.stream_id, code, reason, by_peer=False))
+            self._conn.reset_stream(self.stream_id, code, reason)
+            self.fail(StreamResetError(self.stream_id, code, reason, by_peer=False))
 
     async def aclose(self) -> None:
         """Finish the stream: half-close if the peer already finished sending, otherwise
         reset it with CANCEL (the peer learns we stopped reading)."""
         if not self._closed:
             if self._error is None:
-                if self._conn.mux.is_remote_open(self.stream_id):
-                    self._conn._reset(self.stream_id, ErrorCode.CANCEL, "closed by the application")
+                if self._conn.is_remote_open(self.stream_id):
+                    why = "closed by the application"
+                    self._conn.reset_stream(self.stream_id, ErrorCode.CANCEL, why)
                 elif not self._eof_sent:
                     self._eof_sent = True
-                    self._conn._send_eof(self.stream_id)
+                    self._conn.send_eof(self.stream_id)
             self._closed = True
-            self._conn._forget(self.stream_id)
+            self._conn.forget_stream(self.stream_id)
         await trio.lowlevel.checkpoint()
