@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from meshagent import __version__
 from meshagent.discovery import addresses
@@ -19,11 +19,41 @@ from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.net.manager import ConnectionManager
 
 if TYPE_CHECKING:
-    from meshagent.services import Services
+    from meshagent.api.access import Access
+    from meshagent.api.inflight import InFlight
+    from meshagent.discovery.lan import LanDiscovery
+    from meshagent.gossip.service import GossipService
+    from meshagent.identity.keys import NodeIdentity
+    from meshagent.identity.mesh import MeshSecret
+    from meshagent.models.artifacts import ArtifactStore
+    from meshagent.relay.client import RelayClient
     from meshagent.serving.local_model import LocalModel
+    from meshagent.serving.mesh_model import MeshModel
 
 
-def status(services: Services) -> dict[str, Any]:
+class AgentParts(Protocol):
+    """What the documents read of one running agent (`services.Services` has it all)."""
+
+    identity: NodeIdentity
+    mesh: MeshSecret
+    name: str
+    api_url: str
+    access: Access  # who may use the HTTP API
+    started_at: float  # time.time() at start
+    inflight: InFlight
+    overlay: ConnectionManager
+    relays: tuple[RelayClient, ...]
+    lan: LanDiscovery
+    gossip: GossipService
+    model: MeshModel
+    store: ArtifactStore
+
+    @property
+    def alone(self) -> str | None:
+        """Why the agent has no peer though it was told where its mesh is, while so."""
+
+
+def status(services: AgentParts) -> dict[str, Any]:
     s = services
     info = s.model.info
     return {
@@ -36,8 +66,8 @@ def status(services: Services) -> dict[str, Any]:
         # Who may use the HTTP API: how many keys it asks for (0: none), and whether Host
         # must name loopback.
         "api_access": {
-            "keys": len(s.app.access.keys),
-            "loopback_host_only": bool(s.app.access.hosts),
+            "keys": len(s.access.keys),
+            "loopback_host_only": bool(s.access.hosts),
         },
         "listen": [str(a) for a in s.overlay.listen_addresses],
         "uptime_s": round(time.time() - s.started_at, 1),
@@ -65,7 +95,7 @@ def status(services: Services) -> dict[str, Any]:
     }
 
 
-def _download(s: Services) -> dict[str, Any] | None:
+def _download(s: AgentParts) -> dict[str, Any] | None:
     """A model held in part (`models/ranged.py`): what came from the hub and from peers,
     and the artifacts being downloaded now."""
     path = Path(s.model.model_path)
@@ -74,7 +104,7 @@ def _download(s: Services) -> dict[str, Any] | None:
     return {**PartialModel(path).status(), "fetching": s.model.source.downloads()}
 
 
-def _models(s: Services) -> list[dict[str, Any]]:
+def _models(s: AgentParts) -> list[dict[str, Any]]:
     model = s.model.local
     if model is None:
         return []
@@ -130,7 +160,7 @@ def _links(overlay: ConnectionManager) -> list[dict[str, Any]]:
     return out
 
 
-def _mdns(s: Services) -> dict[str, Any]:
+def _mdns(s: AgentParts) -> dict[str, Any]:
     mdns = s.lan.mdns
     return {
         "enabled": mdns is not None,
@@ -141,7 +171,7 @@ def _mdns(s: Services) -> dict[str, Any]:
     }
 
 
-def _gossip(s: Services) -> dict[str, Any]:
+def _gossip(s: AgentParts) -> dict[str, Any]:
     cfg = s.gossip.config
     states: dict[str, int] = {}
     for e in s.gossip.state.entries.values():
@@ -155,7 +185,7 @@ def _gossip(s: Services) -> dict[str, Any]:
     }
 
 
-def peers(services: Services) -> dict[str, Any]:
+def peers(services: AgentParts) -> dict[str, Any]:
     """Every peer gossip knows, with its link."""
     s = services
     summary = s.model.placement_summary()

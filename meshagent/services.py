@@ -168,13 +168,14 @@ class Services:
         )
         self.model = self._mesh_model(model_path, layout, info)
         port = urlsplit(api_url).port or 0
+        self.access = Access.for_binding(config.api_keys, config.api_host, port)
         self.app = OpenAIApp(
             self.model,
             self.inflight,
             partial(control.status, self),
             peers=partial(control.peers, self),
             probe=partial(control.probe, self.overlay),
-            access=Access.for_binding(config.api_keys, config.api_host, port),
+            access=self.access,
         )
         self._routes: dict[str, StreamHandler] = {
             transfer.LABEL: transfer.ArtifactServer(
