@@ -40,11 +40,13 @@ class AwaitedWindows:
         # Per slot: what the last stage has yet to meet, windows and resets, in order.
         self._queues: dict[int, deque[_Window | None]] = {}
         self._carry: dict[int, int] = {}  # per slot, as the last stage holds it
+        self.windows = 0  # windows sent whose answer has not come (void ones not counted)
 
     def clear(self) -> None:
         """A new chain: nothing of the old one is awaited."""
         self._queues.clear()
         self._carry.clear()
+        self.windows = 0
 
     def sent(
         self, released: Sequence[int], opened: Sequence[int], items: Sequence[ForwardItem]
@@ -60,6 +62,7 @@ class AwaitedWindows:
         for it in items:
             if it.sample:
                 self._queue(it.seq).append(_Window(it.draft, it.follows))
+                self.windows += 1
         for slot in {*released, *opened, *(it.seq for it in items)}:
             self._settle(slot)
 
@@ -70,6 +73,7 @@ class AwaitedWindows:
             raise StageProtocolError(f"a token for sequence {msg.seq}, which awaits none")
         w = queue.popleft()
         assert w is not None  # (`_settle` leaves a window first, or nothing)
+        self.windows -= 1
         if len(msg.more) > w.verifiable:
             raise StageProtocolError(
                 f"a token for sequence {msg.seq} brings {len(msg.more)} verified drafts, "
@@ -89,6 +93,7 @@ class AwaitedWindows:
         if not queue:
             return False
         w = queue.popleft()
+        self.windows -= w is not None
         self._settle(seq)
         return w is not None and not w.released
 
@@ -107,4 +112,5 @@ class AwaitedWindows:
                 return
             else:  # void: so is every window that follows it
                 self._carry.pop(slot, None)
+                self.windows -= 1
             queue.popleft()

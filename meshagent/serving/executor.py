@@ -1,16 +1,22 @@
 """Executors run the scheduler's steps: the per-token work next to the compute.
 
-`ModelRunner` calls `run_step` on its worker thread, one step at a time. An executor that
-samples itself (a local llama.cpp context) returns the tokens at once (for an item with a
-draft, the tokens `verify` keeps, after dropping the rest of the window from its cache), and
-the runner feeds them to the scheduler and takes the next step without returning to the event
-loop. The entry of a split returns no tokens: they come back from the last stage later, through
-`ModelRunner.tokens_ready`.
+`ModelRunner` calls `run_step` on its worker thread, one step at a time, and gets a
+`StepDone`. An executor that samples itself (a local llama.cpp context) has the tokens at once
+(for an item with a draft, the tokens `verify` keeps, after dropping the rest of the window
+from its cache), and the runner feeds them to the scheduler and takes the next step without
+returning to the event loop. The entry of a split has none yet: its `StepDone` holds what goes
+down the chain, which the runner hands to the executor's `deliver` on the event loop; the
+tokens come back from the last stage later, and the executor tells them to its `ExecutorSink`.
+
+The runner is the only one to cross between the worker thread and the event loop. An executor
+knows nothing of it but the sink: tokens sampled elsewhere, a sequence that failed, a chain
+that broke.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -18,7 +24,10 @@ import trio
 
 from meshagent.engine.base import Constraint, Engine, ForwardItem
 from meshagent.engine.windows import TEXT, WindowCheck, check_windows
+from meshagent.errors import MeshError
 from meshagent.serving.drafting import verify
+from meshagent.serving.kv_book import KvBook
+from meshagent.serving.kv_book import measure_kept_size as measure_book
 from meshagent.serving.sampling import Sampler, SamplingParams, TokenLogprob
 from meshagent.serving.steps import Step
 
@@ -53,6 +62,36 @@ def with_logprobs(
     return [(slot, t, timing, lp) for t, lp in zip(tokens, lps, strict=True)]
 
 
+@dataclass(frozen=True)
+class StepDone:
+    """What a step gave on the worker thread: the tokens sampled now, and what the executor
+    still has to do on the event loop (`Executor.deliver`; None: nothing)."""
+
+    tokens: list[SampledToken]
+    outgoing: object | None = None
+
+
+NOTHING_YET = StepDone([])
+
+
+class ExecutorSink(Protocol):
+    """What an executor tells the runner it serves, on the event loop."""
+
+    def tokens(self, tokens: list[SampledToken]) -> None:
+        """Tokens sampled elsewhere (a split's last stage)."""
+        ...
+
+    def failed(self, slot: int, error: MeshError) -> None:
+        """The sequence in `slot` failed."""
+        ...
+
+    def broken(self, error: MeshError) -> int:
+        """Every sequence in flight failed with `error` (a split's chain broke), and the kept
+        prefixes are gone with the stages that held them. Returns the id the next kept prefix
+        gets: every entry below it is forgotten."""
+        ...
+
+
 class Executor(Protocol):
     n_slots: int
     slot_ctx: int
@@ -69,13 +108,19 @@ class Executor(Protocol):
     kept_size: Callable[[int], int] | None
     prefix_reason: str  # why prompts do or do not start from kept prefixes
 
-    def run_step(self, step: Step) -> list[SampledToken]:
-        """Run `step` (blocking, on the runner's worker thread). Returns the tokens sampled
-        now for the items that wanted one; an executor whose tokens come later returns []."""
+    def run_step(self, step: Step) -> StepDone:
+        """Run `step` (blocking, on the runner's worker thread): the tokens sampled now for
+        the items that wanted one (none where they come later), and what is left to do on
+        the event loop."""
         ...
 
-    async def run(self, runner: object, *, task_status: trio.TaskStatus[None]) -> None:
-        """What the executor needs on the event loop while the runner serves (or nothing)."""
+    def deliver(self, outgoing: object) -> None:
+        """On the event loop: the rest of a step (`StepDone.outgoing`)."""
+        ...
+
+    async def run(self, sink: ExecutorSink, *, task_status: trio.TaskStatus[None]) -> None:
+        """What the executor needs on the event loop while the runner serves (or nothing);
+        what it learns there it tells `sink`."""
         ...
 
 
@@ -89,7 +134,7 @@ class LocalExecutor:
         self.engine = engine
         self.prefix_budget = prefix_budget
         self.kept_size: Callable[[int], int] | None = None  # measured when `run` starts
-        self._kept: dict[int, bytes] = {}  # prefix-cache entry -> its KV
+        self.book = KvBook(engine)  # what is kept is the scheduler's to decide, within budget
         # Drafts need the rejected positions cut from the cache; a recurrent model's state
         # cannot be cut back, so it decodes without (a checkpoint of the state would do).
         self.speculates = engine.rewindable
@@ -98,27 +143,14 @@ class LocalExecutor:
         self.slot_ctx = engine.slot_ctx
         self._samplers: dict[int, Sampler] = {}  # slot -> sampler of the sequence in it
 
-    def run_step(self, step: Step) -> list[SampledToken]:
-        # Evicted entries go before the new ones come, so the kept bytes stay within the
-        # budget; only those this step still restores or saves wait until after it.
-        early, late = step.drops()
-        for entry in early:
-            self._kept.pop(entry, None)
-        for save in step.saves:
-            self._kept[save.entry] = self.engine.export_sequence(save.slot, save.tokens)
+    def run_step(self, step: Step) -> StepDone:
+        self.book.apply(step)
         for slot in step.released:
-            self.engine.clear_sequence(slot)
             self._samplers.pop(slot, None)
         for op in step.opened:
             self._samplers[op.slot] = new_sampler(self.engine, op.sampling, op.history)
-            if op.restore is not None:
-                entry, keep = op.restore
-                self.engine.import_sequence(op.slot, self._kept[entry])
-                self.engine.trim_sequence(op.slot, keep)
-        for entry in late:
-            self._kept.pop(entry, None)
         if not step.items:
-            return []
+            return NOTHING_YET
         items = [
             ForwardItem(it.slot, it.pos, it.tokens, it.last, it.draft + 1) for it in step.items
         ]
@@ -137,16 +169,18 @@ class LocalExecutor:
             # Keep the cache up to the last accepted draft token; the one after it is not in.
             self.engine.trim_sequence(it.slot, it.pos + len(it.tokens) - it.draft + len(tokens) - 1)
             out += with_logprobs(it.slot, tokens, (), sampler)
-        return out
+        return StepDone(out)
+
+    def deliver(self, outgoing: object) -> None:
+        raise AssertionError("a whole model's steps leave nothing for the event loop")
 
     @property
     def exact_windows(self) -> bool:
         return self.window_check is not None and self.window_check.exact
 
     def kept_bytes(self) -> int:
-        """Bytes of KV kept for prefixes now (read from any thread: the worker may be adding
-        one; list() of a dict's values is one step under the GIL)."""
-        return sum(len(b) for b in list(self._kept.values()))
+        """Bytes of KV kept for prefixes now (read from any thread)."""
+        return self.book.kept_bytes()
 
     @property
     def prefix_reason(self) -> str:
@@ -170,7 +204,7 @@ class LocalExecutor:
             return "not checked yet (the model is loading)"
         return self.window_check.reason
 
-    async def run(self, runner: object, *, task_status: trio.TaskStatus[None]) -> None:
+    async def run(self, sink: ExecutorSink, *, task_status: trio.TaskStatus[None]) -> None:
         if self.speculates and self.window_check is None:
             self.window_check = await trio.to_thread.run_sync(check_windows, self.engine)
             log.info(
@@ -191,16 +225,11 @@ class LocalExecutor:
 
 
 def measure_kept_size(engine: Engine, *, slot: int = 0) -> Callable[[int], int]:
-    """What `export_sequence` of n tokens costs in bytes on `engine`: a fixed part and a part
-    per token, measured on two lengths of one short text (the format is linear in its
-    cells). Clears `slot`."""
+    """What `export_sequence` of n tokens costs in bytes on `engine` (`kv_book`). Clears
+    `slot`."""
     tokens = engine.tokenize(TEXT, add_bos=True)[:33]
-    engine.clear_sequence(slot)
-    try:
+
+    def prefill(slot: int, tokens: list[int]) -> None:
         engine.forward([ForwardItem(slot, 0, tokens, False)])
-        sizes = [len(engine.export_sequence(slot, n)) for n in (len(tokens), 1)]
-    finally:
-        engine.clear_sequence(slot)
-    per_token = (sizes[0] - sizes[1]) / (len(tokens) - 1)
-    fixed = sizes[1] - per_token
-    return lambda n: int(fixed + per_token * n + 0.5)
+
+    return measure_book(engine, prefill, tokens, slot=slot)

@@ -359,8 +359,8 @@ class MeshModel:
             # The plan was repaired around a lost peer and this agent's part is unchanged:
             # nothing to load, and requests replayed on this entry find its runner.
             self.split.rewire(plan)
-            if self.split.pipeline is not None:  # the entry: within the new stages' room
-                self.split.pipeline.rebudget(self._prefix_budget(plan))
+            if self.local is not None:  # the entry: within the new stages' room
+                self.local.runner.rebudget(self._prefix_budget(plan))
             self._judge_windows(plan)
             if self.local is not None:
                 self._offer(self.local, self._split_receipt(plan), plan)

@@ -5,6 +5,11 @@ tokens it sampled back to the scheduler and takes the next step, all without the
 per token the event loop only receives the new token ids (one hand-off per step, not per
 sequence) and turns them into text for the clients. Requests enter with `start`, which
 returns a `SequenceHandle` to read the tokens from.
+
+The runner is the one place that crosses between the worker thread and the event loop: the
+worker hands the loop each step's events and what an executor left to do there
+(`StepDone.outgoing`, given to `Executor.deliver`), never waiting for the loop; the loop wakes
+the worker through the scheduler's lock. Executors see only the runner's `ExecutorSink`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import trio
 
 from meshagent.errors import EngineError, MeshError
 from meshagent.serving.copying import TokenNames
-from meshagent.serving.executor import Executor, SampledToken
+from meshagent.serving.executor import Executor, SampledToken, StepDone
 from meshagent.serving.prefix_cache import PrefixIndex
 from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.scheduler import Scheduler, SchedulerStats
@@ -100,6 +105,9 @@ class ModelRunner:
         self._took = threading.Event()  # set: the worker took a step, or found none
         self._token: trio.lowlevel.TrioToken | None = None
         self._shares: dict[str, int] = {}  # a shared prompt's key -> the sequence prefilling it
+        self.peak_steps_in_flight = 0  # most steps whose tokens were not all back, at once
+        self.largest_step = 0  # sequences in the biggest step so far
+        self.sink = _Sink(self)
 
     # ----- the event loop's side -----
 
@@ -169,13 +177,30 @@ class ModelRunner:
             self._lock.notify()
         self._deliver(events)
 
+    def chain_broke(self, error: MeshError) -> int:
+        """Every active request fails with `error`, and the kept prefixes are gone (a split's
+        chain broke: its stages held them); forgotten first, so that no request admitted as
+        these fail starts from one. Returns the id the next kept prefix will get: every
+        entry below it is forgotten."""
+        next_id = self.forget_prefixes()
+        self.fail_all(error)
+        return next_id
+
     def forget_prefixes(self) -> int:
-        """The kept prefixes are gone (a split's chain broke: its stages held them). Returns
-        the id the next kept prefix will get: every entry below it is forgotten."""
+        """The kept prefixes are gone. Returns the id the next kept prefix will get: every
+        entry below it is forgotten."""
         with self._lock:
             self.scheduler.forget_prefixes()
             prefix = self.scheduler.prefix
             return 0 if prefix is None else prefix.next_id
+
+    def rebudget(self, budget: int) -> None:
+        """Keep prefixes within `budget` bytes from now on (a split's stages changed, and
+        with them the room they have for them)."""
+        self.executor.prefix_budget = budget
+        with self._lock:
+            if self.scheduler.prefix is not None:
+                self.scheduler.prefix.budget = budget
 
     def tokens_ready(self, tokens: list[SampledToken]) -> None:
         """Tokens sampled elsewhere (a split's last stage), on the event loop.
@@ -241,7 +266,7 @@ class ModelRunner:
         # for the event loop thread to let go of it, per token.
         sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL))
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.executor.run, self)
+            await nursery.start(self.executor.run, self.sink)
             size = self.executor.kept_size
             if size is not None:  # the executor keeps ended sequences' KV for their prefixes
                 with self._lock:
@@ -267,6 +292,10 @@ class ModelRunner:
                 step = self.scheduler.next_step(time.perf_counter())
                 self._took.set()  # (tokens_ready)
                 if step is not None:
+                    if step.items:
+                        in_flight = self.scheduler.steps_in_flight()
+                        self.peak_steps_in_flight = max(self.peak_steps_in_flight, in_flight)
+                        self.largest_step = max(self.largest_step, len(step.items))
                     return step
                 self._idle = True
                 self._lock.wait()
@@ -277,7 +306,7 @@ class ModelRunner:
         while (step := self._next()) is not None:
             try:
                 started = time.perf_counter()
-                sampled = self.executor.run_step(step)
+                done: StepDone = self.executor.run_step(step)
                 spent = time.perf_counter() - started
             except Exception as e:  # an engine failure fails this step's requests, not the agent
                 log.error("engine.step_failed", error=str(e), sequences=len(step.items))
@@ -285,6 +314,9 @@ class ModelRunner:
                 with self._lock:
                     events = self.scheduler.fail([it.seq for it in step.items], error)
             else:
+                if done.outgoing is not None:
+                    self._handoff(self.executor.deliver, done.outgoing)
+                sampled = done.tokens
                 if not sampled:
                     continue
                 decoding = all(it.last and len(it.tokens) == it.draft + 1 for it in step.items)
@@ -294,10 +326,26 @@ class ModelRunner:
                     token = self.scheduler.token
                     events = [e for s, t, ms, lp in sampled for e in token(s, t, ms, None, lp)]
             if events:
-                self.post(self._deliver, events)
+                self._handoff(self._deliver, events)
 
-    def post(self, fn: Callable[..., object], *args: object) -> None:
+    def _handoff(self, fn: Callable[..., object], *args: object) -> None:
         """Run `fn(*args)` on the event loop soon (from the worker thread, without waiting)."""
         assert self._token is not None
         with contextlib.suppress(trio.RunFinishedError):  # the agent is exiting
             self._token.run_sync_soon(fn, *args)
+
+
+class _Sink:
+    """The runner as its executor sees it (`ExecutorSink`), on the event loop."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self._runner = runner
+
+    def tokens(self, tokens: list[SampledToken]) -> None:
+        self._runner.tokens_ready(tokens)
+
+    def failed(self, slot: int, error: MeshError) -> None:
+        self._runner.fail_slot(slot, error)
+
+    def broken(self, error: MeshError) -> int:
+        return self._runner.chain_broke(error)

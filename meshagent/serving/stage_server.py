@@ -19,6 +19,7 @@ from meshagent.net.outbox import Outbox
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.drafting import verify
 from meshagent.serving.executor import new_sampler
+from meshagent.serving.kv_book import KeptPrefixError, KvBook
 from meshagent.serving.sampling import Sampler
 
 log = structlog.get_logger(__name__)
@@ -55,22 +56,17 @@ class StageServer:
             raise ValueError("a stage sends either to the next stage or back to the entry")
         self.engine = engine
         self.limits = sm.StageLimits(engine.n_slots, engine.slot_ctx, n_vocab, engine.n_embd)
-        self.kept_budget = kept_budget
-        self.max_kept = max_kept
         self._open_next = open_next
         self._open_reply = open_reply
         # Keyed by sequence ids checked against the slots: at most one per slot.
         self._samplers: dict[int, Sampler] = {}
-        # Per sequence, the position after the last token this stage took: a Forward that
-        # starts before it follows a draft whose tail the last stage rejected.
-        self._ends: dict[int, int] = {}
+        # The slots' KV and the kept prefixes: the entry decides what is kept and freed
+        # (`Keep`, `Drop`), within `kept_budget` bytes and `max_kept` entries; a new upstream
+        # stream starts without any.
+        self.book = KvBook(engine, budget=kept_budget, max_kept=max_kept, holder="this stage")
         # The last stage, per sequence: the token its last window ended with, where every
         # draft in it was right (a window that follows must have guessed it).
         self._carry: dict[int, int] = {}
-        # Kept prefixes: entry -> this stage's KV of it. The entry decides what is kept and
-        # freed (`Keep`, `Drop`), within `kept_budget`; a new upstream stream starts without
-        # any.
-        self._kept: dict[int, bytes] = {}
         self._serving: trio.CancelScope | None = None  # the upstream stream served now
         self._engine_lock = trio.Lock()  # held by the stream served, its worker included
         self._closed = False
@@ -89,12 +85,9 @@ class StageServer:
             async with self._engine_lock:
                 if self._closed:
                     return
-                for seq in range(self.engine.n_slots):
-                    self.engine.clear_sequence(seq)
+                self.book.reset(self.engine.n_slots)
                 self._samplers.clear()
-                self._ends.clear()
                 self._carry.clear()
-                self._kept.clear()
                 await self._serve(upstream)
 
     async def aclose(self) -> None:
@@ -180,6 +173,12 @@ class StageServer:
         """One batch of messages, in order, on the worker thread; the bytes to send on."""
         if isinstance(msgs, sm.StageProtocolError):
             raise msgs
+        try:
+            return self._run_checked(msgs)
+        except KeptPrefixError as e:  # the entry asked for more than this stage holds
+            raise sm.StageProtocolError(str(e)) from e
+
+    def _run_checked(self, msgs: list[sm.Message]) -> bytes:
         out: list[sm.Message] = []
         i = 0
         while i < len(msgs):
@@ -202,25 +201,25 @@ class StageServer:
                 out += self._forward(group)
             elif isinstance(msg, sm.Open):
                 if msg.restore is not None:
-                    self._restore(msg.seq, *msg.restore)
+                    # One this stage does not hold breaks the chain (the entry then forgets
+                    # every prefix and replays).
+                    self.book.restore(msg.seq, *msg.restore)
                 if self.engine.last:
                     self._samplers[msg.seq] = new_sampler(self.engine, msg.sampling, msg.history)
                     self._carry.pop(msg.seq, None)
                 else:
                     out.append(msg)
             elif isinstance(msg, sm.Keep):
-                self._keep(msg.entry, self.engine.export_sequence(msg.seq, msg.length))
+                self.book.keep(msg.entry, msg.seq, msg.length)
                 if not self.engine.last:
                     out.append(msg)
             elif isinstance(msg, sm.Drop):
-                for entry in msg.entries:
-                    self._kept.pop(entry, None)
+                self.book.drop(msg.entries)
                 if not self.engine.last:
                     out.append(msg)
             elif isinstance(msg, sm.Close):
-                self.engine.clear_sequence(msg.seq)
+                self.book.release(msg.seq)
                 self._samplers.pop(msg.seq, None)
-                self._ends.pop(msg.seq, None)
                 self._carry.pop(msg.seq, None)
                 if not self.engine.last:
                     out.append(msg)
@@ -232,33 +231,13 @@ class StageServer:
             i += 1
         return b"".join(sm.encode(m) for m in out)
 
-    def _restore(self, seq: int, entry: int, length: int) -> None:
-        """Start `seq` from a kept prefix's first `length` positions. One this stage does not
-        hold breaks the chain (the entry then forgets every prefix and replays)."""
-        state = self._kept.get(entry)
-        if state is None:
-            raise sm.StageProtocolError(f"kept prefix {entry} is not held by this stage")
-        self.engine.import_sequence(seq, state)
-        self.engine.trim_sequence(seq, length)
-        self._ends[seq] = length
-
-    def _keep(self, entry: int, state: bytes) -> None:
-        """Hold `state` as kept prefix `entry`, within the budgets."""
-        old = len(self._kept.get(entry, b""))
-        if entry not in self._kept and len(self._kept) >= self.max_kept:
-            raise sm.StageProtocolError(
-                f"kept prefix {entry} would be more than the {self.max_kept} this stage holds"
-            )
-        total = self.kept_bytes() - old + len(state)
-        if total > self.kept_budget:
-            raise sm.StageProtocolError(
-                f"kept prefix {entry} would bring this stage's kept prefixes to {total} bytes, "
-                f"over its budget of {self.kept_budget}"
-            )
-        self._kept[entry] = state
+    @property
+    def kept_budget(self) -> int:
+        assert self.book.budget is not None
+        return self.book.budget
 
     def kept_bytes(self) -> int:
-        return sum(len(b) for b in self._kept.values())
+        return self.book.kept_bytes()
 
     def _forward(self, group: list[sm.Forward]) -> list[sm.Message]:
         start = self.engine.start
@@ -272,9 +251,7 @@ class StageServer:
         rows = np.concatenate([f.hidden for f in group])
         batch, at = [], 0
         for it in items:
-            if self._ends.get(it.seq, it.pos) > it.pos:
-                self.engine.trim_sequence(it.seq, it.pos)  # a draft's rejected tail
-            self._ends[it.seq] = it.pos + it.n
+            self.book.take(it.seq, it.pos, it.n)  # (a draft's rejected tail goes)
             want = len(it.draft) + (not it.follows) if it.sample and self.engine.last else 0
             batch.append(EmbdItem(it.seq, it.pos, rows[at : at + it.n], want))
             at += it.n

@@ -128,7 +128,7 @@ async def test_concurrent_requests_all_match(model_path, store, reference, nurse
     # Depth 1: requests share steps (how many, depends on when each arrives; that a depth-1
     # step takes every ready sequence is checked deterministically on fakes,
     # test_pipeline_fake.py::test_one_group_in_a_shallow_pipeline).
-    assert model.runner.executor.largest_round > 1
+    assert model.runner.largest_step > 1
     # Requests shared rounds: far fewer stage calls than tokens generated.
     tokens = sum(len(model.engine.tokenize(t, add_bos=False)) for t in reference)
     assert servers[1].forwards < tokens
@@ -141,8 +141,8 @@ async def test_groups_take_turns_in_a_deep_pipeline_and_all_match(
     assert await all_at_once(model) == reference
     # Four requests over three stages: a round takes at most 4 // 3 = 1 sequence, so each
     # travels as a group of its own and several are in flight at once.
-    assert model.runner.executor.largest_round == 1
-    assert model.runner.executor.peak_rounds_in_flight >= 3
+    assert model.runner.largest_step == 1
+    assert model.runner.peak_steps_in_flight >= 3
 
 
 async def test_seeded_sampling_is_reproducible_across_the_split(model_path, store, nursery):
@@ -218,7 +218,7 @@ async def test_a_break_while_the_first_stage_computes_fails_that_batch_only(
 
         n.start_soon(request)
         await trio.sleep(0.2)  # the first stage is computing this request's prompt
-        pipeline._broken("test break")
+        pipeline.chain.break_("test break")
     pipeline.entry.run_first = run_first
     # The runner survived; the next request reconnects the chain and is served as before.
     with trio.fail_after(60):

@@ -128,7 +128,7 @@ async def test_one_group_in_a_shallow_pipeline(nursery, whole):
         assert chain.model.runner.stats().active == 4
         await nursery.start(chain.model.run)
     assert [got[i] for i in range(len(PROMPTS))] == [t for t, _ in whole]
-    assert chain.pipeline.largest_round == 4
+    assert chain.model.runner.largest_step == 4
 
 
 async def test_groups_take_turns_in_a_deep_pipeline(nursery, whole):
@@ -136,8 +136,8 @@ async def test_groups_take_turns_in_a_deep_pipeline(nursery, whole):
     await nursery.start(chain.model.run)
     got = await all_at_once(chain.model, PROMPTS)
     assert [t for t, _ in got] == [t for t, _ in whole]
-    assert chain.pipeline.largest_round == 1  # 4 // 3: each sequence a group of its own
-    assert chain.pipeline.peak_rounds_in_flight >= 3
+    assert chain.model.runner.largest_step == 1  # 4 // 3: each sequence a group of its own
+    assert chain.model.runner.peak_steps_in_flight >= 3
 
 
 async def test_a_broken_chain_fails_its_requests_then_serves_again(nursery, whole):
@@ -286,7 +286,7 @@ async def stages_hold_what_the_entry_keeps(chain: FakeChain) -> None:
     """Wait until every stage holds the entry's kept prefixes (a Keep follows the last
     token of its request down the chain)."""
     with trio.fail_after(5):
-        while not all(set(s._kept) == set(chain.pipeline._kept) for s in chain.servers):
+        while not all(set(s.book._kept) == set(chain.pipeline.book._kept) for s in chain.servers):
             await trio.sleep(0.001)
 
 
@@ -307,7 +307,7 @@ async def test_a_split_keeps_prefixes_in_every_stage_and_changes_no_token(nurser
     assert cached[2] == len(chain.model.text_tokens(prompts[2])) - 1
     # every stage holds its own KV of each kept prefix, and the same entries
     await stages_hold_what_the_entry_keeps(chain)
-    assert chain.pipeline._kept
+    assert chain.pipeline.book._kept
     concurrent = await all_at_once(chain.model, [SYSTEM + q for q in PROMPTS], 12)
     alone = [await complete(whole, SYSTEM + q, 12) for q in PROMPTS]
     assert [t for t, _ in concurrent] == [t for t, _ in alone]
@@ -329,7 +329,7 @@ async def test_an_evicted_prefix_is_freed_before_the_new_one_is_kept_at_every_st
     budget = STATE_BYTES * 120  # room for two of these conversations, not three
     chain = FakeChain(nursery, depth=2, prefix_budget=budget)
     held = [PeakBytes() for _ in range(3)]
-    chain.pipeline._kept, chain.servers[0]._kept, chain.servers[1]._kept = held
+    chain.pipeline.book._kept, chain.servers[0].book._kept, chain.servers[1].book._kept = held
     await nursery.start(chain.model.run)
     for i in range(6):  # (the fake tokenizer reads letters only)
         await complete(chain.model, "".join(chr(97 + (i + 3 * j) % 26) for j in range(80)), 8)
@@ -380,9 +380,9 @@ async def test_a_stage_that_lacks_a_prefix_breaks_the_chain_and_the_request_is_n
     prompt = SYSTEM + "what is a river"
     first, _ = await complete(chain.model, prompt, 10)
     with trio.fail_after(5):
-        while not chain.servers[1]._kept:  # (the Keep follows the request's last token)
+        while not chain.servers[1].book._kept:  # (the Keep follows the request's last token)
             await trio.sleep(0.001)
-    chain.servers[1]._kept.clear()  # as if the last stage had lost it
+    chain.servers[1].book._kept.clear()  # as if the last stage had lost it
     with pytest.raises(SplitUnavailable, match="not held by this stage"):
         await complete(chain.model, prompt, 10)
     assert chain.model.runner.stats().prefix_entries == 0

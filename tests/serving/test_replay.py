@@ -13,6 +13,7 @@ import trio.testing
 
 from meshagent.errors import SplitUnavailable
 from meshagent.serving import stage_messages as sm
+from meshagent.serving.chain import Outgoing
 from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import Sampler, SamplingParams
@@ -226,14 +227,20 @@ async def test_a_chain_that_loses_a_step_silently_is_broken_and_the_request_repl
     # the request is replayed, instead of hanging.
     text, finished = await whole_text(nursery, GREEDY)
     chain = FakeChain(nursery, depth=1, delay=0.001)
-    chain.pipeline.stall_after = 0.5
+    chain.pipeline.chain.stall_after = 0.5
     chain.model.reroute = lambda: _same(chain.model)
     await nursery.start(chain.model.run)
-    put, lost = chain.pipeline._put, []
+    links, lost = chain.pipeline.chain, []
 
-    def lose_one(generation, data, *sent):
-        lost.append(data)
-        chain.pipeline._put = put
+    def lose_one():  # the next step's messages go, and are lost on the way
+        outbox = links._outbox
+        put = outbox.put
+
+        def lost_on_the_way(data):
+            lost.append(data)
+            outbox.put = put
+
+        outbox.put = lost_on_the_way
 
     got = {}
 
@@ -245,7 +252,7 @@ async def test_a_chain_that_loses_a_step_silently_is_broken_and_the_request_repl
             n.start_soon(run)
             while chain.model.runner.stats().tokens_processed < 30:
                 await trio.sleep(0.001)
-            chain.pipeline._put = lose_one
+            lose_one()
     out, done = got["result"]
     assert lost and out == text and done.completion_tokens == finished.completion_tokens
     [replay] = done.replays
@@ -259,14 +266,14 @@ async def test_a_step_made_for_a_broken_chain_never_reaches_the_next_one(nursery
     chain.model.reroute = lambda: _same(chain.model)
     await nursery.start(chain.model.run)
     sent = []
-    chain.pipeline._new_outbox = lambda: None  # no real chain: watch what would go out
+    links = chain.pipeline.chain
     outbox = {"put": lambda self, data: sent.append(data), "close": lambda self: None}
-    chain.pipeline._outbox = type("Outbox", (), outbox)()
-    old = chain.pipeline._generation
-    chain.pipeline._broken("a stage's peer is gone")
-    chain.pipeline.failed = None  # reopened, as `_reconnect` leaves it
-    chain.pipeline._put(old, b"a Forward of the old chain")
-    chain.pipeline._put(chain.pipeline._generation, b"a Forward of the new chain")
+    links._outbox = type("Outbox", (), outbox)()  # no real chain: watch what would go out
+    old = links.generation
+    links.break_("a stage's peer is gone")
+    links.failed = None  # reopened, as opening the stream again leaves it
+    links.send(Outgoing(old, b"a Forward of the old chain"))
+    links.send(Outgoing(links.generation, b"a Forward of the new chain"))
     assert sent == [b"a Forward of the new chain"]
 
 
@@ -275,14 +282,14 @@ async def test_a_chain_that_stays_down_fails_the_request_at_the_deadline(nursery
     chain.model.reroute = lambda: _same(chain.model)
     chain.model.replay_deadline = 1.0
     await nursery.start(chain.model.run)
-    real_open = chain.pipeline._open_downstream
+    real_open = chain.pipeline.chain.open_downstream
 
     async def refused():
         chain.opens += 1
         raise OSError("connection refused")
 
     def stay_down():
-        chain.pipeline._open_downstream = refused
+        chain.pipeline.chain.open_downstream = refused
         times.append(trio.current_time())
 
     times = []
@@ -290,7 +297,7 @@ async def test_a_chain_that_stays_down_fails_the_request_at_the_deadline(nursery
         await break_mid_stream(chain, GREEDY, then=stay_down)
     assert 1.0 <= trio.current_time() - times[0] < 5
     assert chain.opens >= 3  # it kept trying, backing off
-    chain.pipeline._open_downstream = real_open  # back: the next request is served
+    chain.pipeline.chain.open_downstream = real_open  # back: the next request is served
     text, _ = await complete(chain.model, PROMPT, 8)
     assert len(text) > 0
 

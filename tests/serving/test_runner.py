@@ -10,6 +10,7 @@ import trio
 
 from meshagent.errors import EngineError, QueueFull, ShuttingDown
 from meshagent.serving import runner as runner_module
+from meshagent.serving.executor import NOTHING_YET
 from meshagent.serving.generation import Delta, Finished, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.runner import ModelRunner
@@ -168,9 +169,10 @@ class _LaterTokens:
 
     def run_step(self, step):
         self.steps.append(step)
-        return []
+        return NOTHING_YET
 
-    async def run(self, runner, *, task_status):
+    async def run(self, sink, *, task_status):
+        self.sink = sink
         task_status.started()
 
 
@@ -188,7 +190,7 @@ async def test_tokens_from_elsewhere_hand_the_worker_its_next_step_first(nursery
     slot = executor.steps[0].items[0].slot
     for n, tok in enumerate((7, 8, 9), start=1):
         t0 = time.perf_counter()
-        runner.tokens_ready([(slot, tok, (), None)])
+        executor.sink.tokens([(slot, tok, (), None)])
         assert time.perf_counter() - t0 < 10  # the worker ended the wait
         if n < 3:  # it holds the step of the token just delivered
             assert runner.steps_in_flight() == 1

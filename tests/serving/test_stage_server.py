@@ -140,7 +140,7 @@ async def test_kept_prefixes_stay_within_the_stages_budget(nursery):
     # Dropped first, a third fits: the entry's order (Drop before Keep) stays within it.
     again = prompt + b"".join(keeps[:2]) + sm.encode(sm.Drop((0,))) + keeps[2]
     await last.exchange(again + sm.encode(sm.Close(0)) + forward(1, 0, [5]))
-    assert set(last.server._kept) == {1, 2}
+    assert set(last.server.book._kept) == {1, 2}
 
 
 async def test_kept_prefixes_are_counted_too(nursery):
@@ -149,7 +149,7 @@ async def test_kept_prefixes_are_counted_too(nursery):
     keeps = b"".join(sm.encode(sm.Keep(0, entry, 3)) for entry in range(3))
     got = await last.exchange(prompt + keeps)
     assert "kept prefix 2 would be more than the 2 this stage holds" in got[0].message
-    assert len(last.server._kept) == 2
+    assert len(last.server.book._kept) == 2
 
 
 async def test_an_earlier_stages_failure_reaches_the_entry_with_its_reason(nursery):
