@@ -30,7 +30,7 @@ class SplitUnavailable(EngineError):
 
 class ModelMoved(SplitUnavailable):
     """The mesh moved the model: another agent serves it now. A request carried here from
-    another agent's API continues there (`api/resumable.py`); others retry."""
+    another agent's API continues there (`api/carried.py`); others retry."""
 
 
 class ContextOverflow(MeshError):

@@ -20,7 +20,7 @@ import structlog
 import trio
 
 from meshagent import advertisement, control
-from meshagent.api import forwarding, resumable
+from meshagent.api import entry
 from meshagent.api.access import Access
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
@@ -189,8 +189,7 @@ class Services:
             probe.LABEL: probe.serve,
             hearing.LABEL: partial(hearing.serve, self.overlay),
             gossip_service.LABEL: self.gossip.handle,
-            FORWARD_LABEL: lambda s: forwarding.serve_forwarded(s, self.app, peer_id=s.peer_id),
-            GENERATE_LABEL: lambda s: resumable.serve(s, self.app, peer_id=s.peer_id),
+            GENERATE_LABEL: lambda s: entry.serve(s, self.app.catalog, peer_id=s.peer_id),
             **self.model.handlers(),
         }
 

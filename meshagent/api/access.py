@@ -8,8 +8,8 @@ keys; and, on a loopback bind, only requests addressed to a loopback name (a web
 name was rebound to 127.0.0.1 sends its own name in `Host`). `/health` needs no key; the
 console's page (`/console`) needs no key.
 
-Over the overlay (`api/1`): a member of the mesh may ask for inference, nothing else
-(`PEER_PATHS`); the mesh's secret and the peer's key authorise it, not the API's keys."""
+A member of the mesh never reaches this app: it asks another agent for inference over `gen/1`
+(`api/entry.py`), which the mesh's secret and the peer's key authorise, not the API's keys."""
 
 from __future__ import annotations
 
@@ -24,11 +24,6 @@ OPEN_PATHS = frozenset({"/health"})
 # The console's page holds no data (it asks the agent with the key the user types in), so it
 # needs no key; its Host is checked like any other request's.
 KEYLESS_PATHS = frozenset({"/console"})
-# What a member of the mesh may ask of this agent over `api/1`, all POST: what another agent
-# forwards (`OpenAIApp._forward`). `/v1/responses` and ollama's endpoints are translated into
-# chat completions by the agent the client asked, so they never cross the mesh; the control
-# plane, metrics, probes and the console are the agent's own user's.
-PEER_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # `Sec-Fetch-Site` values a browser sends for a request made by a page of this agent itself
 # ("same-origin") or typed or bookmarked by the user ("none").
 _OWN_FETCHES = frozenset({b"same-origin", b"none"})
@@ -102,19 +97,6 @@ class Access:
                 401, "Incorrect API key provided for this agent.", code="invalid_api_key"
             )
         return None
-
-
-def refuse_peer(method: str, path: str) -> ApiError | None:
-    """Why a member of the mesh may not send this request over `api/1`; None for inference."""
-    if method == "POST" and path in PEER_PATHS:
-        return None
-    return ApiError(
-        403,
-        f"{method[:16]} {path[:_SHOWN]} is not open to members of the mesh: a peer may ask "
-        f"this agent for inference only (POST {', '.join(PEER_PATHS)}); its control plane, "
-        "metrics and probes are its own user's.",
-        code="peer_not_allowed",
-    )
 
 
 def _other_site(found: dict[bytes, bytes], host: str) -> str | None:

@@ -11,7 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshagent.api.errors import bad_request
 from meshagent.api.schemas import parse_body
+from meshagent.errors import ContextOverflow
+from meshagent.serving.local_model import LocalModel
 
+EMBEDDINGS_PATH = "/v1/embeddings"
 MAX_INPUTS = 256
 
 
@@ -52,6 +55,23 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
             code="unsupported_parameter",
         )
     return req
+
+
+async def embed_here(model: LocalModel, texts: list[str]) -> tuple[list[list[float]], int]:
+    """The vectors of `texts` by this agent's `model`, and the tokens read; a 400 if it
+    cannot embed (a split) or an input is too long."""
+    if model.embedder is None:
+        raise bad_request(
+            f"The model '{model.info.id}' is split across agents on this mesh, and "
+            "embeddings need every layer on one agent. Give one agent the memory to "
+            "serve it whole.",
+            param="model",
+            code="model_split",
+        )
+    try:
+        return await model.embedder.embed(texts)
+    except ContextOverflow as e:
+        raise bad_request(str(e), param="input", code="context_length_exceeded") from e
 
 
 def embedding_reply(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -19,12 +20,17 @@ SSE_HEADERS = [
 ]
 
 
+# ASGI's callables (https://asgi.readthedocs.io): the next message from the server, one to it.
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
 class ClientGone(Exception):
     """The client disconnected before its request was read."""
 
 
 class Exchange:
-    def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    def __init__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         self.scope = scope
         self._receive = receive
         self._send = send
@@ -111,3 +117,8 @@ class Exchange:
         if self.disconnected:
             return
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+# An endpoint's handler, and a protocol module's endpoints by (method, path).
+Handler = Callable[[Exchange], Awaitable[None]]
+Routes = dict[tuple[str, str], Handler]

@@ -1,11 +1,12 @@
 """The messages of `gen/1` streams (docs/protocol.md 11.1), without I/O.
 
-Each is `u32 length | cbor map` (the framing of `api/1`), key 0 the version and key 1 the
-kind: an `Ask` (asker to entry), then a `Head` or a `Fail`, then `Delta`s and a `Finished`
-(`done`) or a `Fail` (entry to asker). Decoding validates every field once, each integer
-against its range (`TOKEN_IDS`, `COUNTS`, `SEEDS`, `STATUSES`, `RETRY_AFTER`); anything else is
-a `GenMessageError`. What only the entry knows (its vocabulary, its slot's context) the entry
-checks when it takes the ask (`api/resumable.py`).
+Each is `u32 length | cbor map` (`FRAMING`), key 0 the version and key 1 the kind: an `Ask`
+(asker to entry); for a completion, then a `Head` or a `Fail`, then `Delta`s and a `Finished`
+(`done`) or a `Fail`; for embeddings, a `Vector` per input and an `Embedded`, or a `Fail`
+(entry to asker). Decoding validates every field once, each integer against its range
+(`TOKEN_IDS`, `COUNTS`, `SEEDS`, `STATUSES`, `RETRY_AFTER`), each vector's numbers finite;
+anything else is a `GenMessageError`. What only the entry knows (its vocabulary, its slot's
+context) the entry checks when it takes the ask (`api/entry.py`).
 """
 
 from __future__ import annotations
@@ -16,23 +17,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import cbor2
+import numpy as np
 
 from meshagent.api.errors import ApiError, from_body
-from meshagent.api.forwarding import FRAMING
 from meshagent.api.tools import SYNTAXES
 from meshagent.errors import MeshError
 from meshagent.serving.directory import Headers
 from meshagent.serving.generation import Delta, Finished, Logprob, Replay, Speculation
 from meshagent.serving.sampling import SEEDS, seed_word
+from meshagent.wire.framing import Framing
 from meshagent.wire.quoted import quoted
 
 VERSION = 1
+MAX_MESSAGE = 16 * 1024 * 1024  # an ask's body is at most 8 MiB (`MAX_BODY`)
 
 # The ranges of the integers a message may carry.
 TOKEN_IDS = range(2**31)  # llama.cpp's token ids are int32 (the entry checks its vocabulary)
 COUNTS = range(2**31)  # tokens and characters of one request
 STATUSES = range(400, 600)  # a carried error's HTTP status
 RETRY_AFTER = range(86_400 + 1)  # seconds: a day at most
+MAX_SHARE = 64  # characters of the key that n completions of one request share
 
 # The receipt headers an entry may send (the asker hands them to its client): meshagent's own.
 _RECEIPT_NAME = re.compile(rb"x-meshagent-[a-z0-9-]+")
@@ -43,6 +47,9 @@ class GenMessageError(MeshError):
     """Bytes that are not a `gen/1` message of this version; the message says why."""
 
 
+FRAMING = Framing("gen/1 message", width=4, max_size=MAX_MESSAGE, error=GenMessageError)
+
+
 @dataclass(frozen=True)
 class Ask:
     method: str
@@ -50,7 +57,10 @@ class Ask:
     body: bytes
     history: tuple[int, ...] = ()  # a continuation: the tokens generated so far
     delivered: int = 0  # and the characters of their text the client has
-    seed: int | None = None  # the seed the first entry sampled with
+    seed: int | None = None  # the seed the first entry sampled with (or the asker chose)
+    # The n completions of one request, each asked on a stream of its own, share this key:
+    # the entry prefills their prompt once (`GenerationRequest.share`).
+    share: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,22 @@ class Fail:
     resumable: bool  # another entry may take the request over
 
 
-Message = Ask | Head | Fail | Delta | Finished
+@dataclass(frozen=True)
+class Vector:
+    """The embedding of one input, in the order of the request's inputs."""
+
+    values: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """The end of an embeddings answer: the model that embedded and the tokens it read."""
+
+    model: str
+    tokens: int
+
+
+Message = Ask | Head | Fail | Delta | Finished | Vector | Embedded
 
 
 def encode(msg: Message) -> bytes:
@@ -82,6 +107,8 @@ def _fields(msg: Message) -> dict[int, Any]:
         fields: dict[int, Any] = {1: "ask", 2: msg.method, 3: msg.path, 4: msg.body}
         if msg.history or msg.delivered or msg.seed is not None:
             fields.update({5: list(msg.history), 6: msg.delivered, 7: _seed_bits(msg.seed)})
+        if msg.share is not None:
+            fields[8] = msg.share
         return fields
     if isinstance(msg, Head):
         headers = [[k, v] for k, v in msg.headers]
@@ -93,6 +120,10 @@ def _fields(msg: Message) -> dict[int, Any]:
     if isinstance(msg, Fail):
         e = msg.error
         return {1: "fail", 2: e.status, 3: e.body(), 4: e.retry_after, 5: msg.resumable}
+    if isinstance(msg, Vector):
+        return {1: "vector", 2: np.asarray(msg.values, dtype="<f8").tobytes()}
+    if isinstance(msg, Embedded):
+        return {1: "embedded", 2: msg.model, 3: msg.tokens}
     if isinstance(msg, Delta):
         fields = {1: "delta", 2: msg.text, 3: list(msg.tokens)}
         if msg.logprobs:
@@ -172,7 +203,9 @@ def _message(m: dict[int, Any]) -> Message:
         retry = None if m[4] is None else _int(m[4], RETRY_AFTER, "Retry-After")
         return Fail(from_body(_int(m[2], STATUSES, "error status"), m[3], retry), bool(m[5]))
     if kind == "ask":
-        seed = m.get(7)
+        seed, share = m.get(7), m.get(8)
+        if share is not None and len(_str(share)) > MAX_SHARE:
+            raise GenMessageError(f"a share key of over {MAX_SHARE} characters")
         return Ask(
             _str(m[2]),
             _str(m[3]),
@@ -180,7 +213,12 @@ def _message(m: dict[int, Any]) -> Message:
             _tokens(m.get(5, ())),
             _int(m.get(6, 0), COUNTS, "delivered characters"),
             None if seed is None else _int(seed, SEEDS, "seed"),
+            share,
         )
+    if kind == "vector":
+        return Vector(_vector(_bytes(m[2])))
+    if kind == "embedded":
+        return Embedded(_str(m[2]), _int(m[3], COUNTS, "embedded tokens"))
     raise GenMessageError(f"unknown gen/1 message kind {quoted(kind)}")
 
 
@@ -217,6 +255,16 @@ def _logprob(v: Any) -> float:
     if math.isnan(lp):
         raise GenMessageError("a log-probability that is not a number")
     return lp
+
+
+def _vector(raw: bytes) -> tuple[float, ...]:
+    """An embedding's numbers: little-endian float64, at least one, every one finite."""
+    if not raw or len(raw) % 8:
+        raise GenMessageError(f"a vector of {len(raw)} bytes is not a whole number of float64s")
+    values = np.frombuffer(raw, dtype="<f8")
+    if not np.isfinite(values).all():
+        raise GenMessageError("a vector holds a number that is not finite")
+    return tuple(values.tolist())
 
 
 def _bytes(v: Any) -> bytes:

@@ -1,7 +1,7 @@
 """Ollama's endpoints, for tools that speak only its protocol: `GET /api/tags`, `POST
-/api/chat` and `POST /api/generate`, answered by this agent's own chat and completion
-endpoints run in process (`api/inprocess.py`: routed, carried, replayed and metered like any
-request). Streams are newline-delimited JSON, as ollama's are, and stream by default.
+/api/chat` and `POST /api/generate`, answered as chat or text completions (`Completions`:
+routed, carried, replayed and metered like any request). Streams are newline-delimited JSON,
+as ollama's are, and stream by default.
 
 Options read: `temperature`, `top_p`, `num_predict`, `seed`, `stop`, `presence_penalty`,
 `frequency_penalty`. `format` (JSON or a schema), tools and images are refused with 400:
@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
-import trio
-
+from meshagent.api.catalog import Catalog
+from meshagent.api.completion_events import Completion, Failed, unwrap
+from meshagent.api.completions import Completions
 from meshagent.api.errors import ApiError, bad_request
-from meshagent.api.exchange import Exchange
-from meshagent.api.inprocess import InnerExchange, error_body, first_status, relay_disconnect
+from meshagent.api.exchange import Exchange, Routes
+from meshagent.api.replies import Output
+from meshagent.api.tools import Call
+from meshagent.serving.generation import Delta
 
-Handler = Callable[[Exchange], Awaitable[None]]
 NDJSON = "application/x-ndjson"
 _OPTIONS = {
     "temperature": "temperature",
@@ -138,40 +140,49 @@ def generate_request(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "/v1/chat/completions", out
 
 
-async def serve(ex: Exchange, handler: Handler, *, chat: bool) -> None:
-    """Answer `ex` (`/api/chat` when `chat`, else `/api/generate`) through `handler`."""
-    try:
-        body = await ex.json_body()
-        if not isinstance(body, dict):
-            raise bad_request("The request body must be a JSON object.")
-        path, request = chat_request(body) if chat else generate_request(body)
-    except ApiError as e:
-        await ex.send_json(e.status, {"error": e.message})
-        return
-    stream = body.get("stream", True) is not False
-    send, chunks = trio.open_memory_channel[tuple[str, Any]](64)
-    inner = InnerExchange(ex, path, json.dumps(request).encode(), send)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(relay_disconnect, ex, inner)
-        nursery.start_soon(inner.run, handler)
-        await _answer(ex, chunks, request["model"], chat=chat, stream=stream)
-        nursery.cancel_scope.cancel()
+class OllamaRoutes:
+    """Ollama's endpoints, over `catalog`'s model cards and the completions of
+    `completions`."""
 
+    def __init__(self, catalog: Catalog, completions: Completions) -> None:
+        self.catalog = catalog
+        self.completions = completions
+        self.routes: Routes = {
+            ("GET", "/api/tags"): self._tags,
+            ("POST", "/api/chat"): partial(self._answer, chat=True),
+            ("POST", "/api/generate"): partial(self._answer, chat=False),
+        }
 
-async def _answer(
-    ex: Exchange, chunks: trio.MemoryReceiveChannel, model: str, *, chat: bool, stream: bool
-) -> None:
-    status = await first_status(chunks)
-    if status != 200:
-        raw = await error_body(chunks)
+    async def _tags(self, ex: Exchange) -> None:
+        await ex.send_json(200, tags(self.catalog.cards()))
+
+    async def _answer(self, ex: Exchange, *, chat: bool) -> None:
+        """`/api/chat` when `chat`, else `/api/generate`."""
         try:
-            message = json.loads(raw)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = raw.decode(errors="replace")
-        await ex.send_json(status, {"error": message})
+            body = await ex.json_body()
+            if not isinstance(body, dict):
+                raise bad_request("The request body must be a JSON object.")
+            path, request = chat_request(body) if chat else generate_request(body)
+            stream = body.get("stream", True) is not False
+
+            async def openai_body() -> tuple[object, bytes]:
+                return request, json.dumps(request).encode()
+
+            deliver = partial(_deliver, model=request["model"], chat=chat, stream=stream)
+            await self.completions.complete(ex, path, openai_body, deliver)
+        except ApiError as e:  # before any agent took it
+            await ex.send_json(e.status, {"error": e.message})
+
+
+async def _deliver(
+    ex: Exchange, completion: Completion, *, model: str, chat: bool, stream: bool
+) -> None:
+    opened = await completion.opened()
+    if isinstance(opened, Failed):
+        await ex.send_json(opened.error.status, {"error": opened.error.message})
         return
-    started = time.perf_counter_ns()
-    first: int | None = None
+    output = Output(opened.tools)
+    started = first = 0  # when the first event came, and the first text (ns)
 
     def line(text: str, done: bool, **extra: Any) -> dict[str, Any]:
         out: dict[str, Any] = {"model": model, "created_at": _now()}
@@ -181,54 +192,57 @@ async def _answer(
             out["response"] = text
         return {**out, "done": done, **extra}
 
-    if stream:
-        await ex.start(200, [(b"content-type", NDJSON.encode())])
-    text, usage, finish = "", None, None
+    async def send_line(data: dict[str, Any]) -> None:
+        await ex.send_raw((json.dumps(data) + "\n").encode())
+
+    text, done, finish = "", None, None
     calls: list[dict[str, Any]] = []
-    async for kind, data in chunks:
-        if kind != "event":
-            continue
-        if "error" in data:
-            message = (data["error"] or {}).get("message", "the request failed")
-            if stream:
-                await ex.send_raw((json.dumps({"error": message}) + "\n").encode())
+    async for ev in completion:
+        if isinstance(ev, Failed):
+            if not started:  # nothing was answered yet: its status stands
+                await ex.send_json(ev.error.status, {"error": ev.error.message})
+            elif stream:
+                await send_line({"error": ev.error.message})
                 await ex.end()
             else:
-                await ex.send_json(500, {"error": message})
+                await ex.send_json(500, {"error": ev.error.message})
             return
-        for choice in data.get("choices") or []:
-            # a chat chunk's delta (also for /api/generate through the template), or the
-            # text of a completion chunk (a raw prompt)
-            piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-            if piece:
-                first = first or time.perf_counter_ns()
-                text += piece
-                if stream:
-                    await ex.send_raw((json.dumps(line(piece, False)) + "\n").encode())
-            for call in (choice.get("delta") or {}).get("tool_calls") or ():
-                fn = call["function"]
-                calls.append(
-                    {"function": {"name": fn["name"], "arguments": json.loads(fn["arguments"])}}
-                )
+        if not started:
+            started = time.perf_counter_ns()
+            if stream:
+                await ex.start(200, [(b"content-type", NDJSON.encode())])
+        _, ev = unwrap(ev)  # one choice
+        if isinstance(ev, Delta):
+            parts = output.feed(ev.text)
+        else:
+            parts, finish = output.end(ev.reason)
+            done = ev
+        for part in parts:
+            if isinstance(part, Call):
+                # ollama's calls carry their arguments as an object
+                arguments = json.loads(part.arguments)
+                calls.append({"function": {"name": part.name, "arguments": arguments}})
                 if stream:
                     chunk = line("", False)
                     chunk["message"]["tool_calls"] = calls[-1:]
-                    await ex.send_raw((json.dumps(chunk) + "\n").encode())
-            finish = choice.get("finish_reason") or finish
-        usage = data.get("usage") or usage
+                    await send_line(chunk)
+            elif part.text:
+                first = first or time.perf_counter_ns()
+                text += part.text
+                if stream:
+                    await send_line(line(part.text, False))
     end = time.perf_counter_ns()
-    usage = usage or {}
     counts = {
         "done_reason": "length" if finish == "length" else "stop",
         "total_duration": end - started,
         "load_duration": 0,
-        "prompt_eval_count": usage.get("prompt_tokens", 0),
+        "prompt_eval_count": done.prompt_tokens if done else 0,
         "prompt_eval_duration": (first or end) - started,
-        "eval_count": usage.get("completion_tokens", 0),
+        "eval_count": done.completion_tokens if done else 0,
         "eval_duration": end - (first or end),
     }
     if stream:
-        await ex.send_raw((json.dumps(line("", True, **counts)) + "\n").encode())
+        await send_line(line("", True, **counts))
         await ex.end()
     else:
         whole = line(text, True, **counts)

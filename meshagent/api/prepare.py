@@ -27,6 +27,16 @@ KINDS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
 
 
 @dataclass(frozen=True)
+class Asked:
+    """A completion request as the client asked it: the endpoint, the JSON it sent (what
+    travels to another agent) and what that parses to."""
+
+    path: str
+    body: bytes
+    req: CompletionKind
+
+
+@dataclass(frozen=True)
 class Prepared:
     """One request ready to generate on `model`, and how its reply is shaped."""
 

@@ -72,12 +72,39 @@ def chat_logprobs(lps: tuple[Logprob, ...]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
+class Output:
+    """One choice's text as its client gets it while it streams: with the syntax the model
+    writes tool calls in, the calls parsed out of the text (and the blank text between them
+    dropped), and the finish reason `tool_calls` when it made any. Every protocol's reply
+    reads a choice through one (`Reply`, `responses.py`, `ollama.py`)."""
+
+    def __init__(self, tools: Syntax | None) -> None:
+        self.parser = None if tools is None else CallParser(tools)
+
+    def feed(self, text: str) -> list[Text | Call]:
+        if self.parser is None:
+            return [Text(text)]
+        return self._shown(self.parser.feed(text))
+
+    def end(self, reason: str) -> tuple[list[Text | Call], str]:
+        """What was held back, and the finish reason."""
+        if self.parser is None:
+            return [], reason
+        parts = self._shown(self.parser.finish())
+        return parts, "tool_calls" if self.parser.calls and reason == "stop" else reason
+
+    def _shown(self, parts: list[Text | Call]) -> list[Text | Call]:
+        assert self.parser is not None
+        calls = self.parser.calls
+        return [p for p in parts if isinstance(p, Call) or p.text.strip() or not calls]
+
+
 @dataclass
 class _Choice:
     """What one choice of a streamed reply holds between chunks."""
 
+    output: Output
     offset: int = 0  # characters of its text before the next chunk's (text_offset)
-    calls: CallParser | None = None
     held: tuple[Logprob, ...] = ()  # logprobs of text the call parser holds back
 
 
@@ -103,43 +130,33 @@ class Reply:
         self._choices = [self._new_choice() for _ in range(self.n)]
 
     def _new_choice(self) -> _Choice:
-        return _Choice(calls=None if self.tools is None else CallParser(self.tools))
+        return _Choice(Output(self.tools))
 
     def delta_chunks(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
         """The streamed chunks of a delta: its text, or (with tools) the text and calls it
         completes."""
         c = self._choices[index]
-        if c.calls is None:
-            return [self.chunk(delta.text, logprobs=delta.logprobs, index=index)]
-        return self._parts(index, c.calls.feed(delta.text), delta.logprobs)
+        return self._parts(index, c.output.feed(delta.text), delta.logprobs)
 
     def end_chunks(self, reason: str, index: int = 0) -> list[dict[str, Any]]:
         """The chunks that end a choice's stream: text held back, then the finish reason."""
-        c = self._choices[index]
-        parts = [] if c.calls is None else self._parts(index, c.calls.finish(), ())
-        finish = self._finish_reason(c, reason)
-        return [*parts, self.chunk(None, finish=finish, index=index)]
-
-    @staticmethod
-    def _finish_reason(c: _Choice, reason: str) -> str:
-        if c.calls is not None and c.calls.calls and reason == "stop":
-            return "tool_calls"
-        return reason
+        parts, finish = self._choices[index].output.end(reason)
+        return [*self._parts(index, parts, ()), self.chunk(None, finish=finish, index=index)]
 
     def _parts(
         self, index: int, parts: list[Text | Call], lps: tuple[Logprob, ...]
     ) -> list[dict[str, Any]]:
         c = self._choices[index]
-        assert c.calls is not None
         c.held += lps
         out = []
         for part in parts:
             if isinstance(part, Call):
-                at = c.calls.calls.index(part)
+                assert c.output.parser is not None
+                at = c.output.parser.calls.index(part)
                 delta = {"tool_calls": [{"index": at, **part.as_dict()}]}
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
                 out.append(self._envelope("chat.completion.chunk", [choice]))
-            elif part.text.strip() or not c.calls.calls:  # no blank lines between calls
+            else:
                 out.append(self.chunk(part.text, logprobs=c.held, index=index))
                 c.held = ()
         return out
@@ -221,13 +238,14 @@ class Reply:
                 lps["text_offset"] = [len(echo) + o for o in lps["text_offset"]]
             return {"index": index, "text": text, "logprobs": lps, "finish_reason": done.reason}
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if c.calls is not None:
-            parts = c.calls.feed(text) + c.calls.finish()
+        parser = c.output.parser
+        if parser is not None:
+            parts = parser.feed(text) + parser.finish()
             calls = [p.as_dict() for p in parts if isinstance(p, Call)]
             said = "".join(p.text for p in parts if isinstance(p, Text)).strip()
             if calls:
                 message = {"role": "assistant", "content": said or None, "tool_calls": calls}
-        finish = self._finish_reason(c, done.reason)
+        _, finish = c.output.end(done.reason)
         return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}
 
 

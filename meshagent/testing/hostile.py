@@ -30,7 +30,6 @@ import numpy as np
 import trio
 from nacl.signing import SigningKey
 
-from meshagent.api import forwarding
 from meshagent.api import gen_messages as gm
 from meshagent.api.errors import ApiError
 from meshagent.discovery import hearing, probe
@@ -365,10 +364,10 @@ def _ask_raw(d: Draw, **fields: Any) -> bytes:
     m: dict[int, Any] = {0: gm.VERSION, 1: "ask", 2: "POST", 3: "/v1/completions"}
     m[4] = _completion(d)
     m.update({int(k.removeprefix("f")): v for k, v in fields.items()})
-    return _cbor_frame(forwarding.FRAMING, m)
+    return _cbor_frame(gm.FRAMING, m)
 
 
-_framed("gen", GENERATE_LABEL, forwarding.FRAMING, lambda d: _ask(d))
+_framed("gen", GENERATE_LABEL, gm.FRAMING, lambda d: _ask(d))
 
 
 @_case(GENERATE_LABEL, "gen.history_out_of_vocab")
@@ -478,10 +477,10 @@ def _bad_completion(d: Draw) -> bytes:
 
 
 def _request(method: Any, path: Any, body: Any) -> bytes:
-    return _cbor_frame(forwarding.FRAMING, {0: forwarding.VERSION, 1: method, 2: path, 3: body})
+    return _cbor_frame(gm.FRAMING, {0: 1, 1: method, 2: path, 3: body})
 
 
-_framed("api", FORWARD_LABEL, forwarding.FRAMING, lambda d: _request("GET", "/v1/models", b""))
+_framed("api", FORWARD_LABEL, gm.FRAMING, lambda d: _request("GET", "/v1/models", b""))
 
 
 @_case(FORWARD_LABEL, "api.control_plane")
@@ -1087,7 +1086,7 @@ def _cbor_map(body: bytes) -> dict[Any, Any] | None:
 
 
 def _api_answer(data: bytes, final: bool) -> tuple[str, str] | None:
-    body = _first_frame(forwarding.FRAMING, data)
+    body = _first_frame(gm.FRAMING, data)
     if body is None:
         return (ANSWERED, "an unreadable answer") if final and data else None
     head = _cbor_map(body) or {}
@@ -1105,7 +1104,7 @@ def _api_answer(data: bytes, final: bool) -> tuple[str, str] | None:
 
 
 def _gen_answer(data: bytes, final: bool) -> tuple[str, str] | None:
-    body = _first_frame(forwarding.FRAMING, data)
+    body = _first_frame(gm.FRAMING, data)
     if body is None:
         return (ANSWERED, "an unreadable answer") if final and data else None
     try:

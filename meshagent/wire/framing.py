@@ -1,6 +1,6 @@
 """Length-prefixed framing, sans-IO: `length || body`, the length an unsigned integer.
 
-Every protocol that frames messages on a byte stream uses this one rule: `api/1` and
+Every protocol that frames messages on a byte stream uses this one rule: `gen/1` and
 `artifact/1` (u32, big-endian), `gossip/1` (u32), `stage/1` (u32, little-endian, then a
 payload whose size the frame gives) and the relay (u16). A `Framing` holds what differs
 between them; `LengthPrefixDecoder` turns received bytes into frame bodies. The trio side

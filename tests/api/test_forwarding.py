@@ -1,8 +1,11 @@
-"""A request for a model served by another peer is carried there over the overlay."""
+"""A request for a model served by another peer is carried there over the overlay (`gen/1`):
+completions and embeddings, and nothing else a member may ask."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from dataclasses import replace
 from functools import partial
 
 import httpx
@@ -12,9 +15,12 @@ import trio
 import trio.testing
 from openai import OpenAI
 
-from meshagent.api import access, forwarding, resumable
+from meshagent.api import entry
+from meshagent.api import gen_messages as gm
 from meshagent.api.access import Access
-from meshagent.api.app import EMBEDDINGS_DEADLINE, OpenAIApp
+from meshagent.api.app import OpenAIApp
+from meshagent.api.elsewhere import EMBEDDINGS_DEADLINE
+from meshagent.api.gen_stream import frames, read_message
 from meshagent.api.inflight import InFlight
 from meshagent.api.server import HttpBinding, serve_http
 from meshagent.engine.llama import LlamaEngine
@@ -22,9 +28,10 @@ from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
-from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL, Headers, RemoteModel
+from meshagent.serving.directory import GENERATE_LABEL, Headers, RemoteModel
+from meshagent.serving.generation import Delta, Finished
 from meshagent.serving.local_model import LocalModel
-from meshagent.wire.framing import LengthPrefixDecoder
+from meshagent.testing.fake_engine import FakeEngine
 from meshagent.wire.handshake import LocalPeer
 from tests.api.asgi import call
 
@@ -63,20 +70,17 @@ class StaticDirectory:
     def receipt(self, model: LocalModel) -> Headers:
         return list(self._receipt)
 
-    async def open_stream(self, peer_id: str, label: str = FORWARD_LABEL):
+    async def open_stream(self, peer_id: str, label: str = GENERATE_LABEL):
         assert self.node is not None
         return await self.node.open_stream(peer_id, label)
 
 
-async def route_api(stream, app, *, labels=(FORWARD_LABEL, GENERATE_LABEL)) -> None:
-    """Route an inbound stream as an agent does; an agent that predates `gen/1` serves only
-    `api/1` (`labels`) and resets the rest."""
-    if stream.label not in labels:
+async def route_api(stream, app: OpenAIApp) -> None:
+    """Route an inbound stream as an agent does: `gen/1` to the API's entry, the rest reset."""
+    if stream.label != GENERATE_LABEL:
         stream.reset(f"no service for stream label {stream.label!r}")
-    elif stream.label == GENERATE_LABEL:
-        await resumable.serve(stream, app, peer_id=stream.peer_id)
     else:
-        await forwarding.serve_forwarded(stream, app, peer_id=stream.peer_id)
+        await entry.serve(stream, app.catalog, peer_id=stream.peer_id)
 
 
 async def serve(nursery, app) -> tuple[str, trio.Event]:
@@ -217,24 +221,22 @@ async def test_an_unreachable_peer_is_a_503(model_path, nursery, model_id):
     stop.set()
 
 
-# -- what a peer may ask over api/1, and what comes back from one ---------------------------
+# -- what a member may ask over gen/1, and what comes back from one -------------------------
 
 
-async def ask_over_api1(
-    app, method: str, path: str, body: bytes = b"{}"
-) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """One request carried to `app` over an `api/1` stream (in memory), as a peer sends it."""
+async def ask_over_gen(app, path: str, body: bytes = b"{}") -> list[gm.Message]:
+    """One ask carried to `app` over a `gen/1` stream (in memory), as a member sends it: the
+    messages of its answer."""
     asker, server = trio.testing.memory_stream_pair()
+    got: list[gm.Message] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(partial(forwarding.serve_forwarded, server, app, peer_id="p33r"))
-        await forwarding.send_request(asker, method, path, body)
-        frames = LengthPrefixDecoder(forwarding.FRAMING)
-        status, headers = await forwarding.read_response_head(asker, frames)
-        data = frames.leftover()
-        while more := await asker.receive_some():
-            data += more
+        nursery.start_soon(partial(entry.serve, server, app.catalog, peer_id="p33r"))
+        await asker.send_all(gm.encode(gm.Ask("POST", path, body)))
+        reader = frames()
+        while not got or not isinstance(got[-1], gm.Fail | Finished | gm.Embedded):
+            got.append(await read_message(asker, reader))
         await asker.aclose()
-    return status, headers, data
+    return got
 
 
 def control_app(**kw) -> OpenAIApp:
@@ -255,43 +257,43 @@ async def _never_probe(body):
 
 
 @pytest.mark.parametrize(
-    "method, path",
+    "path",
     [
-        ("GET", "/control/status"),
-        ("GET", "/control/peers"),
-        ("GET", "/control/events"),
-        ("POST", "/control/probe"),
-        ("GET", "/metrics"),
-        ("GET", "/console"),
-        ("GET", "/v1/models"),
-        ("GET", "/health"),
-        ("POST", "/v1/responses"),
-        ("POST", "/api/chat"),
-        ("GET", "/v1/chat/completions"),
-        ("POST", "/v1/chat/completions/../../control/status"),
+        "/control/status",
+        "/control/peers",
+        "/control/events",
+        "/control/probe",
+        "/metrics",
+        "/console",
+        "/v1/models",
+        "/health",
+        "/v1/responses",
+        "/api/chat",
+        "/v1/chat/completions/../../control/status",
     ],
 )
-async def test_a_peer_reaches_no_path_but_inference(method, path):
+async def test_a_member_reaches_no_path_but_inference(path):
     body = json.dumps({"peer": "someone", "bytes": 1 << 30}).encode()
     with trio.fail_after(10):
-        status, _, data = await ask_over_api1(control_app(), method, path, body)
-    assert status == 403, data
-    error = json.loads(data)["error"]
-    assert error["code"] == "peer_not_allowed"
-    assert "members of the mesh" in error["message"] and path in error["message"]
-    assert b"status-document-7" not in data and b"peer-list-9" not in data
+        [fail] = await ask_over_gen(control_app(), path, body)
+    assert isinstance(fail, gm.Fail) and not fail.resumable
+    assert fail.error.status == 404 and fail.error.code == "unknown_url"
+    assert path in fail.error.message
+    assert "status-document-7" not in fail.error.message
 
 
-async def test_a_peers_inference_request_goes_through_to_the_endpoint():
+async def test_a_members_inference_ask_reaches_the_model_it_names():
     messages = [{"role": "user", "content": "hi"}]
     body = json.dumps({"model": "nope", "messages": messages, "prompt": "hi", "input": "hi"})
-    for path in access.PEER_PATHS:
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
         with trio.fail_after(10):
-            status, _, data = await ask_over_api1(control_app(), "POST", path, body.encode())
-        assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found", path
+            [fail] = await ask_over_gen(control_app(), path, body.encode())
+        # This agent does not serve that model: another may, so the asker may go on.
+        assert isinstance(fail, gm.Fail) and fail.resumable, path
+        assert fail.error.status == 503, path
 
 
-async def test_a_real_peer_gets_completions_over_api1_but_not_the_control_plane(
+async def test_a_real_member_gets_completions_over_gen1_but_not_the_control_plane(
     two_agents, model_id
 ):
     _, _, a = two_agents
@@ -300,79 +302,127 @@ async def test_a_real_peer_gets_completions_over_api1_but_not_the_control_plane(
         await nursery.start(c.run)
         await c.dial(a.listen_addresses[0], peer_id=a.peer_id)
 
-        async def ask(method: str, path: str, body: dict) -> tuple[int, dict, bytes]:
-            stream = await c.open_stream(a.peer_id, FORWARD_LABEL)
+        async def ask(path: str, body: dict) -> list[gm.Message]:
+            stream = await c.open_stream(a.peer_id, GENERATE_LABEL)
+            got: list[gm.Message] = []
             async with stream:
-                await forwarding.send_request(stream, method, path, json.dumps(body).encode())
-                frames = LengthPrefixDecoder(forwarding.FRAMING)
-                status, headers = await forwarding.read_response_head(stream, frames)
-                data = frames.leftover()
-                while more := await stream.receive_some():
-                    data += more
-            return status, dict(headers), data
+                await stream.send_all(gm.encode(gm.Ask("POST", path, json.dumps(body).encode())))
+                reader = frames()
+                while not got or not isinstance(got[-1], gm.Fail | Finished):
+                    got.append(await read_message(stream, reader))
+            return got
 
         chat = {"model": model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         with trio.fail_after(60):
-            status, headers, data = await ask("POST", "/v1/chat/completions", chat)
-            assert status == 200, data
-            assert json.loads(data)["choices"][0]["message"]["content"]
-            assert headers[b"x-meshagent-stages"] == b"a:0-30"
-            status, _, data = await ask("GET", "/control/status", {})
-            assert status == 403 and json.loads(data)["error"]["code"] == "peer_not_allowed"
+            head, *deltas, done = await ask("/v1/chat/completions", chat)
+            assert isinstance(head, gm.Head) and isinstance(done, Finished)
+            assert "".join(d.text for d in deltas if isinstance(d, Delta))
+            assert dict(head.headers)[b"x-meshagent-stages"] == b"a:0-30"
+            [fail] = await ask("/control/status", {})
+            assert isinstance(fail, gm.Fail) and fail.error.code == "unknown_url"
         await c.aclose(grace=0.5)
         nursery.cancel_scope.cancel()
 
 
+# -- embeddings carried to the peer that serves the model -----------------------------------
+
+
+class FakeEmbedder:
+    """Vectors from the texts' lengths, float64 values a float32 would not hold."""
+
+    async def embed(self, texts):
+        vectors = [[len(t) / 3, -1 / 7, 1e-300] for t in texts]
+        return vectors, sum(len(t) for t in texts)
+
+
 class PipeDirectory(StaticDirectory):
-    """Its one remote model's peer is `peer_app`, served over an in-memory `api/1` stream."""
+    """Its one remote model's peer is `peer`, reached over an in-memory `gen/1` stream: an
+    agent's entry (an `OpenAIApp`) or a function given the stream."""
 
-    def __init__(self, nursery: trio.Nursery, peer_app) -> None:
-        super().__init__(remote=[RemoteModel("m", "p33r", "whole")])
-        self.nursery, self.peer_app = nursery, peer_app
+    def __init__(self, nursery: trio.Nursery, peer, model: str = "m") -> None:
+        super().__init__(remote=[RemoteModel(model, "p33r", "whole")])
+        self.nursery, self.peer = nursery, peer
 
-    async def open_stream(self, peer_id: str, label: str = FORWARD_LABEL):
+    async def open_stream(self, peer_id: str, label: str = GENERATE_LABEL):
         asker, server = trio.testing.memory_stream_pair()
-        serve = partial(forwarding.serve_forwarded, server, self.peer_app, peer_id="asker")
-        self.nursery.start_soon(serve)
+        if isinstance(self.peer, OpenAIApp):
+            self.nursery.start_soon(partial(entry.serve, server, self.peer.catalog, peer_id="a"))
+        else:
+            self.nursery.start_soon(self.peer, server)
         return asker
 
 
 EMBED = {"model": "m", "input": "hello"}
 
 
-async def test_a_peers_response_headers_are_filtered_before_they_reach_the_client():
-    async def peer(scope, receive, send):
-        await receive()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"x-meshagent-stages", b"p33r:0-30"),
-            (b"retry-after", b"3"),
-            (b"set-cookie", b"session=stolen; Domain=127.0.0.1"),
-            (b"x-meshagent-served-by", b"someone-else"),
-            (b"content-length", b"999"),
-            (b"location", b"http://evil.example/"),
-            (b"access-control-allow-origin", b"*"),
-            (b"x-other", b"1"),
-        ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": b'{"data": []}'})
+@pytest.fixture
+async def embedding_entry(nursery):
+    """An agent serving the fake model as `m`, with an embedder."""
+    model = LocalModel.whole(FakeEngine(), max_queue=4)
+    model.info = replace(model.info, id="m")
+    model.embedder = FakeEmbedder()
+    return OpenAIApp(StaticDirectory([model]), InFlight(), lambda: {})
+
+
+async def test_embeddings_from_a_peer_are_what_it_answers_itself(embedding_entry):
+    body = {"model": "m", "input": ["hello", "a longer text"], "encoding_format": "float"}
+    own = await call(embedding_entry, "POST", "/v1/embeddings", body=body)
+    assert own.status == 200, own.body
+    async with trio.open_nursery() as nursery:
+        app = OpenAIApp(PipeDirectory(nursery, embedding_entry), InFlight(), lambda: {})
+        for fmt in ("float", "base64"):
+            asked = {**body, "encoding_format": fmt}
+            r = await call(app, "POST", "/v1/embeddings", body=asked)
+            mine = await call(embedding_entry, "POST", "/v1/embeddings", body=asked)
+            assert r.status == 200 and r.body == mine.body, r.body
+            assert r.header("x-meshagent-served-by") == "p33r"
+            assert r.names() == {"content-type", "x-meshagent-served-by"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_embeddings_error_at_the_peer_comes_back_as_it_is(embedding_entry):
+    split = embedding_entry.catalog.local("m")
+    split.embedder = None  # a split cannot embed
+    async with trio.open_nursery() as nursery:
+        app = OpenAIApp(PipeDirectory(nursery, embedding_entry), InFlight(), lambda: {})
+        r = await call(app, "POST", "/v1/embeddings", body=EMBED)
+        own = await call(embedding_entry, "POST", "/v1/embeddings", body=EMBED)
+        nursery.cancel_scope.cancel()
+    assert r.status == 400 and r.json() == own.json()
+    assert r.json()["error"]["code"] == "model_split"
+
+
+@pytest.mark.parametrize(
+    "answer,why",
+    [
+        ([gm.Vector((1.0,)), gm.Vector((1.0,)), gm.Embedded("m", 1)], "unexpected Vector"),
+        ([gm.Embedded("m", 1)], "unexpected Embedded after 0"),
+        ([gm.Head([], "m", None, 1)], "unexpected Head"),
+        ([], "ended the stream"),
+    ],
+    ids=["too-many", "too-few", "not-vectors", "nothing"],
+)
+async def test_a_peer_that_answers_embeddings_wrongly_is_a_502(answer, why):
+    async def peer(stream):
+        await read_message(stream, frames())
+        for msg in answer:
+            await stream.send_all(gm.encode(msg))
+        await stream.aclose()
 
     async with trio.open_nursery() as nursery:
         app = OpenAIApp(PipeDirectory(nursery, peer), InFlight(), lambda: {})
         with trio.fail_after(10):
             r = await call(app, "POST", "/v1/embeddings", body=EMBED)
-    assert r.status == 200 and r.json() == {"data": []}
-    kept = {"content-type", "x-meshagent-stages", "retry-after", "x-meshagent-served-by"}
-    assert r.names() == kept
-    assert r.header("x-meshagent-served-by") == "p33r"  # who this agent sent it to
-    assert r.header("x-meshagent-stages") == "p33r:0-30"
+        nursery.cancel_scope.cancel()
+    assert r.status == 502, r.body
+    assert r.json()["error"]["code"] == "peer_failed" and why in r.json()["error"]["message"]
 
 
 async def test_a_peer_that_never_answers_an_embeddings_request_is_given_up_on(autojump_clock):
     asked = trio.Event()
 
-    async def peer(scope, receive, send):
-        await receive()
+    async def peer(stream):
+        await read_message(stream, frames())
         asked.set()
         await trio.sleep_forever()
 
@@ -391,11 +441,13 @@ async def test_a_peer_that_never_answers_an_embeddings_request_is_given_up_on(au
 async def test_a_client_gone_mid_embeddings_closes_the_peers_stream(autojump_clock):
     asked, heard_gone, gone = trio.Event(), trio.Event(), trio.Event()
 
-    async def peer(scope, receive, send):
-        await receive()
+    async def peer(stream):
+        await read_message(stream, frames())
         asked.set()
-        if (await receive())["type"] == "http.disconnect":
-            heard_gone.set()
+        with contextlib.suppress(trio.BrokenResourceError):
+            while await stream.receive_some():
+                pass
+        heard_gone.set()
 
     async with trio.open_nursery() as nursery:
         app = OpenAIApp(PipeDirectory(nursery, peer), InFlight(), lambda: {})
@@ -406,6 +458,7 @@ async def test_a_client_gone_mid_embeddings_closes_the_peers_stream(autojump_clo
 
         nursery.start_soon(client_leaves)
         with trio.fail_after(5):
-            await call(app, "POST", "/v1/embeddings", body=EMBED, gone=gone)
+            r = await call(app, "POST", "/v1/embeddings", body=EMBED, gone=gone)
             await heard_gone.wait()
         nursery.cancel_scope.cancel()
+    assert r.status == 0  # nothing was sent to a client that left

@@ -6,6 +6,8 @@ exception)."""
 from __future__ import annotations
 
 import contextlib
+import math
+import struct
 
 import cbor2
 import pytest
@@ -13,17 +15,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshagent.api.errors import ApiError, from_body, unavailable
-from meshagent.api.forwarding import FRAMING
 from meshagent.api.gen_messages import (
     COUNTS,
+    FRAMING,
+    MAX_SHARE,
     RETRY_AFTER,
     SEEDS,
     STATUSES,
     TOKEN_IDS,
     Ask,
+    Embedded,
     Fail,
     GenMessageError,
     Head,
+    Vector,
     decode,
     encode,
 )
@@ -55,6 +60,9 @@ def _body(data: bytes) -> bytes:
         Finished("stop", 10, 20, (1.5, 2.25), (Replay("lost", 30, 1200.5, 800.0),)),
         Finished("length", 1, 2, (), (Replay("a", 3, 4.0, 1.0, ("p:0-10", "q:10-30")),)),
         Finished("stop", 4, 9, (), (), Speculation(3, 12, 7)),
+        Ask("POST", "/v1/completions", b"{}", seed=5, share="0123abcd"),
+        Vector((0.1, -1 / 3, 1e-300, 2.0**60)),
+        Embedded("m", 12),
     ],
 )
 def test_messages_round_trip(msg):
@@ -66,6 +74,30 @@ def test_a_fresh_ask_carries_no_continuation():
     assert sorted(fresh) == [0, 1, 2, 3, 4]
     cont = cbor2.loads(_body(encode(Ask("POST", "/v1/completions", b"{}", (7,), 1, 5))))
     assert (cont[5], cont[6], cont[7]) == ([7], 1, 5)
+
+
+@pytest.mark.parametrize(
+    "fields,why",
+    [
+        ({2: b""}, "whole number"),
+        ({2: b"\x00" * 12}, "whole number"),
+        ({2: struct.pack("<2d", 1.0, math.nan)}, "not finite"),
+        ({2: struct.pack("<d", math.inf)}, "not finite"),
+        ({2: [1.0, 2.0]}, "expected bytes"),
+    ],
+    ids=["empty", "cut-short", "nan", "inf", "not-bytes"],
+)
+def test_a_vector_is_whole_float64s_every_one_finite(fields, why):
+    with pytest.raises(GenMessageError, match=why):
+        decode(cbor2.dumps({0: 1, 1: "vector", **fields}))
+
+
+def test_a_share_key_is_short_text():
+    ask = {0: 1, 1: "ask", 2: "POST", 3: "/v1/completions", 4: b"{}", 8: "k" * MAX_SHARE}
+    assert decode(cbor2.dumps(ask)).share == "k" * MAX_SHARE
+    for bad in ("k" * (MAX_SHARE + 1), 7, b"key"):
+        with pytest.raises(GenMessageError):
+            decode(cbor2.dumps({**ask, 8: bad}))
 
 
 def test_a_seed_travels_as_the_64_bits_the_sampler_reads():

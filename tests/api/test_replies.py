@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from meshagent.api.replies import Reply, merged
-from meshagent.api.tools import HERMES, call_text
+from meshagent.api.replies import Output, Reply, merged
+from meshagent.api.tools import HERMES, Call, Text, call_text
 from meshagent.serving.generation import Delta, Finished, Logprob
 
 CALL = call_text(HERMES, [("add", {"a": 1, "b": 2})])
@@ -67,3 +67,23 @@ def test_completion_logprobs_count_offsets_across_chunks():
     assert a["choices"][0]["logprobs"]["text_offset"] == [0, 1]
     assert b["choices"][0]["logprobs"]["text_offset"] == [2]
     assert a["choices"][0]["logprobs"]["top_logprobs"][1] == {"b": -2.0}
+
+
+def test_an_output_parses_calls_out_of_the_text_and_drops_the_blank_text_between_them():
+    one, two = (call_text(HERMES, [("add", {"a": a})]) for a in (1, 2))
+    output = Output(HERMES)
+    parts = [p for ch in "Sure. " + one + " \n" + two + "  " for p in output.feed(ch)]
+    held, reason = output.end("stop")
+    parts += held
+    calls = [i for i, p in enumerate(parts) if isinstance(p, Call)]
+    assert calls == [len(parts) - 2, len(parts) - 1]  # no text after the first call
+    assert "".join(p.text for p in parts if isinstance(p, Text)) == "Sure. "
+    assert [json.loads(p.arguments) for p in parts if isinstance(p, Call)] == [{"a": 1}, {"a": 2}]
+    assert reason == "tool_calls"
+    assert Output(HERMES).end("length")[1] == "length"
+
+
+def test_an_output_without_tools_is_the_text_as_it_comes():
+    output = Output(None)
+    assert output.feed("<tool_call>") == [Text("<tool_call>")]
+    assert output.end("stop") == ([], "stop")

@@ -1,9 +1,9 @@
 """A completion carried to another agent survives losing that agent: over real overlay
 connections on loopback, with fake models, the agent holding the client continues the request
 on the next entry (or on itself) with the tokens the client has, and the client gets the text
-of an undisturbed run, once, ending in [DONE]; an entry from before `gen/1` gets the request
-over `api/1`; a continuation outside the vocabulary is refused on either side; and neither side
-waits for a stream's first message for ever."""
+of an undisturbed run, once, ending in [DONE]; each of n choices goes on by itself; a
+continuation outside the vocabulary is refused on either side; and neither side waits for a
+stream's first message for ever."""
 
 from __future__ import annotations
 
@@ -14,23 +14,22 @@ import httpx
 import pytest
 import trio
 
+from meshagent.api import carried, entry
 from meshagent.api import gen_messages as gm
-from meshagent.api import resumable
 from meshagent.api.app import OpenAIApp
 from meshagent.api.errors import ApiError
-from meshagent.api.forwarding import FRAMING
-from meshagent.api.gen_messages import Fail
+from meshagent.api.gen_messages import FRAMING, Fail
+from meshagent.api.gen_stream import frames, read_message
 from meshagent.api.inflight import InFlight
 from meshagent.errors import ModelMoved
 from meshagent.identity.keys import NodeIdentity
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
 from meshagent.serving import sampling as sampling_module
-from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
+from meshagent.serving.directory import GENERATE_LABEL, RemoteModel
 from meshagent.serving.generation import Delta, Finished
 from meshagent.serving.local_model import LocalModel
 from meshagent.testing.fake_engine import FakeEngine
-from meshagent.wire.framing import LengthPrefixDecoder
 from meshagent.wire.handshake import LocalPeer
 from tests.api.test_forwarding import MESH, StaticDirectory, route_api, serve
 
@@ -49,12 +48,11 @@ class Entry:
             LocalPeer.create(NodeIdentity.generate(), MESH),
             TcpTransport(),
             listen=["127.0.0.1:0"],
-            on_stream=lambda s: route_api(s, self.app, labels=self.labels),
+            on_stream=lambda s: route_api(s, self.app),
         )
         self.directory = Moving(self.node)
         self.directory.local = [self.model]
         self.app = OpenAIApp(self.directory, InFlight(), lambda: {})
-        self.labels = (FORWARD_LABEL, resumable.GENERATE_LABEL)
         self.scope = trio.CancelScope()
         self.nursery = nursery
 
@@ -86,8 +84,8 @@ class Moving(StaticDirectory):
     def why_unserved(self, name):
         return None
 
-    def serve_from(self, entry: Entry | None):
-        peer = None if entry is None else entry.node.peer_id
+    def serve_from(self, to: Entry | None):
+        peer = None if to is None else to.node.peer_id
         self.remote = [] if peer is None else [RemoteModel("fake", peer, "whole", layers=3)]
 
 
@@ -259,12 +257,80 @@ async def test_with_no_entry_to_continue_on_the_stream_ends_with_an_error_event(
     assert error["code"] == "split_unavailable" and "within 1 s" in error["message"]
 
 
-async def test_an_entry_from_before_gen_1_gets_the_request_over_api_1(mesh):
+# ----- n completions: a stream each -----
+
+N_SEEDED = {"n": 3, "temperature": 1.0, "seed": 4}
+
+
+async def choice_texts(url, sampling, on_chunk=None, *, stream=True) -> tuple[dict, dict]:
+    """Each choice's text of a completion of `PROMPT`, and the usage."""
+    body = {"model": "fake", "prompt": PROMPT, "max_tokens": TOKENS, "stream": stream, **sampling}
+    body["stream_options"] = {"include_usage": True} if stream else None
+    texts: dict[int, str] = {}
+    async with httpx.AsyncClient(timeout=30) as client:
+        if not stream:
+            r = await client.post(f"{url}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            whole = r.json()
+            return {c["index"]: c["text"] for c in whole["choices"]}, whole["usage"]
+        usage, count = {}, 0
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                usage = chunk.get("usage") or usage
+                for c in chunk["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                count += 1
+                if on_chunk is not None:
+                    await on_chunk(count)
+    return texts, usage
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_n_completions_carried_to_an_entry_are_the_ones_it_gives_itself(
+    mesh, nursery, stream
+):
     url, (first, _), _, _ = mesh
-    first.labels = (FORWARD_LABEL,)
-    text, usage, events = await stream_text(url, {"temperature": 0})
-    assert events[-1] == "[DONE]" and usage["completion_tokens"] == TOKENS and text
-    assert first.model.runner.stats().tokens_processed >= TOKENS
+    own_url, _ = await serve(nursery, first.app)
+    texts, usage = await choice_texts(url, N_SEEDED, stream=stream)
+    own, own_usage = await choice_texts(own_url, N_SEEDED, stream=stream)
+    assert texts == own and len(set(texts.values())) == 3
+    assert usage["completion_tokens"] == own_usage["completion_tokens"] == 3 * TOKENS
+    assert usage["prompt_tokens"] == own_usage["prompt_tokens"]
+
+
+async def test_unseeded_n_completions_sample_with_the_seed_the_asker_drew(
+    mesh, nursery, monkeypatch
+):
+    url, (first, _), _, _ = mesh
+    own_url, _ = await serve(nursery, first.app)
+    draws = iter(range(1000, 1100))
+    monkeypatch.setattr(sampling_module.secrets, "randbits", lambda _: next(draws))
+    warm = {"n": 2, "temperature": 1.0}
+    texts, _ = await choice_texts(url, warm)  # the asker draws 1000; the entry none
+    assert next(draws) == 1001
+    assert texts == (await choice_texts(own_url, {**warm, "seed": 1000}))[0]
+
+
+async def test_each_of_n_completions_goes_on_when_their_entry_is_lost(mesh):
+    url, (first, second), directory, _ = mesh
+    undisturbed, _ = await choice_texts(url, N_SEEDED)
+
+    async def lose_entry(count):
+        if count == 40:
+            first.kill()
+            directory.serve_from(second)
+
+    texts, usage = await choice_texts(url, N_SEEDED, lose_entry)
+    assert texts == undisturbed
+    assert usage["completion_tokens"] == 3 * TOKENS
+    [replay] = usage["meshagent"]["replays"]  # choice 0's; each went on by itself
+    assert replay["lost"] == [f"{first.node.peer_id}:0-3"]
+    assert second.model.runner.stats().tokens_processed > 0
 
 
 async def test_a_bad_request_is_refused_by_the_entry_with_its_own_error(mesh):
@@ -288,12 +354,12 @@ def _raw_ask(history: list[int], delivered: int = 0) -> bytes:
     return FRAMING.encode(cbor2.dumps(ask))
 
 
-async def _first_reply(directory, entry, payload: bytes):
-    stream = await directory.open_stream(entry.node.peer_id, resumable.GENERATE_LABEL)
+async def _first_reply(directory, to: Entry, payload: bytes):
+    stream = await directory.open_stream(to.node.peer_id, GENERATE_LABEL)
     try:
         await stream.send_all(payload)
         with trio.fail_after(5):
-            return await resumable._read(stream, LengthPrefixDecoder(FRAMING))
+            return await read_message(stream, frames())
     finally:
         await stream.aclose()
 
@@ -323,7 +389,7 @@ async def test_a_continuation_the_model_cannot_have_generated_is_refused_and_the
 
 async def test_an_entry_waits_for_an_ask_only_so_long(mesh, monkeypatch):
     _, (first, _), directory, _ = mesh
-    monkeypatch.setattr(resumable, "ASK_DEADLINE", 0.2)
+    monkeypatch.setattr(entry, "ASK_DEADLINE", 0.2)
     reply = await _first_reply(directory, first, b"")
     assert isinstance(reply, Fail) and reply.error.code == "invalid_gen_message"
     assert "no ask within 0.2 s" in reply.error.message
@@ -347,12 +413,12 @@ async def test_an_asker_waits_for_a_head_only_so_long(mesh, nursery, monkeypatch
     await directory.node.dial(silent.listen_addresses[0], peer_id=silent.peer_id)
     remote = RemoteModel("fake", silent.peer_id, "whole", layers=3)
     directory.remote = [remote]
-    monkeypatch.setattr(resumable, "HEAD_DEADLINE", 0.2)
-    ask = resumable.Ask("POST", "/v1/completions", b"{}")
-    carried = resumable.Carried(directory, ask, "fake", 1.0, lambda: None)
+    monkeypatch.setattr(carried, "HEAD_DEADLINE", 0.2)
+    ask = gm.Ask("POST", "/v1/completions", b"{}")
+    one = carried.Carried(directory, ask, "fake", 1.0, lambda: None)
     with trio.fail_after(5), pytest.raises(ApiError) as refused:
-        await carried.start(remote)
-    await carried.aclose()
+        await one.start(remote)
+    await one.aclose()
     assert refused.value.status == 503 and "no head within 0.2 s" in refused.value.message
     assert held
 
@@ -360,13 +426,13 @@ async def test_an_asker_waits_for_a_head_only_so_long(mesh, nursery, monkeypatch
 async def test_tokens_an_entry_cannot_have_generated_are_refused_where_the_asker_goes_on(mesh):
     _, (first, _), directory, _ = mesh
     body = json.dumps({"model": "fake", "prompt": PROMPT, "max_tokens": 8}).encode()
-    prepared = first.app.prepare_here("/v1/completions", body)
-    ask = resumable.Ask("POST", "/v1/completions", body)
+    prepared = entry.prepare_carried(first.app.catalog, "/v1/completions", body)
+    ask = gm.Ask("POST", "/v1/completions", body)
     # The deltas of a lost entry held a token outside the vocabulary; the model is here now.
-    carried = resumable.Carried(directory, ask, "fake", 1.0, lambda: prepared, history=[3, 40])
+    one = carried.Carried(directory, ask, "fake", 1.0, lambda: prepared, history=[3, 40])
     send, _ = trio.open_memory_channel(100)
     with trio.fail_after(5), pytest.raises(ApiError) as refused:
-        await carried.hand_on("the mesh moved the model", send)
+        await one.hand_on("the mesh moved the model", send.send_nowait)
     assert refused.value.status == 502 and refused.value.code == "bad_continuation"
     assert "token id 40" in refused.value.message
 
@@ -377,9 +443,7 @@ async def test_an_entrys_receipt_reaches_the_client_filtered_and_named_by_the_as
     url, _, directory, _ = mesh
 
     async def forge(stream):
-        frames = LengthPrefixDecoder(FRAMING)
-        while frames.next_frame() is None:
-            frames.feed(await stream.receive_some())
+        await read_message(stream, frames())
         forged = [
             (b"x-meshagent-served-by", b"someone-else"),
             (b"x-meshagent-stages", b"p:0-30"),

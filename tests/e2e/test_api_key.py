@@ -1,6 +1,6 @@
 """An agent started with --api-key: every endpoint but /health needs the key (the official
 client works with it), a foreign Host or Origin is refused on loopback, a POST body must be
-JSON, a member of the mesh reaches inference only (over `api/1`, where no key is asked),
+JSON, a member of the mesh reaches inference only (over `gen/1`, where no key is asked),
 `meshagent status` finds the key, and an API beyond loopback without a key is refused at
 start."""
 
@@ -14,12 +14,13 @@ import pytest
 import trio
 from openai import OpenAI
 
-from meshagent.api import forwarding
+from meshagent.api import gen_messages as gm
+from meshagent.api.gen_stream import frames, read_message
 from meshagent.cli.main import main
 from meshagent.launch import AgentProcess
-from meshagent.serving.directory import FORWARD_LABEL
+from meshagent.serving.directory import GENERATE_LABEL
+from meshagent.serving.generation import Delta, Finished
 from meshagent.testing.member import AgentAddress, Member
-from meshagent.wire.framing import LengthPrefixDecoder
 
 KEY = "test-key-7f3a"
 
@@ -90,33 +91,27 @@ def _pages_of_other_sites_are_refused(agent: AgentProcess) -> None:
 
 
 async def _peers_reach_inference_only(agent: AgentProcess, model_id: str) -> None:
-    """A member of the mesh (its secret, an identity of its own, no API key) over `api/1`."""
+    """A member of the mesh (its secret, an identity of its own, no API key) over `gen/1`."""
 
-    async def ask(member: Member, method: str, path: str, body: dict) -> tuple[int, bytes]:
-        stream = await member.open(FORWARD_LABEL)
+    async def ask(member: Member, path: str, body: dict) -> list[gm.Message]:
+        stream = await member.open(GENERATE_LABEL)
+        got: list[gm.Message] = []
         async with stream:
-            await forwarding.send_request(stream, method, path, json.dumps(body).encode())
-            frames = LengthPrefixDecoder(forwarding.FRAMING)
-            status, _ = await forwarding.read_response_head(stream, frames)
-            data = frames.leftover()
-            while more := await stream.receive_some():
-                data += more
-        return status, data
+            await stream.send_all(gm.encode(gm.Ask("POST", path, json.dumps(body).encode())))
+            reader = frames()
+            while not got or not isinstance(got[-1], gm.Fail | Finished):
+                got.append(await read_message(stream, reader))
+        return got
 
     with trio.fail_after(120):
         async with Member.join(AgentAddress.of(agent.data_dir)) as member:
-            for method, path in (
-                ("GET", "/control/status"),
-                ("GET", "/control/peers"),
-                ("GET", "/metrics"),
-                ("POST", "/control/probe"),
-            ):
+            for path in ("/control/status", "/control/peers", "/metrics", "/control/probe"):
                 body = {"peer": agent.data_dir.name, "bytes": 1 << 20}
-                status, data = await ask(member, method, path, body)
-                assert status == 403, (path, data)
-                assert json.loads(data)["error"]["code"] == "peer_not_allowed"
+                [fail] = await ask(member, path, body)
+                assert isinstance(fail, gm.Fail) and fail.error.status == 404, (path, fail)
+                assert fail.error.code == "unknown_url"
             hi = [{"role": "user", "content": "Hi"}]
             chat = {"model": model_id, "messages": hi, "max_tokens": 4}
-            status, data = await ask(member, "POST", "/v1/chat/completions", chat)
-            assert status == 200, data
-            assert json.loads(data)["choices"][0]["message"]["content"]
+            head, *deltas, done = await ask(member, "/v1/chat/completions", chat)
+            assert isinstance(head, gm.Head) and isinstance(done, Finished), (head, done)
+            assert "".join(d.text for d in deltas if isinstance(d, Delta))

@@ -20,8 +20,7 @@ import pytest
 import trio
 from openai import OpenAI
 
-from meshagent.api.forwarding import FRAMING
-from meshagent.api.gen_messages import Fail, Head, Message, decode
+from meshagent.api.gen_messages import FRAMING, Fail, Head, Message, decode
 from meshagent.launch import AgentProcess, start_agent
 from meshagent.net.frame_reader import receive_frame
 from meshagent.net.stream import MeshStream

@@ -1,0 +1,148 @@
+"""The request path of a completion, whatever protocol its client speaks (`openai_routes.py`,
+`responses.py`, `ollama.py`): read, metered, parsed, routed to this agent's model (`here.py`)
+or to the peer that serves it (`elsewhere.py`), and its events handed to the protocol's
+`Deliver`, which writes the reply. A request runs within the shutdown's grace (`InFlight`) and
+stops when its client leaves."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from functools import partial
+
+import structlog
+import trio
+
+from meshagent.api import elsewhere, errors, here
+from meshagent.api.catalog import Catalog
+from meshagent.api.completion_events import Completion, Deliver, Event, Events, Failed
+from meshagent.api.errors import ApiError, api_error_for
+from meshagent.api.exchange import Exchange
+from meshagent.api.here import Continuation
+from meshagent.api.metrics import FORWARDED, LOCAL, SPLIT, Metrics, RequestMeter
+from meshagent.api.prepare import Asked, Prepared, parse_completion, prepare
+from meshagent.api.routing import LOCAL as HERE
+from meshagent.api.routing import PrefixRouter, prefix_keys
+from meshagent.errors import ContextOverflow
+from meshagent.serving.directory import RemoteModel
+from meshagent.serving.generation import check_fits
+
+log = structlog.get_logger(__name__)
+
+_STOPPED = errors.unavailable(
+    "The agent shut down before this completion finished (the shutdown grace expired).",
+    code="shutting_down",
+)
+
+# The request's JSON and the bytes it came in (read within the request's meter).
+Body = Callable[[], Awaitable[tuple[object, bytes]]]
+Produce = Callable[[Events], Awaitable[None]]
+
+
+class Completions:
+    def __init__(self, catalog: Catalog, metrics: Metrics, router: PrefixRouter) -> None:
+        self.catalog = catalog
+        self.metrics = metrics
+        self.router = router
+
+    async def complete(self, ex: Exchange, path: str, body: Body, deliver: Deliver) -> None:
+        """Answer the completion request `body` to the endpoint `path` (`prepare.KINDS`) with
+        `deliver`; an `ApiError` when it fails before any agent took it."""
+        meter = self.metrics.request()
+        try:
+            data, raw = await body()
+            name = data.get("model") if isinstance(data, dict) else None
+            if isinstance(name, str) and (self.catalog.local(name) or self.catalog.remotes(name)):
+                meter.model = name  # only models the mesh serves: a label's values stay few
+            await self._route(ex, Asked(path, raw, parse_completion(path, data)), meter, deliver)
+        except ApiError as e:
+            meter.fail(e.status, e.message)
+            raise
+        finally:
+            meter.done(ex.status, client_gone=ex.disconnected)
+
+    async def _route(
+        self, ex: Exchange, asked: Asked, meter: RequestMeter, deliver: Deliver
+    ) -> None:
+        name = asked.req.model
+        await self.catalog.await_served(name)
+        remotes = {r.peer_id: r for r in self.catalog.remotes(name)}
+        local = [HERE] if self.catalog.local(name) is not None else []
+        if not remotes:
+            await self._here(ex, asked, meter, deliver)
+            return
+        if not local and len(remotes) == 1:  # one peer serves it: nothing to choose
+            await self._elsewhere(ex, asked, next(iter(remotes.values())), meter, deliver)
+            return
+        # Several replicas: the one holding the conversation takes it (`api/routing.py`).
+        keys = prefix_keys(asked.req)
+        route = self.router.choose(keys, [*local, *remotes])
+        with self.router.routed(route.peer, keys):
+            if route.peer == HERE:
+                await self._here(ex, asked, meter, deliver)
+            else:
+                await self._elsewhere(ex, asked, remotes[route.peer], meter, deliver)
+
+    async def _here(
+        self, ex: Exchange, asked: Asked, meter: RequestMeter, deliver: Deliver
+    ) -> None:
+        p = prepare(asked.req, self.catalog.model(asked.req.model))
+        self._refuse_when_draining()
+        try:
+            check_fits(p.gen, p.model.engine.slot_ctx)
+        except ContextOverflow as e:
+            raise api_error_for(e, prompt_param=p.prompt_param) from e
+        gen = replace(p.gen, sampling=p.gen.sampling.seeded())  # kept if the request moves
+        receipt = self.catalog.directory.receipt(p.model)
+        split = any(name == b"x-meshagent-wire-dtype" for name, _ in receipt)
+        meter.path = SPLIT if split else LOCAL
+
+        async def moved(sent: Continuation, out: Events) -> None:
+            await elsewhere.serve(self.catalog.directory, asked, out, moved=sent)
+
+        produce = partial(here.serve, p, gen, here.opened(p, receipt), moved=moved)
+        await self._run(ex, produce, deliver, meter)
+
+    async def _elsewhere(
+        self, ex: Exchange, asked: Asked, remote: RemoteModel, meter: RequestMeter, deliver: Deliver
+    ) -> None:
+        self._refuse_when_draining()
+        meter.path = FORWARDED
+
+        def prepared_here() -> Prepared | None:  # the mesh moved the model here mid-request
+            model = self.catalog.local(asked.req.model)
+            return None if model is None else prepare(asked.req, model)
+
+        directory = self.catalog.directory
+        produce = partial(elsewhere.serve, directory, asked, remote=remote, here=prepared_here)
+        await self._run(ex, produce, deliver, meter)
+
+    async def _run(
+        self, ex: Exchange, produce: Produce, deliver: Deliver, meter: RequestMeter
+    ) -> None:
+        """`produce`'s events to `deliver`, stopped when the client leaves; when the
+        shutdown's grace expires first, the client is told so in its protocol's words."""
+        send, events = trio.open_memory_channel[Event](math.inf)
+        with self.catalog.inflight.track() as grace:
+
+            async def producing() -> None:
+                async with send:
+                    with grace:
+                        await produce(send)
+                    if grace.cancelled_caught:
+                        send.send_nowait(Failed(_STOPPED))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ex.watch_disconnect, nursery.cancel_scope)
+                nursery.start_soon(producing)
+                await deliver(ex, Completion(events, meter))
+                nursery.cancel_scope.cancel()
+        if ex.disconnected and not ex.finished:
+            log.info("request.client_gone", model=meter.model, path=meter.path)
+
+    def _refuse_when_draining(self) -> None:
+        if self.catalog.inflight.draining:
+            raise errors.unavailable(
+                "The agent is shutting down and takes no new requests.", code="shutting_down"
+            )
