@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 import trio
@@ -130,23 +131,6 @@ class Replay:
     lost: tuple[str, ...] = ()  # the stages found lost, as `<peer id>:<first layer>-<end>`
 
 
-@dataclass(frozen=True)
-class Route:
-    """What serves a model here now: its runner, and the token text of that runner's model
-    (a new plan brings a new engine; the old one's vocabulary may be freed already)."""
-
-    runner: ModelRunner
-    token_bytes: Callable[[int], bytes]
-    lost: tuple[str, ...] = ()  # the stages found lost since the request broke
-
-
-# Returns what serves the model now (after a lost stage: the same pipeline, or the entry of a
-# new plan), waiting while there is none.
-Reroute = Callable[[], Awaitable[Route]]
-
-_RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds between tries of a chain that is not back yet
-
-
 class _Text:
     """Token ids to the text a client gets: UTF-8 decoded across token boundaries, stop
     strings held back and cut; each delta carries the tokens since the previous one."""
@@ -189,50 +173,19 @@ class _Text:
         return Delta(text, tuple(self._tokens), tuple(self._logprobs)) if text else None
 
 
-def _gave_up(error: SplitUnavailable, deadline: float) -> SplitUnavailable:
-    return SplitUnavailable(f"{error} (no chain served this model again within {deadline:g} s)")
+class Recoverer(Protocol):
+    """A request's recovery from a lost chain (`serving/recovery.py`)."""
+
+    replays: list[Replay]
+
+    async def after(self, error: SplitUnavailable, tokens: int) -> Rerouted: ...
+
+    def served(self, tokens: int) -> None: ...
 
 
-class _Breaks:
-    """The replays of one request: the break being recovered from, the chains tried since,
-    and a `Replay` for each break once a new chain produced a token."""
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self.done: list[Replay] = []
-        self._broke: tuple[str, float] | None = None  # why, and when
-        self._tries = 0
-        self._lost: tuple[str, ...] = ()
-
-    async def wait_after(self, error: SplitUnavailable, reroute: Reroute, tokens: int) -> Route:
-        """What serves the model after `error`, once it is worth trying; raises the error
-        (with the deadline) when nothing serves within it."""
-        if self._broke is None:
-            self._broke = (str(error), trio.current_time())
-            self._tries = 0
-        waited = trio.current_time() - self._broke[1]
-        if waited >= self.deadline:
-            raise _gave_up(error, self.deadline) from error
-        if self._tries:  # the chain was not back on the last try: wait longer each time
-            await trio.sleep(min(_RETRY_FIRST * 2 ** (self._tries - 1), _RETRY_MAX))
-        self._tries += 1
-        log.info("generation.replay", reason=str(error), tokens=tokens, tries=self._tries)
-        with trio.move_on_after(self.deadline - waited) as wait:
-            route = await reroute()
-        if wait.cancelled_caught:
-            raise _gave_up(error, self.deadline) from error
-        self._lost = tuple(sorted({*self._lost, *route.lost}))
-        return route
-
-    def served(self, submitted: float, tokens: int) -> None:
-        """A token came from the chain submitted to at `submitted`: a break, if any, is over."""
-        if self._broke is None:
-            return
-        why, since = self._broke
-        ms = round((trio.current_time() - since) * 1000, 1)
-        wait_ms = round((submitted - since) * 1000, 1)
-        self.done.append(Replay(why, tokens, ms, wait_ms, self._lost))
-        self._broke, self._lost = None, ()
+class Rerouted(Protocol):
+    runner: ModelRunner
+    token_bytes: Callable[[int], bytes]
 
 
 async def generate(
@@ -241,8 +194,7 @@ async def generate(
     request: GenerationRequest,
     out: trio.MemorySendChannel[Delta | Finished],
     *,
-    reroute: Reroute | None = None,
-    replay_deadline: float = 30.0,
+    recovery: Recoverer | None = None,
 ) -> None:
     """Generate into `out` (never blocks on it: give it room for max_tokens + 1 events).
 
@@ -250,11 +202,11 @@ async def generate(
     strings are matched. The slot is held only while tokens are computed, not while a slow
     client reads.
 
-    With `reroute`, a request whose split loses a stage (SplitUnavailable) is replayed: the
-    prompt and the tokens generated so far run again on the chain `reroute` gives, in the
+    With a `recovery`, a request whose split loses a stage (SplitUnavailable) is replayed:
+    the prompt and the tokens generated so far run again on the chain it finds, in the
     batches they first ran in (`Scheduler.submit`), with the same seed, and generation
-    continues from the next token, so `out` sees one unbroken text. Past `replay_deadline`
-    seconds without a chain that serves, the error is raised.
+    continues from the next token, so `out` sees one unbroken text. Past its deadline without
+    a chain that serves, the error is raised.
 
     A request with a `history` continues one that another entry began: those tokens are
     prefilled after the prompt, and only text the client does not have yet is emitted.
@@ -269,7 +221,6 @@ async def generate(
     stage_ms: list[float] = []
     mode = request.speculation or "off"
     spec = Speculation() if mode != "off" and runner.executor.speculates else None
-    breaks = _Breaks(replay_deadline)
     cached = 0
     while not text.stopped and len(history) < limit:
         try:
@@ -281,10 +232,10 @@ async def generate(
                 speculation=mode,
                 share=request.share if not history else None,
             ) as handle:
-                submitted = trio.current_time()
                 while True:
                     ev = await handle.next()
-                    breaks.served(submitted, len(request.prompt_tokens) + len(history))
+                    if recovery is not None:
+                        recovery.served(len(request.prompt_tokens) + len(history))
                     if ev.cached:  # the first token of a sequence that started from a prefix
                         cached = min(ev.cached, len(request.prompt_tokens))
                     if len(stage_ms) < len(ev.timing):
@@ -309,16 +260,14 @@ async def generate(
                         break
             break
         except SplitUnavailable as e:
-            if reroute is None:
+            if recovery is None:
                 raise
-            tokens = len(request.prompt_tokens) + len(history)
-            route = await breaks.wait_after(e, reroute, tokens)
+            route = await recovery.after(e, len(request.prompt_tokens) + len(history))
             runner, text.token_bytes = route.runner, route.token_bytes
     if (tail := text.tail()) is not None:
         out.send_nowait(tail)
     ms = tuple(round(t, 3) for t in stage_ms)
     spec = spec if spec is not None and spec.windows else None  # drafts verified, if any
-    finished = Finished(
-        reason, len(request.prompt_tokens), len(history), ms, tuple(breaks.done), spec, cached
-    )
+    replays = tuple(recovery.replays) if recovery is not None else ()
+    finished = Finished(reason, len(request.prompt_tokens), len(history), ms, replays, spec, cached)
     out.send_nowait(finished)

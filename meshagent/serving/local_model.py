@@ -13,16 +13,18 @@ from meshagent.engine.base import Engine, ModelInfo, TokenModel
 from meshagent.serving.chat import ChatMessage, ChatTemplate
 from meshagent.serving.embeddings import Embedder
 from meshagent.serving.executor import LocalExecutor
-from meshagent.serving.generation import Delta, Finished, GenerationRequest, Reroute, generate
+from meshagent.serving.generation import Delta, Finished, GenerationRequest, generate
+from meshagent.serving.recovery import Recovery, RouteFinder
 from meshagent.serving.runner import ModelRunner
 
 
 class LocalModel:
     """`engine` answers the text side (tokens, template); `runner` computes. `whole` builds
     one for a whole model; the entry of a split passes its pipeline's runner, and its owner
-    sets `reroute` so that requests survive a lost stage (`generation.generate`)."""
+    sets `routes` so that requests survive a lost stage, each within `replay_deadline`
+    seconds of the loss (`serving/recovery.py`)."""
 
-    reroute: Reroute | None = None
+    routes: RouteFinder | None = None
     replay_deadline: float = 30.0
     speculation: str = "off"  # for requests that do not choose (`--speculation`)
     embedder: Embedder | None = None  # a model served whole embeds text (`/v1/embeddings`)
@@ -66,14 +68,10 @@ class LocalModel:
         """Generate `request` into `out` (see `generation.generate`)."""
         if request.speculation is None:
             request = replace(request, speculation=self.speculation)
-        await generate(
-            self.runner,
-            self.engine.token_bytes,
-            request,
-            out,
-            reroute=self.reroute,
-            replay_deadline=self.replay_deadline,
-        )
+        recovery = None
+        if self.routes is not None:
+            recovery = Recovery(self.replay_deadline, routes=self.routes)
+        await generate(self.runner, self.engine.token_bytes, request, out, recovery=recovery)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.runner.run(task_status=task_status)

@@ -2,81 +2,27 @@
 
 A plain object with no I/O and no threads: callers feed it events (a sequence is submitted, a
 step is taken, a token is ready, a sequence is cancelled or fails) and it answers with the
-next `Step` to run and the `Event`s to deliver. Executors (a local llama.cpp context, the
-entry of a split) run the steps; `ModelRunner` guards the scheduler with a lock and moves the
-events to the requests.
+next `Step` to run and the `Event`s to deliver (`serving/steps.py`). Executors (a local
+llama.cpp context, the entry of a split) run the steps; `ModelRunner` guards the scheduler
+with a lock and moves the events to the requests.
 
-Policy:
-- Slots go first come, first served; past the slots, a FIFO queue bounded by `max_queue`.
-- A step packs one decode token per decoding sequence and chunks of prompts, within
-  `max_batch_tokens`; decode tokens are given budget first, so a long prompt never stalls the
-  sequences that are decoding.
-- A sequence that has waited longest to run is considered first, so none starves.
-- With a pipeline of `depth` stages a step takes at most 1/depth of the active sequences
-  (at least one), so that at least `depth` groups are in flight and no stage waits for work.
-- A sequence whose input is all in a step is *busy* until its token is ready. A cancelled
-  sequence frees its slot at once; a busy one frees it when its step's token comes back (a
-  slot reused earlier could be handed the old sequence's token).
-- A replayed sequence (`history`: the tokens it had generated before its chain broke) runs
-  its prompt as before, then its history one token per step, as those tokens first ran, and
-  wants a token only after the last. Those steps need no token back, so they follow each
-  other into a pipeline without waiting; and since every token runs in a batch of the shape
-  it first ran in, an engine whose results depend on the batch shape (llama.cpp's do, in the
-  last bits) computes the same cache, and a seeded sampler draws the same next token.
-- A speculating sequence (`speculation` "on" or "auto") sends a draft after its last token
-  when its own text proposes one (`serving/drafting.py`): the step's item holds the token and
-  the draft, and the executor returns the tokens plain decoding would have made from that
-  window, one to len(draft) + 1 of them (`verify`). The scheduler knows the draft, so it
-  reads the window's end from the tokens themselves: the first that differs from the draft,
-  or the one after it. The executor keeps the accepted positions of its cache and drops the
-  rest. Drafts take budget after the decode tokens and at most half of it, so prompts keep
-  moving. With "on", the draft's length follows its acceptance (`DraftLength`). With "auto",
-  a sequence drafts as many tokens as make a step yield the most tokens per unit of its
-  time, or none: its drafts' acceptance (`Acceptance`: for a copy, how often it goes on, which
-  its drafter counts on every token; else of an n-gram window's first token and of one after a
-  right one, fed also by proposals it did not send) against what a window costs next to one
-  token's step (`WindowCost`, learnt from the decode steps the runner times, `observe`, or in
-  a split from each window's trip, from `next_step` to its last token, both given a `now`).
-- With `max_windows` > 1 (a split's entry, whose tokens come back a trip later), a busy
-  sequence may send its next window before the verdict on those in flight: it assumes every
-  draft in flight is right, and the window's first token is its drafter's guess at the token
-  the last one ends with (`StepItem.follows`). When a window's verdict differs (a draft
-  rejected, or its last token not the guess), the windows after it are void: the scheduler
-  forgets them, and the last stage, which knows the same, samples nothing for them. Windows
-  never go past a drafted end of generation nor, all counted, past the sequence's limit, so
-  no token comes for a sequence after it ended.
-- With a `PrefixIndex` (`serving/prefix_cache.py`), a sequence that may reuse cached prefixes
-  (`submit(cache=True)`) starts from the longest prefix of its input that an entry holds:
-  `Opened.restore` tells the executor to load that entry's KV into the slot and cut it to the
-  shared length, and only the rest is prefilled. A sequence that ends (not one that failed)
-  leaves the KV of the tokens its slot holds as an entry (`Step.saves`, before the slot is
-  cleared); one cancelled with a step in flight (a stop string) leaves, at once, the tokens
-  its slot holds whatever that step's verdict, so that a request sent right after it finds
-  them. Entries the index evicts are in `Step.dropped`, after the step's restores.
-- Sequences that share a prompt (`n` completions of one request) are prefilled once: one
-  submitted `after` another waits in the queue until that one's prompt has all run, which then
-  keeps its prompt's KV as an entry (a `Save` of a live slot, before its first decode token
-  runs) for the waiting ones to start from. Without an index, or when the one they wait for
-  ends first, they prefill as any other.
+A sequence holds a slot from its admission to its end, or waits for one in a bounded queue.
+It runs its prompt in chunks (from a kept prefix's KV where one holds its start,
+`serving/prefix_cache.py`), then a decode *window* per step: its last token and any draft,
+which the drafting policy decides (`serving/draft_policy.py`). Each rule is stated where it
+is kept.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshagent.errors import ContextOverflow, MeshError, QueueFull, ShuttingDown
 from meshagent.serving.copying import TokenNames
-from meshagent.serving.drafting import (
-    MAX_DRAFT,
-    Acceptance,
-    DraftLength,
-    SuffixDrafter,
-    WindowCost,
-    best_draft,
-    follow_up_draft,
-)
+from meshagent.serving.draft_policy import DraftPolicy, Verdict
+from meshagent.serving.drafting import WindowCost
 from meshagent.serving.prefix_cache import PrefixIndex
 from meshagent.serving.sampling import SamplingParams, TokenLogprob
 from meshagent.serving.sequence import SeqState, Window
@@ -122,11 +68,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_batch_tokens = max_batch_tokens
         self.depth = max(1, depth)
-        # Windows of one sequence in flight at once: more than one only where an executor
-        # sends a window before the verdict on the last comes back (a split's entry).
-        self.max_windows = max(1, max_windows)
         self._is_end = is_end
-        self._token_name = token_name  # tokens' text and names (drafts' renames, blocks)
         self._free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._queue: deque[SeqState] = deque()
         self._by_slot: dict[int, SeqState] = {}
@@ -135,18 +77,35 @@ class Scheduler:
         self._released: list[int] = []
         self._saves: list[Save] = []
         self._dropped: list[int] = []
-        # Kept prefixes, where the executor can restore them (see the module's docstring).
+        # Kept prefixes, where the executor can restore them (`_admit`, `_release`).
         self.prefix = prefix
         self._prefix_tokens = 0
         self._steps = 0
         self._tokens = 0
-        self._drafts = [0, 0, 0]  # windows, tokens drafted, tokens accepted
-        self.window_cost = WindowCost()  # a window against a step, for "auto" (`observe`)
+        self.drafting = DraftPolicy(
+            slot_ctx=slot_ctx, is_end=is_end, max_windows=max_windows, names=token_name
+        )
         self.closed = False
+
+    @property
+    def window_cost(self) -> WindowCost:
+        """What a window costs next to a one-token step, as "auto" has learnt it."""
+        return self.drafting.cost
+
+    @property
+    def max_windows(self) -> int:
+        """Windows of one sequence in flight at once: more than one only where an executor
+        sends a window before the verdict on the last comes back (a split's entry)."""
+        return self.drafting.max_windows
+
+    @max_windows.setter
+    def max_windows(self, n: int) -> None:
+        self.drafting.max_windows = n
 
     # ----- what callers ask -----
 
     def stats(self) -> SchedulerStats:
+        drafts = self.drafting.counts
         return SchedulerStats(
             active=len(self._by_slot),
             queued=len(self._queue),
@@ -154,9 +113,9 @@ class Scheduler:
             max_queue=self.max_queue,
             tokens_processed=self._tokens,
             batches=self._steps,
-            draft_windows=self._drafts[0],
-            draft_tokens=self._drafts[1],
-            draft_accepted=self._drafts[2],
+            draft_windows=drafts.windows,
+            draft_tokens=drafts.tokens,
+            draft_accepted=drafts.accepted,
             prefix_entries=len(self.prefix) if self.prefix else 0,
             prefix_bytes=self.prefix.used if self.prefix else 0,
             prefix_hits=self.prefix.hits if self.prefix else 0,
@@ -193,11 +152,23 @@ class Scheduler:
         cache: bool = False,
         after: int | None = None,
     ):
-        """A new request: it takes a free slot, or waits in the queue. `history`: a replayed
-        completion's tokens so far, run after the prompt one per step; `limit` counts the
-        tokens still to generate; `speculation`: "on" or "auto" to send drafts (see the
-        module's docstring), "off" not to; `after`: a sequence with the same prompt, whose
-        prefill this one waits for and starts from (where prefixes are kept).
+        """A new request: it takes a free slot, first come first served, or waits in the
+        queue (at most `max_queue`). `limit` counts the tokens still to generate;
+        `speculation`: "on" or "auto" to send drafts (`serving/draft_policy.py`), "off" not
+        to; `cache`: it may start from a kept prefix, and leaves its own.
+
+        `history`: a replayed completion's tokens so far (its chain broke), run after the
+        prompt one per step, as they first ran; it wants a token only after the last. Those
+        steps need no token back, so they follow each other into a pipeline without waiting;
+        and since every token runs in a batch of the shape it first ran in, an engine whose
+        results depend on the batch shape (llama.cpp's do, in the last bits) computes the same
+        cache, and a seeded sampler draws the same next token.
+
+        `after`: a sequence with the same prompt (`n` completions of one request), whose
+        prefill this one waits for in the queue, to start from the KV it keeps of it
+        (`_share_prompts`). Without kept prefixes, or when that one ends first, it prefills
+        as any other.
+
         Raises ShuttingDown after `close`, QueueFull when the queue is at its bound,
         ContextOverflow when the prompt, history and `limit` new tokens do not fit a slot."""
         if self.closed:
@@ -219,14 +190,7 @@ class Scheduler:
         s = SeqState(seq, tuple(prompt), limit, sampling, tuple(history))
         s.cache = cache and self.prefix is not None
         s.tokens = [*prompt, *history]
-        if speculation not in ("auto", "on", "off"):
-            raise ValueError(f"speculation must be auto, on or off, not {speculation!r}")
-        if speculation != "off":
-            s.drafter = SuffixDrafter.answering(prompt, history, self._token_name)
-            if speculation == "auto":
-                s.acceptance = Acceptance(follow=s.drafter.follow)
-            else:
-                s.length = DraftLength()
+        s.drafts = self.drafting.start(speculation, prompt, history)
         leader = self._by_id.get(after) if after is not None else None
         if (
             s.cache
@@ -245,8 +209,10 @@ class Scheduler:
         self._admit()
 
     def cancel(self, seq: int) -> None:
-        """The request is gone: it leaves the queue, or frees its slot (a busy sequence when
-        its token comes back). Unknown or finished sequences are ignored."""
+        """The request is gone: it leaves the queue, or frees its slot at once; a busy one
+        (its step's token not back yet) when that token comes back, since a slot reused
+        earlier could be handed the old sequence's token. Unknown or finished sequences are
+        ignored."""
         s = self._by_id.get(seq)
         if s is None:
             return
@@ -277,7 +243,15 @@ class Scheduler:
     def next_step(self, now: float | None = None) -> Step | None:
         """The next batch to run, or None when no sequence has input to run. `now` (any
         clock): when it is taken, to time the trips of the windows whose tokens come back
-        through `token` with a `now` too (a split's)."""
+        through `token` with a `now` too (a split's).
+
+        A step packs one decode token per decoding sequence (or replayed token), then drafts
+        within half of the budget left, then chunks of prompts, within `max_batch_tokens`: a
+        long prompt never stalls the sequences that are decoding, and prompts keep moving.
+        The sequence that has waited longest is considered first, so none starves; with a
+        pipeline of `depth` stages a step takes at most 1/depth of the active sequences (at
+        least one), so that `depth` groups are in flight and no stage waits for work. A
+        sequence whose input is all in the step is *busy* until its token is ready."""
         self._share_prompts()
         ready = [s for s in self._by_slot.values() if s.pending and not s.cancelled]
         ready.sort(key=lambda s: (s.ready_since, s.id))
@@ -292,8 +266,8 @@ class Scheduler:
         drafts: dict[int, tuple[int, ...]] = {}
         draft_budget = budget // 2
         for s in share:  # then drafts, within half of what is left
-            if takes.get(s.id) == 1 and len(s.pending) == 1 and s.drafter is not None:
-                draft = self._draft(s, draft_budget)
+            if takes.get(s.id) == 1 and len(s.pending) == 1:
+                draft = self.drafting.draft(s, draft_budget)
                 if draft:
                     drafts[s.id] = draft
                     draft_budget -= len(draft)
@@ -302,28 +276,9 @@ class Scheduler:
             if s.id not in takes and budget > 0:
                 takes[s.id] = min(len(s.prompt) - s.n_past, budget)
                 budget -= takes[s.id]
-        items = []
-        for s in share:
-            take = takes.get(s.id, 0)
-            if take == 0:
-                continue
-            assert s.slot is not None
-            draft = drafts.get(s.id, ())
-            tokens = (*s.pending[:take], *draft)
-            del s.pending[:take]
-            last = not s.pending
-            items.append(StepItem(s.id, s.slot, s.n_past, tokens, last, len(draft)))
-            if last:  # a decode step's trip is timed
-                sent_at = now if take == 1 and not s.behind_void else None
-                w = Window(s.n_past + take - 1, draft, sent_at=sent_at)
-                w.copying = s.copying and bool(draft)
-                s.windows.append(w)
-                s.behind_void = False
-            s.n_past += len(tokens)
-            s.busy = last
-            s.busy_in = self._steps
-            s.ready_since = self._steps + 1  # a prompt's next chunk waits behind the others
-            self._tokens += len(tokens)
+        items = [
+            self._put(s, takes[s.id], drafts.get(s.id, ()), now) for s in share if takes.get(s.id)
+        ]
         if self.max_windows > 1:
             ran = {it.seq for it in items}  # (a window is not followed in its own step)
             items += self._follow_ups(min(draft_budget, budget), ran)
@@ -331,36 +286,37 @@ class Scheduler:
             return None
         return self._take_step(tuple(items))
 
+    def _put(self, s: SeqState, take: int, draft: tuple[int, ...], now: float | None) -> StepItem:
+        """The item of `s` in the step being taken: its next `take` input tokens, then
+        `draft`. Where that is all its input, it is busy, with a window in flight."""
+        assert s.slot is not None
+        tokens = (*s.pending[:take], *draft)
+        del s.pending[:take]
+        last = not s.pending
+        if last:  # a decode step's trip is timed
+            sent_at = now if take == 1 and not s.behind_void else None
+            copying = bool(draft) and s.drafts is not None and s.drafts.copying
+            s.windows.append(Window(s.n_past + take - 1, draft, sent_at=sent_at, copying=copying))
+            s.behind_void = False
+        item = StepItem(s.id, s.slot, s.n_past, tokens, last, len(draft))
+        s.n_past += len(tokens)
+        s.busy = last
+        s.busy_in = self._steps
+        s.ready_since = self._steps + 1  # a prompt's next chunk waits behind the others
+        self._tokens += len(tokens)
+        return item
+
     def _follow_ups(self, budget: int, ran: set[int]) -> list[StepItem]:
-        """Windows sent before the verdict on the windows in flight, assuming they are all
-        accepted: each starts with the token its drafter guesses the last one ends with.
-        A rejection makes them void, here and at the last stage alike (see `token`)."""
+        """Windows sent before the verdict on those in flight (`DraftPolicy.follow_up`), by
+        busy sequences that did not run in this step, longest waiting first. Where a
+        window's verdict differs from what those after it assumed, they are void, here
+        and at the last stage alike (`_close_window`)."""
         items = []
         busy = [s for s in self._by_slot.values() if s.busy and not s.cancelled and s.windows]
         for s in sorted(busy, key=lambda s: (s.ready_since, s.id)):
-            if s.drafter is None or len(s.windows) >= self.max_windows or s.id in ran:
+            proposal = () if s.id in ran else self.drafting.follow_up(s, budget)
+            if not proposal:
                 continue
-            ahead = [t for w in s.windows for t in w.ahead()]
-            if any(self._is_end(t) for t in ahead):
-                continue  # a drafted end of generation: nothing follows it
-            promised = sum(len(w.draft) + 1 for w in s.windows) - s.windows[0].at
-            most = s.length.k if s.length is not None else MAX_DRAFT
-            room = min(  # drafts after the guess
-                most, budget - 1, s.limit - s.generated - promised - 1, self.slot_ctx - s.n_past - 2
-            )
-            proposal = s.drafter.propose(room + 1, ahead) if room >= 0 else ()
-            ends = [i for i, t in enumerate(proposal) if self._is_end(t)]
-            proposal = proposal[: ends[0] + 1] if ends else proposal
-            if not proposal or self._is_end(proposal[0]):
-                continue
-            if s.acceptance is not None:
-                copying = s.windows[0].copying
-                k = follow_up_draft(
-                    s.acceptance, self.window_cost, len(ahead), proposal, copying=copying
-                )
-                if k is None:
-                    continue
-                proposal = proposal[: k + 1]
             assert s.slot is not None
             guess, draft = proposal[0], tuple(proposal[1:])
             items.append(StepItem(s.id, s.slot, s.n_past, proposal, True, len(draft), True))
@@ -370,29 +326,9 @@ class Scheduler:
             budget -= len(proposal)
         return items
 
-    def _draft(self, s: SeqState, budget: int) -> tuple[int, ...]:
-        assert s.drafter is not None
-        most = s.length.k if s.length is not None else MAX_DRAFT
-        room = min(most, budget, s.limit - s.generated - 1, self.slot_ctx - s.n_past - 1)
-        # The drafter holds the prompt, the history and every token since: the pending one
-        # is its last.
-        proposal = s.drafter.propose(room) if room > 0 else ()
-        s.copying = s.drafter.copying
-        if s.acceptance is None or not proposal:
-            return proposal
-        k = best_draft(s.acceptance, self.window_cost, len(proposal), copying=s.copying)
-        if not k:  # it would not pay: see whether its tokens would have been right
-            if not s.shadow and not s.copying:  # (a copy's tokens are counted as they come)
-                s.shadow, s.shadow_after = proposal, False
-            return ()
-        s.shadow = ()
-        if k < len(proposal) and not s.copying:  # (a copy's tokens are counted as they come)
-            s.beyond = proposal[k]
-        return proposal[:k]
-
     def observe(self, tokens: int, seconds: float) -> None:
         """A step of decode tokens only (one per sequence, plus drafts) took `seconds`."""
-        self.window_cost.observe(tokens, seconds)
+        self.drafting.observe(tokens, seconds)
 
     def token(
         self,
@@ -403,83 +339,68 @@ class Scheduler:
         logprob: TokenLogprob | None = None,
     ) -> list[Event]:
         """A token sampled after a busy sequence's step: the only one, or the next of its
-        window (see the module's docstring). Returns what to deliver: nothing for a
-        cancelled sequence or a slot with no sequence waiting. With `now`, the window's trip
-        (from `next_step` to its last token) is what a window of its length costs: a split's
-        windows, which no single step times."""
+        window. Returns what to deliver: nothing for a cancelled sequence or a slot with no
+        sequence waiting. With `now`, the window's trip (from `next_step` to its last token)
+        is what a window of its length costs: a split's windows, which no single step times."""
         s = self._by_slot.get(slot)
         if s is None or not s.busy:
             return []
-        w = s.windows[0]
-        at, window = w.at, w.draft
-        w.at += 1
-        right = at < len(window) and token == window[at]
-        guessed = w.guess is not None  # and right, or its window would have been void
-        if at == 0 and (window or guessed):
-            self._drafts[0] += 1
-            self._drafts[1] += len(window) + guessed
-            self._drafts[2] += guessed
-        self._drafts[2] += right
-        timing = timing if at == 0 else ()
-        drafted, accepted, in_flight = len(window) + guessed, at + right + guessed, 0
-        if not right:  # the window's last token: the first off the draft, or the one after it
-            in_flight = len(s.windows) if drafted else 0
-            s.windows.popleft()
-            if s.beyond is not None:
-                # Every drafted token was right and no window follows: the model's own token
-                # here says whether the next proposed one would have been right too.
-                if at == len(window) and not s.windows and s.acceptance is not None:
-                    s.acceptance.then_seen(token == s.beyond)
-                s.beyond = None
-            if now is not None and w.sent_at is not None:
-                self.window_cost.observe(len(window) + 1, now - w.sent_at)
-            if not (at == len(window) and s.windows and s.windows[0].guess == token):
-                # The windows after it guessed wrong: void, here and at the last stage.
-                void = sum(len(v.draft) + 1 for v in s.windows)
-                self._drafts[1] += void
-                drafted += void
-                s.behind_void = bool(s.windows)
-                s.windows.clear()
-                s.busy = False
-                s.n_past = w.pos + 1 + at
-            if s.length is not None and drafted:
-                s.length.update(drafted, accepted)
-            if s.acceptance is not None and drafted:
-                judged = accepted + (accepted < drafted)
-                s.acceptance.update(accepted, judged, run=w.guess is not None, copying=w.copying)
+        verdict = self.drafting.judge(s.windows[0], token)
+        if not verdict.right:
+            verdict = self._close_window(s, verdict, token, now)
         if s.cancelled:
             if not s.busy:
                 self._release(s)
             return []
-        finish = None
         cached, s.announced = (0 if s.announced else s.cached), True
-        if self._is_end(token):
-            finish = "stop"
-        else:
-            s.tokens.append(token)
-            s.generated += 1
-            if s.generated >= s.limit:
-                finish = "length"
-        if finish is not None:
-            # Nothing of it is in flight: a window never goes past a drafted end or the limit.
+        finish = self._append(s, token)
+        if finish is None:
+            self._go_on(s, token)
+        else:  # nothing of it is in flight: no window goes past a drafted end or the limit
             self._release(s)
-            done = Token(s.id, token, finish, timing, drafted, accepted, in_flight, cached, logprob)
-            return [done]
-        if s.drafter is not None:
-            s.drafter.extend((token,))
-        if s.shadow and s.acceptance is not None:
-            hit = token == s.shadow[0]
-            if s.shadow_after:
-                s.acceptance.then_seen(hit)
-            else:
-                s.acceptance.update(hit, 1)
-            s.shadow, s.shadow_after = (s.shadow[1:] if hit else ()), True
-        if right:  # more of the window is coming
-            return [Token(s.id, token, None, timing, cached=cached, logprob=logprob)]
-        if not s.busy:  # no window follows: the token is the next step's input
+        ends = finish is not None or not verdict.right  # the last of its window: the tally
+        tally = (verdict.drafted, verdict.accepted, verdict.windows) if ends else (0, 0, 0)
+        timing = timing if verdict.at == 0 else ()  # the step's, on its window's first token
+        return [Token(s.id, token, finish, timing, *tally, cached, logprob)]
+
+    def _close_window(
+        self, s: SeqState, verdict: Verdict, token: int, now: float | None
+    ) -> Verdict:
+        """`token` ends the sequence's oldest window in flight: it is the first that differs
+        from the draft, or the one after it. The windows sent after it stand where it ends
+        with the token the next one guessed; else they are void (the last stage, which knows
+        the same, samples nothing for them), and the sequence goes on from `token`: the
+        executor keeps its cache's accepted positions and drops the rest. Returns the
+        verdict with the window's tally."""
+        w = s.windows.popleft()
+        in_flight = len(s.windows) + 1 if verdict.drafted else 0
+        stands = bool(s.windows) and verdict.at == len(w.draft) and s.windows[0].guess == token
+        void = 0 if stands else sum(len(v.draft) + 1 for v in s.windows)
+        verdict = replace(verdict, drafted=verdict.drafted + void, windows=in_flight)
+        self.drafting.closed(s, w, verdict, token, void=void, now=now)
+        if not stands:
+            s.behind_void = bool(s.windows)
+            s.windows.clear()
+            s.busy = False
+            s.n_past = w.pos + 1 + verdict.at
+        return verdict
+
+    def _append(self, s: SeqState, token: int) -> str | None:
+        """The sequence's text goes on with `token`; returns why it ends there, if it does:
+        "stop" (an end of generation, which is not part of the text) or "length"."""
+        if self._is_end(token):
+            return "stop"
+        s.tokens.append(token)
+        s.generated += 1
+        return "length" if s.generated >= s.limit else None
+
+    def _go_on(self, s: SeqState, token: int) -> None:
+        """The sequence goes on after `token`: its drafts read it, and with no window in
+        flight it is the next step's input."""
+        self.drafting.read(s, token)
+        if not s.busy:
             s.pending = [token]
             s.ready_since = self._steps
-        return [Token(s.id, token, None, timing, drafted, accepted, in_flight, cached, logprob)]
 
     def fail(self, seqs: list[int], error: MeshError) -> list[Event]:
         """These sequences end with `error` (their slots are freed)."""
@@ -534,7 +455,9 @@ class Scheduler:
             self._dropped += self.prefix.clear()
 
     def _share_prompts(self) -> None:
-        """Sequences whose prompt has all run keep its KV for those waiting to share it."""
+        """Sequences whose prompt has all run keep its KV as an entry (a `Save` of a live
+        slot, before its first decode token runs) for those waiting to share it (`after`),
+        which then start from it: `n` completions of one request prefill their prompt once."""
         for s in list(self._by_slot.values()):
             if s.followers and s.n_past >= len(s.prompt):
                 assert s.slot is not None and self.prefix is not None
@@ -561,6 +484,10 @@ class Scheduler:
             self._admit()
 
     def _release(self, s: SeqState, *, keep: bool = True) -> None:
+        """Free the sequence's slot (the executor clears it at the next step). One that may
+        keep prefixes leaves, unless it failed (`keep`), the KV of the tokens its slot holds
+        as an entry (`Step.saves`, before the slot is cleared); entries the index evicts for
+        it are in `Step.dropped`."""
         assert s.slot is not None
         if keep and s.cache and self.prefix is not None:
             # Its slot holds the KV of every token sent in a step whose verdict came (a
@@ -577,6 +504,10 @@ class Scheduler:
         self._admit()
 
     def _admit(self) -> None:
+        """Queued sequences take the free slots in order, but for those waiting for another's
+        prompt. One that may reuse kept prefixes starts from the longest prefix of its input
+        that an entry holds: `Opened.restore` tells the executor to load that entry's KV into
+        the slot and cut it to the shared length, and only the rest is prefilled."""
         waiting: list[SeqState] = []  # passed over, in order: they go back to the queue's head
         while self._queue and self._free:
             s = self._queue.popleft()
@@ -592,7 +523,8 @@ class Scheduler:
                 # At least the last input token runs: its logits give the first token.
                 restore = self.prefix.lookup(s.pending[:-1])
                 if restore is not None:
-                    s.cached = s.n_past = restore[1]
+                    _entry, shared = restore
+                    s.cached = s.n_past = shared
                     del s.pending[: s.cached]
                     self._prefix_tokens += s.cached
             self._opened.append(Opened(s.id, s.slot, s.sampling, s.history, restore))

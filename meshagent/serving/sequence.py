@@ -26,7 +26,25 @@ class SeqState:
     busy_in: int = -1  # the step that made it busy
     cancelled: bool = False
     ready_since: int = 0  # the step count when its pending input arrived
-    drafter: SuffixDrafter | None = None  # speculating: its text so far, indexed
+    drafts: DraftState | None = None  # speculating: what it drafts from, and its record
+    windows: deque[Window] = field(default_factory=deque)  # in flight, oldest first
+    # Windows it voided may still be in flight ahead of its next step, which would queue
+    # behind them: that step's trip is not what its window costs, and is not timed.
+    behind_void: bool = False
+    cache: bool = False  # may start from a kept prefix, and leaves its own
+    tokens: list[int] = field(default_factory=list)  # prompt, history, tokens since
+    cached: int = 0  # its input's positions a kept prefix gave it
+    announced: bool = False  # its first token went out (with `cached`)
+    waiting: bool = False  # for another's prompt to run, to start from its KV (`submit`)
+    followers: list[SeqState] = field(default_factory=list)  # those waiting for its prompt
+
+
+@dataclass
+class DraftState:
+    """A speculating sequence's drafting state, which the drafting policy
+    (`serving/draft_policy.py`) reads and keeps."""
+
+    drafter: SuffixDrafter  # its text so far, indexed
     length: DraftLength | None = None  # "on": how many tokens to draft
     acceptance: Acceptance | None = None  # "auto": how often its drafts are right
     # "auto", not drafting a guess from an n-gram: what it would have drafted, checked
@@ -39,16 +57,6 @@ class SeqState:
     # it would have been right after the drafted ones (evidence for `Acceptance.then` that a
     # short window gives no other way)
     beyond: int | None = None
-    windows: deque[Window] = field(default_factory=deque)  # in flight, oldest first
-    # Windows it voided may still be in flight ahead of its next step, which would queue
-    # behind them: that step's trip is not what its window costs, and is not timed.
-    behind_void: bool = False
-    cache: bool = False  # may start from a kept prefix, and leaves its own
-    tokens: list[int] = field(default_factory=list)  # prompt, history, tokens since
-    cached: int = 0  # its input's positions a kept prefix gave it
-    announced: bool = False  # its first token went out (with `cached`)
-    waiting: bool = False  # for another's prompt to run, to start from its KV (`submit`)
-    followers: list[SeqState] = field(default_factory=list)  # those waiting for its prompt
 
 
 @dataclass

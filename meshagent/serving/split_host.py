@@ -32,6 +32,7 @@ from meshagent.serving.pipeline import (
     PipelineExecutor,
 )
 from meshagent.serving.runner import ModelRunner
+from meshagent.serving.settings import ServingSettings
 from meshagent.serving.stage_server import StageServer
 
 log = structlog.get_logger(__name__)
@@ -41,19 +42,13 @@ Obtain = Callable[[str, int, int], Awaitable[None]]
 
 
 @dataclass(frozen=True)
-class SplitSettings:
-    slots: int = 4
-    slot_ctx: int = 2048
-    threads: int = 0
-    max_queue: int = 64
+class PartBudgets:
+    """What a part of a split may use, as its plan leaves it room (`serving/parts.py`)."""
+
     wire_dtype: str = "f32"  # what the entry sends (the stages after it send on the same)
     # Bytes of kept prefixes the entry may count on, in the biggest stage's KV (every stage
     # keeps its own KV of each; see PipelineExecutor).
     prefix_budget: int = 0
-    # As whole-model serving: off. On CPUs llama.cpp's flash attention is slower for decode
-    # and its results change with the thread count, which peers do not share.
-    flash_attn: bool | None = False
-    vram: int = 0  # GPU memory offered here, all devices together
     # Bytes of kept prefixes a later stage holds at most, whatever its upstream asks: what
     # the plan leaves free of this agent's offer (the entry keeps within every stage's).
     kept_budget: int = 0
@@ -74,7 +69,8 @@ class SplitHost:
         info: ModelInfo,
         store: ArtifactStore,
         open_stream: OpenStream,
-        settings: SplitSettings,
+        settings: ServingSettings,
+        budgets: PartBudgets,
         obtain: Obtain | None = None,
     ) -> None:
         self.peer_id = peer_id
@@ -87,6 +83,7 @@ class SplitHost:
         # the store cuts it from the whole file when asked.
         self._obtain_artifact = obtain
         self.settings = settings
+        self.budgets = budgets
         self.plan: Plan | None = None
         self.part: StageAssignment | None = None
         self.model: LocalModel | None = None  # set on the entry
@@ -155,7 +152,7 @@ class SplitHost:
         part = next((s for s in plan.stages if s.peer_id == self.peer_id), None)
         if part is None:
             raise EngineError(f"peer {self.peer_id} has no part in this plan")
-        s = self.settings
+        s, b = self.settings, self.budgets
         await self._obtain("layers", part.start, part.end)
         layers_path, _ = await trio.to_thread.run_sync(
             lambda: self.store.ensure_layers(self.model_path, part.start, part.end, self.layout)
@@ -195,9 +192,9 @@ class SplitHost:
             self.pipeline = PipelineExecutor(
                 self._entry,
                 lambda: self._open_stream(self._next, STAGE_LABEL, **window),
-                wire_dtype=s.wire_dtype,
+                wire_dtype=b.wire_dtype,
                 depth=len(plan.stages),
-                prefix_budget=s.prefix_budget,
+                prefix_budget=b.prefix_budget,
                 prefix_scale=biggest / (part.end - part.start),
             )
             runner = ModelRunner(
@@ -211,7 +208,7 @@ class SplitHost:
             self.server = StageServer(
                 engine,
                 n_vocab=self.info.n_vocab,
-                kept_budget=s.kept_budget,
+                kept_budget=b.kept_budget,
                 open_next=lambda: self._open_stream(self._next, STAGE_LABEL, **window),
                 open_reply=None,
             )
@@ -219,7 +216,7 @@ class SplitHost:
             self.server = StageServer(
                 engine,
                 n_vocab=self.info.n_vocab,
-                kept_budget=s.kept_budget,
+                kept_budget=b.kept_budget,
                 open_next=None,
                 open_reply=lambda: self._open_stream(self._entry_peer, REPLY_LABEL),
             )

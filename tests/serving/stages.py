@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import trio
+
 from meshagent.serving import stage_messages as sm
+from meshagent.serving.recovery import Route
 from meshagent.serving.stage_server import MAX_KEPT, OpenStream, StageServer
 from meshagent.testing.fake_engine import FakeStage
 
@@ -38,3 +41,18 @@ def upstream_decoder(stage: FakeStage | None = None) -> sm.StageDecoder:
     stage = stage or FakeStage(last=False)
     limits = sm.StageLimits(stage.n_slots, stage.slot_ctx, stage.n_vocab, stage.n_embd)
     return sm.StageDecoder(limits)
+
+
+class SameRoute:
+    """Routes a request that lost its chain back to `model`'s own runner (the same pipeline
+    opens its chain again), its text by `token_bytes` (the model's own by default)."""
+
+    def __init__(self, model, token_bytes=None) -> None:
+        self.model = model
+        self.token_bytes = token_bytes or model.engine.token_bytes
+
+    def route(self) -> Route:
+        return Route(self.model.runner, self.token_bytes)
+
+    async def changed(self) -> None:
+        await trio.sleep(0.01)

@@ -18,7 +18,7 @@ from meshagent.identity.mesh import MeshSecret
 from meshagent.models.layout import inspect_model
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
-from meshagent.serving.generation import Delta, GenerationRequest, Route
+from meshagent.serving.generation import Delta, GenerationRequest
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.pipeline import (
     ACTIVATION_WINDOW_BYTES,
@@ -34,7 +34,7 @@ from meshagent.serving.stage_server import StageServer
 from meshagent.wire.handshake import LocalPeer
 from tests.api.test_forwarding import StaticDirectory, serve
 from tests.serving.conftest import PROMPTS, text_of
-from tests.serving.stages import ROOMY
+from tests.serving.stages import ROOMY, SameRoute
 
 MESH = MeshSecret.generate()
 SPLIT = [(0, 10), (10, 20), (20, 30)]
@@ -232,10 +232,7 @@ async def test_a_request_in_flight_survives_a_broken_chain(model_path, store, nu
     decoding them one by one, and the text can drift; see docs/serving.md.)"""
     model, *_ = await start_split(nursery, model_path, store, "f32")
 
-    async def same():
-        return Route(model.runner, model.engine.token_bytes)
-
-    model.reroute = same
+    model.routes = SameRoute(model)
     tokens = model.text_tokens("1, 2, 3, 4, 5, 6,")
 
     async def run(params, *, break_after=None):

@@ -14,12 +14,11 @@ import trio.testing
 from meshagent.errors import SplitUnavailable
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.chain import Outgoing
-from meshagent.serving.generation import Route
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.sampling import Sampler, SamplingParams
 from meshagent.serving.scheduler import Scheduler
 from meshagent.testing.fake_engine import FakeEngine, FakeStage
-from tests.serving.stages import fake_server, reply_decoder
+from tests.serving.stages import SameRoute, fake_server, reply_decoder
 from tests.serving.test_pipeline_fake import FakeChain
 from tests.serving.test_runner import complete
 
@@ -171,7 +170,7 @@ async def break_mid_stream(chain: FakeChain, params, *, after: int = 30, then=No
 async def test_a_request_survives_a_broken_chain_with_the_same_text(nursery, params):
     text, finished = await whole_text(nursery, params)
     chain = FakeChain(nursery, depth=1, delay=0.001)
-    chain.model.reroute = lambda: _same(chain.model)
+    chain.model.routes = SameRoute(chain.model)
     await nursery.start(chain.model.run)
     got, done = await break_mid_stream(chain, params)
     assert got == text
@@ -190,11 +189,7 @@ async def test_after_a_reroute_tokens_become_text_by_the_new_models_vocabulary(n
     chain = FakeChain(nursery, depth=1, delay=0.001)
     old = chain.model.engine.token_bytes
 
-    async def new_engine():
-        await trio.sleep(0)
-        return Route(chain.model.runner, lambda t: old(t).upper())
-
-    chain.model.reroute = new_engine
+    chain.model.routes = SameRoute(chain.model, lambda t: old(t).upper())
     await nursery.start(chain.model.run)
     got, done = await break_mid_stream(chain, GREEDY)
     assert len(done.replays) == 1
@@ -213,7 +208,7 @@ async def test_a_sampled_request_survives_where_batching_moves_the_logits(nurser
     greedy, _ = await complete(whole, PROMPT, TOKENS)
     assert text != greedy  # the draws do wander from the favourites
     chain = FakeChain(nursery, depth=1, delay=0.001, batch_sensitive=True)
-    chain.model.reroute = lambda: _same(chain.model)
+    chain.model.routes = SameRoute(chain.model)
     await nursery.start(chain.model.run)
     got, done = await break_mid_stream(chain, hot)
     assert len(done.replays) == 1
@@ -228,7 +223,7 @@ async def test_a_chain_that_loses_a_step_silently_is_broken_and_the_request_repl
     text, finished = await whole_text(nursery, GREEDY)
     chain = FakeChain(nursery, depth=1, delay=0.001)
     chain.pipeline.chain.stall_after = 0.5
-    chain.model.reroute = lambda: _same(chain.model)
+    chain.model.routes = SameRoute(chain.model)
     await nursery.start(chain.model.run)
     links, lost = chain.pipeline.chain, []
 
@@ -263,7 +258,7 @@ async def test_a_step_made_for_a_broken_chain_never_reaches_the_next_one(nursery
     # The worker computes a step while the chain breaks and is opened again: its messages
     # (a Forward for a sequence the new chain was never told to open) are dropped, not sent.
     chain = FakeChain(nursery, depth=1, delay=0.001)
-    chain.model.reroute = lambda: _same(chain.model)
+    chain.model.routes = SameRoute(chain.model)
     await nursery.start(chain.model.run)
     sent = []
     links = chain.pipeline.chain
@@ -279,7 +274,7 @@ async def test_a_step_made_for_a_broken_chain_never_reaches_the_next_one(nursery
 
 async def test_a_chain_that_stays_down_fails_the_request_at_the_deadline(nursery):
     chain = FakeChain(nursery, depth=1, delay=0.001)
-    chain.model.reroute = lambda: _same(chain.model)
+    chain.model.routes = SameRoute(chain.model)
     chain.model.replay_deadline = 1.0
     await nursery.start(chain.model.run)
     real_open = chain.pipeline.chain.open_downstream
@@ -307,11 +302,6 @@ async def test_without_reroute_a_broken_chain_fails_as_before(nursery):
     await nursery.start(chain.model.run)
     with pytest.raises(SplitUnavailable):
         await break_mid_stream(chain, GREEDY)
-
-
-async def _same(model):
-    await trio.sleep(0)
-    return Route(model.runner, model.engine.token_bytes)
 
 
 async def test_a_closed_stage_server_waits_for_its_running_forward_and_serves_no_more(nursery):

@@ -16,7 +16,8 @@ from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 from meshagent.serving.sampling import SamplingParams
-from meshagent.serving.split_host import SplitHost, SplitSettings
+from meshagent.serving.settings import ServingSettings
+from meshagent.serving.split_host import PartBudgets, SplitHost
 from meshagent.wire.handshake import LocalPeer
 from tests.serving.conftest import PROMPTS, text_of
 
@@ -54,14 +55,8 @@ async def start_hosts(nursery, model_path, store):
             info=info,
             store=store,
             open_stream=node.open_stream,
-            settings=SplitSettings(
-                slots=4,
-                slot_ctx=1024,
-                threads=1,
-                wire_dtype="f32",
-                flash_attn=False,
-                kept_budget=1 << 30,
-            ),
+            settings=ServingSettings(slots=4, slot_ctx=1024, threads=1, flash_attn=False),
+            budgets=PartBudgets(wire_dtype="f32", kept_budget=1 << 30),
         )
 
         async def route(stream, host=host):
@@ -207,7 +202,8 @@ def host_in(plan: Plan, peer: str) -> SplitHost:
         info=None,  # type: ignore[arg-type]
         store=None,  # type: ignore[arg-type]
         open_stream=None,  # type: ignore[arg-type]
-        settings=SplitSettings(),
+        settings=ServingSettings(),
+        budgets=PartBudgets(),
     )
     host.plan = plan
     host.part = next(s for s in plan.stages if s.peer_id == peer)
