@@ -46,7 +46,7 @@ class EmbeddingRequest(BaseModel):
         return [str(x) for x in given]
 
 
-def parse_embedding(body: Any) -> EmbeddingRequest:
+def parse_embedding(body: object) -> EmbeddingRequest:
     req = parse_body(EmbeddingRequest, body)
     if req.dimensions is not None:
         raise bad_request(

@@ -83,7 +83,7 @@ def api_error_for(e: MeshError, *, prompt_param: str = "messages") -> ApiError:
     return server_error(str(e))
 
 
-def from_body(status: int, body: Any, retry_after: int | None = None) -> ApiError:
+def from_body(status: int, body: object, retry_after: int | None = None) -> ApiError:
     """The error whose `body()` is `body` (one carried from another agent)."""
     err = body.get("error") if isinstance(body, dict) else None
     if not isinstance(err, dict):

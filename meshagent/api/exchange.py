@@ -9,6 +9,7 @@ from typing import Any
 import trio
 
 from meshagent.api.errors import ApiError, bad_request
+from meshagent.serving.directory import Headers
 
 MAX_BODY = 8 * 1024 * 1024
 
@@ -20,9 +21,11 @@ SSE_HEADERS = [
 ]
 
 
-# ASGI's callables (https://asgi.readthedocs.io): the next message from the server, one to it.
+# ASGI's callables (https://asgi.readthedocs.io): the next message from the server, one to it,
+# and an application.
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
 
 
 class ClientGone(Exception):
@@ -42,7 +45,7 @@ class Exchange:
         self.disconnected = False
         self.raw_body = b""
 
-    async def json_body(self) -> Any:
+    async def json_body(self) -> object:
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -78,7 +81,7 @@ class Exchange:
                 scope.cancel()
                 return
 
-    async def send_json(self, status: int, body: Any, headers: list | None = None) -> None:
+    async def send_json(self, status: int, body: object, headers: Headers | None = None) -> None:
         data = json.dumps(body).encode()
         await self._start(status, JSON_HEADERS + (headers or []))
         await self._body(data, more=False)
@@ -86,17 +89,17 @@ class Exchange:
     async def send_error(self, err: ApiError) -> None:
         await self.send_json(err.status, err.body(), err.headers())
 
-    async def start_sse(self, headers: list | None = None) -> None:
+    async def start_sse(self, headers: Headers | None = None) -> None:
         await self._start(200, SSE_HEADERS + (headers or []))
 
-    async def send_event(self, payload: Any) -> None:
+    async def send_event(self, payload: object) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload)
         await self._body(f"data: {data}\n\n".encode(), more=True)
 
     async def end(self) -> None:
         await self._body(b"", more=False)
 
-    async def start(self, status: int, headers: list) -> None:
+    async def start(self, status: int, headers: Headers) -> None:
         await self._start(status, headers)
 
     async def send_raw(self, data: bytes) -> None:
@@ -106,7 +109,7 @@ class Exchange:
         await self._start(status, [(b"content-type", content_type.encode())])
         await self._body(body, more=False)
 
-    async def _start(self, status: int, headers: list) -> None:
+    async def _start(self, status: int, headers: Headers) -> None:
         self.started = True
         self.status = status
         await self._send({"type": "http.response.start", "status": status, "headers": headers})

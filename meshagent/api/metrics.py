@@ -50,19 +50,19 @@ class Metrics:
             ["model", "path", "status"],
             registry=r,
         )
-        self.ttft = Histogram(
+
+        def latency(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model", "path"], buckets=buckets, registry=r)
+
+        self.ttft = latency(
             "meshagent_time_to_first_token_seconds",
             "From a request's arrival to its first text",
-            ["model", "path"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = latency(
             "meshagent_time_per_output_token_seconds",
             "A request's mean time per output token after the first",
-            ["model", "path"],
-            buckets=TPOT_BUCKETS,
-            registry=r,
+            TPOT_BUCKETS,
         )
         self.prompt_tokens = Counter(
             "meshagent_prompt_tokens", "Prompt tokens of completed requests", ["model"], registry=r

@@ -22,7 +22,6 @@ from meshagent.api.errors import ApiError, bad_request
 from meshagent.api.exchange import Exchange, Routes
 from meshagent.api.replies import Output
 from meshagent.api.tools import Call
-from meshagent.serving.generation import Delta
 
 NDJSON = "application/x-ndjson"
 _OPTIONS = {
@@ -195,7 +194,7 @@ async def _deliver(
     async def send_line(data: dict[str, Any]) -> None:
         await ex.send_raw((json.dumps(data) + "\n").encode())
 
-    text, done, finish = "", None, None
+    text = ""
     calls: list[dict[str, Any]] = []
     async for ev in completion:
         if isinstance(ev, Failed):
@@ -211,13 +210,7 @@ async def _deliver(
             started = time.perf_counter_ns()
             if stream:
                 await ex.start(200, [(b"content-type", NDJSON.encode())])
-        _, ev = unwrap(ev)  # one choice
-        if isinstance(ev, Delta):
-            parts = output.feed(ev.text)
-        else:
-            parts, finish = output.end(ev.reason)
-            done = ev
-        for part in parts:
+        for part in output.parts(unwrap(ev)[1]):  # (one choice)
             if isinstance(part, Call):
                 # ollama's calls carry their arguments as an object
                 arguments = json.loads(part.arguments)
@@ -232,8 +225,9 @@ async def _deliver(
                 if stream:
                     await send_line(line(part.text, False))
     end = time.perf_counter_ns()
+    done = output.done
     counts = {
-        "done_reason": "length" if finish == "length" else "stop",
+        "done_reason": "length" if output.finish == "length" else "stop",
         "total_duration": end - started,
         "load_duration": 0,
         "prompt_eval_count": done.prompt_tokens if done else 0,

@@ -80,6 +80,16 @@ class Output:
 
     def __init__(self, tools: Syntax | None) -> None:
         self.parser = None if tools is None else CallParser(tools)
+        self.done: Finished | None = None  # its end, once it came
+        self.finish: str | None = None  # ...and the finish reason
+
+    def parts(self, ev: Delta | Finished) -> list[Text | Call]:
+        """What an event of the choice adds: its text's parts, or (its end) those held."""
+        if isinstance(ev, Delta):
+            return self.feed(ev.text)
+        parts, self.finish = self.end(ev.reason)
+        self.done = ev
+        return parts
 
     def feed(self, text: str) -> list[Text | Call]:
         if self.parser is None:

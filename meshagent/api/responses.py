@@ -30,7 +30,7 @@ from meshagent.api.replies import Output
 from meshagent.api.responses_request import Remembered, ResponsesRequest
 from meshagent.api.schemas import parse_body
 from meshagent.api.tools import Call
-from meshagent.serving.generation import Delta, Finished
+from meshagent.serving.generation import Finished
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -126,7 +126,9 @@ class _Reply:
         }
 
 
-def _usage(done: Finished) -> dict[str, Any]:
+def _usage(done: Finished | None) -> dict[str, Any] | None:
+    if done is None:
+        return None
     return {
         "input_tokens": done.prompt_tokens,
         "input_tokens_details": {"cached_tokens": done.cached_tokens, "cache_write_tokens": 0},
@@ -171,20 +173,24 @@ class ResponsesRoutes:
         async def body() -> tuple[object, bytes]:
             return chat, json.dumps(chat).encode()
 
-        deliver = partial(_stream if req.stream else _whole, reply=reply)
+        deliver = partial(_deliver, reply=reply, stream=req.stream)
         try:
             await self.completions.complete(ex, CHAT_PATH, body, deliver)
         except ApiError as e:  # before any agent took it
             await ex.send_json(e.status, e.body())
 
 
-async def _whole(ex: Exchange, completion: Completion, *, reply: _Reply) -> None:
+async def _deliver(ex: Exchange, completion: Completion, *, reply: _Reply, stream: bool) -> None:
     opened = await completion.opened()
     if isinstance(opened, Failed):
         await ex.send_json(opened.error.status, opened.error.body())
         return
     output = Output(opened.tools)
-    usage, finish, begun = None, None, False
+    await (_stream if stream else _whole)(ex, completion, reply, output)
+
+
+async def _whole(ex: Exchange, completion: Completion, reply: _Reply, output: Output) -> None:
+    begun = False
     async for ev in completion:
         if isinstance(ev, Failed):
             err = ev.error
@@ -194,30 +200,18 @@ async def _whole(ex: Exchange, completion: Completion, *, reply: _Reply) -> None
                 await ex.send_json(500 if err.type == "server_error" else 400, err.body())
             return
         begun = True
-        _, ev = unwrap(ev)  # one choice
-        if isinstance(ev, Delta):
-            parts = output.feed(ev.text)
-        else:
-            parts, finish = output.end(ev.reason)
-            usage = _usage(ev)
-        for part in parts:
+        for part in output.parts(unwrap(ev)[1]):  # (one choice)
             if isinstance(part, Call):
                 reply.add_call(part)
             else:
                 reply.text += part.text
-    status_word = "incomplete" if finish == "length" else "completed"
+    word = "incomplete" if output.finish == "length" else "completed"
     reply.on_done()
-    await ex.send_json(200, reply.body(status_word, usage))
+    await ex.send_json(200, reply.body(word, _usage(output.done)))
 
 
-async def _stream(ex: Exchange, completion: Completion, *, reply: _Reply) -> None:
-    opened = await completion.opened()
-    if isinstance(opened, Failed):
-        await ex.send_json(opened.error.status, opened.error.body())
-        return
-    output = Output(opened.tools)
-    item = {"output_index": 0, "item_id": reply.item_id}
-    part_at = {**item, "content_index": 0}
+async def _stream(ex: Exchange, completion: Completion, reply: _Reply, output: Output) -> None:
+    part_at = {"output_index": 0, "item_id": reply.item_id, "content_index": 0}
     opened_message = False  # the message item: opened with its first text (or at the end)
 
     async def open_message() -> None:
@@ -228,7 +222,6 @@ async def _stream(ex: Exchange, completion: Completion, *, reply: _Reply) -> Non
         empty = {"type": "output_text", "text": "", "annotations": []}
         await ex.send_event(reply.event("response.content_part.added", **part_at, part=empty))
 
-    usage, finish = None, None
     async for ev in completion:
         if isinstance(ev, Failed):
             err = ev.error
@@ -246,13 +239,7 @@ async def _stream(ex: Exchange, completion: Completion, *, reply: _Reply) -> Non
             in_progress = reply.body("in_progress")
             await ex.send_event(reply.event("response.created", response=in_progress))
             await ex.send_event(reply.event("response.in_progress", response=in_progress))
-        _, ev = unwrap(ev)  # one choice
-        if isinstance(ev, Delta):
-            parts = output.feed(ev.text)
-        else:
-            parts, finish = output.end(ev.reason)
-            usage = _usage(ev)
-        for part in parts:
+        for part in output.parts(unwrap(ev)[1]):  # (one choice)
             if isinstance(part, Call):
                 await _send_call(ex, reply, reply.add_call(part), opened_message)
             elif part.text:
@@ -273,8 +260,8 @@ async def _stream(ex: Exchange, completion: Completion, *, reply: _Reply) -> Non
         await ex.send_event(
             reply.event("response.output_item.done", output_index=0, item=reply.item("completed"))
         )
-    word = "incomplete" if finish == "length" else "completed"
-    done = reply.body(word, usage)
+    word = "incomplete" if output.finish == "length" else "completed"
+    done = reply.body(word, _usage(output.done))
     if not ex.disconnected:  # a response cut short by its client is not one to go on from
         reply.on_done()
     await ex.send_event(reply.event(f"response.{word}", response=done))

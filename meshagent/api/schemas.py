@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -127,14 +127,18 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
-def parse(model: type[_Request], body: Any) -> Any:
+Req = TypeVar("Req", bound=_Request)
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse(model: type[Req], body: object) -> Req:
     """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
     req = parse_body(model, body)
     _refuse_unsupported(req)
     return req
 
 
-def parse_body(model: type[BaseModel], body: Any) -> Any:
+def parse_body(model: type[Body], body: object) -> Body:
     """`body` validated as `model`; the first problem becomes a 400 naming its field."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
+from meshagent.api.exchange import ASGIApp
 from meshagent.errors import ConfigError
 
 
@@ -51,7 +51,7 @@ class HttpBinding:
 
 
 async def serve_http(
-    app: Any,
+    app: ASGIApp,
     binding: HttpBinding,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
@@ -80,5 +80,5 @@ class _Rename:
         self._inner = inner
         self._url = url
 
-    def started(self, _value: Any = None) -> None:
+    def started(self, _value: object = None) -> None:
         self._inner.started(self._url)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,3 +73,19 @@ async def call(
     }
     await app(scope, receive, send)
     return answer
+
+
+async def call_and(
+    app: Any, method: str, path: str, then: Callable[[], None], *, after: float, body: dict
+) -> Answer:
+    """`app`'s answer to one request, `then` called `after` seconds into it."""
+    answer: list[Answer] = []
+
+    async def ask() -> None:
+        answer.append(await call(app, method, path, body=body))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask)
+        await trio.sleep(after)
+        then()
+    return answer[0]

@@ -7,28 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import trio
 
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
-from meshagent.serving.local_model import LocalModel
-from meshagent.testing.fake_engine import FakeEngine
-from tests.api.asgi import Answer, call
+from tests.api.asgi import Answer, call, call_and
 from tests.api.test_forwarding import StaticDirectory
 
 OPTIONS = {"temperature": 0, "num_predict": 10}
-
-
-@pytest.fixture
-async def model(nursery):
-    model = LocalModel.whole(FakeEngine(slots=2, delay=0.002), max_queue=4)
-    await nursery.start(model.run)
-    return model
-
-
-@pytest.fixture
-def app(model):
-    return OpenAIApp(StaticDirectory([model]), InFlight(), lambda: {})
 
 
 def lines(answer: Answer) -> list[dict]:
@@ -41,10 +26,10 @@ async def completion(app, path: str, body: dict) -> dict:
     return r.json()
 
 
-async def test_generate_is_the_text_completion_of_a_raw_prompt(app):
-    want = await completion(app, "/v1/completions", {"prompt": "abc", "temperature": 0})
+async def test_generate_is_the_text_completion_of_a_raw_prompt(fake_app):
+    want = await completion(fake_app, "/v1/completions", {"prompt": "abc", "temperature": 0})
     body = {"model": "fake:latest", "prompt": "abc", "raw": True, "stream": False}
-    r = await call(app, "POST", "/api/generate", body={**body, "options": OPTIONS})
+    r = await call(fake_app, "POST", "/api/generate", body={**body, "options": OPTIONS})
     assert r.status == 200, r.body
     got = r.json()
     assert got["response"] == want["choices"][0]["text"] and got["done"] is True
@@ -53,11 +38,13 @@ async def test_generate_is_the_text_completion_of_a_raw_prompt(app):
     assert got["eval_count"] == want["usage"]["completion_tokens"] == 10
 
 
-async def test_chat_streams_lines_that_end_with_the_counts(app):
+async def test_chat_streams_lines_that_end_with_the_counts(fake_app):
     messages = [{"role": "user", "content": "hello"}]
-    want = await completion(app, "/v1/chat/completions", {"messages": messages, "temperature": 0})
+    want = await completion(
+        fake_app, "/v1/chat/completions", {"messages": messages, "temperature": 0}
+    )
     body = {"model": "fake", "messages": messages, "options": OPTIONS}
-    r = await call(app, "POST", "/api/chat", body=body)
+    r = await call(fake_app, "POST", "/api/chat", body=body)
     assert r.status == 200 and r.header("content-type") == "application/x-ndjson"
     *parts, done = lines(r)
     assert all(not p["done"] and p["message"]["role"] == "assistant" for p in parts)
@@ -69,31 +56,24 @@ async def test_chat_streams_lines_that_end_with_the_counts(app):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_errors_are_ollamas_shape_with_their_status(app, stream):
+async def test_errors_are_ollamas_shape_with_their_status(fake_app, stream):
     for body, status, said in (
         ({"model": "nope", "prompt": "abc"}, 404, "does not exist"),
         ({"model": "fake", "prompt": "abc", "options": {"num_predict": 10**5}}, 400, "context"),
         ({"model": "fake", "prompt": "abc", "options": {"temperature": "hot"}}, 400, "temper"),
         ({"model": "fake", "prompt": "abc", "images": ["x"]}, 400, "Images"),
     ):
-        r = await call(app, "POST", "/api/generate", body={**body, "stream": stream})
+        r = await call(fake_app, "POST", "/api/generate", body={**body, "stream": stream})
         assert r.status == status, r.body
         assert set(r.json()) == {"error"} and said in r.json()["error"]
 
 
-async def test_a_stream_cut_by_the_shutdown_ends_with_an_error_line(model):
+async def test_a_stream_cut_by_the_shutdown_ends_with_an_error_line(fake_model):
     inflight = InFlight()
-    app = OpenAIApp(StaticDirectory([model]), inflight, lambda: {})
+    app = OpenAIApp(StaticDirectory([fake_model]), inflight, lambda: {})
     body = {"model": "fake", "prompt": "abc", "options": {"num_predict": 200}}
-    answer: list[Answer] = []
-
-    async def ask() -> None:
-        answer.append(await call(app, "POST", "/api/generate", body=body))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ask)
-        await trio.sleep(0.1)  # it streams (200 tokens take longer)
-        inflight.expire_now()
-    *parts, last = lines(answer[0])
+    # 0.1 s in, it streams (200 tokens take longer)
+    answer = await call_and(app, "POST", "/api/generate", inflight.expire_now, after=0.1, body=body)
+    *parts, last = lines(answer)
     assert parts and all("response" in p for p in parts)
     assert "shut down" in last["error"]

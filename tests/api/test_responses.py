@@ -12,22 +12,8 @@ import trio
 
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
-from meshagent.serving.local_model import LocalModel
-from meshagent.testing.fake_engine import FakeEngine
-from tests.api.asgi import Answer, call
+from tests.api.asgi import Answer, call, call_and
 from tests.api.test_forwarding import PipeDirectory, StaticDirectory
-
-
-@pytest.fixture
-async def model(nursery):
-    model = LocalModel.whole(FakeEngine(slots=2, delay=0.002), max_queue=4)
-    await nursery.start(model.run)
-    return model
-
-
-@pytest.fixture
-def app(model):
-    return OpenAIApp(StaticDirectory([model]), InFlight(), lambda: {})
 
 
 def events(answer: Answer) -> list[dict]:
@@ -45,9 +31,9 @@ async def chat_text(app, **extra) -> tuple[str, dict]:
     return r.json()["choices"][0]["message"]["content"], r.json()["usage"]
 
 
-async def test_a_response_is_the_chat_completion_it_asks_for(app):
-    text, usage = await chat_text(app)
-    r = await call(app, "POST", "/v1/responses", body=ASK)
+async def test_a_response_is_the_chat_completion_it_asks_for(fake_app):
+    text, usage = await chat_text(fake_app)
+    r = await call(fake_app, "POST", "/v1/responses", body=ASK)
     assert r.status == 200, r.body
     body = r.json()
     assert body["object"] == "response" and body["id"].startswith("resp_")
@@ -60,9 +46,9 @@ async def test_a_response_is_the_chat_completion_it_asks_for(app):
     assert body["usage"]["total_tokens"] == usage["total_tokens"]
 
 
-async def test_a_streamed_response_is_the_responses_event_sequence(app):
-    text, _ = await chat_text(app)
-    r = await call(app, "POST", "/v1/responses", body={**ASK, "stream": True})
+async def test_a_streamed_response_is_the_responses_event_sequence(fake_app):
+    text, _ = await chat_text(fake_app)
+    r = await call(fake_app, "POST", "/v1/responses", body={**ASK, "stream": True})
     assert r.status == 200 and r.header("content-type") == "text/event-stream"
     got = events(r)
     kinds = [e["type"] for e in got]
@@ -84,31 +70,35 @@ async def test_a_streamed_response_is_the_responses_event_sequence(app):
     assert got[-1]["response"]["output"][0]["content"][0]["text"] == text
 
 
-async def test_a_response_goes_on_from_the_one_before(app):
-    first = (await call(app, "POST", "/v1/responses", body=ASK)).json()
-    r = await call(app, "POST", "/v1/responses", body={**ASK, "previous_response_id": first["id"]})
+async def test_a_response_goes_on_from_the_one_before(fake_app):
+    first = (await call(fake_app, "POST", "/v1/responses", body=ASK)).json()
+    r = await call(
+        fake_app, "POST", "/v1/responses", body={**ASK, "previous_response_id": first["id"]}
+    )
     assert r.status == 200
     assert r.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"] + 12
-    r = await call(app, "POST", "/v1/responses", body={**ASK, "previous_response_id": "resp_x"})
+    r = await call(
+        fake_app, "POST", "/v1/responses", body={**ASK, "previous_response_id": "resp_x"}
+    )
     assert r.status == 400 and r.json()["error"]["code"] == "previous_response_not_found"
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_errors_before_any_text_keep_their_status_and_shape(app, stream):
+async def test_errors_before_any_text_keep_their_status_and_shape(fake_app, stream):
     for body, status, code in (
         ({**ASK, "model": "nope"}, 404, "model_not_found"),
         ({**ASK, "max_output_tokens": 100_000}, 400, "context_length_exceeded"),
         ({**ASK, "reasoning": {"effort": "high"}}, 400, "unsupported_parameter"),
     ):
-        r = await call(app, "POST", "/v1/responses", body={**body, "stream": stream})
+        r = await call(fake_app, "POST", "/v1/responses", body={**body, "stream": stream})
         assert r.status == status, r.body
         assert r.json()["error"]["code"] == code
 
 
-async def test_a_response_from_the_agent_that_serves_the_model(app):
-    own = (await call(app, "POST", "/v1/responses", body=ASK)).json()
+async def test_a_response_from_the_agent_that_serves_the_model(fake_app):
+    own = (await call(fake_app, "POST", "/v1/responses", body=ASK)).json()
     async with trio.open_nursery() as nursery:
-        asker = OpenAIApp(PipeDirectory(nursery, app, "fake"), InFlight(), lambda: {})
+        asker = OpenAIApp(PipeDirectory(nursery, fake_app, "fake"), InFlight(), lambda: {})
         r = await call(asker, "POST", "/v1/responses", body=ASK)
         nursery.cancel_scope.cancel()
     assert r.status == 200, r.body
@@ -116,21 +106,14 @@ async def test_a_response_from_the_agent_that_serves_the_model(app):
     assert r.json()["usage"] == own["usage"]
 
 
-async def test_a_stream_cut_by_the_shutdown_ends_in_response_failed(model):
+async def test_a_stream_cut_by_the_shutdown_ends_in_response_failed(fake_model):
     inflight = InFlight()
-    app = OpenAIApp(StaticDirectory([model]), inflight, lambda: {})
+    app = OpenAIApp(StaticDirectory([fake_model]), inflight, lambda: {})
     body = {**ASK, "max_output_tokens": 200, "stream": True}
-    answer: list[Answer] = []
-
-    async def ask() -> None:
-        answer.append(await call(app, "POST", "/v1/responses", body=body))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ask)
-        await trio.sleep(0.1)  # it streams (200 tokens take longer)
-        inflight.expire_now()
-    got = events(answer[0])
-    assert answer[0].status == 200
+    # 0.1 s in, it streams (200 tokens take longer)
+    answer = await call_and(app, "POST", "/v1/responses", inflight.expire_now, after=0.1, body=body)
+    got = events(answer)
+    assert answer.status == 200
     assert [e["type"] for e in got[-2:]] == ["error", "response.failed"]
     assert got[-2]["code"] == "shutting_down"
     assert got[-1]["response"]["error"]["code"] == "shutting_down"
