@@ -50,7 +50,8 @@ from meshagent.net.tcp import TcpTransport
 from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL
-from meshagent.serving.mesh_model import MeshModel, MeshModelSettings
+from meshagent.serving.mesh_model import MeshModel
+from meshagent.serving.settings import ServingSettings
 from meshagent.wire.handshake import LocalPeer
 
 log = structlog.get_logger(__name__)
@@ -170,7 +171,7 @@ class Services:
         port = urlsplit(api_url).port or 0
         self.access = Access.for_binding(config.api_keys, config.api_host, port)
         self.app = OpenAIApp(
-            self.model,
+            self.model.directory,
             self.inflight,
             partial(control.status, self),
             peers=partial(control.peers, self),
@@ -226,16 +227,8 @@ class Services:
             gossip=self.gossip,
             capabilities=self.capabilities,
             reach=self.dialer.reach,
-            settings=MeshModelSettings(
-                slots=cfg.slots,
-                slot_ctx=cfg.ctx_size,
-                threads=cfg.threads,
-                max_queue=cfg.max_queue,
-                wire_dtype=cfg.wire_dtype,
-                replay_deadline=cfg.replay_deadline,
-                speculation=cfg.speculation,
-                prefix_cache=cfg.prefix_cache,
-                vram=sum(d.offer_bytes for d in advertisement.device_offers(cfg)),
+            settings=ServingSettings.of(
+                cfg, vram=sum(d.offer_bytes for d in advertisement.device_offers(cfg))
             ),
         )
 
