@@ -51,6 +51,7 @@ from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL
 from meshagent.serving.mesh_model import MeshModel
+from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.settings import ServingSettings
 from meshagent.wire.handshake import LocalPeer
 
@@ -219,10 +220,7 @@ class Services:
         cfg = self.config
         return MeshModel(
             peer_id=self.identity.peer_id,
-            model_path=path,
-            layout=layout,
-            info=info,
-            store=self.store,
+            files=ModelFiles(path, layout, info, self.store),
             overlay=self.overlay,
             gossip=self.gossip,
             capabilities=self.capabilities,

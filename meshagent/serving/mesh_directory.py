@@ -9,6 +9,7 @@ recovery (`serving/recovery.py`), which also waits on its changes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -27,23 +28,16 @@ from meshagent.serving.settings import ServingSettings
 UNSERVED_SETTLE = 3.0
 
 
+@dataclass(eq=False)
 class MeshDirectory:
-    def __init__(
-        self,
-        *,
-        peer_id: str,
-        info: ModelInfo,
-        layout: ModelLayout,
-        placement: PlacementService,
-        overlay: Any,
-        settings: ServingSettings,
-    ) -> None:
-        self.peer_id = peer_id
-        self.info = info
-        self.layout = layout
-        self.placement = placement
-        self.overlay = overlay
-        self.settings = settings
+    peer_id: str
+    info: ModelInfo
+    layout: ModelLayout
+    placement: PlacementService
+    overlay: Any
+    settings: ServingSettings
+
+    def __post_init__(self) -> None:
         self.model: LocalModel | None = None  # offered here: its runner runs
         self._receipt: Headers = []
         self._offers = trio.Event()  # set (and replaced) whenever the offer changes

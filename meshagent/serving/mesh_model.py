@@ -18,19 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import structlog
 import trio
 
 from meshagent.capacity import offered_memory
-from meshagent.engine.base import ModelInfo
 from meshagent.errors import MeshError
 from meshagent.gossip.peer_record import Serving
-from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.family import family_traits
-from meshagent.models.layout import ModelLayout
 from meshagent.net.errors import ConnectionUnavailable
 from meshagent.net.stream import MeshStream
 from meshagent.placement.negotiation import plan_digest
@@ -38,6 +34,7 @@ from meshagent.placement.planner import ModelCost
 from meshagent.placement.service import PlacementService, Snapshot
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.mesh_directory import MeshDirectory
+from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.obtain import ArtifactSource, needed_by
 from meshagent.serving.parts import Parts
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
@@ -54,10 +51,7 @@ class MeshModel:
         self,
         *,
         peer_id: str,
-        model_path: Path,
-        layout: ModelLayout,
-        info: ModelInfo,
-        store: ArtifactStore,
+        files: ModelFiles,
         overlay: Any,
         gossip: Snapshot,
         capabilities: Capabilities,
@@ -65,20 +59,18 @@ class MeshModel:
         reach: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.peer_id = peer_id
-        self.model_path = model_path
-        self.layout = layout
-        self.info = info
-        self.store = store
+        self.files = files
+        self.info, self.layout = files.info, files.layout
         self.overlay = overlay
         self._reach = reach  # connect to a peer now (the dialer), for a stream that must go
         self.settings = settings
         self.capabilities = capabilities
-        self.cost = ModelCost.from_layout(info.id, layout)
+        self.cost = ModelCost.from_layout(files.info.id, files.layout)
         self.source = ArtifactSource(
             peer_id=peer_id,
-            model_path=model_path,
-            layout=layout,
-            store=store,
+            model_path=files.path,
+            layout=files.layout,
+            store=files.store,
             views=lambda: self.placement.gossip.snapshot(),
             open_stream=self._open_stream,
         )
@@ -93,8 +85,8 @@ class MeshModel:
         )
         self.directory = MeshDirectory(
             peer_id=peer_id,
-            info=info,
-            layout=layout,
+            info=files.info,
+            layout=files.layout,
             placement=self.placement,
             overlay=overlay,
             settings=settings,
@@ -102,10 +94,7 @@ class MeshModel:
         self.rerouting = Rerouting(peer_id, self.placement, self.directory)
         self.parts = Parts(
             peer_id=peer_id,
-            model_path=model_path,
-            layout=layout,
-            info=info,
-            store=store,
+            files=files,
             source=self.source,
             placement=self.placement,
             capabilities=capabilities,
@@ -161,7 +150,7 @@ class MeshModel:
         brings)."""
         if self.cost.split_refusal is None or not family_traits(self.layout).certifiable:
             return
-        sha = await trio.to_thread.run_sync(lambda: self.store.source_sha256(self.model_path))
+        sha = await trio.to_thread.run_sync(lambda: self.files.store.source_sha256(self.files.path))
         while True:
             signed = self.capabilities.for_model(sha)
             if signed is not None and signed.record.exact_dtypes():

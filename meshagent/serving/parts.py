@@ -11,19 +11,15 @@ rewired to its new neighbours, and the entry's requests replay on the new chain
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import structlog
 import trio
 
 from meshagent.capacity import offered_memory
 from meshagent.config import prefix_budget
-from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import LlamaEngine
 from meshagent.errors import EngineError, ModelMoved
-from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice
-from meshagent.models.layout import ModelLayout
 from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import Plan, offloaded_layers
 from meshagent.placement.service import PlacementService
@@ -31,6 +27,7 @@ from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.embeddings import Embedder
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.mesh_directory import MeshDirectory
+from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.obtain import ArtifactSource
 from meshagent.serving.receipts import split_receipt, whole_receipt
 from meshagent.serving.recovery import Rerouting
@@ -52,10 +49,7 @@ class Parts:
         self,
         *,
         peer_id: str,
-        model_path: Path,
-        layout: ModelLayout,
-        info: ModelInfo,
-        store: ArtifactStore,
+        files: ModelFiles,
         source: ArtifactSource,
         placement: PlacementService,
         capabilities: Capabilities,
@@ -66,10 +60,7 @@ class Parts:
         published: Callable[[], None],
     ) -> None:
         self.peer_id = peer_id
-        self.model_path = model_path
-        self.layout = layout
-        self.info = info
-        self.store = store
+        self.files = files
         self.source = source
         self.placement = placement
         self.capabilities = capabilities
@@ -101,7 +92,7 @@ class Parts:
         """The layers of the model this agent runs: all of them unless it holds a stage."""
         if self.split is not None and self.split.part is not None:
             return self.split.part.start, self.split.part.end
-        return 0, self.layout.n_layers
+        return 0, self.files.layout.n_layers
 
     # ----- placement's calls -----
 
@@ -164,12 +155,12 @@ class Parts:
     async def _load_whole(self, plan: Plan) -> None:
         s = self.settings
         # A partial copy of a hub model is completed (and checked whole) first.
-        await self.source.complete(self.info, self.placement.gossip)
+        await self.source.complete(self.files.info, self.placement.gossip)
         n, ctx = self.placement.cost.n_layers, plan.context_tokens
         gpu = offloaded_layers(self.placement.cost, 0, n, ctx, s.vram)
         engine = await trio.to_thread.run_sync(
             lambda: LlamaEngine(
-                self.model_path,
+                self.files.path,
                 slots=s.slots,
                 slot_ctx=s.slot_ctx,
                 threads=s.threads,
@@ -180,24 +171,21 @@ class Parts:
         budget = self.prefix_budget(plan)
         self.local = LocalModel.whole(engine, max_queue=s.max_queue, prefix_budget=budget)
         self.local.speculation = s.speculation
-        self.local.embedder = Embedder(str(self.model_path), threads=s.threads)
+        self.local.embedder = Embedder(str(self.files.path), threads=s.threads)
 
     async def _load_stage(self, plan: Plan) -> None:
         s = self.settings
         wire = self.wire = await choose_wire(
             s.wire_dtype,
-            store=self.store,
-            model_path=self.model_path,
-            layout=self.layout,
+            store=self.files.store,
+            model_path=self.files.path,
+            layout=self.files.layout,
             capabilities=self.capabilities,
             changed=lambda: self.placement.changed.wait(),
         )
         host = SplitHost(
             peer_id=self.peer_id,
-            model_path=self.model_path,
-            layout=self.layout,
-            info=self.info,
-            store=self.store,
+            files=self.files,
             open_stream=self._open_stream,
             obtain=self.source.obtain,
             settings=s,
@@ -238,7 +226,7 @@ class Parts:
             judge_windows(self.split.pipeline, plan, views, self.peer_id)
 
     def _whole_receipt(self) -> list[tuple[bytes, bytes]]:
-        return whole_receipt(self.peer_id, self.layout.n_layers)
+        return whole_receipt(self.peer_id, self.files.layout.n_layers)
 
     def _split_receipt(self, plan: Plan) -> list[tuple[bytes, bytes]]:
         assert self.wire is not None

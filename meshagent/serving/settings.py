@@ -28,14 +28,18 @@ class ServingSettings:
     @classmethod
     def of(cls, config: AgentConfig, *, vram: int = 0) -> ServingSettings:
         """The settings `config` gives, with `vram` bytes of GPU memory offered."""
-        return cls(
-            slots=config.slots,
-            slot_ctx=config.ctx_size,
-            threads=config.threads,
-            max_queue=config.max_queue,
-            wire_dtype=config.wire_dtype,
-            replay_deadline=config.replay_deadline,
-            speculation=config.speculation,
-            prefix_cache=config.prefix_cache,
-            vram=vram,
-        )
+        given = {name: getattr(config, field) for name, field in _FROM_CONFIG.items()}
+        return cls(**given, vram=vram)
+
+
+# Each setting taken from the agent's config: its field there (the command line's name).
+_FROM_CONFIG = {
+    "slots": "slots",
+    "slot_ctx": "ctx_size",
+    "threads": "threads",
+    "max_queue": "max_queue",
+    "wire_dtype": "wire_dtype",
+    "replay_deadline": "replay_deadline",
+    "speculation": "speculation",
+    "prefix_cache": "prefix_cache",
+}

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
 import trio
 
-from meshagent.engine.base import ModelInfo
 from meshagent.engine.stage import StageEngine
 from meshagent.errors import EngineError
-from meshagent.models.artifacts import ArtifactStore
-from meshagent.models.layout import ModelLayout
 from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import ModelCost, Plan, StageAssignment, offloaded_layers
 from meshagent.serving.local_model import LocalModel
+from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.pipeline import (
     ACTIVATION_WINDOW_BYTES,
     ACTIVATION_WINDOW_FRAMES,
@@ -64,20 +61,14 @@ class SplitHost:
         self,
         *,
         peer_id: str,
-        model_path: Path,
-        layout: ModelLayout,
-        info: ModelInfo,
-        store: ArtifactStore,
+        files: ModelFiles,
         open_stream: OpenStream,
         settings: ServingSettings,
         budgets: PartBudgets,
         obtain: Obtain | None = None,
     ) -> None:
         self.peer_id = peer_id
-        self.model_path = model_path
-        self.layout = layout
-        self.info = info
-        self.store = store
+        self.files = files
         self._open_stream = open_stream  # (peer_id, label, **window) -> stream
         # (kind, start, end): have the store hold that artifact (`serving/obtain.py`); None:
         # the store cuts it from the whole file when asked.
@@ -152,19 +143,19 @@ class SplitHost:
         part = next((s for s in plan.stages if s.peer_id == self.peer_id), None)
         if part is None:
             raise EngineError(f"peer {self.peer_id} has no part in this plan")
-        s, b = self.settings, self.budgets
+        s, b, f = self.settings, self.budgets, self.files
         await self._obtain("layers", part.start, part.end)
         layers_path, _ = await trio.to_thread.run_sync(
-            lambda: self.store.ensure_layers(self.model_path, part.start, part.end, self.layout)
+            lambda: f.store.ensure_layers(f.path, part.start, part.end, f.layout)
         )
-        cost = ModelCost.from_layout(self.info.id, self.layout)
+        cost = ModelCost.from_layout(self.files.info.id, self.files.layout)
         gpu = offloaded_layers(cost, part.start, part.end, plan.context_tokens, s.vram)
         engine = await trio.to_thread.run_sync(
             lambda: StageEngine(
                 layers_path,
                 start=part.start,
                 end=part.end,
-                total_layers=self.layout.n_layers,
+                total_layers=self.files.layout.n_layers,
                 slots=s.slots,
                 slot_ctx=s.slot_ctx,
                 threads=s.threads,
@@ -182,10 +173,10 @@ class SplitHost:
         if part.start == 0:
             await self._obtain("entry", 0, 0)
             entry_path, _ = await trio.to_thread.run_sync(
-                lambda: self.store.ensure_entry(self.model_path, self.layout)
+                lambda: self.files.store.ensure_entry(self.files.path, self.files.layout)
             )
             self._entry = await trio.to_thread.run_sync(
-                lambda: EntryEngine(entry_path, engine, self.info, self.layout.weight_types)
+                lambda: EntryEngine(entry_path, engine, f.info, f.layout.weight_types)
             )
             assert nxt is not None
             biggest = max(st.end - st.start for st in plan.stages)
@@ -207,7 +198,7 @@ class SplitHost:
         elif nxt is not None:
             self.server = StageServer(
                 engine,
-                n_vocab=self.info.n_vocab,
+                n_vocab=self.files.info.n_vocab,
                 kept_budget=b.kept_budget,
                 open_next=lambda: self._open_stream(self._next, STAGE_LABEL, **window),
                 open_reply=None,
@@ -215,7 +206,7 @@ class SplitHost:
         else:
             self.server = StageServer(
                 engine,
-                n_vocab=self.info.n_vocab,
+                n_vocab=self.files.info.n_vocab,
                 kept_budget=b.kept_budget,
                 open_next=None,
                 open_reply=lambda: self._open_stream(self._entry_peer, REPLY_LABEL),

@@ -15,6 +15,7 @@ from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
 from meshagent.serving.mesh_model import MeshModel
+from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.obtain import cuts_here, spare_cuts
 from meshagent.serving.settings import ServingSettings
 from meshagent.serving.wire_choice import judge_windows
@@ -25,10 +26,7 @@ def _mesh_model(pid, world, model_path, store, settings):
     layout, info = inspect_model(model_path), read_model_info(model_path)
     return MeshModel(
         peer_id=pid,
-        model_path=model_path,
-        layout=layout,
-        info=info,
-        store=store,
+        files=ModelFiles(model_path, layout, info, store),
         overlay=FakeOverlay(),
         gossip=FakeGossip(world, pid),
         capabilities=Capabilities(
@@ -177,3 +175,22 @@ def test_a_splits_entry_keeps_prefixes_within_every_stages_room(model_path, stor
     assert (
         b.parts.free_bytes(plan, "b") == room["b"] == a.parts.free_bytes(plan, "b")
     )  # as b holds it
+
+
+def test_the_serving_settings_are_the_configs_where_it_names_them():
+    from meshagent.config import AgentConfig
+
+    config = AgentConfig(
+        ctx_size=1024,
+        slots=3,
+        max_queue=7,
+        threads=2,
+        wire_dtype="f16",
+        replay_deadline=12.5,
+        speculation="off",
+        prefix_cache=4096,
+    )
+    got = ServingSettings.of(config, vram=1 << 30)
+    assert (got.slot_ctx, got.slots, got.max_queue, got.threads) == (1024, 3, 7, 2)
+    assert (got.wire_dtype, got.replay_deadline, got.speculation) == ("f16", 12.5, "off")
+    assert (got.prefix_cache, got.vram) == (4096, 1 << 30)

@@ -14,6 +14,7 @@ from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
 from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving import stage_messages as sm
+from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.settings import ServingSettings
@@ -50,10 +51,7 @@ async def start_hosts(nursery, model_path, store):
     for node in nodes:
         host = SplitHost(
             peer_id=node.peer_id,
-            model_path=model_path,
-            layout=layout,
-            info=info,
-            store=store,
+            files=ModelFiles(model_path, layout, info, store),
             open_stream=node.open_stream,
             settings=ServingSettings(slots=4, slot_ctx=1024, threads=1, flash_attn=False),
             budgets=PartBudgets(wire_dtype="f32", kept_budget=1 << 30),
@@ -197,10 +195,7 @@ def host_in(plan: Plan, peer: str) -> SplitHost:
     """A split host of `peer`'s part of `plan`, as `load` leaves it, without the engine."""
     host = SplitHost(
         peer_id=peer,
-        model_path=None,  # type: ignore[arg-type]
-        layout=None,  # type: ignore[arg-type]
-        info=None,  # type: ignore[arg-type]
-        store=None,  # type: ignore[arg-type]
+        files=None,  # type: ignore[arg-type]
         open_stream=None,  # type: ignore[arg-type]
         settings=ServingSettings(),
         budgets=PartBudgets(),
