@@ -3,12 +3,13 @@ first content and its end arrived."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from meshagent.sse_client import iter_events
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,10 @@ def stream_chat(url: str, body: dict[str, Any], timeout: float = 600) -> Streame
     text, usage, first = "", None, None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        for event in iter_events(r):
+            if event.done:
                 continue
-            chunk = json.loads(line[6:])
+            chunk = event.json()
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from meshagent.launch import cpu_seconds, start_agent
+from meshagent.sse_client import iter_events
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a map."
 
@@ -77,10 +78,10 @@ def run_api(url: str, model: str, max_tokens: int, client: str) -> tuple[float, 
         "stream": True,
     }
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        for event in iter_events(r):
+            if event.done:
                 continue
-            choices = json.loads(line[6:])["choices"]
+            choices = event.json()["choices"]
             if choices and choices[0]["delta"].get("content"):
                 arrivals.append(time.perf_counter())
     return decode_rate(arrivals), len(arrivals)

@@ -28,6 +28,7 @@ import httpx
 import trio
 
 from meshagent.launch import AgentProcess, cpu_seconds, start_agent
+from meshagent.sse_client import aiter_events
 
 PROMPT = "1, 2, 3, 4, 5, 6,"  # a greedy model keeps counting: every request runs to max_tokens
 SMALL = ["--max-memory", "80M", "--slots", "4", "--ctx-size", "512", "--threads", "1"]
@@ -52,10 +53,10 @@ async def one_stream(
         httpx.AsyncClient(timeout=300) as client,
         client.stream("POST", f"{url}/v1/completions", json=body) as r,
     ):
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for event in aiter_events(r):
+            if event.done:
                 continue
-            chunk = json.loads(line[6:])
+            chunk = event.json()
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 arrivals.append(time.perf_counter())
             receipt = (chunk.get("usage") or {}).get("meshagent")

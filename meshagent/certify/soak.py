@@ -28,6 +28,7 @@ from meshagent.launch import AgentProcess, start_agent
 from meshagent.models.capability import CapabilityStore, SignedRecord
 from meshagent.models.layout import ModelLayout
 from meshagent.placement.planner import ModelCost, PeerCapacity, PlanError, plan
+from meshagent.sse_client import iter_events
 
 AGENTS = 3
 HEADROOM = 0.1  # placement's default
@@ -88,11 +89,11 @@ def _text(agent: AgentProcess, model_id: str, prompt: Prompt, tokens: int, strea
             choice = r.json()["choices"][0]
             return choice["message"]["content"] if chat else choice["text"]
         text, done = "", False
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
+        for event in iter_events(r):
+            if event.done:
                 done = True
-            elif line.startswith("data: "):
-                choices = json.loads(line[6:])["choices"]
+            else:
+                choices = event.json()["choices"]
                 if choices:
                     delta = choices[0]["delta"].get("content") if chat else choices[0]["text"]
                     text += delta or ""

@@ -1,6 +1,7 @@
 """The load driver: runs inside a lab host, sends chat completions to the agent on that host's
-loopback and writes one JSON line per request. Standard library only, so that it starts fast
-and costs little CPU next to the agents.
+loopback and writes one JSON line per request. Standard library only (and the package's SSE
+decoder, itself standard library only), so that it starts fast and costs little CPU next to the
+agents.
 
     python net-sim/netsim/workload.py --out run.jsonl --mix soak --requests 200 --concurrency 2
 
@@ -26,6 +27,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any
+
+from meshagent.sse_client import EventDecoder
 
 SHORT_PROMPTS = (
     "Say hello in French.",
@@ -363,44 +366,38 @@ def _usage(rec: dict[str, Any], usage: dict[str, Any]) -> None:
 
 
 def _read_stream(resp: http.client.HTTPResponse, rec: dict[str, Any], rel) -> None:
-    buf = b""
+    decoder = EventDecoder()
     chunks: list[float] = rec["chunks"]
     while True:
         data = resp.read1(65536)
         if not data:
             break
         now = rel()
-        buf += data
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:].strip()
-                if payload == b"[DONE]":
-                    rec["done"] = True
-                    continue
-                try:
-                    msg = json.loads(payload)
-                except ValueError as e:
-                    raise Failure(
-                        "bad_body", f"a stream event that is not JSON: {payload[:200]!r}"
-                    ) from e
-                if "error" in msg:
-                    code, message = _error_text(msg)
-                    raise Failure("stream_error", f"error event mid-stream {code}: {message}")
-                if msg.get("usage"):
-                    _usage(rec, msg["usage"])
-                for choice in msg.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if rec["t_first"] is None:
-                            rec["t_first"] = now
-                        chunks.append(now)
-                        rec["text_chars"] += len(content)
-                        rec["text"] += content
-                    if choice.get("finish_reason"):
-                        rec["finish_reason"] = choice["finish_reason"]
+        for event in decoder.feed(data):
+            if event.done:
+                rec["done"] = True
+                continue
+            try:
+                msg = event.json()
+            except ValueError as e:
+                raise Failure(
+                    "bad_body", f"a stream event that is not JSON: {event.data[:200]!r}"
+                ) from e
+            if "error" in msg:
+                code, message = _error_text(msg)
+                raise Failure("stream_error", f"error event mid-stream {code}: {message}")
+            if msg.get("usage"):
+                _usage(rec, msg["usage"])
+            for choice in msg.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    if rec["t_first"] is None:
+                        rec["t_first"] = now
+                    chunks.append(now)
+                    rec["text_chars"] += len(content)
+                    rec["text"] += content
+                if choice.get("finish_reason"):
+                    rec["finish_reason"] = choice["finish_reason"]
     rec["complete"] = rec["finish_reason"] is not None and rec["done"]
     if not rec["complete"]:
         missing = [

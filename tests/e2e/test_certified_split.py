@@ -5,13 +5,13 @@ model's answers."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from meshagent.sse_client import iter_events
 from meshagent.testing.tiny_gguf import write_tiny_jamba, write_tiny_mamba
 from tests.e2e.agents import invite, status, wait_for
 
@@ -34,11 +34,11 @@ def _complete(agent, model_id: str, stream: bool) -> str:
         "POST", f"{agent.url}/v1/completions", json={**body, "stream": True}, timeout=60
     ) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
+        for event in iter_events(r):
+            if event.done:
                 done = True
-            elif line.startswith("data: "):
-                text += json.loads(line[6:])["choices"][0]["text"]
+            else:
+                text += event.json()["choices"][0]["text"]
     assert done
     return text
 

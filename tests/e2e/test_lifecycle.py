@@ -14,6 +14,7 @@ import pytest
 from openai import OpenAI
 
 from meshagent.launch import AgentProcess
+from meshagent.sse_client import iter_events
 from tests.e2e.agents import status, wait_for
 
 COUNTING = "1, 2, 3, 4, 5, 6,"  # greedy decoding keeps counting until max_tokens
@@ -34,11 +35,8 @@ def _stream_completion(
     out[key] = events
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         out[f"status{key}"] = r.status_code
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[6:]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        for event in iter_events(r):
+            events.append(event.data if event.done else event.json())
             started.set()
 
 

@@ -13,6 +13,7 @@ import pytest
 from openai import OpenAI
 
 from meshagent.launch import AgentProcess
+from meshagent.sse_client import iter_events
 
 HELLO = [{"role": "user", "content": "Write two sentences about the moon."}]
 
@@ -316,14 +317,14 @@ def test_sse_is_incremental(agent: AgentProcess, model_id: str) -> None:
     }
     with httpx.stream("POST", f"{agent.url}/v1/completions", json=body) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
-        lines = r.iter_lines()  # one iterator: dropping it would close the response
-        for line in lines:
-            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+        events = iter_events(r)  # one iterator: dropping it would close the response
+        for event in events:
+            if event.json()["choices"][0]["text"]:
                 break
         st = httpx.get(f"{agent.url}/control/status").json()
         assert st["in_flight"] == 1
-        rest = list(lines)
-    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+        rest = list(events)
+    assert rest[-1].done
 
 
 DOC = json.dumps(

@@ -5,13 +5,13 @@ temperature 0.8."""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
 
 import httpx
 
+from meshagent.sse_client import iter_events
 from tests.e2e.agents import invite, wait_for
 from tests.e2e.test_split_serving import SMALL, _get, _show_logs
 
@@ -34,11 +34,11 @@ def _stream(
     text, usage, done, chunks = "", None, False, 0
     with httpx.stream("POST", f"{agent.url}/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
+        for event in iter_events(r):
+            if event.done:
                 done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
+            else:
+                chunk = event.json()
                 assert "error" not in chunk, chunk
                 usage = chunk.get("usage") or usage
                 if chunk["choices"] and chunk["choices"][0]["text"]:

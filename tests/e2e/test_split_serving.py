@@ -8,6 +8,7 @@ import httpx
 import jsonschema
 import pytest
 
+from meshagent.sse_client import iter_events
 from meshagent.testing.structured_output import (
     MAX_TOKENS,
     PEOPLE,
@@ -51,11 +52,11 @@ def _request(agent, model_id, kind: str, stream: bool) -> tuple[str, httpx.Heade
             choice = r.json()["choices"][0]
             return (choice["message"]["content"] if chat else choice["text"]), r.headers
         text, done = "", False
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
+        for event in iter_events(r):
+            if event.done:
                 done = True
-            elif line.startswith("data: "):
-                choices = json.loads(line[6:])["choices"]
+            else:
+                choices = event.json()["choices"]
                 if choices:
                     part = choices[0]["delta"].get("content") if chat else choices[0]["text"]
                     text += part or ""
