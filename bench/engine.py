@@ -8,15 +8,14 @@ engines; the median is reported. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import result_file
 
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
@@ -164,11 +163,9 @@ def main() -> None:
         "decode_steps": args.decode_steps,
         "numpy_decode_steps": args.numpy_decode_steps,
         "results": rows,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": result_file.machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    result_file.write(args.out, result)
 
 
 if __name__ == "__main__":

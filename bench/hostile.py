@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import result_file
 import trio
 from split import SMALL, start_split
 
@@ -355,11 +354,9 @@ def main() -> None:
         "hostile": tally.to_json(),
         "acceptance": criteria,
         "member_cpu_s": round(own, 1),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": result_file.machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out} (the agents' warnings in {logs}/)")
+    result_file.write(args.out, result, f" (the agents' warnings in {logs}/)")
     sys.exit(0 if all(criteria.values()) else 1)
 
 

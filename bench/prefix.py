@@ -14,15 +14,14 @@ reused length.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import result_file
 from chat_stream import stream_chat
 
 from meshagent.launch import start_agent
@@ -120,7 +119,7 @@ def main() -> None:
         "benchmark": "prefix",
         "threads": args.threads,
         "rounds": args.rounds,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": result_file.machine(),
         "prompt_tokens": {
             "first": med(cached, "first", "prompt_tokens"),
             "second": med(cached, "second", "prompt_tokens"),
@@ -154,9 +153,7 @@ def main() -> None:
         f"second turn / cold first turn: {result['second_vs_first']} (goal <= 0.2); "
         f"same text with the cache off: {'yes' if identical else 'NO'}"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    result_file.write(args.out, result)
 
 
 if __name__ == "__main__":

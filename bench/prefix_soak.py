@@ -15,9 +15,7 @@ Goal (issue 17): kept bytes never above the budget; every request answered; no s
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -27,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import result_file
 
 from meshagent.launch import start_agent
 
@@ -157,7 +156,7 @@ def main() -> None:
     cached = sum(r["cached_tokens"] for r in s["results"])
     result = {
         "benchmark": "prefix_soak",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": result_file.machine(),
         "settings": {k: str(v) for k, v in vars(args).items()},
         "requests": len(s["results"]),
         "budget_bytes": s["budget_bytes"],
@@ -190,9 +189,7 @@ def main() -> None:
     ok = result["within_budget"] and same == len(rerun) and result["requests"] == args.requests
     print(f"memory within --prefix-cache, every request answered, same texts: "
           f"{'yes' if ok else 'NO'}")  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    result_file.write(args.out, result)
 
 
 if __name__ == "__main__":

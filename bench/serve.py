@@ -8,15 +8,14 @@ and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import result_file
 
 from meshagent.launch import cpu_seconds, start_agent
 from meshagent.sse_client import iter_events
@@ -139,7 +138,7 @@ def main() -> None:
         "median_api_tok_s": med_api,
         "ratio": med_api / med_direct,
         "event_loop_cpu_ms_per_token": loop_ms,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": result_file.machine(),
     }
     print(f"{'path':<28}{'decode tok/s (median)':>24}{'tokens':>8}")
     print(f"{'llama-cpp-python direct':<28}{med_direct:>24.1f}{n_direct:>8}")
@@ -149,9 +148,7 @@ def main() -> None:
         "agent's event-loop thread: "
         f"{statistics.median(loop_ms):.2f} CPU ms per token (median of {len(loop_ms)} rounds)"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    result_file.write(args.out, result)
 
 
 if __name__ == "__main__":

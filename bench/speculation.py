@@ -34,13 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import result_file
 from chat_stream import stream_chat
 
 from meshagent.launch import start_agent
@@ -376,7 +376,7 @@ def main() -> None:
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "modes": modes,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": result_file.machine(),
         "workloads": table,
         "window_cost": {str(n): round(c, 3) for n, c in costs.items()},
         "engine_window_cost": {str(n): round(c, 3) for n, c in engine_costs.items()},
@@ -441,9 +441,7 @@ def main() -> None:
         "ceilings where that is less; of target: auto's gain (the default; the best mode's "
         "where auto did not run) over the target"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    result_file.write(args.out, result)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
+import result_file
 import trio
 
 from meshagent.launch import AgentProcess, cpu_seconds, start_agent
@@ -294,11 +293,9 @@ def main() -> None:
             "split_by_agent": cpu_split,
             "note": "(main thread, other threads) per agent; split agents in order a, b, c",
         },
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": result_file.machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    result_file.write(args.out, result)
 
 
 if __name__ == "__main__":
