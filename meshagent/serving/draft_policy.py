@@ -1,0 +1,221 @@
+"""When a speculating sequence drafts, how many tokens, and whether a window may follow one
+still in flight: the scheduler's drafting policy, beside it rather than inside it.
+
+A sequence submitted with `speculation` "on" or "auto" sends a draft after its last token when
+its own text proposes one (`SuffixDrafter`, `serving/drafting.py`): the step's item holds the
+token and the draft, the two a *window*, and the executor returns the tokens plain decoding
+would have made from it, one to len(draft) + 1 of them (`verify`). The policy knows the draft,
+so it reads the window's end from the tokens themselves: the first that differs from the
+draft, or the one after it (`judge`). The executor keeps the accepted positions of its cache
+and drops the rest.
+
+- "on": the draft's length follows its acceptance (`DraftLength`).
+- "auto": as many tokens as make a step yield the most tokens per unit of its time, or none
+  (`best_draft`): the drafts' acceptance (`Acceptance`: for a copy, how often it goes on,
+  which its drafter counts on every token; else of an n-gram window's first token and of one
+  after a right one, fed also by proposals it did not send) against what a window costs next
+  to one token's step (`WindowCost`, learnt from the decode steps the runner times,
+  `observe`, or in a split from each window's trip, from `next_step` to its last token).
+- With `max_windows` > 1 (a split's entry, whose tokens come back a trip later), a busy
+  sequence may send its next window before the verdict on those in flight (`follow_up`).
+
+A plain object, no I/O: the scheduler asks it and keeps the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from meshagent.serving.copying import TokenNames
+from meshagent.serving.drafting import (
+    MAX_DRAFT,
+    Acceptance,
+    DraftLength,
+    SuffixDrafter,
+    WindowCost,
+    best_draft,
+    follow_up_draft,
+)
+from meshagent.serving.sequence import DraftState, SeqState, Window
+
+SPECULATION = ("auto", "on", "off")
+
+
+@dataclass
+class DraftCounts:
+    """Drafts verified since the model was loaded (`SchedulerStats`)."""
+
+    windows: int = 0  # windows verified with a draft
+    tokens: int = 0  # draft tokens sent in them (a follow-up's guess, and void windows', too)
+    accepted: int = 0  # and of those, the ones that were right
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One token of a window, against the window's draft."""
+
+    at: int  # its place in the window (0: the first, which carries the step's timing)
+    right: bool  # it is the draft's next token: more of the window is coming
+    drafted: int  # the window's draft tokens, its guess included (once it closed: and void ones')
+    accepted: int  # of those, the ones right so far
+    windows: int = 0  # once it closed, with a draft: the windows in flight, itself included
+
+
+class DraftPolicy:
+    """Drafts for the scheduler's speculating sequences, and what their verdicts teach.
+    `slot_ctx` and `is_end`: a draft never runs past a slot, nor a window past a drafted end
+    of generation; `max_windows`: how many windows of one sequence an executor may hold in
+    flight; `names`: the vocabulary's names, which let drafts follow renames
+    (`serving/copying.py`)."""
+
+    def __init__(
+        self,
+        *,
+        slot_ctx: int,
+        is_end: Callable[[int], bool],
+        max_windows: int = 1,
+        names: TokenNames | None = None,
+    ) -> None:
+        self.slot_ctx = slot_ctx
+        self.max_windows = max(1, max_windows)
+        self._is_end = is_end
+        self._names = names
+        self.cost = WindowCost()  # a window against a step, for "auto" (`observe`)
+        self.counts = DraftCounts()
+
+    def start(
+        self, speculation: str, prompt: Sequence[int], history: Sequence[int]
+    ) -> DraftState | None:
+        """The drafting state of a sequence submitted with `speculation` ("auto", "on" or
+        "off": None)."""
+        if speculation not in SPECULATION:
+            raise ValueError(f"speculation must be auto, on or off, not {speculation!r}")
+        if speculation == "off":
+            return None
+        drafter = SuffixDrafter.answering(prompt, history, self._names)
+        if speculation == "auto":
+            return DraftState(drafter, acceptance=Acceptance(follow=drafter.follow))
+        return DraftState(drafter, length=DraftLength())
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step of decode tokens only (one per sequence, plus drafts) took `seconds`."""
+        self.cost.observe(tokens, seconds)
+
+    # ----- what to send -----
+
+    def draft(self, s: SeqState, budget: int) -> tuple[int, ...]:
+        """The draft to send after a decoding sequence's last token, within `budget` tokens,
+        its limit and its slot: () where it drafts none, or with "auto" where none pays."""
+        d = s.drafts
+        if d is None:
+            return ()
+        most = d.length.k if d.length is not None else MAX_DRAFT
+        room = min(most, budget, s.limit - s.generated - 1, self.slot_ctx - s.n_past - 1)
+        # The drafter holds the prompt, the history and every token since: the pending one
+        # is its last.
+        proposal = d.drafter.propose(room) if room > 0 else ()
+        d.copying = d.drafter.copying
+        if d.acceptance is None or not proposal:
+            return proposal
+        k = best_draft(d.acceptance, self.cost, len(proposal), copying=d.copying)
+        if not k:  # it would not pay: see whether its tokens would have been right
+            if not d.shadow and not d.copying:  # (a copy's tokens are counted as they come)
+                d.shadow, d.shadow_after = proposal, False
+            return ()
+        d.shadow = ()
+        if k < len(proposal) and not d.copying:  # (a copy's tokens are counted as they come)
+            d.beyond = proposal[k]
+        return proposal[:k]
+
+    def follow_up(self, s: SeqState, budget: int) -> tuple[int, ...]:
+        """A window to send before the verdict on the busy sequence's windows in flight: it
+        assumes every draft in flight is right, and its first token is the drafter's guess at
+        the token the last one ends with (`StepItem.follows`), the rest its draft; () where
+        none follows. A window never goes past a drafted end of generation nor, all counted,
+        past the sequence's limit, so no token comes for a sequence after it ended."""
+        d = s.drafts
+        if d is None or len(s.windows) >= self.max_windows:
+            return ()
+        ahead = [t for w in s.windows for t in w.ahead()]
+        if any(self._is_end(t) for t in ahead):
+            return ()  # a drafted end of generation: nothing follows it
+        promised = sum(len(w.draft) + 1 for w in s.windows) - s.windows[0].at
+        most = d.length.k if d.length is not None else MAX_DRAFT
+        room = min(  # drafts after the guess
+            most, budget - 1, s.limit - s.generated - promised - 1, self.slot_ctx - s.n_past - 2
+        )
+        proposal = d.drafter.propose(room + 1, ahead) if room >= 0 else ()
+        ends = [i for i, t in enumerate(proposal) if self._is_end(t)]
+        proposal = proposal[: ends[0] + 1] if ends else proposal
+        if not proposal or self._is_end(proposal[0]):
+            return ()
+        if d.acceptance is not None:
+            copying = s.windows[0].copying
+            k = follow_up_draft(d.acceptance, self.cost, len(ahead), proposal, copying=copying)
+            if k is None:
+                return ()
+            proposal = proposal[: k + 1]
+        return proposal
+
+    # ----- what comes back -----
+
+    def judge(self, w: Window, token: int) -> Verdict:
+        """`token`, the next to come back of window `w`, against its draft (and counted)."""
+        at, window = w.at, w.draft
+        w.at += 1
+        right = at < len(window) and token == window[at]
+        guessed = w.guess is not None  # and right, or its window would have been void
+        if at == 0 and (window or guessed):
+            self.counts.windows += 1
+            self.counts.tokens += len(window) + guessed
+            self.counts.accepted += guessed
+        self.counts.accepted += right
+        return Verdict(at, right, len(window) + guessed, at + right + guessed)
+
+    def closed(
+        self,
+        s: SeqState,
+        w: Window,
+        verdict: Verdict,
+        token: int,
+        *,
+        void: int,
+        now: float | None,
+    ) -> None:
+        """Window `w` of `s` ended with `token` (out of `s.windows`, those after it still
+        there), voiding `void` draft tokens of the windows after it: what it tells of drafts'
+        acceptance and, timed from `next_step` to `now`, of a window's cost."""
+        self.counts.tokens += void
+        d = s.drafts
+        if d is not None and d.beyond is not None:
+            # Every drafted token was right and no window follows: the model's own token
+            # here says whether the next proposed one would have been right too.
+            if verdict.at == len(w.draft) and not s.windows and d.acceptance is not None:
+                d.acceptance.then_seen(token == d.beyond)
+            d.beyond = None
+        if now is not None and w.sent_at is not None:
+            self.cost.observe(len(w.draft) + 1, now - w.sent_at)
+        drafted, accepted = verdict.drafted, verdict.accepted
+        if d is None or not drafted:
+            return
+        if d.length is not None:
+            d.length.update(drafted, accepted)
+        if d.acceptance is not None:
+            judged = accepted + (accepted < drafted)
+            d.acceptance.update(accepted, judged, run=w.guess is not None, copying=w.copying)
+
+    def read(self, s: SeqState, token: int) -> None:
+        """A token of `s` that it goes on after: its drafter reads it, and a proposal "auto"
+        did not send is checked against it."""
+        d = s.drafts
+        if d is None:
+            return
+        d.drafter.extend((token,))
+        if d.shadow and d.acceptance is not None:
+            hit = token == d.shadow[0]
+            if d.shadow_after:
+                d.acceptance.then_seen(hit)
+            else:
+                d.acceptance.update(hit, 1)
+            d.shadow, d.shadow_after = (d.shadow[1:] if hit else ()), True

@@ -1,0 +1,182 @@
+"""The drafting policy on its own: which drafts a sequence sends, what their verdicts teach,
+and when a window may follow one in flight; plain calls on a sequence's state, no scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshagent.serving.draft_policy import DraftCounts, DraftPolicy
+from meshagent.serving.drafting import MAX_DRAFT
+from meshagent.serving.sampling import SamplingParams
+from meshagent.serving.sequence import SeqState, Window
+
+GREEDY = SamplingParams(temperature=0.0)
+END = 0
+LOOP = (5, 6, 7, 8) * 3  # its text proposes 5, 6, 7, 8 next
+
+
+def policy(*, max_windows: int = 1, slope: float | None = None) -> DraftPolicy:
+    p = DraftPolicy(slot_ctx=64, is_end=lambda t: t == END, max_windows=max_windows)
+    if slope is not None:  # a window's cost, fixed
+        p.cost.slope, p.cost.jump, p.cost.weight = slope, 0.0, 0.0
+    return p
+
+
+def decoding(p: DraftPolicy, mode: str, prompt=LOOP, *, limit: int = 30) -> SeqState:
+    """A sequence whose prompt has run: its last token is its next input."""
+    s = SeqState(0, prompt, limit, GREEDY)
+    s.drafts = p.start(mode, prompt, ())
+    s.n_past = len(prompt) - 1
+    return s
+
+
+def sent(s: SeqState, draft: tuple[int, ...], *, guess: int | None = None, at=None) -> Window:
+    """`s` sends a window with `draft` (a follow-up with `guess`), timed from `at`."""
+    w = Window(s.n_past, draft, guess, sent_at=at)
+    s.windows.append(w)
+    s.n_past += len(draft) + 1 + (guess is not None)
+    s.busy = True
+    return w
+
+
+def test_a_sequence_drafts_as_its_speculation_says():
+    p = policy()
+    assert p.start("off", LOOP, ()) is None
+    on = p.start("on", LOOP, ())
+    assert on is not None and on.length is not None and on.acceptance is None
+    auto = p.start("auto", LOOP, ())
+    assert auto is not None and auto.length is None and auto.acceptance is not None
+    # "auto" judges a copy by how often the copy goes on, which its drafter counts
+    assert auto.acceptance.follow is auto.drafter.follow
+    with pytest.raises(ValueError):
+        p.start("always", LOOP, ())
+
+
+def test_on_drafts_its_length_within_the_budget_the_limit_and_the_slot():
+    p = policy()
+    s = decoding(p, "on")
+    assert p.draft(s, budget=100) == (5, 6, 7, 8)  # DraftLength starts at 4
+    assert p.draft(s, budget=2) == (5, 6)
+    s.generated = s.limit - 3  # room for the last token and two drafts
+    assert p.draft(s, budget=100) == (5, 6)
+    s.generated = s.limit - 1  # the next token is its last: nothing to draft
+    assert p.draft(s, budget=100) == ()
+    assert p.draft(decoding(p, "off"), budget=100) == ()
+
+
+def test_auto_drafts_where_a_window_pays_and_else_watches_what_it_would_have_drafted():
+    cheap = policy(slope=0.05)
+    s = decoding(cheap, "auto")
+    assert cheap.draft(s, budget=100) == (5, 6, 7, 8)
+    dear = policy(slope=1.5)
+    s = decoding(dear, "auto")
+    assert dear.draft(s, budget=100) == ()
+    assert s.drafts.shadow == (5, 6, 7, 8)  # checked against the tokens decoded instead
+    first = s.drafts.acceptance.first.value
+    dear.read(s, 5)  # the model's own token: the first would have been right
+    assert s.drafts.acceptance.first.value > first
+    assert s.drafts.shadow == (6, 7, 8) and s.drafts.shadow_after
+    dear.read(s, 9)  # and the second wrong: the watch ends
+    assert s.drafts.shadow == ()
+
+
+def test_each_token_of_a_window_is_judged_against_its_draft_and_counted():
+    p = policy()
+    s = decoding(p, "on")
+    w = sent(s, (5, 6, 7))
+    verdicts = [p.judge(w, t) for t in (5, 6, 9)]
+    assert [(v.at, v.right) for v in verdicts] == [(0, True), (1, True), (2, False)]
+    assert (verdicts[-1].drafted, verdicts[-1].accepted) == (3, 2)
+    assert p.counts == DraftCounts(windows=1, tokens=3, accepted=2)
+    plain = sent(decoding(p, "off"), ())
+    assert not p.judge(plain, 4).right
+    assert p.counts == DraftCounts(windows=1, tokens=3, accepted=2)  # no draft, no count
+
+
+def test_on_doubles_after_a_draft_accepted_whole_and_cuts_after_a_miss():
+    p = policy()
+    s = decoding(p, "on")
+    w = sent(s, (5, 6, 7, 8))
+    for t in (5, 6, 7, 8):
+        p.judge(w, t)
+    s.windows.popleft()
+    p.closed(s, w, p.judge(w, 5), 5, void=0, now=None)
+    assert s.drafts.length.k == 8
+    w = sent(s, (6, 7, 8, 5, 6, 7, 8, 5))
+    p.judge(w, 6)
+    v = p.judge(w, 9)
+    s.windows.popleft()
+    p.closed(s, w, v, 9, void=0, now=None)
+    assert s.drafts.length.k == 2  # one more than it got right
+
+
+def test_a_windows_trip_is_what_a_window_of_its_length_costs_and_void_tokens_count():
+    p = policy()
+    s = decoding(p, "off")
+    w = sent(s, (), at=1.0)
+    v = p.judge(w, 4)
+    s.windows.popleft()
+    p.closed(s, w, v, 4, void=3, now=1.25)
+    assert p.cost.summary()["steps"] == {"1": {"count": 1, "mean_ms": 250.0}}
+    assert p.counts.tokens == 3  # the void windows' drafts were sent too
+
+
+def test_auto_learns_from_the_token_after_a_short_draft_that_was_right():
+    p = policy()
+    s = decoding(p, "auto")
+    draft = p.draft(s, budget=100)
+    assert draft == (5, 6) and s.drafts.beyond == 7  # proposed, not sent
+    w = sent(s, draft)
+    p.judge(w, 5)
+    p.judge(w, 6)
+    then = s.drafts.acceptance.then.value
+    v = p.judge(w, 7)  # the model's own token after the draft: the left-out one was right
+    s.windows.popleft()
+    p.closed(s, w, v, 7, void=0, now=None)
+    assert s.drafts.beyond is None
+    assert s.drafts.acceptance.then.value > then
+
+
+def test_a_window_follows_one_in_flight_only_where_the_executor_holds_more():
+    one = policy()
+    s = decoding(one, "on")
+    sent(s, (5, 6))
+    assert one.follow_up(s, budget=100) == ()
+    two = policy(max_windows=2)
+    s = decoding(two, "on")
+    sent(s, (5, 6))
+    # it guesses the window ends with 7 (after 5, 6 right), then drafts on from there
+    assert two.follow_up(s, budget=100) == (7, 8, 5, 6)
+    sent(s, (8, 5, 6, 7), guess=7)
+    assert two.follow_up(s, budget=100) == ()  # two in flight: as many as it holds
+
+
+def test_no_window_follows_a_drafted_end_or_runs_past_the_limit():
+    p = policy(max_windows=3)
+    ends = decoding(p, "on", (5, 6, END, 8) * 3)
+    sent(ends, (5, 6, END))
+    assert p.follow_up(ends, budget=100) == ()
+    full = decoding(p, "on", limit=3)
+    sent(full, (5, 6))  # three tokens promised: the last
+    assert p.follow_up(full, budget=100) == ()
+    room = decoding(p, "on", limit=4)
+    sent(room, (5, 6))
+    assert p.follow_up(room, budget=100) == (7,)  # the guess alone: one token more
+
+
+def test_auto_sends_a_follow_up_only_where_its_tokens_are_likely_enough_right():
+    cheap = policy(max_windows=2, slope=0.05)
+    s = decoding(cheap, "auto")
+    sent(s, (5, 6))
+    assert cheap.follow_up(s, budget=100)[:1] == (7,)
+    dear = policy(max_windows=2, slope=1.5)
+    s = decoding(dear, "auto")
+    sent(s, (5, 6))
+    assert dear.follow_up(s, budget=100) == ()
+
+
+def test_drafts_stop_at_max_draft():
+    p = policy()
+    s = decoding(p, "on", tuple(range(2, 20)) * 2, limit=25)
+    s.drafts.length.k = s.drafts.length.max_k
+    assert len(p.draft(s, budget=100)) == MAX_DRAFT
