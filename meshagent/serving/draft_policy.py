@@ -4,10 +4,10 @@ still in flight: the scheduler's drafting policy, beside it rather than inside i
 A sequence submitted with `speculation` "on" or "auto" sends a draft after its last token when
 its own text proposes one (`SuffixDrafter`, `serving/drafting.py`): the step's item holds the
 token and the draft, the two a *window*, and the executor returns the tokens plain decoding
-would have made from it, one to len(draft) + 1 of them (`verify`). The policy knows the draft,
-so it reads the window's end from the tokens themselves: the first that differs from the
-draft, or the one after it (`judge`). The executor keeps the accepted positions of its cache
-and drops the rest.
+would have made from it, one to len(draft) + 1 of them (`drafting.verify`). The policy knows
+the draft, so it reads the window's end from the tokens themselves: the first that differs
+from the draft, or the one after it (`judge`). The executor keeps the accepted positions of
+its cache and drops the rest.
 
 - "on": the draft's length follows its acceptance (`DraftLength`).
 - "auto": as many tokens as make a step yield the most tokens per unit of its time, or none
@@ -57,8 +57,10 @@ class Verdict:
 
     at: int  # its place in the window (0: the first, which carries the step's timing)
     right: bool  # it is the draft's next token: more of the window is coming
-    drafted: int  # the window's draft tokens, its guess included (once it closed: and void ones')
-    accepted: int  # of those, the ones right so far
+    # The window's draft tokens, its guess included (once it closed, with those of the
+    # windows it voided), and of those the ones right so far.
+    drafted: int
+    accepted: int
     windows: int = 0  # once it closed, with a draft: the windows in flight, itself included
 
 
