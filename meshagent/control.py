@@ -98,7 +98,7 @@ def status(services: AgentParts) -> dict[str, Any]:
 def _download(s: AgentParts) -> dict[str, Any] | None:
     """A model held in part (`models/ranged.py`): what came from the hub and from peers,
     and the artifacts being downloaded now."""
-    path = Path(s.model.model_path)
+    path = Path(s.model.files.path)
     if not is_partial(path):
         return None
     return {**PartialModel(path).status(), "fetching": s.model.source.downloads()}
