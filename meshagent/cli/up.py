@@ -24,7 +24,8 @@ from meshagent.models.hub import model_for_agent
 from meshagent.models.names import HubName, parse_model_name
 from meshagent.net.address import Address, is_loopback
 from meshagent.services import Services
-from meshagent.serving.mesh_model import UNSERVED_SETTLE, MeshModel
+from meshagent.serving.mesh_directory import UNSERVED_SETTLE
+from meshagent.serving.mesh_model import MeshModel
 
 log = structlog.get_logger(__name__)
 
