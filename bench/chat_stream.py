@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from meshagent.sse_client import iter_events
+from meshagent.sse_client import chunk_text, iter_events
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ def stream_chat(url: str, body: dict[str, Any], timeout: float = 600) -> Streame
             chunk = event.json()
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                text += chunk["choices"][0]["delta"]["content"]
+            if piece := chunk_text(chunk):
+                text += piece
                 if first is None:
                     first = time.perf_counter()
     assert usage is not None and first is not None, "a stream without content or usage"

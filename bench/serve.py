@@ -18,7 +18,7 @@ import httpx
 import result_file
 
 from meshagent.launch import cpu_seconds, start_agent
-from meshagent.sse_client import iter_events
+from meshagent.sse_client import chunk_text, iter_events
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a map."
 
@@ -80,8 +80,7 @@ def run_api(url: str, model: str, max_tokens: int, client: str) -> tuple[float, 
         for event in iter_events(r):
             if event.done:
                 continue
-            choices = event.json()["choices"]
-            if choices and choices[0]["delta"].get("content"):
+            if chunk_text(event.json()):
                 arrivals.append(time.perf_counter())
     return decode_rate(arrivals), len(arrivals)
 

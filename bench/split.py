@@ -27,7 +27,7 @@ import result_file
 import trio
 
 from meshagent.launch import AgentProcess, cpu_seconds, start_agent
-from meshagent.sse_client import aiter_events
+from meshagent.sse_client import aiter_events, chunk_text
 
 PROMPT = "1, 2, 3, 4, 5, 6,"  # a greedy model keeps counting: every request runs to max_tokens
 SMALL = ["--max-memory", "80M", "--slots", "4", "--ctx-size", "512", "--threads", "1"]
@@ -56,7 +56,7 @@ async def one_stream(
             if event.done:
                 continue
             chunk = event.json()
-            if chunk["choices"] and chunk["choices"][0]["text"]:
+            if chunk_text(chunk):
                 arrivals.append(time.perf_counter())
             receipt = (chunk.get("usage") or {}).get("meshagent")
             if receipt and stage_ms is not None:

@@ -1,10 +1,11 @@
 """Server-sent events as a client reads them (the `text/event-stream` format): a sans-IO decoder,
-lines or bytes in and events out, and the events of an httpx streaming response.
+lines or bytes in and events out, the events of an httpx streaming response, and the text of
+an OpenAI completion stream (chat or text completion).
 
 One reader for every place that reads an agent's streamed completions: the certification's
-soak (`certify/soak.py`), the benchmarks, net-sim's load driver and the tests. Standard library
-only, so that the load driver, which imports nothing else to stay light beside the agents it
-measures, can use it too.
+soak (`certify/soak.py`), the benchmarks, net-sim's load driver and the tests. It imports only
+the standard library and `meshagent.errors` (which imports nothing), so that the load driver,
+which stays that light beside the agents it measures, can use it too.
 
 An event is given when the blank line that ends it arrives; an event the stream never ends (a
 cut connection) is never given. Comments (`: ...` lines, keep-alives) are skipped.
@@ -15,9 +16,11 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from meshagent.errors import MeshError
 
 DONE = "[DONE]"  # the data of an OpenAI stream's last event
 _LINE_END = re.compile(r"\r\n|\r|\n")
@@ -112,3 +115,34 @@ async def aiter_events(response: _AsyncLines) -> AsyncIterator[Event]:
         event = decoder.line(line)
         if event is not None:
             yield event
+
+
+class StreamIncomplete(MeshError):
+    """A completion stream that ended in an error event, or without `[DONE]`."""
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """The text a completion stream's chunk adds: a chat chunk's delta content, a text
+    completion chunk's text; "" where it adds none (a role, the usage)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return ""
+    delta = choices[0].get("delta")
+    return (delta.get("content") if delta is not None else choices[0].get("text")) or ""
+
+
+def completion_text(events: Iterable[Event]) -> str:
+    """The text of a whole completion stream; StreamIncomplete if it ends in an error event
+    or without `[DONE]`."""
+    parts, done = [], False
+    for event in events:
+        if event.done:
+            done = True
+            continue
+        chunk = event.json()
+        if "error" in chunk:
+            raise StreamIncomplete(f"an error event: {chunk['error']}")
+        parts.append(chunk_text(chunk))
+    if not done:
+        raise StreamIncomplete("the stream ended without [DONE]")
+    return "".join(parts)

@@ -1,8 +1,17 @@
 import httpx
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshagent.sse_client import Event, EventDecoder, aiter_events, iter_events
+from meshagent.sse_client import (
+    Event,
+    EventDecoder,
+    StreamIncomplete,
+    aiter_events,
+    chunk_text,
+    completion_text,
+    iter_events,
+)
 
 STREAM = (
     b": keep-alive\n"
@@ -89,3 +98,23 @@ async def test_the_events_of_an_async_streaming_response():
         client.stream("GET", "http://agent/") as r,
     ):
         assert [e async for e in aiter_events(r)] == EVENTS
+
+
+def test_the_text_a_chunk_adds_chat_or_completion():
+    assert chunk_text({"choices": [{"delta": {"content": "Hi"}}]}) == "Hi"
+    assert chunk_text({"choices": [{"delta": {"role": "assistant"}}]}) == ""
+    assert chunk_text({"choices": [{"text": " there", "finish_reason": None}]}) == " there"
+    assert chunk_text({"choices": [], "usage": {"completion_tokens": 2}}) == ""
+
+
+def _events(*chunks: str) -> list[Event]:
+    return [Event(c) for c in chunks]
+
+
+def test_the_text_of_a_whole_stream_and_of_one_cut_short():
+    whole = _events('{"choices": [{"text": "a"}]}', '{"choices": [{"text": "b"}]}', "[DONE]")
+    assert completion_text(whole) == "ab"
+    with pytest.raises(StreamIncomplete, match="without"):
+        completion_text(whole[:-1])
+    with pytest.raises(StreamIncomplete, match="overloaded"):
+        completion_text(_events('{"choices": [{"text": "a"}]}', '{"error": "overloaded"}'))

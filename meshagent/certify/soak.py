@@ -28,7 +28,7 @@ from meshagent.launch import AgentProcess, start_agent
 from meshagent.models.capability import CapabilityStore, SignedRecord
 from meshagent.models.layout import ModelLayout
 from meshagent.placement.planner import ModelCost, PeerCapacity, PlanError, plan
-from meshagent.sse_client import iter_events
+from meshagent.sse_client import StreamIncomplete, completion_text, iter_events
 
 AGENTS = 3
 HEADROOM = 0.1  # placement's default
@@ -88,18 +88,10 @@ def _text(agent: AgentProcess, model_id: str, prompt: Prompt, tokens: int, strea
         if not stream:
             choice = r.json()["choices"][0]
             return choice["message"]["content"] if chat else choice["text"]
-        text, done = "", False
-        for event in iter_events(r):
-            if event.done:
-                done = True
-            else:
-                choices = event.json()["choices"]
-                if choices:
-                    delta = choices[0]["delta"].get("content") if chat else choices[0]["text"]
-                    text += delta or ""
-        if not done:
-            raise RuntimeError(f"{url}: the stream ended without [DONE]")
-        return text
+        try:
+            return completion_text(iter_events(r))
+        except StreamIncomplete as e:
+            raise RuntimeError(f"{url}: {e}") from e
 
 
 def _wait_split(agents: Sequence[AgentProcess], model_id: str) -> tuple[tuple[int, int], ...]:

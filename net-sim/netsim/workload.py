@@ -1,7 +1,6 @@
 """The load driver: runs inside a lab host, sends chat completions to the agent on that host's
-loopback and writes one JSON line per request. Standard library only (and the package's SSE
-decoder, itself standard library only), so that it starts fast and costs little CPU next to the
-agents.
+loopback and writes one JSON line per request. Standard library only (besides the package's
+SSE decoder, which is as light), so that it starts fast and costs little CPU next to the agents.
 
     python net-sim/netsim/workload.py --out run.jsonl --mix soak --requests 200 --concurrency 2
 

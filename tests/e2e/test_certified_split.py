@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from meshagent.sse_client import iter_events
+from meshagent.sse_client import completion_text, iter_events
 from meshagent.testing.tiny_gguf import write_tiny_jamba, write_tiny_mamba
 from tests.e2e.agents import invite, status, wait_for
 
@@ -29,18 +29,11 @@ def _complete(agent, model_id: str, stream: bool) -> str:
         r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
-    text, done = "", False
     with httpx.stream(
         "POST", f"{agent.url}/v1/completions", json={**body, "stream": True}, timeout=60
     ) as r:
         assert r.status_code == 200
-        for event in iter_events(r):
-            if event.done:
-                done = True
-            else:
-                text += event.json()["choices"][0]["text"]
-    assert done
-    return text
+        return completion_text(iter_events(r))
 
 
 @pytest.mark.parametrize("arch", ["jamba", "mamba"])

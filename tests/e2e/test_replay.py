@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from meshagent.sse_client import iter_events
+from meshagent.sse_client import chunk_text, iter_events
 from tests.e2e.agents import invite, wait_for
 from tests.e2e.test_split_serving import SMALL, _get, _show_logs
 
@@ -41,8 +41,8 @@ def _stream(
                 chunk = event.json()
                 assert "error" not in chunk, chunk
                 usage = chunk.get("usage") or usage
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    text += chunk["choices"][0]["text"]
+                if piece := chunk_text(chunk):
+                    text += piece
                     chunks += 1
                     if on_chunk is not None:
                         on_chunk(chunks)

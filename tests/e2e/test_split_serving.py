@@ -8,7 +8,7 @@ import httpx
 import jsonschema
 import pytest
 
-from meshagent.sse_client import iter_events
+from meshagent.sse_client import completion_text, iter_events
 from meshagent.testing.structured_output import (
     MAX_TOKENS,
     PEOPLE,
@@ -51,17 +51,7 @@ def _request(agent, model_id, kind: str, stream: bool) -> tuple[str, httpx.Heade
             r.read()
             choice = r.json()["choices"][0]
             return (choice["message"]["content"] if chat else choice["text"]), r.headers
-        text, done = "", False
-        for event in iter_events(r):
-            if event.done:
-                done = True
-            else:
-                choices = event.json()["choices"]
-                if choices:
-                    part = choices[0]["delta"].get("content") if chat else choices[0]["text"]
-                    text += part or ""
-        assert done, "the stream ended without [DONE]"
-        return text, r.headers
+        return completion_text(iter_events(r)), r.headers
 
 
 def _chat(agent, model_id):
