@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 
 from meshagent.launch import AgentProcess
-from meshagent.sse_client import iter_events
+from meshagent.sse_client import EventDecoder, iter_events
 from tests.e2e.agents import status, wait_for
 
 COUNTING = "1, 2, 3, 4, 5, 6,"  # greedy decoding keeps counting until max_tokens
@@ -147,6 +147,6 @@ def test_curl_streams_tokens_as_they_come(spawn_agent, model_id: str) -> None:
     assert status(agent)["in_flight"] == 1
     rest = proc.stdout.read()
     assert proc.wait(60) == 0
-    data = [line for line in (first + rest).splitlines() if line.startswith("data: ")]
-    assert data[-1] == "data: [DONE]"
-    assert len(data) > 100
+    events = EventDecoder().feed((first + rest).encode())
+    assert events[-1].done
+    assert len(events) > 100
