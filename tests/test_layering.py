@@ -1,6 +1,6 @@
 """Layering: a lower layer never imports a higher one, no two modules of the package import each
-other (directly or round a longer circle), and nothing in the package, the benchmarks or
-net-sim imports the tests.
+other (directly or round a longer circle), nothing in the package, the benchmarks or net-sim
+imports the tests, and no worker thread waits on the event loop (`trio.from_thread`).
 
 Every module is read with `ast`: imports inside functions and under TYPE_CHECKING count too (a
 circle hidden under TYPE_CHECKING is still two modules that know each other; a `Protocol` on
@@ -30,6 +30,15 @@ RULES: list[tuple[str, str]] = [
     # The scheduler is a plain object fed events; the runner brings the thread and trio.
     ("meshagent.serving.scheduler", "trio"),
     ("meshagent.serving.prefix_cache", "trio"),
+    ("meshagent.serving.draft_policy", "trio"),
+    ("meshagent.serving.kv_book", "trio"),
+    ("meshagent.serving.awaited", "trio"),
+    # Executors are one-way: they tell the runner what they learn through a sink
+    # (`executor.ExecutorSink`) and know nothing else of it.
+    ("meshagent.serving.executor", "meshagent.serving.runner"),
+    ("meshagent.serving.pipeline", "meshagent.serving.runner"),
+    ("meshagent.serving.chain", "meshagent.serving.runner"),
+    ("meshagent.serving.stage_server", "meshagent.serving.runner"),
     # Engines run models; what is served, and how, is decided above them.
     ("meshagent.engine", "meshagent.serving"),
     # Test doubles (fake engine, simulated network, tiny models, numpy reference) never ship in
@@ -186,6 +195,30 @@ def shrink_only(found: set, known: set) -> list[str]:
 
 
 # ----- the package as it is -----
+
+
+def calls_into_the_loop(root: Path = ROOT) -> set[tuple[str, int]]:
+    """(module, line) of every use of `trio.from_thread`: a worker thread that waits on the
+    event loop (the runner's hand-off, `run_sync_soon`, never waits)."""
+    out = set()
+    for module, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            named = isinstance(node, ast.Attribute) and node.attr == "from_thread"
+            imported = isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "trio.from_thread"
+            )
+            if named or imported:
+                out.add((module, node.lineno))
+    return out
+
+
+def test_no_worker_thread_waits_on_the_event_loop():
+    assert not calls_into_the_loop()
+
+
+def test_a_call_into_the_loop_is_seen(tmp_path):
+    _tree(tmp_path, {"pkg/worker.py": "import trio\n\ndef f():\n    trio.from_thread.run(g)\n"})
+    assert calls_into_the_loop(tmp_path / "pkg") == {("pkg.worker", 4)}
 
 
 def test_no_lower_layer_imports_a_higher_one():
