@@ -49,7 +49,7 @@ from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport
 from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
-from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL
+from meshagent.serving.directory import GENERATE_LABEL
 from meshagent.serving.mesh_model import MeshModel
 from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.settings import ServingSettings
@@ -61,7 +61,7 @@ StreamHandler = Callable[[MeshStream], Awaitable[None]]
 
 # Inbound streams one peer may hold open here at once, by label (docs/protocol.md, section 11).
 # An honest peer holds one gossip exchange, probe or header ask at a time, a hearing ask per
-# peer it judges and an artifact fetch or two; the inference labels carry its clients'
+# peer it judges and an artifact fetch or two; the inference label carries its clients'
 # requests, which this agent's queue bounds anyway (past slots + max_queue they end at once,
 # answered 429). Together they stay below the multiplexer's 256 streams per connection, so a
 # flood of one label leaves room for the others. Stage labels are not limited here: who may
@@ -73,7 +73,6 @@ STREAM_BUDGETS: dict[str, int] = {
     header_share.LABEL: 4,
     transfer.LABEL: 8,
     GENERATE_LABEL: 128,
-    FORWARD_LABEL: 64,
 }
 
 

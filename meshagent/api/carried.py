@@ -9,7 +9,9 @@ model), the asker asks the entry that serves the model next, or serves it itself
 moved the model here, with the same request plus a continuation: the tokens so far, the
 characters delivered and the seed. The client sees one stream: the text an undisturbed run
 gives, greedy or seeded. Past the deadline with no entry, the request fails as temporarily
-unavailable. An asker waits `HEAD_DEADLINE` at most for an entry's first message."""
+unavailable. An asker waits `HEAD_DEADLINE` at most for an entry's first message. The
+request's `Recovery` (`serving/recovery.py`) holds the deadline, the tries and the reason, and
+wakes the search for the next entry on the directory's changes."""
 
 from __future__ import annotations
 
@@ -27,13 +29,12 @@ from meshagent.api.here import Continuation, generating
 from meshagent.api.prepare import Prepared
 from meshagent.errors import ContextOverflow, MeshError, OutOfRange
 from meshagent.serving.directory import GENERATE_LABEL, ModelDirectory, RemoteModel
-from meshagent.serving.generation import Delta, Finished, Replay, check_fits, check_history
+from meshagent.serving.generation import Delta, Finished, check_fits, check_history
+from meshagent.serving.recovery import GaveUp, Recovery
 from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
-_RETRY_FIRST, _RETRY_MAX = 0.25, 2.0  # seconds before asking again after an entry failed
-_LOOK = 0.05  # seconds between looks at the directory for an entry that serves
 HEAD_DEADLINE = 30.0  # seconds for the entry's head or fail once the ask is sent
 
 Emit = Callable[[Delta | Finished], None]  # where the generation's events go
@@ -56,14 +57,18 @@ class Carried:
     history: list[int] = field(default_factory=list)
     delivered: int = 0
     prompt_tokens: int = 0
-    replays: list[Replay] = field(default_factory=list)
     _stream: trio.abc.Stream | None = None
     _frames: LengthPrefixDecoder = field(default_factory=frames)
-    # Why, when, when the next entry was asked, and what was lost: the request's break.
-    _broke: tuple[str, float, float, tuple[str, ...]] | None = None
     _entry_stage: str = ""  # the entry as receipts name a stage
     _first_here: Prepared | None = None
     _unreachable: bool = False  # the last entry tried could not be reached at all
+
+    def __post_init__(self) -> None:
+        self.recovery = Recovery(self.deadline, changed=self.directory.changed)
+
+    @property
+    def replays(self) -> list:
+        return self.recovery.replays
 
     @classmethod
     def continuing(
@@ -190,41 +195,39 @@ class Carried:
     async def _resume(self, why: str, lost: tuple[str, ...]) -> Head | Prepared:
         """The next entry for the request, asked with its continuation: a peer's `Head`, or
         the request prepared here when this agent serves the model now."""
-        since = trio.current_time()
         log.info("gen.entry_lost", reason=why, tokens=len(self.history))
-        failed = 0  # asks that an entry did not take
-        # The entry that failed last (another replica is asked first), and when to ask it again.
-        last, next_ask = self.entry, since
-        while (waited := trio.current_time() - since) < self.deadline:
-            prepared = self.local()
-            if prepared is not None:
-                self._broke = (why, since, trio.current_time(), lost)
-                return prepared
-            remote = self._remote(avoid=last)
-            if remote is None or (remote.peer_id == last and trio.current_time() < next_ask):
-                await trio.sleep(_LOOK)  # no entry serves yet, or it is the one that just failed
-                continue
-            asked = trio.current_time()
-            try:
-                with trio.move_on_after(self.deadline - waited):
-                    head = await self._ask(remote)
-                    self._broke = (why, since, asked, lost)
-                    return head
-            except Broken as e:
-                failed += 1
-                log.info("gen.entry_not_ready", peer=remote.peer_id, error=str(e), tries=failed)
-                last = remote.peer_id
-                next_ask = trio.current_time() + min(_RETRY_FIRST * 2 ** (failed - 1), _RETRY_MAX)
+        recovery = self.recovery
+        recovery.broke(why)
+        recovery.lost(lost)
+        last = self.entry  # the entry that failed last: another replica is asked first
+        try:
+            while True:
+                found = await recovery.until(lambda avoid=last: self.local() or self._remote(avoid))
+                recovery.asked()
+                if isinstance(found, Prepared):
+                    return found
+                if found.peer_id == last:
+                    await recovery.pause()  # the one that just failed: longer each time
+                try:
+                    with trio.move_on_after(recovery.left()):
+                        return await self._ask(found)
+                except Broken as e:
+                    log.info("gen.entry_not_ready", peer=found.peer_id, error=str(e))
+                    recovery.broke(str(e))
+                    last = found.peer_id
+                await self._close()
+        except GaveUp:
             await self._close()
-        if self._unreachable:
+            if self._unreachable:
+                raise errors.unavailable(
+                    f"The peer serving '{self.name}' is unreachable ({why}).",
+                    code="peer_unavailable",
+                ) from None
             raise errors.unavailable(
-                f"The peer serving '{self.name}' is unreachable ({why}).", code="peer_unavailable"
-            )
-        raise errors.unavailable(
-            f"{why}; no agent took the request over within {self.deadline:g} s",
-            code="split_unavailable",
-            retry_after=errors.SPLIT_RETRY_AFTER,
-        )
+                f"{why}; no agent took the request over within {self.deadline:g} s",
+                code="split_unavailable",
+                retry_after=errors.SPLIT_RETRY_AFTER,
+            ) from None
 
     def _remote(self, avoid: str = "") -> RemoteModel | None:
         """A peer serving the model: another replica than `avoid` (the one that just failed)
@@ -235,14 +238,7 @@ class Carried:
 
     def _served(self) -> None:
         """An event came from the entry asked after a loss: that loss is over."""
-        if self._broke is None:
-            return
-        why, since, asked, lost = self._broke
-        now = trio.current_time()
-        tokens = self.prompt_tokens + len(self.history)
-        ms, wait_ms = round((now - since) * 1000, 1), round((asked - since) * 1000, 1)
-        self.replays.append(Replay(why, tokens, ms, wait_ms, lost))
-        self._broke = None
+        self.recovery.served(self.prompt_tokens + len(self.history))
 
     async def _here(self, prepared: Prepared, emit: Emit) -> None:
         """Go on with the model this agent serves now."""

@@ -3,8 +3,8 @@
 It answers three questions: which models this agent serves itself (ready to take requests),
 which models peers of the mesh serve instead, and a stream to such a peer. It also gives the
 receipt of a local model: the response headers saying who serves it. Serving keeps the answers
-current as placement moves models (`MeshModel` is the agent's directory); the API only asks, so
-serving never depends on the API.
+current as placement moves models (`MeshModel`'s `MeshDirectory` is the agent's directory);
+the API only asks, so serving never depends on the API.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ from typing import Protocol
 from meshagent.net.stream import MeshStream
 from meshagent.serving.local_model import LocalModel
 
-# The label of the overlay stream a request for a remote model travels on; the serving peer
-# answers it with its own API (the forwarding module of the API package). The string is on the
-# wire.
-FORWARD_LABEL = "api/1"
-# The label of the stream a completion travels on so that it survives losing its entry: the
-# asker keeps the client's connection and the tokens delivered (`api/resumable.py`).
+# The label of the overlay stream an inference request for a model a peer serves travels on:
+# the asker keeps the client's connection and what it was sent, so a completion survives
+# losing its entry (`api/elsewhere.py`, `api/carried.py`; the entry's side `api/entry.py`).
+# The string is on the wire.
 GENERATE_LABEL = "gen/1"
 
 Headers = list[tuple[bytes, bytes]]
@@ -65,7 +63,13 @@ class ModelDirectory(Protocol):
         """Response headers saying who serves `model` (one of `local_models()`)."""
         ...
 
-    async def open_stream(self, peer_id: str, label: str = FORWARD_LABEL) -> MeshStream:
-        """A stream to `peer_id` for the API (`FORWARD_LABEL` or `GENERATE_LABEL`); raises
-        MeshError if the peer is unreachable."""
+    async def changed(self) -> None:
+        """Until what the directory answers may have changed (a part offered or withdrawn
+        here, a placement decision): a request looking for its model's next entry looks
+        again then."""
+        ...
+
+    async def open_stream(self, peer_id: str, label: str = GENERATE_LABEL) -> MeshStream:
+        """A stream to `peer_id` for the API (`GENERATE_LABEL`); raises MeshError if the
+        peer is unreachable."""
         ...

@@ -19,7 +19,7 @@ from meshagent.models.layout import ModelLayout
 from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import Plan
 from meshagent.placement.service import PlacementService
-from meshagent.serving.directory import FORWARD_LABEL, Headers, RemoteModel
+from meshagent.serving.directory import GENERATE_LABEL, Headers, RemoteModel
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.settings import ServingSettings
 
@@ -126,5 +126,5 @@ class MeshDirectory:
             if peer != self.peer_id and peer in self.placement.ready
         ]
 
-    async def open_stream(self, peer_id: str, label: str = FORWARD_LABEL) -> MeshStream:
+    async def open_stream(self, peer_id: str, label: str = GENERATE_LABEL) -> MeshStream:
         return await self.overlay.open_stream(peer_id, label)

@@ -47,7 +47,7 @@ from meshagent.net.config import OverlayConfig
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
 from meshagent.net.stream import MeshStream
 from meshagent.serving import stage_messages as sm
-from meshagent.serving.directory import FORWARD_LABEL, GENERATE_LABEL
+from meshagent.serving.directory import GENERATE_LABEL
 from meshagent.serving.generation import Delta, Finished
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 from meshagent.serving.sampling import SamplingParams
@@ -73,7 +73,6 @@ LABELS = (
     header_share.LABEL,
     probe.LABEL,
     hearing.LABEL,
-    FORWARD_LABEL,
     GENERATE_LABEL,
     STAGE_LABEL,
     REPLY_LABEL,
@@ -416,6 +415,8 @@ def _(d: Draw) -> Case:
         ("GET", "/metrics"),
         ("POST", "/control/probe"),
         ("GET", "/control/peers"),
+        ("GET", "/control/events"),
+        ("GET", "/console"),
         ("GET", "/nope"),
         ("BREW", "/v1/completions"),
         ("POST", "/" + "x" * 10_000),
@@ -471,87 +472,6 @@ def _bad_completion(d: Draw) -> bytes:
         ("presence_penalty", d.pick(1e308, -1e308)),
     )
     return _completion(d, **{key: value})
-
-
-# -- api/1: an HTTP request carried to the agent that serves the model
-
-
-def _request(method: Any, path: Any, body: Any) -> bytes:
-    return _cbor_frame(gm.FRAMING, {0: 1, 1: method, 2: path, 3: body})
-
-
-_framed("api", FORWARD_LABEL, gm.FRAMING, lambda d: _request("GET", "/v1/models", b""))
-
-
-@_case(FORWARD_LABEL, "api.control_plane")
-def _(d: Draw) -> Case:
-    path = d.pick("/control/status", "/control/peers", "/metrics", "/console")
-    return d.case(_request("GET", path, b""))
-
-
-@_case(FORWARD_LABEL, "api.control_events")
-def _(d: Draw) -> Case:
-    return d.case(_request("GET", "/control/events", b""), eof=False, wait=d.hold())
-
-
-@_case(FORWARD_LABEL, "api.control_probe")
-def _(d: Draw) -> Case:
-    # Small sizes: the point is whether it is refused, not to load the machine.
-    body = d.pick(
-        {"peer": d.other()[:12], "bytes": 65536},
-        {"peer": d.other()[:12], "bytes": 2**40},
-        {"peer": d.other()[:12], "bytes": 4096, "seconds": 1e308},
-        {"peer": "", "bytes": -1},
-    )
-    return d.case(_request("POST", "/control/probe", json.dumps(body).encode()))
-
-
-@_case(FORWARD_LABEL, "api.bad_inference")
-def _(d: Draw) -> Case:
-    path = d.pick("/v1/completions", "/v1/chat/completions", "/api/generate")
-    return d.case(_request("POST", path, _bad_completion(d)))
-
-
-@_case(FORWARD_LABEL, "api.chat_then_leave")
-def _(d: Draw) -> Case:
-    body = {
-        "model": d.k.model,
-        "messages": [{"role": "user", "content": "Say yes."}],
-        "max_tokens": 2,
-        "temperature": 0,
-        "stream": True,
-    }
-    msg = _request("POST", "/v1/chat/completions", json.dumps(body).encode())
-    return d.case(msg, eof=False, wait=0.3, refuse=False)
-
-
-@_case(FORWARD_LABEL, "api.models")
-def _(d: Draw) -> Case:
-    return d.case(_request("GET", "/v1/models", b""), refuse=False)
-
-
-@_case(FORWARD_LABEL, "api.wrong_types")
-def _(d: Draw) -> Case:
-    method, path, body = d.pick(
-        (7, "/v1/models", b""),
-        ("GET", b"/v1/models", b""),
-        ("POST", "/v1/completions", "text, not bytes"),
-        ("GET", None, None),
-        ("GET", "/v1/models", [1, 2, 3]),
-    )
-    return d.case(_request(method, path, body))
-
-
-@_case(FORWARD_LABEL, "api.odd_request")
-def _(d: Draw) -> Case:
-    method, path = d.pick(
-        ("BREW", "/v1/models"),
-        ("GET", "/" + "a" * 100_000),
-        ("GET", "/v1/models/" + "\x00" * 8),
-        ("GET", "../../etc/passwd"),
-        ("POST", "/v1/embeddings"),
-    )
-    return d.case(_request(method, path, d.blob(0, 256)))
 
 
 # -- stage/1 and stage-reply/1: the messages between the stages of a split
@@ -1085,24 +1005,6 @@ def _cbor_map(body: bytes) -> dict[Any, Any] | None:
     return m if isinstance(m, dict) else None
 
 
-def _api_answer(data: bytes, final: bool) -> tuple[str, str] | None:
-    body = _first_frame(gm.FRAMING, data)
-    if body is None:
-        return (ANSWERED, "an unreadable answer") if final and data else None
-    head = _cbor_map(body) or {}
-    status = head.get(1)
-    if not isinstance(status, int):
-        return ANSWERED, "an unreadable answer"
-    if status < 400:
-        return ANSWERED, f"HTTP {status}"
-    rest = data[4 + len(body) :]
-    try:
-        err = json.loads(rest)["error"]
-        return REFUSED, f"HTTP {status} {err.get('code') or err.get('type')}: {err['message']}"
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return (REFUSED, f"HTTP {status}") if final else None
-
-
 def _gen_answer(data: bytes, final: bool) -> tuple[str, str] | None:
     body = _first_frame(gm.FRAMING, data)
     if body is None:
@@ -1149,7 +1051,6 @@ def _any_answer(data: bytes, final: bool) -> tuple[str, str] | None:
 
 
 _ANSWERS: dict[str, Callable[[bytes, bool], tuple[str, str] | None]] = {
-    FORWARD_LABEL: _api_answer,
     GENERATE_LABEL: _gen_answer,
     GOSSIP_LABEL: _gossip_answer,
     transfer.LABEL: lambda data, final: _map_answer(

@@ -13,7 +13,7 @@ from meshagent.models.capability import CapabilityStore
 from meshagent.models.layout import inspect_model
 from meshagent.placement.planner import Plan, StageAssignment
 from meshagent.serving.capabilities import Capabilities
-from meshagent.serving.directory import FORWARD_LABEL, RemoteModel
+from meshagent.serving.directory import GENERATE_LABEL, RemoteModel
 from meshagent.serving.mesh_model import MeshModel
 from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.obtain import cuts_here, spare_cuts
@@ -64,7 +64,7 @@ async def test_the_directory_lists_what_the_plan_in_force_serves_where(model_pat
     # b serves nothing itself and knows where the model runs.
     assert b.local_models() == [] and b.receipt(served) == []
     assert b.remote_models() == [RemoteModel(info.id, "a", "whole", (), layout.n_layers, 256)]
-    assert await b.open_stream("a") == ("a", FORWARD_LABEL)
+    assert await b.open_stream("a") == ("a", GENERATE_LABEL)
 
     # A part withdrawn is no longer listed, nor its receipt given.
     await ma.aclose()
