@@ -203,7 +203,6 @@ class Carried:
         try:
             while True:
                 found = await recovery.until(lambda avoid=last: self.local() or self._remote(avoid))
-                recovery.asked()
                 if isinstance(found, Prepared):
                     return found
                 if found.peer_id == last:

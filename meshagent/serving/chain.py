@@ -113,12 +113,12 @@ class Chain:
         the next one start afresh)."""
         if out.made:
             self._sent += 1
-        self._wake()
         if out.generation != self.generation:
             return
         if self._outbox is not None and self.failed is None:
             self._put(out)
         elif self.failed is None or out.items or self._opening:
+            self._wake()  # (the stall watch counts from here, while the stream opens)
             self._waiting.append(out)
             if not self._opening and self._nursery is not None:
                 self._opening = True

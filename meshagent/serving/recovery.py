@@ -128,10 +128,6 @@ class Recovery:
                 else:
                     await trio.sleep(0.05)
 
-    def asked(self) -> None:
-        """The request went to what was found (for the replay's wait)."""
-        self._asked = trio.current_time()
-
     def served(self, tokens: int) -> None:
         """Something served the request after the loss (a token came): the loss is over,
         and its `Replay` says how long it took and how many tokens ran again."""

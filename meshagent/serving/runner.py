@@ -293,9 +293,10 @@ class ModelRunner:
                 self._took.set()  # (tokens_ready)
                 if step is not None:
                     if step.items:
-                        in_flight = self.scheduler.steps_in_flight()
-                        self.peak_steps_in_flight = max(self.peak_steps_in_flight, in_flight)
                         self.largest_step = max(self.largest_step, len(step.items))
+                        if self.executor.depth > 1:  # (one step at a time otherwise)
+                            in_flight = self.scheduler.steps_in_flight()
+                            self.peak_steps_in_flight = max(self.peak_steps_in_flight, in_flight)
                     return step
                 self._idle = True
                 self._lock.wait()
