@@ -3,14 +3,15 @@
     python bench/against.py --base REV [--benches serve,split,transport,wan] [--rounds 2]
 
 The earlier commit is checked out beside this tree (a detached git worktree that borrows this
-tree's virtual environment and native module); each benchmark then runs `--rounds` times on
-each side, the two sides taking turns, each side its own copy of the script on its own code.
-What each run wrote is read back, and the figures that say "no speed lost" are printed side by
-side with their ratio (this tree / the base), medians over the rounds: decode speed through
-the API and the event loop's CPU per token (`serve.py`), a split's share of its compute
-ceiling and each agent's event-loop CPU per token (`split.py`), the overlay's p50 round trip
-(`transport.py`), and the per-token latency of a split over an emulated WAN (`wan`: net-sim,
-needs root). Writes JSON (`--out`).
+tree's virtual environment, native module and benchmark scripts, so that both sides are
+measured by the same instruments); each benchmark then runs `--rounds` times on each side,
+the two sides taking turns. What each run wrote is read back, and the figures that say "no
+speed lost" are printed side by side with their ratio (this tree / the base), medians over
+the rounds: decode speed through the API and the event loop's CPU per token (`serve.py`), a
+split's share of its compute ceiling and each stage's agent's event-loop CPU per token, in
+the stages' order (`split.py`), the overlay's p50 round trip (`transport.py`), and the
+per-token latency of a split over an emulated WAN (`wan`: net-sim, needs root). Writes JSON
+(`--out`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def split_figures(r: dict[str, Any]) -> dict[str, float]:
         "split / single tok/s": r["split_vs_single"],
         "4 concurrent / 1": r["concurrency_gain"],
     }
-    for i, (main, _) in enumerate(r["cpu_ms_per_token"]["split_by_agent"]):
-        out[f"event loop CPU ms/token, agent {'abc'[i]}"] = main
+    for i, (main, _) in enumerate(r["cpu_ms_per_token"]["split_by_agent"]):  # stages' order
+        out[f"event loop CPU ms/token, stage {i + 1}"] = main
     out["event loop CPU ms/token, whole"] = r["cpu_ms_per_token"]["single"][0][0]
     return out
 
@@ -73,8 +74,15 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[dict[str, Any]], dict[str, f
 }
 
 
+# What measures rather than what is measured: both sides run this tree's copy, so a figure
+# means the same on both (the modules are copied only where the base lacks them).
+INSTRUMENTS = ("bench", "net-sim")
+INSTRUMENT_MODULES = ("meshagent/sse_client.py",)
+
+
 def checkout(base: str, where: Path) -> Path:
-    """The base commit in a detached worktree at `where`, with this tree's native module."""
+    """The base commit in a detached worktree at `where`, with this tree's native module and
+    this tree's benchmarks."""
     subprocess.run(
         ["git", "-C", str(HERE), "worktree", "add", "--detach", "-f", str(where), base],
         check=True,
@@ -82,12 +90,17 @@ def checkout(base: str, where: Path) -> Path:
     )
     for so in (HERE / "meshagent" / "engine").glob("*.so"):
         shutil.copy2(so, where / "meshagent" / "engine" / so.name)
+    for folder in INSTRUMENTS:
+        shutil.copytree(HERE / folder, where / folder, dirs_exist_ok=True)
+    for module in INSTRUMENT_MODULES:
+        if not (where / module).exists():
+            shutil.copy2(HERE / module, where / module)
     return where
 
 
-def run_one(tree: Path, name: str, out: Path) -> dict[str, float]:
+def run_one(tree: Path, name: str, out: Path, extra: list[str]) -> dict[str, float]:
     argv, folder, figures = BENCHES[name]
-    cmd = [sys.executable, *(a.replace("{out}", str(out)) for a in argv)]
+    cmd = [sys.executable, *(a.replace("{out}", str(out)) for a in argv), *extra]
     env = {**os.environ, "PYTHONPATH": str(tree)}  # its own code, this venv's libraries
     print(f"  {tree.name}: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -98,9 +111,19 @@ def run_one(tree: Path, name: str, out: Path) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="the earlier commit")
+    ap.add_argument(
+        "--this",
+        help="a later commit to measure instead of the working tree (which may then change "
+        "while the runs go on)",
+    )
     ap.add_argument("--benches", default="serve,split,transport,wan")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/against.json"))
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        help="serve's and split's tokens a request (longer runs: a finer CPU-per-token grain)",
+    )
     args = ap.parse_args()
     names = [n.strip() for n in args.benches.split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHES]
@@ -109,20 +132,25 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict[str, float]]]] = {}
     with tempfile.TemporaryDirectory(prefix="meshagent-against-") as tmp:
         base = checkout(args.base, Path(tmp) / "base")
+        this = checkout(args.this, Path(tmp) / "this") if args.this else HERE
         try:
             for name in names:
                 print(f"{name}:", flush=True)
                 runs[name] = {"base": [], "this": []}
                 for i in range(args.rounds):
-                    for side, tree in (("base", base), ("this", HERE)):
+                    for side, tree in (("base", base), ("this", this)):
                         out = Path(tmp) / f"{name}-{side}-{i}"
                         out = out if BENCHES[name][1] else out.with_suffix(".json")
-                        runs[name][side].append(run_one(tree, name, out))
+                        extra = []
+                        if args.max_tokens and name in ("serve", "split"):
+                            extra = ["--max-tokens", str(args.max_tokens)]
+                        runs[name][side].append(run_one(tree, name, out, extra))
         finally:
-            subprocess.run(
-                ["git", "-C", str(HERE), "worktree", "remove", "--force", str(base)],
-                capture_output=True,
-            )
+            for tree in {base, this} - {HERE}:
+                subprocess.run(
+                    ["git", "-C", str(HERE), "worktree", "remove", "--force", str(tree)],
+                    capture_output=True,
+                )
     rows = []
     for name in names:
         for figure in runs[name]["base"][0]:
@@ -133,7 +161,14 @@ def main() -> None:
     for row in rows:
         print(f"{row['figure']:<42}{row['base']:>10.3f}{row['this']:>10.3f}{row['ratio']:>11.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"base": args.base, "rounds": args.rounds, "figures": rows, "runs": runs}
+    result = {
+        "base": args.base,
+        "this": args.this or "the working tree",
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "figures": rows,
+        "runs": runs,
+    }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

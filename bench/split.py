@@ -113,7 +113,8 @@ def start_split(
     root: Path, agents: contextlib.ExitStack, model: str, flags: list[str], first: list[str] = ()
 ) -> tuple[AgentProcess, list, list[AgentProcess]]:
     """Three agents with `flags` (the first also `first`) in one mesh, stopped with `agents`;
-    once the model is routable, the split's entry, its stages and the three agents."""
+    once the model is routable, the split's entry, its stages and the three agents in the
+    stages' order (which agent holds which stage follows from their random identities)."""
     a = start_agent(root / "a", *flags, *first, wait_model=False)
     agents.callback(a.stop)
     token = subprocess.run(
@@ -128,10 +129,9 @@ def start_split(
         agents.callback(split[-1].stop)
     wait_routable(split, model)
     stages = httpx.get(f"{a.url}/control/status").json()["placement"][model]["stages"]
-    entry = next(
-        x for x in split if httpx.get(f"{x.url}/control/status").json()["peer_id"] == stages[0][0]
-    )
-    return entry, stages, split
+    ids = {httpx.get(f"{x.url}/control/status").json()["peer_id"]: x for x in split}
+    in_order = [ids[peer] for peer, *_ in stages]
+    return in_order[0], stages, in_order
 
 
 def main() -> None:
@@ -291,7 +291,7 @@ def main() -> None:
         "cpu_ms_per_token": {
             "single": cpu_single,
             "split_by_agent": cpu_split,
-            "note": "(main thread, other threads) per agent; split agents in order a, b, c",
+            "note": "(main thread, other threads) per agent; split agents in the stages' order",
         },
         "machine": result_file.machine(),
     }
