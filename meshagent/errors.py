@@ -13,6 +13,15 @@ class ModelError(MeshError):
     """A model file is missing, unreadable or unsupported."""
 
 
+class CatalogError(MeshError):
+    """A catalogue entry is malformed, forged or out of range, or a catalogue change cannot
+    be made (a name that is not catalogued, a full catalogue)."""
+
+
+class NotCatalogued(CatalogError):
+    """No model of that name is in the mesh's catalogue."""
+
+
 class EngineError(MeshError):
     """The inference engine failed to load or run."""
 

@@ -27,6 +27,8 @@ MAX_EXTRAS = 32
 MAX_CAPABILITIES = 8
 MAX_CAPABILITY_BYTES = 8 * 1024
 MAX_DEVICES = 16
+MAX_CATALOG = 32  # catalogue entries (`catalog/book.py`, MAX_GOSSIPED)
+MAX_CATALOG_BYTES = 1024  # one entry, encoded (`catalog/entry.py`, MAX_ENTRY_BYTES)
 MAX_TEXT = 255
 
 
@@ -190,6 +192,9 @@ class PeerRecord:
     # The sha256 of each model file whose header this peer read without the tokenizer (a
     # stage host's partial copy): it downloads the tokenizer before a first or last stage.
     no_tokenizer: tuple[str, ...] = ()
+    # Signed entries of the mesh's catalogue of models (`catalog/entry.py`) as this peer
+    # knows it, opaque here: whoever uses one verifies its signature.
+    catalog: tuple[bytes, ...] = ()
     # Fields other services publish without a record format change (e.g. placement
     # leases): text keys, CBOR values.
     extras: dict[str, Any] = field(default_factory=dict)
@@ -229,6 +234,8 @@ class PeerRecord:
             wire[21] = self.mem_spare_bytes
         if self.no_tokenizer:  # likewise
             wire[22] = list(self.no_tokenizer)
+        if self.catalog:  # likewise
+            wire[23] = list(self.catalog)
         body = cbor2.dumps(wire, canonical=True)
         if len(body) > MAX_RECORD_BYTES:
             raise RecordRejected(
@@ -289,6 +296,9 @@ class PeerRecord:
                 ),
                 mem_spare_bytes=_uint(d.get(21, 0)),
                 no_tokenizer=tuple(_text(x) for x in _bounded(d.get(22, []), MAX_MODELS)),
+                catalog=tuple(
+                    _blob(c, MAX_CATALOG_BYTES) for c in _bounded(d.get(23, []), MAX_CATALOG)
+                ),
             )
         except KeyError as e:
             raise RecordRejected(f"record lacks field {e}") from e
@@ -315,6 +325,7 @@ class PeerRecord:
             "serving": [s.__dict__ for s in self.serving],
             "extras": {k: _jsonable(v) for k, v in self.extras.items()},
             "capabilities": len(self.capabilities),
+            "catalog": len(self.catalog),
             "windows_inexact": self.windows_inexact,
             "devices": [d.__dict__ for d in self.devices],
         }

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from meshagent.gossip.errors import RecordRejected
 from meshagent.gossip.peer_record import (
+    MAX_CATALOG,
+    MAX_CATALOG_BYTES,
     MAX_RECORD_BYTES,
     ArtifactHeld,
     DeviceOffer,
@@ -63,6 +65,7 @@ def full_record(ident: NodeIdentity, seq: int = 5) -> PeerRecord:
         devices=(DeviceOffer("CUDA0", "NVIDIA H200", "gpu", 150 << 30, 140 << 30, 20 << 30, 9e3),),
         mem_spare_bytes=4 << 30,
         no_tokenizer=(H,),
+        catalog=(b"\xa4signed-catalogue-entry",),
     )
 
 
@@ -89,6 +92,23 @@ def test_gpus_and_spare_memory_are_absent_from_a_cpu_agents_record():
     assert full[21] == 4 << 30
     assert full[22] == [H]
     assert full_record(ident).to_dict()["devices"][0]["offer_bytes"] == 20 << 30
+
+
+def test_the_catalogue_is_absent_when_empty_and_bounded_when_decoded():
+    ident = NodeIdentity.generate()
+    assert 23 not in cbor2.loads(replace(full_record(ident), catalog=()).to_body())
+    wire = cbor2.loads(full_record(ident).to_body())
+    assert wire[23] == [b"\xa4signed-catalogue-entry"]
+    assert full_record(ident).to_dict()["catalog"] == 1
+    for bad, why in (
+        ([b"x"] * (MAX_CATALOG + 1), "at most 32"),
+        ([b"x" * (MAX_CATALOG_BYTES + 1)], "bytes of at most"),
+        (["text"], "bytes of at most"),
+        (b"x", "list"),
+    ):
+        wire[23] = bad
+        with pytest.raises(RecordRejected, match=why):
+            PeerRecord.from_body(cbor2.dumps(wire, canonical=True))
 
 
 def test_a_malformed_device_is_refused():
