@@ -8,7 +8,7 @@ publishes; what of the model is served here the model publishes as its part chan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +47,13 @@ def device_offers(config: AgentConfig, speeds: Sequence[float] = ()) -> tuple[De
 def static_fields(
     config: AgentConfig,
     name: str,
-    model: MeshModel,
-    sha256: str = "",
+    models: Sequence[MeshModel],
+    sha256: Mapping[str, str] | None = None,
     device_speeds: Sequence[float] = (),
 ) -> dict[str, Any]:
-    """Record fields that change only when measured: `sha256` is the model file's, once known;
-    `device_speeds` each GPU's."""
-    info = model.info
+    """Record fields that change only when measured: `sha256` holds each model file's (by
+    model id), once known; `device_speeds` each GPU's."""
+    sha256 = sha256 or {}
     gib = 1 << 30
     available = capacity.memory_available()
     offer = capacity.memory_offer(
@@ -69,12 +69,15 @@ def static_fields(
         "mem_kv_bytes": offer.kv,
         "mem_spare_bytes": capacity.spare_memory(available, offer),
         "devices": device_offers(config, device_speeds),
-        # The whole model file, when it is here (a partial copy holds only stages' bytes).
-        "models": (ModelHeld(info.id, sha256, info.architecture, info.n_layers, info.size_bytes),)
-        if model.source.partial is None
-        else (),
-        # A split drafts by default only where all its stages compute windows exactly.
-        "windows_inexact": inexact_build() or inexact_model(model.layout.weight_types),
+        # Each whole model file here (a partial copy holds only stages' bytes).
+        "models": tuple(
+            ModelHeld(i.id, sha256.get(i.id, ""), i.architecture, i.n_layers, i.size_bytes)
+            for i in (m.info for m in models if m.source.partial is None)
+        ),
+        # A split drafts by default only where all its stages compute windows exactly (one
+        # reason for every model here: the first found).
+        "windows_inexact": inexact_build()
+        or next((w for m in models if (w := inexact_model(m.layout.weight_types))), ""),
     }
 
 
@@ -83,7 +86,7 @@ def dynamic_fields(
     relays: Sequence[RelayClient],
     store: ArtifactStore,
     capabilities: Capabilities,
-    model_path: Path,
+    model_paths: Callable[[], Sequence[Path]],
 ) -> dict[str, Any]:
     """Record fields that can change while running; gossip polls them."""
     return {
@@ -91,7 +94,7 @@ def dynamic_fields(
         "relays": tuple(r.name for r in relays if r.registered),
         "artifacts": tuple(ArtifactHeld.from_manifest(m) for m in store.all())[:MAX_ARTIFACTS],
         "capabilities": capabilities.published(),
-        "no_tokenizer": no_tokenizer(model_path),
+        "no_tokenizer": tuple(s for p in model_paths() for s in no_tokenizer(p)),
     }
 
 
@@ -107,15 +110,20 @@ def no_tokenizer(model_path: Path) -> tuple[str, ...]:
 
 
 async def measure(
-    gossip: GossipService, config: AgentConfig, name: str, model: MeshModel, store: ArtifactStore
+    gossip: GossipService,
+    config: AgentConfig,
+    name: str,
+    models: Sequence[MeshModel],
+    store: ArtifactStore,
 ) -> None:
     """Measured once at start, off the event loop: compute speed (the CPU's and each GPU's),
-    the model's hash."""
-    path = Path(model.info.path)
-    if is_partial(path):
-        # Its sha256 is in the sidecar: placement counts downloads from its first plan on,
-        # before the speed published next lets it propose one.
-        model.placement.source_sha256 = store.source_sha256(path)
+    the models' hashes."""
+    for model in models:
+        path = Path(model.info.path)
+        if is_partial(path):
+            # Its sha256 is in the sidecar: placement counts downloads from its first plan
+            # on, before the speed published next lets it propose one.
+            model.placement.source_sha256 = store.source_sha256(path)
     speed = await trio.to_thread.run_sync(capacity.matmul_gflops)
     gossip.update_local(compute_speed=speed, compute_unit=capacity.COMPUTE_UNIT)
     log.info("agent.measured", compute_speed=speed, unit=capacity.COMPUTE_UNIT)
@@ -128,7 +136,11 @@ async def measure(
             s = 0.0
         log.info("agent.measured_device", device=d.name, speed=s, unit=capacity.COMPUTE_UNIT)
         speeds.append(s)
-    sha = await trio.to_thread.run_sync(lambda: store.source_sha256(path))
-    gossip.update_local(**static_fields(config, name, model, sha, speeds))
-    model.placement.source_sha256 = sha  # placement: who holds what of this file
-    model.publish_serving()
+    shas = {}
+    for model in models:
+        path = Path(model.info.path)
+        shas[model.info.id] = await trio.to_thread.run_sync(lambda p=path: store.source_sha256(p))
+    gossip.update_local(**static_fields(config, name, models, shas, speeds))
+    for model in models:
+        model.placement.source_sha256 = shas[model.info.id]  # placement: who holds what
+        model.publish_serving()

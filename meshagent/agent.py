@@ -64,7 +64,7 @@ class Agent:
             finally:
                 self.data_dir.run_path.unlink(missing_ok=True)
                 with trio.CancelScope(shield=True):
-                    await services.model.aclose()
+                    await services.models.aclose()
         finally:
             http.close()
         log.info("agent.stopped")
@@ -85,7 +85,7 @@ class Agent:
                 "agent.ready",
                 api=services.api_url,
                 overlay=[str(a) for a in services.overlay.listen_addresses],
-                model=services.model.info.id,
+                models=services.models.names,
             )
             task_status.started(services)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -106,14 +106,13 @@ class Agent:
     async def _drain(self, services: Services, stop_accepting: trio.Event) -> None:
         """Refuse new requests, give those in flight the grace to finish, leave the mesh."""
         grace = self.config.grace
-        if services.model.local is not None:
-            services.model.local.runner.close()
+        services.models.close_runners()
         services.inflight.draining = True
         stop_accepting.set()
         stopped = await services.inflight.drain(grace)
         log.info("agent.drained", stopped=stopped)
         # Leaving: no more plans or parts, no more dialling; then the mesh hears of it.
-        services.model.placement.stop()
+        services.models.stop()
         services.dialer.stop()
         await services.gossip.leave()
         with trio.move_on_after(grace + 1):

@@ -77,7 +77,8 @@ class AgentConfig:
     these defaults."""
 
     name: str = ""
-    model: str = ""  # empty: the embedded default model
+    # local GGUF files or hub names; none: the embedded default model
+    models: tuple[str, ...] = ()
     api_host: str = DEFAULT_API_HOST
     api_port: int = DEFAULT_API_PORT
     api_keys: tuple[str, ...] = ()  # Bearer keys the HTTP API asks for; none: no key
@@ -111,6 +112,9 @@ class AgentConfig:
 
     def merged(self, overrides: dict[str, Any]) -> AgentConfig:
         known = {f.name for f in fields(self)}
+        if isinstance(overrides.get("model"), str):  # config.toml's one-model key
+            overrides = {**overrides, "models": (overrides["model"],)}
+            overrides.pop("model")
         unknown = set(overrides) - known
         if unknown:
             raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")

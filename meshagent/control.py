@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from meshagent.models.artifacts import ArtifactStore
     from meshagent.relay.client import RelayClient
     from meshagent.serving.local_model import LocalModel
-    from meshagent.serving.mesh_model import MeshModel
+    from meshagent.serving.model_host import ModelHost
 
 
 class AgentParts(Protocol):
@@ -45,7 +45,7 @@ class AgentParts(Protocol):
     relays: tuple[RelayClient, ...]
     lan: LanDiscovery
     gossip: GossipService
-    model: MeshModel
+    models: ModelHost
     store: ArtifactStore
 
     @property
@@ -55,7 +55,6 @@ class AgentParts(Protocol):
 
 def status(services: AgentParts) -> dict[str, Any]:
     s = services
-    info = s.model.info
     return {
         "peer_id": s.identity.peer_id,
         "name": s.name,
@@ -75,7 +74,7 @@ def status(services: AgentParts) -> dict[str, Any]:
         "alone": s.alone,
         "in_flight": len(s.inflight),
         "models": _models(s),
-        "placement": {info.id: s.model.placement_summary()},
+        "placement": {m.info.id: m.placement_summary() for m in s.models},
         "artifacts": [m.to_dict() for m in s.store.all()],
         "download": _download(s),
         "peers": _links(s.overlay),
@@ -97,27 +96,31 @@ def status(services: AgentParts) -> dict[str, Any]:
 
 def _download(s: AgentParts) -> dict[str, Any] | None:
     """A model held in part (`models/ranged.py`): what came from the hub and from peers,
-    and the artifacts being downloaded now."""
-    path = Path(s.model.files.path)
-    if not is_partial(path):
-        return None
-    return {**PartialModel(path).status(), "fetching": s.model.source.downloads()}
+    and the artifacts being downloaded now (the first such model's)."""
+    for model in s.models:
+        path = Path(model.files.path)
+        if is_partial(path):
+            return {**PartialModel(path).status(), "fetching": model.source.downloads()}
+    return None
 
 
 def _models(s: AgentParts) -> list[dict[str, Any]]:
-    model = s.model.local
-    if model is None:
-        return []
-    return [
-        {
-            "id": model.info.id,
-            "path": model.info.path,
-            "layers": list(s.model.layers()),
-            "slots": asdict(model.runner.stats()),
-            "speculation": _speculation(model),
-            "prefix_cache": _prefix_cache(model),
-        }
-    ]
+    out = []
+    for mesh_model in s.models:
+        model = mesh_model.local
+        if model is None:
+            continue
+        out.append(
+            {
+                "id": model.info.id,
+                "path": model.info.path,
+                "layers": list(mesh_model.layers()),
+                "slots": asdict(model.runner.stats()),
+                "speculation": _speculation(model),
+                "prefix_cache": _prefix_cache(model),
+            }
+        )
+    return out
 
 
 def _prefix_cache(model: LocalModel) -> dict[str, Any]:
@@ -188,7 +191,6 @@ def _gossip(s: AgentParts) -> dict[str, Any]:
 def peers(services: AgentParts) -> dict[str, Any]:
     """Every peer gossip knows, with its link."""
     s = services
-    summary = s.model.placement_summary()
     return {
         "self": s.identity.peer_id,
         "mesh": mesh_fingerprint(s.mesh),
@@ -196,12 +198,10 @@ def peers(services: AgentParts) -> dict[str, Any]:
         "peers": peer_rows(
             s.identity.peer_id, s.gossip.snapshot(include_dead=True), s.overlay.links()
         ),
-        # whether the mesh serves the model, and why not (the words `status` uses)
+        # whether the mesh serves each model, and why not (the words `status` uses)
         "placement": {
-            s.model.info.id: {
-                "routable": summary["routable"],
-                "error": summary["error"],
-            }
+            m.info.id: {"routable": summary["routable"], "error": summary["error"]}
+            for m, summary in ((m, m.placement_summary()) for m in s.models)
         },
     }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,13 +24,12 @@ from meshagent.api import entry
 from meshagent.api.access import Access
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
-from meshagent.config import AgentConfig, DataDir
+from meshagent.config import AgentConfig, ConfigError, DataDir
 from meshagent.discovery import hearing, probe
 from meshagent.discovery.alone import watch_alone
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
 from meshagent.discovery.lan import LanDiscovery
 from meshagent.discovery.mdns import Sighting
-from meshagent.engine.base import ModelInfo
 from meshagent.engine.llama import read_model_info
 from meshagent.gossip import service as gossip_service
 from meshagent.gossip.config import GossipConfig
@@ -39,10 +38,10 @@ from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret, mesh_fingerprint
 from meshagent.identity.mesh_file import load_or_create_mesh
 from meshagent.models import header_share, transfer
-from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.artifacts import ArtifactStore, SliceManifest
 from meshagent.models.capability import CapabilityStore
 from meshagent.models.default import resolve_model
-from meshagent.models.layout import ModelLayout, inspect_model
+from meshagent.models.layout import inspect_model
 from meshagent.net.budgets import StreamBudgets
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
@@ -52,6 +51,7 @@ from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import GENERATE_LABEL
 from meshagent.serving.mesh_model import MeshModel
 from meshagent.serving.model_files import ModelFiles
+from meshagent.serving.model_host import ModelHost
 from meshagent.serving.settings import ServingSettings
 from meshagent.wire.handshake import LocalPeer
 
@@ -96,17 +96,21 @@ class Services:
             mesh_source=how,
             data_dir=str(data_dir.root),
         )
-        path = await trio.to_thread.run_sync(resolve_model, config.model)  # may download
-        layout = await trio.to_thread.run_sync(inspect_model, path)
-        info = await trio.to_thread.run_sync(read_model_info, path)
+        store = ArtifactStore(data_dir.artifacts_path)
+        files = []
+        for spec in config.models or ("",):  # none: the embedded default
+            path = await trio.to_thread.run_sync(resolve_model, spec)  # may download
+            layout = await trio.to_thread.run_sync(inspect_model, path)
+            info = await trio.to_thread.run_sync(read_model_info, path)
+            if any(f.info.id.casefold() == info.id.casefold() for f in files):
+                raise ConfigError(f"two models given are both named {info.id}: {spec}")
+            files.append(ModelFiles(path, layout, info, store))
         return cls(
             config,
             identity=identity,
             mesh=mesh,
-            model_path=path,
-            layout=layout,
-            info=info,
-            store=ArtifactStore(data_dir.artifacts_path),
+            files=files,
+            store=store,
             api_url=api_url,
             joined=join is not None,
         )
@@ -117,9 +121,7 @@ class Services:
         *,
         identity: NodeIdentity,
         mesh: MeshSecret,
-        model_path: Path,
-        layout: ModelLayout,
-        info: ModelInfo,
+        files: Sequence[ModelFiles],
         store: ArtifactStore,
         api_url: str,
         joined: bool = False,
@@ -131,7 +133,6 @@ class Services:
         self.mesh = mesh
         self.store = store
         self.api_url = api_url
-        self.model_path = model_path
         self.name = config.name or os.uname().nodename
         self.started_at = time.time()
         self.inflight = InFlight()
@@ -167,11 +168,13 @@ class Services:
             listening=lambda: self.overlay.listen_addresses,
             on_peer=self._sighted,
         )
-        self.model = self._mesh_model(model_path, layout, info)
+        self.models = ModelHost(self.gossip, self.overlay)
+        for f in files:
+            self.models.add(self._mesh_model(f))
         port = urlsplit(api_url).port or 0
         self.access = Access.for_binding(config.api_keys, config.api_host, port)
         self.app = OpenAIApp(
-            self.model.directory,
+            self.models.directory,
             self.inflight,
             partial(control.status, self),
             peers=partial(control.peers, self),
@@ -180,19 +183,30 @@ class Services:
         )
         self._routes: dict[str, StreamHandler] = {
             transfer.LABEL: transfer.ArtifactServer(
-                store,
-                cut=self.model.source.cut_for_peer,
-                may_cut=self.model.in_plan,
+                store, cut=self._cut_for_peer, may_cut=self._in_plan
             ).handle,
-            header_share.LABEL: header_share.HeaderMapServer(
-                model_path, partial(store.source_sha256, model_path)
-            ).handle,
+            header_share.LABEL: header_share.HeaderMapServer(self._model_files).handle,
             probe.LABEL: probe.serve,
             hearing.LABEL: partial(hearing.serve, self.overlay),
             gossip_service.LABEL: self.gossip.handle,
             GENERATE_LABEL: lambda s: entry.serve(s, self.app.catalog, peer_id=s.peer_id),
-            **self.model.handlers(),
+            **self.models.handlers(),
         }
+
+    def _cut_for_peer(self, key: str) -> SliceManifest | None:
+        """Artifact `key` of a model held whole here, cut for a peer (blocking)."""
+        return next(
+            (m for m in (x.source.cut_for_peer(key) for x in self.models) if m is not None), None
+        )
+
+    def _in_plan(self, key: str) -> bool:
+        return any(m.in_plan(key) for m in self.models)
+
+    def _model_files(self) -> list[tuple[Path, Callable[[], str]]]:
+        """Each model file here, with its sha256 (blocking: may hash it)."""
+        return [
+            (m.files.path, partial(self.store.source_sha256, m.files.path)) for m in self.models
+        ]
 
     def _gossip(self) -> GossipService:
         cfg = self.config
@@ -211,15 +225,15 @@ class Services:
                 self.relays,
                 self.store,
                 self.capabilities,
-                self.model_path,
+                lambda: [m.files.path for m in self.models],
             ),
         )
 
-    def _mesh_model(self, path: Path, layout: ModelLayout, info: ModelInfo) -> MeshModel:
+    def _mesh_model(self, files: ModelFiles) -> MeshModel:
         cfg = self.config
         return MeshModel(
             peer_id=self.identity.peer_id,
-            files=ModelFiles(path, layout, info, self.store),
+            files=files,
             overlay=self.overlay,
             gossip=self.gossip,
             capabilities=self.capabilities,
@@ -232,15 +246,16 @@ class Services:
     async def start(self, nursery: trio.Nursery) -> None:
         """Start every service in `nursery`, each once what it needs runs (the API aside)."""
         await nursery.start(self.overlay.run)
-        self.gossip.update_local(**advertisement.static_fields(self.config, self.name, self.model))
+        models = list(self.models)
+        self.gossip.update_local(**advertisement.static_fields(self.config, self.name, models))
         await nursery.start(self.gossip.run)
         await nursery.start(self.dialer.run)
-        await nursery.start(self.model.run)
+        await nursery.start(self.models.run)
         for relay in self.relays:
             await nursery.start(relay.run)
         await nursery.start(self.lan.run)  # mDNS advertises the port the overlay listens on
         nursery.start_soon(
-            advertisement.measure, self.gossip, self.config, self.name, self.model, self.store
+            advertisement.measure, self.gossip, self.config, self.name, models, self.store
         )
         cfg = self.config
         if self.joined or cfg.peers or cfg.relays:

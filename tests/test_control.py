@@ -40,15 +40,21 @@ def test_peers_over_parts_of_an_agent():
         alone="no peer answers at 10.0.0.2:9339",
         gossip=SimpleNamespace(snapshot=lambda include_dead: {}),
         overlay=SimpleNamespace(links=lambda: []),
-        model=SimpleNamespace(
-            info=SimpleNamespace(id="m"),
-            placement_summary=lambda: {"routable": False, "error": "alone", "stages": []},
-        ),
+        models=[
+            SimpleNamespace(
+                info=SimpleNamespace(id=name),
+                placement_summary=lambda: {"routable": False, "error": "alone", "stages": []},
+            )
+            for name in ("m", "n")
+        ],
     )
     assert control.peers(agent) == {
         "self": "self-id",
         "mesh": mesh_fingerprint(mesh),
         "alone": "no peer answers at 10.0.0.2:9339",
         "peers": [],
-        "placement": {"m": {"routable": False, "error": "alone"}},
+        "placement": {
+            "m": {"routable": False, "error": "alone"},
+            "n": {"routable": False, "error": "alone"},
+        },
     }

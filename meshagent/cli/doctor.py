@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         findings.append(doctor.Finding(doctor.FAIL, "config", str(e), f"edit {dd.config_path}"))
         config = AgentConfig()
     try:
-        model_path = resolve_model(config.model)
+        model_path = resolve_model(config.models[0] if config.models else "")
     except MeshError as e:
         findings.append(doctor.Finding(doctor.FAIL, "model", str(e), "see the message"))
         model_path = None

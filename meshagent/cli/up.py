@@ -37,8 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = AgentConfig()
     p.add_argument(
         "--model",
+        action="append",
+        dest="models",
+        metavar="MODEL",
         help="a local GGUF file, or a Hugging Face name: ORG/REPO, ORG/REPO:QUANT or "
-        "ORG/REPO/FILE.gguf (default: the embedded SmolLM2-135M)",
+        "ORG/REPO/FILE.gguf (repeatable: one agent takes part in several models; default: "
+        "the embedded SmolLM2-135M)",
     )
     p.add_argument("--name", help="a human name for this agent (default: the host name)")
     p.add_argument("--api-host", help=f"address of the API (default {d.api_host})")
@@ -188,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {
         k: getattr(args, k)
         for k in (
-            "model",
+            "models",
             "name",
             "api_host",
             "api_port",
@@ -234,25 +238,30 @@ def run(args: argparse.Namespace) -> int:
     if not secrets.api_keys and config.api_key_file:
         config = config.merged({"api_keys": config.api_keys + read_key_file(config.api_key_file)})
     config.validate()
-    name = parse_model_name(config.model) if config.model else None
-    if isinstance(name, HubName):
-        # A name is resolved here, before the agent starts: downloaded whole with progress
-        # on stderr, or (more than this agent can hold) its header only.
-        offer = capacity.memory_offer(
-            capacity.memory_available(),
-            limit=config.max_memory,
-            weights=int(config.mem_weights_gib * (1 << 30)),
-            kv=int(config.mem_kv_gib * (1 << 30)),
-        )
-        path = model_for_agent(
-            name,
-            data_dir.models_path,
-            offer.weights,
-            progress=ProgressBar(f"downloading {config.model}"),
-            say=lambda line: print(f"meshagent: {line}", file=sys.stderr),
-            header_map=_header_map_from(peers, join, data_dir),
-        )
-        config = config.merged({"model": str(path)})
+    resolved = []
+    for model in config.models:
+        name = parse_model_name(model)
+        if isinstance(name, HubName):
+            # A name is resolved here, before the agent starts: downloaded whole with
+            # progress on stderr, or (more than this agent can hold) its header only.
+            offer = capacity.memory_offer(
+                capacity.memory_available(),
+                limit=config.max_memory,
+                weights=int(config.mem_weights_gib * (1 << 30)),
+                kv=int(config.mem_kv_gib * (1 << 30)),
+            )
+            model = str(
+                model_for_agent(
+                    name,
+                    data_dir.models_path,
+                    offer.weights,
+                    progress=ProgressBar(f"downloading {model}"),
+                    say=lambda line: print(f"meshagent: {line}", file=sys.stderr),
+                    header_map=_header_map_from(peers, join, data_dir),
+                )
+            )
+        resolved.append(model)
+    config = config.merged({"models": tuple(resolved)})
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
     logs.configure(config.log_level, json=fmt)
     for e in secrets.exposed:
@@ -272,10 +281,10 @@ def run(args: argparse.Namespace) -> int:
                 nursery.cancel_scope.cancel()  # the agent stopped (SIGINT): so do the lines
 
             services = await nursery.start(run_agent)
-            model = services.model.info.id
+            names = ", ".join(services.models.names)
             print(
                 f"meshagent: API at {services.api_url}/v1 (console: {services.api_url}/console); "
-                f"placing {model} on the mesh",
+                f"placing {names} on the mesh",
                 file=sys.stderr,
             )
             if not config.api_keys and not is_loopback(config.api_host):
@@ -284,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
                     "(--insecure-no-api-key): anyone who reaches it can use it",
                     file=sys.stderr,
                 )
-            nursery.start_soon(_say_what_serves, services.model, services.api_url)
+            for model in services.models:
+                nursery.start_soon(_say_what_serves, model, services.api_url)
             nursery.start_soon(_say_if_alone, services)
 
     trio.run(main)

@@ -79,18 +79,23 @@ def map_of(path: Path, sha256: str) -> HeaderMap | None:
 
 
 class HeaderMapServer:
-    """Answers `header/1` for the model file at `path`."""
+    """Answers `header/1` for the model files `files()` gives, each with its sha256."""
 
-    def __init__(self, path: Path, sha256_of: Sha256Of) -> None:
-        self.path = path
-        self.sha256_of = sha256_of
+    def __init__(self, files: Callable[[], Sequence[tuple[Path, Sha256Of]]]) -> None:
+        self.files = files
         self._made: HeaderMap | None = None
+
+    @classmethod
+    def of(cls, path: Path, sha256_of: Sha256Of) -> HeaderMapServer:
+        """For the one model file at `path`."""
+        return cls(lambda: [(path, sha256_of)])
 
     def _map(self, sha256: str) -> HeaderMap | None:
         if self._made is None or self._made.sha256 != sha256:
-            if self.sha256_of() != sha256:
+            path = next((p for p, sha256_of in self.files() if sha256_of() == sha256), None)
+            if path is None:
                 return None
-            self._made = map_of(self.path, sha256)
+            self._made = map_of(path, sha256)
         return self._made
 
     async def _answer(self, msg: dict[int, Any]) -> dict[int, Any]:
@@ -100,7 +105,7 @@ class HeaderMapServer:
         try:
             found = await trio.to_thread.run_sync(self._map, sha256)
         except (OSError, ValueError) as e:
-            log.warning("header_share.unreadable", path=str(self.path), error=str(e))
+            log.warning("header_share.unreadable", sha256=sha256, error=str(e))
             return {K_ERROR: "the header here is unreadable"}
         if found is None:
             return {K_ERROR: "no whole header of that file here"}

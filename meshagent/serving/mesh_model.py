@@ -104,23 +104,22 @@ class MeshModel:
             open_stream=self._open_stream,
             published=self.publish_serving,
         )
+        # Tells the mesh what this agent serves (`ModelHost.publish_serving`, for every model
+        # served here); alone, this model's part only.
+        self.published: Callable[[], None] = self._publish_own
 
     # ----- what the agent wires -----
 
-    def handlers(self) -> dict[str, Any]:
-        """Stage and reply streams go to the split host of the moment (SplitHost refuses the
-        kind it does not serve)."""
-
-        async def to_split(stream: Any) -> None:
-            split = self.parts.split
-            if split is None:
-                stream.reset("this agent runs no part of a split")
-            elif stream.label.startswith(STAGE_LABEL):
-                await split.handle_stage(stream)
-            else:
-                await split.handle_reply(stream)
-
-        return {STAGE_LABEL: to_split, REPLY_LABEL: to_split}
+    async def to_split(self, stream: MeshStream) -> None:
+        """A stage or reply stream of this model's split (`ModelHost` routes them by label)
+        goes to the split host of the moment, which refuses the kind it does not serve."""
+        split = self.parts.split
+        if split is None:
+            stream.reset("this agent runs no part of a split")
+        elif stream.label.startswith(STAGE_LABEL):
+            await split.handle_stage(stream)
+        else:
+            await split.handle_reply(stream)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -214,6 +213,9 @@ class MeshModel:
 
     def publish_serving(self) -> None:
         """Tell the mesh what this agent serves (`meshagent peers`' SERVES column)."""
+        self.published()
+
+    def _publish_own(self) -> None:
         try:
             self.placement.gossip.update_local(serving=self.serving_record())
         except MeshError as e:
@@ -248,7 +250,10 @@ class MeshModel:
 
     async def _open_stream(self, peer_id: str, label: str, **window: int) -> MeshStream:
         """A stream of the split to `peer_id`; a peer this agent lost its connection to (it
-        crashed and came back, say) is dialled at once rather than on the dialer's backoff."""
+        crashed and came back, say) is dialled at once rather than on the dialer's backoff.
+        A split's labels name the model (`ModelHost.handlers`)."""
+        if label in (STAGE_LABEL, REPLY_LABEL):
+            label = f"{label}:{self.info.id}"
         try:
             return await self.overlay.open_stream(peer_id, label, **window)
         except ConnectionUnavailable:

@@ -189,7 +189,9 @@ class ArtifactSource:
             return
         await trio.to_thread.run_sync(part.ensure_whole)
         held = ModelHeld(info.id, part.sha256, info.architecture, info.n_layers, info.size_bytes)
-        gossip.update_local(models=(held,))
+        me = gossip.snapshot().get(gossip.peer_id)  # the other models held here stay said
+        others = tuple(m for m in me.record.models if m.sha256 != held.sha256) if me else ()
+        gossip.update_local(models=(*others, held))
 
     async def obtain(self, kind: str, start: int, end: int, *, hub: bool = True) -> None:
         """Make sure the store holds the artifact (`kind`, `start`, `end`); an agent with the

@@ -115,8 +115,8 @@ def test_a_peer_gives_its_map_over_the_overlay(model_path, whole_map, hub, tmp_p
     whole file's map; a partial copy read around its tokenizer has none to give."""
     gapped = _begin(hub, tmp_path / "part", whole_map)
     servers = {
-        "whole": HeaderMapServer(model_path, lambda: whole_map.sha256),
-        "gapped": HeaderMapServer(gapped, lambda: whole_map.sha256),
+        "whole": HeaderMapServer.of(model_path, lambda: whole_map.sha256),
+        "gapped": HeaderMapServer.of(gapped, lambda: whole_map.sha256),
     }
     addresses: queue.Queue = queue.Queue()
     stop = threading.Event()
@@ -223,7 +223,7 @@ async def test_placement_knows_a_partial_copys_file_before_the_agent_publishes_i
     )
     monkeypatch.setattr(capacity, "matmul_gflops", lambda: 50.0)
     store = ArtifactStore(tmp_path / "store")
-    await advertisement.measure(Gossip(), AgentConfig(), "x", model, store)
+    await advertisement.measure(Gossip(), AgentConfig(), "x", [model], store)
     first_speed = next(sha for fields, sha in seen if "compute_speed" in fields)
     assert first_speed == whole_map.sha256 == placement.source_sha256
     # And its record says it read the header without the tokenizer.

@@ -165,7 +165,7 @@ def request(fields: dict[int, Any]) -> bytes:
 
 async def test_the_server_answers_its_file_and_refuses_what_is_no_sha256(tiny):
     path, sha = tiny
-    server = HeaderMapServer(path, lambda: sha)
+    server = HeaderMapServer.of(path, lambda: sha)
     stream = ScriptedStream(request({0: 1, 1: sha}))
     await server.handle(stream)
     assert header_share.K_END in reply_of(stream)
@@ -180,6 +180,6 @@ async def test_the_server_answers_its_file_and_refuses_what_is_no_sha256(tiny):
 async def test_any_request_is_answered_never_raised(tiny, fields):
     path, sha = tiny
     stream = ScriptedStream(request(fields))
-    await HeaderMapServer(path, lambda: sha).handle(stream)  # raises nothing
+    await HeaderMapServer.of(path, lambda: sha).handle(stream)  # raises nothing
     if stream.sent:
         assert set(reply_of(stream)) & {header_share.K_END, header_share.K_ERROR}

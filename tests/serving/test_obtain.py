@@ -204,13 +204,20 @@ async def test_a_partial_copy_given_the_whole_model_completes_and_says_it_holds_
 ):
     source = _source(hub, tmp_path, {})
     said = []
-    gossip = SimpleNamespace(update_local=lambda **fields: said.append(fields))
+    other = ModelHeld("other", "e" * 64, "llama", 2, 1)  # another model held here stays said
+    me = SimpleNamespace(record=SimpleNamespace(models=(other,)))
+    gossip = SimpleNamespace(
+        peer_id="me",
+        snapshot=lambda: {"me": me},
+        update_local=lambda **fields: said.append(fields),
+    )
     info = SimpleNamespace(id="tiny", architecture="llama", n_layers=6, size_bytes=1)
     await source.complete(info, gossip)
     assert source.model_path.read_bytes() == whole.read_bytes()
     assert source.partial is None  # whole now, checked against the hub's sha256
     [fields] = said
-    assert fields["models"][0].sha256 == PartialModel(source.model_path).sha256
+    assert fields["models"][0] == other
+    assert fields["models"][1].sha256 == PartialModel(source.model_path).sha256
     await source.complete(info, gossip)  # whole already: nothing more
     assert len(said) == 1
 
