@@ -10,9 +10,9 @@ from typing import Any
 
 from meshagent.api import errors
 from meshagent.api.access import Access
-from meshagent.api.catalog import Catalog
+from meshagent.api.catalog import Catalog, MeshCatalogue
 from meshagent.api.completions import Completions
-from meshagent.api.control_routes import ControlRoutes, Document
+from meshagent.api.control_routes import CONTROL_MODEL_PREFIX, ControlRoutes, Document
 from meshagent.api.errors import SPLIT_RETRY_AFTER, ApiError
 from meshagent.api.events import EventHub
 from meshagent.api.exchange import ClientGone, Exchange, Receive, Routes, Send
@@ -37,17 +37,20 @@ class OpenAIApp:
         peers: Callable[[], Document] | None = None,
         probe: Callable[[Document], Awaitable[Document]] | None = None,
         access: Access | None = None,
+        catalogue: MeshCatalogue | None = None,
     ) -> None:
         """`directory` says which models this agent serves and where the others run; `access`
-        who may ask over HTTP; `status`, `peers` and `probe` answer the control API."""
+        who may ask over HTTP; `status`, `peers` and `probe` answer the control API;
+        `catalogue` is the mesh's catalogue of models (listed with the served ones, and
+        changed through `/control/models`)."""
         self.access = access or Access()
-        self.catalog = Catalog(directory, inflight)
+        self.catalog = Catalog(directory, inflight, catalogue)
         self.router = PrefixRouter()
         self.events = EventHub()
         self.metrics = Metrics(status, on_request=self.events.request_ended)
         completions = Completions(self.catalog, self.metrics, self.router)
         self.openai = OpenAIRoutes(self.catalog, completions)
-        control = ControlRoutes(
+        self.control = ControlRoutes(
             inflight,
             status,
             peers,
@@ -55,12 +58,13 @@ class OpenAIApp:
             metrics=self.metrics,
             events=self.events,
             router=self.router,
+            catalogue=catalogue,
         )
         self._routes: Routes = {
             **self.openai.routes,
             **ResponsesRoutes(completions).routes,
             **OllamaRoutes(self.catalog, completions).routes,
-            **control.routes,
+            **self.control.routes,
         }
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -88,6 +92,9 @@ class OpenAIApp:
             return
         if ex.method == "GET" and ex.path.startswith(MODEL_PREFIX):
             await self.openai.model(ex, ex.path.removeprefix(MODEL_PREFIX))
+            return
+        if ex.method == "DELETE" and ex.path.startswith(CONTROL_MODEL_PREFIX):
+            await self.control.remove_model(ex, ex.path.removeprefix(CONTROL_MODEL_PREFIX))
             return
         if any(path == ex.path for _, path in self._routes):
             raise ApiError(405, f"Method {ex.method} is not allowed on {ex.path}.")

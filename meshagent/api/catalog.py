@@ -1,27 +1,57 @@
 """The models the API answers for, looked up in the model directory by the name a client gives:
 served here, served by peers, described as model cards, or (placed again after a lost peer)
-waited for."""
+waited for. The cards list the mesh's catalogue too (`MeshCatalogue`): a catalogued model no
+agent serves yet has a card that says so."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import trio
 
 from meshagent.api import errors
 from meshagent.api.errors import SPLIT_RETRY_AFTER
 from meshagent.api.inflight import InFlight
+from meshagent.catalog.entry import CatalogEntry, SignedEntry
 from meshagent.serving.directory import ModelDirectory, RemoteModel
 from meshagent.serving.local_model import LocalModel
 
 _SERVED_POLL = 0.1  # seconds between looks for a model being placed again
 
 
+class MeshCatalogue(Protocol):
+    """The mesh's catalogue of models as the API reads and changes it
+    (`meshagent.catalog.service.Catalog` fits)."""
+
+    def entries(self) -> Mapping[str, CatalogEntry]:
+        """Each catalogued model, by name."""
+        ...
+
+    def signed_entries(self) -> Sequence[SignedEntry]:
+        """The same, with who added each."""
+        ...
+
+    async def add(self, spec: str) -> SignedEntry:
+        """Add the model a path or hub name gives (ModelError, CatalogError)."""
+        ...
+
+    def remove(self, name: str) -> SignedEntry:
+        """Remove a catalogued model (NotCatalogued when it is not)."""
+        ...
+
+
 class Catalog:
-    def __init__(self, directory: ModelDirectory, inflight: InFlight) -> None:
+    def __init__(
+        self,
+        directory: ModelDirectory,
+        inflight: InFlight,
+        catalogue: MeshCatalogue | None = None,
+    ) -> None:
         self.directory = directory
         self.inflight = inflight
+        self.catalogue = catalogue
         self.started_at = int(time.time())
 
     def local(self, name: str) -> LocalModel | None:
@@ -77,24 +107,55 @@ class Catalog:
     # -- model cards (`GET /v1/models`) --
 
     def cards(self) -> list[dict[str, Any]]:
-        """A card for each model of the mesh: this agent's own first, then the peers'."""
+        """A card for each model of the mesh: this agent's own first, then the peers', then
+        the catalogued models no agent serves."""
+        catalogued = self._catalogued()
         models = self.directory.local_models()
-        data = [self._local_card(m) for m in models]
+        data = [self._local_card(m, catalogued) for m in models]
         seen = {m.info.id.casefold() for m in models}
         for remote in self.directory.remote_models():
             if remote.id.casefold() not in seen:
-                data.append(self._remote_card(remote))
+                data.append(self._remote_card(remote, catalogued))
                 seen.add(remote.id.casefold())
+        for key, entry in catalogued.items():
+            if key not in seen:
+                data.append(self._catalogued_card(entry))
         return data
 
     def card(self, name: str) -> dict[str, Any]:
         """The card of the model of that name; 404 if the mesh has none."""
+        catalogued = self._catalogued()
         remote = self.remote(name)
         if remote is not None and self.local(name) is None:
-            return self._remote_card(remote)
-        return self._local_card(self.model(name, param=None))
+            return self._remote_card(remote, catalogued)
+        entry = catalogued.get(name.casefold())
+        if entry is not None and self.local(name) is None:
+            return self._catalogued_card(entry)
+        return self._local_card(self.model(name, param=None), catalogued)
 
-    def _local_card(self, model: LocalModel) -> dict[str, Any]:
+    def _catalogued(self) -> dict[str, CatalogEntry]:
+        """The catalogue by name without case (empty where the app has none)."""
+        if self.catalogue is None:
+            return {}
+        return {name.casefold(): e for name, e in self.catalogue.entries().items()}
+
+    def _catalogued_card(self, entry: CatalogEntry) -> dict[str, Any]:
+        return {
+            "id": entry.name,
+            "object": "model",
+            "created": entry.time,
+            "owned_by": "meshagent",
+            "meshagent": {
+                "catalogued": True,
+                "loaded": False,
+                "architecture": entry.architecture,
+                "layers": entry.n_layers,
+                "size_bytes": entry.size,
+                "sha256": entry.sha256,
+            },
+        }
+
+    def _local_card(self, model: LocalModel, catalogued: Mapping[str, object]) -> dict[str, Any]:
         info = model.info
         return {
             "id": info.id,
@@ -107,10 +168,12 @@ class Catalog:
                 "context_length": model.engine.slot_ctx,
                 "size_bytes": info.size_bytes,
                 "served_by": "local",
+                "catalogued": info.id.casefold() in catalogued,
+                "loaded": True,
             },
         }
 
-    def _remote_card(self, remote: RemoteModel) -> dict[str, Any]:
+    def _remote_card(self, remote: RemoteModel, catalogued: Mapping[str, object]) -> dict[str, Any]:
         return {
             "id": remote.id,
             "object": "model",
@@ -122,5 +185,7 @@ class Catalog:
                 "served_by": remote.served_as,
                 "peer": remote.peer_id,
                 "stages": [list(s) for s in remote.stages],
+                "catalogued": remote.id.casefold() in catalogued,
+                "loaded": True,
             },
         }
