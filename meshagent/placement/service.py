@@ -39,6 +39,22 @@ from meshagent.placement.planner import (
 log = structlog.get_logger(__name__)
 
 EXTRAS_KEY = "placement"  # this service's entry in the `extras` of a gossip record
+# The models an agent takes part in (their ids), in the `extras` of its record: placement plans
+# a model only on the peers that take part in it. A record without it (an agent before many
+# models) takes part in every model.
+TAKES_KEY = "takes"
+MAX_TAKES = 64
+
+
+def takes_part(record: Any, model_id: str) -> bool:
+    """Whether the peer of `record` takes part in `model_id` (may be planned a part of it)."""
+    takes = record.extras.get(TAKES_KEY) if isinstance(record.extras, dict) else None
+    if takes is None:
+        return True
+    if not isinstance(takes, list) or len(takes) > MAX_TAKES:
+        return False  # not a list of model ids: it takes part in none
+    want = model_id.casefold()
+    return any(isinstance(t, str) and t.casefold() == want for t in takes)
 
 
 class Snapshot(Protocol):
@@ -62,18 +78,24 @@ class Snapshot(Protocol):
 
 
 def capacities(
-    views: Mapping[str, Any], flops_per_layer: float = 0.0, source_sha256: str = ""
+    views: Mapping[str, Any],
+    flops_per_layer: float = 0.0,
+    source_sha256: str = "",
+    model_id: str | None = None,
 ) -> list[PeerCapacity]:
-    """Alive peers that offer memory and have measured their speed. A speed in GFLOP/s (the
-    gossip unit) becomes layers per second of this model when `flops_per_layer` is known, so
-    that compute time and RTTs add up in the same unit. With the model file's `source_sha256`
-    known, each peer's capacity says what it holds of it (the file, or stage artifacts); not
-    known, every peer counts as holding the file."""
+    """Alive peers that offer memory and have measured their speed (and, given `model_id`,
+    take part in that model). A speed in GFLOP/s (the gossip unit) becomes layers per second
+    of this model when `flops_per_layer` is known, so that compute time and RTTs add up in
+    the same unit. With the model file's `source_sha256` known, each peer's capacity says what
+    it holds of it (the file, or stage artifacts); not known, every peer counts as holding the
+    file."""
     out = []
     for pid, view in views.items():
         if view.state == PeerState.DEAD:
             continue
         r = view.record
+        if model_id is not None and not takes_part(r, model_id):
+            continue
         memory = offered_memory(r)
         if memory <= 0 or r.compute_speed <= 0:
             continue
@@ -203,7 +225,7 @@ class PlacementService:
         """One decision on the current snapshot."""
         views = self.gossip.snapshot()
         me = self.gossip.peer_id
-        caps = capacities(views, self.cost.flops_per_layer, self.source_sha256)
+        caps = capacities(views, self.cost.flops_per_layer, self.source_sha256, self.cost.model_id)
         claims = claims_for(self.cost.model_id, views, self.cost.n_layers)
         winner = plan_in_force(claims)
         error = None

@@ -17,13 +17,18 @@ import trio
 from meshagent.errors import MeshError
 from meshagent.gossip.peer_record import Serving
 from meshagent.net.stream import MeshStream
-from meshagent.placement.service import Snapshot
+from meshagent.placement.service import MAX_TAKES, TAKES_KEY, Snapshot
 from meshagent.serving.directory import GENERATE_LABEL, Headers, RemoteModel
+from meshagent.serving.foreign_models import claimed_models, foreign_models
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.mesh_model import MeshModel
 from meshagent.serving.pipeline import REPLY_LABEL, STAGE_LABEL
 
 log = structlog.get_logger(__name__)
+
+# Seconds a request waits for a model this agent takes no part in while its peers' placement
+# has no plan that serves (as a request waits for a split being repaired).
+FOREIGN_WAIT = 30.0
 
 
 class ModelHost:
@@ -45,6 +50,7 @@ class ModelHost:
         model.published = self.publish_serving
         self._models[key] = model
         if self._nursery is not None:
+            self.publish_takes()
             self._nursery.start_soon(model.run)
         self.added.set()
         self.added = trio.Event()
@@ -63,6 +69,7 @@ class ModelHost:
         return [m.info.id for m in self._models.values()]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.publish_takes()
         async with trio.open_nursery() as nursery:
             for model in self:
                 await nursery.start(model.run)
@@ -109,6 +116,14 @@ class ModelHost:
     def serving_record(self) -> tuple[Serving, ...]:
         return tuple(s for model in self for s in model.serving_record())
 
+    def publish_takes(self) -> None:
+        """Tell the mesh which models this agent takes part in: placement plans a model only
+        on the peers that do (`placement.service.takes_part`)."""
+        me = self.gossip.snapshot().get(self.gossip.peer_id)
+        extras = dict(me.record.extras) if me is not None else {}
+        extras[TAKES_KEY] = self.names[:MAX_TAKES]
+        self.gossip.update_local(extras=extras)
+
     def publish_serving(self) -> None:
         """Tell the mesh what this agent serves of each model (`meshagent peers`' SERVES)."""
         try:
@@ -130,9 +145,14 @@ class HostDirectory:
         return [m for d in self._directories() for m in d.local_models()]
 
     def remote_models(self) -> list[RemoteModel]:
-        return [r for d in self._directories() for r in d.remote_models()]
+        here = [r for d in self._directories() for r in d.remote_models()]
+        hosted = {n.casefold() for n in self._host.names}
+        return here + foreign_models(self._host.gossip.snapshot(), hosted)
 
     def unserved_for_now(self, name: str) -> float:
+        if self._host.get(name) is None:  # a model of peers whose placement is changing
+            claimed = {m.casefold() for m in claimed_models(self._host.gossip.snapshot())}
+            return FOREIGN_WAIT if name.casefold() in claimed else 0.0
         return max((d.unserved_for_now(name) for d in self._directories()), default=0.0)
 
     def why_unserved(self, name: str) -> str | None:

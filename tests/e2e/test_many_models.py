@@ -57,3 +57,29 @@ def test_two_models_split_over_the_same_two_agents_answer_as_each_served_alone(
     for agent in (a, b):
         for model_id in ids:
             assert _complete(agent, model_id) == alone[model_id], (agent.data_dir.name, model_id)
+
+
+def test_an_agent_is_planned_no_part_of_a_model_it_does_not_take_part_in(spawn_agent, tmp_path):
+    """The mistake a new user made: a second agent joined without --model serves the embedded
+    default; the first agent's model, too big for it alone, was split onto the second, which
+    never loaded its part (requests failed 30 s later saying a stage was lost)."""
+    llama = write_tiny_model(tmp_path / "tiny-llama.gguf", "llama", seed=3)
+    a = spawn_agent(
+        "--model", str(llama), "--max-memory", SMALL, *SETTINGS, name="a", wait_model=False
+    )
+    b = spawn_agent(*SETTINGS, "--join", invite(a), name="b")  # the embedded default
+    smol = "SmolLM2-135M-Instruct.Q4_1"
+    wait_for(lambda: status(a)["placement"].get(smol) is None, timeout=5)  # a takes no part
+    wait_for(lambda: smol in {m["id"] for m in _models(a)}, timeout=60)
+    wait_for(lambda: "memory" in (status(a)["placement"]["tiny-llama"]["error"] or ""), 60)
+    placement = status(a)["placement"]["tiny-llama"]
+    assert placement["stages"] == [] and placement["replicas"] == []
+    assert "tiny-llama" not in status(b)["placement"]
+    # a still answers for the model b serves.
+    body = {"model": smol, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{a.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def _models(agent) -> list[dict]:
+    return httpx.get(f"{agent.url}/v1/models", timeout=10).json()["data"]

@@ -304,3 +304,35 @@ def test_capacities_say_what_each_peer_holds_of_the_model_file():
     assert caps["part"].holds == {(0, 10)} and caps["else"].holds == frozenset()
     # The model file's hash not known yet: every peer counts as holding it (no preference).
     assert all(c.whole_file for c in capacities(views))
+
+
+def test_a_model_is_planned_only_on_the_peers_that_take_part_in_it():
+    from types import SimpleNamespace
+
+    from meshagent.gossip.failure import PeerState
+    from meshagent.gossip.peer_record import PeerRecord
+    from meshagent.placement.service import TAKES_KEY, capacities
+
+    def view(pid: str, **extras) -> SimpleNamespace:
+        record = PeerRecord(
+            pid, b"", 1, mem_weights_bytes=10**9, mem_kv_bytes=10**8, compute_speed=5.0
+        )
+        return SimpleNamespace(
+            state=PeerState.ALIVE, record=replace(record, extras=extras) if extras else record
+        )
+
+    views = {
+        "coder": view("coder", **{TAKES_KEY: ["Coder-1.5B", "SmolLM2"]}),
+        "chat": view("chat", **{TAKES_KEY: ["smollm2"]}),  # ids match whatever their case
+        "old": view("old"),  # says nothing: an agent before many models takes part in all
+        "bad": view("bad", **{TAKES_KEY: "SmolLM2"}),  # not a list: none
+        "huge": view("huge", **{TAKES_KEY: ["SmolLM2"] * 65}),  # past the bound: none
+    }
+
+    def planned(model_id: str) -> set[str]:
+        return {c.peer_id for c in capacities(views, model_id=model_id)}
+
+    assert planned("SmolLM2") == {"coder", "chat", "old"}
+    assert planned("Coder-1.5B") == {"coder", "old"}
+    assert planned("Other") == {"old"}
+    assert len(capacities(views)) == 5  # no model named: every peer
