@@ -16,6 +16,7 @@ import structlog
 import trio
 
 from meshagent import __version__, capacity, devices
+from meshagent.catalog.service import Catalog
 from meshagent.config import AgentConfig
 from meshagent.discovery import addresses
 from meshagent.engine.runtime import inexact_build, inexact_model
@@ -87,6 +88,7 @@ def dynamic_fields(
     store: ArtifactStore,
     capabilities: Capabilities,
     model_paths: Callable[[], Sequence[Path]],
+    catalog: Catalog,
 ) -> dict[str, Any]:
     """Record fields that can change while running; gossip polls them."""
     return {
@@ -94,6 +96,7 @@ def dynamic_fields(
         "relays": tuple(r.name for r in relays if r.registered),
         "artifacts": tuple(ArtifactHeld.from_manifest(m) for m in store.all())[:MAX_ARTIFACTS],
         "capabilities": capabilities.published(),
+        "catalog": catalog.published(),
         "no_tokenizer": tuple(s for p in model_paths() for s in no_tokenizer(p)),
     }
 

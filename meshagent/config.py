@@ -234,6 +234,11 @@ class DataDir:
         return self.root / "models"
 
     @property
+    def catalog_path(self) -> Path:
+        """The mesh's catalogue of models as this agent knows it (`catalog/book_file.py`)."""
+        return self.root / "catalog.cbor"
+
+    @property
     def config_path(self) -> Path:
         return self.root / "config.toml"
 

@@ -24,6 +24,7 @@ from meshagent.api import entry
 from meshagent.api.access import Access
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
+from meshagent.catalog.service import Catalog
 from meshagent.config import AgentConfig, ConfigError, DataDir
 from meshagent.discovery import hearing, probe
 from meshagent.discovery.alone import watch_alone
@@ -113,6 +114,7 @@ class Services:
             store=store,
             api_url=api_url,
             joined=join is not None,
+            catalog=Catalog(identity, data_dir.catalog_path, store),
         )
 
     def __init__(
@@ -125,9 +127,11 @@ class Services:
         store: ArtifactStore,
         api_url: str,
         joined: bool = False,
+        catalog: Catalog,
     ) -> None:
         self.config = config
         self.joined = joined  # started with an invite
+        self.catalog = catalog  # the mesh's catalogue of models
         self.alone_note: str | None = None  # said when told where the mesh is, but alone
         self.identity = identity
         self.mesh = mesh
@@ -180,6 +184,7 @@ class Services:
             peers=partial(control.peers, self),
             probe=partial(control.probe, self.overlay),
             access=self.access,
+            catalogue=self.catalog,
         )
         self._routes: dict[str, StreamHandler] = {
             transfer.LABEL: transfer.ArtifactServer(
@@ -226,6 +231,7 @@ class Services:
                 self.store,
                 self.capabilities,
                 lambda: [m.files.path for m in self.models],
+                self.catalog,
             ),
         )
 
@@ -249,6 +255,7 @@ class Services:
         models = list(self.models)
         self.gossip.update_local(**advertisement.static_fields(self.config, self.name, models))
         await nursery.start(self.gossip.run)
+        await nursery.start(self.catalog.run, self.gossip)
         await nursery.start(self.dialer.run)
         await nursery.start(self.models.run)
         for relay in self.relays:

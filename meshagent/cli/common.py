@@ -33,28 +33,65 @@ class NoAgent(MeshError):
     pass
 
 
+def agent_url(args: argparse.Namespace) -> str:
+    """The local agent's API: `--api` where the command has it, else what the running agent
+    of the data dir wrote; NoAgent when none runs."""
+    url = getattr(args, "api", None)
+    if url:
+        return str(url)
+    dd = data_dir_from(args)
+    try:
+        return str(json.loads(dd.run_path.read_text())["api"])
+    except (OSError, ValueError, KeyError):
+        raise NoAgent(
+            f"no agent is running for data dir {dd.root} (start one with `meshagent up`)"
+        ) from None
+
+
 def control_get(args: argparse.Namespace, path: str) -> dict[str, Any]:
     """GET a control endpoint of the local agent, with a clear error when none runs."""
+    return control_call(args, "GET", path)
+
+
+def control_call(
+    args: argparse.Namespace,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    *,
+    timeout: float | None = 5.0,
+) -> dict[str, Any]:
+    """Ask a control endpoint of the local agent (`timeout`: seconds to wait for its answer,
+    None for as long as it takes). NoAgent when none answers; an answer of 400 or more is a
+    MeshError with the agent's message."""
     dd = data_dir_from(args)
-    url = getattr(args, "api", None)
-    if not url:
-        try:
-            url = json.loads(dd.run_path.read_text())["api"]
-        except (OSError, ValueError, KeyError):
-            raise NoAgent(
-                f"no agent is running for data dir {dd.root} (start one with `meshagent up`)"
-            ) from None
+    url = agent_url(args)
     try:
-        r = httpx.get(f"{url}{path}", headers=auth_headers(dd), timeout=5.0)
-        if r.status_code == 401:
-            raise NoAgent(
-                f"the agent at {url} needs an API key: set ${API_KEY_ENV}, or api_key_file "
-                f"(or api_keys) in {dd.config_path}"
-            )
-        r.raise_for_status()
-        return r.json()
+        r = httpx.request(
+            method,
+            f"{url}{path}",
+            json=body,
+            headers=auth_headers(dd),
+            timeout=httpx.Timeout(timeout, connect=5.0),
+        )
     except httpx.HTTPError as e:
         raise NoAgent(f"the agent at {url} does not answer ({e}); is it running?") from e
+    if r.status_code == 401:
+        raise NoAgent(
+            f"the agent at {url} needs an API key: set ${API_KEY_ENV}, or api_key_file "
+            f"(or api_keys) in {dd.config_path}"
+        )
+    try:
+        answer = r.json()
+    except ValueError:
+        answer = None
+    if r.status_code >= 400:
+        error = answer.get("error") if isinstance(answer, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        raise MeshError(message or f"the agent at {url} answered {r.status_code} to {path}")
+    if not isinstance(answer, dict):
+        raise NoAgent(f"the agent at {url} answered {path} with no JSON object")
+    return answer
 
 
 def auth_headers(dd: DataDir) -> dict[str, str]:

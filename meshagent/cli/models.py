@@ -1,4 +1,5 @@
-"""`meshagent models`: inspect GGUF models and cut stage artifacts."""
+"""`meshagent models`: inspect GGUF models and cut stage artifacts; the mesh's catalogue
+(`add`, `remove`, `catalog`: `cli/catalog.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import trio
 
-from meshagent.cli import certify
+from meshagent.cli import catalog, certify
 from meshagent.cli.common import add_data_dir, data_dir_from
 from meshagent.cli.progress import ProgressBar
 from meshagent.errors import ConfigError, ModelError
@@ -64,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.set_defaults(run=run_fetch)
 
     certify.register(msub)
+    catalog.register(msub)
 
     pull = msub.add_parser("pull", help="download a model by name into the hub's cache")
     pull.add_argument("name", help="ORG/REPO, ORG/REPO:QUANT or ORG/REPO/FILE.gguf")
