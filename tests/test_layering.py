@@ -41,6 +41,12 @@ RULES: list[tuple[str, str]] = [
     ("meshagent.serving.stage_server", "meshagent.serving.runner"),
     # Engines run models; what is served, and how, is decided above them.
     ("meshagent.engine", "meshagent.serving"),
+    # The catalogue's entries and book are sans-IO (merging is a function of the entries);
+    # the catalogue sits below serving and the API, which read it.
+    ("meshagent.catalog.entry", "trio"),
+    ("meshagent.catalog.book", "trio"),
+    ("meshagent.catalog", "meshagent.serving"),
+    ("meshagent.catalog", "meshagent.api"),
     # Test doubles (fake engine, simulated network, tiny models, numpy reference) never ship in
     # an agent's import graph.
     ("meshagent", "meshagent.testing"),
