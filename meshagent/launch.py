@@ -50,7 +50,7 @@ def start_agent(
     stdin: str | None = None,
 ) -> AgentProcess:
     """Run `meshagent up` with `data_dir` on free loopback ports; return once /health answers
-    (and, with `wait_model`, once the API lists a model it can serve). `env` adds to the
+    (and, with `wait_model`, once the API lists a model some agent serves). `env` adds to the
     environment; `stdin` is written to the agent's standard input (`--join -`)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     run_file = data_dir / "agent.json"
@@ -85,7 +85,7 @@ def start_agent(
                 healthy = httpx.get(f"{url}/health", timeout=2).status_code == 200
                 if healthy and (
                     not wait_model
-                    or httpx.get(f"{url}/v1/models", headers=auth, timeout=2).json()["data"]
+                    or _serves(httpx.get(f"{url}/v1/models", headers=auth, timeout=2).json())
                 ):
                     agent.url = url
                     return agent
@@ -97,6 +97,11 @@ def start_agent(
                 f"agent did not start within {timeout}s:\n{agent.log_text()[-3000:]}"
             )
         time.sleep(0.05)
+
+
+def _serves(models: dict) -> bool:
+    """Whether `/v1/models` lists a model some agent serves (not only catalogued)."""
+    return any(card.get("meshagent", {}).get("loaded", True) for card in models["data"])
 
 
 def api_key_of(args: Sequence[str], environ: Mapping[str, str], stdin: str | None) -> str | None:

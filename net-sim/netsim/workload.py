@@ -408,7 +408,7 @@ def _read_stream(resp: http.client.HTTPResponse, rec: dict[str, Any], rel) -> No
 
 
 def wait_for_model(port: int, timeout: float) -> str:
-    """The first model the agent lists, once it lists one."""
+    """The first model the agent lists as served (not only catalogued), once it lists one."""
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
@@ -416,6 +416,7 @@ def wait_for_model(port: int, timeout: float) -> str:
         try:
             conn.request("GET", "/v1/models")
             data = json.loads(conn.getresponse().read()).get("data") or []
+            data = [m for m in data if (m.get("meshagent") or {}).get("loaded", True)]
             if data:
                 return str(data[0]["id"])
             last = "no model listed yet"
