@@ -50,7 +50,10 @@ def read_model_file(spec: str, store: ArtifactStore, resolve: Resolve = resolve_
     """Resolve `spec` (a path, a hub name: downloaded if not here yet, or "" for the embedded
     default) and read what an entry says of it. ModelError saying what is wrong otherwise."""
     source = source_of(spec)
-    path = resolve(source)
+    try:
+        path = resolve(source)
+    except OSError as e:  # a disk that fails or fills while the hub's bytes come
+        raise ModelError(f"{spec} could not be had here: {e}") from e
     layout = inspect_model(path)  # ModelError for a file that is not a model GGUF
     try:
         sha256 = store.source_sha256(path)  # kept in the store's index: hashed once

@@ -241,3 +241,11 @@ def test_signed_entries_round_trip_through_the_file(tmp_path):
     loaded, refused = load_entries(tmp_path / "c.cbor")
     assert loaded == entries and refused == []
     assert all(isinstance(s, SignedEntry) for s in loaded)
+
+
+async def test_a_download_that_fails_on_disk_is_a_model_error(tmp_path):
+    def full_disk(spec: str) -> Path:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(ModelError, match="No space left"):
+        await catalog_in(tmp_path, resolve=full_disk).add("org/repo")
