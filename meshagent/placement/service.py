@@ -203,6 +203,12 @@ class PlacementService:
         self.error_since = 0.0  # trio time `error` last changed
         self.changed = trio.Event()
         self._running = trio.CancelScope()
+        # Many models: the share of the mesh this model may use (`ModelHost`'s assignment),
+        # given the capacities of the peers taking part in it: those cut to the model's
+        # share, or why it is not placed now (then this agent stands down: its claim is
+        # withdrawn and its part, once no request uses it, unloaded). None: all of it.
+        self.allowance: Callable[[list[PeerCapacity]], list[PeerCapacity] | str] | None = None
+        self.placed = True  # False while the allowance places the model nowhere
 
     def _publish(self, claim: Claim) -> None:
         self.mine = claim
@@ -226,6 +232,12 @@ class PlacementService:
         views = self.gossip.snapshot()
         me = self.gossip.peer_id
         caps = capacities(views, self.cost.flops_per_layer, self.source_sha256, self.cost.model_id)
+        if self.allowance is not None:
+            allowed = self.allowance(caps)
+            if isinstance(allowed, str):
+                await self._stand_down(allowed)
+                return
+            caps, self.placed = allowed, True
         claims = claims_for(self.cost.model_id, views, self.cost.n_layers)
         winner = plan_in_force(claims)
         error = None
@@ -285,6 +297,33 @@ class PlacementService:
                 routable=self.routable,
                 peers=list(winner.plan.peers) if winner else [],
             )
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def _stand_down(self, why: str) -> None:
+        """The model is not placed now: no claim, no plan, no part here (a load under way
+        is judged when it ends)."""
+        self.placed = False
+        self._set_error(why)
+        if self.mine is not None:
+            self.mine = None
+            views = self.gossip.snapshot()
+            me = views.get(self.gossip.peer_id)
+            extras = dict(me.record.extras) if me is not None else {}
+            placement = dict(extras.get(EXTRAS_KEY, {}))
+            placement.pop(self.cost.model_id, None)
+            extras[EXTRAS_KEY] = placement
+            self.gossip.update_local(extras=extras)
+            self.gossip.spread_now()
+        if self._loaded is not None and self._loading is None:
+            self._loaded = None
+            if self._release is not None:
+                await self._release(Plan(self.cost.model_id, self.context_tokens))
+        self._seen = None
+        was = self.routable
+        self.in_force, self.routable, self.ready = None, False, ()
+        if was:
+            log.info("placement.routable", routable=False, peers=[], why=why)
         self.changed.set()
         self.changed = trio.Event()
 

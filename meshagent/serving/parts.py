@@ -40,6 +40,7 @@ log = structlog.get_logger(__name__)
 # A split's entry keeps prefixes within this share of each stage's free bytes: its size of a
 # prefix is an estimate, and a stage refuses past what it has free (`kept_budget`).
 _STAGE_SHARE = 0.75
+_DRAIN_LOOK = 0.1  # seconds between looks at whether a part's last request has ended
 
 OpenStream = Callable[..., Awaitable[MeshStream]]
 
@@ -136,7 +137,13 @@ class Parts:
         """The plan this agent serves is no longer in force; `plan` replaces it. When this
         agent keeps its part of a split there (a repair around a lost peer), its engines stay
         loaded: the chain in flight is interrupted (its requests replay once the new chain
-        serves) and nothing is offered until then. Otherwise everything is unloaded."""
+        serves) and nothing is offered until then. Otherwise everything is unloaded. A plan
+        of no peers (the mesh placed the model nowhere: its memory went to another model, or
+        no one asked for it within keep_alive) first lets the requests here finish."""
+        if not plan.peers:
+            await self._drain()
+            await self.unload()
+            return
         if self._keeps_replica(plan):
             return  # it serves on: requests in flight here finish here
         if self.split is None or not self.split.keeps_part(plan):
@@ -145,6 +152,18 @@ class Parts:
         self.directory.withdraw()
         if self.split.pipeline is not None:
             self.split.pipeline.rechain("the mesh is replacing a lost stage")
+
+    async def _drain(self) -> None:
+        """Offer nothing new here, and wait (up to the grace) until no request is in flight
+        on this agent's part."""
+        self.directory.withdraw()
+        local = self.local
+        if local is None:
+            return
+        local.runner.close()
+        with trio.move_on_after(self.settings.grace):
+            while (stats := local.runner.stats()).active or stats.queued:
+                await trio.sleep(_DRAIN_LOOK)
 
     def _keeps_replica(self, plan: Plan) -> bool:
         """This agent serves the model whole and `plan` keeps it as a replica."""

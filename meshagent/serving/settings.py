@@ -16,6 +16,7 @@ class ServingSettings:
     max_queue: int = 64  # --max-queue
     wire_dtype: str = "auto"  # --wire-dtype: auto, f16 or f32
     replay_deadline: float = 30.0  # seconds a request waits for its split to serve again
+    grace: float = 10.0  # --grace: seconds requests in flight get before their part goes
     speculation: str = "auto"  # --speculation, for requests that do not choose
     prefix_cache: int = PREFIX_CACHE_AUTO  # --prefix-cache: bytes, 0 (off) or auto
     vram: int = 0  # GPU memory offered here (`--max-vram`), all devices together
@@ -40,6 +41,7 @@ _FROM_CONFIG = {
     "max_queue": "max_queue",
     "wire_dtype": "wire_dtype",
     "replay_deadline": "replay_deadline",
+    "grace": "grace",
     "speculation": "speculation",
     "prefix_cache": "prefix_cache",
 }

@@ -336,3 +336,43 @@ def test_a_model_is_planned_only_on_the_peers_that_take_part_in_it():
     assert planned("Coder-1.5B") == {"coder", "old"}
     assert planned("Other") == {"old"}
     assert len(capacities(views)) == 5  # no model named: every peer
+
+
+async def test_a_model_the_assignment_places_nowhere_is_stood_down_and_placed_again(
+    autojump_clock,
+):
+    from meshagent.placement.service import EXTRAS_KEY
+
+    world = World()
+    loads: list = []
+    released: list = []
+    placed = [True]
+
+    def allowance(caps):
+        return caps if placed[0] else "idle for 5m (keep_alive): unloaded"
+
+    async with trio.open_nursery() as nursery:
+        services = start_three(world, loads, nursery, released=released)
+        for s in services:
+            s.allowance = allowance
+        await settle(services)
+        assert all(s.routable for s in services)
+
+        placed[0] = False  # e.g. no request within keep_alive
+        world.bump()
+        await trio.sleep(5)
+        assert not any(s.routable or s.placed or s.in_force for s in services)
+        assert {s.error for s in services} == {"idle for 5m (keep_alive): unloaded"}
+        assert sorted(pid for pid, _ in released) == ["a", "b", "c"]  # every part let go
+        assert all(
+            MODEL.model_id not in v.record.extras.get(EXTRAS_KEY, {}) for v in world.views.values()
+        )
+
+        loads.clear()
+        placed[0] = True  # asked for again
+        world.bump()
+        await settle(services)
+        assert all(s.routable and s.placed for s in services)
+        digest = plan_digest(services[0].in_force.plan)
+        assert sorted(pid for pid, d in loads if d == digest) == ["a", "b", "c"]
+        nursery.cancel_scope.cancel()
