@@ -1,0 +1,792 @@
+"""The assignment: which peers each model of the catalogue may use, and how much of each
+peer's memory, from the peers' offers and the mesh's demand.
+
+A pure, deterministic function of a snapshot, like the planner: every agent that sees the
+same offers, demand and current placement computes the same assignment (peers sorted by id,
+models by id, every loop in a fixed order, rates from integers added in a fixed order). Each
+model placed gets its peers as `PeerCapacity` values cut to its share of their memory, ready
+for `plan()`; one `PlacementService` per model plans over those (`restrict` cuts the
+service's own capacities of the model the same way).
+
+Rules, in the order they run (docs/placement.md, "Many models: the assignment"):
+1. Wanted: the pinned models, and those with a request in flight or whose keep_alive has not
+   run out (`Demand.wanted`). The others are not placed, with the reason.
+2. Priority: pinned first, then tokens per second over the window (`WINDOW_S`), then
+   requests per second, then model id.
+3. Keep (hysteresis): a model placed now keeps its peers while it is wanted, they take part
+   in it and still hold it.
+4. Shrink: replicas go only once a model's demand has settled (the recent and the whole
+   window within `SETTLED` of each other) and the others would serve it at under
+   `SHRINK_AT` of what they can; then in one go, down to as few as serve it under `GROW_TO`.
+5. Place the others in priority order on free memory: whole on the peer where it would be
+   served fastest (a peer's speed counted for the share of its compute the models already
+   there leave, `_room`), or near it (`CLOSE`) on one that served it or holds its file;
+   split over several peers (the planner's split) only when no peer could hold it whole even
+   with nothing else loaded. When there is no room: other models' extra replicas give way
+   first, then lower-priority models that are not pinned, least recently used first; what
+   turns out not to be in the way is put back.
+6. Grow: a model served whole whose recent demand (`SHORT_S`) passes `GROW_AT` of what its
+   replicas serve gets replicas on free memory, in one go, until they would serve it at
+   under `GROW_TO`, each one adding at least `MIN_REPLICA` of what they serve alone. Never
+   by eviction; another model's spare replica gives way where it is `RECLAIM` times better
+   than the best free peer (`_best_peer`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from meshagent.placement.demand import BUCKET_S, NEVER, SHORT_S, WINDOW_S, Demand
+from meshagent.placement.negotiation import plan_digest
+from meshagent.placement.planner import (
+    ModelCost,
+    PeerCapacity,
+    Plan,
+    PlanError,
+    estimated_token_ms,
+    plan,
+    should_replan,
+)
+
+GROW_AT = 1.0  # recent demand past what the replicas serve adds replicas,
+GROW_TO = 0.5  # as many as bring it under this share (and shrinking stops there too)
+SHRINK_AT = 0.2  # replicas go when the rest would serve the settled demand under this
+SETTLED = 0.25  # demand has settled: the recent and the whole window this close
+MIN_REPLICA = 0.15  # a replica added must serve this share of what the model had at least
+CLOSE = 0.10  # among peers this close to the fastest, one that served it or holds its file
+# What a model is counted to get at least of a peer's compute, however busy the other models
+# there are: peers serve their models' requests side by side, each gets a share.
+FAIR_SHARE = 0.5
+RECLAIM = 1.5  # a peer others' spare replicas hold is taken when this much better
+NO_DEMAND = Demand()
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One model's peers, their memory cut to its share, and the plan on them."""
+
+    model_id: str
+    # By peer id. Memory, VRAM and spare are this model's share of the peer's offer; speeds
+    # are in layers per second of this model.
+    peers: tuple[PeerCapacity, ...]
+    plan: Plan
+    tokens_per_s: float  # what the plan serves alone: one stream per replica, or the split's
+
+    @property
+    def peer_ids(self) -> tuple[str, ...]:
+        return tuple(p.peer_id for p in self.peers)
+
+    def share(self, peer_id: str) -> PeerCapacity | None:
+        return next((p for p in self.peers if p.peer_id == peer_id), None)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Each catalogued model placed (with its peers and plan) or not (with the reason)."""
+
+    placed: tuple[Placed, ...] = ()  # by model id
+    not_placed: tuple[tuple[str, str], ...] = ()  # (model id, why), by model id
+
+    def get(self, model_id: str) -> Placed | None:
+        return next((p for p in self.placed if p.model_id == model_id), None)
+
+    def reason(self, model_id: str) -> str | None:
+        return next((why for m, why in self.not_placed if m == model_id), None)
+
+    def plans(self) -> dict[str, Plan]:
+        """Each placed model's plan: what to pass as `current` next time."""
+        return {p.model_id: p.plan for p in self.placed}
+
+
+def restrict(placed: Placed, caps: Sequence[PeerCapacity]) -> list[PeerCapacity]:
+    """`caps` (as `service.capacities` gives them for this model) of the model's peers only,
+    each cut to the model's share of its memory; sorted by peer id."""
+    out = []
+    for cap in sorted(caps, key=lambda c: c.peer_id):
+        share = placed.share(cap.peer_id)
+        if share is not None:
+            out.append(
+                replace(
+                    cap,
+                    memory_bytes=share.memory_bytes,
+                    vram_bytes=share.vram_bytes,
+                    spare_bytes=share.spare_bytes,
+                )
+            )
+    return out
+
+
+def assign(
+    models: Mapping[str, ModelCost],
+    peers: Sequence[PeerCapacity],
+    demand: Mapping[str, Demand],
+    *,
+    now: float,
+    context_tokens: int,
+    headroom: float = 0.1,
+    pins: frozenset[str] = frozenset(),
+    current: Mapping[str, Plan] | None = None,
+    holders: Mapping[str, frozenset[str]] | None = None,
+    eligible: Mapping[str, frozenset[str]] | None = None,
+) -> Assignment:
+    """The assignment of `peers` to `models` (by id) for the mesh's `demand` at `now`.
+    `peers`' speeds are in GFLOP/s (the gossiped unit), turned into layers per second of
+    each model by its `flops_per_layer` (taken as layers per second where that is 0).
+    `current`: each model's plan in force (what the mesh serves now). `holders`: the peers
+    holding each model's file, preferred (None: every peer holds every file). `eligible`:
+    the peers that may take part in each model at all (None: every peer; a model missing:
+    none)."""
+    return _Assigner(
+        models,
+        peers,
+        demand,
+        now,
+        context_tokens,
+        headroom,
+        pins,
+        current or {},
+        holders,
+        eligible,
+    ).run()
+
+
+def replica_share(
+    model: ModelCost, free: PeerCapacity, *, context_tokens: int, headroom: float = 0.1
+) -> PeerCapacity | None:
+    """`free` (what is left of a peer's offer) cut to what one whole replica of `model`
+    takes of it, VRAM first; None when it does not fit."""
+    room = _Free(free.memory_bytes, free.vram_bytes, free.spare_bytes)
+    share = _stage_share(model, 0, model.n_layers, context_tokens, room, headroom)
+    if share is None:
+        return None
+    return replace(free, memory_bytes=share.memory, vram_bytes=share.vram, spare_bytes=share.spare)
+
+
+@dataclass
+class _Free:
+    memory: int
+    vram: int
+    spare: int
+
+
+@dataclass(frozen=True)
+class _Share:
+    memory: int
+    vram: int
+    spare: int
+
+
+def _stage_share(
+    model: ModelCost, start: int, end: int, ctx: int, free: _Free, headroom: float
+) -> _Share | None:
+    """The smallest share of `free` whose usable part (less `headroom`) holds the stage
+    over layers [start, end) as `PeerCapacity.needs` counts it; its VRAM part as much of
+    the stage as the free VRAM takes (so that it runs on the device, as `stage_ms` counts
+    it), with as much of the spare as llama.cpp's compute buffer takes. None if it does not
+    fit."""
+    compute = model.compute_bytes(end == model.n_layers)
+    need = max(0, model.offer_bytes(start, end, ctx, free.spare))
+    total = math.ceil(need / (1.0 - headroom))
+    while int(total * (1.0 - headroom)) < need:
+        total += 1
+    vram = min(free.vram, max(total, model.stage_bytes(start, end, ctx)))
+    memory = max(0, total - vram)
+    if memory > free.memory:
+        return None
+    return _Share(memory, vram, min(compute, free.spare))
+
+
+@dataclass
+class _Placing:
+    """A model's placement while the assignment is made."""
+
+    split: bool
+    shares: dict[str, _Share]  # by peer id
+    split_rate: float = 0.0  # a split's tokens per second (its plan's estimate)
+
+
+@dataclass(frozen=True)
+class _Rates:
+    window: float  # tokens per second over `WINDOW_S`
+    recent: float  # over `SHORT_S`
+    latest: float  # over the last `BUCKET_S`
+    peak: float  # the busiest bucket of the window
+    requests: float  # requests per second over `WINDOW_S`
+
+
+class _Assigner:
+    def __init__(
+        self,
+        models: Mapping[str, ModelCost],
+        peers: Sequence[PeerCapacity],
+        demand: Mapping[str, Demand],
+        now: float,
+        context_tokens: int,
+        headroom: float,
+        pins: frozenset[str],
+        current: Mapping[str, Plan],
+        holders: Mapping[str, frozenset[str]] | None,
+        eligible: Mapping[str, frozenset[str]] | None,
+    ) -> None:
+        self.models = {m: models[m] for m in sorted(models)}
+        self.peers = sorted(peers, key=lambda p: p.peer_id)
+        self.by_id = {p.peer_id: p for p in self.peers}
+        self.now = now
+        self.ctx = context_tokens
+        self.headroom = headroom
+        self.pins = pins
+        self.current = current
+        self.holders = holders
+        self.eligible = eligible
+        self.free = {
+            p.peer_id: _Free(p.memory_bytes, p.vram_bytes, p.spare_bytes) for p in self.peers
+        }
+        self.demand = {m: demand.get(m, NO_DEMAND) for m in self.models}
+        self.rates = {
+            m: _Rates(
+                d.tokens_per_s(now, WINDOW_S),
+                d.tokens_per_s(now, SHORT_S),
+                d.tokens_per_s(now, BUCKET_S),
+                d.peak_per_s(now, WINDOW_S),
+                d.requests_per_s(now, WINDOW_S),
+            )
+            for m, d in self.demand.items()
+        }
+        self.placing: dict[str, _Placing] = {}
+        self.reasons: dict[str, str] = {}
+        self._scaled: dict[tuple[str, str], PeerCapacity] = {}
+        self._ms: dict[tuple[str, str, _Share], float] = {}
+        self._whole: dict[str, bool] = {}
+        self._shares: dict[tuple[str, int, int, int], _Share | None] = {}
+        self._changes = 0  # of the ledger: what `_use` computed before may be stale
+        self._uses: dict[str, tuple[int, dict[str, float]]] = {}
+
+    # What each model costs where.
+
+    def _peers_for(self, m: str) -> list[PeerCapacity]:
+        """The peers that may take part in `m`, by id."""
+        if self.eligible is None:
+            return self.peers
+        allowed = self.eligible.get(m, frozenset())
+        return [p for p in self.peers if p.peer_id in allowed]
+
+    def _scale(self, m: str, pid: str) -> PeerCapacity:
+        """Peer `pid` as model `m` sees it: speeds in its layers per second, holding its
+        file or not."""
+        key = (m, pid)
+        if key not in self._scaled:
+            model, peer = self.models[m], self.by_id[pid]
+            per_layer = 1e9 / model.flops_per_layer if model.flops_per_layer > 0 else 1.0
+            held = self.holders is None or pid in self.holders.get(m, frozenset())
+            self._scaled[key] = replace(
+                peer,
+                speed=peer.speed * per_layer,
+                vram_speed=peer.vram_speed * per_layer,
+                whole_file=held,
+            )
+        return self._scaled[key]
+
+    def _cut(self, m: str, pid: str, share: _Share) -> PeerCapacity:
+        return replace(
+            self._scale(m, pid),
+            memory_bytes=share.memory,
+            vram_bytes=share.vram,
+            spare_bytes=share.spare,
+        )
+
+    def _usable(self, f: _Free) -> int:
+        return int((f.memory + f.vram) * (1.0 - self.headroom))
+
+    def _whole_share(self, m: str, free: _Free) -> _Share | None:
+        key = (m, free.memory, free.vram, free.spare)
+        if key not in self._shares:
+            model = self.models[m]
+            self._shares[key] = _stage_share(
+                model, 0, model.n_layers, self.ctx, free, self.headroom
+            )
+        return self._shares[key]
+
+    def _replica_rate(self, m: str, pid: str, share: _Share) -> float:
+        """Tokens per second one replica of `m` on this share serves, alone on the peer."""
+        key = (m, pid, share)
+        if key not in self._ms:
+            model = self.models[m]
+            ms = self._cut(m, pid, share).stage_ms(model, 0, model.n_layers, self.ctx)
+            self._ms[key] = 1000.0 / max(ms, 1e-9)
+        return self._ms[key]
+
+    def _fits_one_peer(self, m: str) -> bool:
+        """Some peer could hold the model whole with all it offers."""
+        if m not in self._whole:
+            self._whole[m] = any(
+                self._whole_share(m, _Free(p.memory_bytes, p.vram_bytes, p.spare_bytes)) is not None
+                for p in self._peers_for(m)
+            )
+        return self._whole[m]
+
+    # What each model asks of the peers' compute.
+
+    def _use(self, m: str) -> dict[str, float]:
+        """The share of each of its peers' compute `m` is expected to take: its recent
+        demand over what its placement serves, at most all of it."""
+        known = self._uses.get(m)
+        if known is not None and known[0] == self._changes:
+            return known[1]
+        placing = self.placing[m]
+        demand = self.rates[m].recent
+        if placing.split:
+            serves = placing.split_rate
+        else:
+            serves = 0.0
+            for pid in sorted(placing.shares):
+                serves += self._replica_rate(m, pid, placing.shares[pid])
+        busy = min(1.0, demand / max(serves, 1e-9))
+        use = {pid: busy for pid in sorted(placing.shares)}
+        self._uses[m] = (self._changes, use)
+        return use
+
+    def _room(self, pid: str, m: str, without: set[str] | None = None) -> float:
+        """The share of `pid`'s compute the models placed there, other than `m` (and those
+        `without`), leave."""
+        used = 0.0
+        for x in sorted(self.placing):
+            if x != m and pid in self.placing[x].shares and not (without and x in without):
+                used += self._use(x)[pid]
+        return max(0.0, 1.0 - used)
+
+    def _serves_on(self, m: str, pid: str, share: _Share) -> float:
+        """Tokens per second a replica of `m` on `pid` serves, its speed counted for the
+        share of the peer's compute the other models leave (`FAIR_SHARE` at least)."""
+        return self._replica_rate(m, pid, share) * max(FAIR_SHARE, self._room(pid, m))
+
+    def _serves(self, m: str, shares: Mapping[str, _Share]) -> float:
+        """Tokens per second `m`'s replicas on `shares` serve (`_serves_on` each)."""
+        total = 0.0
+        for pid in sorted(shares):
+            total += self._serves_on(m, pid, shares[pid])
+        return total
+
+    # The ledger of free memory.
+
+    def _take(self, pid: str, share: _Share) -> None:
+        self._changes += 1
+        f = self.free[pid]
+        f.memory -= share.memory
+        f.vram -= share.vram
+        f.spare -= share.spare
+
+    def _give(self, pid: str, share: _Share) -> None:
+        self._changes += 1
+        f = self.free[pid]
+        f.memory += share.memory
+        f.vram += share.vram
+        f.spare += share.spare
+
+    def _hold(self, m: str, placing: _Placing) -> None:
+        for pid in sorted(placing.shares):
+            self._take(pid, placing.shares[pid])
+        self.placing[m] = placing
+        self.reasons.pop(m, None)
+
+    def _drop(self, m: str) -> _Placing:
+        placing = self.placing.pop(m)
+        for pid in sorted(placing.shares):
+            self._give(pid, placing.shares[pid])
+        return placing
+
+    def _fits_shares(self, shares: Mapping[str, _Share]) -> bool:
+        for pid in sorted(shares):
+            s, f = shares[pid], self.free[pid]
+            if s.memory > f.memory or s.vram > f.vram or s.spare > f.spare:
+                return False
+        return True
+
+    # Finding room.
+
+    def _prefer(self, m: str) -> frozenset[str]:
+        return frozenset(self.current[m].peers) if m in self.current else frozenset()
+
+    def _best_peer(self, m: str, least: float = 0.0) -> tuple[str, _Share, float] | None:
+        """Where to add a replica of `m`, with its share and what it would serve there
+        (`_serves_on`), if that is at least `least`: where it would serve most (its speed
+        times the compute the others leave); among peers within `CLOSE` of that, one that
+        served it, then one that holds its file. A peer whose memory other models' spare
+        replicas hold (`_spare_on`) counts when it would serve `RECLAIM` times what the best
+        free one does; those replicas are then dropped."""
+        taken = self.placing[m].shares if m in self.placing else {}
+        free_options, reclaim_options = [], []
+        for p in self._peers_for(m):
+            pid = p.peer_id
+            if pid in taken:
+                continue
+            share = self._whole_share(m, self.free[pid])
+            if share is not None:
+                rate = self._replica_rate(m, pid, share) * self._room(pid, m)
+                free_options.append((rate, pid, share, ()))
+                continue
+            room = _Free(self.free[pid].memory, self.free[pid].vram, self.free[pid].spare)
+            spare: list[str] = []
+            for x in self._spare_on(pid, m):
+                s = self.placing[x].shares[pid]
+                room = _Free(room.memory + s.memory, room.vram + s.vram, room.spare + s.spare)
+                spare.append(x)
+                share = self._whole_share(m, room)
+                if share is not None:
+                    rate = self._replica_rate(m, pid, share) * self._room(pid, m, set(spare))
+                    reclaim_options.append((rate, pid, share, tuple(spare)))
+                    break
+        best = _pick(free_options, self._prefer(m), lambda pid: self._scale(m, pid).whole_file)
+        if reclaim_options:
+            top = max(reclaim_options, key=lambda o: (o[0], o[1]))
+            if best is None or top[0] >= RECLAIM * best[0]:
+                best = top
+        if best is None:
+            return None
+        _, pid, share, spare_models = best
+        rate = self._replica_rate(m, pid, share) * max(
+            FAIR_SHARE, self._room(pid, m, set(spare_models))
+        )
+        if rate < least:
+            return None
+        for x in spare_models:
+            self._give(pid, self.placing[x].shares.pop(pid))
+        return pid, share, rate
+
+    def _spare_on(self, pid: str, m: str) -> list[str]:
+        """The models other than `m` with a replica on `pid` they can spare: one of several,
+        without which the rest would still serve their demand under `GROW_TO` of what they
+        can. Lowest priority first."""
+        out = []
+        for x in sorted(self.placing, key=self._priority, reverse=True):
+            placing = self.placing[x]
+            if x == m or placing.split or pid not in placing.shares or len(placing.shares) < 2:
+                continue
+            r = self.rates[x]
+            rest = {p: s for p, s in placing.shares.items() if p != pid}
+            if max(r.recent, r.window) <= GROW_TO * self._serves(x, rest):
+                out.append(x)
+        return out
+
+    def _split(self, m: str) -> tuple[_Placing | None, str | None]:
+        """A split of `m` over free memory (the planner's), or None and why not."""
+        model = self.models[m]
+        free_caps = []
+        for p in self._peers_for(m):
+            f = self.free[p.peer_id]
+            if self._usable(f) > 0:
+                free_caps.append(
+                    replace(
+                        self._scale(m, p.peer_id),
+                        memory_bytes=f.memory,
+                        vram_bytes=f.vram,
+                        spare_bytes=f.spare,
+                    )
+                )
+        cur = self.current.get(m)
+        try:
+            found = plan(
+                model, free_caps, context_tokens=self.ctx, headroom=self.headroom, current=cur
+            )
+        except PlanError as e:
+            return None, str(e)
+        shares: dict[str, _Share] = {}
+        for s in found.stages:
+            f = self.free[s.peer_id]
+            share = _stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
+            if share is None:  # cannot be: the planner found it fits
+                return None, f"{m}: the split found does not fit its peers' free memory"
+            shares[s.peer_id] = share
+        cut = [self._cut(m, pid, shares[pid]) for pid in sorted(shares)]
+        try:
+            plan(model, cut, context_tokens=self.ctx, headroom=self.headroom, current=cur)
+        except PlanError:
+            # The planner cuts its layers otherwise on exactly the stages' bytes: give the
+            # split all that its peers have free.
+            shares = {
+                pid: _Share(self.free[pid].memory, self.free[pid].vram, self.free[pid].spare)
+                for pid in shares
+            }
+        return _Placing(True, shares, 1000.0 / max(found.est_token_ms, 1e-9)), None
+
+    def _fit(self, m: str) -> tuple[_Placing | None, str | None]:
+        """Room for `m` on free memory, or None and why not."""
+        if self._fits_one_peer(m):
+            best = self._best_peer(m)
+            if best is None:
+                return None, self._no_room(m)
+            return _Placing(False, {best[0]: best[1]}), None
+        if self.models[m].split_refusal is not None:
+            return None, self._planner_says(m)
+        return self._split(m)
+
+    def _planner_says(self, m: str) -> str | None:
+        """The planner's words for why `m` fits nowhere with every peer's whole offer, or
+        None when it would fit an empty mesh."""
+        caps = [self._scale(m, p.peer_id) for p in self._peers_for(m)]
+        if not caps:
+            return f"no peer takes part in {m} (none has its file or can fetch it)"
+        try:
+            plan(self.models[m], caps, context_tokens=self.ctx, headroom=self.headroom)
+        except PlanError as e:
+            return str(e)
+        return None
+
+    def _no_room(self, m: str) -> str:
+        model = self.models[m]
+        need = model.stage_bytes(0, model.n_layers, self.ctx)
+        largest = max((self._usable(self.free[p.peer_id]) for p in self._peers_for(m)), default=0)
+        return (
+            f"no memory anywhere: needs {need / 1e9:.1f} GB on one peer, the largest free "
+            f"offer is {largest / 1e9:.1f} GB"
+        )
+
+    # The steps.
+
+    def run(self) -> Assignment:
+        wanted = [m for m in self.models if m in self.pins or self.demand[m].wanted(self.now)]
+        for m in self.models:
+            if m not in wanted:
+                self.reasons[m] = self._idle(m)
+        order = sorted(wanted, key=self._priority)
+        for m in order:
+            self._keep(m)
+        for m in order:
+            if m in self.placing and not self.placing[m].split:
+                self._shrink(m)
+        for m in order:
+            if m not in self.placing:
+                self._place(m, order)
+        for m in order:
+            if m in self.placing and not self.placing[m].split:
+                self._grow(m)
+        return self._result()
+
+    def _priority(self, m: str) -> tuple[bool, float, float, str]:
+        r = self.rates[m]
+        return (m not in self.pins, -r.window, -r.requests, m)
+
+    def _idle(self, m: str) -> str:
+        d = self.demand[m]
+        if d.last_used <= 0:
+            return "not requested in the last 10 minutes and not pinned"
+        used = _ago(self.now - d.last_used)
+        if d.expires_at <= d.last_used:
+            return f"unloaded after its last request {used} ago (keep_alive 0)"
+        keep = _ago(d.expires_at - d.last_used)
+        return f"idle since {used} ago (keep_alive {keep})"
+
+    def _keep(self, m: str) -> None:
+        """Keep what `m` is served on now, where those peers still hold it. A split that
+        lost a stage, or a model that lost every replica, is placed afresh after."""
+        cur = self.current.get(m)
+        if cur is None:
+            return
+        model = self.models[m]
+        allowed = {p.peer_id for p in self._peers_for(m)}
+        if not cur.split:
+            kept = {}
+            for pid in sorted(cur.replicas):
+                f = self.free.get(pid) if pid in allowed else None
+                share = self._whole_share(m, f) if f is not None else None
+                if share is not None:
+                    kept[pid] = share
+            if kept:
+                self._hold(m, _Placing(False, kept))
+            return
+        if self._fits_one_peer(m):
+            return  # a peer that holds it whole came: placed afresh, whole
+        shares = {}
+        for s in cur.stages:
+            f = self.free.get(s.peer_id) if s.peer_id in allowed else None
+            share = None
+            if f is not None:
+                share = _stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
+            if share is None:
+                return
+            shares[s.peer_id] = share
+        self._hold(m, _Placing(True, shares, 1000.0 / max(cur.est_token_ms, 1e-9)))
+
+    def _shrink(self, m: str) -> None:
+        """Fewer replicas once demand has settled well below what they serve: all the
+        replicas that can go, in one go."""
+        r = self.rates[m]
+        busiest = max(r.recent, r.window)
+        if abs(r.recent - r.window) > SETTLED * busiest:
+            return
+        placing = self.placing[m]
+        limit = SHRINK_AT
+        while len(placing.shares) > 1:
+            # The one serving least goes first (then one not holding the file, then by id).
+            pid = min(
+                placing.shares,
+                key=lambda p: (
+                    self._serves_on(m, p, placing.shares[p]),
+                    self._replica_rate(m, p, placing.shares[p]),
+                    self._scale(m, p).whole_file,
+                    p,
+                ),
+            )
+            rest = {p: s for p, s in placing.shares.items() if p != pid}
+            if busiest > limit * self._serves(m, rest):
+                return
+            self._give(pid, placing.shares.pop(pid))
+            limit = GROW_TO
+
+    def _place(self, m: str, order: list[str]) -> None:
+        """Room for `m`, on free memory or made by moving others aside."""
+        placing, why = self._fit(m)
+        if placing is not None:
+            self._hold(m, placing)
+            return
+        said = None if self._fits_one_peer(m) else self._planner_says(m)
+        if said is not None:  # it fits nowhere, even with nothing else loaded
+            self.reasons[m] = said
+            return
+        moved: list[tuple[str, _Placing]] = []
+        for victim, pid in self._victims(m, order):
+            if victim not in self.placing:
+                continue
+            if pid is None:
+                moved.append((victim, self._drop(victim)))
+            else:
+                v = self.placing[victim]
+                share = v.shares.pop(pid)
+                self._give(pid, share)
+                moved.append((victim, _Placing(False, {pid: share})))
+            placing, _ = self._fit(m)
+            if placing is not None:
+                self._hold(m, placing)
+                break
+        # Put back what was not in the way (all of it if nothing made room).
+        for victim, was in reversed(moved):
+            if self._fits_shares(was.shares):
+                if victim in self.placing:
+                    for pid in sorted(was.shares):
+                        self._take(pid, was.shares[pid])
+                    self.placing[victim].shares.update(was.shares)
+                else:
+                    self._hold(victim, was)
+            elif victim not in self.placing:
+                used = _ago(self.now - self.demand[victim].last_used)
+                self.reasons[victim] = (
+                    f"evicted for {m}, which is in more demand: the least recently used "
+                    f"model (last used {used} ago)"
+                )
+        if m not in self.placing:  # (an eviction's reason stays: it says more)
+            self.reasons.setdefault(m, self._crowded(m, why))
+
+    def _victims(self, m: str, order: list[str]) -> list[tuple[str, str | None]]:
+        """What may give way to `m`, in turn: (model, peer) for an extra replica of any
+        model (the lowest priority's first, the replica serving least first); (model, None)
+        for a model of lower priority than `m` and not pinned, least recently used first."""
+        rank = {x: i for i, x in enumerate(order)}
+        out: list[tuple[str, str | None]] = []
+        for x in sorted(self.placing, key=lambda x: (-rank[x], x)):
+            placing = self.placing[x]
+            if placing.split or len(placing.shares) < 2:
+                continue
+            by_rate = sorted(
+                placing.shares,
+                key=lambda p: (self._replica_rate(x, p, placing.shares[p]), p),
+            )
+            out += [(x, p) for p in by_rate[:-1]]
+        lower = [x for x in sorted(self.placing) if rank[x] > rank[m] and x not in self.pins]
+        lower.sort(key=lambda x: (self.demand[x].last_used, -rank[x], x))
+        out += [(x, None) for x in lower]
+        return out
+
+    def _crowded(self, m: str, why: str | None) -> str:
+        if why is not None and not self._fits_one_peer(m):
+            return why
+        return self._no_room(m) + " (the rest holds models in more demand, or pinned)"
+
+    def _grow(self, m: str) -> None:
+        """More replicas when recent demand passes `GROW_AT` of what they serve: as many as
+        it takes, in one go."""
+        r = self.rates[m]
+        placing = self.placing[m]
+        serves = self._serves(m, placing.shares)
+        if r.recent <= GROW_AT * serves:
+            return
+        target = max(r.recent, r.latest, r.peak)
+        alone = 0.0
+        for pid in sorted(placing.shares):
+            alone += self._replica_rate(m, pid, placing.shares[pid])
+        while target > GROW_TO * serves:
+            best = self._best_peer(m, MIN_REPLICA * alone)
+            if best is None:
+                return
+            pid, share, rate = best
+            self._take(pid, share)
+            placing.shares[pid] = share
+            serves += rate
+
+    def _result(self) -> Assignment:
+        placed = []
+        for m in sorted(self.placing):
+            placing = self.placing[m]
+            model = self.models[m]
+            cut = [self._cut(m, pid, placing.shares[pid]) for pid in sorted(placing.shares)]
+            by_id = {c.peer_id: c for c in cut}
+            cur = self.current.get(m)
+            why = ""
+            try:
+                p: Plan | None = plan(
+                    model, cut, context_tokens=self.ctx, headroom=self.headroom, current=cur
+                )
+            except PlanError as e:
+                p, why = None, str(e)
+            # The current plan stays where the service would keep it (`should_replan`): a
+            # split kept on exactly its stages' bytes, or one not enough slower to move.
+            works = cur is not None and estimated_token_ms(model, cur, by_id, self.ctx) is not None
+            if (
+                works
+                and cur is not None
+                and (p is None or plan_digest(p) != plan_digest(cur))
+                and (p is None or not should_replan(model, cur, p, cut))
+            ):
+                p = cur
+            if p is None:  # not expected: every share was cut to fit
+                self.reasons[m] = why
+                continue
+            if p.split:
+                ms = estimated_token_ms(model, p, by_id, self.ctx) or p.est_token_ms
+                rate = 1000.0 / max(ms, 1e-9)
+            else:
+                rate = 0.0
+                for pid in sorted(p.replicas):
+                    ms = by_id[pid].stage_ms(model, 0, model.n_layers, self.ctx)
+                    rate += 1000.0 / max(ms, 1e-9)
+            placed.append(Placed(m, tuple(cut), p, rate))
+        return Assignment(tuple(placed), tuple(sorted(self.reasons.items())))
+
+
+def _pick(
+    options: Sequence[tuple[float, str, _Share, tuple[str, ...]]],
+    prefer: frozenset[str],
+    holds: Any,
+) -> tuple[float, str, _Share, tuple[str, ...]] | None:
+    """The option serving most, unless one within `CLOSE` of it is on a peer in `prefer`,
+    then one on a peer that `holds` the file; then by rate and peer id."""
+    if not options:
+        return None
+    top = max(o[0] for o in options)
+    return min(
+        (o for o in options if o[0] >= top * (1.0 - CLOSE)),
+        key=lambda o: (o[1] not in prefer, not holds(o[1]), -o[0], o[1]),
+    )
+
+
+def _ago(seconds: float) -> str:
+    """A duration as people read it: 45s, 7m12s, 2h05m."""
+    if seconds == NEVER or not math.isfinite(seconds):
+        return "ever"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
