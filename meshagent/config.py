@@ -14,6 +14,7 @@ from meshagent.errors import ConfigError
 from meshagent.gossip.config import GossipConfig
 from meshagent.identity.private_file import write_private
 from meshagent.net.address import is_loopback
+from meshagent.placement.demand import DemandError, keep_alive_seconds
 
 API_KEY_ENV = "MESHAGENT_API_KEY"  # an API key from the environment, for agents and clients
 JOIN_ENV = "MESHAGENT_JOIN"  # an invite token from the environment, for `meshagent up`
@@ -92,6 +93,11 @@ class AgentConfig:
     threads: int = 0  # 0: one per core
     grace: float = 10.0  # seconds in-flight requests get to finish on shutdown
     replay_deadline: float = 30.0  # seconds a request waits for a split that lost a stage
+    # Many models: a model no request has asked for in this long unloads (ollama's
+    # keep_alive: seconds or a duration like 5m; 0: after each request; negative: never).
+    keep_alive: str = "5m"
+    pins: tuple[str, ...] = ()  # models kept loaded whatever the demand (`--pin`)
+    load_timeout: float = 600.0  # seconds a request waits for its model to load
     speculation: str = "auto"  # drafts from a request's own text: auto, on or off
     # bytes of ended requests' KV kept for prompts that share their prefix; -1: auto, 0: off
     prefix_cache: int = PREFIX_CACHE_AUTO
@@ -131,6 +137,15 @@ class AgentConfig:
                 raise ConfigError(f"config key {k!r} must be a {want.__name__}, got {v!r}")
         return replace(self, **clean)
 
+    def keep_alive_seconds(self) -> float:
+        """`keep_alive` in seconds (negative: never unload)."""
+        try:
+            seconds = keep_alive_seconds(self.keep_alive)
+        except DemandError as e:
+            raise ConfigError(f"keep-alive: {e}") from e
+        assert seconds is not None
+        return seconds
+
     def validate(self) -> None:
         if not 0 <= self.api_port < 65536:
             raise ConfigError(
@@ -155,6 +170,9 @@ class AgentConfig:
             raise ConfigError("grace must be >= 0 seconds")
         if self.replay_deadline < 0:
             raise ConfigError("replay-deadline must be >= 0 seconds")
+        if not self.load_timeout > 0:
+            raise ConfigError(f"load-timeout must be > 0 seconds, got {self.load_timeout}")
+        self.keep_alive_seconds()  # refuses what is not a duration, naming it
         # The gossip service's own rule, so that a config it refuses is refused here, by name.
         GossipConfig(
             interval=self.gossip_interval,
@@ -197,6 +215,9 @@ CONFIG_TEMPLATE = """\
 # max_queue = 64
 # grace = 10.0
 # replay_deadline = 30.0
+# keep_alive = "5m"
+# pins = ["SmolLM2-135M-Instruct.Q4_1"]
+# load_timeout = 600.0
 # speculation = "auto"
 # prefix_cache = "auto"
 # relays = ["relay.example.org:9339"]

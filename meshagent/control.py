@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from meshagent.identity.mesh import MeshSecret
     from meshagent.models.artifacts import ArtifactStore
     from meshagent.relay.client import RelayClient
+    from meshagent.serving.assigning import Assigning
     from meshagent.serving.local_model import LocalModel
     from meshagent.serving.model_host import ModelHost
 
@@ -46,6 +47,7 @@ class AgentParts(Protocol):
     lan: LanDiscovery
     gossip: GossipService
     models: ModelHost
+    assigning: Assigning
     store: ArtifactStore
 
     @property
@@ -75,6 +77,8 @@ def status(services: AgentParts) -> dict[str, Any]:
         "in_flight": len(s.inflight),
         "models": _models(s),
         "placement": {m.info.id: m.placement_summary() for m in s.models},
+        # every catalogued model as the mesh assigns it (placed where, or why not; demand)
+        "assignment": s.assigning.summary(),
         "artifacts": [m.to_dict() for m in s.store.all()],
         "download": _download(s),
         "peers": _links(s.overlay),

@@ -24,6 +24,8 @@ from meshagent.api import entry
 from meshagent.api.access import Access
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
+from meshagent.catalog.entry import CatalogEntry
+from meshagent.catalog.model_file import read_model_file
 from meshagent.catalog.service import Catalog
 from meshagent.config import AgentConfig, ConfigError, DataDir
 from meshagent.discovery import hearing, probe
@@ -32,6 +34,7 @@ from meshagent.discovery.dialer import DialerConfig, PeerDialer
 from meshagent.discovery.lan import LanDiscovery
 from meshagent.discovery.mdns import Sighting
 from meshagent.engine.llama import read_model_info
+from meshagent.errors import MeshError, ModelError
 from meshagent.gossip import service as gossip_service
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.service import GossipService
@@ -41,13 +44,14 @@ from meshagent.identity.mesh_file import load_or_create_mesh
 from meshagent.models import header_share, transfer
 from meshagent.models.artifacts import ArtifactStore, SliceManifest
 from meshagent.models.capability import CapabilityStore
-from meshagent.models.default import resolve_model
+from meshagent.models.default import local_file, resolve_model
 from meshagent.models.layout import inspect_model
 from meshagent.net.budgets import StreamBudgets
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
 from meshagent.net.tcp import TcpTransport
 from meshagent.relay.client import RelayClient
+from meshagent.serving.assigning import SEED_AFTER, Assigning
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import GENERATE_LABEL
 from meshagent.serving.mesh_model import MeshModel
@@ -99,7 +103,7 @@ class Services:
         )
         store = ArtifactStore(data_dir.artifacts_path)
         files = []
-        for spec in config.models or ("",):  # none: the embedded default
+        for spec in config.models:  # none: what the mesh's catalogue holds
             path = await trio.to_thread.run_sync(resolve_model, spec)  # may download
             layout = await trio.to_thread.run_sync(inspect_model, path)
             info = await trio.to_thread.run_sync(read_model_info, path)
@@ -175,6 +179,7 @@ class Services:
         self.models = ModelHost(self.gossip, self.overlay)
         for f in files:
             self.models.add(self._mesh_model(f))
+        self.assigning = self._assigning()
         port = urlsplit(api_url).port or 0
         self.access = Access.for_binding(config.api_keys, config.api_host, port)
         self.app = OpenAIApp(
@@ -185,6 +190,7 @@ class Services:
             probe=partial(control.probe, self.overlay),
             access=self.access,
             catalogue=self.catalog,
+            loads=self.assigning,
         )
         self._routes: dict[str, StreamHandler] = {
             transfer.LABEL: transfer.ArtifactServer(
@@ -249,6 +255,49 @@ class Services:
             ),
         )
 
+    def _assigning(self) -> Assigning:
+        cfg = self.config
+        return Assigning(
+            self.models,
+            self.catalog,
+            self.gossip,
+            obtain=self._obtain,
+            context_tokens=cfg.slots * cfg.ctx_size,
+            headroom=ServingSettings.headroom,
+            keep_alive=cfg.keep_alive_seconds(),
+            # The models an agent is started with stay loaded (as they always have).
+            pins=(*cfg.pins, *self.models.names),
+            seed_default=not cfg.models,
+            seed_after=SEED_AFTER if self.joined or cfg.peers or cfg.relays else 0.0,
+            load_timeout=cfg.load_timeout,
+        )
+
+    async def _obtain(self, entry: CatalogEntry) -> MeshModel | None:
+        """This agent's part in a catalogued model whose file it has (the embedded default,
+        a path here, a hub model in its cache) with the entry's sha256; None otherwise."""
+        path = await trio.to_thread.run_sync(local_file, entry.source)
+        if path is None:
+            return None
+        sha = await trio.to_thread.run_sync(self.store.source_sha256, path)
+        if sha != entry.sha256:
+            raise ModelError(f"the file here ({path}) is not the catalogued one (sha256 differs)")
+        layout = await trio.to_thread.run_sync(inspect_model, path)
+        info = await trio.to_thread.run_sync(read_model_info, path)
+        model = self._mesh_model(ModelFiles(path, layout, info, self.store))
+        model.placement.source_sha256 = sha
+        return model
+
+    async def _catalogue_own(self) -> None:
+        """The models this agent was started with go into the mesh's catalogue (their files
+        read in a worker thread: hashed once), then the assignment runs."""
+        for model in list(self.models):
+            try:
+                read = partial(read_model_file, str(model.files.path), self.store)
+                self.catalog.add_model(await trio.to_thread.run_sync(read))
+            except MeshError as e:
+                log.warning("catalog.add_failed", model=model.info.id, error=str(e))
+        await self.assigning.run()
+
     async def start(self, nursery: trio.Nursery) -> None:
         """Start every service in `nursery`, each once what it needs runs (the API aside)."""
         await nursery.start(self.overlay.run)
@@ -258,6 +307,7 @@ class Services:
         await nursery.start(self.catalog.run, self.gossip)
         await nursery.start(self.dialer.run)
         await nursery.start(self.models.run)
+        nursery.start_soon(self._catalogue_own)
         for relay in self.relays:
             await nursery.start(relay.run)
         await nursery.start(self.lan.run)  # mDNS advertises the port the overlay listens on

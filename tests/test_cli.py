@@ -84,6 +84,8 @@ def test_status_of_a_running_agent(spawn_agent, model_id, capsys):
     out = capsys.readouterr().out
     assert "SmolLM2-135M-Instruct" in out
     assert agent.url in out
+    # The mesh's catalogue, seeded with the embedded default, which the agent pins.
+    assert "model     SmolLM2-135M-Instruct.Q4_1  placed on " in out and "pinned" in out
     assert "drafts    " not in out
     assert "drafting  auto by default; windows exact: a window's logits equal one-token" in out
     # A request served with speculation shows in the model's totals.
@@ -108,7 +110,7 @@ def test_an_agent_that_cannot_serve_its_model_says_why(spawn_agent, capsys):
     log = agent.data_dir / "agent.log"
     wait_for(lambda: "meshagent: not serving" in log.read_text(errors="replace"), timeout=60)
     said = log.read_text(errors="replace")
-    assert f"meshagent: API at {agent.url}/v1 (console: {agent.url}/console); placing " in said
+    assert f"meshagent: API at {agent.url}/v1 (console: {agent.url}/console); serving " in said
     assert "meshagent: serving" not in said
     assert said.count("meshagent: not serving") == 1  # not the mesh that looked empty at start
     assert main(["status", "--data-dir", str(agent.data_dir)]) == 0

@@ -102,3 +102,16 @@ def test_the_prefix_cache_takes_only_what_the_plan_leaves_free():
     assert prefix_budget(3 * gib, offered=8 * gib, needed=6 * gib) == 2 * gib
     assert prefix_budget(gib // 2, offered=8 * gib, needed=gib) == gib // 2
     assert prefix_budget(0, offered=8 * gib, needed=gib) == 0
+
+
+def test_many_models_settings():
+    c = AgentConfig().merged({"model": "a.gguf"})  # config.toml's one-model key
+    assert c.models == ("a.gguf",)
+    c = AgentConfig().merged({"models": ["a.gguf", "b.gguf"], "pins": ["b"]})
+    assert c.models == ("a.gguf", "b.gguf") and c.pins == ("b",)
+    assert AgentConfig().keep_alive_seconds() == 300.0
+    assert AgentConfig().merged({"keep_alive": "1h30m"}).keep_alive_seconds() == 5400.0
+    assert AgentConfig().merged({"keep_alive": "-1"}).keep_alive_seconds() == -1.0
+    for bad in ({"keep_alive": "soon"}, {"load_timeout": 0.0}):
+        with pytest.raises(ConfigError, match=next(iter(bad)).replace("_", "-")):
+            AgentConfig().merged(bad).validate()

@@ -10,7 +10,7 @@ from typing import Any
 
 from meshagent.api import errors
 from meshagent.api.access import Access
-from meshagent.api.catalog import Catalog, MeshCatalogue
+from meshagent.api.catalog import Catalog, Loads, MeshCatalogue
 from meshagent.api.completions import Completions
 from meshagent.api.control_routes import CONTROL_MODEL_PREFIX, ControlRoutes, Document
 from meshagent.api.errors import SPLIT_RETRY_AFTER, ApiError
@@ -38,13 +38,14 @@ class OpenAIApp:
         probe: Callable[[Document], Awaitable[Document]] | None = None,
         access: Access | None = None,
         catalogue: MeshCatalogue | None = None,
+        loads: Loads | None = None,
     ) -> None:
         """`directory` says which models this agent serves and where the others run; `access`
         who may ask over HTTP; `status`, `peers` and `probe` answer the control API;
         `catalogue` is the mesh's catalogue of models (listed with the served ones, and
-        changed through `/control/models`)."""
+        changed through `/control/models`); `loads` meters the demand that loads them."""
         self.access = access or Access()
-        self.catalog = Catalog(directory, inflight, catalogue)
+        self.catalog = Catalog(directory, inflight, catalogue, loads)
         self.router = PrefixRouter()
         self.events = EventHub()
         self.metrics = Metrics(status, on_request=self.events.request_ended)

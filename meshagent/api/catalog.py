@@ -42,17 +42,55 @@ class MeshCatalogue(Protocol):
         ...
 
 
+class Loads(Protocol):
+    """Demand for the mesh's models, metered where requests arrive: the mesh loads a model on
+    its first request and unloads it after its keep_alive (`serving/assigning.py`)."""
+
+    load_timeout: float  # seconds a request waits for its model to load
+
+    def begin(self, model_id: str) -> None: ...
+
+    def end(self, model_id: str, tokens: int, keep_alive: float | None = None) -> None: ...
+
+    def why_not_placed(self, name: str) -> str | None:
+        """Why the mesh places the model nowhere now (no memory for it, say), if so."""
+        ...
+
+    def expires_at(self, name: str) -> float | None:
+        """When the model unloads (unix time; inf: never, pinned or keep_alive < 0), as the
+        mesh's demand says; None when it does not say."""
+        ...
+
+
+# Seconds a request for a model being loaded waits before a reason for not placing it is
+# believed: the request's own demand must reach the mesh's assignment first.
+LOAD_SETTLE = 5.0
+LOAD_RETRY_AFTER = 30
+
+
 class Catalog:
     def __init__(
         self,
         directory: ModelDirectory,
         inflight: InFlight,
         catalogue: MeshCatalogue | None = None,
+        loads: Loads | None = None,
     ) -> None:
         self.directory = directory
         self.inflight = inflight
         self.catalogue = catalogue
+        self.loads = loads
         self.started_at = int(time.time())
+
+    def known(self, name: str) -> bool:
+        """Whether the mesh has that model: served here or by a peer, or catalogued."""
+        return bool(self.local(name) or self.remotes(name) or self.catalogued(name))
+
+    def catalogued(self, name: str) -> str | None:
+        """The catalogue's name for `name` (compared without case), if it holds that model."""
+        if self.catalogue is None:
+            return None
+        return next((n for n in self.catalogue.entries() if n.casefold() == name.casefold()), None)
 
     def local(self, name: str) -> LocalModel | None:
         """The model of that name this agent serves, if it serves one."""
@@ -80,10 +118,14 @@ class Catalog:
         )
 
     async def await_served(self, name: str) -> None:
-        """A model of this mesh that no one serves at this moment (its placement is changing
-        after a lost peer) is waited for, as a replay waits, rather than reported missing;
-        past the directory's bound, the request fails as temporarily unavailable."""
+        """A model of this mesh that no one serves at this moment is waited for rather than
+        reported missing: one being placed again after a lost peer, as a replay waits (past
+        the directory's bound, the request fails as temporarily unavailable), and a
+        catalogued one the mesh loads for this request (`await_loaded`)."""
         if self.local(name) is not None or self.remote(name) is not None:
+            return
+        if self.loads is not None and self.catalogued(name) is not None:
+            await self.await_loaded(name)
             return
         bound = 0.0 if self.inflight.draining else self.directory.unserved_for_now(name)
         if bound <= 0:
@@ -102,6 +144,39 @@ class Catalog:
             f"serves it yet after {bound:g} s; retry shortly.",
             code="split_unavailable",
             retry_after=SPLIT_RETRY_AFTER,
+        )
+
+    async def await_loaded(self, name: str) -> None:
+        """A catalogued model no agent serves now: the request's demand (`Loads.begin`, in
+        `Completions`) has the mesh load it; wait until some agent serves it, within the
+        load timeout. A reason the mesh cannot place it (no memory anywhere) that still holds
+        once the demand reached the assignment ends the wait with a 503 saying so."""
+        assert self.loads is not None
+        if self.inflight.draining:
+            raise errors.unavailable(
+                f"The model '{name}' is not loaded and this agent is shutting down.",
+                code="shutting_down",
+            )
+        began = trio.current_time()
+        timeout = self.loads.load_timeout
+        with trio.move_on_after(timeout):
+            while self.local(name) is None and self.remote(name) is None:
+                if trio.current_time() - began >= LOAD_SETTLE:
+                    why = self.loads.why_not_placed(name) or self.directory.why_unserved(name)
+                    if why is not None:
+                        raise errors.unavailable(
+                            f"The model '{name}' is not served: {why}",
+                            code="model_not_served",
+                            retry_after=LOAD_RETRY_AFTER,
+                        )
+                with trio.move_on_after(LOAD_SETTLE / 5):
+                    await self.directory.changed()
+            return
+        raise errors.unavailable(
+            f"The model '{name}' did not load within {timeout:g} s (--load-timeout); retry "
+            "shortly.",
+            code="model_loading",
+            retry_after=LOAD_RETRY_AFTER,
         )
 
     # -- model cards (`GET /v1/models`) --

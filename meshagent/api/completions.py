@@ -25,6 +25,7 @@ from meshagent.api.prepare import Asked, Prepared, parse_completion, prepare
 from meshagent.api.routing import LOCAL as HERE
 from meshagent.api.routing import PrefixRouter, prefix_keys
 from meshagent.errors import ContextOverflow
+from meshagent.placement.demand import DemandError, keep_alive_seconds
 from meshagent.serving.directory import RemoteModel
 from meshagent.serving.generation import check_fits
 
@@ -40,6 +41,16 @@ Body = Callable[[], Awaitable[tuple[object, bytes]]]
 Produce = Callable[[Events], Awaitable[None]]
 
 
+def _keep_alive(data: object) -> float | None:
+    """The request's `keep_alive` (ollama's field: seconds, or a duration like "5m"; 0:
+    unload after it; negative: never), if it gives one; 400 if it is not a duration."""
+    value = data.get("keep_alive") if isinstance(data, dict) else None
+    try:
+        return keep_alive_seconds(value)
+    except DemandError as e:
+        raise errors.bad_request(str(e), param="keep_alive") from e
+
+
 class Completions:
     def __init__(self, catalog: Catalog, metrics: Metrics, router: PrefixRouter) -> None:
         self.catalog = catalog
@@ -50,17 +61,28 @@ class Completions:
         """Answer the completion request `body` to the endpoint `path` (`prepare.KINDS`) with
         `deliver`; an `ApiError` when it fails before any agent took it."""
         meter = self.metrics.request()
+        demanded: str | None = None  # the catalogued model this request is demand for
+        keep_alive: float | None = None
         try:
             data, raw = await body()
             name = data.get("model") if isinstance(data, dict) else None
-            if isinstance(name, str) and (self.catalog.local(name) or self.catalog.remotes(name)):
-                meter.model = name  # only models the mesh serves: a label's values stay few
-            await self._route(ex, Asked(path, raw, parse_completion(path, data)), meter, deliver)
+            if isinstance(name, str) and self.catalog.known(name):
+                meter.model = name  # only models the mesh has: a label's values stay few
+            asked = Asked(path, raw, parse_completion(path, data))
+            loads = self.catalog.loads
+            if loads is not None and isinstance(name, str):
+                demanded = self.catalog.catalogued(name)
+                if demanded is not None:
+                    keep_alive = _keep_alive(data)
+                    loads.begin(demanded)
+            await self._route(ex, asked, meter, deliver)
         except ApiError as e:
             meter.fail(e.status, e.message)
             raise
         finally:
             meter.done(ex.status, client_gone=ex.disconnected)
+            if demanded is not None and self.catalog.loads is not None:
+                self.catalog.loads.end(demanded, meter.tokens, keep_alive)
 
     async def _route(
         self, ex: Exchange, asked: Asked, meter: RequestMeter, deliver: Deliver

@@ -112,6 +112,12 @@ class RequestMeter:
     def fail(self, status: int, message: str) -> None:
         self.failed, self.error = status, message
 
+    @property
+    def tokens(self) -> int:
+        """The request's tokens, prompt and completion, once it finished (0 before)."""
+        fin = self._finished
+        return fin.prompt_tokens + fin.completion_tokens if fin is not None else 0
+
     def receipt(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
         """Who serves it, from the response's `x-meshagent-stages` header."""
         for name, value in headers:

@@ -1,5 +1,6 @@
-"""Ollama's endpoints, for tools that speak only its protocol: `GET /api/tags`, `POST
-/api/chat` and `POST /api/generate`, answered as chat or text completions (`Completions`:
+"""Ollama's endpoints, for tools that speak only its protocol: `GET /api/tags`, `GET /api/ps`
+(the models loaded in the mesh and when each unloads), `POST /api/chat` and `POST
+/api/generate`, answered as chat or text completions (`Completions`:
 routed, carried, replayed and metered like any request). Streams are newline-delimited JSON,
 as ollama's are, and stream by default.
 
@@ -10,7 +11,9 @@ their output would not be constrained or read. Errors are ollama's shape, `{"err
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -65,6 +68,24 @@ def tags(models: list[dict[str, Any]]) -> dict[str, Any]:
     return {"models": out}
 
 
+def running(models: list[dict[str, Any]], expiry: Callable[[str], float | None]) -> dict:
+    """`/api/ps` from the cards of `/v1/models`: the models loaded somewhere in the mesh,
+    each with when it unloads (`expiry`: unix time, inf for never, None unknown)."""
+    out = []
+    for entry in tags([c for c in models if (c.get("meshagent") or {}).get("loaded")])["models"]:
+        ends = expiry(entry["name"])
+        if ends is None or math.isinf(ends):
+            expires = NEVER
+        else:
+            expires = datetime.fromtimestamp(ends, UTC).isoformat()
+        out.append({**entry, "expires_at": expires, "size_vram": 0})
+    return {"models": out}
+
+
+# Ollama says a model kept loaded for ever expires at a time far away.
+NEVER = "2318-01-01T00:00:00+00:00"
+
+
 def _refuse(body: dict[str, Any]) -> None:
     messages = body.get("messages") or []
     if body.get("images") or any(isinstance(m, dict) and m.get("images") for m in messages):
@@ -95,6 +116,8 @@ def _openai_body(body: dict[str, Any]) -> dict[str, Any]:
         raise bad_request("'format' must be \"json\" or a JSON schema.", param="format")
     if body.get("tools"):
         out["tools"] = body["tools"]
+    if "keep_alive" in body:  # how long the model stays loaded after this request
+        out["keep_alive"] = body["keep_alive"]
     return out
 
 
@@ -148,12 +171,18 @@ class OllamaRoutes:
         self.completions = completions
         self.routes: Routes = {
             ("GET", "/api/tags"): self._tags,
+            ("GET", "/api/ps"): self._ps,
             ("POST", "/api/chat"): partial(self._answer, chat=True),
             ("POST", "/api/generate"): partial(self._answer, chat=False),
         }
 
     async def _tags(self, ex: Exchange) -> None:
         await ex.send_json(200, tags(self.catalog.cards()))
+
+    async def _ps(self, ex: Exchange) -> None:
+        loads = self.catalog.loads
+        expiry = loads.expires_at if loads is not None else (lambda name: None)
+        await ex.send_json(200, running(self.catalog.cards(), expiry))
 
     async def _answer(self, ex: Exchange, *, chat: bool) -> None:
         """`/api/chat` when `chat`, else `/api/generate`."""

@@ -102,6 +102,20 @@ def run(args: argparse.Namespace) -> int:
             f"holding their conversation, {routing['new']} new, {routing['balance']} moved "
             f"off a busy one; {routing['remembered']} remembered"
         )
+    for m in st.get("assignment") or []:
+        if m["placed"]:
+            where = f"placed on {', '.join(x[:12] for x in m['peers'])}"
+        else:
+            where = f"not placed: {m['why_not'] or 'being decided'}"
+        pin = "pinned" if m["pinned"] else ""
+        if not m["pinned"] and m["unloads_in_s"] is not None and m["placed"]:
+            pin = f"unloads in {m['unloads_in_s']:.0f} s"
+        demand = (
+            f"{m['tokens_per_s']:.1f} tok/s, {m['requests_per_min']:.1f} req/min, "
+            f"{m['in_flight']} in flight"
+        )
+        extras = "; ".join(x for x in (demand, pin, "" if m["here"] else "no part here") if x)
+        print(f"model     {m['model']}  {where} ({extras})")
     for model_id, p in (st.get("placement") or {}).items():
         if not p.get("routable"):
             loading = [x[:12] for x in p.get("loading") or []]

@@ -146,6 +146,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"before it fails (default {d.replay_deadline}; 0: fail at once)",
     )
     p.add_argument(
+        "--keep-alive",
+        metavar="DURATION",
+        help="how long a model no request asks for stays loaded: seconds or a duration like "
+        f"5m or 1h (default {d.keep_alive}; 0: unload after each request; -1: never); a "
+        "request's own keep_alive (ollama's field) sets it for its model",
+    )
+    p.add_argument(
+        "--pin",
+        action="append",
+        dest="pins",
+        metavar="MODEL",
+        help="keep this model loaded whatever the demand (repeatable)",
+    )
+    p.add_argument(
+        "--load-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long a request waits for its model to be loaded somewhere in the mesh "
+        f"before it gets a 503 (default {d.load_timeout:g})",
+    )
+    p.add_argument(
         "--speculation",
         choices=("auto", "on", "off"),
         help="speculative decoding with drafts from each request's own text, for requests "
@@ -207,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
             "wire_dtype",
             "grace",
             "replay_deadline",
+            "keep_alive",
+            "pins",
+            "load_timeout",
             "speculation",
             "prefix_cache",
             "log_level",
@@ -282,9 +306,14 @@ def run(args: argparse.Namespace) -> int:
 
             services = await nursery.start(run_agent)
             names = ", ".join(services.models.names)
+            doing = (
+                f"placing {names} on the mesh"
+                if names
+                else "serving the mesh's models (the embedded default on a new mesh)"
+            )
             print(
                 f"meshagent: API at {services.api_url}/v1 (console: {services.api_url}/console); "
-                f"placing {names} on the mesh",
+                f"{doing}",
                 file=sys.stderr,
             )
             if not config.api_keys and not is_loopback(config.api_host):
@@ -293,8 +322,7 @@ def run(args: argparse.Namespace) -> int:
                     "(--insecure-no-api-key): anyone who reaches it can use it",
                     file=sys.stderr,
                 )
-            for model in services.models:
-                nursery.start_soon(_say_what_serves, model, services.api_url)
+            nursery.start_soon(_say_what_each_serves, services)
             nursery.start_soon(_say_if_alone, services)
 
     trio.run(main)
@@ -308,6 +336,20 @@ async def _say_if_alone(services: Services) -> None:
         await trio.sleep(_SAY_EVERY)
     if services.alone is not None:
         print(f"meshagent: {services.alone}", file=sys.stderr)
+
+
+async def _say_what_each_serves(services: Services) -> None:
+    """A line for each model this agent takes part in, from when it takes part on (models
+    come and go with the mesh's catalogue)."""
+    said: set[str] = set()
+    async with trio.open_nursery() as nursery:
+        while True:
+            added = services.models.added
+            for model in services.models:
+                if model.info.id not in said:
+                    said.add(model.info.id)
+                    nursery.start_soon(_say_what_serves, model, services.api_url)
+            await added.wait()
 
 
 async def _say_what_serves(model: MeshModel, api_url: str) -> None:

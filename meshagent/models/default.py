@@ -40,3 +40,20 @@ def resolve_model(spec: str, progress: Callable[[int, int], None] | None = None)
     if not name.is_file():
         raise ModelError(f"model file not found: {name}")
     return name
+
+
+def local_file(spec: str) -> Path | None:
+    """The file a model argument names if it is on this machine already, without asking the
+    hub: the embedded default, a local file, a hub model in the cache; None otherwise
+    (blocking: call it off the event loop)."""
+    if not spec:
+        try:
+            return default_model_path()
+        except ModelError:
+            return None
+    name = parse_model_name(spec)
+    if isinstance(name, HubName):
+        from meshagent.models.hub import cached_file  # huggingface_hub, only for names
+
+        return cached_file(name)
+    return name if name.is_file() else None

@@ -30,7 +30,7 @@ from meshagent.models.family import family_traits
 from meshagent.net.errors import ConnectionUnavailable
 from meshagent.net.stream import MeshStream
 from meshagent.placement.negotiation import plan_digest
-from meshagent.placement.planner import ModelCost
+from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService, Snapshot
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.mesh_directory import MeshDirectory
@@ -261,6 +261,11 @@ class MeshModel:
                 raise
             await self._reach(peer_id)
             return await self.overlay.open_stream(peer_id, label, **window)
+
+    async def stand_down(self) -> None:
+        """Serve nothing of this model here any more: the requests in flight on its part
+        finish first (within the grace), then it unloads."""
+        await self.parts.release(Plan(self.info.id, 0))
 
     async def aclose(self) -> None:
         await self.parts.unload()

@@ -36,6 +36,7 @@ class ModelHost:
         self.gossip = gossip
         self.overlay = overlay
         self._models: dict[str, MeshModel] = {}  # by the model's id, casefolded
+        self._scopes: dict[str, trio.CancelScope] = {}  # each model's tasks, by the same key
         self._nursery: trio.Nursery | None = None  # while `run` runs
         self.added = trio.Event()  # set (and replaced) whenever a model is added
         self.directory = HostDirectory(self)
@@ -51,8 +52,25 @@ class ModelHost:
         self._models[key] = model
         if self._nursery is not None:
             self.publish_takes()
-            self._nursery.start_soon(model.run)
+            self._nursery.start_soon(self._run_model, model)
         self.added.set()
+        self.added = trio.Event()
+
+    async def remove(self, name: str) -> None:
+        """Take no part in `name` from now on (removed from the catalogue): no plans, and its
+        part here let go once the requests in flight on it finish (within the grace)."""
+        model = self._models.get(name.casefold())
+        if model is None:
+            return
+        model.placement.stop()
+        await model.stand_down()
+        del self._models[name.casefold()]
+        scope = self._scopes.pop(name.casefold(), None)
+        if scope is not None:
+            scope.cancel()
+        self.publish_takes()
+        self.publish_serving()
+        self.added.set()  # (what the directory answers changed)
         self.added = trio.Event()
 
     def get(self, name: str) -> MeshModel | None:
@@ -72,13 +90,20 @@ class ModelHost:
         self.publish_takes()
         async with trio.open_nursery() as nursery:
             for model in self:
-                await nursery.start(model.run)
+                await nursery.start(self._run_model, model)
             self._nursery = nursery
             task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+
+    async def _run_model(
+        self, model: MeshModel, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with trio.CancelScope() as scope:
+            self._scopes[model.info.id.casefold()] = scope
+            await model.run(task_status=task_status)
 
     def stop(self) -> None:
         """This agent is leaving: no model proposes plans or takes parts from now on."""

@@ -65,8 +65,10 @@ def test_a_model_added_on_one_agent_is_listed_by_the_other_and_removed_again(
     assert card["size_bytes"] == tiny.stat().st_size
     assert "tiny-catalogued" in _models(a)
     listed = httpx.get(f"{b.url}/control/models", timeout=5).json()["models"]
+    # The mesh was new: a seeded its catalogue with the embedded default ("" its source).
     assert [(m["name"], m["author"], m["source"]) for m in listed] == [
-        ("tiny-catalogued", a_id, str(tiny))
+        ("SmolLM2-135M-Instruct.Q4_1", a_id, ""),
+        ("tiny-catalogued", a_id, str(tiny)),
     ]
     print(
         f"\nmodels add: answered in {answered:.2f} s (the CLI's start included), "
@@ -78,7 +80,8 @@ def test_a_model_added_on_one_agent_is_listed_by_the_other_and_removed_again(
     answered = time.monotonic() - began
     off_b = _until(lambda: "tiny-catalogued" not in _models(b), "the removal on b")
     assert "tiny-catalogued" not in _models(a)
-    assert "the mesh's catalogue is empty" in _cli(b, "catalog")
+    left = _cli(b, "catalog")
+    assert "tiny-catalogued" not in left and "SmolLM2-135M-Instruct.Q4_1" in left
     print(
         f"models remove: answered in {answered:.2f} s, gone from the other agent "
         f"{off_b:.2f} s later"
