@@ -1,0 +1,235 @@
+"""An agent following the catalogue and the mesh's assignment (`serving/assigning.py`), over
+fakes of the catalogue, gossip and the model host: demand loads and unloads a model, pins keep
+it, a removal drops it, a new entry is taken part in, and an empty mesh is seeded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any
+
+import trio
+
+from meshagent.gossip.failure import PeerState
+from meshagent.gossip.peer_record import PeerRecord
+from meshagent.placement.demand import EXTRAS_KEY as DEMAND_KEY
+from meshagent.placement.demand import from_cbor
+from meshagent.placement.planner import ModelCost
+from meshagent.placement.service import TAKES_KEY
+from meshagent.serving.assigning import PINS_KEY, Assigning
+
+GB = 1_000_000_000
+NOW = 1_800_000_000.0
+
+
+def _cost(name: str, gb: float = 1.0, layers: int = 10) -> ModelCost:
+    return ModelCost(name, layers, (int(gb * GB) // layers,) * layers, 0, 0, 0, 0)
+
+
+@dataclass
+class Entry:
+    name: str
+    sha256: str = "a" * 64
+    is_add: bool = True
+
+    def cost(self) -> ModelCost:
+        return _cost(self.name)
+
+
+class Catalog:
+    def __init__(self, *names: str) -> None:
+        self.live = {n: Entry(n) for n in names}
+        self.removed: set[str] = set()
+        self.generation = 0
+        self.changed = trio.Event()
+        self.added: list[str] = []
+        self.book = SimpleNamespace(winner=self._winner)
+
+    def _winner(self, name: str) -> Any:
+        if name in self.removed:
+            return SimpleNamespace(entry=Entry(name, is_add=False))
+        return SimpleNamespace(entry=self.live[name]) if name in self.live else None
+
+    def entries(self) -> dict[str, Entry]:
+        return dict(self.live)
+
+    def bump(self) -> None:
+        self.generation += 1
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def wait_changed(self, after: int) -> int:
+        while self.generation <= after:
+            await self.changed.wait()
+        return self.generation
+
+    async def add(self, spec: str) -> Any:
+        self.added.append(spec)
+        self.live["default"] = Entry("default")
+        self.bump()
+        return SimpleNamespace(entry=self.live["default"])
+
+
+class Gossip:
+    """The mesh's records as every agent would see them once gossip converged."""
+
+    def __init__(self, peer_id: str, **peers: dict) -> None:
+        self.peer_id = peer_id
+        self.views: dict[str, Any] = {}
+        for pid, extras in {peer_id: {}, **peers}.items():
+            record = PeerRecord(pid, b"", 1, mem_weights_bytes=4 * GB, compute_speed=100.0)
+            self.views[pid] = SimpleNamespace(
+                state=PeerState.ALIVE, record=replace(record, extras=extras)
+            )
+        self.generation = 0
+        self.changed = trio.Event()
+
+    def snapshot(self) -> dict[str, Any]:
+        return dict(self.views)
+
+    def update_local(self, **fields: Any) -> None:
+        view = self.views[self.peer_id]
+        self.views[self.peer_id] = SimpleNamespace(
+            state=view.state, record=replace(view.record, **fields)
+        )
+        self.generation += 1
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def spread_now(self) -> None:
+        pass
+
+    async def wait_changed(self, after: int) -> int:
+        while self.generation <= after:
+            await self.changed.wait()
+        return self.generation
+
+
+@dataclass
+class Host:
+    models: dict[str, Any] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+
+    def __iter__(self):
+        return iter(list(self.models.values()))
+
+    def get(self, name: str) -> Any:
+        return self.models.get(name)
+
+    def add(self, model: Any) -> None:
+        self.models[model.info.id] = model
+
+    async def remove(self, name: str) -> None:
+        self.removed.append(name)
+        self.models.pop(name, None)
+
+
+def _model(name: str) -> Any:
+    return SimpleNamespace(info=SimpleNamespace(id=name), placement=SimpleNamespace(allowance=None))
+
+
+def _assigning(host: Host, catalog: Catalog, gossip: Gossip, clock: list[float], **kw) -> Assigning:
+    async def obtain(entry: Entry) -> Any:
+        return _model(entry.name) if entry.name != "elsewhere" else None
+
+    return Assigning(
+        host,
+        catalog,
+        gossip,
+        obtain=obtain,
+        context_tokens=1000,
+        headroom=0.1,
+        keep_alive=300.0,
+        seed_after=0.0,
+        clock=lambda: clock[0],
+        **kw,
+    )
+
+
+def _allowed(model: Any, gossip: Gossip) -> Any:
+    """What the model's placement is allowed now: its capacities, or why not."""
+    from meshagent.placement.service import capacities
+
+    return model.placement.allowance(capacities(gossip.snapshot(), model_id=model.info.id))
+
+
+async def test_a_request_places_its_model_and_keep_alive_0_lets_it_go(autojump_clock):
+    clock = [NOW]
+    host, catalog = Host(), Catalog("chat")
+    gossip = Gossip("a")
+    gossip.update_local(extras={TAKES_KEY: ["chat"]})
+    assigning = _assigning(host, catalog, gossip, clock)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(assigning.run)
+        await trio.sleep(2)
+        chat = host.get("chat")  # taken part in: this agent has its file
+        assert chat is not None
+        assert "not requested" in _allowed(chat, gossip)  # nobody asked: not placed
+
+        assigning.begin("chat")
+        await trio.sleep(0.1)
+        [share] = _allowed(chat, gossip)  # placed: its share of this agent
+        assert share.peer_id == "a" and 0 < share.memory_bytes <= 4 * GB
+        [(name, demand)] = from_cbor(gossip.views["a"].record.extras[DEMAND_KEY]).items()
+        assert (name, demand.in_flight) == ("chat", 1)  # the mesh hears of it
+
+        clock[0] += 2
+        assigning.end("chat", tokens=40, keep_alive=0)
+        await trio.sleep(0.1)
+        assert "keep_alive 0" in _allowed(chat, gossip)
+        assert assigning.summary()[0]["placed"] is False
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_pin_gossiped_by_any_agent_keeps_a_model_placed(autojump_clock):
+    clock = [NOW]
+    host, catalog = Host(), Catalog("chat", "code")
+    gossip = Gossip("a", b={PINS_KEY: ["CODE"], TAKES_KEY: ["code"]})
+    gossip.update_local(extras={TAKES_KEY: ["chat", "code"]})
+    assigning = _assigning(host, catalog, gossip, clock, pins=("chat",))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(assigning.run)
+        await trio.sleep(2)
+        assert isinstance(_allowed(host.get("chat"), gossip), list)  # pinned here
+        assert isinstance(_allowed(host.get("code"), gossip), list)  # pinned by b
+        summary = {m["model"]: m for m in assigning.summary()}
+        assert summary["chat"]["pinned"] and summary["code"]["pinned"]
+        assert summary["code"]["unloads_in_s"] is None  # never
+        assert gossip.views["a"].record.extras[PINS_KEY] == ["chat"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_catalogue_is_followed_removed_models_dropped_others_taken_part_in(
+    autojump_clock,
+):
+    clock = [NOW]
+    host, catalog = Host(), Catalog("chat", "elsewhere")
+    host.add(_model("old"))  # a model this agent runs that the catalogue then removes
+    host.add(_model("started"))  # one it was started with, not catalogued yet
+    catalog.removed.add("old")
+    gossip = Gossip("a")
+    assigning = _assigning(host, catalog, gossip, clock)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(assigning.run)
+        await trio.sleep(2)
+        assert host.removed == ["old"]
+        assert set(host.models) == {"chat", "started"}  # "elsewhere": no file here
+        assert "catalogue" in _allowed(host.get("started"), gossip)
+        catalog.live["code"] = Entry("code")
+        catalog.bump()
+        await trio.sleep(0.1)
+        assert "code" in host.models
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_agent_without_models_seeds_an_empty_mesh_with_the_default(autojump_clock):
+    clock = [NOW]
+    host, catalog = Host(), Catalog()
+    gossip = Gossip("a")
+    assigning = _assigning(host, catalog, gossip, clock, seed_default=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(assigning.run)
+        await trio.sleep(2)
+        assert catalog.added == [""]  # the embedded default
+        assert "default" in assigning.pins and "default" in host.models
+        nursery.cancel_scope.cancel()
