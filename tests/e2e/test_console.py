@@ -68,6 +68,9 @@ def test_the_console_shows_the_split_and_a_requests_stage_times(spawn_agent, mod
             expect(page.locator("#peer-count")).to_have_text("(3 peers)", timeout=15_000)
             expect(page.locator("#graph g.node")).to_have_count(3)
             expect(page.locator("#plans td.layers")).to_have_text(ranges, timeout=15_000)
+            # The mesh's catalogue: the embedded default, which the first agent pinned.
+            catalogued = page.locator(f'#catalogue tr[data-model="{model_id}"]')
+            expect(catalogued).to_contain_text("pinned", timeout=15_000)
 
             client = OpenAI(base_url=f"{b.url}/v1", api_key=KEY, max_retries=0, timeout=120)
             client.chat.completions.create(
