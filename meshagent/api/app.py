@@ -83,6 +83,9 @@ class OpenAIApp:
         except ApiError as e:
             if not ex.started:
                 await ex.send_error(e)
+            elif ex.sse and not ex.finished:  # a stream opened early (kept alive): say it there
+                await ex.send_event(e.body())
+                await ex.end()
         except ClientGone:
             pass
 

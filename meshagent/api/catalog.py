@@ -82,6 +82,15 @@ class Catalog:
         self.loads = loads
         self.started_at = int(time.time())
 
+    def must_load(self, name: str) -> bool:
+        """A catalogued model no agent serves now, which a request would wait for."""
+        return (
+            self.loads is not None
+            and self.catalogued(name) is not None
+            and self.local(name) is None
+            and self.remote(name) is None
+        )
+
     def known(self, name: str) -> bool:
         """Whether the mesh has that model: served here or by a peer, or catalogued."""
         return bool(self.local(name) or self.remotes(name) or self.catalogued(name))
@@ -124,7 +133,7 @@ class Catalog:
         catalogued one the mesh loads for this request (`await_loaded`)."""
         if self.local(name) is not None or self.remote(name) is not None:
             return
-        if self.loads is not None and self.catalogued(name) is not None:
+        if self.must_load(name):
             await self.await_loaded(name)
             return
         bound = 0.0 if self.inflight.draining else self.directory.unserved_for_now(name)

@@ -36,6 +36,10 @@ _STOPPED = errors.unavailable(
     code="shutting_down",
 )
 
+# Seconds a stream waits for its model to load before it opens with keep-alive comments, and
+# between them.
+LOAD_KEEP_ALIVE = 5.0
+
 # The request's JSON and the bytes it came in (read within the request's meter).
 Body = Callable[[], Awaitable[tuple[object, bytes]]]
 Produce = Callable[[Events], Awaitable[None]]
@@ -57,9 +61,13 @@ class Completions:
         self.metrics = metrics
         self.router = router
 
-    async def complete(self, ex: Exchange, path: str, body: Body, deliver: Deliver) -> None:
+    async def complete(
+        self, ex: Exchange, path: str, body: Body, deliver: Deliver, *, sse: bool = False
+    ) -> None:
         """Answer the completion request `body` to the endpoint `path` (`prepare.KINDS`) with
-        `deliver`; an `ApiError` when it fails before any agent took it."""
+        `deliver`; an `ApiError` when it fails before any agent took it. `sse`: the protocol
+        streams server-sent events, so a stream that waits for its model to load opens early
+        and is kept alive with comments (`LOAD_KEEP_ALIVE`)."""
         meter = self.metrics.request()
         demanded: str | None = None  # the catalogued model this request is demand for
         keep_alive: float | None = None
@@ -75,7 +83,7 @@ class Completions:
                 if demanded is not None:
                     keep_alive = _keep_alive(data)
                     loads.begin(demanded)
-            await self._route(ex, asked, meter, deliver)
+            await self._route(ex, asked, meter, deliver, sse=sse)
         except ApiError as e:
             meter.fail(e.status, e.message)
             raise
@@ -85,10 +93,13 @@ class Completions:
                 self.catalog.loads.end(demanded, meter.tokens, keep_alive)
 
     async def _route(
-        self, ex: Exchange, asked: Asked, meter: RequestMeter, deliver: Deliver
+        self, ex: Exchange, asked: Asked, meter: RequestMeter, deliver: Deliver, *, sse: bool
     ) -> None:
         name = asked.req.model
-        await self.catalog.await_served(name)
+        if sse and asked.req.stream and self.catalog.must_load(name):
+            await self._await_loaded_kept_alive(ex, name)
+        else:
+            await self.catalog.await_served(name)
         remotes = {r.peer_id: r for r in self.catalog.remotes(name)}
         local = [HERE] if self.catalog.local(name) is not None else []
         if not remotes:
@@ -105,6 +116,32 @@ class Completions:
                 await self._here(ex, asked, meter, deliver)
             else:
                 await self._elsewhere(ex, asked, remotes[route.peer], meter, deliver)
+
+    async def _await_loaded_kept_alive(self, ex: Exchange, name: str) -> None:
+        """Wait for `name` to load as `await_served` does; past `LOAD_KEEP_ALIVE` s the stream
+        opens (without the receipt headers: who serves it is not known yet) and an SSE
+        comment says so every as many seconds, so that no client or proxy gives up on a
+        silent connection. An error then comes as an event (`OpenAIApp`)."""
+        async with trio.open_nursery() as nursery:
+
+            async def comments() -> None:
+                await trio.sleep(LOAD_KEEP_ALIVE)
+                if not ex.started:
+                    await ex.start_sse()
+                while True:
+                    await ex.send_comment(f"loading {name}")
+                    await trio.sleep(LOAD_KEEP_ALIVE)
+
+            nursery.start_soon(comments)
+            error: ApiError | None = None
+            try:
+                await self.catalog.await_served(name)
+            except ApiError as e:  # raised from here, not in an exception group
+                error = e
+            finally:
+                nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
 
     async def _here(
         self, ex: Exchange, asked: Asked, meter: RequestMeter, deliver: Deliver

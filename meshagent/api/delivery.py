@@ -24,6 +24,7 @@ async def deliver(ex: Exchange, completion: Completion) -> None:
 
 async def _stream(ex: Exchange, completion: Completion, opened: Opened, reply: Reply) -> None:
     dones: dict[int, Finished] = {}
+    begun = False
     async for item in completion:
         if isinstance(item, Failed):
             if not ex.started:
@@ -32,8 +33,10 @@ async def _stream(ex: Exchange, completion: Completion, opened: Opened, reply: R
                 await ex.send_event(item.error.body())
                 await ex.end()
             return
-        if not ex.started:
-            await ex.start_sse(opened.receipt)
+        if not begun:
+            begun = True
+            if not ex.started:  # (a stream that waited for its model to load began already)
+                await ex.start_sse(opened.receipt)
             for opening in reply.opening():
                 await ex.send_event(opening)
             if opened.echo:

@@ -43,6 +43,7 @@ class Exchange:
         self.status: int | None = None  # what the response started with
         self.finished = False
         self.disconnected = False
+        self.sse = False  # the response is a stream of server-sent events
         self.raw_body = b""
 
     async def json_body(self) -> object:
@@ -90,7 +91,12 @@ class Exchange:
         await self.send_json(err.status, err.body(), err.headers())
 
     async def start_sse(self, headers: Headers | None = None) -> None:
+        self.sse = True
         await self._start(200, SSE_HEADERS + (headers or []))
+
+    async def send_comment(self, text: str) -> None:
+        """An SSE comment (clients skip it): keeps an idle stream's connection alive."""
+        await self._body(f": {text}\n\n".encode(), more=True)
 
     async def send_event(self, payload: object) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload)

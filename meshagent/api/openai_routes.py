@@ -37,7 +37,7 @@ class OpenAIRoutes:
         async def body() -> tuple[object, bytes]:
             return await ex.json_body(), ex.raw_body
 
-        await self.completions.complete(ex, ex.path, body, deliver)
+        await self.completions.complete(ex, ex.path, body, deliver, sse=True)
 
     async def _embeddings(self, ex: Exchange) -> None:
         req = parse_embedding(await ex.json_body())
