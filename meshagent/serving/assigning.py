@@ -29,7 +29,7 @@ from meshagent.placement import demand as demands
 from meshagent.placement.assignment import Assignment, assign, restrict
 from meshagent.placement.demand import DemandMeter
 from meshagent.placement.negotiation import plan_in_force
-from meshagent.placement.planner import PeerCapacity, Plan
+from meshagent.placement.planner import ModelCost, PeerCapacity, Plan
 from meshagent.placement.service import Snapshot, capacities, claims_for, takes_part
 from meshagent.serving.mesh_model import MeshModel
 from meshagent.serving.model_host import ModelHost
@@ -253,7 +253,7 @@ class Assigning:
         now = self._clock()
         views = self.gossip.snapshot()
         entries = self.catalog.entries()
-        models = {name: e.cost() for name, e in entries.items()}
+        models = {name: self._cost(name, e) for name, e in entries.items()}
         peers = capacities(views)
         eligible = {
             name: frozenset(
@@ -277,6 +277,13 @@ class Assigning:
         for model in self.host:
             model.placement.allowance = self._allowance(model.info.id, entries)
         return self.assignment
+
+    def _cost(self, name: str, entry: CatalogEntry) -> ModelCost:
+        """What the model costs to host: as this agent's placement of it knows it where it
+        takes part (a family split only once certified may split once a capability record
+        says so, `MeshModel._watch_certification`), else as its catalogue entry says."""
+        model = self.host.get(name)
+        return model.placement.cost if model is not None else entry.cost()
 
     def _allowance(
         self, model_id: str, entries: Mapping[str, CatalogEntry]

@@ -125,7 +125,8 @@ class Host:
 
 
 def _model(name: str) -> Any:
-    return SimpleNamespace(info=SimpleNamespace(id=name), placement=SimpleNamespace(allowance=None))
+    placement = SimpleNamespace(allowance=None, cost=_cost(name))
+    return SimpleNamespace(info=SimpleNamespace(id=name), placement=placement)
 
 
 def _assigning(host: Host, catalog: Catalog, gossip: Gossip, clock: list[float], **kw) -> Assigning:
