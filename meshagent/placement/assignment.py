@@ -30,6 +30,8 @@ Rules, in the order they run (docs/placement.md, "Many models: the assignment"):
    under `GROW_TO`, each one adding at least `MIN_REPLICA` of what they serve alone. Never
    by eviction; another model's spare replica gives way where it is `RECLAIM` times better
    than the best free peer (`_best_peer`).
+7. Fill: a pinned model served whole stays loaded on every peer taking part in it that can
+   still hold it whole (`_fill`); these replicas give way first.
 """
 
 from __future__ import annotations
@@ -562,6 +564,9 @@ class _Assigner:
         for m in order:
             if m in self.placing and not self.placing[m].split:
                 self._grow(m)
+        for m in order:
+            if m in self.pins and m in self.placing and not self.placing[m].split:
+                self._fill(m)
         return self._result()
 
     def _priority(self, m: str) -> tuple[bool, float, float, str]:
@@ -723,6 +728,18 @@ class _Assigner:
             self._take(pid, share)
             placing.shares[pid] = share
             serves += rate
+
+    def _fill(self, m: str) -> None:
+        """A pinned model served whole stays loaded on every peer taking part in it that
+        can hold it whole besides what is placed already (as `--model` always kept it): the
+        memory is free, and these replicas are the first to give way (`_place`)."""
+        placing = self.placing[m]
+        for p in self._peers_for(m):
+            if p.peer_id not in placing.shares:
+                share = self._whole_share(m, self.free[p.peer_id])
+                if share is not None:
+                    self._take(p.peer_id, share)
+                    placing.shares[p.peer_id] = share
 
     def _result(self) -> Assignment:
         placed = []

@@ -358,3 +358,18 @@ def test_a_peer_holding_the_file_goes_first_among_about_as_fast():
     far = run(models, [peer("a", 4, speed=200), peer("b", 4, speed=95)], {"m": steady(1)},
               holders={"m": frozenset({"b"})})  # fmt: skip
     assert peers_of(far, "m") == ("a",), "twice as fast: worth the download"
+
+
+def test_a_pinned_model_fills_the_peers_that_hold_it_and_those_replicas_give_way_first():
+    pinned, big = model("pinned", 1.0), model("big", 3.3)
+    peers = [peer(p, 4.0) for p in "abc"]
+    a = run([pinned, big], peers, {}, pins=frozenset({"pinned"}))
+    assert sorted(peers_of(a, "pinned")) == ["a", "b", "c"]  # free memory: kept loaded on all
+    assert a.get("big") is None
+    # `big` is asked for: one of the pinned model's replicas gives way to it, the rest stay.
+    b = run(
+        [pinned, big], peers, {"big": steady(5.0)}, pins=frozenset({"pinned"}), current=a.plans()
+    )
+    [host] = peers_of(b, "big")
+    assert sorted(peers_of(b, "pinned")) == sorted({"a", "b", "c"} - {host})
+    check_shares_fit(b, peers)
