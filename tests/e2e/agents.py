@@ -17,13 +17,15 @@ def status(agent: AgentProcess) -> dict:
 
 
 def wait_for(pred: Callable[[], object], timeout: float = 60.0) -> None:
-    """Poll `pred` until it is true; an agent not answering yet counts as not yet."""
+    """Poll `pred` until it is true; an agent not answering yet counts as not yet, and so does
+    a status without the model asked about (an agent takes part in a model once the mesh's
+    catalogue reached it)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             if pred():
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, KeyError):
             pass
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.1)

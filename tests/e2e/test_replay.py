@@ -185,7 +185,11 @@ class FourAgents:
         return _get(x, "/control/status")["placement"][self.model_id]
 
     def settled(self) -> bool:  # every agent routes the same split
-        views = [self.placement(x) for x in self.agents.values()]
+        # (an agent takes part in the model once the mesh's catalogue reached it)
+        placements = [_get(x, "/control/status")["placement"] for x in self.agents.values()]
+        if any(self.model_id not in p for p in placements):
+            return False
+        views = [p[self.model_id] for p in placements]
         return all(v["routable"] for v in views) and all(
             v["stages"] == views[0]["stages"] for v in views
         )
