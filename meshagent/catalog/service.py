@@ -11,7 +11,7 @@ at once when it changed, so that an add reaches every agent within a few round t
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +28,7 @@ from meshagent.gossip.errors import GossipError
 from meshagent.identity.keys import NodeIdentity
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.default import resolve_model
+from meshagent.waiting import first
 
 log = structlog.get_logger(__name__)
 
@@ -202,7 +203,7 @@ class Catalog:
                     gossip.spread_now()
                     published = self._published
             with trio.move_on_after(EXPIRE_EVERY):
-                await _first(partial(gossip.wait_changed, seen), partial(self.wait_changed, mine))
+                await first(partial(gossip.wait_changed, seen), partial(self.wait_changed, mine))
 
     # ----- the book, kept -----
 
@@ -238,15 +239,3 @@ class Catalog:
 
     def _now(self) -> int:
         return int(self._clock())
-
-
-async def _first(*waits: Callable[[], Awaitable[object]]) -> None:
-    """Wait until the first of `waits` returns."""
-    async with trio.open_nursery() as nursery:
-        for wait in waits:
-
-            async def one(wait: Callable[[], Awaitable[object]] = wait) -> None:
-                await wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(one)

@@ -33,6 +33,7 @@ from meshagent.placement.planner import ModelCost, PeerCapacity, Plan
 from meshagent.placement.service import Snapshot, capacities, claims_for, takes_part
 from meshagent.serving.mesh_model import MeshModel
 from meshagent.serving.model_host import ModelHost
+from meshagent.waiting import first
 
 log = structlog.get_logger(__name__)
 
@@ -179,7 +180,7 @@ class Assigning:
                 self.reassign()
                 self._publish()
                 with trio.move_on_after(TICK):
-                    await _first(
+                    await first(
                         partial(self.gossip.wait_changed, seen),
                         partial(self.catalog.wait_changed, cat),
                         self._poke.wait,
@@ -344,15 +345,3 @@ def _plans_in_force(views: Mapping[str, Any], models: Mapping[str, Any]) -> dict
         if winner is not None:
             out[name] = winner.plan
     return out
-
-
-async def _first(*waits: Callable[[], Awaitable[object]]) -> None:
-    """Until the first of `waits` returns."""
-    async with trio.open_nursery() as nursery:
-        for wait in waits:
-
-            async def one(wait: Callable[[], Awaitable[object]] = wait) -> None:
-                await wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(one)
