@@ -234,3 +234,22 @@ async def test_an_agent_without_models_seeds_an_empty_mesh_with_the_default(auto
         assert catalog.added == [""]  # the embedded default
         assert "default" in assigning.pins and "default" in host.models
         nursery.cancel_scope.cancel()
+
+
+async def test_pins_a_peer_gossips_out_of_shape_are_left_out(autojump_clock):
+    clock = [NOW]
+    host, catalog = Host(), Catalog("chat")
+    bad = {
+        "b": {PINS_KEY: "chat", TAKES_KEY: ["chat"]},  # not a list
+        "c": {PINS_KEY: [1, None, {"x": 1}, "nope"], TAKES_KEY: ["chat"]},  # not model names
+        "d": {PINS_KEY: ["x"] * 1000 + ["chat"], TAKES_KEY: ["chat"]},  # past the 32 read
+    }
+    gossip = Gossip("a", **bad)
+    gossip.update_local(extras={TAKES_KEY: ["chat"]})
+    assigning = _assigning(host, catalog, gossip, clock)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(assigning.run)
+        await trio.sleep(2)
+        assert "not requested" in _allowed(host.get("chat"), gossip)  # pinned by no one
+        assert not assigning.summary()[0]["pinned"]
+        nursery.cancel_scope.cancel()
