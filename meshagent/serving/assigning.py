@@ -39,9 +39,9 @@ log = structlog.get_logger(__name__)
 
 PINS_KEY = "pins"  # the models an agent pins, in the `extras` of its record
 MAX_PINS = 32
-# Seconds between assignments even when nothing changes: demand ages and keep_alive runs out
-# with the clock alone.
-TICK = 1.0
+# Seconds between assignments when nothing changes: demand ages with the clock alone (in
+# buckets of a minute, `demand.BUCKET_S`). A keep_alive that runs out wakes the loop at once.
+TICK = 5.0
 # Seconds a new agent listens for its mesh's catalogue before it seeds an empty one with the
 # embedded default.
 SEED_AFTER = 3.0
@@ -179,12 +179,23 @@ class Assigning:
                 self._follow()
                 self.reassign()
                 self._publish()
-                with trio.move_on_after(TICK):
+                with trio.move_on_after(self._next_wake()):
                     await first(
                         partial(self.gossip.wait_changed, seen),
                         partial(self.catalog.wait_changed, cat),
                         self._poke.wait,
                     )
+
+    def _next_wake(self) -> float:
+        """Seconds until the assignment is due with no change: `TICK`, or sooner where a
+        model's keep_alive runs out."""
+        now = self._clock()
+        ends = [
+            d.expires_at
+            for d in self._demand(self.gossip.snapshot(), now).values()
+            if not d.in_flight and now < d.expires_at < now + TICK
+        ]
+        return max(0.01, min(ends, default=now + TICK) - now + 0.01)
 
     async def _seed(self) -> None:
         """An agent started without a model: once it has listened for the mesh's catalogue,

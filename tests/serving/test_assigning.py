@@ -253,3 +253,23 @@ async def test_pins_a_peer_gossips_out_of_shape_are_left_out(autojump_clock):
         assert "not requested" in _allowed(host.get("chat"), gossip)  # pinned by no one
         assert not assigning.summary()[0]["pinned"]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_keep_alive_that_runs_out_between_ticks_unloads_on_time(autojump_clock):
+    host, catalog = Host(), Catalog("chat")
+    gossip = Gossip("a")
+    gossip.update_local(extras={TAKES_KEY: ["chat"]})
+    assigning = _assigning(host, catalog, gossip, [NOW])
+    assigning._clock = lambda: NOW + trio.current_time()  # the clock trio's time moves
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(assigning.run)
+        await trio.sleep(2)
+        chat = host.get("chat")
+        assigning.begin("chat")
+        await trio.sleep(0.1)
+        assigning.end("chat", tokens=40, keep_alive=2.5)
+        await trio.sleep(2.3)
+        assert isinstance(_allowed(chat, gossip), list)  # still wanted
+        await trio.sleep(0.3)  # past its keep_alive, well before the next tick
+        assert isinstance(_allowed(chat, gossip), str)
+        nursery.cancel_scope.cancel()
