@@ -323,13 +323,19 @@ def plan(
             f"{model.model_id} needs {need / 1e9:.2f} GB across the mesh ({what}), the mesh "
             f"offers {total / 1e9:.2f} GB: it needs {(need - total) / 1e9:.2f} GB more memory"
         )
-    # Enough in all, but no peer can take the last stage even of one layer.
     last = min(p.needs(model, n - 1, n, context_tokens) for p in ordered)
     most = max(_usable(p, headroom) for p in ordered)
+    if last > most:  # enough in all, but no peer can take the last stage even of one layer
+        raise PlanError(
+            f"{model.model_id}'s last stage needs at least {last / 1e9:.2f} GB on one peer "
+            f"(its output head, {what}), the largest offer is {most / 1e9:.2f} GB: give one "
+            "peer more memory"
+        )
+    # Enough in all by the sum, but the layers do not fall into the offers as they are.
     raise PlanError(
-        f"{model.model_id}'s last stage needs at least {last / 1e9:.2f} GB on one peer (its "
-        f"output head, {what}), the largest offer is {most / 1e9:.2f} GB: give one peer more "
-        "memory"
+        f"no split of {model.model_id} over {k} peers fits: it needs about {need / 1e9:.2f} GB "
+        f"across them ({what}), they offer {total / 1e9:.2f} GB, the largest "
+        f"{most / 1e9:.2f} GB: give the peers more memory"
     )
 
 

@@ -251,6 +251,12 @@ class PlacementService:
             )
         except PlanError as e:
             candidate, error = None, str(e)
+            alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD} | {me}
+            if winner is not None and set(winner.plan.peers) <= alive:
+                # A plan in force whose peers are all here: it is followed (loaded, then
+                # served) even where this agent's view of the offers finds no plan of its own.
+                log.debug("placement.no_plan_of_its_own", model=self.cost.model_id, why=error)
+                error = None
         if self._failed is not None and self._seen is not None and self._failed == self._seen[0]:
             error = self._load_error
         self._set_error(error)

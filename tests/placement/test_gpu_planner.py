@@ -176,3 +176,17 @@ def test_capacities_read_the_gpus_offer_and_speed_from_gossip():
     assert caps["cpu"].vram_bytes == 0 and caps["cpu"].vram_speed == 0.0
     # A device not measured yet is not planned on.
     assert caps["unmeasured"].vram_bytes == 0
+
+
+def test_no_plan_says_when_the_layers_do_not_fall_into_the_offers():
+    # Four layers of 0.3 GB on three peers of 0.5 GB: 1.5 GB in all is enough by the sum, and
+    # a last stage of one layer fits any peer, but no peer holds two layers: no split fits.
+    four = ModelCost("m", 4, (300_000_000,) * 4, 10_000_000, 10_000_000, 0, 1000)
+    peers = [PeerCapacity(f"p{i}", 500_000_000, 100.0) for i in range(3)]
+    try:
+        plan(four, peers, context_tokens=100, headroom=0.0)
+    except PlanError as e:
+        assert "no split of m over 3 peers fits" in str(e), str(e)
+        assert "last stage" not in str(e)
+    else:
+        raise AssertionError("planned four layers that do not fit")

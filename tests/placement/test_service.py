@@ -376,3 +376,23 @@ async def test_a_model_the_assignment_places_nowhere_is_stood_down_and_placed_ag
         digest = plan_digest(services[0].in_force.plan)
         assert sorted(pid for pid, d in loads if d == digest) == ["a", "b", "c"]
         nursery.cancel_scope.cancel()
+
+
+async def test_an_agent_that_finds_no_plan_of_its_own_follows_the_plan_in_force(autojump_clock):
+    # a's view of the offers (here: only itself) holds no plan; b's and c's hold a split over
+    # all three. a loads its part of their plan and reports no error meanwhile: a request
+    # waiting on a for the model waits for the load instead of failing with a's view.
+    world = World()
+    loads: list = []
+    async with trio.open_nursery() as nursery:
+        services = start_three(world, loads, nursery, load_s=5.0)
+        a = services[0]
+        a.allowance = lambda caps: [c for c in caps if c.peer_id == "a"]
+        world.bump()
+        await trio.sleep(4)  # the plan is in force; its parts are loading
+        assert a.in_force is not None and not a.routable
+        assert set(a.in_force.plan.peers) == {"a", "b", "c"}
+        assert a.error is None
+        await settle(services)
+        assert all(s.routable for s in services) and a.error is None
+        nursery.cancel_scope.cancel()
