@@ -11,8 +11,10 @@ service's own capacities of the model the same way).
 Rules, in the order they run (docs/placement.md, "Many models: the assignment"):
 1. Wanted: the pinned models, and those with a request in flight or whose keep_alive has not
    run out (`Demand.wanted`). The others are not placed, with the reason.
-2. Priority: pinned first, then tokens per second over the window (`WINDOW_S`), then
-   requests per second, then model id.
+2. Priority: pinned first, then those a request waits for now (in flight), then tokens per
+   second over the window (`WINDOW_S`), then requests per second, then model id. A model
+   only kept alive thus gives way to one asked for now, least recently used first, as
+   ollama unloads an idle model for the one a request needs.
 3. Keep (hysteresis): a model placed now keeps its peers while it is wanted, they take part
    in it and still hold it.
 4. Shrink: replicas go only once a model's demand has settled (the recent and the whole
@@ -24,7 +26,9 @@ Rules, in the order they run (docs/placement.md, "Many models: the assignment"):
    split over several peers (the planner's split) only when no peer could hold it whole even
    with nothing else loaded. When there is no room: other models' extra replicas give way
    first, then lower-priority models that are not pinned, least recently used first; what
-   turns out not to be in the way is put back.
+   turns out not to be in the way is put back. A model that would fit the mesh alone but
+   finds the memory held by models of higher priority is `crowded`: its requests wait for
+   them to go idle (`Assigning.why_not_placed`), they do not fail.
 6. Grow: a model served whole whose recent demand (`SHORT_S`) passes `GROW_AT` of what its
    replicas serve gets replicas on free memory, in one go, until they would serve it at
    under `GROW_TO`, each one adding at least `MIN_REPLICA` of what they serve alone. Never
@@ -91,6 +95,9 @@ class Assignment:
 
     placed: tuple[Placed, ...] = ()  # by model id
     not_placed: tuple[tuple[str, str], ...] = ()  # (model id, why), by model id
+    # Asked for now, not placed for memory that models of higher priority hold (each would
+    # fit alone): its requests wait for those to go idle.
+    crowded: tuple[str, ...] = ()
 
     def get(self, model_id: str) -> Placed | None:
         return next((p for p in self.placed if p.model_id == model_id), None)
@@ -259,6 +266,7 @@ class _Assigner:
         }
         self.placing: dict[str, _Placing] = {}
         self.reasons: dict[str, str] = {}
+        self.crowded: set[str] = set()
         self._scaled: dict[tuple[str, str], PeerCapacity] = {}
         self._ms: dict[tuple[str, str, _Share], float] = {}
         self._whole: dict[str, bool] = {}
@@ -569,9 +577,9 @@ class _Assigner:
                 self._fill(m)
         return self._result()
 
-    def _priority(self, m: str) -> tuple[bool, float, float, str]:
+    def _priority(self, m: str) -> tuple[bool, bool, float, float, str]:
         r = self.rates[m]
-        return (m not in self.pins, -r.window, -r.requests, m)
+        return (m not in self.pins, self.demand[m].in_flight == 0, -r.window, -r.requests, m)
 
     def _idle(self, m: str) -> str:
         d = self.demand[m]
@@ -676,12 +684,16 @@ class _Assigner:
                     self._hold(victim, was)
             elif victim not in self.placing:
                 used = _ago(self.now - self.demand[victim].last_used)
+                waits = self.demand[m].in_flight and not self.demand[victim].in_flight
                 self.reasons[victim] = (
-                    f"evicted for {m}, which is in more demand: the least recently used "
-                    f"model (last used {used} ago)"
+                    f"evicted for {m}, "
+                    + ("which a request waits for" if waits else "which is in more demand")
+                    + f": the least recently used model (last used {used} ago)"
                 )
         if m not in self.placing:  # (an eviction's reason stays: it says more)
             self.reasons.setdefault(m, self._crowded(m, why))
+            if self.demand[m].in_flight:
+                self.crowded.add(m)
 
     def _victims(self, m: str, order: list[str]) -> list[tuple[str, str | None]]:
         """What may give way to `m`, in turn: (model, peer) for an extra replica of any
@@ -778,7 +790,8 @@ class _Assigner:
                     ms = by_id[pid].stage_ms(model, 0, model.n_layers, self.ctx)
                     rate += 1000.0 / max(ms, 1e-9)
             placed.append(Placed(m, tuple(cut), p, rate))
-        return Assignment(tuple(placed), tuple(sorted(self.reasons.items())))
+        crowded = tuple(sorted(m for m in self.crowded if m not in self.placing))
+        return Assignment(tuple(placed), tuple(sorted(self.reasons.items())), crowded)
 
 
 def _pick(

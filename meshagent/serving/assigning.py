@@ -160,6 +160,11 @@ class Assigning:
         return out
 
     def why_not_placed(self, name: str) -> str | None:
+        """Why the mesh cannot place `name` now, for a request waiting on it to fail with;
+        None while it may yet be placed (a crowded model's requests wait for the models
+        holding the memory to go idle, `Assignment.crowded`)."""
+        if any(m.casefold() == name.casefold() for m in self.assignment.crowded):
+            return None
         return next(
             (why for m, why in self.assignment.not_placed if m.casefold() == name.casefold()),
             None,

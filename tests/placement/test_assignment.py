@@ -162,6 +162,38 @@ def test_the_least_recently_used_model_gives_way_to_one_in_more_demand():
     assert peers_of(quiet, "a") == ("p",) and peers_of(quiet, "b") == ("q",)
 
 
+def test_a_model_only_kept_alive_gives_way_to_one_a_request_waits_for():
+    # "a" served a lot and is kept alive, idle; "b" was asked for little, but a request for
+    # it is in flight now: "a" goes, as ollama unloads an idle model for a request.
+    models = [model("a", 2), model("b", 2)]
+    peers = [peer("p", 2.5)]
+    current = {"a": Plan("a", CTX, replicas=("p",))}
+    demand = {"a": steady(8, last_used=NOW - 30), "b": replace(steady(1), in_flight=1)}
+    a = run(models, peers, demand, current=current)
+    assert peers_of(a, "b") == ("p",) and a.get("a") is None
+    assert a.reason("a").startswith("evicted for b, which a request waits for")
+    assert a.crowded == ()
+
+
+def test_a_model_whose_memory_models_in_use_hold_is_crowded_and_waits():
+    # Both asked for now: "a", placed and busy, keeps its peer; "b" is crowded (it would fit
+    # alone), so its requests wait for "a" to go idle instead of failing.
+    models = [model("a", 2), model("b", 2), model("huge", 50)]
+    peers = [peer("p", 2.5)]
+    current = {"a": Plan("a", CTX, replicas=("p",))}
+    busy = {
+        "a": replace(steady(8), in_flight=1),
+        "b": replace(steady(1), in_flight=1),
+        "huge": replace(steady(1), in_flight=1),
+    }
+    a = run(models, peers, busy, current=current)
+    assert peers_of(a, "a") == ("p",) and a.get("b") is None
+    assert a.crowded == ("b",)  # not "huge": it fits nowhere, whatever goes idle
+    assert "no memory anywhere" in a.reason("b")
+    idle = run(models, peers, {**busy, "a": steady(8)}, current=current)
+    assert peers_of(idle, "b") == ("p",) and idle.crowded == ()
+
+
 def test_a_placed_model_stays_where_it_is_when_a_faster_peer_is_free():
     models = [model("m", 1)]
     peers = [peer("slow", 2, speed=50), peer("fast", 2, speed=500)]

@@ -273,3 +273,14 @@ async def test_a_keep_alive_that_runs_out_between_ticks_unloads_on_time(autojump
         await trio.sleep(0.3)  # past its keep_alive, well before the next tick
         assert isinstance(_allowed(chat, gossip), str)
         nursery.cancel_scope.cancel()
+
+
+def test_a_crowded_model_keeps_its_requests_waiting():
+    from meshagent.placement.assignment import Assignment
+
+    assigning = _assigning(Host(), Catalog("chat"), Gossip("a"), [NOW])
+    why = "no memory anywhere: needs 2.0 GB on one peer, the largest free offer is 0.5 GB"
+    assigning.assignment = Assignment(not_placed=(("chat", why),))
+    assert assigning.why_not_placed("CHAT") == why  # a request fails with it
+    assigning.assignment = Assignment(not_placed=(("chat", why),), crowded=("chat",))
+    assert assigning.why_not_placed("chat") is None  # it waits for memory to free
