@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per phase")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("bench/results/many_models.json"))
+    ap.add_argument("--keep", type=Path, help="run in this folder and keep it (agents' logs)")
     args = ap.parse_args()
     coder = Path(
         subprocess.run(
@@ -154,7 +155,8 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="meshagent-many-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        root = Path(tmp)
+        root = Path(tmp) if args.keep is None else args.keep
+        root.mkdir(parents=True, exist_ok=True)
         tiny = write_tiny_model(root / "tiny-random.gguf", "llama", seed=11)
         smol = default_model_path()
         files = {"tiny-random": tiny, smol.stem: smol, coder.stem: coder}

@@ -26,7 +26,8 @@ Rules, in the order they run (docs/placement.md, "Many models: the assignment"):
    split over several peers (the planner's split) only when no peer could hold it whole even
    with nothing else loaded. When there is no room: other models' extra replicas give way
    first, then lower-priority models that are not pinned, least recently used first; what
-   turns out not to be in the way is put back. A model that would fit the mesh alone but
+   turns out not to be in the way is put back. Only a pinned model or one a request waits
+   for moves others aside: one only kept alive comes back on free memory alone. A model that would fit the mesh alone but
    finds the memory held by models of higher priority is `crowded`: its requests wait for
    them to go idle (`Assigning.why_not_placed`), they do not fail.
 6. Grow: a model served whole whose recent demand (`SHORT_S`) passes `GROW_AT` of what its
@@ -657,6 +658,11 @@ class _Assigner:
         said = None if self._fits_one_peer(m) else self._planner_says(m)
         if said is not None:  # it fits nowhere, even with nothing else loaded
             self.reasons[m] = said
+            return
+        if m not in self.pins and not self.demand[m].in_flight:
+            # Only kept alive (no request waits for it): it comes back on free memory, never
+            # by moving another aside (two models would take turns on every request).
+            self.reasons.setdefault(m, self._crowded(m, why))
             return
         moved: list[tuple[str, _Placing]] = []
         for victim, pid in self._victims(m, order):

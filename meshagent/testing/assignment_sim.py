@@ -2,8 +2,10 @@
 every step, load times, tokens served; and an offline optimum on the same trace.
 
 In process, deterministic, on a simulated clock (every `step_s` seconds). Each step:
-1. every agent's `DemandMeter` records the requests that reached its API in the step before
-   (the trace's tokens per second of each model, spread over the agents);
+1. every agent's `DemandMeter` records the end of the requests of the step before, with
+   their tokens, and the beginning of this step's (the trace's tokens per second of each
+   model, spread over the agents): a model in demand has requests in flight while the
+   agents assign, as a request waits on its model in the mesh;
 2. each agent gossips its meter (`demand.to_cbor`, through CBOR bytes), every agent decodes
    every peer's form (`demand.from_cbor`) and sums them (`demand.merge`) in an order of its
    own, and computes the assignment (`assignment.assign`) with the peers and models in an
@@ -573,7 +575,8 @@ def run_online(
     for k in range(trace.steps):
         now = k * trace.step_s
         if k > 0:
-            _record(meters, by_id, trace, k - 1, now)
+            _end(meters, by_id, trace, k - 1, now)
+        _begin(meters, by_id, trace, k, now)  # in flight while the agents assign
         forms = []
         for pid in sorted(meters):
             wire = cbor2.dumps(meters[pid].to_cbor(now=now))
@@ -623,27 +626,46 @@ def run_online(
     return result
 
 
-def _record(
+def _requests(
+    meters: Mapping[str, DemandMeter], models: Mapping[str, SimModel], trace: Trace, k: int
+) -> list[tuple[DemandMeter, str, int]]:
+    """The requests of step `k`: (the agent's meter whose API takes it, round robin from a
+    place of the model's own; model; tokens)."""
+    agents = sorted(meters)
+    out = []
+    for i, m in enumerate(sorted(models)):
+        tokens = round(trace.rates[m][k] * trace.step_s)
+        if tokens <= 0:
+            continue
+        n = max(1, round(tokens / models[m].request_tokens))
+        for j in range(n):
+            meter = meters[agents[(k * 7 + i * 5 + j) % len(agents)]]
+            out.append((meter, m, tokens // n + (1 if j < tokens % n else 0)))
+    return out
+
+
+def _begin(
     meters: Mapping[str, DemandMeter],
     models: Mapping[str, SimModel],
     trace: Trace,
     k: int,
     now: float,
 ) -> None:
-    """The requests of step `k` reach the agents' APIs (round robin from a place of the
-    model's own) and end at `now`."""
-    agents = sorted(meters)
-    for i, m in enumerate(sorted(models)):
-        tokens = round(trace.rates[m][k] * trace.step_s)
-        if tokens <= 0:
-            continue
-        spec = models[m]
-        n = max(1, round(tokens / spec.request_tokens))
-        for j in range(n):
-            meter = meters[agents[(k * 7 + i * 5 + j) % len(agents)]]
-            meter.begin(m, now=now - trace.step_s / 2)
-            share = tokens // n + (1 if j < tokens % n else 0)
-            meter.end(m, now=now, tokens=share, keep_alive=spec.keep_alive)
+    """The requests of step `k` reach the agents' APIs as it begins (at `now`)."""
+    for meter, m, _ in _requests(meters, models, trace, k):
+        meter.begin(m, now=now)
+
+
+def _end(
+    meters: Mapping[str, DemandMeter],
+    models: Mapping[str, SimModel],
+    trace: Trace,
+    k: int,
+    now: float,
+) -> None:
+    """The requests of step `k` end at `now`, having cost their tokens."""
+    for meter, m, tokens in _requests(meters, models, trace, k):
+        meter.end(m, now=now, tokens=tokens, keep_alive=models[m].keep_alive)
 
 
 def _check_memory(placed: Mapping[str, Placed], peers: Mapping[str, SimPeer]) -> None:

@@ -139,26 +139,32 @@ def test_a_model_too_big_for_any_peer_is_split_over_shares_that_fit():
     assert plan(models[0], list(big.peers), context_tokens=CTX).split
 
 
-def test_the_least_recently_used_model_gives_way_to_one_in_more_demand():
+def test_the_least_recently_used_model_gives_way_to_one_a_request_waits_for():
     models = [model("a", 2), model("b", 2), model("c", 2)]
     peers = [peer("p", 2.5), peer("q", 2.5)]
     current = {"a": Plan("a", CTX, replicas=("p",)), "b": Plan("b", CTX, replicas=("q",))}
     demand = {
         "a": steady(2, last_used=NOW - 100),
         "b": steady(3, last_used=NOW - 10),
-        "c": steady(8),
+        "c": replace(steady(8), in_flight=1),
     }
     a = run(models, peers, demand, current=current)
     assert peers_of(a, "c") == ("p",)
     assert peers_of(a, "b") == ("q",)
-    assert a.reason("a").startswith("evicted for c, which is in more demand")
+    assert a.reason("a").startswith("evicted for c, which a request waits for")
     # Pinned, "a" stays: the next least recently used goes.
     pinned = run(models, peers, demand, current=current, pins=frozenset({"a"}))
     assert peers_of(pinned, "a") == ("p",) and peers_of(pinned, "c") == ("q",)
     assert pinned.get("b") is None
-    # In less demand than both, "c" waits, and says why.
-    quiet = run(models, peers, {**demand, "c": steady(1)}, current=current)
-    assert quiet.get("c") is None and "no memory anywhere" in quiet.reason("c")
+    # Only kept alive (no request waits for it), "c" moves nothing aside: it waits for free
+    # memory, and says why.
+    kept = run(models, peers, {**demand, "c": steady(8)}, current=current)
+    assert kept.get("c") is None and "no memory anywhere" in kept.reason("c")
+    assert peers_of(kept, "a") == ("p",) and peers_of(kept, "b") == ("q",)
+    # With requests in flight for all three, the one in least demand waits, crowded.
+    busy = {m: replace(d, in_flight=1) for m, d in {**demand, "c": steady(1)}.items()}
+    quiet = run(models, peers, busy, current=current)
+    assert quiet.get("c") is None and quiet.crowded == ("c",)
     assert peers_of(quiet, "a") == ("p",) and peers_of(quiet, "b") == ("q",)
 
 
