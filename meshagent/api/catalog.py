@@ -56,6 +56,12 @@ class Loads(Protocol):
         """Why the mesh places the model nowhere now (no memory for it, say), if so."""
         ...
 
+    def may_yet_place(self, name: str) -> bool:
+        """Whether the mesh may yet place the model whatever it says now: peers are still
+        taking it up (hashing its file), or models in use hold its memory until they go
+        idle. A request waits on then, within its load timeout."""
+        ...
+
     def expires_at(self, name: str) -> float | None:
         """When the model unloads (unix time; inf: never, pinned or keep_alive < 0), as the
         mesh's demand says; None when it does not say."""
@@ -170,7 +176,8 @@ class Catalog:
         timeout = self.loads.load_timeout
         with trio.move_on_after(timeout):
             while self.local(name) is None and self.remote(name) is None:
-                if trio.current_time() - began >= LOAD_SETTLE:
+                settled = trio.current_time() - began >= LOAD_SETTLE
+                if settled and not self.loads.may_yet_place(name):
                     why = self.loads.why_not_placed(name) or self.directory.why_unserved(name)
                     if why is not None:
                         raise errors.unavailable(

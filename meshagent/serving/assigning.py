@@ -45,6 +45,9 @@ TICK = 5.0
 # Seconds a new agent listens for its mesh's catalogue before it seeds an empty one with the
 # embedded default.
 SEED_AFTER = 3.0
+# Seconds after a model is catalogued during which peers may still be taking it up (hashing
+# its file): a request for it waits for them rather than fail on the mesh as it looks.
+TAKE_UP = 60.0
 NOT_CATALOGUED = "not in the mesh's catalogue (meshagent models add)"
 
 
@@ -97,6 +100,7 @@ class Assigning:
         self._heard_catalogue = False  # past the start: a model not catalogued is not placed
         self._cannot: dict[tuple[str, str], str] = {}  # (name, sha256) -> why not here
         self._obtaining: set[str] = set()
+        self._seen_at: dict[str, float] = {}  # when each catalogued model was first seen
         self._poke = trio.Event()  # set when local demand changes
         self._published: tuple[Any, Any] | None = None
         self._nursery: trio.Nursery | None = None
@@ -160,14 +164,26 @@ class Assigning:
         return out
 
     def why_not_placed(self, name: str) -> str | None:
-        """Why the mesh cannot place `name` now, for a request waiting on it to fail with;
-        None while it may yet be placed (a crowded model's requests wait for the models
-        holding the memory to go idle, `Assignment.crowded`)."""
-        if any(m.casefold() == name.casefold() for m in self.assignment.crowded):
-            return None
         return next(
             (why for m, why in self.assignment.not_placed if m.casefold() == name.casefold()),
             None,
+        )
+
+    def may_yet_place(self, name: str) -> bool:
+        """A crowded model (`Assignment.crowded`: models in use hold its memory until they go
+        idle), or one still being taken up: this agent is obtaining it, or it was catalogued
+        under `TAKE_UP` ago and some alive peer does not take part in it yet (a peer hashes
+        the file first; till then the mesh looks smaller than it is)."""
+        key = name.casefold()
+        if any(m.casefold() == key for m in self.assignment.crowded) or key in self._obtaining:
+            return True
+        seen = self._seen_at.get(key)
+        if seen is None or self._clock() - seen >= TAKE_UP:
+            return False
+        entry = next((n for n in self.catalog.entries() if n.casefold() == key), name)
+        views = self.gossip.snapshot()
+        return any(
+            v.state != PeerState.DEAD and not takes_part(v.record, entry) for v in views.values()
         )
 
     # ----- the loop -----
@@ -224,6 +240,8 @@ class Assigning:
     def _follow(self) -> None:
         """Take part in each catalogued model this agent can have; none that was removed."""
         live = self.catalog.entries()
+        for name in live:
+            self._seen_at.setdefault(name.casefold(), self._clock())
         for name, entry in live.items():
             if self.host.get(name) is not None or name.casefold() in self._obtaining:
                 continue

@@ -38,6 +38,7 @@ class Loads:
         self.began: list[str] = []
         self.ended: list[tuple[str, int, float | None]] = []
         self.why: str | None = None
+        self.waiting = False
 
     def begin(self, model_id: str) -> None:
         self.began.append(model_id)
@@ -47,6 +48,9 @@ class Loads:
 
     def why_not_placed(self, name: str) -> str | None:
         return self.why
+
+    def may_yet_place(self, name: str) -> bool:
+        return self.waiting
 
     def expires_at(self, name: str) -> float | None:
         return None
@@ -123,3 +127,25 @@ async def test_a_model_that_does_not_load_in_time_is_a_503_and_a_bad_keep_alive_
         r = await client.post(f"{url}/v1/completions", json={**body, "keep_alive": [1]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
     assert loads.began == [model.info.id]  # the refused request was never demand
+
+
+async def test_a_request_waits_past_a_reason_while_the_mesh_may_yet_place_its_model(
+    nursery, monkeypatch
+):
+    # Peers still taking the model up (or busy models holding its memory): the reason the
+    # mesh gives now is not believed, the request waits and is answered once it loads.
+    monkeypatch.setattr(api_catalog, "LOAD_SETTLE", 0.2)
+    loads = Loads()
+    loads.why = "needs 1.14 GB across the mesh, the mesh offers 0.81 GB"
+    loads.waiting = True
+    model, directory, url = await _setup(nursery, loads)
+
+    async def loaded() -> None:
+        await trio.sleep(1.0)
+        directory.local = [model]
+
+    nursery.start_soon(loaded)
+    body = {"model": model.info.id, "prompt": "alpha", "max_tokens": 4}
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text

@@ -275,12 +275,26 @@ async def test_a_keep_alive_that_runs_out_between_ticks_unloads_on_time(autojump
         nursery.cancel_scope.cancel()
 
 
-def test_a_crowded_model_keeps_its_requests_waiting():
+def test_a_crowded_model_or_one_peers_still_take_up_keeps_its_requests_waiting():
     from meshagent.placement.assignment import Assignment
 
-    assigning = _assigning(Host(), Catalog("chat"), Gossip("a"), [NOW])
+    clock = [NOW]
+    gossip = Gossip("a", b={TAKES_KEY: []})
+    gossip.update_local(extras={TAKES_KEY: ["chat"]})
+    assigning = _assigning(Host(), Catalog("chat"), gossip, clock)
+    assigning._seen_at["chat"] = NOW  # catalogued now: b may be hashing its file
+    assert assigning.may_yet_place("CHAT")
+    clock[0] += 61  # b had time enough: it does not take part
+    assert not assigning.may_yet_place("chat")
     why = "no memory anywhere: needs 2.0 GB on one peer, the largest free offer is 0.5 GB"
     assigning.assignment = Assignment(not_placed=(("chat", why),))
     assert assigning.why_not_placed("CHAT") == why  # a request fails with it
     assigning.assignment = Assignment(not_placed=(("chat", why),), crowded=("chat",))
-    assert assigning.why_not_placed("chat") is None  # it waits for memory to free
+    assert assigning.may_yet_place("chat")  # it waits for memory to free
+    assigning.assignment = Assignment(not_placed=(("chat", why),))
+    clock[0] = NOW + 1
+    b = gossip.views["b"]
+    gossip.views["b"] = SimpleNamespace(
+        state=b.state, record=replace(b.record, extras={TAKES_KEY: ["chat"]})
+    )
+    assert not assigning.may_yet_place("chat")  # every peer takes part: nothing to wait for
