@@ -46,6 +46,7 @@ from meshagent.models.artifacts import ArtifactStore, SliceManifest
 from meshagent.models.capability import CapabilityStore
 from meshagent.models.default import local_file, resolve_model
 from meshagent.models.layout import inspect_model
+from meshagent.models.names import HubName, parse_model_name
 from meshagent.net.budgets import StreamBudgets
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
@@ -119,6 +120,7 @@ class Services:
             api_url=api_url,
             joined=join is not None,
             catalog=Catalog(identity, data_dir.catalog_path, store),
+            models_dir=data_dir.models_path,
         )
 
     def __init__(
@@ -132,8 +134,10 @@ class Services:
         api_url: str,
         joined: bool = False,
         catalog: Catalog,
+        models_dir: Path | None = None,
     ) -> None:
         self.config = config
+        self.models_dir = models_dir  # partial copies of hub models (their headers) go here
         self.joined = joined  # started with an invite
         self.catalog = catalog  # the mesh's catalogue of models
         self.alone_note: str | None = None  # said when told where the mesh is, but alone
@@ -273,9 +277,12 @@ class Services:
         )
 
     async def _obtain(self, entry: CatalogEntry) -> MeshModel | None:
-        """This agent's part in a catalogued model whose file it has (the embedded default,
-        a path here, a hub model in its cache) with the entry's sha256; None otherwise."""
+        """This agent's part in a catalogued model, with the entry's sha256: from its file
+        here (the embedded default, a path here, a hub model in its cache), or for a hub
+        model not here, from its header alone (`_header_of`); None: it cannot have it."""
         path = await trio.to_thread.run_sync(local_file, entry.source)
+        if path is None:
+            path = await self._header_of(entry)
         if path is None:
             return None
         sha = await trio.to_thread.run_sync(self.store.source_sha256, path)
@@ -286,6 +293,30 @@ class Services:
         model = self._mesh_model(ModelFiles(path, layout, info, self.store))
         model.placement.source_sha256 = sha
         return model
+
+    async def _header_of(self, entry: CatalogEntry) -> Path | None:
+        """A hub model this agent has no file of: its header alone, downloaded from the hub
+        into a partial copy (`models/hub.py`, `model_for_agent`), as an agent too small for a
+        model it is started with does. The layers a plan gives this agent come later, from
+        peers that hold them first, the hub last (`serving/obtain.py`); the whole file only
+        where it serves the model whole. None for a catalogued path not on this machine."""
+        if self.models_dir is None or not entry.source:
+            return None
+        try:
+            name = parse_model_name(entry.source)
+        except ModelError:
+            return None
+        if not isinstance(name, HubName):
+            return None
+        from meshagent.models.hub import model_for_agent  # huggingface_hub, for names only
+
+        fetch = partial(model_for_agent, name, self.models_dir, 0)
+        try:
+            path = await trio.to_thread.run_sync(fetch)
+        except (MeshError, OSError) as e:
+            raise ModelError(f"could not download the header of {entry.source}: {e}") from e
+        log.info("catalog.header_fetched", model=entry.name, source=entry.source, path=str(path))
+        return path
 
     async def _catalogue_own(self) -> None:
         """The models this agent was started with go into the mesh's catalogue (their files

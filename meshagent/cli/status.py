@@ -103,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
             f"off a busy one; {routing['remembered']} remembered"
         )
     for m in st.get("assignment") or []:
-        if m["placed"]:
+        if m.get("loading"):
+            where = f"loading: {m['loading']}"
+        elif m["placed"]:
             where = f"placed on {', '.join(x[:12] for x in m['peers'])}"
         else:
             where = f"not placed: {m['why_not'] or 'being decided'}"

@@ -151,6 +151,7 @@ class Assigning:
                     "placed": placed is not None,
                     "peers": list(placed.peer_ids) if placed else [],
                     "why_not": None if placed else self.assignment.reason(name),
+                    "loading": self._loading(name) if placed else None,
                     "pinned": name.casefold() in pins,
                     "here": self.host.get(name) is not None,
                     "in_flight": d.in_flight,
@@ -162,6 +163,24 @@ class Assigning:
                 }
             )
         return out
+
+    def _loading(self, name: str) -> str | None:
+        """While `name` is placed and not served yet: what this agent downloads for it (how
+        much of which artifact, from where) and which peers still load their part."""
+        model = self.host.get(name)
+        placement = getattr(model, "placement", None)
+        in_force = getattr(placement, "in_force", None)
+        if in_force is None or placement.routable:
+            return None
+        said = []
+        source = getattr(model, "source", None)
+        for f in source.downloads() if source is not None else []:
+            done = f"{100 * f['done_bytes'] // f['total_bytes']}%" if f["total_bytes"] else "0%"
+            said.append(f"{done} of {f['key']} from {f['source']}")
+        waiting = [p[:12] for p in in_force.plan.peers if p not in placement.ready]
+        if waiting:
+            said.append(f"waiting for {', '.join(waiting)} to load")
+        return "; ".join(said) or "loading"
 
     def why_not_placed(self, name: str) -> str | None:
         return next(

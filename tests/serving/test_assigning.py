@@ -298,3 +298,32 @@ def test_a_crowded_model_or_one_peers_still_take_up_keeps_its_requests_waiting()
         state=b.state, record=replace(b.record, extras={TAKES_KEY: ["chat"]})
     )
     assert not assigning.may_yet_place("chat")  # every peer takes part: nothing to wait for
+
+
+def test_the_summary_says_what_a_placed_model_still_loads():
+    from meshagent.placement.assignment import Assignment, Placed
+    from meshagent.placement.planner import PeerCapacity, Plan
+
+    host = Host()
+    model = _model("chat")
+    plan = Plan("chat", 1000, replicas=("a", "bbbbbbbbbbbbbbbbbbbb"))
+    model.placement.routable, model.placement.ready = False, ("a",)
+    model.placement.in_force = SimpleNamespace(plan=plan)
+    fetch = {
+        "key": "0123abcd-layers-0-15",
+        "source": "peer b",
+        "done_bytes": 42,
+        "total_bytes": 100,
+    }
+    model.source = SimpleNamespace(downloads=lambda: [fetch])
+    host.add(model)
+    assigning = _assigning(host, Catalog("chat"), Gossip("a"), [NOW])
+    assigning.assignment = Assignment(
+        placed=(Placed("chat", (PeerCapacity("a", GB, 1.0),), plan, 1.0),)
+    )
+    [m] = assigning.summary()
+    assert m["loading"] == (
+        "42% of 0123abcd-layers-0-15 from peer b; waiting for bbbbbbbbbbbb to load"
+    )
+    model.placement.routable = True
+    assert assigning.summary()[0]["loading"] is None
