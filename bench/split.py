@@ -110,12 +110,18 @@ def wait_routable(agents, model: str, timeout: float = 180) -> None:
 
 
 def start_split(
-    root: Path, agents: contextlib.ExitStack, model: str, flags: list[str], first: list[str] = ()
+    root: Path,
+    agents: contextlib.ExitStack,
+    model: str,
+    flags: list[str],
+    first: list[str] = (),
+    launcher: list[str] = (),
 ) -> tuple[AgentProcess, list, list[AgentProcess]]:
     """Three agents with `flags` (the first also `first`) in one mesh, stopped with `agents`;
     once the model is routable, the split's entry, its stages and the three agents in the
-    stages' order (which agent holds which stage follows from their random identities)."""
-    a = start_agent(root / "a", *flags, *first, wait_model=False)
+    stages' order (which agent holds which stage follows from their random identities).
+    `launcher`: as `start_agent` takes it."""
+    a = start_agent(root / "a", *flags, *first, wait_model=False, launcher=launcher)
     agents.callback(a.stop)
     token = subprocess.run(
         [sys.executable, "-m", "meshagent", "invite", "--data-dir", str(root / "a")],
@@ -125,7 +131,9 @@ def start_split(
     ).stdout.strip()
     split = [a]
     for name in ("b", "c"):
-        split.append(start_agent(root / name, *flags, "--join", token, wait_model=False))
+        split.append(
+            start_agent(root / name, *flags, "--join", token, wait_model=False, launcher=launcher)
+        )
         agents.callback(split[-1].stop)
     wait_routable(split, model)
     stages = httpx.get(f"{a.url}/control/status").json()["placement"][model]["stages"]

@@ -48,14 +48,17 @@ def start_agent(
     wait_model: bool = True,
     env: Mapping[str, str] | None = None,
     stdin: str | None = None,
+    launcher: Sequence[str] = (),
 ) -> AgentProcess:
     """Run `meshagent up` with `data_dir` on free loopback ports; return once /health answers
     (and, with `wait_model`, once the API lists a model some agent serves). `env` adds to the
-    environment; `stdin` is written to the agent's standard input (`--join -`)."""
+    environment; `stdin` is written to the agent's standard input (`--join -`); `launcher`
+    replaces `python -m meshagent` (a script that runs the CLI, `bench/profiled_agent.py`)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     run_file = data_dir / "agent.json"
     run_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "meshagent", "up", "--api-port", "0", "--data-dir", str(data_dir)]
+    cli = list(launcher) or [sys.executable, "-m", "meshagent"]
+    cmd = [*cli, "up", "--api-port", "0", "--data-dir", str(data_dir)]
     if "--listen" not in args:
         cmd += ["--listen", "127.0.0.1:0"]
     log = open(data_dir / "agent.log", "wb")  # noqa: SIM115 - the child owns it
