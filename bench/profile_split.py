@@ -3,7 +3,7 @@ them, each under `bench/profiled_agent.py`, their main threads profiled over an 
 over a phase of requests. Prints, for each agent in the stages' order, its event loop's CPU
 per second idle, per token, and per token net of what the same seconds cost idle (the token
 path's own share), then the functions that took most of that agent's token phase. The
-profiles stay in `--keep` (pstats files, `<pid>.1.prof` idle and `<pid>.2.prof` tokens) for
+profiles stay in `--keep` (pstats files, `<pid>.1.prof` the requests, `<pid>.2.prof` idle) for
 comparing trees: `python -m pstats FILE`. Writes JSON.
 
     .venv/bin/python bench/profile_split.py [--requests 3] [--max-tokens 128] [--keep DIR]
@@ -48,6 +48,8 @@ def phase(agents, run) -> tuple[float, list[float]]:
 
 def top(path: Path, n: int) -> list[tuple[str, int, float]]:
     """The `n` functions with the most time of their own: (name, calls, seconds)."""
+    if not path.exists():
+        return [("(no profile written)", 0, 0.0)]
     stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
     rows = []
     for (file, line, name), (_, calls, own, _, _) in stats.items():
@@ -62,7 +64,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--idle", type=float, default=15.0, help="seconds of the idle phase")
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--keep", type=Path, help="write the profiles here (default: a temp dir)")
+    ap.add_argument(
+        "--keep", type=Path, help="write the profiles and agents' logs here (default: a temp dir)"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/profile_split.json"))
     args = ap.parse_args()
     with (
@@ -73,12 +77,12 @@ def main() -> None:
         profiles.mkdir(parents=True, exist_ok=True)
         os.environ["MESHAGENT_PROFILE_DIR"] = str(profiles)
         launcher = [sys.executable, str(HERE / "profiled_agent.py")]
+        root = Path(tmp) if args.keep is None else args.keep / "agents"
         entry, _, agents = start_split(
-            Path(tmp), stack, MODEL, SMALL, ["--wire-dtype", "f16"], launcher=launcher
+            root, stack, MODEL, SMALL, ["--wire-dtype", "f16"], launcher=launcher
         )
         trio.run(measure, entry.url, MODEL, 8, 1)  # warm up
         time.sleep(2)
-        idle_s, idle_cpu = phase(agents, lambda: time.sleep(args.idle))
         tokens = args.requests * args.max_tokens
 
         def requests() -> None:
@@ -86,7 +90,13 @@ def main() -> None:
                 trio.run(measure, entry.url, MODEL, args.max_tokens, 1)
 
         busy_s, busy_cpu = phase(agents, requests)
-        time.sleep(1)  # the profiles are written
+        time.sleep(2)
+        idle_s, idle_cpu = phase(agents, lambda: time.sleep(args.idle))
+        wanted = [profiles / f"{a.proc.pid}.1.prof" for a in agents]
+        deadline = time.monotonic() + 30
+        while not all(w.exists() for w in wanted) and time.monotonic() < deadline:
+            time.sleep(0.2)  # each agent writes its profile from its event loop's thread
+        time.sleep(0.5)
         rows = []
         for i, a in enumerate(agents):
             per_s = idle_cpu[i] * 1000 / idle_s
@@ -98,7 +108,7 @@ def main() -> None:
                     "idle_ms_per_s": per_s,
                     "ms_per_token": per_token,
                     "net_ms_per_token": net,
-                    "top": top(profiles / f"{a.proc.pid}.2.prof", args.top),
+                    "top": top(profiles / f"{a.proc.pid}.1.prof", args.top),
                 }
             )
     print(f"{tokens} tokens in {busy_s:.1f} s ({tokens / busy_s:.1f} tok/s); idle {idle_s:.0f} s")
