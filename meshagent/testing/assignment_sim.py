@@ -574,9 +574,11 @@ def run_online(
     current: dict[str, Plan] = {}
     for k in range(trace.steps):
         now = k * trace.step_s
-        if k > 0:
-            _end(meters, by_id, trace, k - 1, now)
-        _begin(meters, by_id, trace, k, now)  # in flight while the agents assign
+        if k > 0:  # the requests of the step before end, having cost their tokens
+            for meter, m, tokens in _requests(meters, by_id, trace, k - 1):
+                meter.end(m, now=now, tokens=tokens, keep_alive=by_id[m].keep_alive)
+        for meter, m, _ in _requests(meters, by_id, trace, k):
+            meter.begin(m, now=now)  # this step's: in flight while the agents assign
         forms = []
         for pid in sorted(meters):
             wire = cbor2.dumps(meters[pid].to_cbor(now=now))
@@ -642,30 +644,6 @@ def _requests(
             meter = meters[agents[(k * 7 + i * 5 + j) % len(agents)]]
             out.append((meter, m, tokens // n + (1 if j < tokens % n else 0)))
     return out
-
-
-def _begin(
-    meters: Mapping[str, DemandMeter],
-    models: Mapping[str, SimModel],
-    trace: Trace,
-    k: int,
-    now: float,
-) -> None:
-    """The requests of step `k` reach the agents' APIs as it begins (at `now`)."""
-    for meter, m, _ in _requests(meters, models, trace, k):
-        meter.begin(m, now=now)
-
-
-def _end(
-    meters: Mapping[str, DemandMeter],
-    models: Mapping[str, SimModel],
-    trace: Trace,
-    k: int,
-    now: float,
-) -> None:
-    """The requests of step `k` end at `now`, having cost their tokens."""
-    for meter, m, tokens in _requests(meters, models, trace, k):
-        meter.end(m, now=now, tokens=tokens, keep_alive=models[m].keep_alive)
 
 
 def _check_memory(placed: Mapping[str, Placed], peers: Mapping[str, SimPeer]) -> None:
