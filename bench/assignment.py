@@ -25,9 +25,8 @@ from pathlib import Path
 
 import result_file
 
+from meshagent.testing.assignment_optimum import ceiling, optimum
 from meshagent.testing.assignment_sim import (
-    ceiling,
-    optimum,
     run_online,
     shifting_trace,
     team_mesh,

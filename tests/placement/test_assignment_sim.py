@@ -10,12 +10,11 @@ import pytest
 from meshagent.placement.assignment import Assignment
 from meshagent.placement.planner import Plan
 from meshagent.testing import assignment_sim as sim
+from meshagent.testing.assignment_optimum import ceiling, optimum
 from meshagent.testing.assignment_sim import (
     Part,
     Unit,
     World,
-    ceiling,
-    optimum,
     run_online,
     serve,
     shifting_trace,
