@@ -40,8 +40,9 @@ log = structlog.get_logger(__name__)
 PINS_KEY = "pins"  # the models an agent pins, in the `extras` of its record
 MAX_PINS = 32
 # Seconds between assignments when nothing changes: demand ages with the clock alone (in
-# buckets of a minute, `demand.BUCKET_S`). A keep_alive that runs out wakes the loop at once.
-TICK = 5.0
+# buckets of a minute, `demand.BUCKET_S`), and any request or gossiped change recomputes it
+# at once. A keep_alive that runs out wakes the loop at once.
+TICK = 30.0
 # Seconds a new agent listens for its mesh's catalogue before it seeds an empty one with the
 # embedded default.
 SEED_AFTER = 3.0
