@@ -29,7 +29,7 @@ Rules, in the order they run (docs/placement.md, "Many models: the assignment"):
    turns out not to be in the way is put back. Only a pinned model or one a request waits
    for moves others aside: one only kept alive comes back on free memory alone. A model
    that would fit the mesh alone but finds the memory held by models of higher priority is
-   `crowded`: its requests wait for them to go idle (`Assigning.why_not_placed`), they do
+   `crowded`: its requests wait for them to go idle (`Assigning.may_yet_place`), they do
    not fail.
 6. Grow: a model served whole whose recent demand (`SHORT_S`) passes `GROW_AT` of what its
    replicas serve gets replicas on free memory, in one go, until they would serve it at

@@ -240,6 +240,7 @@ class PlacementService:
             caps, self.placed = allowed, True
         claims = claims_for(self.cost.model_id, views, self.cost.n_layers)
         winner = plan_in_force(claims)
+        alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD} | {me}
         error = None
         try:
             candidate: Plan | None = plan(
@@ -251,7 +252,6 @@ class PlacementService:
             )
         except PlanError as e:
             candidate, error = None, str(e)
-            alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD} | {me}
             if winner is not None and set(winner.plan.peers) <= alive:
                 # A plan in force whose peers are all here: it is followed (loaded, then
                 # served) even where this agent's view of the offers finds no plan of its own.
@@ -293,10 +293,9 @@ class PlacementService:
                     self._loading, self._loaded = digest, None
                     self._loads.start_soon(self._load, digest, winner)
         self.in_force = winner
-        alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD}
         was = self.routable
-        self.routable = winner is not None and routable(winner, claims, alive | {me})
-        self.ready = serving_peers(winner, claims, alive | {me}) if winner is not None else ()
+        self.routable = winner is not None and routable(winner, claims, alive)
+        self.ready = serving_peers(winner, claims, alive) if winner is not None else ()
         if self.routable != was:
             log.info(
                 "placement.routable",

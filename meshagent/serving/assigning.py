@@ -169,13 +169,11 @@ class Assigning:
         """While `name` is placed and not served yet: what this agent downloads for it (how
         much of which artifact, from where) and which peers still load their part."""
         model = self.host.get(name)
-        placement = getattr(model, "placement", None)
-        in_force = getattr(placement, "in_force", None)
-        if in_force is None or placement.routable:
+        if model is None or model.placement.in_force is None or model.placement.routable:
             return None
+        placement, in_force = model.placement, model.placement.in_force
         said = []
-        source = getattr(model, "source", None)
-        for f in source.downloads() if source is not None else []:
+        for f in model.source.downloads():
             done = f"{100 * f['done_bytes'] // f['total_bytes']}%" if f["total_bytes"] else "0%"
             said.append(f"{done} of {f['key']} from {f['source']}")
         waiting = [p[:12] for p in in_force.plan.peers if p not in placement.ready]

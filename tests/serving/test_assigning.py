@@ -125,8 +125,11 @@ class Host:
 
 
 def _model(name: str) -> Any:
-    placement = SimpleNamespace(allowance=None, cost=_cost(name))
-    return SimpleNamespace(info=SimpleNamespace(id=name), placement=placement)
+    placement = SimpleNamespace(
+        allowance=None, cost=_cost(name), in_force=None, routable=False, ready=()
+    )
+    source = SimpleNamespace(downloads=lambda: [])
+    return SimpleNamespace(info=SimpleNamespace(id=name), placement=placement, source=source)
 
 
 def _assigning(host: Host, catalog: Catalog, gossip: Gossip, clock: list[float], **kw) -> Assigning:
