@@ -75,8 +75,9 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[dict[str, Any]], dict[str, f
 
 
 # What measures rather than what is measured: both sides run this tree's copy, so a figure
-# means the same on both (the modules are copied only where the base lacks them).
-INSTRUMENTS = ("bench", "net-sim")
+# means the same on both: the folders and `launch.py` (how benchmarks start agents) always, the
+# other modules only where the base lacks them.
+INSTRUMENTS = ("bench", "net-sim", "meshagent/launch.py")
 INSTRUMENT_MODULES = ("meshagent/sse_client.py",)
 
 
@@ -90,8 +91,11 @@ def checkout(base: str, where: Path) -> Path:
     )
     for so in (HERE / "meshagent" / "engine").glob("*.so"):
         shutil.copy2(so, where / "meshagent" / "engine" / so.name)
-    for folder in INSTRUMENTS:
-        shutil.copytree(HERE / folder, where / folder, dirs_exist_ok=True)
+    for path in INSTRUMENTS:
+        if (HERE / path).is_dir():
+            shutil.copytree(HERE / path, where / path, dirs_exist_ok=True)
+        else:
+            shutil.copy2(HERE / path, where / path)
     for module in INSTRUMENT_MODULES:
         if not (where / module).exists():
             shutil.copy2(HERE / module, where / module)
