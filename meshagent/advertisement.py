@@ -18,14 +18,12 @@ import trio
 from meshagent import __version__, capacity, devices
 from meshagent.catalog.service import Catalog
 from meshagent.config import AgentConfig
-from meshagent.discovery import addresses
 from meshagent.engine.runtime import inexact_build, inexact_model
 from meshagent.errors import ModelError
 from meshagent.gossip.peer_record import MAX_ARTIFACTS, ArtifactHeld, DeviceOffer, ModelHeld
 from meshagent.gossip.service import GossipService
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.ranged import PartialModel, is_partial
-from meshagent.net.manager import ConnectionManager
 from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.mesh_model import MeshModel
@@ -83,7 +81,8 @@ def static_fields(
 
 
 def dynamic_fields(
-    overlay: ConnectionManager,
+    advertised: Callable[[], Sequence[str]],
+    nat: Callable[[], str],
     relays: Sequence[RelayClient],
     store: ArtifactStore,
     capabilities: Capabilities,
@@ -92,7 +91,8 @@ def dynamic_fields(
 ) -> dict[str, Any]:
     """Record fields that can change while running; gossip polls them."""
     return {
-        "addresses": tuple(addresses.advertised(overlay.listen_addresses)),
+        "addresses": tuple(advertised()),
+        "nat": nat(),
         "relays": tuple(r.name for r in relays if r.registered),
         "artifacts": tuple(ArtifactHeld.from_manifest(m) for m in store.all())[:MAX_ARTIFACTS],
         "capabilities": capabilities.published(),

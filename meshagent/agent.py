@@ -78,7 +78,7 @@ class Agent:
             await nursery.start(
                 partial(serve_http, services.app, http, shutdown_trigger=stop_accepting.wait)
             )
-            for address in self.config.peers:
+            for address in services.bootstrap:
                 nursery.start_soon(_bootstrap, services.overlay, address)
             self._write_run_file(services)
             log.info(

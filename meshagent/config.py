@@ -13,7 +13,7 @@ import platformdirs
 from meshagent.errors import ConfigError
 from meshagent.gossip.config import GossipConfig
 from meshagent.identity.private_file import write_private
-from meshagent.net.address import is_loopback
+from meshagent.net.address import Address, is_loopback
 from meshagent.placement.demand import DemandError, keep_alive_seconds
 
 API_KEY_ENV = "MESHAGENT_API_KEY"  # an API key from the environment, for agents and clients
@@ -87,6 +87,9 @@ class AgentConfig:
     insecure_no_api_key: bool = False  # serve a non-loopback API without a key anyway
     listen: str = DEFAULT_LISTEN  # the overlay's address; port 0 picks a free one
     peers: tuple[str, ...] = ()  # overlay addresses to dial at start (host:port)
+    # overlay addresses to advertise besides this host's own (`--address`: a public IP that
+    # forwards to the listen port, a name); peers try them first
+    addresses: tuple[str, ...] = ()
     ctx_size: int = 2048  # tokens of context per slot
     slots: int = 4  # sequences decoded together
     max_queue: int = 64  # requests waiting for a slot before 429
@@ -173,6 +176,10 @@ class AgentConfig:
         if not self.load_timeout > 0:
             raise ConfigError(f"load-timeout must be > 0 seconds, got {self.load_timeout}")
         self.keep_alive_seconds()  # refuses what is not a duration, naming it
+        for address in self.addresses:
+            a = Address.parse(address)
+            if a.port == 0:
+                raise ConfigError(f"address {address!r}: give the port peers dial, not 0")
         # The gossip service's own rule, so that a config it refuses is refused here, by name.
         GossipConfig(
             interval=self.gossip_interval,
@@ -210,6 +217,7 @@ CONFIG_TEMPLATE = """\
 # api_key_file = "/path/to/keys"        # or keys in a file of their own, one per line
 # listen = "0.0.0.0:9338"
 # peers = ["192.168.1.20:9338"]
+# addresses = ["203.0.113.7:9338"]
 # ctx_size = 2048
 # slots = 4
 # max_queue = 64
@@ -262,6 +270,11 @@ class DataDir:
     @property
     def config_path(self) -> Path:
         return self.root / "config.toml"
+
+    @property
+    def known_path(self) -> Path:
+        """The peers and relays this agent has known (`discovery/known.py`)."""
+        return self.root / "known.json"
 
     @property
     def run_path(self) -> Path:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from meshagent import __version__
-from meshagent.discovery import addresses
 from meshagent.discovery import probe as path_probe
 from meshagent.discovery.mesh_view import peer_rows
+from meshagent.discovery.nat import Reachability
+from meshagent.discovery.punch import why_relayed
 from meshagent.identity.mesh import mesh_fingerprint
 from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.net.manager import ConnectionManager
@@ -21,6 +22,7 @@ from meshagent.net.manager import ConnectionManager
 if TYPE_CHECKING:
     from meshagent.api.access import Access
     from meshagent.api.inflight import InFlight
+    from meshagent.discovery.dialer import PeerDialer
     from meshagent.discovery.lan import LanDiscovery
     from meshagent.gossip.service import GossipService
     from meshagent.identity.keys import NodeIdentity
@@ -49,10 +51,17 @@ class AgentParts(Protocol):
     models: ModelHost
     assigning: Assigning
     store: ArtifactStore
+    dialer: PeerDialer
 
     @property
     def alone(self) -> str | None:
         """Why the agent has no peer though it was told where its mesh is, while so."""
+
+    def advertised(self) -> list[str]:
+        """The overlay addresses this agent's record carries."""
+
+    def reachability(self) -> Reachability:
+        """This agent's NAT and public address as its relays see them."""
 
 
 def status(services: AgentParts) -> dict[str, Any]:
@@ -83,13 +92,15 @@ def status(services: AgentParts) -> dict[str, Any]:
         "download": _download(s),
         "peers": _links(s.overlay),
         "overlay_traffic": s.overlay.traffic(),
-        "advertised": addresses.advertised(s.overlay.listen_addresses),
+        "advertised": s.advertised(),
+        "reachability": s.reachability().to_dict(),
         "relays": [
             {
                 "address": r.name,
                 "registered": r.registered,
                 "members": sorted(r.members),
                 "error": r.last_error,
+                "observed": str(r.observed) if r.observed else None,
             }
             for r in s.relays
         ],
@@ -199,8 +210,9 @@ def peers(services: AgentParts) -> dict[str, Any]:
         "self": s.identity.peer_id,
         "mesh": mesh_fingerprint(s.mesh),
         "alone": s.alone,
-        "peers": peer_rows(
-            s.identity.peer_id, s.gossip.snapshot(include_dead=True), s.overlay.links()
+        "peers": _why_relayed(
+            s,
+            peer_rows(s.identity.peer_id, s.gossip.snapshot(include_dead=True), s.overlay.links()),
         ),
         # whether the mesh serves each model, and why not (the words `status` uses)
         "placement": {
@@ -208,6 +220,25 @@ def peers(services: AgentParts) -> dict[str, Any]:
             for m, summary in ((m, m.placement_summary()) for m in s.models)
         },
     }
+
+
+def _why_relayed(s: AgentParts, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each relayed peer's row says why it is not direct (`punch.why_relayed`)."""
+    mine = s.reachability().nat if s.relays else ""
+    candidates = s.dialer.candidates()
+    for row in rows:
+        c = candidates.get(row["peer_id"])
+        if row["path"] != "relayed" or c is None:
+            row["why_relayed"] = None
+            continue
+        row["why_relayed"] = why_relayed(
+            mine,
+            row.get("nat", ""),
+            punches=c.punches,
+            error=c.punch_error,
+            punching=s.identity.peer_id < row["peer_id"],
+        )
+    return rows
 
 
 async def probe(overlay: ConnectionManager, body: dict[str, Any]) -> dict[str, Any]:

@@ -305,6 +305,42 @@ def check_relays(s: Situation, connect: Callable[[str, int], None] | None = None
     return out
 
 
+def check_nat(s: Situation) -> list[Finding]:
+    """What stands between the running agent and the internet, as its relays tell it, and
+    what the user can change where peers elsewhere cannot dial it."""
+    st = s.status
+    if st is None or not st.get("relays"):
+        return []
+    reach = st.get("reachability") or {}
+    kind, public = reach.get("nat", "unknown"), reach.get("public") or reach.get("public_hosts")
+    seen = f" (public {', '.join(public)})" if public else ""
+    if kind == "none":
+        return [Finding(OK, "nat", "no NAT: peers elsewhere dial this agent's address directly")]
+    if kind == "independent":
+        return [
+            Finding(
+                OK,
+                "nat",
+                f"behind a cone NAT{seen}: peers behind another NAT reach this agent by a "
+                "hole punched through both",
+            )
+        ]
+    if kind == "dependent":
+        listen = Address.parse(str((st.get("listen") or [s.config.listen])[0]))
+        return [
+            Finding(
+                WARN,
+                "nat",
+                f"behind a symmetric NAT{seen}: it maps each peer to a new public port, so a "
+                "peer behind another symmetric NAT reaches this agent only through the relay",
+                f"forward TCP port {listen.port} on the router to this host and start with "
+                "`--address PUBLIC_IP:PORT`, enable UPnP on the router, or run the agent on a "
+                "host with a public address (`--listen 0.0.0.0:PORT`)",
+            )
+        ]
+    return [Finding(OK, "nat", "not known yet: the relays have not said where they see us")]
+
+
 def _tcp_connect(host: str, port: int) -> None:
     with socket.create_connection((host, port), timeout=RELAY_TIMEOUT):
         pass
@@ -444,6 +480,7 @@ def check_windows(model_path: Path | None) -> list[Finding]:
 
 def diagnose(s: Situation, model_path: Path | None, *, build: bool = True) -> list[Finding]:
     out = check_files(s) + check_secrets(s) + check_ports(s) + check_mdns(s) + check_relays(s)
+    out += check_nat(s)
     if build:
         out += check_build() + check_windows(model_path)
     return out + check_memory(s, model_path)

@@ -28,11 +28,13 @@ from meshagent.catalog.entry import CatalogEntry
 from meshagent.catalog.model_file import read_model_file
 from meshagent.catalog.service import Catalog
 from meshagent.config import AgentConfig, ConfigError, DataDir
-from meshagent.discovery import hearing, probe
+from meshagent.discovery import hearing, known, nat, probe, punch
 from meshagent.discovery.alone import watch_alone
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
+from meshagent.discovery.known import Known
 from meshagent.discovery.lan import LanDiscovery
 from meshagent.discovery.mdns import Sighting
+from meshagent.discovery.reachable import Reachable
 from meshagent.engine.llama import read_model_info
 from meshagent.errors import MeshError, ModelError
 from meshagent.gossip import service as gossip_service
@@ -76,6 +78,7 @@ STREAM_BUDGETS: dict[str, int] = {
     gossip_service.LABEL: 4,
     probe.LABEL: 2,
     hearing.LABEL: 32,
+    punch.LABEL: 2,
     header_share.LABEL: 4,
     transfer.LABEL: 8,
     GENERATE_LABEL: 128,
@@ -121,6 +124,7 @@ class Services:
             joined=join is not None,
             catalog=Catalog(identity, data_dir.catalog_path, store),
             models_dir=data_dir.models_path,
+            known=Known.load(data_dir.known_path, mesh_fingerprint(mesh)),
         )
 
     def __init__(
@@ -135,8 +139,14 @@ class Services:
         joined: bool = False,
         catalog: Catalog,
         models_dir: Path | None = None,
+        known: Known | None = None,
     ) -> None:
         self.config = config
+        # The peers and relays this agent has known (kept in its data dir): a restart dials
+        # them again.
+        self.known = known if known is not None else Known(None, mesh_fingerprint(mesh))
+        self.known.note_bootstrap(config.peers)
+        self.known.note_relays(config.relays)
         self.models_dir = models_dir  # partial copies of hub models (their headers) go here
         self.joined = joined  # started with an invite
         self.catalog = catalog  # the mesh's catalogue of models
@@ -149,17 +159,28 @@ class Services:
         self.started_at = time.time()
         self.inflight = InFlight()
         self.stream_budgets = StreamBudgets(STREAM_BUDGETS)
+        self.transport = TcpTransport()
         self.overlay = ConnectionManager(
             LocalPeer.create(identity, mesh),
-            TcpTransport(),
+            self.transport,
             listen=[config.listen],
             on_stream=self._route_stream,
             on_lost=lambda conn: self.dialer.lost(conn),
             on_silent=lambda conn: self.dialer.silent(conn),
         )
+        # How peers reach this agent: its addresses, its NAT as relays see it.
+        self.reachable = Reachable(lambda: self.overlay.listen_addresses, config.addresses)
         self.relays = tuple(
-            RelayClient(a, identity, mesh, self.overlay, TcpTransport(), on_member=self._member)
-            for a in dict.fromkeys(config.relays)
+            RelayClient(
+                a,
+                identity,
+                mesh,
+                self.overlay,
+                TcpTransport(),
+                on_member=self._member,
+                on_observed=self.reachable.observed,
+            )
+            for a in dict.fromkeys((*config.relays, *self.known.relays))
         )
         self.capabilities = Capabilities(
             CapabilityStore(store.capabilities_path), lambda: self.gossip.snapshot()
@@ -169,6 +190,9 @@ class Services:
             self.overlay,
             gossip=self.gossip,
             relay_dial=self._relay_dial,
+            punch=lambda peer_id: punch.initiate(
+                self.overlay, self.transport, peer_id, self.punch_candidates()
+            ),
             local_relays=lambda: tuple(r.name for r in self.relays if r.registered),
             config=DialerConfig(upgrade_interval=config.upgrade_interval),
         )
@@ -203,6 +227,9 @@ class Services:
             header_share.LABEL: header_share.HeaderMapServer(self._model_files).handle,
             probe.LABEL: probe.serve,
             hearing.LABEL: partial(hearing.serve, self.overlay),
+            punch.LABEL: lambda s: punch.serve(
+                self.overlay, self.transport, s, self.punch_candidates
+            ),
             gossip_service.LABEL: self.gossip.handle,
             GENERATE_LABEL: lambda s: entry.serve(s, self.app.catalog, peer_id=s.peer_id),
             **self.models.handlers(),
@@ -236,7 +263,8 @@ class Services:
             ),
             local_fields=partial(
                 advertisement.dynamic_fields,
-                self.overlay,
+                self.advertised,
+                lambda: self.reachability().nat if self.relays else "",
                 self.relays,
                 self.store,
                 self.capabilities,
@@ -272,7 +300,7 @@ class Services:
             # The models an agent is started with stay loaded (as they always have).
             pins=(*cfg.pins, *self.models.names),
             seed_default=not cfg.models,
-            seed_after=SEED_AFTER if self.joined or cfg.peers or cfg.relays else 0.0,
+            seed_after=SEED_AFTER if self.told else 0.0,
             load_timeout=cfg.load_timeout,
         )
 
@@ -345,9 +373,46 @@ class Services:
         nursery.start_soon(
             advertisement.measure, self.gossip, self.config, self.name, models, self.store
         )
-        cfg = self.config
-        if self.joined or cfg.peers or cfg.relays:
-            nursery.start_soon(watch_alone, self.overlay.links, cfg.peers, cfg.relays, self._alone)
+        for p in self.known.peers:
+            self.dialer.offer(
+                p.peer_id, addresses=p.addresses, relays=p.relays, source="remembered"
+            )
+        nursery.start_soon(known.keep, self.known, self._alive_peers)
+        if self.told:
+            nursery.start_soon(
+                watch_alone,
+                self.overlay.links,
+                self.known.addresses(),
+                tuple(r.name for r in self.relays),
+                self._alone,
+            )
+
+    @property
+    def told(self) -> bool:
+        """Whether this agent was told where its mesh is: an invite, `--peer` or `--relay`,
+        now or at an earlier start (its data dir remembers)."""
+        return self.joined or bool(self.known)
+
+    @property
+    def bootstrap(self) -> tuple[str, ...]:
+        """Addresses to dial at start (`--peer`, invites now and before)."""
+        return self.known.bootstrap
+
+    def advertised(self) -> list[str]:
+        return self.reachable.advertised()
+
+    def punch_candidates(self) -> list[str]:
+        return self.reachable.punch_candidates()
+
+    def reachability(self) -> nat.Reachability:
+        return self.reachable.reachability()
+
+    def _alive_peers(self) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+        return [
+            (pid, v.record.addresses, v.record.relays)
+            for pid, v in self.gossip.snapshot().items()
+            if pid != self.identity.peer_id and (v.record.addresses or v.record.relays)
+        ]
 
     def _alone(self, note: str) -> None:
         self.alone_note = note

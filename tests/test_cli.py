@@ -200,3 +200,26 @@ def test_invite_before_the_agent_runs_carries_the_configured_listen_port(tmp_pat
     out, err = capsys.readouterr()
     assert decode_invite(out.strip()).bootstrap == ()
     assert "--address HOST:PORT" in err
+
+
+def test_invite_of_loopback_addresses_only_warns(tmp_path, capsys):
+    from meshagent.identity.mesh import decode_invite
+    from meshagent.identity.mesh_file import load_or_create_mesh
+
+    load_or_create_mesh(tmp_path / "mesh.key")
+    (tmp_path / "config.toml").write_text(
+        'listen = "127.0.0.1:9555"\naddresses = ["198.51.100.4:19555"]\n'
+    )
+    assert main(["invite", "--data-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    # `addresses` (--address) come first; with one that is not loopback, no warning.
+    assert decode_invite(out.strip()).bootstrap == ("198.51.100.4:19555", "127.0.0.1:9555")
+    assert "only loopback" not in err
+    (tmp_path / "config.toml").write_text('listen = "127.0.0.1:9555"\n')
+    assert main(["invite", "--data-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert decode_invite(out.strip()).bootstrap == ("127.0.0.1:9555",)
+    assert "only loopback addresses (127.0.0.1:9555)" in err and "--listen 0.0.0.0" in err
+    # A relay in the token is a way in: no warning then.
+    assert main(["invite", "--data-dir", str(tmp_path), "--relay", "r.example:9339"]) == 0
+    assert "only loopback" not in capsys.readouterr().err

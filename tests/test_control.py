@@ -40,6 +40,8 @@ def test_peers_over_parts_of_an_agent():
         alone="no peer answers at 10.0.0.2:9339",
         gossip=SimpleNamespace(snapshot=lambda include_dead: {}),
         overlay=SimpleNamespace(links=lambda: []),
+        relays=(),
+        dialer=SimpleNamespace(candidates=dict),
         models=[
             SimpleNamespace(
                 info=SimpleNamespace(id=name),

@@ -109,6 +109,25 @@ def test_a_relay_the_agent_is_not_registered_at_is_a_warning():
     assert f.level == "warn" and "not registered" in f.said
 
 
+def test_a_symmetric_nat_is_a_warning_with_what_the_user_can_change():
+    config = AgentConfig(relays=("relay.example:9339",))
+    relays = [{"address": "relay.example:9339", "registered": True}]
+
+    def nat_finding(reach: dict) -> doctor.Finding:
+        status = {"relays": relays, "listen": ["0.0.0.0:9338"], "reachability": reach}
+        [f] = doctor.check_nat(doctor.Situation(DataDir(Path("/nonexistent")), config, status))
+        return f
+
+    f = nat_finding({"nat": "dependent", "public": [], "public_hosts": ["203.0.113.5"]})
+    assert f.level == "warn" and "symmetric" in f.said and "203.0.113.5" in f.said
+    assert "forward TCP port 9338" in f.fix and "UPnP" in f.fix and "--listen" in f.fix
+    cone = nat_finding({"nat": "independent", "public": ["203.0.113.5:9338"]})
+    assert cone.level == "ok" and "hole punched" in cone.said
+    assert nat_finding({"nat": "none", "public": []}).level == "ok"
+    # No relay, no agent: nothing to say.
+    assert doctor.check_nat(doctor.Situation(DataDir(Path("/x")), AgentConfig(), None)) == []
+
+
 def test_llamas_tiled_kernels_turned_on_are_a_warning_with_the_fix(monkeypatch):
     from meshagent.engine.runtime import TILED_ENV
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
-import socket
 import sys
 
-from meshagent.cli.common import NoAgent, add_data_dir, data_dir_from
+from meshagent.cli.common import NoAgent, add_data_dir, control_get, data_dir_from
 from meshagent.config import AgentConfig
+from meshagent.discovery.addresses import advertised
+from meshagent.errors import MeshError
 from meshagent.identity.mesh import Invite, encode_invite
 from meshagent.identity.mesh_file import load_mesh
-from meshagent.net.address import Address
+from meshagent.net.address import Address, is_loopback
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,31 +20,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--address",
         action="append",
         metavar="HOST:PORT",
-        help="an overlay address the new agent should dial (repeatable; default: the running "
-        "agent's listen addresses)",
+        help="an overlay address the new agent should dial (repeatable; default: the addresses "
+        "the running agent advertises to its peers)",
     )
     p.add_argument(
-        "--relay", action="append", metavar="HOST:PORT", help="a relay to carry (repeatable)"
+        "--relay",
+        action="append",
+        metavar="HOST:PORT",
+        help="a relay to carry (repeatable), besides those the running agent is registered with",
     )
     add_data_dir(p)
     p.set_defaults(run=run)
 
 
-def _advertised(listen: list[str]) -> list[str]:
-    """Listen addresses a peer can dial: a wildcard host becomes this host's addresses."""
-    out: list[str] = []
-    for text in listen:
-        a = Address.parse(text)
-        if a.host in ("0.0.0.0", "::", ""):
-            try:
-                hosts = socket.gethostbyname_ex(socket.gethostname())[2]
-            except OSError:
-                hosts = []
-            hosts = [h for h in hosts if not h.startswith("127.")] or ["127.0.0.1"]
-            out += [str(Address(h, a.port)) for h in hosts]
-        else:
-            out.append(str(a))
-    return out
+def _from_agent(args: argparse.Namespace) -> tuple[list[str], list[str]] | None:
+    """The running agent's advertised addresses (those its gossip record carries) and the
+    relays it is registered with; None: no agent runs (or it does not answer)."""
+    try:
+        st = control_get(args, "/control/status")
+    except MeshError:
+        return None
+    relays = [r["address"] for r in st.get("relays", []) if r.get("registered")]
+    return list(st.get("advertised", [])), relays
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,31 +52,41 @@ def run(args: argparse.Namespace) -> int:
         )
     secret = load_mesh(dd.mesh_path)
     addresses = list(args.address or [])
-    note = ""
+    relays = list(args.relay or [])
+    notes = []
     if not addresses:
-        try:
-            addresses = _advertised(json.loads(dd.run_path.read_text()).get("listen", []))
-        except (OSError, ValueError):
+        running = _from_agent(args)
+        if running is not None:
+            addresses, registered = running
+            relays += [r for r in registered if r not in relays]
+        else:
             # No agent runs (or it is still starting): the address it listens on is in its
             # configuration, unless that picks a free port at each start.
-            listen = AgentConfig().merged(dd.load_config()).listen
-            if Address.parse(listen).port:
-                addresses = _advertised([listen])
-                note = (
-                    f"meshagent: note: no agent is running yet; the token carries this host's "
-                    f"addresses at the configured listen port ({listen}): start the agent "
-                    "before the other one joins"
+            config = AgentConfig().merged(dd.load_config())
+            relays += [r for r in config.relays if r not in relays]
+            if Address.parse(config.listen).port:
+                addresses = advertised([Address.parse(config.listen)], config.addresses)
+                notes.append(
+                    "no agent is running yet; the token carries this host's addresses at the "
+                    f"configured listen port ({config.listen}): start the agent before the "
+                    "other one joins"
                 )
             else:
-                note = (
-                    "meshagent: note: no agent is running and its listen port is picked at "
-                    "start, so the token carries no address; pass --address HOST:PORT or "
-                    "start the agent first"
+                notes.append(
+                    "no agent is running and its listen port is picked at start, so the token "
+                    "carries no address; pass --address HOST:PORT or start the agent first"
                 )
-    for a in addresses:
+    for a in (*addresses, *relays):
         Address.parse(a)  # refuse typos now, not on the other machine
-    token = encode_invite(Invite(secret, tuple(addresses), tuple(args.relay or ())))
+    if addresses and not relays and all(is_loopback(Address.parse(a).host) for a in addresses):
+        notes.append(
+            f"the token holds only loopback addresses ({', '.join(addresses)}): an agent on "
+            "another machine cannot use it. Start the agent with --listen 0.0.0.0:PORT (or "
+            "this host's address), or pass --address HOST:PORT (an address the other machine "
+            "reaches) or --relay HOST:PORT"
+        )
+    token = encode_invite(Invite(secret, tuple(addresses), tuple(relays)))
     print(token)
-    if note:
-        print(note, file=sys.stderr)
+    for note in notes:
+        print(f"meshagent: note: {note}", file=sys.stderr)
     return 0

@@ -116,10 +116,14 @@ def table(peers: list[dict[str, Any]]) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
-    return "\n".join(
+    table = "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
         for r in rows
     )
+    why = [
+        f"{p['peer_id'][:12]} relayed: {p['why_relayed']}" for p in peers if p.get("why_relayed")
+    ]
+    return "\n".join([table, *why])
 
 
 def _gpus(devices: list[dict[str, Any]]) -> tuple[str, str]:

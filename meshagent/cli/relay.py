@@ -30,6 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("relay", help="run a relay server for agents without a direct path")
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to listen on")
     p.add_argument(
+        "--observe-port",
+        type=int,
+        metavar="PORT",
+        help="a second port on the same host, where agents learn whether their NAT maps by "
+        "destination (default: the listen port + 1; a listen port of 0 picks a free one too; "
+        "-1: none)",
+    )
+    p.add_argument(
         "--circuits-per-agent",
         type=int,
         default=d.circuits_per_agent,
@@ -79,13 +87,18 @@ def run(args: argparse.Namespace) -> int:
     )
 
     async def main() -> None:
-        server = RelayServer(TcpTransport(), listen, limits)
+        server = RelayServer(TcpTransport(), listen, limits, observe=_observe(listen, args))
         async with trio.open_nursery() as nursery:
             try:
                 address = await nursery.start(server.run)
             except OSError as e:
                 raise ConfigError(f"cannot listen on {listen}: {e.strerror or e}") from e
-            print(f"meshagent: relay listening on {address}", file=sys.stderr)
+            also = (
+                f" (observing on port {server.observe_address.port})"
+                if server.observe_address
+                else ""
+            )
+            print(f"meshagent: relay listening on {address}{also}", file=sys.stderr)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
                     break
@@ -93,3 +106,14 @@ def run(args: argparse.Namespace) -> int:
 
     trio.run(main)
     return 0
+
+
+def _observe(listen: Address, args: argparse.Namespace) -> Address | None:
+    port = args.observe_port
+    if port is None:
+        port = listen.port + 1 if listen.port else 0
+    if port < 0:
+        return None
+    if port > 65535 or (port and port == listen.port):
+        raise ConfigError(f"--observe-port {port}: give a free port other than the listen port")
+    return Address(listen.host, port)

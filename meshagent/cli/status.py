@@ -46,7 +46,16 @@ def run(args: argparse.Namespace) -> int:
             if r["registered"]
             else (f"not registered ({r['error'] or 'connecting'})")
         )
-        print(f"relay     {r['address']}  {state}")
+        seen = f"; sees us from {r['observed']}" if r.get("observed") else ""
+        print(f"relay     {r['address']}  {state}{seen}")
+    reach = st.get("reachability")
+    if reach and st.get("relays"):
+        public = (
+            f"; public {', '.join(reach['public'] or reach['public_hosts'])}"
+            if (reach["public"] or reach["public_hosts"])
+            else ""
+        )
+        print(f"nat       {reach['said']}{public}")
     mdns = st.get("mdns")
     if mdns:
         others = sum(not s["same_mesh"] for s in mdns["seen"])

@@ -79,6 +79,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="an overlay address to dial at start (repeatable)",
     )
     p.add_argument(
+        "--address",
+        action="append",
+        dest="addresses",
+        metavar="HOST:PORT",
+        help="an overlay address to advertise besides this host's own, for one peers reach "
+        "but this host cannot see (a public IP forwarded to --listen's port; repeatable)",
+    )
+    p.add_argument(
         "--join",
         metavar="TOKEN",
         help="join the mesh of this invite (from `meshagent invite`); replaces the stored mesh. "
@@ -235,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
             "prefix_cache",
             "log_level",
             "mdns",
+            "addresses",
         )
     }
     secrets = gather(

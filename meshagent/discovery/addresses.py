@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 
 import ifaddr
 
@@ -32,10 +33,11 @@ def is_loopback_only(listen: list[Address]) -> bool:
     )
 
 
-def advertised(listen: list[Address]) -> list[str]:
-    """host:port addresses peers can dial: a wildcard becomes every routable interface
-    address (or loopback if there is none), a specific address stays as it is."""
-    out: list[str] = []
+def advertised(listen: list[Address], extra: Sequence[str] = ()) -> list[str]:
+    """host:port addresses peers can dial: `extra` first (given by the user: `--address`),
+    then the listen addresses, a wildcard as every routable interface address (or loopback if
+    there is none), a specific address as it is."""
+    out: list[str] = [str(Address.parse(a)) for a in extra]
     for a in listen:
         if a.host in _WILDCARDS:
             hosts = interface_ipv4s() or ["127.0.0.1"]

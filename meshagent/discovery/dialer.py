@@ -34,6 +34,7 @@ import structlog
 import trio
 
 from meshagent.discovery import hearing
+from meshagent.discovery.punch import Outcome, schedule
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.service import GossipService
 from meshagent.net.address import Address
@@ -47,6 +48,7 @@ log = structlog.get_logger(__name__)
 
 # (relay address, peer id) -> a connection to the peer through that relay
 RelayDial = Callable[[str, str], Awaitable[Connection]]
+Punch = Callable[[str], Awaitable[Outcome]]
 _REACH_POLL = 0.05  # seconds between looks at an attempt already under way
 _DIAL_ERRORS = (DialError, RelayError, HandshakeError, OSError, trio.BrokenResourceError)
 
@@ -58,6 +60,8 @@ class DialerConfig:
     retry_initial: float = 1.0  # backoff after a failed attempt to reach an unconnected peer
     retry_max: float = 30.0
     upgrade_interval: float = 5.0  # how often a relayed peer's direct addresses are retried
+    first_upgrade: float = 1.0  # seconds after a relayed connection before the first try
+    upgrade_timeout: float = 2.0  # per direct attempt of an upgrade (the addresses at once)
     yield_delay: float = 1.5  # the higher peer id waits this long, so both don't dial at once
     gone_timeout: float = 1.0  # per address, when checking whether a lost peer is gone
     silence_confirm: float = 0.5  # waited before asking the others about a silent peer
@@ -80,6 +84,12 @@ class Candidate:
     attempting: bool = False
     direct_bad_until: float = 0.0  # its direct path just went silent: relays first till then
     next_probe: float = 0.0  # dead: when its direct addresses are looked at next
+    # Hole punching (`punch.py`), tried by the lower peer id once direct dials fail
+    punches: int = 0  # attempts
+    punch_failures: int = 0  # failed in a row
+    punched: bool = False  # its direct path came from a punch: a plain dial will not do
+    punch_error: str | None = None  # why the last attempt failed
+    next_punch: float = 0.0
 
 
 class PeerDialer:
@@ -90,6 +100,7 @@ class PeerDialer:
         gossip: GossipService | None = None,
         relay_dial: RelayDial | None = None,
         local_relays: Callable[[], tuple[str, ...]] = tuple,
+        punch: Punch | None = None,
         config: DialerConfig | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -98,6 +109,7 @@ class PeerDialer:
         self.config = config or DialerConfig()
         self._relay_dial = relay_dial
         self._local_relays = local_relays
+        self._punch = punch
         self._rng = rng or random.Random()
         self._candidates: dict[str, Candidate] = {}
         self._judging: set[str] = set()  # peers whose silence is being looked into
@@ -129,6 +141,8 @@ class PeerDialer:
             if self.self_id > peer_id:
                 c.next_attempt = now + self.config.yield_delay
         new_ways = set(addresses) - set(c.addresses) or set(relays) - set(c.relays)
+        if new_ways:
+            c.next_punch = 0.0  # an address changed: punch again at once
         c.addresses = tuple(dict.fromkeys((*addresses, *c.addresses)))[:16]
         c.relays = tuple(dict.fromkeys((*relays, *c.relays)))[:8]
         if source not in c.sources or new_ways or renew:
@@ -236,7 +250,8 @@ class PeerDialer:
     async def _connect(self, c: Candidate) -> None:
         try:
             conn = None
-            relays_first = trio.current_time() < c.direct_bad_until and self._has_relay(c)
+            now = trio.current_time()
+            relays_first = (now < c.direct_bad_until or c.punched) and self._has_relay(c)
             if not relays_first:
                 conn = await self._try_direct(c, replace=False)
             if conn is None:
@@ -256,7 +271,7 @@ class PeerDialer:
                 )
             else:
                 c.failures = 0
-                c.next_upgrade = trio.current_time() + self.config.upgrade_interval
+                c.next_upgrade = trio.current_time() + self.config.first_upgrade
         finally:
             c.attempting = False
 
@@ -344,12 +359,63 @@ class PeerDialer:
         return [a for a in answers.values() if a is not None]
 
     async def _upgrade(self, c: Candidate) -> None:
+        """A relayed peer: its direct addresses, all at once; failing those, a hole punched
+        through both NATs, by the lower peer id of the two (`punch.py`)."""
         try:
-            conn = await self._try_direct(c, replace=True)
+            conn = await self._try_direct_at_once(c)
             if conn is not None:
+                c.punched = False
                 log.info("dialer.upgraded", peer=c.peer_id, path=conn.path, remote=conn.remote)
+                return
+            now = trio.current_time()
+            if self._punch is None or self.self_id > c.peer_id or now < c.next_punch:
+                return
+            c.punches += 1
+            outcome = await self._punch(c.peer_id)
+            if outcome.connection is not None:
+                c.punched, c.punch_failures, c.punch_error = True, 0, None
+                log.info(
+                    "dialer.punched",
+                    peer=c.peer_id,
+                    remote=outcome.connection.remote,
+                    attempts=c.punches,
+                    relayed_rtt_ms=round(1000 * (outcome.rtt_s or 0), 1),
+                )
+                return
+            c.punch_failures += 1
+            c.punch_error = outcome.error
+            c.next_punch = trio.current_time() + schedule(
+                c.punch_failures, self.config.upgrade_interval
+            )
+            log.info("dialer.punch_failed", peer=c.peer_id, attempts=c.punches, error=outcome.error)
         finally:
             c.attempting = False
+
+    async def _try_direct_at_once(self, c: Candidate) -> Connection | None:
+        """Every direct address of `c` at once, for `upgrade_timeout`: the first that gives a
+        direct connection (which replaces the relayed one)."""
+        won: list[Connection] = []
+
+        async def one(address: str, scope: trio.CancelScope) -> None:
+            try:
+                conn = await self.overlay.dial(
+                    Address.parse(address), peer_id=c.peer_id, path=DIRECT, replace=True
+                )
+            except _DIAL_ERRORS as e:
+                log.debug("dialer.direct_failed", peer=c.peer_id, address=address, error=str(e))
+                return
+            except Exception as e:  # a malformed address from a record must not stop us
+                log.warning("dialer.bad_address", peer=c.peer_id, address=address, error=str(e))
+                return
+            if conn.path == DIRECT:
+                won.append(conn)
+                scope.cancel()
+
+        with trio.move_on_after(self.config.upgrade_timeout):
+            async with trio.open_nursery() as nursery:
+                for address in c.addresses:
+                    nursery.start_soon(one, address, nursery.cancel_scope)
+        return won[0] if won else None
 
     async def _try_direct(self, c: Candidate, *, replace: bool) -> Connection | None:
         for address in c.addresses:

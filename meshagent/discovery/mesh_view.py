@@ -35,6 +35,7 @@ def peer_rows(
                 "agent_version": rec.agent_version if rec else None,
                 "addresses": list(rec.addresses) if rec else [],
                 "relays": list(rec.relays) if rec else [],
+                "nat": rec.nat if rec else "",
                 "mem_weights_bytes": rec.mem_weights_bytes if rec else None,
                 "mem_kv_bytes": rec.mem_kv_bytes if rec else None,
                 "compute_speed": rec.compute_speed if rec else None,

@@ -195,6 +195,9 @@ class PeerRecord:
     # Signed entries of the mesh's catalogue of models (`catalog/entry.py`) as this peer
     # knows it, opaque here: whoever uses one verifies its signature.
     catalog: tuple[bytes, ...] = ()
+    # What stands between this peer and the internet (`discovery/nat.py`: none, independent,
+    # dependent, unknown), as its relays see it; "" where it has no relay to ask.
+    nat: str = ""
     # Fields other services publish without a record format change (e.g. placement
     # leases): text keys, CBOR values.
     extras: dict[str, Any] = field(default_factory=dict)
@@ -236,6 +239,8 @@ class PeerRecord:
             wire[22] = list(self.no_tokenizer)
         if self.catalog:  # likewise
             wire[23] = list(self.catalog)
+        if self.nat:  # likewise
+            wire[24] = self.nat
         body = cbor2.dumps(wire, canonical=True)
         if len(body) > MAX_RECORD_BYTES:
             raise RecordRejected(
@@ -299,6 +304,7 @@ class PeerRecord:
                 catalog=tuple(
                     _blob(c, MAX_CATALOG_BYTES) for c in _bounded(d.get(23, []), MAX_CATALOG)
                 ),
+                nat=_nat(d.get(24, "")),
             )
         except KeyError as e:
             raise RecordRejected(f"record lacks field {e}") from e
@@ -328,6 +334,7 @@ class PeerRecord:
             "catalog": len(self.catalog),
             "windows_inexact": self.windows_inexact,
             "devices": [d.__dict__ for d in self.devices],
+            "nat": self.nat,
         }
 
 
@@ -352,6 +359,15 @@ def _jsonable(v: Any) -> Any:
 def _text(v: Any) -> str:
     if not isinstance(v, str) or len(v) > MAX_TEXT:
         raise RecordRejected(f"expected text of at most {MAX_TEXT} characters, got {quoted(v, 60)}")
+    return v
+
+
+NAT_KINDS = ("", "none", "independent", "dependent", "unknown")  # discovery/nat.py's
+
+
+def _nat(v: Any) -> str:
+    if v not in NAT_KINDS or not isinstance(v, str):
+        raise RecordRejected(f"nat must be one of {', '.join(NAT_KINDS[1:])}, not {quoted(v, 40)}")
     return v
 
 

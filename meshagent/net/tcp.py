@@ -44,9 +44,36 @@ def check_listenable(address: Address, *, advice: str = "") -> None:
                 raise ConfigError(f"cannot listen on {address}: {e.strerror or e}") from e
 
 
+def _share_port(sock: trio.socket.SocketType) -> None:
+    """Several sockets on one port: the listener, and connections dialed from it."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+
+
 class TcpTransport(Transport):
+    """Listeners share their port (SO_REUSEPORT) so that `dial_from` can connect from it."""
+
     async def dial(self, address: Address) -> trio.abc.Stream:
         return await trio.open_tcp_stream(address.host, address.port)
+
+    async def dial_from(self, address: Address, local: Address) -> trio.abc.Stream:
+        infos = await trio.socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+        if not infos:
+            raise OSError(f"no address for {address.host}")
+        family, kind, proto, _, sockaddr = infos[0]
+        host = local.host if local.host not in ("", "0.0.0.0", "::") else ""
+        sock = trio.socket.socket(family, kind, proto)
+        try:
+            _share_port(sock)
+            await sock.bind(
+                (host or ("::" if family == socket.AF_INET6 else "0.0.0.0"), local.port)
+            )
+            await sock.connect(sockaddr)
+        except BaseException:
+            sock.close()
+            raise
+        return trio.SocketStream(sock)
 
     async def serve(
         self,
@@ -56,7 +83,7 @@ class TcpTransport(Transport):
         task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         try:
-            listeners = await trio.open_tcp_listeners(address.port, host=address.host)
+            listeners = await _listeners(address)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise _in_use(address) from e
@@ -65,3 +92,42 @@ class TcpTransport(Transport):
         async with trio.open_nursery() as nursery:
             await nursery.start(partial(trio.serve_listeners, handler, listeners))
             task_status.started(Address(host, port))
+
+
+async def _listeners(address: Address) -> list[trio.SocketListener]:
+    """As `trio.open_tcp_listeners`, with the port shared (`_share_port`). Port 0 picks one
+    free port for every family."""
+    host = address.host or None
+    infos = await trio.socket.getaddrinfo(
+        host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    if address.port:
+        # Sharing the port must not let a second agent listen beside the first: bind as a
+        # listener that shares nothing would, first.
+        for family, kind, proto, _, sockaddr in infos:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(sockaddr)
+    listeners: list[trio.SocketListener] = []
+    port = address.port
+    try:
+        for family, kind, proto, _, sockaddr in infos:
+            sock = trio.socket.socket(family, kind, proto)
+            try:
+                _share_port(sock)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                await sock.bind((sockaddr[0], port, *sockaddr[2:]))
+                port = sock.getsockname()[1]
+                sock.listen(socket.SOMAXCONN)
+            except BaseException:
+                sock.close()
+                raise
+            listeners.append(trio.SocketListener(sock))
+    except BaseException:
+        for listener in listeners:
+            listener.socket.close()
+        raise
+    return listeners

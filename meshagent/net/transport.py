@@ -19,6 +19,12 @@ class Transport(abc.ABC):
     async def dial(self, address: Address) -> trio.abc.Stream:
         """Open a byte stream to `address`; raises OSError when nothing answers."""
 
+    async def dial_from(self, address: Address, local: Address) -> trio.abc.Stream:
+        """Open a byte stream to `address` from the local address `local` (the port we listen
+        on: a NAT then maps it as it maps that port, and a hole punched from it lets the other
+        side in). Transports without local addresses dial as `dial` does."""
+        return await self.dial(address)
+
     @abc.abstractmethod
     async def serve(
         self,

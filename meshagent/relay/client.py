@@ -15,6 +15,7 @@ from collections.abc import Callable
 import structlog
 import trio
 
+from meshagent.discovery.nat import Observation
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.net.address import Address
@@ -47,6 +48,7 @@ class RelayClient:
         transport: Transport,
         *,
         on_member: Callable[[str, str], None] | None = None,
+        on_observed: Callable[[Observation], None] | None = None,
         timeout: float = 10.0,
         backoff: Backoff | None = None,
         rng: random.Random | None = None,
@@ -57,6 +59,9 @@ class RelayClient:
         self.overlay = overlay
         self._transport = transport
         self._on_member = on_member
+        # Where the relay sees us come from, dialed from the port we listen on (`nat.py`).
+        self._on_observed = on_observed
+        self.observed: Address | None = None
         self._timeout = timeout
         self._backoff = backoff or Backoff(initial=1.0, maximum=30.0, attempts=1 << 30)
         self._rng = rng or random.Random()
@@ -64,6 +69,7 @@ class RelayClient:
         self.registered = False
         self.last_error: str | None = None
         self._registered_event = trio.Event()
+        self._observe_port = 0
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -113,10 +119,17 @@ class RelayClient:
 
     # ----- internals -----
 
-    async def _open(self) -> tuple[trio.abc.Stream, LengthPrefixDecoder, bytes]:
+    async def _open(
+        self, *, address: Address | None = None, from_listen: bool = False
+    ) -> tuple[trio.abc.Stream, LengthPrefixDecoder, bytes]:
+        """A connection to the relay (or its observing port, `address`) past its HELLO.
+        `from_listen`: dial from the overlay's listen port, so that the relay sees how a NAT
+        maps that port (reported to `on_observed`); where the port cannot be used for it (a
+        connection from it to the relay lingers), from any port."""
+        address = address or self.address
         try:
             with trio.fail_after(self._timeout):
-                stream = await self._transport.dial(self.address)
+                stream = await self._dial(address, from_listen)
         except trio.TooSlowError as e:
             raise RelayError(
                 f"relay {self.address} did not answer within {self._timeout:g} s"
@@ -130,13 +143,50 @@ class RelayClient:
             if msg.type != p.HELLO:
                 raise RelayProtocolError(f"expected HELLO, got {msg.name}")
             nonce = p.hello_nonce(msg)
+            self._observe_port = p.hello_observe_port(msg)
+            seen = p.hello_observed(msg)
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
+        local = _local_of(stream)
+        listen = self._listen_address()
+        heard = from_listen and seen is not None and local is not None and listen is not None
+        if heard and local.port == listen.port:
+            if address == self.address:
+                self.observed = seen
+            if self._on_observed is not None:
+                self._on_observed(Observation(address, local, seen))
         return stream, frames, nonce
 
+    def _listen_address(self) -> Address | None:
+        addresses = self.overlay.listen_addresses
+        return addresses[0] if addresses else None
+
+    async def _dial(self, address: Address, from_listen: bool) -> trio.abc.Stream:
+        listen = self._listen_address()
+        if from_listen and listen is not None:
+            try:
+                return await self._transport.dial_from(address, listen)
+            except OSError as e:
+                log.debug("relay.dial_from_listen_failed", relay=self.name, error=str(e))
+        return await self._transport.dial(address)
+
+    async def _observe(self) -> None:
+        """Once registered: where the relay's observing port sees us from (a second
+        destination, for `nat.py` to tell a cone from a symmetric NAT)."""
+        if not self._observe_port:
+            return
+        try:
+            stream, _, _ = await self._open(
+                address=Address(self.address.host, self._observe_port), from_listen=True
+            )
+        except (RelayError, trio.TooSlowError, *_TRANSPORT_ERRORS) as e:
+            log.info("relay.observe_failed", relay=self.name, error=str(e))
+            return
+        await trio.aclose_forcefully(stream)
+
     async def _session(self, nursery: trio.Nursery) -> None:
-        stream, frames, nonce = await self._open()
+        stream, frames, nonce = await self._open(from_listen=True)
         lock = trio.Lock()
         try:
             await stream.send_all(p.register(self.identity, nonce, self._tag).encode())
@@ -150,6 +200,7 @@ class RelayClient:
             self._registered_event.set()
             log.info("relay.client_registered", relay=self.name, members=len(p.peer_list(msg)))
             self._set_members(p.peer_list(msg))
+            nursery.start_soon(self._observe)
             async with trio.open_nursery() as inner:
                 inner.start_soon(self._pinger, stream, lock)
                 while True:
@@ -208,6 +259,17 @@ class RelayClient:
             *_TRANSPORT_ERRORS,
         ) as e:
             log.warning("relay.accept_failed", relay=self.name, peer=from_peer, error=str(e))
+
+
+def _local_of(stream: trio.abc.Stream) -> Address | None:
+    sock = getattr(stream, "socket", None)
+    if sock is None:
+        return None
+    try:
+        host, port = sock.getsockname()[:2]
+    except OSError:
+        return None
+    return Address(host, port)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

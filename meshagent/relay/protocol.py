@@ -1,7 +1,8 @@
 """The relay protocol, sans-IO: messages, their framing, and the signatures that tie each
 request to an agent's identity.
 
-Every TCP connection to a relay starts with the relay's HELLO (a fresh random nonce).
+Every TCP connection to a relay starts with the relay's HELLO (a fresh random nonce, and the
+address the relay sees the connection come from: behind a NAT, the agent's public address).
 The client's first message says what the connection is for, signed with its ed25519 key
 over a context string, the nonce, the message type and its subject:
 
@@ -35,8 +36,10 @@ import cbor2
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
+from meshagent.errors import ConfigError
 from meshagent.identity.keys import NodeIdentity, peer_id_for
 from meshagent.identity.mesh import MeshSecret
+from meshagent.net.address import Address
 from meshagent.relay.errors import Refusal, RelayProtocolError, RelayRefused
 from meshagent.wire.framing import Framing
 from meshagent.wire.quoted import quoted
@@ -66,6 +69,7 @@ MAX_MEMBERS_LISTED = 1024
 MAX_PEER_ID = 64  # characters of a peer id a relay names
 MAX_SUBJECT = 256  # bytes of a request's subject
 CIRCUIT_LEN = 16
+MAX_ADDRESS = 64  # characters of an observed host:port
 
 
 def rendezvous_tag(mesh: MeshSecret) -> bytes:
@@ -130,8 +134,19 @@ def decode(data: bytes) -> Message:
 # ----- messages -----
 
 
-def hello(nonce: bytes, relay_name: str = "") -> Message:
-    return Message(HELLO, {2: nonce, 3: relay_name})
+def hello(
+    nonce: bytes, relay_name: str = "", *, observed: str = "", observe_port: int = 0
+) -> Message:
+    """`observed`: the address the relay sees this connection come from (host:port; the
+    agent's public address where a NAT is between); `observe_port`: the relay's second port,
+    which answers a HELLO and closes, for an agent to compare the address it is seen from
+    there (whether its NAT maps by destination); 0: none."""
+    fields: dict[int, Any] = {2: nonce, 3: relay_name}
+    if observed:
+        fields[4] = observed
+    if observe_port:
+        fields[5] = observe_port
+    return Message(HELLO, fields)
 
 
 def _signed(kind: int, identity: NodeIdentity, nonce: bytes, subject: bytes) -> Message:
@@ -205,6 +220,27 @@ def raise_if_refused(msg: Message) -> None:
 def hello_nonce(msg: Message) -> bytes:
     """The nonce of a HELLO, which a request signs."""
     return msg.get(2, bytes, size=NONCE_LEN)
+
+
+def hello_observed(msg: Message) -> Address | None:
+    """The address a HELLO says the relay sees us from; None where it does not say."""
+    if 4 not in msg.fields:
+        return None
+    text = msg.get(4, str, most=MAX_ADDRESS)
+    try:
+        return Address.parse(text)
+    except ConfigError as e:
+        raise RelayProtocolError(f"HELLO's observed address {quoted(text)} is not host:port") from e
+
+
+def hello_observe_port(msg: Message) -> int:
+    """The relay's observing port of a HELLO (0: none)."""
+    if 5 not in msg.fields:
+        return 0
+    port = msg.get(5, int)
+    if not 0 < port < 65536:
+        raise RelayProtocolError(f"HELLO's observe port {quoted(port)} is not 1-65535")
+    return port
 
 
 def peer_list(msg: Message) -> list[str]:

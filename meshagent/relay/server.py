@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
+from meshagent.errors import ConfigError
 from meshagent.net.address import Address
 from meshagent.net.frame_reader import receive_frame
 from meshagent.net.transport import Transport
@@ -75,7 +76,11 @@ class RelayServer:
         *,
         name: str = "",
         on_bytes: BytesHook | None = None,
+        observe: Address | str | None = None,
     ) -> None:
+        """`observe`: a second address to listen on, where the relay only says where it sees
+        a connection come from (an agent compares it with the main port's, to learn whether
+        its NAT maps by destination); None: no second port."""
         self.limits = limits or RelayLimits()
         self.limits.validate()
         self.name = name
@@ -90,11 +95,22 @@ class RelayServer:
         self.bytes_relayed = 0
         self.refusals: dict[str, int] = {}
         self.address: Address | None = None
+        self._observe = Address.parse(observe) if observe is not None else None
+        self.observe_address: Address | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED):
         async with trio.open_nursery() as nursery:
+            if self._observe is not None:
+                self.observe_address = await nursery.start(
+                    self._transport.serve, self._observe, self._handle_observe
+                )
             self.address = await nursery.start(self._transport.serve, self._listen, self._handle)
-            log.info("relay.started", address=str(self.address), limits=self.limits.__dict__)
+            log.info(
+                "relay.started",
+                address=str(self.address),
+                observe=str(self.observe_address) if self.observe_address else None,
+                limits=self.limits.__dict__,
+            )
             task_status.started(self.address)
 
     def stats(self) -> dict[str, object]:
@@ -115,7 +131,7 @@ class RelayServer:
         frames = LengthPrefixDecoder(p.FRAMING)
         peer = "?"
         try:
-            await stream.send_all(p.hello(nonce, self.name).encode())
+            await stream.send_all(self._hello(nonce, remote).encode())
             with trio.fail_after(self.limits.request_timeout):
                 msg = await _read_message(stream, frames)
             if msg.type not in (p.REGISTER, p.CONNECT, p.ACCEPT):
@@ -139,6 +155,26 @@ class RelayServer:
             log.info("relay.request_timeout", remote=remote, timeout=self.limits.request_timeout)
         except _TRANSPORT_ERRORS as e:
             log.debug("relay.connection_lost", peer=peer, remote=remote, error=str(e))
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    def _hello(self, nonce: bytes, remote: str) -> p.Message:
+        try:
+            observed = str(Address.parse(remote))
+        except ConfigError:
+            observed = ""  # a transport that cannot say
+        port = self.observe_address.port if self.observe_address is not None else 0
+        return p.hello(nonce, self.name, observed=observed, observe_port=port)
+
+    async def _handle_observe(self, stream: trio.abc.Stream) -> None:
+        """The observing port: a HELLO that says where the connection comes from, then
+        close."""
+        try:
+            with trio.move_on_after(self.limits.request_timeout):
+                hello = self._hello(os.urandom(p.NONCE_LEN), Transport.remote_of(stream))
+                await stream.send_all(hello.encode())
+        except _TRANSPORT_ERRORS:
+            pass
         finally:
             await trio.aclose_forcefully(stream)
 

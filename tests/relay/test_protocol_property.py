@@ -79,6 +79,8 @@ def read_all_fields(msg: p.Message) -> None:
         p.verify_request(msg, bytes(p.NONCE_LEN))
     elif msg.type == p.HELLO:
         p.hello_nonce(msg)
+        p.hello_observed(msg)
+        p.hello_observe_port(msg)
     elif msg.type in (p.REGISTERED, p.MEMBERS):
         p.peer_list(msg)
     elif msg.type == p.INCOMING:
@@ -290,6 +292,10 @@ def relay_says(*messages: dict[Any, Any]):
 REGISTERED = {0: 1, 1: p.REGISTERED, 2: []}
 CLIENT_CASES = [
     ("hello-version", [], {0: 10**5000, 1: p.HELLO, 2: NONCE}, "version"),
+    ("hello-observed", [], {0: 1, 1: p.HELLO, 2: NONCE, 4: "no port"}, "observed address"),
+    ("hello-observed", [], {0: 1, 1: p.HELLO, 2: NONCE, 4: 7}, "HELLO field 4"),
+    ("hello-observe-port", [], {0: 1, 1: p.HELLO, 2: NONCE, 5: 70000}, "observe port"),
+    ("hello-observe-port", [], {0: 1, 1: p.HELLO, 2: NONCE, 5: "9340"}, "HELLO field 5"),
     *(("reply-type", [], {0: 1, 1: v}, "type") for v in BAD_VALUES),
     *(("reply-version", [], {0: v, 1: p.REGISTERED, 2: []}, "version") for v in BAD_VALUES),
     *(("refused-code", [], {0: 1, 1: p.REFUSED, 2: v, 3: "no"}, "code") for v in BAD_VALUES),

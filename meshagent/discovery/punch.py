@@ -1,0 +1,234 @@
+"""Hole punching: two agents that reach each other only through a relay open a direct TCP
+connection through their NATs, coordinated over the relayed one (`punch/1`).
+
+Each NAT lets in only what answers something sent out from behind it. So both agents dial
+each other at the same moment, from the port they listen on (`Transport.dial_from`): each
+SYN opens its own NAT for the other's, and whichever arrives after the other side's left
+finds the way open (a TCP simultaneous open, or an ordinary one where a SYN reaches the other
+side's listener).
+
+The conversation, on a stream the initiator (the agent with the lower peer id) opens over the
+relayed connection; each message a frame (u16 length, CBOR map, key 0 the version):
+
+    initiator -> OFFER  {1: 1, 2: [its candidates, host:port]}
+    responder -> ANSWER {1: 2, 2: [its candidates]}        (the initiator times the round trip)
+    initiator -> GO     {1: 3}                              then waits half the round trip
+
+and both dial every candidate of the other at once. The initiator runs the overlay's Noise
+handshake as the initiator over what connects, the responder as the responder (a connection
+that reaches its listener instead is an ordinary inbound one), so both ends agree on their
+roles whichever way the TCP connection came about. The new connection has path `direct` and
+replaces the relayed one by drain-and-close (`choose_connection`).
+
+Candidates are checked as any peer's values are: at most `MAX_CANDIDATES`, each host:port.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import cbor2
+import structlog
+import trio
+
+from meshagent.errors import ConfigError, MeshError
+from meshagent.net.address import Address
+from meshagent.net.connection import DIRECT, Connection
+from meshagent.net.frame_reader import receive_cbor
+from meshagent.net.manager import ConnectionManager
+from meshagent.net.stream import MeshStream
+from meshagent.net.transport import Transport
+from meshagent.wire.framing import Framing, LengthPrefixDecoder
+
+log = structlog.get_logger(__name__)
+
+LABEL = "punch/1"
+VERSION = 1
+OFFER, ANSWER, GO = 1, 2, 3
+MAX_CANDIDATES = 16
+MAX_ADDRESS = 64
+FRAMING = Framing("punch message", width=2, max_size=4096)
+DIAL_TIMEOUT = 5.0  # seconds each side keeps dialing after GO
+TALK_TIMEOUT = 10.0  # seconds for the conversation over the relay
+_DIAL_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+class PunchError(MeshError):
+    """A `punch/1` message that is not one, or a conversation that failed; says how."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One punch as the initiator saw it."""
+
+    connection: Connection | None
+    rtt_s: float | None  # the relayed round trip it timed
+    error: str | None  # why no connection
+
+
+def encode(kind: int, candidates: Sequence[str] = ()) -> bytes:
+    msg: dict[int, object] = {0: VERSION, 1: kind}
+    if kind in (OFFER, ANSWER):
+        msg[2] = list(candidates)[:MAX_CANDIDATES]
+    return FRAMING.encode(cbor2.dumps(msg))
+
+
+def candidates_of(msg: dict[int, object]) -> list[Address]:
+    """The candidates of an OFFER or ANSWER, each a host:port; PunchError otherwise."""
+    raw = msg.get(2)
+    if not isinstance(raw, list) or len(raw) > MAX_CANDIDATES:
+        raise PunchError(f"punch candidates must be a list of at most {MAX_CANDIDATES}")
+    out = []
+    for text in raw:
+        if not isinstance(text, str) or len(text) > MAX_ADDRESS:
+            raise PunchError(f"a punch candidate must be host:port text, not {text!r:.80}")
+        try:
+            out.append(Address.parse(text))
+        except ConfigError as e:
+            raise PunchError(f"punch candidate {text!r:.80} is not host:port") from e
+    return out
+
+
+async def _receive(stream: MeshStream, frames: LengthPrefixDecoder, kind: int) -> dict:
+    msg = await receive_cbor(
+        stream,
+        frames,
+        version=VERSION,
+        on_eof=lambda: PunchError("the peer ended the punch conversation"),
+        error=PunchError,
+        what="punch message",
+    )
+    if msg.get(1) != kind:
+        raise PunchError(f"expected punch message {kind}, got {msg.get(1)!r:.40}")
+    return msg
+
+
+async def _dial_all(
+    overlay: ConnectionManager,
+    transport: Transport,
+    local: Address,
+    peer_id: str,
+    targets: Sequence[Address],
+    *,
+    initiator: bool,
+) -> Connection | None:
+    """Dial every target from `local` at once for `DIAL_TIMEOUT`; the first that connects
+    and completes the handshake (as `initiator` says) is the connection."""
+    won: list[Connection] = []
+
+    async def one(target: Address, scope: trio.CancelScope) -> None:
+        try:
+            stream = await transport.dial_from(target, local)
+        except _DIAL_ERRORS as e:
+            log.debug("punch.dial_failed", peer=peer_id, target=str(target), error=str(e))
+            return
+        try:
+            conn = await overlay.adopt(
+                stream, initiator=initiator, remote=str(target), path=DIRECT, peer_id=peer_id
+            )
+        except (MeshError, *_DIAL_ERRORS) as e:
+            log.info("punch.handshake_failed", peer=peer_id, target=str(target), error=str(e))
+            return
+        if conn.peer_id == peer_id and conn.path == DIRECT:
+            won.append(conn)
+            scope.cancel()
+
+    with trio.move_on_after(DIAL_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            for target in targets:
+                nursery.start_soon(one, target, nursery.cancel_scope)
+    return won[0] if won else None
+
+
+async def initiate(
+    overlay: ConnectionManager,
+    transport: Transport,
+    peer_id: str,
+    candidates: Sequence[str],
+    *,
+    clock: Callable[[], float] = trio.current_time,
+) -> Outcome:
+    """Punch toward `peer_id` (connected through a relay) from this agent's listen port."""
+    if not overlay.listen_addresses:
+        return Outcome(None, None, "this agent does not listen")
+    local = overlay.listen_addresses[0]
+    rtt = None
+    stream = None
+    try:
+        try:
+            with trio.fail_after(TALK_TIMEOUT):
+                stream = await overlay.open_stream(peer_id, LABEL)
+                frames = LengthPrefixDecoder(FRAMING)
+                began = clock()
+                await stream.send_all(encode(OFFER, candidates))
+                theirs = candidates_of(await _receive(stream, frames, ANSWER))
+                rtt = clock() - began
+                await stream.send_all(encode(GO))
+                await stream.send_eof()  # the stream stays open till the dialing ends
+        except (MeshError, trio.TooSlowError, *_DIAL_ERRORS) as e:
+            return Outcome(None, rtt, f"the conversation over the relay failed: {e}")
+        if not theirs:
+            return Outcome(None, rtt, "the peer has no address to punch toward")
+        await trio.sleep(rtt / 2)  # the GO's way to the peer: both dial at about one moment
+        conn = await _dial_all(overlay, transport, local, peer_id, theirs, initiator=True)
+    finally:
+        if stream is not None:
+            await stream.aclose()
+    if conn is None:
+        tried = ", ".join(str(t) for t in theirs)
+        return Outcome(None, rtt, f"no candidate answered within {DIAL_TIMEOUT:g} s ({tried})")
+    return Outcome(conn, rtt, None)
+
+
+async def serve(
+    overlay: ConnectionManager,
+    transport: Transport,
+    stream: MeshStream,
+    candidates: Callable[[], Sequence[str]],
+) -> None:
+    """Answer a peer's punch: our candidates, then on its GO dial its candidates."""
+    local = overlay.listen_addresses[0] if overlay.listen_addresses else None
+    try:
+        try:
+            with trio.fail_after(TALK_TIMEOUT):
+                frames = LengthPrefixDecoder(FRAMING)
+                theirs = candidates_of(await _receive(stream, frames, OFFER))
+                await stream.send_all(encode(ANSWER, candidates() if local else ()))
+                await _receive(stream, frames, GO)
+                await stream.send_eof()
+        except (PunchError, trio.TooSlowError, *_DIAL_ERRORS) as e:
+            stream.reset(str(e)[:200])
+            log.info("punch.refused", peer=stream.peer_id, error=str(e))
+            return
+        if local is None or not theirs:
+            return
+        conn = await _dial_all(overlay, transport, local, stream.peer_id, theirs, initiator=False)
+        log.info("punch.answered", peer=stream.peer_id, connected=conn is not None)
+    finally:
+        await stream.aclose()
+
+
+def schedule(attempts: int, base: float) -> float:
+    """Seconds before punching again after `attempts` failed ones: `base`, doubling to a
+    minute."""
+    return min(60.0, base * math.pow(2, max(0, attempts - 1)))
+
+
+def why_relayed(
+    my_nat: str, their_nat: str, *, punches: int, error: str | None, punching: bool
+) -> str:
+    """Why a peer is still reached through a relay, for `meshagent peers`. `punching`: this
+    agent is the one of the two that punches (the lower peer id)."""
+    if my_nat == their_nat == "dependent":
+        return (
+            "both NATs map by destination (symmetric): no hole can be punched; a port forward, "
+            "--listen on a public address, or UPnP on either router would give a direct path"
+        )
+    if not punching:
+        return "the peer punches toward this agent (the lower peer id of the two does)"
+    if punches == 0:
+        return "no punch tried yet"
+    tried = f"{punches} punch{'es' if punches > 1 else ''} failed"
+    return f"{tried}; the last: {error}" if error else tried

@@ -1,0 +1,50 @@
+"""`punch/1`'s messages and what `meshagent peers` says of a relayed peer (`punch.py`)."""
+
+from __future__ import annotations
+
+import cbor2
+import pytest
+
+from meshagent.discovery import punch
+from meshagent.discovery.punch import PunchError, candidates_of, why_relayed
+from meshagent.net.address import Address
+from meshagent.wire.framing import LengthPrefixDecoder
+
+
+def _decode(data: bytes) -> dict:
+    frames = LengthPrefixDecoder(punch.FRAMING)
+    frames.feed(data)
+    return cbor2.loads(frames.next_frame())
+
+
+def test_offer_round_trip_and_limits():
+    msg = _decode(punch.encode(punch.OFFER, ["10.0.0.1:9338", "[fe80::1]:9338"]))
+    assert msg[1] == punch.OFFER
+    assert candidates_of(msg) == [Address("10.0.0.1", 9338), Address("fe80::1", 9338)]
+    many = [f"10.0.0.{i}:9338" for i in range(40)]
+    assert len(candidates_of(_decode(punch.encode(punch.ANSWER, many)))) == punch.MAX_CANDIDATES
+    assert 2 not in _decode(punch.encode(punch.GO))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [None, "10.0.0.1:9338", [7], ["no-port"], ["x" * 100 + ":1"], ["h:1"] * 17, [["a"]]],
+)
+def test_a_peer_s_bad_candidates_are_refused_by_name(bad):
+    with pytest.raises(PunchError, match="candidate"):
+        candidates_of({0: 1, 1: punch.OFFER, 2: bad})
+
+
+def test_why_a_peer_is_relayed():
+    both = why_relayed("dependent", "dependent", punches=3, error="x", punching=True)
+    assert "symmetric" in both and "port forward" in both
+    assert "peer punches" in why_relayed("independent", "", punches=0, error=None, punching=False)
+    assert why_relayed("independent", "independent", punches=0, error=None, punching=True) == (
+        "no punch tried yet"
+    )
+    said = why_relayed("", "", punches=2, error="no candidate answered", punching=True)
+    assert said == "2 punches failed; the last: no candidate answered"
+
+
+def test_punches_back_off_to_a_minute():
+    assert [punch.schedule(n, 5.0) for n in (1, 2, 3, 4, 5, 9)] == [5, 10, 20, 40, 60, 60]
