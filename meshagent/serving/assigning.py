@@ -213,11 +213,13 @@ class Assigning:
             await self._seed()
             self._heard_catalogue = True
             while True:
-                seen, cat = self.gossip.generation, self.catalog.generation
                 self._poke = trio.Event()
                 self._follow()
                 self.reassign()
                 self._publish()
+                # Read after publishing (nothing else runs in between): this agent's own new
+                # record is not a change to wake for.
+                seen, cat = self.gossip.generation, self.catalog.generation
                 with trio.move_on_after(self._next_wake()):
                     await first(
                         partial(self.gossip.wait_changed, seen),
