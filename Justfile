@@ -46,3 +46,7 @@ sim-discovery *ARGS:
 # net-sim (root): the link emulator's own latency, packet rate and throughput
 sim-limits *ARGS:
     {{venv}}/python net-sim/limits.py {{ARGS}}
+
+# net-sim (root): every pair of NAT kinds, 20 runs each: direct or relayed, how fast
+sim-nat *ARGS:
+    {{venv}}/python net-sim/sim.py nat {{ARGS}}

@@ -236,7 +236,7 @@ def _why_relayed(s: AgentParts, rows: list[dict[str, Any]]) -> list[dict[str, An
             row.get("nat", ""),
             punches=c.punches,
             error=c.punch_error,
-            punching=s.identity.peer_id < row["peer_id"],
+            punching=s.dialer.punches(row["peer_id"]),
         )
     return rows
 

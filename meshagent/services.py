@@ -193,6 +193,7 @@ class Services:
             punch=lambda peer_id: punch.initiate(
                 self.overlay, self.transport, peer_id, self.punch_candidates()
             ),
+            my_nat=lambda: self.reachability().nat if self.relays else "",
             local_relays=lambda: tuple(r.name for r in self.relays if r.registered),
             config=DialerConfig(upgrade_interval=config.upgrade_interval),
         )

@@ -8,6 +8,7 @@ a new folder under net-sim/reports/ (or --out). Needs root. See docs/net-sim.md.
     sudo .venv/bin/python net-sim/sim.py discovery                     # `just sim-discovery`
     sudo .venv/bin/python net-sim/sim.py churn                         # `just sim-churn`
     sudo .venv/bin/python net-sim/sim.py prefix --regime wan           # `just sim-prefix`
+    sudo .venv/bin/python net-sim/sim.py nat --runs 20                 # `just sim-nat`
     .venv/bin/python net-sim/sim.py render net-sim/reports/<run>       # report.md and plots again
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from netsim import report, scenarios  # noqa: E402 - after the path is set
+from netsim import nat_matrix, report, scenarios  # noqa: E402 - after the path is set
 from netsim.errors import NeedsRoot  # noqa: E402
 from netsim.lab import check_requirements  # noqa: E402
 from netsim.regimes import REGIMES  # noqa: E402
@@ -152,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     dp = sub.add_parser("discovery", help="mDNS on a LAN, and the relay between isolated hosts")
     dp.add_argument("--seed", type=int, default=1)
     dp.add_argument("--serve", type=int, default=3, help="requests through each mesh formed")
+    np_ = sub.add_parser("nat", help="every pair of NAT kinds: direct or relayed, how fast")
+    np_.add_argument("--runs", type=int, default=20, help="runs a pair")
+    np_.add_argument("--kinds", default=",".join(nat_matrix.KINDS), help="NAT kinds, a,b,...")
+    np_.add_argument("--regime", choices=REGIMES, default="wan")
+    np_.add_argument("--parallel", type=int, default=3, help="pairs run at once")
+    np_.add_argument("--cap", type=float, default=20.0, help="seconds a run waits for direct")
+    np_.add_argument("--seed", type=int, default=1)
     for sp in sub.choices.values():
         sp.add_argument("--out", type=Path, help="the run's folder (default: a new one)")
     rp = sub.add_parser("render", help="write a run's report.md and plots again from its data")
@@ -168,13 +176,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.scenario in ("split", "soak", "prefix"):
         label = "-".join(args.regime) if len(args.regime) < len(REGIMES) else "all"
-    elif args.scenario in ("faults", "churn"):
+    elif args.scenario in ("faults", "churn", "nat"):
         label = args.regime
     else:
         label = "lan-relay"
     out = args.out or report.run_dir(args.scenario, label)
     out.mkdir(parents=True, exist_ok=True)
     print(f"sim: {args.scenario} → {out}", file=sys.stderr)
+    if args.scenario == "nat":
+        kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+        unknown = [k for k in kinds if k not in nat_matrix.KINDS]
+        if unknown:
+            p.error(f"no NAT kind {', '.join(unknown)}; there are {', '.join(nat_matrix.KINDS)}")
+        rep = nat_matrix.matrix(
+            out,
+            runs=args.runs,
+            kinds=kinds,
+            regime=args.regime,
+            parallel=args.parallel,
+            cap_s=args.cap,
+            seed=args.seed,
+        )
+        print(nat_matrix.table(rep))
+        return 0
     if args.scenario in ("split", "soak"):
         settings = scenarios.SplitSettings(
             requests=args.requests,

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
+from pathlib import Path
 
+import structlog
 import trio
 
 from meshagent import logs
@@ -15,6 +19,8 @@ from meshagent.net.address import Address
 from meshagent.net.tcp import TcpTransport
 from meshagent.relay.limits import RelayLimits
 from meshagent.relay.server import RelayServer
+
+log = structlog.get_logger(__name__)
 
 
 def size(text: str) -> int:
@@ -57,6 +63,33 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="bytes per second per circuit, both directions together (default 4MiB)",
     )
     p.add_argument(
+        "--circuits-per-mesh",
+        type=int,
+        default=d.circuits_per_mesh,
+        help=f"circuits among one mesh's members at once (default {d.circuits_per_mesh})",
+    )
+    p.add_argument(
+        "--mesh-rate",
+        type=size,
+        default=0,
+        metavar="BYTES",
+        help="bytes per second of all one mesh's circuits together (default 0: no cap)",
+    )
+    p.add_argument(
+        "--report-every",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="log what the relay carries, in total and per mesh (relay.report), this often "
+        "(default 60; 0: never)",
+    )
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="FILE",
+        help="also write that report as JSON to FILE each time (replaced whole)",
+    )
+    p.add_argument(
         "--idle-timeout",
         type=float,
         default=d.idle_timeout,
@@ -80,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         circuits_per_agent=args.circuits_per_agent,
         rate_bytes_per_s=args.rate,
         idle_timeout=args.idle_timeout,
+        circuits_per_mesh=args.circuits_per_mesh,
+        mesh_rate_bytes_per_s=args.mesh_rate,
     )
     limits.validate()
     logs.configure(
@@ -99,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
                 else ""
             )
             print(f"meshagent: relay listening on {address}{also}", file=sys.stderr)
+            if args.report_every > 0:
+                nursery.start_soon(_report, server, args.report_every, args.report)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
                     break
@@ -117,3 +154,15 @@ def _observe(listen: Address, args: argparse.Namespace) -> Address | None:
     if port > 65535 or (port and port == listen.port):
         raise ConfigError(f"--observe-port {port}: give a free port other than the listen port")
     return Address(listen.host, port)
+
+
+async def _report(server: RelayServer, every: float, path: Path | None) -> None:
+    """What the relay carries, in total and per mesh: logged, and written to `path`."""
+    while True:
+        await trio.sleep(every)
+        stats = server.stats()
+        log.info("relay.report", **stats)
+        if path is not None:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(stats, indent=1))
+            os.replace(tmp, path)

@@ -34,7 +34,7 @@ import structlog
 import trio
 
 from meshagent.discovery import hearing
-from meshagent.discovery.punch import Outcome, schedule
+from meshagent.discovery.punch import Outcome, punches, schedule
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.service import GossipService
 from meshagent.net.address import Address
@@ -101,6 +101,7 @@ class PeerDialer:
         relay_dial: RelayDial | None = None,
         local_relays: Callable[[], tuple[str, ...]] = tuple,
         punch: Punch | None = None,
+        my_nat: Callable[[], str] = str,
         config: DialerConfig | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -110,6 +111,7 @@ class PeerDialer:
         self._relay_dial = relay_dial
         self._local_relays = local_relays
         self._punch = punch
+        self._my_nat = my_nat  # this agent's NAT kind as its relays see it (`nat.py`)
         self._rng = rng or random.Random()
         self._candidates: dict[str, Candidate] = {}
         self._judging: set[str] = set()  # peers whose silence is being looked into
@@ -368,7 +370,7 @@ class PeerDialer:
                 log.info("dialer.upgraded", peer=c.peer_id, path=conn.path, remote=conn.remote)
                 return
             now = trio.current_time()
-            if self._punch is None or self.self_id > c.peer_id or now < c.next_punch:
+            if self._punch is None or not self.punches(c.peer_id) or now < c.next_punch:
                 return
             c.punches += 1
             outcome = await self._punch(c.peer_id)
@@ -390,6 +392,12 @@ class PeerDialer:
             log.info("dialer.punch_failed", peer=c.peer_id, attempts=c.punches, error=outcome.error)
         finally:
             c.attempting = False
+
+    def punches(self, peer_id: str) -> bool:
+        """Whether this agent, not `peer_id`, punches between the two (`punch.punches`)."""
+        view = self.gossip.snapshot().get(peer_id) if self.gossip is not None else None
+        theirs = view.record.nat if view is not None else ""
+        return punches(self._my_nat(), theirs, self.self_id, peer_id)
 
     async def _try_direct_at_once(self, c: Candidate) -> Connection | None:
         """Every direct address of `c` at once, for `upgrade_timeout`: the first that gives a

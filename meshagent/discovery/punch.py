@@ -7,14 +7,17 @@ SYN opens its own NAT for the other's, and whichever arrives after the other sid
 finds the way open (a TCP simultaneous open, or an ordinary one where a SYN reaches the other
 side's listener).
 
-The conversation, on a stream the initiator (the agent with the lower peer id) opens over the
+The conversation, on a stream the initiator opens over the
 relayed connection; each message a frame (u16 length, CBOR map, key 0 the version):
 
     initiator -> OFFER  {1: 1, 2: [its candidates, host:port]}
     responder -> ANSWER {1: 2, 2: [its candidates]}        (the initiator times the round trip)
-    initiator -> GO     {1: 3}                              then waits half the round trip
+    initiator -> GO     {1: 3}
 
-and both dial every candidate of the other at once. The initiator runs the overlay's Noise
+and both dial every candidate of the other at once, the initiator as soon as it said GO, the
+other when GO arrives (half a round trip later, so the initiator's SYNs leave first). The
+initiator is the side behind the more closed NAT (`punches`), by the lower peer id where the
+two are alike. The initiator runs the overlay's Noise
 handshake as the initiator over what connects, the responder as the responder (a connection
 that reaches its listener instead is an ordinary inbound one), so both ends agree on their
 roles whichever way the TCP connection came about. The new connection has path `direct` and
@@ -171,7 +174,9 @@ async def initiate(
             return Outcome(None, rtt, f"the conversation over the relay failed: {e}")
         if not theirs:
             return Outcome(None, rtt, "the peer has no address to punch toward")
-        await trio.sleep(rtt / 2)  # the GO's way to the peer: both dial at about one moment
+        # Dial at once: this side's SYNs leave first (the GO still has half a round trip to
+        # go), so the other's arrive at a socket already connecting (a simultaneous open)
+        # rather than at the listener, where they would find a responder like themselves.
         conn = await _dial_all(overlay, transport, local, peer_id, theirs, initiator=True)
     finally:
         if stream is not None:
@@ -216,6 +221,20 @@ def schedule(attempts: int, base: float) -> float:
     return min(60.0, base * math.pow(2, max(0, attempts - 1)))
 
 
+# How little a NAT lets in, as far as its mapping tells: the more closed side punches.
+_CLOSED = {"dependent": 2, "independent": 1, "unknown": 1, "": 1, "none": 0}
+
+
+def punches(my_nat: str, their_nat: str, my_id: str, their_id: str) -> bool:
+    """Whether this side of a relayed pair punches (and is the handshake's initiator): the
+    side behind the more closed NAT, by the lower peer id where they are alike. Its SYNs
+    come from ports the other cannot foresee (symmetric) or are let in only as answers, so
+    they must be the ones that reach the other's listener or its connecting socket; the
+    other side's own SYNs only open its NAT."""
+    mine, theirs = _CLOSED.get(my_nat, 1), _CLOSED.get(their_nat, 1)
+    return mine > theirs if mine != theirs else my_id < their_id
+
+
 def why_relayed(
     my_nat: str, their_nat: str, *, punches: int, error: str | None, punching: bool
 ) -> str:
@@ -227,7 +246,7 @@ def why_relayed(
             "--listen on a public address, or UPnP on either router would give a direct path"
         )
     if not punching:
-        return "the peer punches toward this agent (the lower peer id of the two does)"
+        return "the peer punches toward this agent (the side behind the more closed NAT does)"
     if punches == 0:
         return "no punch tried yet"
     tried = f"{punches} punch{'es' if punches > 1 else ''} failed"

@@ -15,6 +15,8 @@ class RelayLimits:
     circuits_per_agent: int = 16  # circuits an agent may be an end of at once
     max_circuits: int = 4096
     rate_bytes_per_s: float = 4 << 20  # per circuit, both directions together
+    circuits_per_mesh: int = 256  # circuits among the members of one mesh at once
+    mesh_rate_bytes_per_s: float = 0.0  # all of one mesh's circuits together; 0: no cap
     idle_timeout: float = 120.0  # a circuit that moves no byte this long is closed
     accept_timeout: float = 10.0  # how long a dialer waits for the target to accept
     request_timeout: float = 10.0  # how long a new connection has to say what it is for
@@ -23,8 +25,10 @@ class RelayLimits:
     def validate(self) -> None:
         if self.rate_bytes_per_s <= 0 or self.idle_timeout <= 0:
             raise ConfigError("relay rate and idle timeout must be > 0")
-        if self.circuits_per_agent < 1 or self.max_agents < 1:
+        if self.circuits_per_agent < 1 or self.max_agents < 1 or self.circuits_per_mesh < 1:
             raise ConfigError("relay limits on agents and circuits must be >= 1")
+        if self.mesh_rate_bytes_per_s < 0:
+            raise ConfigError("the relay's per-mesh rate must be >= 0 (0: no cap)")
 
 
 class RateLimiter:

@@ -59,6 +59,30 @@ class _Pending:
     leftover: bytes = b""
 
 
+@dataclass
+class _MeshUse:
+    """What one mesh (its members' rendezvous tag) uses of this relay."""
+
+    name: str  # the tag's first 12 hex digits: names the mesh in reports, reveals nothing
+    limiter: RateLimiter | None  # all its circuits together (`mesh_rate_bytes_per_s`)
+    circuits_open: int = 0
+    circuits_total: int = 0
+    bytes_relayed: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self, agents: int) -> dict[str, object]:
+        return {
+            "agents": agents,
+            "circuits_open": self.circuits_open,
+            "circuits_total": self.circuits_total,
+            "bytes_relayed": self.bytes_relayed,
+            "refusals": dict(self.refusals),
+        }
+
+
+MAX_MESHES_KEPT = 4096  # meshes whose use is reported (the least recently active go first)
+
+
 def _client_closed() -> trio.BrokenResourceError:
     return trio.BrokenResourceError("the client closed the connection")
 
@@ -94,6 +118,7 @@ class RelayServer:
         self.circuits_total = 0
         self.bytes_relayed = 0
         self.refusals: dict[str, int] = {}
+        self._meshes: dict[bytes, _MeshUse] = {}  # by rendezvous tag, most recent last
         self.address: Address | None = None
         self._observe = Address.parse(observe) if observe is not None else None
         self.observe_address: Address | None = None
@@ -121,7 +146,29 @@ class RelayServer:
             "circuits_total": self.circuits_total,
             "bytes_relayed": self.bytes_relayed,
             "refusals": dict(self.refusals),
+            "per_mesh": {
+                use.name: use.to_dict(len(self._groups.get(tag, ())))
+                for tag, use in self._meshes.items()
+            },
         }
+
+    def _mesh(self, tag: bytes) -> _MeshUse:
+        """The use of the mesh of `tag`, made recent."""
+        use = self._meshes.pop(tag, None)
+        if use is None:
+            rate = self.limits.mesh_rate_bytes_per_s
+            use = _MeshUse(tag.hex()[:12], RateLimiter(rate) if rate else None)
+            while len(self._meshes) >= MAX_MESHES_KEPT:
+                del self._meshes[next(iter(self._meshes))]
+        self._meshes[tag] = use
+        return use
+
+    def _refused(self, code: Refusal, tag: bytes | None) -> None:
+        key = code.name.lower()
+        self.refusals[key] = self.refusals.get(key, 0) + 1
+        if tag is not None:
+            use = self._mesh(tag)
+            use.refusals[key] = use.refusals.get(key, 0) + 1
 
     # ----- one connection -----
 
@@ -146,7 +193,8 @@ class RelayServer:
         except (RelayRefused, RelayProtocolError) as e:
             code = e.code if isinstance(e, RelayRefused) else Refusal.BAD_MESSAGE
             reason = e.reason if isinstance(e, RelayRefused) else str(e)
-            self.refusals[code.name.lower()] = self.refusals.get(code.name.lower(), 0) + 1
+            agent = self._agents.get(peer)
+            self._refused(code, agent.tag if agent is not None else None)
             log.warning("relay.refused", peer=peer, remote=remote, code=code.name, reason=reason)
             with trio.move_on_after(1):
                 with contextlib.suppress(_TRANSPORT_ERRORS):
@@ -263,6 +311,18 @@ class RelayServer:
                 Refusal.RELAY_FULL,
                 f"this relay carries at most {self.limits.max_circuits} circuits",
             )
+        use = self._mesh(d.tag)
+        waiting = sum(
+            1
+            for x in self._pending.values()
+            if (a := self._agents.get(x.dialer)) is not None and a.tag == d.tag
+        )
+        if use.circuits_open + waiting >= self.limits.circuits_per_mesh:
+            raise RelayRefused(
+                Refusal.CIRCUIT_LIMIT,
+                f"this mesh already has {self.limits.circuits_per_mesh} circuits through this "
+                "relay (the per-mesh limit)",
+            )
         circuit = os.urandom(16)
         pending = self._pending[circuit] = _Pending(circuit, dialer, target)
         d.circuits += 1
@@ -285,7 +345,7 @@ class RelayServer:
             del self._pending[circuit]
             await stream.send_all(p.spliced(target).encode())
             await pending.stream.send_all(p.spliced(dialer).encode())
-            await self._splice(circuit, dialer, target, stream, frames.leftover(), pending)
+            await self._splice(circuit, dialer, target, stream, frames.leftover(), pending, use)
         finally:
             self._pending.pop(circuit, None)
             pending.done.set()
@@ -315,6 +375,7 @@ class RelayServer:
         a: trio.abc.Stream,
         a_leftover: bytes,
         pending: _Pending,
+        use: _MeshUse,
     ) -> None:
         b = pending.stream
         assert b is not None
@@ -326,6 +387,8 @@ class RelayServer:
         finished = [0]
         self.circuits_open += 1
         self.circuits_total += 1
+        use.circuits_open += 1
+        use.circuits_total += 1
         started = trio.current_time()
         log.info("relay.circuit_open", circuit=cid, dialer=dialer, target=target)
 
@@ -335,9 +398,12 @@ class RelayServer:
                 while True:
                     if data:
                         await limiter.take(len(data))
+                        if use.limiter is not None:
+                            await use.limiter.take(len(data))
                         last[0] = trio.current_time()
                         moved[direction] += len(data)
                         self.bytes_relayed += len(data)
+                        use.bytes_relayed += len(data)
                         if self._on_bytes is not None:
                             self._on_bytes(circuit, direction, bytes(data))
                         await dst.send_all(data)
@@ -373,8 +439,10 @@ class RelayServer:
                 nursery.start_soon(watchdog, scope)
         finally:
             self.circuits_open -= 1
+            use.circuits_open -= 1
             log.info(
                 "relay.circuit_closed",
+                mesh=use.name,
                 circuit=cid,
                 dialer=dialer,
                 target=target,

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshagent.testing.nat_rules import ruleset
 from netsim import nsenter
 from netsim.control import ControlClient
 from netsim.errors import EmulatorError, NeedsRoot, NetSimError
@@ -553,6 +554,33 @@ class Lab:
 
     def __getitem__(self, name: str) -> Host:
         return self.host(name)
+
+    def behind_nat(self, name: str, kind: str) -> Host:
+        """Put a NAT of `kind` (`meshagent/testing/nat_rules.py`) between host `name` and the
+        emulated internet: that host's namespace becomes the router (its emulator address is
+        the public one) and a new namespace behind it, `192.168.<i>.2` on a veth from the
+        router's `192.168.<i>.1`, is the machine to run processes on. Returns that inner host
+        (named `<name>-in`); the lab deletes it with the rest."""
+        router = self.host(name)
+        i = self.hosts.index(router) + 1
+        inner_ns = f"{router.netns}in"
+        _ip("netns", "add", inner_ns)
+        self._namespaces.append(inner_ns)
+        inner = Host(self, f"{name}-in", inner_ns, f"192.168.{i}.2")
+        _ip("-n", router.netns, "link", "add", "lan", "type", "veth", "peer", "name", "eth0",
+            "netns", inner_ns)  # fmt: skip
+        _ip("-n", router.netns, "-batch", "-", input=(
+            f"addr add 192.168.{i}.1/24 dev lan\nlink set lan up\n"
+        ))  # fmt: skip
+        _ip("-n", inner_ns, "-batch", "-", input=(
+            f"link set lo up\naddr add 192.168.{i}.2/24 dev eth0\nlink set eth0 up\n"
+            f"route add default via 192.168.{i}.1\n"
+        ))  # fmt: skip
+        router.run(["sysctl", "-qw", "net.ipv4.ip_forward=1"], timeout=10)
+        inner.run(["sysctl", "-qw", *(f"{k}={v}" for k, v in self.sysctls.items())], timeout=10)
+        rules = ruleset(kind, outside=IFNAME, inside="lan", host=inner.address)
+        router.run(["nft", "-f", "-"], input=rules, timeout=10)
+        return inner
 
     @property
     def emulator_pid(self) -> int | None:

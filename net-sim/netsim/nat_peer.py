@@ -86,6 +86,7 @@ async def main(args: argparse.Namespace) -> None:
         relay_dial=lambda relay, peer: next(r for r in relays if r.name == relay).dial(peer),
         local_relays=lambda: tuple(r.name for r in relays if r.registered),
         punch=lambda peer: punch.initiate(overlay, transport, peer, reach.punch_candidates()),
+        my_nat=lambda: reach.reachability().nat,
         config=DialerConfig(),
     )
     routes[gossip_service.LABEL] = gossip.handle

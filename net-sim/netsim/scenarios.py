@@ -840,7 +840,8 @@ COMMON_NOT_TESTED = (
     "CUBIC or any congestion control other than the machine's default (a namespace may only "
     "pick one the host allows: reno or bbr here); BBR largely ignores random loss, so loss "
     "costs less here than with CUBIC",
-    "NAT traversal: hosts have routable addresses; 'isolated' hosts (reachable only through "
+    "NATs: hosts here have routable addresses (NAT traversal is the `nat` scenario's); "
+    "'isolated' hosts (reachable only through "
     "the relay) are the discovery scenario's",
     "reordering, bursty or correlated loss, delay that changes during a run, asymmetric links",
     "machines of different speeds: every agent shares the same 2 cores, so one stage's compute "

@@ -48,3 +48,13 @@ def test_why_a_peer_is_relayed():
 
 def test_punches_back_off_to_a_minute():
     assert [punch.schedule(n, 5.0) for n in (1, 2, 3, 4, 5, 9)] == [5, 10, 20, 40, 60, 60]
+
+
+def test_the_side_behind_the_more_closed_nat_punches():
+    assert punch.punches("dependent", "independent", "b", "a")
+    assert not punch.punches("independent", "dependent", "a", "b")
+    assert punch.punches("independent", "none", "z", "a")
+    assert punch.punches("unknown", "", "a", "b") and not punch.punches("", "unknown", "b", "a")
+    # Alike: the lower peer id, and exactly one of the two.
+    for mine, theirs in (("dependent", "dependent"), ("none", "none"), ("independent", "")):
+        assert punch.punches(mine, theirs, "a", "b") != punch.punches(theirs, mine, "b", "a")
