@@ -78,7 +78,7 @@ BENCHES: dict[str, tuple[list[str], bool, Callable[[dict[str, Any]], dict[str, f
 # means the same on both: the folders and `launch.py` (how benchmarks start agents) always, the
 # other modules only where the base lacks them.
 INSTRUMENTS = ("bench", "net-sim", "meshagent/launch.py")
-INSTRUMENT_MODULES = ("meshagent/sse_client.py",)
+INSTRUMENT_MODULES = ("meshagent/sse_client.py", "meshagent/testing/nat_rules.py")
 
 
 def checkout(base: str, where: Path) -> Path:
@@ -134,6 +134,7 @@ def main() -> None:
     if unknown:
         ap.error(f"no benchmark {', '.join(unknown)}; there are {', '.join(BENCHES)}")
     runs: dict[str, dict[str, list[dict[str, float]]]] = {}
+    failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="meshagent-against-") as tmp:
         base = checkout(args.base, Path(tmp) / "base")
         this = checkout(args.this, Path(tmp) / "this") if args.this else HERE
@@ -148,7 +149,12 @@ def main() -> None:
                         extra = []
                         if args.max_tokens and name in ("serve", "split"):
                             extra = ["--max-tokens", str(args.max_tokens)]
-                        runs[name][side].append(run_one(tree, name, out, extra))
+                        try:
+                            runs[name][side].append(run_one(tree, name, out, extra))
+                        except subprocess.CalledProcessError as e:
+                            # One benchmark that fails loses only its own figures.
+                            print(f"  {side}: {name} failed ({e}); its figures are left out")
+                            failed.append(f"{name} ({side}, round {i + 1})")
         finally:
             for tree in {base, this} - {HERE}:
                 subprocess.run(
@@ -157,6 +163,8 @@ def main() -> None:
                 )
     rows = []
     for name in names:
+        if not runs[name]["base"] or not runs[name]["this"]:
+            continue
         for figure in runs[name]["base"][0]:
             b = statistics.median(r[figure] for r in runs[name]["base"])
             t = statistics.median(r[figure] for r in runs[name]["this"])
@@ -172,9 +180,12 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "figures": rows,
         "runs": runs,
+        "failed": failed,
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if failed:
+        print(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -191,7 +191,11 @@ class Services:
             gossip=self.gossip,
             relay_dial=self._relay_dial,
             punch=lambda peer_id: punch.initiate(
-                self.overlay, self.transport, peer_id, self.punch_candidates()
+                self.overlay,
+                self.transport,
+                peer_id,
+                self.punch_candidates(),
+                spray_host=self.reachable.spray_host(),
             ),
             my_nat=lambda: self.reachability().nat if self.relays else "",
             local_relays=lambda: tuple(r.name for r in self.relays if r.registered),
@@ -229,7 +233,11 @@ class Services:
             probe.LABEL: probe.serve,
             hearing.LABEL: partial(hearing.serve, self.overlay),
             punch.LABEL: lambda s: punch.serve(
-                self.overlay, self.transport, s, self.punch_candidates
+                self.overlay,
+                self.transport,
+                s,
+                self.punch_candidates,
+                self.reachable.public_address,
             ),
             gossip_service.LABEL: self.gossip.handle,
             GENERATE_LABEL: lambda s: entry.serve(s, self.app.catalog, peer_id=s.peer_id),

@@ -372,6 +372,9 @@ class PeerDialer:
             now = trio.current_time()
             if self._punch is None or not self.punches(c.peer_id) or now < c.next_punch:
                 return
+            if self._my_nat() == self._their_nat(c.peer_id) == "dependent":
+                c.punch_error = "both NATs map by destination (symmetric): nothing to punch"
+                return
             c.punches += 1
             outcome = await self._punch(c.peer_id)
             if outcome.connection is not None:
@@ -395,9 +398,11 @@ class PeerDialer:
 
     def punches(self, peer_id: str) -> bool:
         """Whether this agent, not `peer_id`, punches between the two (`punch.punches`)."""
+        return punches(self._my_nat(), self._their_nat(peer_id), self.self_id, peer_id)
+
+    def _their_nat(self, peer_id: str) -> str:
         view = self.gossip.snapshot().get(peer_id) if self.gossip is not None else None
-        theirs = view.record.nat if view is not None else ""
-        return punches(self._my_nat(), theirs, self.self_id, peer_id)
+        return view.record.nat if view is not None else ""
 
     async def _try_direct_at_once(self, c: Candidate) -> Connection | None:
         """Every direct address of `c` at once, for `upgrade_timeout`: the first that gives a

@@ -23,12 +23,24 @@ that reaches its listener instead is an ordinary inbound one), so both ends agre
 roles whichever way the TCP connection came about. The new connection has path `direct` and
 replaces the relayed one by drain-and-close (`choose_connection`).
 
-Candidates are checked as any peer's values are: at most `MAX_CANDIDATES`, each host:port.
+**Behind a symmetric NAT** an agent's public port is new for every destination, so a peer
+whose NAT lets in only the exact host:port it sent to (port-restricted) cannot aim at it. Then
+the two spray (`SPRAY`): the symmetric side says its public host in the OFFER, the other its
+public host:port in the ANSWER; the symmetric side opens `SPRAY` connections to that address
+from ports of the system's choosing (each a new mapping, a new public port), and the other
+sends as many SYNs from its listen port to random ports of the symmetric side's host. Where a
+mapping and a SYN meet, each side's SYN matches the other's outbound entry and the TCP
+connection opens (with 512 each, in 98 in 100 attempts).
+
+Candidates are checked as any peer's values are: at most `MAX_CANDIDATES`, each host:port;
+the spray host and the public address host text of at most `MAX_ADDRESS` characters.
 """
 
 from __future__ import annotations
 
 import math
+import random
+import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +66,10 @@ MAX_CANDIDATES = 16
 MAX_ADDRESS = 64
 FRAMING = Framing("punch message", width=2, max_size=4096)
 DIAL_TIMEOUT = 5.0  # seconds each side keeps dialing after GO
+# Connections each side opens when one is behind a symmetric NAT and the other's maps alike
+# for every destination: n random ports of the symmetric side's host, against n new mappings
+# of it, meet with probability 1 - exp(-n^2 / 64512): 98% for 512.
+SPRAY = 512
 TALK_TIMEOUT = 10.0  # seconds for the conversation over the relay
 _DIAL_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -71,11 +87,26 @@ class Outcome:
     error: str | None  # why no connection
 
 
-def encode(kind: int, candidates: Sequence[str] = ()) -> bytes:
+def encode(kind: int, candidates: Sequence[str] = (), extra: str | None = None) -> bytes:
+    """An OFFER's `extra` is the public host to spray toward (the offering side is behind a
+    symmetric NAT); an ANSWER's, the answering side's public host:port (its NAT maps alike
+    for every destination)."""
     msg: dict[int, object] = {0: VERSION, 1: kind}
     if kind in (OFFER, ANSWER):
         msg[2] = list(candidates)[:MAX_CANDIDATES]
+        if extra:
+            msg[3] = extra
     return FRAMING.encode(cbor2.dumps(msg))
+
+
+def extra_of(msg: dict[int, object]) -> str | None:
+    """An OFFER's spray host or an ANSWER's public address (host[:port] text), if any."""
+    v = msg.get(3)
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_ADDRESS:
+        raise PunchError(f"a punch message's field 3 must be host text, not {v!r:.80}")
+    return v
 
 
 def candidates_of(msg: dict[int, object]) -> list[Address]:
@@ -116,14 +147,19 @@ async def _dial_all(
     targets: Sequence[Address],
     *,
     initiator: bool,
+    from_anywhere: Sequence[Address] = (),
 ) -> Connection | None:
-    """Dial every target from `local` at once for `DIAL_TIMEOUT`; the first that connects
-    and completes the handshake (as `initiator` says) is the connection."""
+    """Dial every target from `local`, and every one of `from_anywhere` from a port of the
+    system's choosing, all at once for `DIAL_TIMEOUT`; the first that connects and completes
+    the handshake (as `initiator` says) is the connection."""
     won: list[Connection] = []
 
-    async def one(target: Address, scope: trio.CancelScope) -> None:
+    async def one(target: Address, scope: trio.CancelScope, listen_port: bool) -> None:
         try:
-            stream = await transport.dial_from(target, local)
+            if listen_port:
+                stream = await transport.dial_from(target, local)
+            else:
+                stream = await transport.dial(target)
         except _DIAL_ERRORS as e:
             log.debug("punch.dial_failed", peer=peer_id, target=str(target), error=str(e))
             return
@@ -141,8 +177,27 @@ async def _dial_all(
     with trio.move_on_after(DIAL_TIMEOUT):
         async with trio.open_nursery() as nursery:
             for target in targets:
-                nursery.start_soon(one, target, nursery.cancel_scope)
+                nursery.start_soon(one, target, nursery.cancel_scope, True)
+            for target in from_anywhere:
+                nursery.start_soon(one, target, nursery.cancel_scope, False)
     return won[0] if won else None
+
+
+def spray_size() -> int:
+    """How many connections each side of a spray opens: `SPRAY`, fewer where the process may
+    hold few files."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return SPRAY // 4
+    if soft == resource.RLIM_INFINITY:
+        return SPRAY
+    return max(0, min(SPRAY, (soft - 256) // 2))
+
+
+def spray_ports(n: int, rng: random.Random) -> list[int]:
+    """`n` distinct ports a NAT may map to (1024-65535), in no order."""
+    return rng.sample(range(1024, 65536), n)
 
 
 async def initiate(
@@ -151,9 +206,14 @@ async def initiate(
     peer_id: str,
     candidates: Sequence[str],
     *,
+    spray_host: str | None = None,
     clock: Callable[[], float] = trio.current_time,
 ) -> Outcome:
-    """Punch toward `peer_id` (connected through a relay) from this agent's listen port."""
+    """Punch toward `peer_id` (connected through a relay) from this agent's listen port.
+    `spray_host`: this agent's public host, where its NAT maps by destination (symmetric):
+    the other side then sprays SYNs at many of its ports while this side opens as many
+    connections toward the other's public address, each through a new mapping, until one
+    mapping and one SYN meet (`SPRAY`)."""
     if not overlay.listen_addresses:
         return Outcome(None, None, "this agent does not listen")
     local = overlay.listen_addresses[0]
@@ -165,8 +225,9 @@ async def initiate(
                 stream = await overlay.open_stream(peer_id, LABEL)
                 frames = LengthPrefixDecoder(FRAMING)
                 began = clock()
-                await stream.send_all(encode(OFFER, candidates))
-                theirs = candidates_of(await _receive(stream, frames, ANSWER))
+                await stream.send_all(encode(OFFER, candidates, spray_host))
+                answer = await _receive(stream, frames, ANSWER)
+                theirs, their_public = candidates_of(answer), extra_of(answer)
                 rtt = clock() - began
                 await stream.send_all(encode(GO))
                 await stream.send_eof()  # the stream stays open till the dialing ends
@@ -177,7 +238,15 @@ async def initiate(
         # Dial at once: this side's SYNs leave first (the GO still has half a round trip to
         # go), so the other's arrive at a socket already connecting (a simultaneous open)
         # rather than at the listener, where they would find a responder like themselves.
-        conn = await _dial_all(overlay, transport, local, peer_id, theirs, initiator=True)
+        many: list[Address] = []
+        if spray_host and their_public:
+            try:
+                many = [Address.parse(their_public)] * spray_size()
+            except ConfigError:
+                many = []
+        conn = await _dial_all(
+            overlay, transport, local, peer_id, theirs, initiator=True, from_anywhere=many
+        )
     finally:
         if stream is not None:
             await stream.aclose()
@@ -192,15 +261,23 @@ async def serve(
     transport: Transport,
     stream: MeshStream,
     candidates: Callable[[], Sequence[str]],
+    public: Callable[[], str | None] = lambda: None,
+    *,
+    rng: random.Random | None = None,
 ) -> None:
-    """Answer a peer's punch: our candidates, then on its GO dial its candidates."""
+    """Answer a peer's punch: our candidates (and `public()`, our public address where our NAT
+    maps alike for every destination), then on its GO dial its candidates; where it said it is
+    behind a symmetric NAT (a spray host) and we have a public address, also SYNs from our
+    listen port to `spray_size()` random ports of that host."""
     local = overlay.listen_addresses[0] if overlay.listen_addresses else None
     try:
         try:
             with trio.fail_after(TALK_TIMEOUT):
                 frames = LengthPrefixDecoder(FRAMING)
-                theirs = candidates_of(await _receive(stream, frames, OFFER))
-                await stream.send_all(encode(ANSWER, candidates() if local else ()))
+                offer = await _receive(stream, frames, OFFER)
+                theirs, spray_host = candidates_of(offer), extra_of(offer)
+                ours = public() if local else None
+                await stream.send_all(encode(ANSWER, candidates() if local else (), ours))
                 await _receive(stream, frames, GO)
                 await stream.send_eof()
         except (PunchError, trio.TooSlowError, *_DIAL_ERRORS) as e:
@@ -209,6 +286,9 @@ async def serve(
             return
         if local is None or not theirs:
             return
+        if spray_host and ours:
+            ports = spray_ports(spray_size(), rng or random.Random())
+            theirs = [*theirs, *(Address(spray_host, port) for port in ports)]
         conn = await _dial_all(overlay, transport, local, stream.peer_id, theirs, initiator=False)
         log.info("punch.answered", peer=stream.peer_id, connected=conn is not None)
     finally:

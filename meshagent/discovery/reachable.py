@@ -50,6 +50,18 @@ class Reachable:
                     out.append(a)
         return out
 
+    def spray_host(self) -> str | None:
+        """Our public host where our NAT maps by destination (a peer punching with us then
+        sprays its ports: `punch.SPRAY`)."""
+        reach = self.reachability()
+        return reach.public_hosts[0] if reach.nat == nat.DEPENDENT and reach.public_hosts else None
+
+    def public_address(self) -> str | None:
+        """Our public host:port where our NAT maps the listen port alike for every peer."""
+        reach = self.reachability()
+        ok = reach.nat in (nat.INDEPENDENT, nat.UNKNOWN)
+        return reach.public[0] if ok and reach.public else None
+
     def reachability(self) -> nat.Reachability:
         """This agent's NAT and public address as its relays see them."""
         listen = self._listening()

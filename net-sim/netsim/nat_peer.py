@@ -85,12 +85,16 @@ async def main(args: argparse.Namespace) -> None:
         gossip=gossip,
         relay_dial=lambda relay, peer: next(r for r in relays if r.name == relay).dial(peer),
         local_relays=lambda: tuple(r.name for r in relays if r.registered),
-        punch=lambda peer: punch.initiate(overlay, transport, peer, reach.punch_candidates()),
+        punch=lambda peer: punch.initiate(
+            overlay, transport, peer, reach.punch_candidates(), spray_host=reach.spray_host()
+        ),
         my_nat=lambda: reach.reachability().nat,
         config=DialerConfig(),
     )
     routes[gossip_service.LABEL] = gossip.handle
-    routes[punch.LABEL] = lambda s: punch.serve(overlay, transport, s, reach.punch_candidates)
+    routes[punch.LABEL] = lambda s: punch.serve(
+        overlay, transport, s, reach.punch_candidates, reach.public_address
+    )
     status = Path(args.status)
     async with trio.open_nursery() as nursery:
         await nursery.start(overlay.run)

@@ -58,3 +58,20 @@ def test_the_side_behind_the_more_closed_nat_punches():
     # Alike: the lower peer id, and exactly one of the two.
     for mine, theirs in (("dependent", "dependent"), ("none", "none"), ("independent", "")):
         assert punch.punches(mine, theirs, "a", "b") != punch.punches(theirs, mine, "b", "a")
+
+
+def test_a_spray_host_and_a_public_address_travel_and_are_checked():
+    offer = _decode(punch.encode(punch.OFFER, ["10.0.0.1:9338"], "203.0.113.5"))
+    assert punch.extra_of(offer) == "203.0.113.5"
+    assert punch.extra_of(_decode(punch.encode(punch.ANSWER, []))) is None
+    for bad in (7, "", "x" * 65, ["203.0.113.5"]):
+        with pytest.raises(PunchError, match="field 3"):
+            punch.extra_of({0: 1, 1: punch.OFFER, 2: [], 3: bad})
+
+
+def test_a_spray_aims_at_distinct_ports_a_nat_may_map_to():
+    import random
+
+    ports = punch.spray_ports(punch.SPRAY, random.Random(3))
+    assert len(set(ports)) == punch.SPRAY and all(1024 <= p <= 65535 for p in ports)
+    assert 0 < punch.spray_size() <= punch.SPRAY
