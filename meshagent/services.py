@@ -169,7 +169,11 @@ class Services:
             on_silent=lambda conn: self.dialer.silent(conn),
         )
         # How peers reach this agent: its addresses, its NAT as relays see it.
-        self.reachable = Reachable(lambda: self.overlay.listen_addresses, config.addresses)
+        self.reachable = Reachable(
+            lambda: self.overlay.listen_addresses,
+            config.addresses,
+            on_change=lambda: self.gossip.republish(),
+        )
         self.relays = tuple(
             RelayClient(
                 a,

@@ -47,6 +47,7 @@ from meshagent.wire.errors import HandshakeError
 log = structlog.get_logger(__name__)
 
 # (relay address, peer id) -> a connection to the peer through that relay
+_KINDS_WAIT = 10.0  # seconds a punch waits for both NATs' kinds to be known
 RelayDial = Callable[[str, str], Awaitable[Connection]]
 Punch = Callable[[str], Awaitable[Outcome]]
 _REACH_POLL = 0.05  # seconds between looks at an attempt already under way
@@ -372,7 +373,15 @@ class PeerDialer:
             now = trio.current_time()
             if self._punch is None or not self.punches(c.peer_id) or now < c.next_punch:
                 return
-            if self._my_nat() == self._their_nat(c.peer_id) == "dependent":
+            mine, theirs = self._my_nat(), self._their_nat(c.peer_id)
+            conn = self.overlay.connection(c.peer_id)
+            since = conn.established_at if conn is not None else 0.0
+            if "unknown" in (mine, theirs) and now < since + _KINDS_WAIT:
+                # Which side punches, and how, follows from both NATs' kinds: wait a little
+                # for the relays to tell them (they do within a round trip or two).
+                c.next_upgrade = now + self.config.check_interval
+                return
+            if mine == theirs == "dependent":
                 c.punch_error = "both NATs map by destination (symmetric): nothing to punch"
                 return
             c.punches += 1

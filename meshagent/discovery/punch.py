@@ -150,9 +150,12 @@ async def _dial_all(
     from_anywhere: Sequence[Address] = (),
 ) -> Connection | None:
     """Dial every target from `local`, and every one of `from_anywhere` from a port of the
-    system's choosing, all at once for `DIAL_TIMEOUT`; the first that connects and completes
-    the handshake (as `initiator` says) is the connection."""
+    system's choosing, all at once for `DIAL_TIMEOUT`. The initiator takes the first TCP
+    connection that opens and closes the others before any handshake (a spray may open
+    several: one handshake, one overlay connection); the responder runs its side of the
+    handshake on each that opens, and the one the initiator took completes."""
     won: list[Connection] = []
+    first: list[tuple[trio.abc.Stream, Address]] = []
 
     async def one(target: Address, scope: trio.CancelScope, listen_port: bool) -> None:
         try:
@@ -163,16 +166,29 @@ async def _dial_all(
         except _DIAL_ERRORS as e:
             log.debug("punch.dial_failed", peer=peer_id, target=str(target), error=str(e))
             return
+        if initiator:
+            if first:
+                await trio.aclose_forcefully(stream)
+            else:
+                first.append((stream, target))
+                scope.cancel()
+            return
+        conn = await _handshake(stream, target, initiator=False)
+        if conn is not None:
+            won.append(conn)
+            scope.cancel()
+
+    async def _handshake(
+        stream: trio.abc.Stream, target: Address, *, initiator: bool
+    ) -> Connection | None:
         try:
             conn = await overlay.adopt(
                 stream, initiator=initiator, remote=str(target), path=DIRECT, peer_id=peer_id
             )
         except (MeshError, *_DIAL_ERRORS) as e:
             log.info("punch.handshake_failed", peer=peer_id, target=str(target), error=str(e))
-            return
-        if conn.peer_id == peer_id and conn.path == DIRECT:
-            won.append(conn)
-            scope.cancel()
+            return None
+        return conn if conn.peer_id == peer_id and conn.path == DIRECT else None
 
     with trio.move_on_after(DIAL_TIMEOUT):
         async with trio.open_nursery() as nursery:
@@ -180,6 +196,8 @@ async def _dial_all(
                 nursery.start_soon(one, target, nursery.cancel_scope, True)
             for target in from_anywhere:
                 nursery.start_soon(one, target, nursery.cancel_scope, False)
+    if initiator and first:
+        return await _handshake(*first[0], initiator=True)
     return won[0] if won else None
 
 

@@ -19,9 +19,12 @@ class Reachable:
         listening: Callable[[], Sequence[Address]],
         given: Sequence[str] = (),
         own_hosts: Callable[[], Sequence[str]] | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
-        """`listening`: the overlay's listen addresses; `given`: `--address`es."""
+        """`listening`: the overlay's listen addresses; `given`: `--address`es; `on_change`
+        is called when what relays tell of us changes (to publish it at once)."""
         self._listening = listening
+        self._on_change = on_change
         self.given = tuple(given)
         self.observations = nat.Observations(
             own_hosts=own_hosts or (lambda: addresses.interface_ipv4s(include_loopback=True))
@@ -71,6 +74,7 @@ class Reachable:
 
     def observed(self, o: nat.Observation) -> None:
         """A relay said where it sees us come from (`RelayClient`'s `on_observed`)."""
+        before = self.reachability()
         if self.observations.add(o):
             log.info(
                 "nat.observed",
@@ -79,3 +83,5 @@ class Reachable:
                 seen=str(o.seen),
                 nat=self.reachability().nat,
             )
+            if self.reachability() != before and self._on_change is not None:
+                self._on_change()

@@ -214,6 +214,14 @@ class GossipService:
             if link.peer_id != but:
                 self._exchange_soon(link.peer_id, again=True)
 
+    def republish(self) -> None:
+        """Read the caller's dynamic fields now (not at the next refresh) and spread what
+        changed: a change peers act on at once (this agent's NAT, its public address)."""
+        self._last_refresh = -float("inf")
+        self._refresh(trio.current_time())
+        if self._nursery is not None:
+            self.spread_now()
+
     def spread_now(self) -> None:
         """Exchange with every connected peer now: a change the others wait on (a placement
         claim: a split serves once every stage's claim says ready) reaches them within a

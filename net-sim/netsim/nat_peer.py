@@ -54,7 +54,7 @@ async def main(args: argparse.Namespace) -> None:
         on_lost=lambda conn: dialer.lost(conn),
         on_silent=lambda conn: dialer.silent(conn),
     )
-    reach = Reachable(lambda: overlay.listen_addresses)
+    reach = Reachable(lambda: overlay.listen_addresses, on_change=lambda: gossip.republish())
     relays = [
         RelayClient(
             r,
