@@ -189,7 +189,9 @@ def _direct(s0: dict[str, Any] | None, s1: dict[str, Any] | None) -> bool:
 def _record(s0, s1, ready_s: float | None, direct_s: float | None) -> dict[str, Any]:
     a, b = _link(s0, s1), _link(s1, s0)
     # The side that punched (`punch.punches` picks it) is the one with attempts.
-    puncher = max((a or {}, b or {}), key=lambda x: x.get("punches", 0))
+    puncher = max(
+        (a or {}, b or {}), key=lambda x: (x.get("punches", 0), x.get("punch_error") is not None)
+    )
     return {
         "ready_s": None if ready_s is None else round(ready_s, 2),
         "direct_s": None if direct_s is None else round(direct_s, 2),
