@@ -202,6 +202,7 @@ class Services:
                 spray_host=self.reachable.spray_host(),
             ),
             my_nat=lambda: self.reachability().nat if self.relays else "",
+            relay_members=lambda: set().union(*(r.members for r in self.relays)),
             local_relays=lambda: tuple(r.name for r in self.relays if r.registered),
             config=DialerConfig(upgrade_interval=config.upgrade_interval),
         )

@@ -103,6 +103,7 @@ class PeerDialer:
         local_relays: Callable[[], tuple[str, ...]] = tuple,
         punch: Punch | None = None,
         my_nat: Callable[[], str] = str,
+        relay_members: Callable[[], set[str]] = set,
         config: DialerConfig | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -113,6 +114,7 @@ class PeerDialer:
         self._local_relays = local_relays
         self._punch = punch
         self._my_nat = my_nat  # this agent's NAT kind as its relays see it (`nat.py`)
+        self._relay_members = relay_members  # peers registered now at one of our relays
         self._rng = rng or random.Random()
         self._candidates: dict[str, Candidate] = {}
         self._judging: set[str] = set()  # peers whose silence is being looked into
@@ -320,7 +322,11 @@ class PeerDialer:
             silent = round(conn.silent_for(), 1)
             hears = [a for a in answers if a < self.config.hears_within]
             beat_moved = gossip is not None and gossip.beat_of(peer) > beat
-            gone = not hears and not beat_moved and (bool(answers) or not others)
+            # A peer still registered at one of our relays is alive there, whatever this
+            # path says (two agents alone, whose punched path a NAT forgot, hear of each
+            # other only through it): redial through the relay rather than bury it.
+            on_relay = peer in self._relay_members()
+            gone = not hears and not beat_moved and (bool(answers) or not others) and not on_relay
             if gone and gossip is not None:
                 gossip.declare_dead(
                     peer, f"no answer for {silent} s, and {len(answers)} other peer(s) hear nothing"

@@ -89,6 +89,7 @@ async def main(args: argparse.Namespace) -> None:
             overlay, transport, peer, reach.punch_candidates(), spray_host=reach.spray_host()
         ),
         my_nat=lambda: reach.reachability().nat,
+        relay_members=lambda: set().union(*(r.members for r in relays)),
         config=DialerConfig(),
     )
     routes[gossip_service.LABEL] = gossip.handle

@@ -113,3 +113,35 @@ def test_two_agents_behind_symmetric_nats_stay_relayed_and_say_why(tmp_path: Pat
         assert lab.status(a)["reachability"]["nat"] == "dependent"
     finally:
         lab.close()
+
+
+def test_a_punched_path_that_dies_falls_back_to_the_relay_and_comes_back(tmp_path: Path):
+    # Two agents alone: the only other member that could say the peer is alive is the relay.
+    require_netns()
+    _require_nft()
+    lab = Lab(tmp_path)
+    try:
+        (a, b), (ida, idb) = _behind_nats(lab, tmp_path, ("port-restricted", "port-restricted"))
+
+        def paths(want: str):
+            pa, pb = lab.peers_of_all([a, b])
+            la, lb = _link_to(pa, idb), _link_to(pb, ida)
+            return la and lb and la["path"] == lb["path"] == want and la["state"] == "alive"
+
+        wait_until(lambda: paths("direct"), 40, "a direct connection")
+        # The first NAT drops everything between it and the other NAT from now on, as a
+        # router that forgot its mappings and lets nothing unsolicited in would.
+        nat1 = next(ns for ns in lab.namespaces if ns.endswith("n1"))
+        for rule in ("ip daddr 10.240.2.2 drop", "ip saddr 10.240.2.2 drop"):
+            lab.run(nat1, "nft", "insert", "rule", "ip", "meshnat", "forward", *rule.split())
+        _, took = wait_until(lambda: paths("relayed"), 40, "back on the relay")
+        print(f"\nrelayed again {took:.1f} s after the direct path died")
+        lab.run(nat1, "nft", "flush", "chain", "ip", "meshnat", "forward")
+        rules = (tmp_path / "nat1.nft").read_text()
+        lab.run(nat1, "nft", "delete", "table", "ip", "meshnat")
+        lab.run(nat1, "nft", "-f", str(tmp_path / "nat1.nft"))
+        assert rules
+        _, took = wait_until(lambda: paths("direct"), 90, "direct again")
+        print(f"direct again {took:.1f} s after the path came back")
+    finally:
+        lab.close()
