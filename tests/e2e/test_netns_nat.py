@@ -1,11 +1,14 @@
 """Across NATs, over real sockets: two agents, each behind a NAT router namespace (nftables,
 `meshagent/testing/nat_rules.py`), meet through a relay on the "internet" side. The relay
 tells each its public address and whether its NAT maps by destination; behind cone NATs the
-lower peer id punches a hole through both and the pair moves to a direct connection; behind
-two symmetric NATs they stay relayed, and `meshagent peers` says why."""
+one of them punches a hole through both and the pair moves to a direct connection; behind
+two symmetric NATs they stay relayed, and `meshagent peers` says why. A punched path that
+dies falls back to the relay, a split stream on it completes with the same text, and the
+pair punches through again once the path is back."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -31,7 +34,9 @@ def _link_to(body: dict, peer: str) -> dict | None:
     return next((p for p in body["peers"] if p["peer_id"] == peer), None)
 
 
-def _behind_nats(lab: Lab, tmp_path: Path, kinds: tuple[str, str]) -> tuple[list, list[str]]:
+def _behind_nats(
+    lab: Lab, tmp_path: Path, kinds: tuple[str, str], *flags: str
+) -> tuple[list, list[str]]:
     """The relay's namespace routes between two NAT routers (10.240.N.0/24 outside); behind
     router N, host N at 192.168.N.2. Returns the two agents (started) and their peer ids."""
     r = lab.ns("r")
@@ -55,9 +60,18 @@ def _behind_nats(lab: Lab, tmp_path: Path, kinds: tuple[str, str]) -> tuple[list
         lab.run(nat, "nft", "-f", str(rules))
         data = tmp_path / f"agent{n}"
         save_mesh(data / "mesh.key", secret)
+        # Relayed peers try direct every second (not 5): punches retry 1, 2, 4 s... apart.
+        (data / "config.toml").write_text("upgrade_interval = 1.0\n")
         agents.append(
             lab.start_agent(
-                host, data, "--name", f"agent{n}", "--relay", f"10.240.{n}.1:9339", "--no-mdns"
+                host,
+                data,
+                "--name",
+                f"agent{n}",
+                "--relay",
+                f"10.240.{n}.1:9339",
+                "--no-mdns",
+                *flags,
             )
         )
     ids = [lab.status(a)["peer_id"] for a in agents]
@@ -143,5 +157,138 @@ def test_a_punched_path_that_dies_falls_back_to_the_relay_and_comes_back(tmp_pat
         assert rules
         _, took = wait_until(lambda: paths("direct"), 90, "direct again")
         print(f"direct again {took:.1f} s after the path came back")
+    finally:
+        lab.close()
+
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+# One streamed greedy chat request from inside a namespace: each chunk's text as a JSON line
+# to the file named, then {"done": true} once [DONE] arrives.
+CLIENT = """
+import json, sys, httpx
+url, out = sys.argv[1], open(sys.argv[2], "w", buffering=1)
+body = {"model": sys.argv[3], "max_tokens": int(sys.argv[4]), "temperature": 0, "stream": True,
+        "messages": [{"role": "user", "content": "Tell me about the rivers of Europe."}]}
+with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+    for line in r.iter_lines():
+        if line == "data: [DONE]":
+            out.write(json.dumps({"done": True}) + "\\n")
+        elif line.startswith("data: "):
+            d = json.loads(line[6:])
+            if "error" in d:
+                out.write(json.dumps({"error": d["error"]}) + "\\n")
+            for c in d.get("choices", []):
+                out.write(json.dumps({"text": c["delta"].get("content") or ""}) + "\\n")
+"""
+
+
+def _stream(lab: Lab, agent, out: Path, tokens: int = 160):
+    url = json.loads((agent.data_dir / "agent.json").read_text())["api"]
+    return lab.spawn(
+        agent.ns, out.stem, sys.executable, "-c", CLIENT, url, str(out), MODEL, str(tokens)
+    )
+
+
+def _block(lab: Lab, nat: str) -> None:
+    """Everything between the first NAT and the second's public address dropped there."""
+    for rule in ("ip daddr 10.240.2.2 drop", "ip saddr 10.240.2.2 drop"):
+        lab.run(nat, "nft", "insert", "rule", "ip", "meshnat", "forward", *rule.split())
+
+
+def _unblock(lab: Lab, nat: str, rules: Path) -> None:
+    lab.run(nat, "nft", "delete", "table", "ip", "meshnat")
+    lab.run(nat, "nft", "-f", str(rules))
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+
+
+def test_a_split_stream_survives_its_punched_path_dying(tmp_path: Path):
+    # 75 MB each: neither agent holds the model whole, the two hold it split.
+    require_netns()
+    _require_nft()
+    lab = Lab(tmp_path)
+    try:
+        (a, b), (ida, idb) = _behind_nats(
+            lab, tmp_path, ("port-restricted", "port-restricted"), "--max-memory", "75M"
+        )
+
+        def direct():
+            pa, pb = lab.peers_of_all([a, b])
+            la, lb = _link_to(pa, idb), _link_to(pb, ida)
+            return la and lb and la["path"] == lb["path"] == "direct"
+
+        wait_until(direct, 40, "a direct connection")
+
+        def routable():
+            st = lab.status(a)["placement"].get(MODEL) or {}
+            return st.get("routable") and len(st.get("stages", [])) == 2
+
+        wait_until(routable, 120, "the split")
+        calm = tmp_path / "calm.jsonl"
+        _stream(lab, a, calm).proc.wait(timeout=300)
+        said = _lines(calm)
+        assert said[-1] == {"done": True}, said[-3:]
+        expected = "".join(x.get("text", "") for x in said)
+        cut = tmp_path / "cut.jsonl"
+        client = _stream(lab, a, cut)
+        wait_until(lambda: len(_lines(cut)) >= 20, 120, "the stream under way")
+        _block(lab, next(ns for ns in lab.namespaces if ns.endswith("n1")))
+        client.proc.wait(timeout=300)
+        said = _lines(cut)
+        assert said[-1] == {"done": True}, said[-3:]
+        assert "".join(x.get("text", "") for x in said) == expected
+        pa = lab.peers(a)
+        assert _link_to(pa, idb)["path"] == "relayed"
+    finally:
+        lab.close()
+
+
+def test_a_split_stream_over_the_relay_is_the_same_and_the_pair_punches_back(tmp_path: Path):
+    # Not yet the stream moving mid-way: the punch comes back as the stream ends, and what is
+    # open on the relayed connection finishes there (drain-and-close).
+    require_netns()
+    _require_nft()
+    lab = Lab(tmp_path)
+    try:
+        (a, b), (ida, idb) = _behind_nats(
+            lab, tmp_path, ("port-restricted", "port-restricted"), "--max-memory", "90M",
+            "--ctx-size", "1024",
+        )  # fmt: skip
+
+        def path(want: str):
+            pa, pb = lab.peers_of_all([a, b])
+            la, lb = _link_to(pa, idb), _link_to(pb, ida)
+            return la and lb and la["path"] == lb["path"] == want
+
+        def routable():
+            st = lab.status(a)["placement"].get(MODEL) or {}
+            return st.get("routable") and len(st.get("stages", [])) == 2
+
+        wait_until(lambda: path("direct"), 40, "a direct connection")
+        wait_until(routable, 120, "the split")
+        calm = tmp_path / "calm.jsonl"
+        _stream(lab, a, calm, 900).proc.wait(timeout=300)
+        expected = "".join(x.get("text", "") for x in _lines(calm))
+        assert _lines(calm)[-1] == {"done": True}
+        # The direct path dies: back on the relay; a stream starts there, and the path comes
+        # back while it runs: the stream's text is the same, and the pair goes direct again.
+        nat1 = next(ns for ns in lab.namespaces if ns.endswith("n1"))
+        _block(lab, nat1)
+        wait_until(lambda: path("relayed"), 40, "back on the relay")
+        wait_until(routable, 60, "the split over the relay")
+        moved = tmp_path / "moved.jsonl"
+        client = _stream(lab, a, moved, 900)
+        wait_until(lambda: len(_lines(moved)) >= 10, 120, "the stream under way")
+        _unblock(lab, nat1, tmp_path / "nat1.nft")
+        began = time.monotonic()
+        client.proc.wait(timeout=300)
+        said = _lines(moved)
+        assert said[-1] == {"done": True}, said[-3:]
+        assert "".join(x.get("text", "") for x in said) == expected
+        wait_until(lambda: path("direct"), 60, "direct again")
+        print(f"\ndirect {time.monotonic() - began:.1f} s after the path came back")
+        assert '"dialer.punched"' in (a.log_text() + b.log_text())
     finally:
         lab.close()
