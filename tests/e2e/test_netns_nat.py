@@ -34,6 +34,19 @@ def _link_to(body: dict, peer: str) -> dict | None:
     return next((p for p in body["peers"] if p["peer_id"] == peer), None)
 
 
+def _both(lab: Lab, agents: list, ids: list[str], want: str) -> bool:
+    """Whether each of the two agents sees the other alive on a `want` path."""
+    (a, b), (ida, idb) = agents, ids
+    pa, pb = lab.peers_of_all([a, b])
+    la, lb = _link_to(pa, idb), _link_to(pb, ida)
+    return bool(la and lb and la["path"] == lb["path"] == want and la["state"] == "alive")
+
+
+def _split_routable(lab: Lab, agent) -> bool:
+    st = lab.status(agent)["placement"].get(MODEL) or {}
+    return bool(st.get("routable") and len(st.get("stages", [])) == 2)
+
+
 def _behind_nats(
     lab: Lab, tmp_path: Path, kinds: tuple[str, str], *flags: str
 ) -> tuple[list, list[str]]:
@@ -135,12 +148,10 @@ def test_a_punched_path_that_dies_falls_back_to_the_relay_and_comes_back(tmp_pat
     _require_nft()
     lab = Lab(tmp_path)
     try:
-        (a, b), (ida, idb) = _behind_nats(lab, tmp_path, ("port-restricted", "port-restricted"))
+        agents, ids = _behind_nats(lab, tmp_path, ("port-restricted", "port-restricted"))
 
-        def paths(want: str):
-            pa, pb = lab.peers_of_all([a, b])
-            la, lb = _link_to(pa, idb), _link_to(pb, ida)
-            return la and lb and la["path"] == lb["path"] == want and la["state"] == "alive"
+        def paths(want: str) -> bool:
+            return _both(lab, agents, ids, want)
 
         wait_until(lambda: paths("direct"), 40, "a direct connection")
         # The first NAT drops everything between it and the other NAT from now on, as a
@@ -210,22 +221,12 @@ def test_a_split_stream_survives_its_punched_path_dying(tmp_path: Path):
     _require_nft()
     lab = Lab(tmp_path)
     try:
-        (a, b), (ida, idb) = _behind_nats(
+        agents, ids = _behind_nats(
             lab, tmp_path, ("port-restricted", "port-restricted"), "--max-memory", "75M"
         )
-
-        def direct():
-            pa, pb = lab.peers_of_all([a, b])
-            la, lb = _link_to(pa, idb), _link_to(pb, ida)
-            return la and lb and la["path"] == lb["path"] == "direct"
-
-        wait_until(direct, 40, "a direct connection")
-
-        def routable():
-            st = lab.status(a)["placement"].get(MODEL) or {}
-            return st.get("routable") and len(st.get("stages", [])) == 2
-
-        wait_until(routable, 120, "the split")
+        a, idb = agents[0], ids[1]
+        wait_until(lambda: _both(lab, agents, ids, "direct"), 40, "a direct connection")
+        wait_until(lambda: _split_routable(lab, a), 120, "the split")
         calm = tmp_path / "calm.jsonl"
         _stream(lab, a, calm).proc.wait(timeout=300)
         said = _lines(calm)
@@ -252,19 +253,17 @@ def test_a_split_stream_over_the_relay_is_the_same_and_the_pair_punches_back(tmp
     _require_nft()
     lab = Lab(tmp_path)
     try:
-        (a, b), (ida, idb) = _behind_nats(
+        agents, ids = _behind_nats(
             lab, tmp_path, ("port-restricted", "port-restricted"), "--max-memory", "90M",
             "--ctx-size", "1024",
         )  # fmt: skip
+        a, b = agents
 
-        def path(want: str):
-            pa, pb = lab.peers_of_all([a, b])
-            la, lb = _link_to(pa, idb), _link_to(pb, ida)
-            return la and lb and la["path"] == lb["path"] == want
+        def path(want: str) -> bool:
+            return _both(lab, agents, ids, want)
 
-        def routable():
-            st = lab.status(a)["placement"].get(MODEL) or {}
-            return st.get("routable") and len(st.get("stages", [])) == 2
+        def routable() -> bool:
+            return _split_routable(lab, a)
 
         wait_until(lambda: path("direct"), 40, "a direct connection")
         wait_until(routable, 120, "the split")
