@@ -243,6 +243,7 @@ class Services:
                 s,
                 self.punch_candidates,
                 self.reachable.public_address,
+                behind_symmetric=self.dialer.behind_symmetric,
             ),
             gossip_service.LABEL: self.gossip.handle,
             GENERATE_LABEL: lambda s: entry.serve(s, self.app.catalog, peer_id=s.peer_id),

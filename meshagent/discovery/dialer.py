@@ -415,6 +415,10 @@ class PeerDialer:
         """Whether this agent, not `peer_id`, punches between the two (`punch.punches`)."""
         return punches(self._my_nat(), self._their_nat(peer_id), self.self_id, peer_id)
 
+    def behind_symmetric(self, peer_id: str) -> bool:
+        """Whether `peer_id`'s own record says its NAT maps by destination."""
+        return self._their_nat(peer_id) == "dependent"
+
     def _their_nat(self, peer_id: str) -> str:
         view = self.gossip.snapshot().get(peer_id) if self.gossip is not None else None
         return view.record.nat if view is not None else ""

@@ -201,6 +201,12 @@ async def _dial_all(
     return won[0] if won else None
 
 
+def may_spray_at(
+    behind_symmetric: Callable[[str], bool], peer_id: str, host: str, theirs: Sequence[Address]
+) -> bool:
+    return behind_symmetric(peer_id) and any(c.host == host for c in theirs)
+
+
 def spray_size() -> int:
     """How many connections each side of a spray opens: `SPRAY`, fewer where the process may
     hold few files."""
@@ -281,6 +287,7 @@ async def serve(
     candidates: Callable[[], Sequence[str]],
     public: Callable[[], str | None] = lambda: None,
     *,
+    behind_symmetric: Callable[[str], bool] = lambda peer_id: False,
     rng: random.Random | None = None,
 ) -> None:
     """Answer a peer's punch: our candidates (and `public()`, our public address where our NAT
@@ -304,6 +311,16 @@ async def serve(
             return
         if local is None or not theirs:
             return
+        # A spray sends hundreds of SYNs at one host: only toward a peer whose own record says
+        # it is behind a symmetric NAT, and at a host it offered as a candidate (a member
+        # cannot aim this agent's SYNs at a third party's host it did not also name).
+        if (
+            spray_host
+            and ours
+            and not may_spray_at(behind_symmetric, stream.peer_id, spray_host, theirs)
+        ):
+            log.info("punch.spray_refused", peer=stream.peer_id, host=spray_host)
+            spray_host = None
         if spray_host and ours:
             ports = spray_ports(spray_size(), rng or random.Random())
             theirs = [*theirs, *(Address(spray_host, port) for port in ports)]

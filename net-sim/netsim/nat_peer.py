@@ -94,7 +94,12 @@ async def main(args: argparse.Namespace) -> None:
     )
     routes[gossip_service.LABEL] = gossip.handle
     routes[punch.LABEL] = lambda s: punch.serve(
-        overlay, transport, s, reach.punch_candidates, reach.public_address
+        overlay,
+        transport,
+        s,
+        reach.punch_candidates,
+        reach.public_address,
+        behind_symmetric=dialer.behind_symmetric,
     )
     status = Path(args.status)
     async with trio.open_nursery() as nursery:

@@ -75,3 +75,11 @@ def test_a_spray_aims_at_distinct_ports_a_nat_may_map_to():
     ports = punch.spray_ports(punch.SPRAY, random.Random(3))
     assert len(set(ports)) == punch.SPRAY and all(1024 <= p <= 65535 for p in ports)
     assert 0 < punch.spray_size() <= punch.SPRAY
+
+
+def test_a_spray_only_toward_a_peer_behind_a_symmetric_nat_at_a_host_it_named():
+    theirs = [Address("192.168.1.2", 9338), Address("203.0.113.5", 9338)]
+    symmetric = {"p"}.__contains__
+    assert punch.may_spray_at(symmetric, "p", "203.0.113.5", theirs)
+    assert not punch.may_spray_at(symmetric, "q", "203.0.113.5", theirs)  # record says not
+    assert not punch.may_spray_at(symmetric, "p", "198.51.100.9", theirs)  # a third party
