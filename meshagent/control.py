@@ -14,7 +14,6 @@ from meshagent import __version__
 from meshagent.discovery import probe as path_probe
 from meshagent.discovery.mesh_view import peer_rows
 from meshagent.discovery.nat import Reachability
-from meshagent.discovery.punch import why_relayed
 from meshagent.identity.mesh import mesh_fingerprint
 from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.net.manager import ConnectionManager
@@ -223,21 +222,10 @@ def peers(services: AgentParts) -> dict[str, Any]:
 
 
 def _why_relayed(s: AgentParts, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each relayed peer's row says why it is not direct (`punch.why_relayed`)."""
-    mine = s.reachability().nat if s.relays else ""
-    candidates = s.dialer.candidates()
+    """Each relayed peer's row says why it is not direct (`PeerDialer.why_relayed`)."""
     for row in rows:
-        c = candidates.get(row["peer_id"])
-        if row["path"] != "relayed" or c is None:
-            row["why_relayed"] = None
-            continue
-        row["why_relayed"] = why_relayed(
-            mine,
-            row.get("nat", ""),
-            punches=c.punches,
-            error=c.punch_error,
-            punching=s.dialer.punches(row["peer_id"]),
-        )
+        relayed = row["path"] == "relayed"
+        row["why_relayed"] = s.dialer.why_relayed(row["peer_id"]) if relayed else None
     return rows
 
 

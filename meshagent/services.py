@@ -194,14 +194,8 @@ class Services:
             self.overlay,
             gossip=self.gossip,
             relay_dial=self._relay_dial,
-            punch=lambda peer_id: punch.initiate(
-                self.overlay,
-                self.transport,
-                peer_id,
-                self.punch_candidates(),
-                spray_host=self.reachable.spray_host(),
-            ),
-            my_nat=lambda: self.reachability().nat if self.relays else "",
+            punch=punch.initiator(self.overlay, self.transport, self.reachable),
+            my_nat=self.nat_kind,
             relay_members=lambda: set().union(*(r.members for r in self.relays)),
             local_relays=lambda: tuple(r.name for r in self.relays if r.registered),
             config=DialerConfig(upgrade_interval=config.upgrade_interval),
@@ -237,13 +231,8 @@ class Services:
             header_share.LABEL: header_share.HeaderMapServer(self._model_files).handle,
             probe.LABEL: probe.serve,
             hearing.LABEL: partial(hearing.serve, self.overlay),
-            punch.LABEL: lambda s: punch.serve(
-                self.overlay,
-                self.transport,
-                s,
-                self.punch_candidates,
-                self.reachable.public_address,
-                behind_symmetric=self.dialer.behind_symmetric,
+            punch.LABEL: punch.server(
+                self.overlay, self.transport, self.reachable, self.dialer.behind_symmetric
             ),
             gossip_service.LABEL: self.gossip.handle,
             GENERATE_LABEL: lambda s: entry.serve(s, self.app.catalog, peer_id=s.peer_id),
@@ -279,7 +268,7 @@ class Services:
             local_fields=partial(
                 advertisement.dynamic_fields,
                 self.advertised,
-                lambda: self.reachability().nat if self.relays else "",
+                self.nat_kind,
                 self.relays,
                 self.store,
                 self.capabilities,
@@ -416,11 +405,12 @@ class Services:
     def advertised(self) -> list[str]:
         return self.reachable.advertised()
 
-    def punch_candidates(self) -> list[str]:
-        return self.reachable.punch_candidates()
-
     def reachability(self) -> nat.Reachability:
         return self.reachable.reachability()
+
+    def nat_kind(self) -> str:
+        """This agent's NAT as its relays tell it ("" without a relay to ask)."""
+        return self.reachability().nat if self.relays else ""
 
     def _alive_peers(self) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
         return [

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
-from meshagent.discovery import hearing
-from meshagent.discovery.punch import Outcome, punches, schedule
+from meshagent.discovery import hearing, nat
+from meshagent.discovery.punch import Outcome, punches, schedule, why_relayed
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.service import GossipService
 from meshagent.net.address import Address
@@ -47,9 +47,9 @@ from meshagent.wire.errors import HandshakeError
 log = structlog.get_logger(__name__)
 
 # (relay address, peer id) -> a connection to the peer through that relay
-_KINDS_WAIT = 10.0  # seconds a punch waits for both NATs' kinds to be known
 RelayDial = Callable[[str, str], Awaitable[Connection]]
 Punch = Callable[[str], Awaitable[Outcome]]
+_KINDS_WAIT = 10.0  # seconds a punch waits for both NATs' kinds to be known
 _REACH_POLL = 0.05  # seconds between looks at an attempt already under way
 _DIAL_ERRORS = (DialError, RelayError, HandshakeError, OSError, trio.BrokenResourceError)
 
@@ -85,7 +85,7 @@ class Candidate:
     attempting: bool = False
     direct_bad_until: float = 0.0  # its direct path just went silent: relays first till then
     next_probe: float = 0.0  # dead: when its direct addresses are looked at next
-    # Hole punching (`punch.py`), tried by the lower peer id once direct dials fail
+    # Hole punching (`punch.py`), tried once direct dials fail, by the side `punches` picks
     punches: int = 0  # attempts
     punch_failures: int = 0  # failed in a row
     punched: bool = False  # its direct path came from a punch: a plain dial will not do
@@ -369,7 +369,7 @@ class PeerDialer:
 
     async def _upgrade(self, c: Candidate) -> None:
         """A relayed peer: its direct addresses, all at once; failing those, a hole punched
-        through both NATs, by the lower peer id of the two (`punch.py`)."""
+        through both NATs, by the side `punches` picks (`punch.py`)."""
         try:
             conn = await self._try_direct_at_once(c)
             if conn is not None:
@@ -382,12 +382,12 @@ class PeerDialer:
             mine, theirs = self._my_nat(), self._their_nat(c.peer_id)
             conn = self.overlay.connection(c.peer_id)
             since = conn.established_at if conn is not None else 0.0
-            if "unknown" in (mine, theirs) and now < since + _KINDS_WAIT:
+            if nat.UNKNOWN in (mine, theirs) and now < since + _KINDS_WAIT:
                 # Which side punches, and how, follows from both NATs' kinds: wait a little
                 # for the relays to tell them (they do within a round trip or two).
                 c.next_upgrade = now + self.config.check_interval
                 return
-            if mine == theirs == "dependent":
+            if mine == theirs == nat.DEPENDENT:
                 c.punch_error = "both NATs map by destination (symmetric): nothing to punch"
                 return
             c.punches += 1
@@ -417,11 +417,38 @@ class PeerDialer:
 
     def behind_symmetric(self, peer_id: str) -> bool:
         """Whether `peer_id`'s own record says its NAT maps by destination."""
-        return self._their_nat(peer_id) == "dependent"
+        return self._their_nat(peer_id) == nat.DEPENDENT
+
+    def why_relayed(self, peer_id: str) -> str | None:
+        """Why `peer_id` is reached through a relay, for `meshagent peers` (None: unknown)."""
+        c = self._candidates.get(peer_id)
+        if c is None:
+            return None
+        return why_relayed(
+            self._my_nat(),
+            self._their_nat(peer_id),
+            punches=c.punches,
+            error=c.punch_error,
+            punching=self.punches(peer_id),
+        )
 
     def _their_nat(self, peer_id: str) -> str:
-        view = self.gossip.snapshot().get(peer_id) if self.gossip is not None else None
-        return view.record.nat if view is not None else ""
+        entry = self.gossip.state.entries.get(peer_id) if self.gossip is not None else None
+        return entry.record.record.nat if entry is not None and entry.record is not None else ""
+
+    async def _dial_direct(self, c: Candidate, address: str, *, replace: bool) -> Connection | None:
+        """A direct connection to `c` at `address`, or None (logged)."""
+        try:
+            conn = await self.overlay.dial(
+                Address.parse(address), peer_id=c.peer_id, path=DIRECT, replace=replace
+            )
+        except _DIAL_ERRORS as e:
+            log.debug("dialer.direct_failed", peer=c.peer_id, address=address, error=str(e))
+            return None
+        except Exception as e:  # a malformed address from a record must not stop us
+            log.warning("dialer.bad_address", peer=c.peer_id, address=address, error=str(e))
+            return None
+        return conn if conn.path == DIRECT else None
 
     async def _try_direct_at_once(self, c: Candidate) -> Connection | None:
         """Every direct address of `c` at once, for `upgrade_timeout`: the first that gives a
@@ -429,17 +456,8 @@ class PeerDialer:
         won: list[Connection] = []
 
         async def one(address: str, scope: trio.CancelScope) -> None:
-            try:
-                conn = await self.overlay.dial(
-                    Address.parse(address), peer_id=c.peer_id, path=DIRECT, replace=True
-                )
-            except _DIAL_ERRORS as e:
-                log.debug("dialer.direct_failed", peer=c.peer_id, address=address, error=str(e))
-                return
-            except Exception as e:  # a malformed address from a record must not stop us
-                log.warning("dialer.bad_address", peer=c.peer_id, address=address, error=str(e))
-                return
-            if conn.path == DIRECT:
+            conn = await self._dial_direct(c, address, replace=True)
+            if conn is not None:
                 won.append(conn)
                 scope.cancel()
 
@@ -451,18 +469,11 @@ class PeerDialer:
 
     async def _try_direct(self, c: Candidate, *, replace: bool) -> Connection | None:
         for address in c.addresses:
-            try:
-                with trio.move_on_after(self.config.connect_timeout):
-                    conn = await self.overlay.dial(
-                        Address.parse(address), peer_id=c.peer_id, path=DIRECT, replace=replace
-                    )
-                    if conn.path == DIRECT:
-                        log.info("dialer.connected", peer=c.peer_id, address=address, path=DIRECT)
-                        return conn
-            except _DIAL_ERRORS as e:
-                log.debug("dialer.direct_failed", peer=c.peer_id, address=address, error=str(e))
-            except Exception as e:  # a malformed address from a record must not stop us
-                log.warning("dialer.bad_address", peer=c.peer_id, address=address, error=str(e))
+            with trio.move_on_after(self.config.connect_timeout):
+                conn = await self._dial_direct(c, address, replace=replace)
+                if conn is not None:
+                    log.info("dialer.connected", peer=c.peer_id, address=address, path=DIRECT)
+                    return conn
         return None
 
     def _has_relay(self, c: Candidate) -> bool:

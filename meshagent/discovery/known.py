@@ -128,18 +128,16 @@ class Known:
     # ----- learning -----
 
     def note_bootstrap(self, addresses: Iterable[str]) -> None:
-        for a in addresses:
-            if a not in self._bootstrap:
-                self._bootstrap.append(a)
-                self._dirty = True
-        del self._bootstrap[MAX_ADDRESSES:]
+        self._note(self._bootstrap, addresses, MAX_ADDRESSES)
 
     def note_relays(self, relays: Iterable[str]) -> None:
-        for r in relays:
-            if r not in self._relays:
-                self._relays.append(r)
+        self._note(self._relays, relays, MAX_RELAYS)
+
+    def _note(self, known: list[str], new: Iterable[str], most: int) -> None:
+        for a in new:
+            if a not in known and len(known) < most:
+                known.append(a)
                 self._dirty = True
-        del self._relays[MAX_RELAYS:]
 
     def note_peer(self, peer_id: str, addresses: Iterable[str], relays: Iterable[str] = ()) -> None:
         """Gossip shows `peer_id` alive with these addresses and relays now."""

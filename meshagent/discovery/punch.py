@@ -41,13 +41,15 @@ from __future__ import annotations
 import math
 import random
 import resource
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import cbor2
 import structlog
 import trio
 
+from meshagent.discovery import nat
+from meshagent.discovery.reachable import Reachable
 from meshagent.errors import ConfigError, MeshError
 from meshagent.net.address import Address
 from meshagent.net.connection import DIRECT, Connection
@@ -330,6 +332,32 @@ async def serve(
         await stream.aclose()
 
 
+def initiator(
+    overlay: ConnectionManager, transport: Transport, reach: Reachable
+) -> Callable[[str], Awaitable[Outcome]]:
+    """The dialer's `punch`: `initiate` with what `reach` says of this agent now."""
+    return lambda peer_id: initiate(
+        overlay, transport, peer_id, reach.punch_candidates(), spray_host=reach.spray_host()
+    )
+
+
+def server(
+    overlay: ConnectionManager,
+    transport: Transport,
+    reach: Reachable,
+    behind_symmetric: Callable[[str], bool],
+) -> Callable[[MeshStream], Awaitable[None]]:
+    """The `punch/1` stream handler: `serve` with what `reach` says of this agent now."""
+    return lambda stream: serve(
+        overlay,
+        transport,
+        stream,
+        reach.punch_candidates,
+        reach.public_address,
+        behind_symmetric=behind_symmetric,
+    )
+
+
 def schedule(attempts: int, base: float) -> float:
     """Seconds before punching again after `attempts` failed ones: `base`, doubling to a
     minute."""
@@ -337,7 +365,7 @@ def schedule(attempts: int, base: float) -> float:
 
 
 # How little a NAT lets in, as far as its mapping tells: the more closed side punches.
-_CLOSED = {"dependent": 2, "independent": 1, "unknown": 1, "": 1, "none": 0}
+_CLOSED = {nat.DEPENDENT: 2, nat.INDEPENDENT: 1, nat.UNKNOWN: 1, "": 1, nat.NONE: 0}
 
 
 def punches(my_nat: str, their_nat: str, my_id: str, their_id: str) -> bool:
@@ -354,8 +382,8 @@ def why_relayed(
     my_nat: str, their_nat: str, *, punches: int, error: str | None, punching: bool
 ) -> str:
     """Why a peer is still reached through a relay, for `meshagent peers`. `punching`: this
-    agent is the one of the two that punches (the lower peer id)."""
-    if my_nat == their_nat == "dependent":
+    agent is the one of the two that punches (`punches`)."""
+    if my_nat == their_nat == nat.DEPENDENT:
         return (
             "both NATs map by destination (symmetric): no hole can be punched; a port forward, "
             "--listen on a public address, or UPnP on either router would give a direct path"

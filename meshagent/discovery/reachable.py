@@ -35,10 +35,8 @@ class Reachable:
         listen addresses (a wildcard as each interface's), then its public address as relays
         see it where its NAT maps the listen port alike for every peer (or may)."""
         out = addresses.advertised(list(self._listening()), self.given)
-        reach = self.reachability()
-        if reach.nat in (nat.INDEPENDENT, nat.UNKNOWN):
-            out += [a for a in reach.public if a not in out]
-        return out
+        public = self.public_address()
+        return [*out, public] if public and public not in out else out
 
     def punch_candidates(self) -> list[str]:
         """Where a peer punching toward us dials: what we advertise, and our public hosts at

@@ -31,17 +31,23 @@ def check_listenable(address: Address, *, advice: str = "") -> None:
         )
     except socket.gaierror as e:
         raise ConfigError(f"cannot listen on {address}: {e.strerror or e}") from e
+    try:
+        _bind_as_listener(infos)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise _in_use(address, advice) from e
+        raise ConfigError(f"cannot listen on {address}: {e.strerror or e}") from e
+
+
+def _bind_as_listener(infos: list) -> None:
+    """Bind each of `infos` as a listener that shares its port with nobody would, and let go:
+    OSError (EADDRINUSE) where something listens there already."""
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(sockaddr)
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    raise _in_use(address, advice) from e
-                raise ConfigError(f"cannot listen on {address}: {e.strerror or e}") from e
+            sock.bind(sockaddr)
 
 
 def _share_port(sock: trio.socket.SocketType) -> None:
@@ -62,13 +68,13 @@ class TcpTransport(Transport):
         if not infos:
             raise OSError(f"no address for {address.host}")
         family, kind, proto, _, sockaddr = infos[0]
-        host = local.host if local.host not in ("", "0.0.0.0", "::") else ""
+        host = local.host
+        if host in ("", "0.0.0.0", "::"):
+            host = "::" if family == socket.AF_INET6 else "0.0.0.0"
         sock = trio.socket.socket(family, kind, proto)
         try:
             _share_port(sock)
-            await sock.bind(
-                (host or ("::" if family == socket.AF_INET6 else "0.0.0.0"), local.port)
-            )
+            await sock.bind((host, local.port))
             await sock.connect(sockaddr)
         except BaseException:
             sock.close()
@@ -102,14 +108,8 @@ async def _listeners(address: Address) -> list[trio.SocketListener]:
         host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
     if address.port:
-        # Sharing the port must not let a second agent listen beside the first: bind as a
-        # listener that shares nothing would, first.
-        for family, kind, proto, _, sockaddr in infos:
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                probe.bind(sockaddr)
+        # Sharing the port must not let a second agent listen beside the first.
+        _bind_as_listener(infos)
     listeners: list[trio.SocketListener] = []
     port = address.port
     try:

@@ -390,6 +390,7 @@ class Lab:
         self.hosts: list[Host] = []
         self._by_name: dict[str, Host] = {}
         self._namespaces: list[str] = []
+        self._inner: dict[str, Host] = {}  # the hosts behind a NAT (`behind_nat`), by router
         self._emulator: subprocess.Popen | None = None
         self._control: ControlClient | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -578,9 +579,18 @@ class Lab:
         ))  # fmt: skip
         router.run(["sysctl", "-qw", "net.ipv4.ip_forward=1"], timeout=10)
         inner.run(["sysctl", "-qw", *(f"{k}={v}" for k, v in self.sysctls.items())], timeout=10)
-        rules = ruleset(kind, outside=IFNAME, inside="lan", host=inner.address)
-        router.run(["nft", "-f", "-"], input=rules, timeout=10)
+        self._inner[name] = inner
+        self.set_nat(name, kind)
         return inner
+
+    def set_nat(self, name: str, kind: str) -> None:
+        """Make the NAT in front of host `name` (`behind_nat`) one of `kind` from now on;
+        `none`: no rules (the router forwards as it is, and the host itself is public)."""
+        router, inner = self.host(name), self._inner[name]
+        router.run(["nft", "delete", "table", "ip", "meshnat"], check=False, timeout=10)
+        if kind != "none":
+            rules = ruleset(kind, outside=IFNAME, inside="lan", host=inner.address)
+            router.run(["nft", "-f", "-"], input=rules, timeout=10)
 
     @property
     def emulator_pid(self) -> int | None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshagent.testing.nat_rules import KINDS, ruleset
+from meshagent.testing.nat_rules import KINDS
 from netsim.lab import Host, Lab, Proc
 from netsim.regimes import RELAY, topology
 
@@ -42,7 +42,6 @@ FIRST_PORT = 21000
 class Side:
     kind: str
     host: Host  # where the peer runs (behind the router, or the host itself for `none`)
-    router: Host
 
 
 def pairs(kinds: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -77,8 +76,8 @@ def matrix(
             for slot, (a, b, i) in enumerate(batch):
                 sides = []
                 for kind, h in ((a, f"h{2 * slot}"), (b, f"h{2 * slot + 1}")):
-                    _set_nat(lab[h], kind)
-                    sides.append(Side(kind, lab[h] if kind == "none" else inner[h], lab[h]))
+                    lab.set_nat(h, kind)
+                    sides.append(Side(kind, lab[h] if kind == "none" else inner[h]))
                 slots.append((a, b, i, sides, next(port)))
             records = _run_batch(lab, relay.address, slots, run_dir, cap_s)
             for (a, b, _, _, _), rec in zip(slots, records, strict=True):
@@ -97,19 +96,6 @@ def matrix(
     (run_dir / "report.json").write_text(json.dumps(out, indent=1))
     (run_dir / "report.md").write_text(table(out))
     return out
-
-
-def _set_nat(router: Host, kind: str) -> None:
-    """The router's rules for `kind` (none: no rules, and nothing runs behind it)."""
-    router.run(["nft", "delete", "table", "ip", "meshnat"], check=False, timeout=10)
-    if kind != "none":
-        rules = ruleset(kind, outside="nsim0", inside="lan", host=_inner_address(router))
-        router.run(["nft", "-f", "-"], input=rules, timeout=10)
-
-
-def _inner_address(router: Host) -> str:
-    i = router.lab.hosts.index(router) + 1
-    return f"192.168.{i}.2"
 
 
 def _run_batch(

@@ -85,22 +85,13 @@ async def main(args: argparse.Namespace) -> None:
         gossip=gossip,
         relay_dial=lambda relay, peer: next(r for r in relays if r.name == relay).dial(peer),
         local_relays=lambda: tuple(r.name for r in relays if r.registered),
-        punch=lambda peer: punch.initiate(
-            overlay, transport, peer, reach.punch_candidates(), spray_host=reach.spray_host()
-        ),
+        punch=punch.initiator(overlay, transport, reach),
         my_nat=lambda: reach.reachability().nat,
         relay_members=lambda: set().union(*(r.members for r in relays)),
         config=DialerConfig(),
     )
     routes[gossip_service.LABEL] = gossip.handle
-    routes[punch.LABEL] = lambda s: punch.serve(
-        overlay,
-        transport,
-        s,
-        reach.punch_candidates,
-        reach.public_address,
-        behind_symmetric=dialer.behind_symmetric,
-    )
+    routes[punch.LABEL] = punch.server(overlay, transport, reach, dialer.behind_symmetric)
     status = Path(args.status)
     async with trio.open_nursery() as nursery:
         await nursery.start(overlay.run)

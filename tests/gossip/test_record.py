@@ -111,6 +111,18 @@ def test_the_catalogue_is_absent_when_empty_and_bounded_when_decoded():
             PeerRecord.from_body(cbor2.dumps(wire, canonical=True))
 
 
+def test_a_nat_kind_travels_and_any_other_value_is_refused():
+    ident = NodeIdentity.generate()
+    assert 24 not in cbor2.loads(full_record(ident).to_body())  # absent when ""
+    wire = cbor2.loads(replace(full_record(ident), nat="dependent").to_body())
+    assert wire[24] == "dependent"
+    assert PeerRecord.from_body(cbor2.dumps(wire, canonical=True)).nat == "dependent"
+    for bad in ("cone", 1, ["none"], "x" * 300):
+        wire[24] = bad
+        with pytest.raises(RecordRejected, match="nat must be one of"):
+            PeerRecord.from_body(cbor2.dumps(wire, canonical=True))
+
+
 def test_a_malformed_device_is_refused():
     ident = NodeIdentity.generate()
     wire = cbor2.loads(full_record(ident).to_body())
