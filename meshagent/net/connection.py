@@ -121,7 +121,11 @@ class Connection:
         self._closing = False
         self._dead = False
         self._broken = False  # the peer broke the protocol
-        self.draining = False
+        # Set once no new streams may be opened here, by either side's GOAWAY (the
+        # connection was replaced, or its peer is leaving): a stream that can follow its
+        # peer to another connection moves then (`serving/moving.py`).
+        self.no_new_streams = trio.Event()
+        self._draining = False
         # Ended by the transport (a reset, EOF without BYE): neither side chose to close it.
         self.lost = False
         self.close_code: ErrorCode | None = None
@@ -163,6 +167,17 @@ class Connection:
     def abort(self, reason: str) -> None:
         """End now, without a BYE (the peer is not answering, so none would arrive)."""
         self._abort(ErrorCode.UNRESPONSIVE, reason)
+
+    @property
+    def draining(self) -> bool:
+        """We sent GOAWAY (or are about to): the peer may open no new streams here."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        if value:
+            self.no_new_streams.set()
 
     @property
     def is_closed(self) -> bool:
@@ -537,6 +552,7 @@ class Connection:
                 stream.fail(StreamResetError(ev.stream_id, ev.code, ev.reason, by_peer=ev.by_peer))
         elif kind is GoAway:
             self._log.info("conn.goaway_received", code=ev.code.name, reason=ev.reason)
+            self.no_new_streams.set()
         elif kind is ConnectionTerminated:
             self._log.info("conn.bye_received", code=ev.code.name, reason=ev.reason)
             self._abort(ev.code, ev.reason)

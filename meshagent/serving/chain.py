@@ -26,10 +26,10 @@ import structlog
 import trio
 
 from meshagent.errors import EngineError, SplitUnavailable
-from meshagent.net.outbox import Outbox
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.awaited import AwaitedWindows
 from meshagent.serving.executor import ExecutorSink, SampledToken
+from meshagent.serving.moving import Handover, MovingOutbox, MovingReader, first_messages
 from meshagent.serving.sampling import TokenLogprob
 
 log = structlog.get_logger(__name__)
@@ -76,8 +76,8 @@ class Chain:
         self.failed: str | None = None  # why the chain broke, until it is open again
         self._sink: ExecutorSink | None = None
         self._nursery: trio.Nursery | None = None
-        self._down: trio.abc.SendStream | None = None
-        self._outbox: Outbox | None = None  # sends to _down
+        self._outbox: MovingOutbox | None = None  # sends down (moving with its connection)
+        self._handover = Handover()  # reply streams that carry on one that moved
         self._opening = False  # a task opens the stream down; steps wait in `_waiting`
         self._waiting: list[Outgoing] = []
         self._awaited = AwaitedWindows()
@@ -134,9 +134,10 @@ class Chain:
         """Open the stream down (again, after a break: the stages behind it start afresh on
         a new stream), then send the steps that waited for it. A failure to open breaks the
         chain: the requests that wanted it fail."""
-        old, self._down, self._outbox = self._down, None, None
+        old, self._outbox = self._outbox, None
         if old is not None:
-            await trio.aclose_forcefully(old)
+            old.close()
+            await trio.aclose_forcefully(old.stream)
         try:
             down = await self.open_downstream()
         except Exception as e:
@@ -151,14 +152,14 @@ class Chain:
         if self._nursery is None:
             await trio.aclose_forcefully(down)
             return
-        outbox: Outbox
+        outbox: MovingOutbox
 
         def lost(error: BaseException) -> None:
             if outbox is self._outbox:  # not an old chain's, after a reconnect
                 self.break_(f"the next stage is unreachable: {error}")
 
-        self._down, self._opening = down, False
-        outbox = self._outbox = Outbox(down, self._nursery, lost)
+        self._opening = False
+        outbox = self._outbox = MovingOutbox(down, self._nursery, lost, self.open_downstream)
         if self.failed is not None:
             log.info("pipeline.reconnected", after=self.failed, generation=self.generation)
             self.failed = None
@@ -170,21 +171,48 @@ class Chain:
     # ----- coming back -----
 
     async def handle_reply(self, stream: trio.abc.ReceiveStream) -> None:
-        """Tokens from the last stage; a failure or a lost reply stream breaks the chain."""
+        """Tokens from the last stage; a failure or a lost reply stream breaks the chain.
+        They are read in the chain's own task (the stream's connection may be replaced while
+        they come: they then come on the stream that continues this one, which waits here
+        for its reader). Returns once this stream's messages are read."""
         generation = self.generation
         decoder = sm.StageDecoder(self._reply_limits)
         try:
-            while data := await stream.receive_some():
-                msgs = decoder.feed(data)
+            first = await first_messages(stream, decoder)
+        except (sm.StageProtocolError, trio.BrokenResourceError) as e:
+            self._reply_failed(generation, e)
+            return
+        if first and isinstance(first[0], sm.Continue):
+            await self._handover.park(stream, first[0].move, decoder, first[1:])
+            return
+        if self._nursery is None:
+            return
+        read = trio.Event()
+        reader = MovingReader(stream, decoder, self._handover, first, read=read.set)
+        self._nursery.start_soon(self._read_replies, reader, generation)
+        await read.wait()
+
+    async def _read_replies(self, reader: MovingReader, generation: int) -> None:
+        try:
+            while msgs := await reader.receive():
                 if generation != self.generation:
                     return  # a chain from before a reconnect: nothing it says applies
                 self._on_replies(msgs)
         except (sm.StageProtocolError, trio.BrokenResourceError) as e:
-            if generation == self.generation:
-                self.break_(f"reply stream from the last stage failed: {e}")
+            self._reply_failed(generation, e)
             return
+        except Exception as e:  # a bug here ends this chain, never the model's runner
+            log.exception("pipeline.reply_failed")
+            self._reply_failed(generation, e)
+            return
+        finally:
+            reader.close()
         if generation == self.generation:
             self.break_("the last stage closed its reply stream")
+
+    def _reply_failed(self, generation: int, error: BaseException) -> None:
+        if generation == self.generation:
+            self.break_(f"reply stream from the last stage failed: {error}")
 
     def _on_replies(self, msgs: list[sm.Message]) -> None:
         assert self._sink is not None

@@ -217,6 +217,9 @@ class Parts:
         await host.load(plan)
         self.split = host
         self.local = host.model
+        if host.server is not None:  # a later stage: its chain is served in this nursery
+            assert self._nursery is not None
+            await self._nursery.start(host.server.run)
         if self.local is not None:  # the entry: requests survive a lost stage
             self.local.routes = self.rerouting
             self.local.replay_deadline = s.replay_deadline

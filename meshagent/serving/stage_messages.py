@@ -46,13 +46,16 @@ K_LENGTH = 15  # Keep: how many leading positions of the sequence it holds
 K_RESTORE = 16  # Open: [entry, n], start from that kept prefix's first n positions
 K_ENTRIES = 17  # Drop: the entries to free
 K_LOGPROBS = 18  # Token: per token, [logprob, [[id, logprob], ...]] (where asked for)
+K_MOVE = 19  # Moved, Continue: the move's id, the same in both
 MAX_TOP_LOGPROBS = 20
 MAX_STAGES = 64
 T_OPEN, T_FORWARD, T_CLOSE, T_TOKEN, T_ERROR, T_KEEP, T_DROP = 1, 2, 3, 4, 5, 6, 7
+T_MOVED, T_CONTINUE = 8, 9
 # What each kind of stream carries: upstream, the entry's messages (a failure only from a
-# middle stage, to say why it stopped); back to the entry, tokens and failures.
-UPSTREAM = frozenset({T_OPEN, T_FORWARD, T_CLOSE, T_ERROR, T_KEEP, T_DROP})
-REPLIES = frozenset({T_TOKEN, T_ERROR})
+# middle stage, to say why it stopped); back to the entry, tokens and failures. Either kind
+# moves to a new stream when its connection is replaced (`serving/moving.py`).
+UPSTREAM = frozenset({T_OPEN, T_FORWARD, T_CLOSE, T_ERROR, T_KEEP, T_DROP, T_MOVED, T_CONTINUE})
+REPLIES = frozenset({T_TOKEN, T_ERROR, T_MOVED, T_CONTINUE})
 
 
 class StageProtocolError(MeshError):
@@ -190,7 +193,22 @@ class StageFailure:
     message: str
 
 
-Message = Open | Forward | Close | Token | StageFailure | Keep | Drop
+@dataclass(frozen=True)
+class Moved:
+    """The last message of a stream whose connection was replaced: what follows comes on
+    the stream from the same peer that starts with `Continue(move)`."""
+
+    move: int
+
+
+@dataclass(frozen=True)
+class Continue:
+    """The first message of a stream that carries on the one that ended with `Moved(move)`."""
+
+    move: int
+
+
+Message = Open | Forward | Close | Token | StageFailure | Keep | Drop | Moved | Continue
 
 
 def _sampling_to_cbor(p: SamplingParams) -> dict[int, Any]:
@@ -372,6 +390,10 @@ def encode(msg: Message) -> bytes:
             header[K_LOGPROBS] = _logprobs_to_cbor(msg.logprobs)
     elif isinstance(msg, StageFailure):
         header |= {K_TYPE: T_ERROR, K_SEQ: msg.seq, K_ERROR: msg.message}
+    elif isinstance(msg, Moved):
+        header |= {K_TYPE: T_MOVED, K_MOVE: msg.move}
+    elif isinstance(msg, Continue):
+        header |= {K_TYPE: T_CONTINUE, K_MOVE: msg.move}
     else:  # pragma: no cover - the type union is closed
         raise TypeError(msg)
     return FRAMING.encode(cbor2.dumps(header)) + payload
@@ -477,6 +499,10 @@ def _parse(h: dict[int, Any], limits: StageLimits) -> tuple[int, Build]:
         return 0, _bare(Drop(tuple(entries)))
     if t == T_CLOSE:
         return 0, _bare(Close(limits.seq(_int(h, K_SEQ, "seq"))))
+    if t == T_MOVED:
+        return 0, _bare(Moved(_int(h, K_MOVE, "move")))
+    if t == T_CONTINUE:
+        return 0, _bare(Continue(_int(h, K_MOVE, "move")))
     if t == T_TOKEN:
         seq = limits.seq(_int(h, K_SEQ, "seq"))
         token = _int(h, K_TOKEN, "token")

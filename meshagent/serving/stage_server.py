@@ -15,11 +15,12 @@ import trio
 
 from meshagent.engine.runtime import EmbdItem
 from meshagent.engine.stage import StageEngine
-from meshagent.net.outbox import Outbox
+from meshagent.net.errors import reset_reasons
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.drafting import verify
 from meshagent.serving.executor import new_sampler
 from meshagent.serving.kv_book import KeptPrefixError, KvBook
+from meshagent.serving.moving import Handover, MovingOutbox, MovingReader, first_messages
 from meshagent.serving.sampling import Sampler
 
 log = structlog.get_logger(__name__)
@@ -68,27 +69,83 @@ class StageServer:
         # draft in it was right (a window that follows must have guessed it).
         self._carry: dict[int, int] = {}
         self._serving: trio.CancelScope | None = None  # the upstream stream served now
+        self._handover = Handover()  # streams that carry on the one served, once it moved
+        self._nursery: trio.Nursery | None = None  # where the chain is served (`run`)
+        self._run_scope: trio.CancelScope | None = None
         self._engine_lock = trio.Lock()  # held by the stream served, its worker included
         self._closed = False
         self.forwards = 0
 
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Where the chain is served while this runs (until `aclose`): not in the task of
+        the stream it came on, whose connection may be replaced while the chain goes on.
+        Without it, each upstream stream is served in its own task, and cannot move."""
+        with trio.CancelScope() as scope:
+            self._run_scope = scope
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        self._nursery = None
+
     async def handle(self, upstream: trio.abc.ReceiveStream) -> None:
-        # A new upstream stream starts the chain afresh (the entry reconnected after a
-        # failure): the stream before it is served no more, and no sequence of it may leave
-        # its cache behind. The old stream's worker finishes its running forward first.
+        """Serve an upstream stream. One that carries on the stream served (its connection
+        was replaced) waits for that one's reader. Any other new one starts the chain afresh
+        (the entry reconnected after a failure): the stream before it is served no more, and
+        no sequence of it may leave its cache behind. Returns once its messages are read."""
         if self._closed:
             return
+        decoder = sm.StageDecoder(self.limits)
+        first: list[sm.Message] = []
+        error = None  # a bad first message is served like any other: the entry hears why
+        try:
+            first = await first_messages(upstream, decoder)
+        except sm.StageProtocolError as e:
+            error = e
+        if first and isinstance(first[0], sm.Continue):
+            await self._handover.park(upstream, first[0].move, decoder, first[1:])
+            return
+        if self._closed or not (first or error):
+            return
+        if self._nursery is None:
+            await self._serve_chain(MovingReader(upstream, decoder, self._handover, first, error))
+            return
+        read = trio.Event()  # the reader is done with this stream (moved on, or ended)
+        reader = MovingReader(upstream, decoder, self._handover, first, error, read.set)
+        self._nursery.start_soon(self._serve_here, reader)
+        await read.wait()
+
+    async def _serve_chain(self, upstream: MovingReader) -> None:
+        # The old stream's worker finishes its running forward first.
         if self._serving is not None:
             self._serving.cancel()
         scope = self._serving = trio.CancelScope()
-        with scope:
-            async with self._engine_lock:
-                if self._closed:
-                    return
-                self.book.reset(self.engine.n_slots)
-                self._samplers.clear()
-                self._carry.clear()
-                await self._serve(upstream)
+        try:
+            with scope:
+                async with self._engine_lock:
+                    if self._closed:
+                        return
+                    self.book.reset(self.engine.n_slots)
+                    self._samplers.clear()
+                    self._carry.clear()
+                    await self._serve(upstream)
+        finally:
+            upstream.close()
+
+    async def _serve_here(self, upstream: MovingReader) -> None:
+        """`_serve_chain` in this server's own task: what ends it is reported here, as the
+        stream's handler would (a reset is routine), and never ends the server."""
+        try:
+            await self._serve_chain(upstream)
+        except* Exception as group:
+            resets = reset_reasons(group)
+            if resets is not None:  # the peer went or gave up
+                log.info("stage.upstream_reset", reason=resets)
+            else:
+                log.error("stage.serve_failed", exc_info=group)
+                reset = getattr(upstream.stream, "reset", None)
+                if reset is not None:
+                    reset(f"stage failed: {group.exceptions[0]!r}")
 
     async def aclose(self) -> None:
         """Serve no more: the stream served now ends (its running forward finishes first)
@@ -98,12 +155,17 @@ class StageServer:
             self._serving.cancel()
         async with self._engine_lock:
             pass
+        if self._run_scope is not None:
+            self._run_scope.cancel()
 
-    async def _serve(self, upstream: trio.abc.ReceiveStream) -> None:
+    async def _serve(self, upstream: MovingReader) -> None:
         """Messages are decoded here, run in order on a worker thread of this stream (one
         batch at a time, the next one decoded meanwhile), and the worker's bytes go on
-        through an `Outbox` straight from its hand-back: no task wakes for them."""
-        out = await (self._open_next or self._open_reply)()  # type: ignore[misc]
+        through an `Outbox` straight from its hand-back: no task wakes for them. Both the
+        stream in and the stream out move when their connection is replaced."""
+        reopen = self._open_next or self._open_reply
+        assert reopen is not None
+        out = await reopen()
         jobs: queue.SimpleQueue[list[sm.Message] | sm.StageProtocolError | None]
         jobs = queue.SimpleQueue()
         stop = threading.Event()  # set: the worker skips what is still queued
@@ -111,7 +173,7 @@ class StageServer:
         room = trio.Semaphore(1)  # batches handed to the worker and not yet back
         reading = trio.CancelScope()
 
-        peer = getattr(upstream, "peer_id", None)  # a mesh stream's; in-process ones have none
+        peer = getattr(upstream.stream, "peer_id", None)  # a mesh stream's, not in-process ones
 
         def done(data: bytes, error: BaseException | None) -> None:  # on the event loop
             room.release()
@@ -141,23 +203,23 @@ class StageServer:
 
         try:
             async with trio.open_nursery() as nursery:
-                outbox = Outbox(out, nursery, lost)
+                outbox = MovingOutbox(out, nursery, lost, reopen)
                 nursery.start_soon(partial(trio.to_thread.run_sync, work))
                 try:
                     with reading:
-                        decoder = sm.StageDecoder(self.limits)
-                        while data := await upstream.receive_some():
+                        while True:
                             try:
                                 msgs: list[sm.Message] | sm.StageProtocolError
-                                msgs = decoder.feed(data)
+                                msgs = await upstream.receive()
                             except sm.StageProtocolError as e:
                                 msgs = e
-                            if msgs:
-                                try:  # no scheduler pass before the worker has its job
-                                    room.acquire_nowait()
-                                except trio.WouldBlock:
-                                    await room.acquire()
-                                jobs.put(msgs)
+                            if not msgs:
+                                break
+                            try:  # no scheduler pass before the worker has its job
+                                room.acquire_nowait()
+                            except trio.WouldBlock:
+                                await room.acquire()
+                            jobs.put(msgs)
                             if isinstance(msgs, sm.StageProtocolError):
                                 break
                 except BaseException:
@@ -165,9 +227,10 @@ class StageServer:
                     raise
                 finally:
                     jobs.put(None)
+                    outbox.stop_watching()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await out.aclose()
+                await outbox.stream.aclose()
 
     def _run(self, msgs: list[sm.Message] | sm.StageProtocolError) -> bytes:
         """One batch of messages, in order, on the worker thread; the bytes to send on."""
