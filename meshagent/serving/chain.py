@@ -179,7 +179,7 @@ class Chain:
         decoder = sm.StageDecoder(self._reply_limits)
         try:
             first = await first_messages(stream, decoder)
-        except (sm.StageProtocolError, trio.BrokenResourceError) as e:
+        except (sm.StageProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             self._reply_failed(generation, e)
             return
         if first and isinstance(first[0], sm.Continue):
@@ -198,7 +198,7 @@ class Chain:
                 if generation != self.generation:
                     return  # a chain from before a reconnect: nothing it says applies
                 self._on_replies(msgs)
-        except (sm.StageProtocolError, trio.BrokenResourceError) as e:
+        except (sm.StageProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             self._reply_failed(generation, e)
             return
         except Exception as e:  # a bug here ends this chain, never the model's runner

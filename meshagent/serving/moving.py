@@ -17,6 +17,7 @@ stays where it is, as before.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,9 +33,11 @@ log = structlog.get_logger(__name__)
 
 Reopen = Callable[[], Awaitable[trio.abc.SendStream]]
 
-# After a move that could not be made (no other connection to the peer yet), the next put
-# tries again this much later: the new connection is usually adopted within a few ms.
+# After a move that could not be made (no other connection to the peer yet), it is tried
+# again this much later: the new connection is usually adopted within a few ms.
 RETRY_AFTER = 0.25
+# How long a move waits for its new stream to open (the old one carries on meanwhile).
+OPEN_WAIT = 2.0
 # How long a reader that met `Moved` waits for the stream that continues it, and a stream
 # that begins with `Continue` for the reader that takes it.
 HANDOVER_WAIT = 10.0
@@ -56,10 +59,11 @@ class MovingOutbox:
     """An `Outbox` that follows its peer onto the connection that replaces its stream's.
 
     It moves when its connection stops taking new streams: at once, by a watch on the
-    connection, or at the next `put` (whichever comes first). While a move opens its new
-    stream, puts are held and go on after, in order. A failure of the stream in force goes
-    to `on_error`; one of a stream it has moved from, after its `Moved` was queued, does not
-    (the receiver has what it needs, or breaks the chain itself)."""
+    connection, or at the next `put` (whichever comes first). Until the new stream is open,
+    puts go on the old one, which carries them through its drain; from the switch on, on
+    the new one. A failure of the stream in force goes to `on_error`; one of a stream it
+    has moved from does not (the receiver has what it needs from it, or breaks the chain
+    itself)."""
 
     def __init__(
         self,
@@ -72,7 +76,7 @@ class MovingOutbox:
         self._on_error = on_error
         self._reopen = reopen
         self._outbox = self._box(stream)
-        self._held: list[bytes] | None = None  # puts while a move is under way
+        self._moving = False  # a move is opening its new stream
         self._retry_at = 0.0
         self._watch: trio.CancelScope | None = None
         self._closed = False
@@ -96,78 +100,69 @@ class MovingOutbox:
         box = Outbox(stream, self._nursery, lost)
         return box
 
-    def put(self, data: bytes) -> None:
-        """Send `data` after everything put before it, on whichever stream is in force."""
-        if self._held is not None:
-            self._held.append(data)
-            return
-        if (
+    def _due(self) -> bool:
+        """Whether the stream in force should move now."""
+        return (
             self._reopen is not None
+            and not (self._moving or self._closed)
+            and self._outbox.failed is None
             and _replaced(_connection(self._outbox.stream))
             and trio.current_time() >= self._retry_at
-            and self._begin()
-        ):
-            assert self._held is not None
-            self._held.append(data)
-            return
+        )
+
+    def put(self, data: bytes) -> None:
+        """Send `data` after everything put before it, on whichever stream is in force."""
+        if self._due():
+            with contextlib.suppress(RuntimeError):  # the nursery is closing: no move now
+                self._nursery.start_soon(self._move)
         self._outbox.put(data)
 
-    def _begin(self) -> bool:
-        """Start a move (puts are held from now on); False where none can start."""
-        if self._held is not None or self._closed:
-            return self._held is not None
-        try:
-            self._nursery.start_soon(self._move)
-        except RuntimeError:  # the nursery is closing: no move now
+    async def _move(self) -> bool:
+        """Open a stream to the same peer on the connection in force and switch to it; False
+        (and try again `RETRY_AFTER` later) where none opens there."""
+        if not self._due():
             return False
-        self._held = []
-        return True
-
-    async def _move(self) -> None:
-        old = self._outbox
-        conn = _connection(old.stream)
-        new: trio.abc.SendStream | None = None
-        why = ""
+        self._moving = True
         try:
+            old = self._outbox
+            conn = _connection(old.stream)
+            new: trio.abc.SendStream | None = None
+            why = "opening the new stream took too long"
             assert self._reopen is not None
-            new = await self._reopen()
-        except Exception as e:
-            why = str(e)
-        if new is not None and (
-            getattr(new, "peer_id", None) != getattr(old.stream, "peer_id", None)
-            or _connection(new) is conn
-        ):
-            why = "no other connection to the same peer"
-            await trio.aclose_forcefully(new)
-            new = None
-        held, self._held = self._held or [], None
-        if self._closed or old.failed is not None:
-            if new is not None:
+            with trio.move_on_after(OPEN_WAIT):
+                try:
+                    new = await self._reopen()
+                except Exception as e:
+                    why = str(e)
+            if new is not None and (
+                getattr(new, "peer_id", None) != getattr(old.stream, "peer_id", None)
+                or _connection(new) is conn
+            ):
+                why = "no other connection to the same peer"
                 await trio.aclose_forcefully(new)
-            return
-        if new is None:
-            # The peer has no other connection yet (or is leaving): stay, try again later.
-            log.debug("stage.stream_stays", why=why)
-            self._retry_at = trio.current_time() + RETRY_AFTER
-            for data in held:
-                old.put(data)
-            return
-        move = secrets.randbits(63)
-        old.put(sm.encode(sm.Moved(move)))
-        self._outbox = self._box(new)
-        self._outbox.put(sm.encode(sm.Continue(move)))
-        for data in held:
-            self._outbox.put(data)
+                new = None
+            if new is None or self._closed or old.failed is not None or old is not self._outbox:
+                if new is not None:
+                    await trio.aclose_forcefully(new)
+                log.debug("stage.stream_stays", why=why)
+                self._retry_at = trio.current_time() + RETRY_AFTER
+                return False
+            move = secrets.randbits(63)
+            old.put(sm.encode(sm.Moved(move)))
+            self._outbox = self._box(new)
+            self._outbox.put(sm.encode(sm.Continue(move)))
+        finally:
+            self._moving = False
         self.moves += 1
         log.info(
             "stage.stream_moved",
             peer=getattr(new, "peer_id", None),
             label=getattr(new, "label", None),
             path=getattr(_connection(new), "path", None),
-            held=len(held),
         )
         self._nursery.start_soon(self._finish, old)
         self._start_watch()
+        return True
 
     async def _finish(self, old: Outbox) -> None:
         """The stream moved from: everything queued on it (its `Moved` last) sent, then EOF."""
@@ -179,7 +174,8 @@ class MovingOutbox:
             pass  # the receiver took what it needed, or breaks the chain itself
 
     def _start_watch(self) -> None:
-        """Move as soon as the connection in force stops taking new streams."""
+        """Move as soon as the connection in force stops taking new streams (trying again
+        while it drains), even while nothing is put."""
         self.stop_watching()
         conn = _connection(self._outbox.stream)
         event = getattr(conn, "no_new_streams", None)
@@ -190,8 +186,10 @@ class MovingOutbox:
         async def watch() -> None:
             with scope:
                 await event.wait()
-                if trio.current_time() >= self._retry_at and self._outbox.failed is None:
-                    self._begin()
+                while _connection(self._outbox.stream) is conn and not conn.is_closed:
+                    if self._due() and await self._move():
+                        return
+                    await trio.sleep(RETRY_AFTER)
 
         try:
             self._nursery.start_soon(watch)
@@ -209,7 +207,6 @@ class MovingOutbox:
         """Put no more: later puts are dropped, and no move starts."""
         self._closed = True
         self.stop_watching()
-        self._held = None
         self._outbox.close()
 
 

@@ -137,15 +137,15 @@ class StageServer:
         stream's handler would (a reset is routine), and never ends the server."""
         try:
             await self._serve_chain(upstream)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError) as group:
+            # The peer went or gave up (a reset), or the stream's connection ended under it.
+            why = reset_reasons(group) or repr(group.exceptions[0])
+            log.info("stage.upstream_ended", reason=why)
         except* Exception as group:
-            resets = reset_reasons(group)
-            if resets is not None:  # the peer went or gave up
-                log.info("stage.upstream_reset", reason=resets)
-            else:
-                log.error("stage.serve_failed", exc_info=group)
-                reset = getattr(upstream.stream, "reset", None)
-                if reset is not None:
-                    reset(f"stage failed: {group.exceptions[0]!r}")
+            log.error("stage.serve_failed", exc_info=group)
+            reset = getattr(upstream.stream, "reset", None)
+            if reset is not None:
+                reset(f"stage failed: {group.exceptions[0]!r}")
 
     async def aclose(self) -> None:
         """Serve no more: the stream served now ends (its running forward finishes first)
