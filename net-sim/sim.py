@@ -24,7 +24,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from netsim import nat_matrix, report, scenarios  # noqa: E402 - after the path is set
+from netsim import nat_matrix, nat_move, report, scenarios  # noqa: E402 - after the path is set
 from netsim.errors import NeedsRoot  # noqa: E402
 from netsim.lab import check_requirements  # noqa: E402
 from netsim.regimes import REGIMES  # noqa: E402
@@ -160,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     np_.add_argument("--parallel", type=int, default=3, help="pairs run at once")
     np_.add_argument("--cap", type=float, default=20.0, help="seconds a run waits for direct")
     np_.add_argument("--seed", type=int, default=1)
+    np_.add_argument(
+        "--only",
+        choices=("matrix", "split"),
+        help="run only the matrix, or only the split moving from relayed to direct",
+    )
+    np_.add_argument("--tokens", type=int, default=400, help="the split's stream, in tokens")
     for sp in sub.choices.values():
         sp.add_argument("--out", type=Path, help="the run's folder (default: a new one)")
     rp = sub.add_parser("render", help="write a run's report.md and plots again from its data")
@@ -188,16 +194,22 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [k for k in kinds if k not in nat_matrix.KINDS]
         if unknown:
             p.error(f"no NAT kind {', '.join(unknown)}; there are {', '.join(nat_matrix.KINDS)}")
-        rep = nat_matrix.matrix(
-            out,
-            runs=args.runs,
-            kinds=kinds,
-            regime=args.regime,
-            parallel=args.parallel,
-            cap_s=args.cap,
-            seed=args.seed,
-        )
-        print(nat_matrix.table(rep))
+        if args.only != "split":
+            rep = nat_matrix.matrix(
+                out / "matrix",
+                runs=args.runs,
+                kinds=kinds,
+                regime=args.regime,
+                parallel=args.parallel,
+                cap_s=args.cap,
+                seed=args.seed,
+            )
+            print(nat_matrix.table(rep))
+        if args.only != "matrix":
+            split = nat_move.run(
+                out / "split", regime=args.regime, tokens=args.tokens, seed=args.seed
+            )
+            print(nat_move.table(split))
         return 0
     if args.scenario in ("split", "soak"):
         settings = scenarios.SplitSettings(
