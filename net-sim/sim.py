@@ -165,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("matrix", "split"),
         help="run only the matrix, or only the split moving from relayed to direct",
     )
-    np_.add_argument("--tokens", type=int, default=400, help="the split's stream, in tokens")
+    np_.add_argument("--tokens", type=int, default=600, help="the split's stream, in tokens")
+    np_.add_argument(
+        "--split-kinds",
+        default="port-restricted,port-restricted,port-restricted",
+        help="the split's three NATs, a,b,c",
+    )
     for sp in sub.choices.values():
         sp.add_argument("--out", type=Path, help="the run's folder (default: a new one)")
     rp = sub.add_parser("render", help="write a run's report.md and plots again from its data")
@@ -194,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [k for k in kinds if k not in nat_matrix.KINDS]
         if unknown:
             p.error(f"no NAT kind {', '.join(unknown)}; there are {', '.join(nat_matrix.KINDS)}")
+        split_kinds = tuple(k.strip() for k in args.split_kinds.split(","))
+        wrong = [k for k in split_kinds if k not in nat_matrix.KINDS]
+        if len(split_kinds) != 3 or wrong:
+            p.error(f"--split-kinds takes three of {', '.join(nat_matrix.KINDS)}")
+        rep = split = None
         if args.only != "split":
             rep = nat_matrix.matrix(
                 out / "matrix",
@@ -207,9 +217,19 @@ def main(argv: list[str] | None = None) -> int:
             print(nat_matrix.table(rep))
         if args.only != "matrix":
             split = nat_move.run(
-                out / "split", regime=args.regime, tokens=args.tokens, seed=args.seed
+                out / "split",
+                regime=args.regime,
+                tokens=args.tokens,
+                seed=args.seed,
+                kinds=split_kinds,  # type: ignore[arg-type]
             )
             print(nat_move.table(split))
+        if rep is not None and split is not None:
+            pairs = nat_move.by_pair(rep, split)
+            (out / "report.md").write_text(
+                nat_matrix.table(rep) + "\n" + nat_move.table(split) + "\n" + pairs
+            )
+            print(pairs)
         return 0
     if args.scenario in ("split", "soak"):
         settings = scenarios.SplitSettings(

@@ -1,12 +1,12 @@
 """The `nat` scenario's split: a 3-stage split behind NATs, moving from relayed paths to
 direct ones mid-stream.
 
-Three hosts, each behind a port-restricted NAT (`Lab.behind_nat`), and a relay, linked as a
-regime says (default `wan`). The internet drops everything between the hosts from the start
-(`Lab.partition`; the relay stays reachable), so the agents meet on the relay and serve the
-split over relayed paths. Then, one greedy streamed request at a time from the entry's host
-(a long copy, drafts off: one token a trip, so that a token's time is the ring's; agents
-that try direct every second, `upgrade_interval = 1.0`):
+Three hosts, each behind a NAT (`Lab.behind_nat`; port-restricted by default), and a relay,
+linked as a regime says (default `wan`). The internet drops everything between the hosts
+from the start (`Lab.partition`; the relay stays reachable), so the agents meet on the relay
+and serve the split over relayed paths. Then, one greedy streamed request at a time from the
+entry's host (a long copy, drafts off: one token a trip, so that a token's time is the
+ring's; agents that try direct every second, `upgrade_interval = 1.0`):
 
 - *moving*: the request starts on relayed paths; a few seconds in the cut heals, the agents
   punch through, and the split's streams move to the direct connections
@@ -50,12 +50,22 @@ HEAL_AFTER_S = 2.0
 UPGRADE_S = 1.0
 
 
-def run(run_dir: Path, *, regime: str = "wan", tokens: int = 400, seed: int = 1) -> dict[str, Any]:
+def run(
+    run_dir: Path,
+    *,
+    regime: str = "wan",
+    tokens: int = 400,
+    seed: int = 1,
+    kinds: tuple[str, str, str] = ("port-restricted",) * 3,
+) -> dict[str, Any]:
+    """The three runs; `kinds`: the NAT in front of each host (`none`: none)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     topo = topology(regime, len(HOSTS), relay=True)
     with Lab(topo, workdir=run_dir / "lab", seed=seed) as lab:
-        inner = {h: lab.behind_nat(h, "port-restricted") for h in HOSTS}
-        for h in HOSTS:
+        inner = {}
+        for h, kind in zip(HOSTS, kinds, strict=True):
+            # Kind `none`: the host itself, on the internet.
+            inner[h] = lab[h] if kind == "none" else lab.behind_nat(h, kind)
             key = "net.netfilter.nf_conntrack_tcp_timeout_syn_sent"
             lab[h].run(["sysctl", "-qw", f"{key}={SYN_SENT_S}"], timeout=10)
         for a, b in itertools.combinations(HOSTS, 2):
@@ -75,6 +85,7 @@ def run(run_dir: Path, *, regime: str = "wan", tokens: int = 400, seed: int = 1)
         out: dict[str, Any] = {
             "scenario": "nat-split",
             "regime": regime,
+            "kinds": dict(zip(HOSTS, kinds, strict=True)),
             "tokens": tokens,
             "stages": mesh.named_stages(plan),
             "paths_before": {h: mesh.paths(h) for h in HOSTS},
@@ -181,12 +192,32 @@ def _phase(
     return out
 
 
+def by_pair(matrix: dict[str, Any], split: dict[str, Any]) -> str:
+    """The matrix's pairs with the split's time a token on the path each pair ends on: the
+    direct run's where it ends direct, the relayed run's where it stays relayed (a token's
+    time follows the path, whatever NAT opened it)."""
+    ph = split["phases"]
+    direct, relayed = ph["direct"]["token_ms"], ph["relayed"]["token_ms"]
+    lines = [
+        "| pair | ends | within 10 s | 3-stage split ms a token on that path | relayed |",
+        "|---|---|---|---|---|",
+    ]
+    for pair, s in matrix["pairs"].items():
+        ends = "direct" if s["direct"] * 2 > s["runs"] else "relayed"
+        on = direct if ends == "direct" else relayed
+        lines.append(
+            f"| {pair} | {ends} ({s['direct']}/{s['runs']}) | {s['within_goal']}/{s['runs']} "
+            f"| {on} | {relayed} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def table(out: dict[str, Any]) -> str:
     p = out["phases"]
     m = p["moving"]
     lines = [
         f"# A 3-stage split behind NATs, relayed to direct mid-stream ({out['regime']}, "
-        f"{out['tokens']} tokens)",
+        f"{out['tokens']} tokens; NATs {', '.join(out['kinds'].values())})",
         "",
         "| run | ms a token | complete | same text as direct | replays |",
         "|---|---|---|---|---|",
