@@ -73,6 +73,11 @@ DIAL_TIMEOUT = 5.0  # seconds each side keeps dialing after GO
 # of it, meet with probability 1 - exp(-n^2 / 64512): 98% for 512.
 SPRAY = 512
 TALK_TIMEOUT = 10.0  # seconds for the conversation over the relay
+# A peer's punches this agent answers: one per `ANSWER_EVERY` seconds (an honest peer punches
+# again after 1 s at the soonest, then doubling), a spray one per `SPRAY_EVERY` seconds and
+# one at a time in all: a member cannot have this agent send SYNs without end.
+ANSWER_EVERY = 0.9
+SPRAY_EVERY = 4.0
 _DIAL_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
@@ -203,6 +208,34 @@ async def _dial_all(
     return won[0] if won else None
 
 
+class Answering:
+    """Which peers' punches this agent answers now (sans-IO, times given): one a peer per
+    `ANSWER_EVERY` seconds, a spray one a peer per `SPRAY_EVERY` and one at a time. The
+    peers remembered are bounded: the oldest go first."""
+
+    def __init__(self, most: int = 1024) -> None:
+        self._answered: dict[str, float] = {}
+        self._sprayed: dict[str, float] = {}
+        self.spraying = False
+        self._most = most
+
+    def answer(self, peer_id: str, now: float) -> bool:
+        return self._take(self._answered, peer_id, now, ANSWER_EVERY)
+
+    def spray(self, peer_id: str, now: float) -> bool:
+        return not self.spraying and self._take(self._sprayed, peer_id, now, SPRAY_EVERY)
+
+    def _take(self, seen: dict[str, float], peer_id: str, now: float, every: float) -> bool:
+        last = seen.get(peer_id)
+        if last is not None and now - last < every:
+            return False
+        seen.pop(peer_id, None)
+        seen[peer_id] = now
+        while len(seen) > self._most:
+            del seen[next(iter(seen))]
+        return True
+
+
 def may_spray_at(
     behind_symmetric: Callable[[str], bool], peer_id: str, host: str, theirs: Sequence[Address]
 ) -> bool:
@@ -291,12 +324,20 @@ async def serve(
     *,
     behind_symmetric: Callable[[str], bool] = lambda peer_id: False,
     rng: random.Random | None = None,
+    answering: Answering | None = None,
 ) -> None:
     """Answer a peer's punch: our candidates (and `public()`, our public address where our NAT
     maps alike for every destination), then on its GO dial its candidates; where it said it is
     behind a symmetric NAT (a spray host) and we have a public address, also SYNs from our
-    listen port to `spray_size()` random ports of that host."""
+    listen port to `spray_size()` random ports of that host. `answering`: how often each peer
+    may have that (by default, every time)."""
     local = overlay.listen_addresses[0] if overlay.listen_addresses else None
+    answering = answering or Answering()
+    if not answering.answer(stream.peer_id, trio.current_time()):
+        stream.reset(f"one punch a peer per {ANSWER_EVERY:g} s")
+        log.info("punch.too_soon", peer=stream.peer_id)
+        await stream.aclose()
+        return
     try:
         try:
             with trio.fail_after(TALK_TIMEOUT):
@@ -315,18 +356,30 @@ async def serve(
             return
         # A spray sends hundreds of SYNs at one host: only toward a peer whose own record says
         # it is behind a symmetric NAT, and at a host it offered as a candidate (a member
-        # cannot aim this agent's SYNs at a third party's host it did not also name).
+        # cannot aim this agent's SYNs at a third party's host it did not also name), and
+        # not more often than `answering` allows.
         if (
             spray_host
             and ours
-            and not may_spray_at(behind_symmetric, stream.peer_id, spray_host, theirs)
+            and not (
+                may_spray_at(behind_symmetric, stream.peer_id, spray_host, theirs)
+                and answering.spray(stream.peer_id, trio.current_time())
+            )
         ):
             log.info("punch.spray_refused", peer=stream.peer_id, host=spray_host)
             spray_host = None
-        if spray_host and ours:
+        spraying = bool(spray_host and ours)
+        if spraying:
             ports = spray_ports(spray_size(), rng or random.Random())
-            theirs = [*theirs, *(Address(spray_host, port) for port in ports)]
-        conn = await _dial_all(overlay, transport, local, stream.peer_id, theirs, initiator=False)
+            theirs = [*theirs, *(Address(spray_host, port) for port in ports)]  # type: ignore[arg-type]
+            answering.spraying = True
+        try:
+            conn = await _dial_all(
+                overlay, transport, local, stream.peer_id, theirs, initiator=False
+            )
+        finally:
+            if spraying:
+                answering.spraying = False
         log.info("punch.answered", peer=stream.peer_id, connected=conn is not None)
     finally:
         await stream.aclose()
@@ -347,7 +400,9 @@ def server(
     reach: Reachable,
     behind_symmetric: Callable[[str], bool],
 ) -> Callable[[MeshStream], Awaitable[None]]:
-    """The `punch/1` stream handler: `serve` with what `reach` says of this agent now."""
+    """The `punch/1` stream handler: `serve` with what `reach` says of this agent now, each
+    peer within one `Answering`."""
+    answering = Answering()
     return lambda stream: serve(
         overlay,
         transport,
@@ -355,6 +410,7 @@ def server(
         reach.punch_candidates,
         reach.public_address,
         behind_symmetric=behind_symmetric,
+        answering=answering,
     )
 
 

@@ -12,8 +12,11 @@ ring's; agents that try direct every second, `upgrade_interval = 1.0`):
   punch through, and the split's streams move to the direct connections
   (`serving/moving.py`);
 - *direct*: the same request again, every hop direct;
-- *relayed*: the internet cuts the hosts apart again, the agents fall back to the relay, and
-  the same request runs there, every hop relayed.
+- *cut*: the same request, direct; 2 s in the internet cuts the hosts apart again (as when a
+  router forgets its mappings): the agents fall back to the relay, the chain breaks and the
+  request replays there;
+- *relayed*: the same request on the relay, every hop relayed; then the paths come back and
+  the agents go direct again.
 
 Per run: the time a token takes (the streamed chunks' span over their count). For *moving*:
 that time before and after the switch (the last `stage.stream_moved` in the agents' logs),
@@ -104,12 +107,25 @@ def run(
         moving = _one(driver.finish(proc, path, "moving", 600))
         out["paths_after"] = _wait_paths(mesh, "direct")
         direct = _one(driver.run(inner[entry], "direct", *ask, timeout=600))
-        # Then cut again: the direct paths die, the agents fall back to the relay.
+        # Then the direct paths die mid-stream (as when a router forgets its mappings): the
+        # agents fall back to the relay, the chain breaks and the request replays there.
+        proc, path = driver.start(inner[entry], "cut", *ask)
+        time.sleep(HEAL_AFTER_S)
+        cut_at = tl.mark("cut")
         for a, b in itertools.combinations(HOSTS, 2):
             lab.partition(a, b)
+        cut = _one(driver.finish(proc, path, "cut", 600))
         out["paths_cut_again"] = _wait_paths(mesh, "relayed")
+        relayed_at = tl.now()
         mesh.wait_routable(stages=3)
         relayed = _one(driver.run(inner[entry], "relayed", *ask, timeout=600))
+        # And the paths come back: direct again.
+        healed_again = tl.mark("heal")
+        for a, b in itertools.combinations(HOSTS, 2):
+            lab.heal(a, b)
+        out["paths_healed_again"] = _wait_paths(mesh, "direct")
+        out["direct_again_after_heal_s"] = round(tl.now() - healed_again, 1)
+        out["relayed_after_cut_s"] = round(relayed_at - cut_at, 1)
         events = mesh.log_events(levels=("info", "warning", "error"))
     moved = [e for e in events if e["event"] == "stage.stream_moved"]
     during = [
@@ -125,6 +141,7 @@ def run(
         "relayed": _phase(relayed, direct),
         "moving": _phase(moving, direct, switch),
         "direct": _phase(direct, direct),
+        "cut": _phase(cut, direct),
     }
     out["moved"] = [
         {"host": e["host"], "t": e["t"], "label": e["detail"].get("label")} for e in moved
@@ -222,7 +239,9 @@ def table(out: dict[str, Any]) -> str:
         "| run | ms a token | complete | same text as direct | replays |",
         "|---|---|---|---|---|",
     ]
-    for name, label in (("relayed", "relayed"), ("moving", "moving (whole)"), ("direct", "direct")):
+    runs = (("relayed", "relayed"), ("moving", "moving (whole)"), ("direct", "direct"))
+    runs += (("cut", "cut mid-stream"),)
+    for name, label in runs:
         ph = p[name]
         lines.append(
             f"| {label} | {ph['token_ms']} | {ph['complete']} | {ph['same_text']} "
@@ -237,6 +256,9 @@ def table(out: dict[str, Any]) -> str:
         f"- streams moved {out['switch_after_heal_s']} s after the heal: "
         + ", ".join(f"{x['host']} {x['label']}" for x in out["moved"]),
         f"- chain breaks while it ran: {len(out['breaks_during_moving'])}",
+        f"- cut mid-stream: on the relay {out['relayed_after_cut_s']} s after the cut (the "
+        f"request replayed there); direct again {out['direct_again_after_heal_s']} s after "
+        "the paths came back",
         f"- stages: {out['stages']}",
     ]
     return "\n".join(lines) + "\n"

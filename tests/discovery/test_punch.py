@@ -83,3 +83,17 @@ def test_a_spray_only_toward_a_peer_behind_a_symmetric_nat_at_a_host_it_named():
     assert punch.may_spray_at(symmetric, "p", "203.0.113.5", theirs)
     assert not punch.may_spray_at(symmetric, "q", "203.0.113.5", theirs)  # record says not
     assert not punch.may_spray_at(symmetric, "p", "198.51.100.9", theirs)  # a third party
+
+
+def test_a_peer_has_its_punches_answered_and_sprays_made_only_so_often():
+    a = punch.Answering(most=2)
+    assert a.answer("p", 0.0) and not a.answer("p", 0.5) and a.answer("p", 1.0)
+    assert a.answer("q", 1.1) and not a.answer("q", 1.5)  # each peer on its own clock
+    # Bounded: the peer answered longest ago is forgotten (and may punch again at once).
+    assert a.answer("r", 1.2)  # p (at 1.0) and q (at 1.1) were held: p goes
+    assert a.answer("p", 1.3)
+    assert a.spray("p", 2.0) and not a.spray("p", 5.0) and a.spray("p", 6.0)
+    a.spraying = True  # one spray at a time, whoever asks
+    assert not a.spray("q", 10.0)
+    a.spraying = False
+    assert a.spray("q", 10.0)
