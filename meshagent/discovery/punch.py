@@ -74,10 +74,11 @@ DIAL_TIMEOUT = 5.0  # seconds each side keeps dialing after GO
 SPRAY = 512
 TALK_TIMEOUT = 10.0  # seconds for the conversation over the relay
 # A peer's punches this agent answers: one per `ANSWER_EVERY` seconds (an honest peer punches
-# again after 1 s at the soonest, then doubling), a spray one per `SPRAY_EVERY` seconds and
-# one at a time in all: a member cannot have this agent send SYNs without end.
+# again after 1 s at the soonest, then doubling), a spray one per `SPRAY_EVERY` seconds, and
+# `MAX_SPRAYS` at once in all: a member cannot have this agent send SYNs without end.
 ANSWER_EVERY = 0.9
 SPRAY_EVERY = 4.0
+MAX_SPRAYS = 8
 _DIAL_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
@@ -210,20 +211,21 @@ async def _dial_all(
 
 class Answering:
     """Which peers' punches this agent answers now (sans-IO, times given): one a peer per
-    `ANSWER_EVERY` seconds, a spray one a peer per `SPRAY_EVERY` and one at a time. The
-    peers remembered are bounded: the oldest go first."""
+    `ANSWER_EVERY` seconds, a spray one a peer per `SPRAY_EVERY` and `MAX_SPRAYS` at once
+    (`spraying` counts those under way). The peers remembered are bounded: the oldest go
+    first."""
 
     def __init__(self, most: int = 1024) -> None:
         self._answered: dict[str, float] = {}
         self._sprayed: dict[str, float] = {}
-        self.spraying = False
+        self.spraying = 0
         self._most = most
 
     def answer(self, peer_id: str, now: float) -> bool:
         return self._take(self._answered, peer_id, now, ANSWER_EVERY)
 
     def spray(self, peer_id: str, now: float) -> bool:
-        return not self.spraying and self._take(self._sprayed, peer_id, now, SPRAY_EVERY)
+        return self.spraying < MAX_SPRAYS and self._take(self._sprayed, peer_id, now, SPRAY_EVERY)
 
     def _take(self, seen: dict[str, float], peer_id: str, now: float, every: float) -> bool:
         last = seen.get(peer_id)
@@ -372,14 +374,14 @@ async def serve(
         if spraying:
             ports = spray_ports(spray_size(), rng or random.Random())
             theirs = [*theirs, *(Address(spray_host, port) for port in ports)]  # type: ignore[arg-type]
-            answering.spraying = True
+            answering.spraying += 1
         try:
             conn = await _dial_all(
                 overlay, transport, local, stream.peer_id, theirs, initiator=False
             )
         finally:
             if spraying:
-                answering.spraying = False
+                answering.spraying -= 1
         log.info("punch.answered", peer=stream.peer_id, connected=conn is not None)
     finally:
         await stream.aclose()

@@ -93,7 +93,7 @@ def test_a_peer_has_its_punches_answered_and_sprays_made_only_so_often():
     assert a.answer("r", 1.2)  # p (at 1.0) and q (at 1.1) were held: p goes
     assert a.answer("p", 1.3)
     assert a.spray("p", 2.0) and not a.spray("p", 5.0) and a.spray("p", 6.0)
-    a.spraying = True  # one spray at a time, whoever asks
+    a.spraying = punch.MAX_SPRAYS  # so many under way: none more, whoever asks
     assert not a.spray("q", 10.0)
-    a.spraying = False
+    a.spraying -= 1
     assert a.spray("q", 10.0)
