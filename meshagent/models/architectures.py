@@ -5,7 +5,14 @@ from __future__ import annotations
 # Architectures whose layer graph does not depend on the absolute layer index and whose input
 # is the plain token embedding: a slice of layers [a, b) renumbered from 0 computes exactly what
 # those layers compute inside the whole model. Each has a parity test.
-SPLITTABLE = frozenset({"llama", "qwen2", "qwen3"})
+SPLITTABLE = frozenset({"llama", "qwen2", "qwen3", "phi3"})
+
+# Families whose sliding window, where their metadata names one, is the same for every layer
+# or not applied at all: a slice computes what its layers compute in the whole model. Phi-3's
+# window is disabled by llama.cpp (it warns "Phi SWA is currently disabled"); should it come
+# back, it would apply to every layer alike. tests/engine/test_stage_parity.py checks a
+# Phi-3 with a window split exactly.
+WINDOW_NOT_BY_INDEX = frozenset({"phi3"})
 
 # Architectures that keep a recurrent state per sequence, which the stage engine runs exactly
 # (tests/engine/test_recurrent_parity.py) but which are split only for a model that holds a
@@ -39,7 +46,7 @@ def stage_refusal(arch: str, metadata_keys: set[str]) -> str | None:
             f"architecture {arch!r} has no parity test for split serving yet "
             f"(supported: {', '.join(supported)})"
         )
-    if f"{arch}.attention.sliding_window" in metadata_keys:
+    if f"{arch}.attention.sliding_window" in metadata_keys and arch not in WINDOW_NOT_BY_INDEX:
         return f"this {arch} model uses sliding-window attention chosen by layer index"
     return None
 

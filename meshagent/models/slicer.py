@@ -70,12 +70,19 @@ def _per_layer_arrays(reader: GGUFFile, arch: str, n_layers: int) -> frozenset[s
     return frozenset(found)
 
 
+# Tokens a family's vocabulary must hold for llama.cpp to load it at all (its vocabulary
+# loader looks them up by text): the placeholder holds them too.
+REQUIRED_TOKENS = {"phi3": ("<|endoftext|>",)}
+
+
 def _add_placeholder_vocab(writer: gguf.GGUFWriter, arch: str, n_embd: int) -> None:
     n = PLACEHOLDER_VOCAB
+    required = list(REQUIRED_TOKENS.get(arch, ()))
+    rest = n - 3 - len(required)
     writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<t{i}>" for i in range(n - 3)])
+    writer.add_token_list(["<unk>", "<s>", "</s>", *required] + [f"<t{i}>" for i in range(rest)])
     writer.add_token_scores([0.0] * n)
-    writer.add_token_types([2, 3, 3] + [1] * (n - 3))
+    writer.add_token_types([2, 3, 3] + [3] * len(required) + [1] * rest)
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)

@@ -1,6 +1,6 @@
 """Tiny random-weight GGUF models written with `gguf`: the split architectures (llama, qwen2,
-qwen3), a pure state-space model (mamba) and a hybrid of attention and state-space layers
-(jamba)."""
+qwen3, phi3), a pure state-space model (mamba) and a hybrid of attention and state-space
+layers (jamba)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,21 @@ class _Weights:
         self.w.add_tensor(name, values.astype(np.float32))
 
 
-def _add_vocab(w: gguf.GGUFWriter) -> None:
+# Control tokens a family's vocabulary must hold for llama.cpp to load it (its vocabulary
+# loader looks them up by text), after the byte tokens.
+EXTRA_TOKENS = {"phi3": ("<|endoftext|>",)}
+
+
+def n_vocab(arch: str) -> int:
+    return N_VOCAB + len(EXTRA_TOKENS.get(arch, ()))
+
+
+def _add_vocab(w: gguf.GGUFWriter, extra: Sequence[str] = ()) -> None:
     w.add_tokenizer_model("llama")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + list(extra)
     w.add_token_list(tokens)
-    w.add_token_scores([0.0] * N_VOCAB)
-    w.add_token_types([2, 3, 3] + [6] * 256)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([2, 3, 3] + [6] * 256 + [3] * len(extra))
     w.add_unk_token_id(0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -78,12 +87,23 @@ def write_tiny_model(
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if sliding_window:
         w.add_sliding_window(sliding_window)
-    _add_vocab(w)
+    if arch == "phi3":
+        w.add_rope_dimension_count(head_dim)
+    _add_vocab(w, EXTRA_TOKENS.get(arch, ()))
     g = _Weights(w, seed)
-    _embeddings_and_head(g, n_embd)
+    _embeddings_and_head(g, n_embd, n_vocab(arch))
     for i in range(n_layers):
         p = f"blk.{i}."
         g.ones(p + "attn_norm.weight", n_embd)
+        if arch == "phi3":
+            # Phi-3 and Phi-4: one fused Q/K/V projection and one fused gate/up projection
+            # (SwiGLU over its two halves).
+            g.normal(p + "attn_qkv.weight", (n_head + 2 * n_head_kv) * head_dim, n_embd)
+            g.normal(p + "attn_output.weight", n_embd, n_head * head_dim)
+            g.ones(p + "ffn_norm.weight", n_embd)
+            g.normal(p + "ffn_up.weight", 2 * n_ff, n_embd)
+            g.normal(p + "ffn_down.weight", n_embd, n_ff)
+            continue
         _attention(g, p, n_embd, n_head, n_head_kv)
         if arch == "qwen2":
             g.normal(p + "attn_q.bias", n_head * head_dim, scale=0.05)
@@ -105,10 +125,10 @@ def _begin(path: Path, arch: str, *, n_embd: int, n_layers: int) -> gguf.GGUFWri
     return w
 
 
-def _embeddings_and_head(g: _Weights, n_embd: int) -> None:
-    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=0.5)
+def _embeddings_and_head(g: _Weights, n_embd: int, vocab: int = N_VOCAB) -> None:
+    g.normal("token_embd.weight", vocab, n_embd, scale=0.5)
     g.ones("output_norm.weight", n_embd)
-    g.normal("output.weight", N_VOCAB, n_embd, scale=0.2)
+    g.normal("output.weight", vocab, n_embd, scale=0.2)
 
 
 def _attention(g: _Weights, p: str, n_embd: int, n_head: int, n_head_kv: int) -> None:

@@ -219,7 +219,7 @@ def test_planner_still_refuses_them(models, tmp_path):
     layout = inspect_model(models["jamba"])
     assert layout.stage_refusal is None
     assert not layout.splittable and "certified" in (layout.split_refusal or "")
-    other = inspect_model(write_tiny_model(tmp_path / "phi3.gguf", "phi3"))
+    other = inspect_model(write_tiny_model(tmp_path / "olmo.gguf", "olmo"))
     assert "no parity test" in (other.stage_refusal or "")
     with pytest.raises(ModelError, match="no parity test"):
-        write_layers(other, 0, 3, tmp_path / "phi3-0-3.gguf", provenance={})
+        write_layers(other, 0, 3, tmp_path / "olmo-0-3.gguf", provenance={})
