@@ -4,8 +4,9 @@ from __future__ import annotations
 
 # Architectures whose layer graph does not depend on the absolute layer index and whose input
 # is the plain token embedding: a slice of layers [a, b) renumbered from 0 computes exactly what
-# those layers compute inside the whole model. Each has a parity test.
-SPLITTABLE = frozenset({"llama", "qwen2", "qwen3", "phi3"})
+# those layers compute inside the whole model. Each has a parity test. `llama` includes its
+# mixture-of-experts form (Mixtral); `qwen2moe` has a shared expert besides the routed ones.
+SPLITTABLE = frozenset({"llama", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe"})
 
 # Families whose sliding window, where their metadata names one, is the same for every layer
 # or not applied at all: a slice computes what its layers compute in the whole model. Phi-3's

@@ -29,7 +29,10 @@ class ModelLayout:
     head_dim: int
     context_length: int
     layer_bytes: tuple[int, ...]  # exact tensor bytes of each layer
-    layer_params: tuple[int, ...]  # weights (elements) of each layer: ~FLOPs/2 per token
+    # Weights (elements) of each layer a token runs through: ~FLOPs/2 per token. With experts,
+    # only the `expert_used_count` of `expert_count` the router picks (its memory is all of
+    # them: `layer_bytes`).
+    layer_params: tuple[int, ...]
     embedding_bytes: int  # token_embd
     head_bytes: int  # output_norm + output (or tied embeddings)
     other_bytes: int  # any other global tensor
@@ -44,6 +47,8 @@ class ModelLayout:
     # The ggml types of its weight matrices (`Q4_K`, `Q6_K`, ...): whether llama.cpp may
     # repack them (engine/runtime.py, `inexact_model`).
     weight_types: tuple[str, ...] = ()
+    n_experts: int = 0  # experts of each MoE layer (0: a dense model)
+    n_experts_used: int = 0  # of them, those each token is routed to
 
     @property
     def splittable(self) -> bool:
@@ -117,6 +122,10 @@ def inspect_model(path: Path) -> ModelLayout:
     head_dim = int(field(r, f"{arch}.attention.key_length", 0) or (n_embd // max(n_head, 1)))
     layer_bytes = [0] * n_layers
     layer_params = [0] * n_layers
+    n_experts = int(field(r, f"{arch}.expert_count", 0) or 0)
+    n_used = int(field(r, f"{arch}.expert_used_count", 0) or 0)
+    # A token runs through n_used of an experts tensor's n_experts slices.
+    routed = n_used / n_experts if n_experts and 0 < n_used <= n_experts else 1.0
     embedding = head = other = 0
     n_vocab = 0
     for t in r.tensors:
@@ -126,7 +135,8 @@ def inspect_model(path: Path) -> ModelLayout:
             if i >= n_layers:
                 raise ModelError(f"{path}: tensor {t.name} beyond block_count {n_layers}")
             layer_bytes[i] += int(t.n_bytes)
-            layer_params[i] += int(t.n_elements)
+            share = routed if "_exps." in t.name else 1.0
+            layer_params[i] += round(int(t.n_elements) * share)
         elif t.name == "token_embd.weight":
             embedding += int(t.n_bytes)
             n_vocab = int(t.shape[1])
@@ -161,6 +171,8 @@ def inspect_model(path: Path) -> ModelLayout:
         layer_n_head_kv=layer_n_head_kv,
         tokenizer_bytes=_tokenizer_bytes(r),
         weight_types=tuple(weight_types),
+        n_experts=n_experts,
+        n_experts_used=n_used,
     )
 
 

@@ -63,6 +63,12 @@ def _finish(w: gguf.GGUFWriter, path: Path) -> Path:
     return path
 
 
+# Mixture-of-experts families: every layer's FFN is `N_EXPERTS` experts, `N_EXPERTS_USED` of
+# them chosen per token by a router (qwen2moe adds a shared expert, gated per token).
+MOE = frozenset({"qwen2moe", "qwen3moe"})
+N_EXPERTS, N_EXPERTS_USED = 4, 2
+
+
 def write_tiny_model(
     path: Path,
     arch: str,
@@ -74,10 +80,22 @@ def write_tiny_model(
     n_ff: int = 128,
     seed: int = 0,
     sliding_window: int | None = None,
+    experts: bool = False,
 ) -> Path:
+    """`experts`: a `llama` whose FFNs are experts (Mixtral); the MoE families always are."""
     head_dim = n_embd // n_head
+    experts = experts or arch in MOE
     w = _begin(path, arch, n_embd=n_embd, n_layers=n_layers)
     w.add_feed_forward_length(n_ff)
+    # Mixtral's experts are as wide as its feed_forward_length; the MoE families name theirs.
+    n_ff_exp = n_ff // 2 if arch in MOE else n_ff
+    if experts:
+        w.add_expert_count(N_EXPERTS)
+        w.add_expert_used_count(N_EXPERTS_USED)
+    if arch in MOE:
+        w.add_expert_feed_forward_length(n_ff_exp)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_key_length(head_dim)
@@ -109,10 +127,17 @@ def write_tiny_model(
             g.normal(p + "attn_q.bias", n_head * head_dim, scale=0.05)
             g.normal(p + "attn_k.bias", n_head_kv * head_dim, scale=0.05)
             g.normal(p + "attn_v.bias", n_head_kv * head_dim, scale=0.05)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             g.ones(p + "attn_q_norm.weight", head_dim)
             g.ones(p + "attn_k_norm.weight", head_dim)
-        _dense_ffn(g, p, n_embd, n_ff)
+        if arch == "qwen2moe":
+            g.normal(p + "attn_q.bias", n_head * head_dim, scale=0.05)
+            g.normal(p + "attn_k.bias", n_head_kv * head_dim, scale=0.05)
+            g.normal(p + "attn_v.bias", n_head_kv * head_dim, scale=0.05)
+        if experts:
+            _moe_ffn(g, p, n_embd, n_ff_exp, shared=n_ff if arch == "qwen2moe" else 0)
+        else:
+            _dense_ffn(g, p, n_embd, n_ff)
     return _finish(w, path)
 
 
@@ -144,6 +169,21 @@ def _dense_ffn(g: _Weights, p: str, n_embd: int, n_ff: int) -> None:
     g.normal(p + "ffn_gate.weight", n_ff, n_embd)
     g.normal(p + "ffn_up.weight", n_ff, n_embd)
     g.normal(p + "ffn_down.weight", n_embd, n_ff)
+
+
+def _moe_ffn(g: _Weights, p: str, n_embd: int, n_ff_exp: int, *, shared: int) -> None:
+    """A router over `N_EXPERTS` SwiGLU experts (stacked: numpy order is ggml's reversed), and
+    where `shared`, a shared expert of that width with its per-token gate."""
+    g.ones(p + "ffn_norm.weight", n_embd)
+    g.normal(p + "ffn_gate_inp.weight", N_EXPERTS, n_embd, scale=0.5)
+    g.normal(p + "ffn_gate_exps.weight", N_EXPERTS, n_ff_exp, n_embd)
+    g.normal(p + "ffn_up_exps.weight", N_EXPERTS, n_ff_exp, n_embd)
+    g.normal(p + "ffn_down_exps.weight", N_EXPERTS, n_embd, n_ff_exp)
+    if shared:
+        g.normal(p + "ffn_gate_inp_shexp.weight", n_embd)
+        g.normal(p + "ffn_gate_shexp.weight", shared, n_embd)
+        g.normal(p + "ffn_up_shexp.weight", shared, n_embd)
+        g.normal(p + "ffn_down_shexp.weight", n_embd, shared)
 
 
 def _mamba_block(

@@ -104,13 +104,25 @@ def test_smollm_three_stages_f16_keeps_greedy_tokens(
 
 
 @pytest.mark.parametrize(
-    "arch, window",
-    [("llama", None), ("qwen2", None), ("qwen3", None), ("phi3", None), ("phi3", 64)],
+    "arch, window, experts",
+    [
+        ("llama", None, False),
+        ("qwen2", None, False),
+        ("qwen3", None, False),
+        ("phi3", None, False),
+        ("phi3", 64, False),
+        ("llama", None, True),  # Mixtral
+        ("qwen2moe", None, True),
+        ("qwen3moe", None, True),
+    ],
 )
-def test_tiny_models_split_exactly(arch, window, tmp_path, store):
+def test_tiny_models_split_exactly(arch, window, experts, tmp_path, store):
     # Phi-3 (and Phi-4): fused projections, and a sliding window in the metadata of some
     # models that llama.cpp does not apply by layer index (a 200-token prompt crosses it).
-    path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, n_layers=6, sliding_window=window)
+    # Experts: 2 of 4 per token, routed in each stage as in the whole model.
+    path = write_tiny_model(
+        tmp_path / f"tiny-{arch}.gguf", arch, n_layers=6, sliding_window=window, experts=experts
+    )
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 200)]
     whole = LlamaEngine(path, slots=1, slot_ctx=512, flash_attn=False, gpu_layers=GPU_LAYERS)
     staged = StagedEngine(path, [0, 2, 4, 6], store, slots=1, slot_ctx=512, gpu_layers=GPU_LAYERS)
