@@ -16,8 +16,8 @@ import trio
 from meshagent.identity.mesh import MeshSecret
 from meshagent.net.address import Address
 from meshagent.relay.errors import RelayRefused
-from tests.net.support import NetEnv, hash_exchange
-from tests.relay.support import start_agent
+from tests.net.support import NetEnv
+from tests.relay.support import mesh_pairs, push_through, start_agent
 
 pytestmark = pytest.mark.slow
 
@@ -46,26 +46,10 @@ async def test_a_relay_process_holds_eight_meshes_to_their_caps_and_reports_each
     try:
         address = _started(log, proc)
         env = NetEnv("tcp")
-        took: dict[int, float] = {}
         async with trio.open_nursery() as nursery:
-            pairs = []
-            for i, mesh in enumerate(MESHES):
-                a = await start_agent(env, nursery, f"a{i}", address, mesh=mesh)
-                b = await start_agent(env, nursery, f"b{i}", address, mesh=mesh)
-                pairs.append((a, b))
-
-            async def push(i: int, a, b) -> None:
-                # 3 MiB through the mesh's one circuit, capped at 1 MiB/s for the mesh.
-                began = trio.current_time()
-                await a.client.dial(b.peer_id)
-                stream = await a.overlay.open_stream(b.peer_id, "bulk")
-                await hash_exchange(stream, [bytes(MIB)] * 3)
-                took[i] = trio.current_time() - began
-
-            async with trio.open_nursery() as all_meshes:
-                for i, (a, b) in enumerate(pairs):
-                    all_meshes.start_soon(push, i, a, b)
-            # No mesh went faster than its own cap (its first second's burst aside).
+            pairs = await mesh_pairs(env, nursery, address, MESHES)
+            # 3 MiB through each mesh's one circuit, capped at 1 MiB/s for the mesh.
+            took = await push_through(pairs, 3)
             print("\nseconds for 3 MiB, per mesh:", sorted(round(t, 2) for t in took.values()))
             assert min(took.values()) >= 1.5, took
             # Mesh 0 has one circuit open; a second fits its cap, a third does not.

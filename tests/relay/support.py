@@ -16,7 +16,7 @@ from meshagent.relay.client import RelayClient
 from meshagent.relay.limits import RelayLimits
 from meshagent.relay.server import RelayServer
 from meshagent.wire.handshake import LocalPeer
-from tests.net.support import NetEnv, hash_reply
+from tests.net.support import NetEnv, hash_exchange, hash_reply
 
 MESH = MeshSecret(b"\x51" * 32)
 OTHER = MeshSecret(b"\x52" * 32)
@@ -99,3 +99,33 @@ async def start_agent(
         with trio.fail_after(30):
             await client.wait_registered()
     return RelayAgent(overlay, client, transport, identity)
+
+
+async def mesh_pairs(
+    env: NetEnv, nursery: trio.Nursery, relay: Address, meshes: list[MeshSecret]
+) -> list[tuple[RelayAgent, RelayAgent]]:
+    """Two agents of each mesh, registered with the relay at `relay`."""
+    pairs = []
+    for i, mesh in enumerate(meshes):
+        a = await start_agent(env, nursery, f"a{i}", relay, mesh=mesh)
+        b = await start_agent(env, nursery, f"b{i}", relay, mesh=mesh)
+        pairs.append((a, b))
+    return pairs
+
+
+async def push_through(pairs: list[tuple[RelayAgent, RelayAgent]], mib: int) -> dict[int, float]:
+    """Each pair's first agent sends `mib` MiB to the second over a relay circuit, every pair
+    at once; the seconds each took, by pair."""
+    took: dict[int, float] = {}
+
+    async def push(i: int, a: RelayAgent, b: RelayAgent) -> None:
+        began = trio.current_time()
+        await a.client.dial(b.peer_id)
+        stream = await a.overlay.open_stream(b.peer_id, "bulk")
+        await hash_exchange(stream, [bytes(1 << 20)] * mib)
+        took[i] = trio.current_time() - began
+
+    async with trio.open_nursery() as nursery:
+        for i, (a, b) in enumerate(pairs):
+            nursery.start_soon(push, i, a, b)
+    return took

@@ -10,8 +10,7 @@ from meshagent.identity.mesh import MeshSecret
 from meshagent.relay import protocol as p
 from meshagent.relay.errors import Refusal, RelayRefused
 from meshagent.relay.limits import RelayLimits
-from tests.net.support import hash_exchange
-from tests.relay.support import start_agent, start_relay
+from tests.relay.support import mesh_pairs, push_through, start_agent, start_relay
 
 MESHES = [MeshSecret(bytes([0x60 + i]) * 32) for i in range(8)]
 MIB = 1 << 20
@@ -21,26 +20,11 @@ async def test_eight_meshes_each_held_to_its_caps_and_reported_apart(sim_env, au
     limits = RelayLimits(
         rate_bytes_per_s=4 * MIB, mesh_rate_bytes_per_s=MIB, circuits_per_mesh=2, idle_timeout=60
     )
-    took: dict[int, float] = {}
     async with trio.open_nursery() as nursery:
         server, address, _ = await start_relay(sim_env, nursery, limits)
-        pairs = []
-        for i, mesh in enumerate(MESHES):
-            a = await start_agent(sim_env, nursery, f"a{i}", address, mesh=mesh)
-            b = await start_agent(sim_env, nursery, f"b{i}", address, mesh=mesh)
-            pairs.append((a, b))
-
-        async def push(i: int, a, b) -> None:
-            # 4 MiB through the mesh's circuit: its own 4 MiB/s, the mesh's 1 MiB/s.
-            began = trio.current_time()
-            await a.client.dial(b.peer_id)
-            stream = await a.overlay.open_stream(b.peer_id, "bulk")
-            await hash_exchange(stream, [bytes(MIB)] * 4)
-            took[i] = trio.current_time() - began
-
-        async with trio.open_nursery() as all_meshes:
-            for i, (a, b) in enumerate(pairs):
-                all_meshes.start_soon(push, i, a, b)
+        pairs = await mesh_pairs(sim_env, nursery, address, MESHES)
+        # 4 MiB through each mesh's circuit: its own 4 MiB/s, the mesh's 1 MiB/s.
+        took = await push_through(pairs, 4)
         # Each mesh got its own megabyte a second, not a share of one.
         assert all(3.0 <= t <= 6.0 for t in took.values()), took
         stats = server.stats()
