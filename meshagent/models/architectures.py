@@ -5,8 +5,10 @@ from __future__ import annotations
 # Architectures whose layer graph does not depend on the absolute layer index and whose input
 # is the plain token embedding: a slice of layers [a, b) renumbered from 0 computes exactly what
 # those layers compute inside the whole model. Each has a parity test. `llama` includes its
-# mixture-of-experts form (Mixtral); `qwen2moe` has a shared expert besides the routed ones.
-SPLITTABLE = frozenset({"llama", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe"})
+# mixture-of-experts form (Mixtral); `qwen2moe` has a shared expert besides the routed ones;
+# `deepseek2` (DeepSeek-V2/V3) chooses its leading dense layers by index, which the slicer
+# rewrites for each slice (`models/slicer.py`, `LEADING_DENSE_KEY`).
+SPLITTABLE = frozenset({"llama", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe", "deepseek2"})
 
 # Families whose sliding window, where their metadata names one, is the same for every layer
 # or not applied at all: a slice computes what its layers compute in the whole model. Phi-3's
@@ -32,7 +34,6 @@ _REFUSED = {
     "gemma2": "scales the input embeddings and alternates sliding-window layers by layer index",
     "gemma3": "scales the input embeddings and alternates sliding-window layers by layer index",
     "cohere2": "alternates sliding-window layers by layer index",
-    "deepseek2": "has leading dense layers chosen by absolute layer index",
     "falcon-h1": "mixes attention and state-space layers by layer index",
 }
 

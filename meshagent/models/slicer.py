@@ -29,6 +29,11 @@ PAD_LAYERS_KEY = "pad_layers"
 # pattern (0 marks a Mamba layer).
 PER_LAYER_KEYS = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")
 
+# Hyperparameters that name layers by absolute index, rewritten for each slice: the count of
+# leading dense layers (DeepSeek-V2/V3 and kin: the layers before it have a dense FFN, those
+# from it on experts) becomes the count of the slice's leading layers that are dense.
+LEADING_DENSE_KEY = "leading_dense_block_count"
+
 Progress = Callable[[int, int], None]
 
 
@@ -162,12 +167,18 @@ def write_layers(
     writer = gguf.GGUFWriter(tmp, arch)
 
     def skip(key: str) -> bool:
-        if key == f"{arch}.block_count" or key.startswith(SLICE_KEY_PREFIX):
+        if key in (f"{arch}.block_count", f"{arch}.{LEADING_DENSE_KEY}"):
+            return True
+        if key.startswith(SLICE_KEY_PREFIX):
             return True
         return not last and (key.startswith(TOKENIZER_PREFIX) or key == f"{arch}.vocab_size")
 
     _copy_metadata(reader, writer, skip=skip, layers=sources, per_layer=per_layer)
     writer.add_uint32(f"{arch}.block_count", len(sources))
+    lead = reader.fields.get(f"{arch}.{LEADING_DENSE_KEY}")
+    if lead is not None:
+        n_dense = _leading_dense(int(lead.contents()), sources)
+        writer.add_uint32(f"{arch}.{LEADING_DENSE_KEY}", n_dense)
     for key, value in provenance.items():
         if isinstance(value, int):
             writer.add_uint64(SLICE_KEY_PREFIX + key, value)
@@ -186,6 +197,16 @@ def write_layers(
     if not last:
         _add_placeholder_vocab(writer, arch, layout.n_embd)
     _finish(writer, dst, tmp)
+
+
+def _leading_dense(lead: int, sources: Sequence[int]) -> int:
+    """How many of a slice's layers (their source indices, in order) are dense, where the
+    whole model's first `lead` are: they must lead the slice, as they lead the model."""
+    dense = [i < lead for i in sources]
+    n = sum(dense)
+    if dense != [True] * n + [False] * (len(dense) - n):
+        raise ModelError(f"the slice's dense layers do not lead it: {list(sources)}, {lead}")
+    return n
 
 
 def write_entry(layout: ModelLayout, dst: Path, *, provenance: dict[str, str | int]) -> None:

@@ -186,6 +186,64 @@ def _moe_ffn(g: _Weights, p: str, n_embd: int, n_ff_exp: int, *, shared: int) ->
         g.normal(p + "ffn_down_shexp.weight", n_embd, shared)
 
 
+def write_tiny_deepseek2(
+    path: Path,
+    *,
+    n_layers: int = 6,
+    dense_lead: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_ff: int = 128,
+    seed: int = 0,
+) -> Path:
+    """A DeepSeek-V2/V3-shaped model: multi-head latent attention (queries and keys/values
+    through low-rank projections, a decoupled RoPE part) and, past `dense_lead` dense layers
+    chosen by absolute layer index, routed experts plus a shared expert."""
+    q_rank, kv_rank, rope, nope, v_dim = 32, 16, 8, 8, 16
+    w = _begin(path, "deepseek2", n_embd=n_embd, n_layers=n_layers)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_key_length(nope + rope)
+    w.add_value_length(v_dim)
+    w.add_rope_dimension_count(rope)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_leading_dense_block_count(dense_lead)
+    w.add_q_lora_rank(q_rank)
+    w.add_kv_lora_rank(kv_rank)
+    w.add_expert_count(N_EXPERTS)
+    w.add_expert_used_count(N_EXPERTS_USED)
+    w.add_expert_shared_count(1)
+    w.add_expert_feed_forward_length(n_ff // 2)
+    w.add_expert_weights_scale(1.0)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_vocab(w)
+    g = _Weights(w, seed)
+    _embeddings_and_head(g, n_embd)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        g.ones(p + "attn_norm.weight", n_embd)
+        g.normal(p + "attn_q_a.weight", q_rank, n_embd)
+        g.ones(p + "attn_q_a_norm.weight", q_rank)
+        g.normal(p + "attn_q_b.weight", n_head * (nope + rope), q_rank)
+        g.normal(p + "attn_kv_a_mqa.weight", kv_rank + rope, n_embd)
+        g.ones(p + "attn_kv_a_norm.weight", kv_rank)
+        g.normal(p + "attn_kv_b.weight", n_head * (nope + v_dim), kv_rank)
+        g.normal(p + "attn_output.weight", n_embd, n_head * v_dim)
+        if i < dense_lead:
+            _dense_ffn(g, p, n_embd, n_ff)
+            continue
+        g.ones(p + "ffn_norm.weight", n_embd)
+        g.normal(p + "ffn_gate_inp.weight", N_EXPERTS, n_embd, scale=0.5)
+        for kind in ("gate", "up"):
+            g.normal(p + f"ffn_{kind}_exps.weight", N_EXPERTS, n_ff // 2, n_embd)
+            g.normal(p + f"ffn_{kind}_shexp.weight", n_ff // 2, n_embd)
+        g.normal(p + "ffn_down_exps.weight", N_EXPERTS, n_embd, n_ff // 2)
+        g.normal(p + "ffn_down_shexp.weight", n_embd, n_ff // 2)
+    return _finish(w, path)
+
+
 def _mamba_block(
     g: _Weights, p: str, *, n_embd: int, d_conv: int, d_state: int, dt_rank: int, norms: bool
 ) -> None:

@@ -12,7 +12,7 @@ from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
 from meshagent.engine.split_in_process import StagedEngine
 from meshagent.errors import ModelError
-from meshagent.testing.tiny_gguf import write_tiny_model
+from meshagent.testing.tiny_gguf import write_tiny_deepseek2, write_tiny_model
 
 PROMPT = (
     "The keeper of the northern lighthouse kept a log of every ship that passed, "
@@ -135,6 +135,28 @@ def test_tiny_models_split_exactly(arch, window, experts, tmp_path, store):
     assert tokens == ref_tokens
     assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
     # A random model is not degenerate: its greedy tokens vary.
+    assert len(set(tokens)) > 3
+
+
+@pytest.mark.parametrize("lead, cuts", [(3, [0, 2, 4, 6]), (2, [0, 2, 4, 6]), (1, [0, 3, 6])])
+def test_deepseek2_splits_exactly_with_its_dense_layers_counted_per_slice(
+    lead, cuts, tmp_path, store
+):
+    # Multi-head latent attention; the first `lead` layers dense, the rest routed experts and a
+    # shared one. Each slice says how many of its own leading layers are dense: a cut inside
+    # the dense layers, at their end, and past it.
+    path = write_tiny_deepseek2(tmp_path / "tiny-deepseek2.gguf", dense_lead=lead)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 200)]
+    whole = LlamaEngine(path, slots=1, slot_ctx=512, flash_attn=False, gpu_layers=GPU_LAYERS)
+    staged = StagedEngine(path, cuts, store, slots=1, slot_ctx=512, gpu_layers=GPU_LAYERS)
+    try:
+        ref_logits, ref_tokens = greedy_run(whole, prompt, 32)
+        logits, tokens = greedy_run(staged, prompt, 32)
+    finally:
+        whole.close()
+        staged.close()
+    assert tokens == ref_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
     assert len(set(tokens)) > 3
 
 

@@ -1,9 +1,14 @@
 """A mixture-of-experts model in placement's eyes: its memory is every expert, its compute
-only the experts a token is routed to."""
+only the experts a token is routed to; and a slice of a model whose first layers are dense
+(DeepSeek-V2/V3) counts its own."""
 
 from __future__ import annotations
 
+import pytest
+
+from meshagent.errors import ModelError
 from meshagent.models.layout import inspect_model
+from meshagent.models.slicer import _leading_dense
 from meshagent.placement.planner import ModelCost
 from meshagent.testing.tiny_gguf import N_EXPERTS, N_EXPERTS_USED, write_tiny_model
 
@@ -27,3 +32,11 @@ def test_an_moe_layer_weighs_all_its_experts_and_computes_with_those_routed(tmp_
     assert cost.flops_per_layer == 2.0 * moe.layer_params[0]
     assert cost.flops_per_layer < 2.0 * moe.layer_bytes[0] / 4  # less than all its weights
     assert dense.layer_params[0] == dense.layer_bytes[0] // 4
+
+
+def test_a_slice_counts_its_own_leading_dense_layers():
+    assert _leading_dense(3, [0, 1]) == 2
+    assert _leading_dense(3, [2, 3, 4]) == 1
+    assert _leading_dense(3, [3, 4, 5]) == 0
+    with pytest.raises(ModelError, match="do not lead"):
+        _leading_dense(3, [5, 0, 1])  # a padding layer copied from past the dense ones
