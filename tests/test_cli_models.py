@@ -34,3 +34,16 @@ def test_models_slice_refuses_a_bad_range(tmp_path, capsys):
     assert "outside this model's 0:30" in capsys.readouterr().err
     assert main(["models", "slice", "--layers", "oops", "--data-dir", str(tmp_path)]) == 1
     assert "A:B" in capsys.readouterr().err
+
+
+def test_models_inspect_says_what_experts_cost(tmp_path, capsys):
+    from meshagent.testing.tiny_gguf import N_EXPERTS, N_EXPERTS_USED, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "moe.gguf", "qwen3moe", n_layers=2)
+    assert main(["models", "inspect", str(path), "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"experts        {N_EXPERTS} a layer, {N_EXPERTS_USED} a token" in out
+    assert main(["models", "inspect", str(path), "--json", "--data-dir", str(tmp_path)]) == 0
+    layout = json.loads(capsys.readouterr().out)
+    assert (layout["experts"], layout["experts_used"]) == (N_EXPERTS, N_EXPERTS_USED)
+    assert layout["layer_params"][0] < layout["layer_bytes"][0] // 4  # f32: 4 bytes a weight

@@ -131,6 +131,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     sizes = sorted(set(layout.layer_bytes))
     per_layer = _mib(sizes[0]) if len(sizes) == 1 else f"{_mib(sizes[0])} - {_mib(sizes[-1])}"
     print(f"per layer      {per_layer}  ({layout.layer_bytes[0]} bytes for layer 0)")
+    if layout.n_experts:
+        print(
+            f"experts        {layout.n_experts} a layer, {layout.n_experts_used} a token: memory "
+            "counts every expert, compute only those a token is routed to"
+        )
     kv = layout.kv_bytes_per_token_per_layer
     print(f"KV per token   {kv} bytes per layer, {kv * layout.n_layers} for all layers (f16)")
     print(f"state          {traits.state_kind} per sequence")
