@@ -96,13 +96,7 @@ def write_tiny_model(
         w.add_expert_feed_forward_length(n_ff_exp)
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _attention_hparams(w, n_head, n_head_kv, head_dim, head_dim)
     if sliding_window:
         w.add_sliding_window(sliding_window)
     if arch == "phi3":
@@ -139,6 +133,20 @@ def write_tiny_model(
         else:
             _dense_ffn(g, p, n_embd, n_ff)
     return _finish(w, path)
+
+
+def _attention_hparams(
+    w: gguf.GGUFWriter, n_head: int, n_head_kv: int, key_length: int, value_length: int
+) -> None:
+    """Heads, their widths, RoPE base, norm epsilon and f32 weights, as the attention
+    families have them."""
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(key_length)
+    w.add_value_length(value_length)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
 
 def _begin(path: Path, arch: str, *, n_embd: int, n_layers: int) -> gguf.GGUFWriter:
@@ -202,13 +210,8 @@ def write_tiny_deepseek2(
     q_rank, kv_rank, rope, nope, v_dim = 32, 16, 8, 8, 16
     w = _begin(path, "deepseek2", n_embd=n_embd, n_layers=n_layers)
     w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head)
-    w.add_key_length(nope + rope)
-    w.add_value_length(v_dim)
+    _attention_hparams(w, n_head, n_head, nope + rope, v_dim)
     w.add_rope_dimension_count(rope)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
     w.add_leading_dense_block_count(dense_lead)
     w.add_q_lora_rank(q_rank)
     w.add_kv_lora_rank(kv_rank)
@@ -217,7 +220,6 @@ def write_tiny_deepseek2(
     w.add_expert_shared_count(1)
     w.add_expert_feed_forward_length(n_ff // 2)
     w.add_expert_weights_scale(1.0)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_vocab(w)
     g = _Weights(w, seed)
     _embeddings_and_head(g, n_embd)

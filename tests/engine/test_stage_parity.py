@@ -103,6 +103,24 @@ def test_smollm_three_stages_f16_keeps_greedy_tokens(
     assert worst > 0  # f16 really was on the wire
 
 
+def assert_splits_exactly(path, cuts, store) -> None:
+    """The model at `path` cut at `cuts` gives the whole model's logits, bit for bit, on a
+    200-token prompt and 32 greedy steps."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 200)]
+    whole = LlamaEngine(path, slots=1, slot_ctx=512, flash_attn=False, gpu_layers=GPU_LAYERS)
+    staged = StagedEngine(path, cuts, store, slots=1, slot_ctx=512, gpu_layers=GPU_LAYERS)
+    try:
+        ref_logits, ref_tokens = greedy_run(whole, prompt, 32)
+        logits, tokens = greedy_run(staged, prompt, 32)
+    finally:
+        whole.close()
+        staged.close()
+    assert tokens == ref_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+    # A random model is not degenerate: its greedy tokens vary.
+    assert len(set(tokens)) > 3
+
+
 @pytest.mark.parametrize(
     "arch, window, experts",
     [
@@ -123,19 +141,7 @@ def test_tiny_models_split_exactly(arch, window, experts, tmp_path, store):
     path = write_tiny_model(
         tmp_path / f"tiny-{arch}.gguf", arch, n_layers=6, sliding_window=window, experts=experts
     )
-    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 200)]
-    whole = LlamaEngine(path, slots=1, slot_ctx=512, flash_attn=False, gpu_layers=GPU_LAYERS)
-    staged = StagedEngine(path, [0, 2, 4, 6], store, slots=1, slot_ctx=512, gpu_layers=GPU_LAYERS)
-    try:
-        ref_logits, ref_tokens = greedy_run(whole, prompt, 32)
-        logits, tokens = greedy_run(staged, prompt, 32)
-    finally:
-        whole.close()
-        staged.close()
-    assert tokens == ref_tokens
-    assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
-    # A random model is not degenerate: its greedy tokens vary.
-    assert len(set(tokens)) > 3
+    assert_splits_exactly(path, [0, 2, 4, 6], store)
 
 
 @pytest.mark.parametrize("lead, cuts", [(3, [0, 2, 4, 6]), (2, [0, 2, 4, 6]), (1, [0, 3, 6])])
@@ -146,18 +152,7 @@ def test_deepseek2_splits_exactly_with_its_dense_layers_counted_per_slice(
     # shared one. Each slice says how many of its own leading layers are dense: a cut inside
     # the dense layers, at their end, and past it.
     path = write_tiny_deepseek2(tmp_path / "tiny-deepseek2.gguf", dense_lead=lead)
-    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 200)]
-    whole = LlamaEngine(path, slots=1, slot_ctx=512, flash_attn=False, gpu_layers=GPU_LAYERS)
-    staged = StagedEngine(path, cuts, store, slots=1, slot_ctx=512, gpu_layers=GPU_LAYERS)
-    try:
-        ref_logits, ref_tokens = greedy_run(whole, prompt, 32)
-        logits, tokens = greedy_run(staged, prompt, 32)
-    finally:
-        whole.close()
-        staged.close()
-    assert tokens == ref_tokens
-    assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
-    assert len(set(tokens)) > 3
+    assert_splits_exactly(path, cuts, store)
 
 
 def test_split_refused_for_index_dependent_architectures(tmp_path, store):
