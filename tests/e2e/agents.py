@@ -10,6 +10,7 @@ from collections.abc import Callable
 import httpx
 
 from meshagent.launch import AgentProcess
+from meshagent.sse_client import completion_text, iter_events
 
 
 def status(agent: AgentProcess) -> dict:
@@ -40,3 +41,18 @@ def invite(agent: AgentProcess) -> str:
         check=True,
     )
     return r.stdout.strip()
+
+
+def complete(agent: AgentProcess, model_id: str, prompt: str, stream: bool) -> str:
+    """A greedy 12-token completion of `prompt`: its text, assembled from the stream if
+    streamed."""
+    body = {"model": model_id, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    if not stream:
+        r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    with httpx.stream(
+        "POST", f"{agent.url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        return completion_text(iter_events(r))

@@ -8,12 +8,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import httpx
 import pytest
 
-from meshagent.sse_client import completion_text, iter_events
 from meshagent.testing.tiny_gguf import write_tiny_jamba, write_tiny_mamba
-from tests.e2e.agents import invite, status, wait_for
+from tests.e2e.agents import complete, invite, status, wait_for
 
 # With 2 slots of 256 tokens the tiny jamba needs ~1.7 MB whole and the tiny mamba ~0.9 MB;
 # with 10% headroom no agent offering 800 KB (jamba) or 400 KB (mamba) holds one, and no two
@@ -21,19 +19,6 @@ from tests.e2e.agents import invite, status, wait_for
 SMALL = {"jamba": "800K", "mamba": "400K"}
 SETTINGS = ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
 PROMPT = "The sea"
-
-
-def _complete(agent, model_id: str, stream: bool) -> str:
-    body = {"model": model_id, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
-    if not stream:
-        r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    with httpx.stream(
-        "POST", f"{agent.url}/v1/completions", json={**body, "stream": True}, timeout=60
-    ) as r:
-        assert r.status_code == 200
-        return completion_text(iter_events(r))
 
 
 @pytest.mark.parametrize("arch", ["jamba", "mamba"])
@@ -84,8 +69,8 @@ def test_a_certified_hybrid_or_recurrent_model_is_split_and_served(spawn_agent, 
     assert plan["wire"]["certified_exact"] is True, plan["wire"]
     assert list((b.data_dir / "artifacts" / "capabilities").glob("*.cbor"))
     whole = spawn_agent(*SETTINGS, "--model", str(model), name="whole")
-    expected = {s: _complete(whole, model_id, s) for s in (False, True)}
+    expected = {s: complete(whole, model_id, PROMPT, s) for s in (False, True)}
     assert expected[False] == expected[True] and expected[False]
     for x in agents:
         for s in (False, True):
-            assert _complete(x, model_id, s) == expected[s], (x.data_dir.name, s)
+            assert complete(x, model_id, PROMPT, s) == expected[s], (x.data_dir.name, s)

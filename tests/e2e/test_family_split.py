@@ -5,13 +5,11 @@ tests/e2e/test_split_serving.py)."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from meshagent.models.layout import inspect_model
-from meshagent.sse_client import completion_text, iter_events
 from meshagent.testing.tiny_gguf import write_tiny_deepseek2, write_tiny_model
-from tests.e2e.agents import invite, status, wait_for
+from tests.e2e.agents import complete, invite, status, wait_for
 
 SETTINGS = ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
 PROMPT = "The sea"
@@ -24,19 +22,6 @@ FAMILIES = {
     "qwen3moe": lambda path: write_tiny_model(path, "qwen3moe"),
     "deepseek2": lambda path: write_tiny_deepseek2(path),
 }
-
-
-def _complete(agent, model_id: str, stream: bool) -> str:
-    body = {"model": model_id, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
-    if not stream:
-        r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    with httpx.stream(
-        "POST", f"{agent.url}/v1/completions", json={**body, "stream": True}, timeout=60
-    ) as r:
-        assert r.status_code == 200
-        return completion_text(iter_events(r))
 
 
 def _third(model) -> str:
@@ -64,8 +49,8 @@ def test_three_agents_split_a_family_and_answer_as_the_whole_model(spawn_agent, 
     wait_for(lambda: all(placement(x)["routable"] for x in agents), timeout=120)
     assert len(placement(b)["stages"]) == 3, placement(b)
     whole = spawn_agent(*SETTINGS, "--model", str(model), name="whole")
-    expected = {s: _complete(whole, model_id, s) for s in (False, True)}
+    expected = {s: complete(whole, model_id, PROMPT, s) for s in (False, True)}
     assert expected[False] == expected[True] and expected[False]
     for x in agents:
         for s in (False, True):
-            assert _complete(x, model_id, s) == expected[s], (x.data_dir.name, s)
+            assert complete(x, model_id, PROMPT, s) == expected[s], (x.data_dir.name, s)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshagent.serving import stage_messages as sm
 from meshagent.serving.sampling import SamplingParams, TokenLogprob, seed_word
 from meshagent.serving.stage_messages import (
     FRAMING,
@@ -441,3 +442,17 @@ def test_a_seed_of_any_size_or_sign_travels_as_the_bits_it_samples_with(seed):
     (msg,) = StageDecoder(LIMITS).feed(encode(Open(3, SamplingParams(temperature=0.7, seed=seed))))
     assert msg.sampling.seed == seed_word(seed)
     assert 0 <= msg.sampling.seed < 2**64
+
+
+@pytest.mark.parametrize("kind", [sm.T_MOVED, sm.T_CONTINUE])
+@pytest.mark.parametrize("move", [-1, 2**63, 1.5, "7", None])
+def test_a_moves_id_is_a_non_negative_integer_below_2_63(kind, move):
+    for limits in (LIMITS, REPLIES):
+        with pytest.raises(StageProtocolError, match="move"):
+            StageDecoder(limits).feed(_raw({1: kind, 19: move}))
+
+
+def test_moved_and_continue_travel_both_ways():
+    for msg in (sm.Moved(2**63 - 1), sm.Continue(0)):
+        for limits in (LIMITS, REPLIES):
+            assert StageDecoder(limits).feed(sm.encode(msg)) == [msg]
