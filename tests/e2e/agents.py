@@ -56,3 +56,13 @@ def complete(agent: AgentProcess, model_id: str, prompt: str, stream: bool) -> s
     ) as r:
         assert r.status_code == 200
         return completion_text(iter_events(r))
+
+
+def spawn_mesh(spawn_agent: Callable[..., AgentProcess], *args: str) -> list[AgentProcess]:
+    """Three agents started with `args`, the second and third joining the first's mesh by
+    its invite (not waiting for a model: one may be served nowhere yet)."""
+    a = spawn_agent(*args, name="a", wait_model=False)
+    token = invite(a)
+    b = spawn_agent(*args, "--join", token, name="b", wait_model=False)
+    c = spawn_agent(*args, "--join", token, name="c", wait_model=False)
+    return [a, b, c]

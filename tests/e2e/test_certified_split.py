@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from meshagent.testing.tiny_gguf import write_tiny_jamba, write_tiny_mamba
-from tests.e2e.agents import complete, invite, status, wait_for
+from tests.e2e.agents import complete, spawn_mesh, status, wait_for
 
 # With 2 slots of 256 tokens the tiny jamba needs ~1.7 MB whole and the tiny mamba ~0.9 MB;
 # with 10% headroom no agent offering 800 KB (jamba) or 400 KB (mamba) holds one, and no two
@@ -27,11 +27,8 @@ def test_a_certified_hybrid_or_recurrent_model_is_split_and_served(spawn_agent, 
     model = write(tmp_path / f"tiny-{arch}.gguf")
     model_id = f"tiny-{arch}"
     args = ["--model", str(model), "--max-memory", SMALL[arch], *SETTINGS]
-    a = spawn_agent(*args, name="a", wait_model=False)
-    token = invite(a)
-    b = spawn_agent(*args, "--join", token, name="b", wait_model=False)
-    c = spawn_agent(*args, "--join", token, name="c", wait_model=False)
-    agents = [a, b, c]
+    agents = spawn_mesh(spawn_agent, *args)
+    a, b = agents[0], agents[1]
 
     def placement(x):
         return status(x)["placement"][model_id]

@@ -9,7 +9,7 @@ import pytest
 
 from meshagent.models.layout import inspect_model
 from meshagent.testing.tiny_gguf import write_tiny_deepseek2, write_tiny_model
-from tests.e2e.agents import complete, invite, status, wait_for
+from tests.e2e.agents import complete, spawn_mesh, status, wait_for
 
 SETTINGS = ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
 PROMPT = "The sea"
@@ -37,11 +37,8 @@ def test_three_agents_split_a_family_and_answer_as_the_whole_model(spawn_agent, 
     model = FAMILIES[family](tmp_path / f"tiny-{family}.gguf")
     model_id = model.stem
     args = ["--model", str(model), "--max-memory", _third(model), *SETTINGS]
-    a = spawn_agent(*args, name="a", wait_model=False)
-    token = invite(a)
-    b = spawn_agent(*args, "--join", token, name="b", wait_model=False)
-    c = spawn_agent(*args, "--join", token, name="c", wait_model=False)
-    agents = [a, b, c]
+    agents = spawn_mesh(spawn_agent, *args)
+    b = agents[1]
 
     def placement(x):
         return status(x)["placement"][model_id]
