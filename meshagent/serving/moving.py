@@ -249,7 +249,7 @@ class Handover:
         takes it and is done with it (the handler then closes it), or reset it."""
         key = (getattr(stream, "peer_id", None), move)
         if key in self._parked:
-            _reset(stream, "a stream already continues this move")
+            reset(stream, "a stream already continues this move")
             return
         while len(self._parked) >= self.most:
             oldest = self._parked.pop(next(iter(self._parked)))
@@ -262,7 +262,7 @@ class Handover:
             with trio.move_on_after(self.wait):
                 await parked.taken.wait()
             if not parked.taken.is_set() or parked.evicted:
-                _reset(stream, "no stream of this stage moved here")
+                reset(stream, "no stream of this stage moved here")
                 return
             await parked.released.wait()
         finally:
@@ -281,10 +281,11 @@ class Handover:
         )
 
 
-def _reset(stream: trio.abc.ReceiveStream, why: str) -> None:
-    reset = getattr(stream, "reset", None)
-    if reset is not None:
-        reset(why)
+def reset(stream: trio.abc.ReceiveStream, why: str) -> None:
+    """Reset a mesh stream with `why` (an in-process stream has no reset: nothing to do)."""
+    method = getattr(stream, "reset", None)
+    if method is not None:
+        method(why)
 
 
 async def first_messages(stream: trio.abc.ReceiveStream, decoder: sm.StageDecoder) -> list:

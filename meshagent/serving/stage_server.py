@@ -20,7 +20,13 @@ from meshagent.serving import stage_messages as sm
 from meshagent.serving.drafting import verify
 from meshagent.serving.executor import new_sampler
 from meshagent.serving.kv_book import KeptPrefixError, KvBook
-from meshagent.serving.moving import Handover, MovingOutbox, MovingReader, first_messages
+from meshagent.serving.moving import (
+    Handover,
+    MovingOutbox,
+    MovingReader,
+    first_messages,
+    reset,
+)
 from meshagent.serving.sampling import Sampler
 
 log = structlog.get_logger(__name__)
@@ -143,9 +149,7 @@ class StageServer:
             log.info("stage.upstream_ended", reason=why)
         except* Exception as group:
             log.error("stage.serve_failed", exc_info=group)
-            reset = getattr(upstream.stream, "reset", None)
-            if reset is not None:
-                reset(f"stage failed: {group.exceptions[0]!r}")
+            reset(upstream.stream, f"stage failed: {group.exceptions[0]!r}")
 
     async def aclose(self) -> None:
         """Serve no more: the stream served now ends (its running forward finishes first)
