@@ -80,7 +80,6 @@ class MovingOutbox:
         self._retry_at = 0.0
         self._watch: trio.CancelScope | None = None
         self._closed = False
-        self.moves = 0
         self._start_watch()
 
     @property
@@ -153,7 +152,6 @@ class MovingOutbox:
             self._outbox.put(sm.encode(sm.Continue(move)))
         finally:
             self._moving = False
-        self.moves += 1
         log.info(
             "stage.stream_moved",
             peer=getattr(new, "peer_id", None),

@@ -66,3 +66,13 @@ def spawn_mesh(spawn_agent: Callable[..., AgentProcess], *args: str) -> list[Age
     b = spawn_agent(*args, "--join", token, name="b", wait_model=False)
     c = spawn_agent(*args, "--join", token, name="c", wait_model=False)
     return [a, b, c]
+
+
+def answers_as_whole(whole: AgentProcess, agents: list[AgentProcess], model_id: str, prompt: str):
+    """Every agent's greedy completion of `prompt`, plain and streamed, is the one `whole`
+    gives (which is not empty, and the same either way)."""
+    expected = {s: complete(whole, model_id, prompt, s) for s in (False, True)}
+    assert expected[False] == expected[True] and expected[False]
+    for x in agents:
+        for s in (False, True):
+            assert complete(x, model_id, prompt, s) == expected[s], (x.data_dir.name, s)

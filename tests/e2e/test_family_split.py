@@ -9,7 +9,7 @@ import pytest
 
 from meshagent.models.layout import inspect_model
 from meshagent.testing.tiny_gguf import write_tiny_deepseek2, write_tiny_model
-from tests.e2e.agents import complete, spawn_mesh, status, wait_for
+from tests.e2e.agents import answers_as_whole, spawn_mesh, status, wait_for
 
 SETTINGS = ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
 PROMPT = "The sea"
@@ -46,8 +46,4 @@ def test_three_agents_split_a_family_and_answer_as_the_whole_model(spawn_agent, 
     wait_for(lambda: all(placement(x)["routable"] for x in agents), timeout=120)
     assert len(placement(b)["stages"]) == 3, placement(b)
     whole = spawn_agent(*SETTINGS, "--model", str(model), name="whole")
-    expected = {s: complete(whole, model_id, PROMPT, s) for s in (False, True)}
-    assert expected[False] == expected[True] and expected[False]
-    for x in agents:
-        for s in (False, True):
-            assert complete(x, model_id, PROMPT, s) == expected[s], (x.data_dir.name, s)
+    answers_as_whole(whole, agents, model_id, PROMPT)

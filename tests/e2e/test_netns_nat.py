@@ -165,16 +165,10 @@ def test_a_punched_path_that_dies_falls_back_to_the_relay_and_comes_back(tmp_pat
         wait_until(lambda: paths("direct"), 40, "a direct connection")
         # The first NAT drops everything between it and the other NAT from now on, as a
         # router that forgot its mappings and lets nothing unsolicited in would.
-        nat1 = next(ns for ns in lab.namespaces if ns.endswith("n1"))
-        for rule in ("ip daddr 10.240.2.2 drop", "ip saddr 10.240.2.2 drop"):
-            lab.run(nat1, "nft", "insert", "rule", "ip", "meshnat", "forward", *rule.split())
+        _block(lab, _nat1(lab))
         _, took = wait_until(lambda: paths("relayed"), 40, "back on the relay")
         print(f"\nrelayed again {took:.1f} s after the direct path died")
-        lab.run(nat1, "nft", "flush", "chain", "ip", "meshnat", "forward")
-        rules = (tmp_path / "nat1.nft").read_text()
-        lab.run(nat1, "nft", "delete", "table", "ip", "meshnat")
-        lab.run(nat1, "nft", "-f", str(tmp_path / "nat1.nft"))
-        assert rules
+        _unblock(lab, _nat1(lab), tmp_path / "nat1.nft")
         _, took = wait_until(lambda: paths("direct"), 90, "direct again")
         print(f"direct again {took:.1f} s after the path came back")
     finally:
@@ -209,6 +203,15 @@ def _stream(lab: Lab, agent, out: Path, tokens: int = 160):
     )
 
 
+def _nat1(lab: Lab) -> str:
+    return next(ns for ns in lab.namespaces if ns.endswith("n1"))
+
+
+def _text(lines: list[dict]) -> str:
+    """A streamed reply's text, from the client's lines."""
+    return "".join(x.get("text", "") for x in lines)
+
+
 def _block(lab: Lab, nat: str) -> None:
     """Everything between the first NAT and the second's public address dropped there."""
     for rule in ("ip daddr 10.240.2.2 drop", "ip saddr 10.240.2.2 drop"):
@@ -216,6 +219,7 @@ def _block(lab: Lab, nat: str) -> None:
 
 
 def _unblock(lab: Lab, nat: str, rules: Path) -> None:
+    """The NAT's rules as they were loaded from `rules`, without the drops."""
     lab.run(nat, "nft", "delete", "table", "ip", "meshnat")
     lab.run(nat, "nft", "-f", str(rules))
 
@@ -261,15 +265,15 @@ def test_a_split_stream_survives_its_punched_path_dying(tmp_path: Path):
         _stream(lab, a, calm).proc.wait(timeout=300)
         said = _lines(calm)
         assert said[-1] == {"done": True}, said[-3:]
-        expected = "".join(x.get("text", "") for x in said)
+        expected = _text(said)
         cut = tmp_path / "cut.jsonl"
         client = _stream(lab, a, cut)
         wait_until(lambda: len(_lines(cut)) >= 20, 120, "the stream under way")
-        _block(lab, next(ns for ns in lab.namespaces if ns.endswith("n1")))
+        _block(lab, _nat1(lab))
         client.proc.wait(timeout=300)
         said = _lines(cut)
         assert said[-1] == {"done": True}, said[-3:]
-        assert "".join(x.get("text", "") for x in said) == expected
+        assert _text(said) == expected
         pa = lab.peers(a)
         assert _link_to(pa, idb)["path"] == "relayed"
     finally:
@@ -293,8 +297,8 @@ TOKENS = 3000
 
 
 def test_a_split_stream_over_the_relay_moves_to_direct_mid_stream(tmp_path: Path):
-    # The first NAT drops everything between the two from the start: the pair meets on the
-    # relay and serves the split there. The direct path opens while a stream runs, the pair
+    # The internet drops everything between the two NATs from the start: the pair meets on
+    # the relay and serves the split there. The direct path opens while a stream runs, the pair
     # punches through, and the split's streams move to the direct connection mid-way
     # (`serving/moving.py`): the same text, no request failed, nothing replayed.
     require_netns()
@@ -314,7 +318,7 @@ def test_a_split_stream_over_the_relay_moves_to_direct_mid_stream(tmp_path: Path
         wait_until(lambda: _split_routable(lab, a), 120, "the split over the relay")
         calm = tmp_path / "calm.jsonl"
         _stream(lab, a, calm, TOKENS).proc.wait(timeout=300)
-        expected = "".join(x.get("text", "") for x in _lines(calm))
+        expected = _text(_lines(calm))
         assert _lines(calm)[-1] == {"done": True}
         assert path("relayed")
         breaks = _settled_breaks(agents)
@@ -335,7 +339,7 @@ def test_a_split_stream_over_the_relay_moves_to_direct_mid_stream(tmp_path: Path
         said = _lines(moved)
         assert said[-1] == {"done": True}, said[-3:]
         assert len(said) > chunks_then + 10  # much of it came after the move
-        assert "".join(x.get("text", "") for x in said) == expected
+        assert _text(said) == expected
         assert path("direct")
         # The chain never broke while the stream ran: nothing was replayed.
         assert sum(x.log_text().count('"pipeline.broken"') for x in agents) == breaks
