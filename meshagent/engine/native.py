@@ -1,4 +1,5 @@
-"""The capture hook: copies one graph tensor (a stage's output residual) out of llama.cpp.
+"""The capture hook: copies one graph tensor (a stage's output residual) out of llama.cpp,
+and restores another (a Gemma stage's scaled input) to the rows it was given.
 
 The hook is C (`native/capture.c`, built with the package as `meshagent.engine._capture`);
 if that build is missing, a Python callback does the same job more slowly, with a warning.
@@ -33,6 +34,11 @@ class CaptureState(ctypes.Structure):
         ("offset", ctypes.c_size_t),
         ("status", ctypes.c_int32),
         ("hits", ctypes.c_int32),
+        ("restore", ctypes.c_char * NAME_LEN),
+        ("src", ctypes.c_void_p),
+        ("src_size", ctypes.c_size_t),
+        ("src_offset", ctypes.c_size_t),
+        ("restored", ctypes.c_int32),
     ]
 
 
@@ -83,16 +89,28 @@ def _python_callback(ggml: ctypes.CDLL) -> object:
     ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
     ggml.ggml_is_contiguous.restype = ctypes.c_bool
     ggml.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_tensor_get.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_size_t,
-    ]
+    for f in (ggml.ggml_backend_tensor_get, ggml.ggml_backend_tensor_set):
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+
+    def restore(tensor: int, state: CaptureState) -> bool:
+        if not ggml.ggml_is_contiguous(tensor):
+            state.status = 2
+            return True
+        n = ggml.ggml_nbytes(tensor)
+        if state.src_offset + n > state.src_size:
+            state.status = 3
+            return True
+        ggml.ggml_backend_tensor_set(tensor, state.src + state.src_offset, 0, n)
+        state.src_offset += n
+        state.restored += 1
+        return True
 
     def capture(tensor: int, ask: bool, user_data: int) -> bool:
         state = ctypes.cast(user_data, ctypes.POINTER(CaptureState)).contents
-        if ggml.ggml_get_name(tensor) != state.name:
+        name = ggml.ggml_get_name(tensor)
+        if state.restore and name == state.restore:
+            return True if ask else restore(tensor, state)
+        if not state.name or name != state.name:
             return not ask
         if ask:
             return True
@@ -136,18 +154,30 @@ def capture_hook() -> CaptureHook:
 
 
 class Capture:
-    """One context's capture target: the tensor name and a growable float32 buffer."""
+    """One context's capture target (the tensor name and a growable float32 buffer) and
+    restore target (a tensor overwritten with the decode's input rows); either may be ""."""
 
-    def __init__(self, tensor_name: str, n_embd: int = 0) -> None:
+    def __init__(self, tensor_name: str, n_embd: int = 0, *, restore: str = "") -> None:
         self.state = CaptureState()
         self.target(tensor_name)
+        self.restore(restore)
         self.bind(n_embd)
+
+    @property
+    def capturing(self) -> bool:
+        return bool(self.state.name)
 
     def target(self, tensor_name: str) -> None:
         """The graph tensor to copy out (read by the hook at every decode)."""
         if len(tensor_name) >= NAME_LEN:
             raise EngineError(f"tensor name too long to capture: {tensor_name}")
         self.state.name = tensor_name.encode()
+
+    def restore(self, tensor_name: str) -> None:
+        """The graph tensor to overwrite with the rows given to `arm`, once computed."""
+        if len(tensor_name) >= NAME_LEN:
+            raise EngineError(f"tensor name too long to restore: {tensor_name}")
+        self.state.restore = tensor_name.encode()
 
     def bind(self, n_embd: int) -> None:
         """Set the row width (the model's embedding length) once the model is loaded."""
@@ -158,7 +188,16 @@ class Capture:
     def user_data(self) -> ctypes.c_void_p:
         return ctypes.cast(ctypes.pointer(self.state), ctypes.c_void_p)
 
-    def arm(self, n_tokens: int) -> None:
+    def arm(self, n_tokens: int, source: np.ndarray | None = None) -> None:
+        """Ready for a decode of `n_tokens` rows; `source` (float32, contiguous, alive until
+        `check`) the rows a restore writes back."""
+        self.state.src = None if source is None else source.ctypes.data
+        self.state.src_size = 0 if source is None else source.nbytes
+        self.state.src_offset = 0
+        self.state.restored = 0
+        if not self.capturing:
+            self.state.status = 0
+            return
         if self._buf.shape[0] < n_tokens:
             self._buf = np.empty((n_tokens, self.n_embd), np.float32)
         self.state.dst = self._buf.ctypes.data
@@ -166,6 +205,16 @@ class Capture:
         self.state.offset = 0
         self.state.status = 0
         self.state.hits = 0
+
+    def check_restored(self, n_tokens: int) -> None:
+        """Raise unless the restore wrote back all `n_tokens` rows (a llama.cpp that renamed
+        or fused the tensor would leave it scaled: wrong, silently)."""
+        want = n_tokens * self.n_embd * 4
+        if self.state.restore and (self.state.status or self.state.src_offset != want):
+            raise EngineError(
+                f"restore of {self.state.restore.decode()} failed: status {self.state.status}, "
+                f"{self.state.src_offset} of {want} bytes in {self.state.restored} pieces"
+            )
 
     def collect(self, n_tokens: int) -> np.ndarray:
         want = n_tokens * self.n_embd * 4

@@ -341,7 +341,8 @@ class LlamaRuntime:
         n = 0
         starts = [0] * len(items)
         rows: list[range | None] = [None] * len(items)
-        all_rows = self.capture is not None
+        capture = self.capture
+        all_rows = capture is not None and capture.capturing
         for idx in order:
             it = items[idx]
             k = it.hidden.shape[0]
@@ -356,9 +357,12 @@ class LlamaRuntime:
                     batch.logits[r] = True
                 rows[idx] = wanted
         batch.n_tokens = n
-        if self.capture is not None:
-            self.capture.arm(n)
+        if capture is not None:
+            # A restore writes back the rows as given (in batch order, as llama.cpp reads them).
+            capture.arm(n, embd[: n * self.n_embd] if capture.state.restore else None)
         self._decode(batch, n)
+        if capture is not None:
+            capture.check_restored(n)
         logits = [
             None
             if r is None
@@ -367,9 +371,9 @@ class LlamaRuntime:
             else np.stack([self.logits(j) for j in r])
             for i, r in enumerate(rows)
         ]
-        if self.capture is None:
+        if not all_rows:
             return None, logits
-        captured = self.capture.collect(n)
+        captured = capture.collect(n)
         hidden = [
             captured[starts[i] : starts[i] + it.hidden.shape[0]] for i, it in enumerate(items)
         ]

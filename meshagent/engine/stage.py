@@ -13,6 +13,8 @@ from meshagent.engine.native import Capture
 from meshagent.engine.runtime import EmbdItem, LlamaRuntime, RuntimeDelegate
 from meshagent.engine.vocab import Vocab
 from meshagent.errors import EngineError
+from meshagent.models.architectures import INPUT_SCALE_TENSOR, INPUT_SCALED_ALWAYS
+from meshagent.models.layout import field, open_gguf
 from meshagent.models.slicer import PAD_LAYERS_KEY, SLICE_KEY_PREFIX
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
@@ -48,8 +50,15 @@ class StageEngine(RuntimeDelegate):
         self.end = end
         self.last = end == total_layers
         self.flash_attn = flash_attn
-        # Named once the slice is loaded: see below.
-        capture = None if self.last else Capture("l_out-0")
+        # Gemma 1 and 2 scale whatever enters the graph: a later stage puts its input back.
+        arch = field(open_gguf(layers_path), "general.architecture", "")
+        restore = INPUT_SCALE_TENSOR if start > 0 and arch in INPUT_SCALED_ALWAYS else ""
+        # The capture is named once the slice is loaded: see below.
+        capture = (
+            None
+            if self.last and not restore
+            else Capture("" if self.last else "l_out-0", restore=restore)
+        )
         self.runtime = LlamaRuntime(
             layers_path,
             slots=slots,
@@ -69,7 +78,7 @@ class StageEngine(RuntimeDelegate):
             raise EngineError(
                 f"{layers_path} holds {self.runtime.n_layers} layers, expected {n_layers}"
             )
-        if capture is not None:
+        if capture is not None and not self.last:
             # The residual after the slice's last layer; llama.cpp names it l_out-<layer>. The
             # hook reads the name at every decode, so it may be set after the context exists.
             capture.target(f"l_out-{n_layers - 1}")

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-# Architectures whose layer graph does not depend on the absolute layer index and whose input
-# is the plain token embedding: a slice of layers [a, b) renumbered from 0 computes exactly what
-# those layers compute inside the whole model. Each has a parity test. `llama` includes its
-# mixture-of-experts form (Mixtral); `qwen2moe` has a shared expert besides the routed ones;
-# `deepseek2` (DeepSeek-V2/V3) chooses its leading dense layers by index, which the slicer
-# rewrites for each slice (`models/slicer.py`, `LEADING_DENSE_KEY`).
-SPLITTABLE = frozenset({"llama", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe", "deepseek2"})
+# Architectures whose slice of layers [a, b), renumbered from 0, computes exactly what those
+# layers compute inside the whole model, once the slicer and the stage engine have done what
+# the tables below say. Each has a parity test (tests/engine/test_stage_parity.py). `llama`
+# includes its mixture-of-experts form (Mixtral); `qwen2moe` has a shared expert besides the
+# routed ones; `deepseek2` (DeepSeek-V2/V3) chooses its leading dense layers by index, which
+# the slicer rewrites for each slice (`models/slicer.py`, `LEADING_DENSE_KEY`).
+SPLITTABLE = frozenset(
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "qwen2moe",
+        "qwen3moe",
+        "deepseek2",
+        "gemma",
+        "gemma2",
+        "gemma3",
+    }
+)
 
 # Families whose sliding window, where their metadata names one, is the same for every layer
 # or not applied at all: a slice computes what its layers compute in the whole model. Phi-3's
@@ -16,6 +29,27 @@ SPLITTABLE = frozenset({"llama", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe
 # back, it would apply to every layer alike. tests/engine/test_stage_parity.py checks a
 # Phi-3 with a window split exactly.
 WINDOW_NOT_BY_INDEX = frozenset({"phi3"})
+
+# Families that alternate sliding-window and global layers by layer index: llama.cpp marks
+# layer i as windowed when i % n < n - 1 (n the family's default here, or the model's
+# `sliding_window_pattern` number), unless the model gives one flag per layer. The slicer
+# writes each slice's flags as that per-layer array (`slicer.SWA_PATTERN_KEY`).
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+# Families that multiply the input embeddings by sqrt(n_embd) inside the graph. llama.cpp's
+# Gemma 3 does it only to token ids, so a stage fed hidden states skips it and the entry
+# applies it instead (`slicer.TokenEmbeddings`). Gemma 1 and 2 do it to any input: the first
+# stage's input is the raw embedding, as in the whole model, and every later stage puts back
+# the unscaled input it was given (the capture hook's restore, `engine/native.py`).
+INPUT_SCALED_FOR_TOKENS = frozenset({"gemma3"})
+INPUT_SCALED_ALWAYS = frozenset({"gemma", "gemma2"})
+INPUT_SCALE_TENSOR = "inp_scaled"  # llama.cpp's name for the scaled input
+
+# Families whose llama.cpp graph chooses a constant by the whole model's layer count: Gemma 2
+# 27B (46 layers) and Gemma 3 27B (62) scale attention by n_embd / n_head rather than the head
+# width. A slice has fewer layers, so it would use the other scale.
+SCALE_BY_LAYER_COUNT = {"gemma2": 46, "gemma3": 62}
+
 
 # Architectures that keep a recurrent state per sequence, which the stage engine runs exactly
 # (tests/engine/test_recurrent_parity.py) but which are split only for a model that holds a
@@ -30,15 +64,20 @@ CERTIFIABLE = {
 }
 
 _REFUSED = {
-    "gemma": "scales the input embeddings inside the graph",
-    "gemma2": "scales the input embeddings and alternates sliding-window layers by layer index",
-    "gemma3": "scales the input embeddings and alternates sliding-window layers by layer index",
     "cohere2": "alternates sliding-window layers by layer index",
     "falcon-h1": "mixes attention and state-space layers by layer index",
 }
 
 
-def stage_refusal(arch: str, metadata_keys: set[str]) -> str | None:
+def stage_refusal(
+    arch: str,
+    metadata_keys: set[str],
+    *,
+    n_layers: int = 0,
+    n_embd: int = 0,
+    n_head: int = 0,
+    head_dim: int = 0,
+) -> str | None:
     """None if the stage engine can run a slice of `arch` exactly; else the reason it cannot."""
     if arch in _REFUSED:
         return f"architecture {arch!r} {_REFUSED[arch]}"
@@ -48,15 +87,21 @@ def stage_refusal(arch: str, metadata_keys: set[str]) -> str | None:
             f"architecture {arch!r} has no parity test for split serving yet "
             f"(supported: {', '.join(supported)})"
         )
-    if f"{arch}.attention.sliding_window" in metadata_keys and arch not in WINDOW_NOT_BY_INDEX:
+    windowed = f"{arch}.attention.sliding_window" in metadata_keys
+    if windowed and arch not in WINDOW_NOT_BY_INDEX and arch not in SWA_PATTERN:
         return f"this {arch} model uses sliding-window attention chosen by layer index"
+    if SCALE_BY_LAYER_COUNT.get(arch) == n_layers and n_head and n_embd // n_head != head_dim:
+        return (
+            f"llama.cpp scales this {arch} model's attention by its layer count ({n_layers} "
+            "layers: the 27B's n_embd / n_head), which a slice of fewer layers would not"
+        )
     return None
 
 
-def split_refusal(arch: str, metadata_keys: set[str]) -> str | None:
+def split_refusal(arch: str, metadata_keys: set[str], **shape: int) -> str | None:
     """None if `arch` can be split by default; else the reason it cannot (it can still be
-    served whole)."""
-    refusal = stage_refusal(arch, metadata_keys)
+    served whole). `shape`: as for `stage_refusal`."""
+    refusal = stage_refusal(arch, metadata_keys, **shape)
     if refusal is None and arch in CERTIFIABLE:
         return (
             f"architecture {arch!r} keeps a recurrent state per sequence; it is split only "

@@ -151,6 +151,7 @@ def inspect_model(path: Path) -> ModelLayout:
     weight_types = sorted({t.tensor_type.name for t in r.tensors if len(t.shape) >= 2})
     if tied:
         head += embedding  # the last stage needs the embeddings as its output head
+    shape = {"n_layers": n_layers, "n_embd": n_embd, "n_head": n_head, "head_dim": head_dim}
     return ModelLayout(
         path=str(path),
         architecture=arch,
@@ -169,8 +170,8 @@ def inspect_model(path: Path) -> ModelLayout:
         other_bytes=other,
         tied_embeddings=tied,
         file_bytes=path.stat().st_size,
-        split_refusal=split_refusal(arch, set(r.fields)),
-        stage_refusal=stage_refusal(arch, set(r.fields)),
+        split_refusal=split_refusal(arch, set(r.fields), **shape),
+        stage_refusal=stage_refusal(arch, set(r.fields), **shape),
         layer_n_head_kv=layer_n_head_kv,
         tokenizer_bytes=_tokenizer_bytes(r),
         weight_types=tuple(weight_types),

@@ -17,6 +17,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from meshagent.errors import ModelError, OutOfRange
+from meshagent.models.architectures import INPUT_SCALED_FOR_TOKENS, SWA_PATTERN
 from meshagent.models.family import ATTENTION, RECURRENT, family_traits
 from meshagent.models.gguf_file import TOKENIZER_PREFIX, GGUFFile
 from meshagent.models.layout import LAYER_TENSOR, ModelLayout, open_gguf
@@ -33,6 +34,11 @@ PER_LAYER_KEYS = ("feed_forward_length", "attention.head_count", "attention.head
 # leading dense layers (DeepSeek-V2/V3 and kin: the layers before it have a dense FFN, those
 # from it on experts) becomes the count of the slice's leading layers that are dense.
 LEADING_DENSE_KEY = "leading_dense_block_count"
+
+# Which layers use the sliding window, for the families that choose them by index
+# (`architectures.SWA_PATTERN`): one number n (layer i is windowed when i % n < n - 1) or one
+# flag per layer. A slice gets its layers' flags.
+SWA_PATTERN_KEY = "attention.sliding_window_pattern"
 
 Progress = Callable[[int, int], None]
 
@@ -70,6 +76,8 @@ def _per_layer_arrays(reader: GGUFFile, arch: str, n_layers: int) -> frozenset[s
             continue
         if key in known:
             found.add(key)
+        elif key == f"{arch}.{SWA_PATTERN_KEY}" and arch in SWA_PATTERN:
+            continue  # rewritten for each slice: see window_flags
         elif len(f.contents()) == n_layers:
             raise ModelError(f"cannot cut {key}: an array of one value per layer")
     return frozenset(found)
@@ -78,6 +86,29 @@ def _per_layer_arrays(reader: GGUFFile, arch: str, n_layers: int) -> frozenset[s
 # Tokens a family's vocabulary must hold for llama.cpp to load it at all (its vocabulary
 # loader looks them up by text): the placeholder holds them too.
 REQUIRED_TOKENS = {"phi3": ("<|endoftext|>",)}
+
+
+# Families whose output head is always the token embeddings (llama.cpp refuses an
+# output.weight in their files).
+TIED_HEAD = frozenset({"gemma", "gemma2"})
+
+
+def window_flags(reader: GGUFFile, arch: str, n_layers: int) -> list[bool] | None:
+    """Per layer of the whole model, whether llama.cpp gives it the sliding window, for the
+    families that choose by index; None for the others."""
+    default = SWA_PATTERN.get(arch)
+    if default is None:
+        return None
+    f = reader.fields.get(f"{arch}.{SWA_PATTERN_KEY}")
+    value = default if f is None else f.contents()
+    if isinstance(value, list):
+        if len(value) != n_layers:
+            raise ModelError(
+                f"{arch}.{SWA_PATTERN_KEY} has {len(value)} flags for {n_layers} layers"
+            )
+        return [bool(v) for v in value]
+    n = int(value)
+    return [n == 0 or i % n < n - 1 for i in range(n_layers)]
 
 
 def _add_placeholder_vocab(writer: gguf.GGUFWriter, arch: str, n_embd: int) -> None:
@@ -93,7 +124,8 @@ def _add_placeholder_vocab(writer: gguf.GGUFWriter, arch: str, n_embd: int) -> N
     writer.add_eos_token_id(2)
     writer.add_uint32(f"{arch}.vocab_size", n)
     writer.add_tensor("token_embd.weight", np.zeros((n, n_embd), np.float32))
-    writer.add_tensor("output.weight", np.zeros((n, n_embd), np.float32))
+    if arch not in TIED_HEAD:
+        writer.add_tensor("output.weight", np.zeros((n, n_embd), np.float32))
 
 
 def _finish(writer: gguf.GGUFWriter, dst: Path, tmp: Path) -> None:
@@ -104,14 +136,24 @@ def _finish(writer: gguf.GGUFWriter, dst: Path, tmp: Path) -> None:
     os.replace(tmp, dst)
 
 
-def pad_layer(layout: ModelLayout, start: int, end: int) -> int | None:
-    """The model layer whose zeroed copy pads the slice [start, end), or None.
+def pad_layer(
+    layout: ModelLayout, start: int, end: int, windowed: Sequence[bool] | None = None
+) -> int | None:
+    """The model layer whose zeroed copy pads the slice [start, end), or None. `windowed`: the
+    model's sliding-window flags (`window_flags`), for the families that alternate them.
 
-    llama.cpp's hybrid memory needs both kinds of layer in the graph: a slice of a hybrid with
-    no attention layer, or no state-space layer, fails inside llama_decode (an unallocated
-    input). Such a slice starts with a copy of the model's smallest layer of the missing kind,
-    every weight zero: its mixer and FFN add exact zeros, so it hands its input on unchanged.
+    Every weight of the copy is zero: its mixer and FFN add exact zeros, so it hands its input
+    on unchanged. It stands in for a kind of layer llama.cpp needs in the graph:
+    - a hybrid's memory needs both kinds: a slice with no attention layer, or no state-space
+      layer, fails inside llama_decode (an unallocated input);
+    - a family with windowed layers asserts that a model has one (it aborts the process): a
+      slice of only global layers gets a windowed copy.
     """
+    if windowed is not None:
+        if any(windowed[start:end]) or not any(windowed):
+            return None
+        sources = [i for i, w in enumerate(windowed) if w]
+        return min(sources, key=lambda i: (layout.layer_bytes[i], i))
     traits = family_traits(layout)
     if traits.state_kind != "hybrid":
         return None
@@ -158,7 +200,8 @@ def write_layers(
     reader = open_gguf(Path(layout.path))
     arch = layout.architecture
     per_layer = _per_layer_arrays(reader, arch, layout.n_layers)
-    pad = pad_layer(layout, start, end)
+    flags = window_flags(reader, arch, layout.n_layers)
+    pad = pad_layer(layout, start, end, flags)
     pads = [] if pad is None else [pad]
     # The slice's layers in order, as layers of the source model.
     sources = pads + list(range(start, end))
@@ -168,6 +211,8 @@ def write_layers(
 
     def skip(key: str) -> bool:
         if key in (f"{arch}.block_count", f"{arch}.{LEADING_DENSE_KEY}"):
+            return True
+        if flags is not None and key == f"{arch}.{SWA_PATTERN_KEY}":
             return True
         if key.startswith(SLICE_KEY_PREFIX):
             return True
@@ -179,6 +224,9 @@ def write_layers(
     if lead is not None:
         n_dense = _leading_dense(int(lead.contents()), sources)
         writer.add_uint32(f"{arch}.{LEADING_DENSE_KEY}", n_dense)
+    if flags is not None:
+        slice_flags = [flags[i] for i in sources]
+        writer.add_array(f"{arch}.{SWA_PATTERN_KEY}", slice_flags)
     for key, value in provenance.items():
         if isinstance(value, int):
             writer.add_uint64(SLICE_KEY_PREFIX + key, value)
@@ -230,7 +278,8 @@ def write_entry(layout: ModelLayout, dst: Path, *, provenance: dict[str, str | i
 
 class TokenEmbeddings:
     """Token embedding lookup from a GGUF (whole model or entry artifact), dequantising only
-    the rows asked for."""
+    the rows asked for: the first stage's input, scaled by sqrt(n_embd) for the families whose
+    graph scales token input but not hidden states (`architectures.INPUT_SCALED_FOR_TOKENS`)."""
 
     def __init__(self, path: Path) -> None:
         reader = open_gguf(path)
@@ -241,6 +290,10 @@ class TokenEmbeddings:
         self._qtype = t.tensor_type
         self.n_vocab = int(t.shape[1])
         self.n_embd = int(t.shape[0])
+        arch = reader.fields.get("general.architecture")
+        scaled = arch is not None and arch.contents() in INPUT_SCALED_FOR_TOKENS
+        # A float32 square root and float32 products, as llama.cpp's graph computes them.
+        self._scale = np.sqrt(np.float32(self.n_embd)) if scaled else None
         self._rows: dict[int, np.ndarray] = {}  # decode steps look up one token at a time
 
     def __call__(self, tokens: list[int] | np.ndarray) -> np.ndarray:
@@ -270,4 +323,7 @@ class TokenEmbeddings:
 
     def _lookup(self, tokens: np.ndarray) -> np.ndarray:
         rows = self._data[tokens]
-        return np.ascontiguousarray(gguf.quants.dequantize(rows, self._qtype), dtype=np.float32)
+        out = np.ascontiguousarray(gguf.quants.dequantize(rows, self._qtype), dtype=np.float32)
+        if self._scale is not None:
+            out *= self._scale
+        return out

@@ -164,12 +164,14 @@ def _embeddings_and_head(g: _Weights, n_embd: int, vocab: int = N_VOCAB) -> None
     g.normal("output.weight", vocab, n_embd, scale=0.2)
 
 
-def _attention(g: _Weights, p: str, n_embd: int, n_head: int, n_head_kv: int) -> None:
+def _attention(
+    g: _Weights, p: str, n_embd: int, n_head: int, n_head_kv: int, scale: float = 0.08
+) -> None:
     head_dim = n_embd // n_head
-    g.normal(p + "attn_q.weight", n_head * head_dim, n_embd)
-    g.normal(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
-    g.normal(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
-    g.normal(p + "attn_output.weight", n_embd, n_head * head_dim)
+    g.normal(p + "attn_q.weight", n_head * head_dim, n_embd, scale=scale)
+    g.normal(p + "attn_k.weight", n_head_kv * head_dim, n_embd, scale=scale)
+    g.normal(p + "attn_v.weight", n_head_kv * head_dim, n_embd, scale=scale)
+    g.normal(p + "attn_output.weight", n_embd, n_head * head_dim, scale=scale)
 
 
 def _dense_ffn(g: _Weights, p: str, n_embd: int, n_ff: int) -> None:
@@ -243,6 +245,69 @@ def write_tiny_deepseek2(
             g.normal(p + f"ffn_{kind}_shexp.weight", n_ff // 2, n_embd)
         g.normal(p + "ffn_down_exps.weight", N_EXPERTS, n_embd, n_ff // 2)
         g.normal(p + "ffn_down_shexp.weight", n_embd, n_ff // 2)
+    return _finish(w, path)
+
+
+GEMMA = ("gemma", "gemma2", "gemma3")
+# Attention weights larger, and embeddings smaller, than the other families': scaled by
+# sqrt(n_embd), the embeddings would otherwise drown the layers' output, and the tied head
+# would answer each token with itself.
+ATTN_SCALE = 0.3
+EMB_SCALE = 0.05
+
+
+def write_tiny_gemma(
+    path: Path,
+    arch: str,
+    *,
+    n_layers: int = 6,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    sliding_window: int = 32,
+    swa_pattern: int | Sequence[bool] | None = None,
+    seed: int = 0,
+) -> Path:
+    """A Gemma 1, 2 or 3: input embeddings scaled by sqrt(n_embd) inside the graph, the output
+    head tied to them, and (2 and 3) norms after attention and FFN, sliding-window layers
+    alternating with global ones by layer index (`swa_pattern`: one number n, layer i windowed
+    when i % n < n - 1, or a flag per layer; absent, the family's own), softcapped logits (2)
+    and normed queries and keys (3)."""
+    if arch not in GEMMA:
+        raise ValueError(f"not a Gemma: {arch}")
+    head_dim = n_embd // n_head
+    w = _begin(path, arch, n_embd=n_embd, n_layers=n_layers)
+    w.add_feed_forward_length(n_ff)
+    _attention_hparams(w, n_head, n_head_kv, head_dim, head_dim)
+    if arch != "gemma":
+        w.add_sliding_window(sliding_window)
+        if swa_pattern is not None:
+            key = f"{arch}.attention.sliding_window_pattern"
+            if isinstance(swa_pattern, int):
+                w.add_uint32(key, swa_pattern)
+            else:
+                w.add_array(key, [bool(f) for f in swa_pattern])
+    if arch == "gemma2":
+        w.add_float32(f"{arch}.attn_logit_softcapping", 50.0)
+        w.add_float32(f"{arch}.final_logit_softcapping", 30.0)
+    if arch == "gemma3":
+        w.add_float32(f"{arch}.rope.freq_base_swa", 1000.0)
+    _add_vocab(w)
+    g = _Weights(w, seed)
+    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=EMB_SCALE)
+    g.ones("output_norm.weight", n_embd)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        g.ones(p + "attn_norm.weight", n_embd)
+        _attention(g, p, n_embd, n_head, n_head_kv, scale=ATTN_SCALE)
+        if arch != "gemma":
+            g.ones(p + "post_attention_norm.weight", n_embd)
+            g.ones(p + "post_ffw_norm.weight", n_embd)
+        if arch == "gemma3":
+            g.ones(p + "attn_q_norm.weight", head_dim)
+            g.ones(p + "attn_k_norm.weight", head_dim)
+        _dense_ffn(g, p, n_embd, n_ff)
     return _finish(w, path)
 
 

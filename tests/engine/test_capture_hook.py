@@ -8,6 +8,8 @@ import pytest
 from meshagent.engine import native
 from meshagent.engine.base import ForwardItem
 from meshagent.engine.split_in_process import StagedEngine
+from meshagent.testing.tiny_gguf import write_tiny_gemma
+from tests.engine.test_stage_parity import assert_splits_exactly
 
 
 def test_the_native_hook_was_built_and_is_used():
@@ -38,6 +40,18 @@ def test_python_fallback_gives_identical_results(model_path, store, monkeypatch)
         native._hook = None
     for a, b in zip(with_c, fallback, strict=True):
         assert np.array_equal(a, b)
+
+
+def test_python_fallback_restores_a_gemma_stages_input(tmp_path, store, monkeypatch):
+    # Gemma 2 scales any input; its later stages' input is put back by the hook's restore.
+    path = write_tiny_gemma(tmp_path / "tiny-gemma2.gguf", "gemma2")
+    monkeypatch.setattr(native, "_native_library", lambda: None)
+    native._hook = None
+    try:
+        assert_splits_exactly(path, [0, 1, 4, 6], store)
+        assert not native.capture_hook().native
+    finally:
+        native._hook = None
 
 
 def test_capture_refuses_overlong_names():

@@ -12,7 +12,8 @@ from meshagent.engine.base import ForwardItem
 from meshagent.engine.llama import LlamaEngine
 from meshagent.engine.split_in_process import StagedEngine
 from meshagent.errors import ModelError
-from meshagent.testing.tiny_gguf import write_tiny_deepseek2, write_tiny_model
+from meshagent.models.architectures import stage_refusal
+from meshagent.testing.tiny_gguf import write_tiny_deepseek2, write_tiny_gemma, write_tiny_model
 
 PROMPT = (
     "The keeper of the northern lighthouse kept a log of every ship that passed, "
@@ -153,6 +154,45 @@ def test_deepseek2_splits_exactly_with_its_dense_layers_counted_per_slice(
     # the dense layers, at their end, and past it.
     path = write_tiny_deepseek2(tmp_path / "tiny-deepseek2.gguf", dense_lead=lead)
     assert_splits_exactly(path, cuts, store)
+
+
+@pytest.mark.parametrize(
+    "arch, pattern, cuts",
+    [
+        ("gemma", None, [0, 2, 4, 6]),
+        # Gemma 2: layers alternate windowed (even) and global (odd); a slice from an odd
+        # layer starts with a global one.
+        ("gemma2", None, [0, 1, 4, 6]),
+        ("gemma2", None, [0, 3, 6]),
+        # Gemma 3: five windowed layers, then a global one; the last slice ends with it.
+        ("gemma3", None, [0, 3, 6]),
+        ("gemma3", 3, [0, 2, 4, 6]),  # the model's own pattern number
+        # A flag per layer. The slice [1, 3) has no windowed layer, which llama.cpp refuses
+        # (it aborts): the slicer pads it with a zeroed windowed layer.
+        ("gemma3", [True, False, False, True, True, False], [0, 1, 3, 6]),
+        ("gemma2", [True, False, False, True, True, False], [0, 1, 3, 6]),
+    ],
+)
+def test_gemma_splits_exactly(arch, pattern, cuts, tmp_path, store):
+    # The input scaled by sqrt(n_embd): Gemma 3's entry scales token embeddings (llama.cpp
+    # scales only token ids); Gemma 1 and 2's later stages restore their unscaled input. Each
+    # slice carries its layers' window flags; the 200-token prompt crosses the 32-token window.
+    path = write_tiny_gemma(tmp_path / f"tiny-{arch}.gguf", arch, swa_pattern=pattern)
+    assert_splits_exactly(path, cuts, store)
+
+
+def test_gemma_27b_is_refused_for_its_attention_scale():
+    # llama.cpp picks the 27B's attention scale (n_embd / n_head, not the head width) by its
+    # layer count; a slice has fewer layers.
+    keys = {"gemma3.attention.sliding_window"}
+    shape = {"n_embd": 5376, "n_head": 32, "head_dim": 128}
+    assert "layer count" in stage_refusal("gemma3", keys, n_layers=62, **shape)
+    assert "layer count" in stage_refusal(
+        "gemma2", set(), n_layers=46, n_embd=4608, n_head=32, head_dim=128
+    )
+    assert stage_refusal("gemma3", keys, n_layers=34, n_embd=2560, n_head=8, head_dim=256) is None
+    # Where both scales agree the layer count does not matter.
+    assert stage_refusal("gemma3", keys, n_layers=62, n_embd=4096, n_head=32, head_dim=128) is None
 
 
 def test_split_refused_for_index_dependent_architectures(tmp_path, store):
