@@ -7,7 +7,8 @@ from __future__ import annotations
 # the tables below say. Each has a parity test (tests/engine/test_stage_parity.py). `llama`
 # includes its mixture-of-experts form (Mixtral); `qwen2moe` has a shared expert besides the
 # routed ones; `deepseek2` (DeepSeek-V2/V3) chooses its leading dense layers by index, which
-# the slicer rewrites for each slice (`models/slicer.py`, `LEADING_DENSE_KEY`).
+# the slicer rewrites for each slice (`models/slicer.py`, `LEADING_DENSE_KEY`). Gemma 2 and 3,
+# Cohere 2 and gpt-oss alternate sliding-window and global layers by index (`SWA_PATTERN`).
 SPLITTABLE = frozenset(
     {
         "llama",
@@ -20,6 +21,8 @@ SPLITTABLE = frozenset(
         "gemma",
         "gemma2",
         "gemma3",
+        "cohere2",
+        "gpt-oss",
     }
 )
 
@@ -33,8 +36,11 @@ WINDOW_NOT_BY_INDEX = frozenset({"phi3"})
 # Families that alternate sliding-window and global layers by layer index: llama.cpp marks
 # layer i as windowed when i % n < n - 1 (n the family's default here, or the model's
 # `sliding_window_pattern` number), unless the model gives one flag per layer. The slicer
-# writes each slice's flags as that per-layer array (`slicer.SWA_PATTERN_KEY`).
-SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# writes each slice's flags as that per-layer array (`slicer.SWA_PATTERN_KEY`). Everything
+# else these families' graphs choose by layer index follows the same flag: Gemma 3's and
+# gpt-oss's RoPE base (`rope.freq_base_swa` on windowed layers), and Cohere 2's RoPE itself
+# (only its windowed layers apply it).
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2}
 
 # Families that multiply the input embeddings by sqrt(n_embd) inside the graph. llama.cpp's
 # Gemma 3 does it only to token ids, so a stage fed hidden states skips it and the entry
@@ -64,7 +70,6 @@ CERTIFIABLE = {
 }
 
 _REFUSED = {
-    "cohere2": "alternates sliding-window layers by layer index",
     "falcon-h1": "mixes attention and state-space layers by layer index",
 }
 

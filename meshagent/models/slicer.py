@@ -27,8 +27,14 @@ SLICE_KEY_PREFIX = "meshagent.slice."
 PAD_LAYERS_KEY = "pad_layers"
 # Hyperparameters llama.cpp reads as one value or an array of one per layer (get_key_or_arr with
 # n_layer): as arrays they are cut with the layers. Jamba's head_count_kv array is its layer
-# pattern (0 marks a Mamba layer).
-PER_LAYER_KEYS = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")
+# pattern (0 marks a Mamba layer). The experts' width is read so by the MoE families (gpt-oss
+# among them).
+PER_LAYER_KEYS = (
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "expert_feed_forward_length",
+)
 
 # Hyperparameters that name layers by absolute index, rewritten for each slice: the count of
 # leading dense layers (DeepSeek-V2/V3 and kin: the layers before it have a dense FFN, those
@@ -90,7 +96,7 @@ REQUIRED_TOKENS = {"phi3": ("<|endoftext|>",)}
 
 # Families whose output head is always the token embeddings (llama.cpp refuses an
 # output.weight in their files).
-TIED_HEAD = frozenset({"gemma", "gemma2"})
+TIED_HEAD = frozenset({"gemma", "gemma2", "cohere2"})
 
 
 def window_flags(reader: GGUFFile, arch: str, n_layers: int) -> list[bool] | None:

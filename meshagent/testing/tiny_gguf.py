@@ -1,6 +1,6 @@
 """Tiny random-weight GGUF models written with `gguf`: the split architectures (llama, qwen2,
-qwen3, phi3), a pure state-space model (mamba) and a hybrid of attention and state-space
-layers (jamba)."""
+qwen3, phi3, their MoE forms, deepseek2, Gemma 1-3, Cohere 2, gpt-oss), a pure state-space
+model (mamba) and a hybrid of attention and state-space layers (jamba)."""
 
 from __future__ import annotations
 
@@ -248,6 +248,19 @@ def write_tiny_deepseek2(
     return _finish(w, path)
 
 
+def _add_window(w: gguf.GGUFWriter, arch: str, window: int, pattern: int | Sequence[bool] | None):
+    """The sliding window and, where given, the model's own pattern (one number n: layer i
+    windowed when i % n < n - 1; or a flag per layer)."""
+    w.add_sliding_window(window)
+    if pattern is None:
+        return
+    key = f"{arch}.attention.sliding_window_pattern"
+    if isinstance(pattern, int):
+        w.add_uint32(key, pattern)
+    else:
+        w.add_array(key, [bool(f) for f in pattern])
+
+
 GEMMA = ("gemma", "gemma2", "gemma3")
 # Attention weights larger, and embeddings smaller, than the other families': scaled by
 # sqrt(n_embd), the embeddings would otherwise drown the layers' output, and the tied head
@@ -281,13 +294,7 @@ def write_tiny_gemma(
     w.add_feed_forward_length(n_ff)
     _attention_hparams(w, n_head, n_head_kv, head_dim, head_dim)
     if arch != "gemma":
-        w.add_sliding_window(sliding_window)
-        if swa_pattern is not None:
-            key = f"{arch}.attention.sliding_window_pattern"
-            if isinstance(swa_pattern, int):
-                w.add_uint32(key, swa_pattern)
-            else:
-                w.add_array(key, [bool(f) for f in swa_pattern])
+        _add_window(w, arch, sliding_window, swa_pattern)
     if arch == "gemma2":
         w.add_float32(f"{arch}.attn_logit_softcapping", 50.0)
         w.add_float32(f"{arch}.final_logit_softcapping", 30.0)
@@ -308,6 +315,112 @@ def write_tiny_gemma(
             g.ones(p + "attn_q_norm.weight", head_dim)
             g.ones(p + "attn_k_norm.weight", head_dim)
         _dense_ffn(g, p, n_embd, n_ff)
+    return _finish(w, path)
+
+
+def write_tiny_cohere2(
+    path: Path,
+    *,
+    n_layers: int = 6,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    sliding_window: int = 32,
+    swa_pattern: int | Sequence[bool] | None = None,
+    seed: int = 0,
+) -> Path:
+    """A Cohere 2 (Command R7B): layer norms without bias, attention and FFN in parallel from
+    one norm, the output head tied to the token embeddings and its logits scaled, and
+    sliding-window layers alternating with global ones by layer index (`swa_pattern` as for
+    `write_tiny_gemma`; absent, the family's own: three windowed layers, then a global one).
+    Only the windowed layers apply RoPE; the global ones attend without positions."""
+    arch = "cohere2"
+    head_dim = n_embd // n_head
+    w = _begin(path, arch, n_embd=n_embd, n_layers=n_layers)
+    w.add_feed_forward_length(n_ff)
+    _attention_hparams(w, n_head, n_head_kv, head_dim, head_dim)
+    w.add_layer_norm_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    w.add_logit_scale(0.25)
+    _add_window(w, arch, sliding_window, swa_pattern)
+    w.add_vocab_size(N_VOCAB)
+    _add_vocab(w)
+    g = _Weights(w, seed)
+    # Embeddings small beside the layers' output, as for Gemma: the residual keeps its input
+    # embedding, and the tied head would otherwise answer each token with itself.
+    g.normal("token_embd.weight", N_VOCAB, n_embd, scale=EMB_SCALE)
+    g.ones("output_norm.weight", n_embd)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        g.ones(p + "attn_norm.weight", n_embd)
+        _attention(g, p, n_embd, n_head, n_head_kv, scale=ATTN_SCALE)
+        g.normal(p + "ffn_gate.weight", n_ff, n_embd)
+        g.normal(p + "ffn_up.weight", n_ff, n_embd)
+        g.normal(p + "ffn_down.weight", n_embd, n_ff)
+    return _finish(w, path)
+
+
+def write_tiny_gpt_oss(
+    path: Path,
+    *,
+    n_layers: int = 6,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_ff_exp: int = 64,
+    sliding_window: int = 32,
+    swa_pattern: int | Sequence[bool] | None = None,
+    ff_exp_per_layer: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A gpt-oss (llama.cpp's OpenAI MoE): query heads wider together (n_head * head_dim)
+    than the embedding, biased Q/K/V and output projections, a learned attention sink per
+    head, YaRN RoPE on every layer, a norm after attention, and an FFN of routed experts only
+    (softmax over the chosen experts' router logits, biased router and experts, the clamped
+    SwiGLU of gpt-oss); sliding-window layers alternate with global ones by layer index
+    (`swa_pattern` as for `write_tiny_gemma`; absent, the family's own: even layers
+    windowed). `ff_exp_per_layer`: the experts' width as one value per layer, which llama.cpp
+    also reads."""
+    arch = "gpt-oss"
+    w = _begin(path, arch, n_embd=n_embd, n_layers=n_layers)
+    _attention_hparams(w, n_head, n_head_kv, head_dim, head_dim)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
+    w.add_expert_count(N_EXPERTS)
+    w.add_expert_used_count(N_EXPERTS_USED)
+    if ff_exp_per_layer:
+        w.add_array(f"{arch}.expert_feed_forward_length", [n_ff_exp] * n_layers)
+    else:
+        w.add_expert_feed_forward_length(n_ff_exp)
+    _add_window(w, arch, sliding_window, swa_pattern)
+    _add_vocab(w)
+    g = _Weights(w, seed)
+    _embeddings_and_head(g, n_embd)
+    q, kv = n_head * head_dim, n_head_kv * head_dim
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        g.ones(p + "attn_norm.weight", n_embd)
+        g.normal(p + "attn_q.weight", q, n_embd, scale=ATTN_SCALE)
+        g.normal(p + "attn_k.weight", kv, n_embd, scale=ATTN_SCALE)
+        g.normal(p + "attn_v.weight", kv, n_embd, scale=ATTN_SCALE)
+        g.normal(p + "attn_q.bias", q, scale=0.05)
+        g.normal(p + "attn_k.bias", kv, scale=0.05)
+        g.normal(p + "attn_v.bias", kv, scale=0.05)
+        g.normal(p + "attn_output.weight", n_embd, q, scale=ATTN_SCALE)
+        g.normal(p + "attn_output.bias", n_embd, scale=0.05)
+        g.normal(p + "attn_sinks.weight", n_head, scale=1.0)
+        g.ones(p + "post_attention_norm.weight", n_embd)
+        g.normal(p + "ffn_gate_inp.weight", N_EXPERTS, n_embd, scale=0.5)
+        g.normal(p + "ffn_gate_inp.bias", N_EXPERTS, scale=0.1)
+        for kind in ("gate", "up"):
+            g.normal(p + f"ffn_{kind}_exps.weight", N_EXPERTS, n_ff_exp, n_embd, scale=0.3)
+            g.normal(p + f"ffn_{kind}_exps.bias", N_EXPERTS, n_ff_exp, scale=0.1)
+        g.normal(p + "ffn_down_exps.weight", N_EXPERTS, n_embd, n_ff_exp, scale=0.3)
+        g.normal(p + "ffn_down_exps.bias", N_EXPERTS, n_embd, scale=0.1)
     return _finish(w, path)
 
 

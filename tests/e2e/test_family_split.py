@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 
 from meshagent.models.layout import inspect_model
-from meshagent.testing.tiny_gguf import write_tiny_deepseek2, write_tiny_gemma, write_tiny_model
+from meshagent.testing.tiny_gguf import (
+    write_tiny_cohere2,
+    write_tiny_deepseek2,
+    write_tiny_gemma,
+    write_tiny_gpt_oss,
+    write_tiny_model,
+)
 from tests.e2e.agents import answers_as_whole, spawn_mesh, status, wait_for
 
 SETTINGS = ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
@@ -23,6 +29,8 @@ FAMILIES = {
     "deepseek2": lambda path: write_tiny_deepseek2(path),
     "gemma2": lambda path: write_tiny_gemma(path, "gemma2"),
     "gemma3": lambda path: write_tiny_gemma(path, "gemma3"),
+    "cohere2": lambda path: write_tiny_cohere2(path),
+    "gpt-oss": lambda path: write_tiny_gpt_oss(path),
 }
 
 

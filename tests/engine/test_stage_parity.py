@@ -13,7 +13,13 @@ from meshagent.engine.llama import LlamaEngine
 from meshagent.engine.split_in_process import StagedEngine
 from meshagent.errors import ModelError
 from meshagent.models.architectures import stage_refusal
-from meshagent.testing.tiny_gguf import write_tiny_deepseek2, write_tiny_gemma, write_tiny_model
+from meshagent.testing.tiny_gguf import (
+    write_tiny_cohere2,
+    write_tiny_deepseek2,
+    write_tiny_gemma,
+    write_tiny_gpt_oss,
+    write_tiny_model,
+)
 
 PROMPT = (
     "The keeper of the northern lighthouse kept a log of every ship that passed, "
@@ -178,6 +184,50 @@ def test_gemma_splits_exactly(arch, pattern, cuts, tmp_path, store):
     # scales only token ids); Gemma 1 and 2's later stages restore their unscaled input. Each
     # slice carries its layers' window flags; the 200-token prompt crosses the 32-token window.
     path = write_tiny_gemma(tmp_path / f"tiny-{arch}.gguf", arch, swa_pattern=pattern)
+    assert_splits_exactly(path, cuts, store)
+
+
+# A layer pattern of Gemma 2's kind: layer 0 windowed, layers 1 and 2 global, layers 3 and 4
+# windowed, layer 5 global (the slice [1, 3) is global only, and needs the padding layer).
+MIXED_PATTERN = [True, False, False, True, True, False]
+
+
+@pytest.mark.parametrize(
+    "pattern, cuts",
+    [
+        # The family's own pattern: layers 0-2 windowed, 3 global, 4-5 windowed. Windowed
+        # only; global only, from a global layer (padded with a windowed one); windowed only.
+        (None, [0, 3, 4, 6]),
+        (None, [0, 2, 5, 6]),  # a slice across both boundaries, windowed at either end
+        (3, [0, 2, 4, 6]),  # the model's own pattern number: [2, 4) starts at a global layer
+        (MIXED_PATTERN, [0, 1, 3, 6]),  # a flag per layer
+    ],
+)
+def test_cohere2_splits_exactly(pattern, cuts, tmp_path, store):
+    # Command R7B: only the windowed layers apply RoPE, so a slice given the wrong flags
+    # would not only widen or narrow the window but rotate the wrong layers. The 200-token
+    # prompt crosses the 32-token window.
+    path = write_tiny_cohere2(tmp_path / "tiny-cohere2.gguf", swa_pattern=pattern)
+    assert_splits_exactly(path, cuts, store)
+
+
+@pytest.mark.parametrize(
+    "pattern, cuts, ff_exp_per_layer",
+    [
+        # The family's own pattern: even layers windowed. Windowed only, global only, and a
+        # mixed slice from a windowed layer.
+        (None, [0, 1, 2, 6], False),
+        (None, [0, 3, 6], False),  # [3, 6) starts at a global layer
+        (MIXED_PATTERN, [0, 1, 3, 6], False),  # a flag per layer
+        (None, [0, 2, 4, 6], True),  # the experts' width as one value per layer, cut
+    ],
+)
+def test_gpt_oss_splits_exactly(pattern, cuts, ff_exp_per_layer, tmp_path, store):
+    # Attention sinks, a biased router and biased experts, the clamped SwiGLU, YaRN RoPE;
+    # the 200-token prompt crosses the 32-token window.
+    path = write_tiny_gpt_oss(
+        tmp_path / "tiny-gpt-oss.gguf", swa_pattern=pattern, ff_exp_per_layer=ff_exp_per_layer
+    )
     assert_splits_exactly(path, cuts, store)
 
 
