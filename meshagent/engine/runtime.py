@@ -14,6 +14,7 @@ import numpy as np
 import structlog
 
 from meshagent.engine.base import check_tokens
+from meshagent.engine.checkpoints import Checkpoint, read_state, write_state
 from meshagent.engine.native import Capture, capture_hook
 from meshagent.errors import EngineError, ModelError, OutOfRange
 
@@ -218,6 +219,9 @@ class LlamaRuntime:
             llama_cpp.llama_model_is_recurrent(self.model)
             or llama_cpp.llama_model_is_hybrid(self.model)
         )
+        # Such a sequence is cut back from a checkpoint taken before its last decode of
+        # several tokens (engine/checkpoints.py): far enough for a rejected draft.
+        self.checkpoints: dict[int, Checkpoint] = {}
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = slot_ctx * slots
         cp.n_batch = max_batch_tokens
@@ -296,6 +300,8 @@ class LlamaRuntime:
         for seq, pos, tokens, _ in items:
             self._check_span(seq, pos, len(tokens))
             check_tokens(tokens, self.n_vocab)
+        for seq, pos, tokens, _ in items:
+            self._checkpoint(seq, pos, tuple(tokens))
         order = _by_sequence([seq for seq, _, _, _ in items])
         n = 0
         wanted: list[range | None] = [None] * len(items)
@@ -336,6 +342,8 @@ class LlamaRuntime:
         self._check_size(total)
         for it in items:
             self._check_span(it.seq_id, it.pos, it.hidden.shape[0])
+        for it in items:
+            self._checkpoint(it.seq_id, it.pos, it.hidden)
         embd = self._embd_view
         order = _by_sequence([it.seq_id for it in items])
         n = 0
@@ -386,12 +394,47 @@ class LlamaRuntime:
         if rc != 0:
             raise EngineError(f"llama_decode failed with code {rc}")
 
+    def _checkpoint(self, seq_id: int, pos: int, inputs: tuple[int, ...] | np.ndarray) -> None:
+        """Before a decode of `inputs` at `pos`: a recurrent sequence's checkpoint, if it
+        decodes several tokens (one token is never cut back: the last checkpoint goes)."""
+        if self.rewindable:
+            return
+        self.checkpoints.pop(seq_id, None)
+        if len(inputs) < 2:
+            return
+        state = read_state(self.ctx, seq_id) if self.length(seq_id) > 0 else None
+        if isinstance(inputs, np.ndarray):
+            inputs = inputs.copy()
+        self.checkpoints[seq_id] = Checkpoint(pos, pos + len(inputs), state, inputs)
+
+    def _roll_back(self, seq_id: int, keep: int) -> None:
+        """Cut a recurrent sequence back to `keep` positions from its checkpoint: the state
+        loaded, the KV cells past it removed, the kept inputs decoded again."""
+        cp = self.checkpoints.pop(seq_id)
+        if cp.state is None:
+            llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        else:
+            write_state(self.ctx, seq_id, cp.state)
+            if not llama_cpp.llama_memory_seq_rm(self._memory, seq_id, cp.pos, -1):
+                raise EngineError(f"llama.cpp could not cut sequence {seq_id} to {cp.pos}")
+        n = keep - cp.pos
+        if n == 0:
+            return
+        if isinstance(cp.inputs, np.ndarray):
+            self.decode_embd([EmbdItem(seq_id, cp.pos, cp.inputs[:n])])
+        else:
+            self.decode_tokens([(seq_id, cp.pos, cp.inputs[:n], 0)])
+
+    def checkpoint_bytes(self) -> int:
+        return sum(cp.nbytes for cp in list(self.checkpoints.values()))
+
     def logits(self, row: int) -> np.ndarray:
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, row)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def clear(self, seq_id: int) -> None:
         self._check_seq(seq_id)
+        self.checkpoints.pop(seq_id, None)
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
 
     def length(self, seq_id: int) -> int:
@@ -404,20 +447,31 @@ class LlamaRuntime:
         self._check_seq(seq_id)
         if keep < 0:
             raise OutOfRange(f"cannot trim sequence {seq_id} to {keep} tokens")
-        if not self.rewindable and 0 < keep < self.length(seq_id):
-            raise EngineError(
-                f"cannot trim sequence {seq_id} to {keep} of {self.length(seq_id)} tokens: "
-                "this model keeps a recurrent state per sequence, which cannot be rewound "
-                "(clear the sequence and run its tokens again)"
-            )
+        if self._needs_roll_back(seq_id, keep):
+            cp = self.checkpoints.get(seq_id)
+            if cp is None or not cp.covers(self.length(seq_id), keep):
+                raise EngineError(
+                    f"cannot trim sequence {seq_id} to {keep} of {self.length(seq_id)} tokens: "
+                    "this model keeps a recurrent state per sequence, which is cut back only "
+                    "into its last decode of several tokens (clear the sequence and run its "
+                    "tokens again)"
+                )
+
+    def _needs_roll_back(self, seq_id: int, keep: int) -> bool:
+        return not self.rewindable and 0 < keep < self.length(seq_id)
 
     def trim(self, seq_id: int, keep: int) -> None:
         """Forget positions `keep` and later of a sequence (e.g. a rejected draft)."""
         self.check_trim(seq_id, keep)
+        if self._needs_roll_back(seq_id, keep):
+            self._roll_back(seq_id, keep)
+            return
+        self.checkpoints.pop(seq_id, None)
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq_id, keep, -1):
             raise EngineError(f"llama.cpp could not trim sequence {seq_id} to {keep} tokens")
 
     def reset(self) -> None:
+        self.checkpoints.clear()
         llama_cpp.llama_memory_clear(self._memory, True)
 
     def export_sequence(self, seq_id: int) -> bytes:
@@ -432,6 +486,7 @@ class LlamaRuntime:
     def import_sequence(self, seq_id: int, state: bytes) -> None:
         """Replace a sequence's state with one from `export_sequence`."""
         self._check_seq(seq_id)
+        self.checkpoints.pop(seq_id, None)
         buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
         if not llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(state), seq_id):
             raise EngineError(f"llama.cpp could not load a state into sequence {seq_id}")
@@ -474,7 +529,8 @@ class RuntimeDelegate:
         self.runtime.import_sequence(seq_id, state)
 
     def memory_bytes(self) -> int:
-        return self.runtime.model_bytes() + self.runtime.state_bytes()
+        rt = self.runtime
+        return rt.model_bytes() + rt.state_bytes() + rt.checkpoint_bytes()
 
     def close(self) -> None:
         self.runtime.close()

@@ -92,6 +92,11 @@ class ExecutorSink(Protocol):
         ...
 
 
+# The prefix cache of a model with a recurrent state: its state is kept as it was at each kept
+# prefix's end, so a prompt starts from an entry only where it holds all of it.
+WHOLE_PREFIXES = "on (whole kept prefixes only: the model keeps a recurrent state)"
+
+
 class Executor(Protocol):
     n_slots: int
     slot_ctx: int
@@ -107,6 +112,9 @@ class Executor(Protocol):
     prefix_budget: int
     kept_size: Callable[[int], int] | None
     prefix_reason: str  # why prompts do or do not start from kept prefixes
+    # Whether a kept prefix can be restored cut short (a KV cache), or only whole (a recurrent
+    # state is kept as it was at the entry's end).
+    cuts_prefixes: bool
 
     def run_step(self, step: Step) -> StepDone:
         """Run `step` (blocking, on the runner's worker thread): the tokens sampled now for
@@ -135,9 +143,10 @@ class LocalExecutor:
         self.prefix_budget = prefix_budget
         self.kept_size: Callable[[int], int] | None = None  # measured when `run` starts
         self.book = KvBook(engine)  # what is kept is the scheduler's to decide, within budget
-        # Drafts need the rejected positions cut from the cache; a recurrent model's state
-        # cannot be cut back, so it decodes without (a checkpoint of the state would do).
-        self.speculates = engine.rewindable
+        # Drafts need the rejected positions cut from the cache: a KV cache is cut anywhere, a
+        # recurrent state from the checkpoint taken before its window (engine/checkpoints.py).
+        self.speculates = True
+        self.cuts_prefixes = engine.rewindable
         self.window_check: WindowCheck | None = None  # measured when `run` starts
         self.n_slots = engine.n_slots
         self.slot_ctx = engine.slot_ctx
@@ -187,19 +196,15 @@ class LocalExecutor:
         """Why prompts do or do not start from kept prefixes (for `meshagent status`)."""
         if self.prefix_budget <= 0:
             return "off (--prefix-cache 0)"
-        if not self.engine.rewindable:
-            return "off: the model's state cannot be cut back to a shared prefix"
         if self.window_check is None:
             return "not checked yet (the model is loading)"
         if not self.window_check.exact:
             why = self.window_check.reason
             return f"off: a prefix computed in other batches would change tokens ({why})"
-        return "on"
+        return "on" if self.cuts_prefixes else WHOLE_PREFIXES
 
     @property
     def windows_reason(self) -> str:
-        if not self.speculates:
-            return "drafts are not verified here: the model's state cannot be cut back"
         if self.window_check is None:
             return "not checked yet (the model is loading)"
         return self.window_check.reason

@@ -37,7 +37,7 @@ from meshagent.engine.windows import TEXT
 from meshagent.models.slicer import TokenEmbeddings
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.chain import Chain, OpenDownstream, Outgoing
-from meshagent.serving.executor import NOTHING_YET, ExecutorSink, StepDone
+from meshagent.serving.executor import NOTHING_YET, WHOLE_PREFIXES, ExecutorSink, StepDone
 from meshagent.serving.kv_book import KvBook, measure_kept_size
 from meshagent.serving.steps import Step
 
@@ -145,8 +145,11 @@ class PipelineExecutor:
         # Drafts go down the chain as part of a step's rows; the last stage verifies them.
         # A sequence may have several windows in flight: the next goes before the verdict on
         # the last, so drafts are not held to one window per trip around the ring.
-        self.speculates = entry.rewindable
+        # A recurrent state is cut back from the checkpoint each stage takes before a window
+        # (engine/checkpoints.py): one window of a sequence at a time.
+        self.speculates = True
         self.max_windows = MAX_WINDOWS if entry.rewindable else 1
+        self.cuts_prefixes = entry.rewindable
         self.exact_windows = entry.exact_windows
         self.windows_reason = entry.windows_reason
         self.depth = max(1, depth)
@@ -159,19 +162,17 @@ class PipelineExecutor:
     def prefix_reason(self) -> str:
         if self.prefix_budget <= 0:
             return "off (--prefix-cache 0, or no memory left free by the plan)"
-        if not self.speculates:
-            return "off: the model's state cannot be cut back to a shared prefix"
         if not self.exact_windows:
             why = self.windows_reason
             return f"off: a prefix computed in other batches would change tokens ({why})"
-        return "on"
+        return "on" if self.cuts_prefixes else WHOLE_PREFIXES
 
     def kept_bytes(self) -> int:
         """Bytes of the first stage's KV kept for prefixes now."""
         return self.book.kept_bytes()
 
     async def run(self, sink: ExecutorSink, *, task_status: trio.TaskStatus[None]) -> None:
-        if self.prefix_reason == "on":
+        if self.prefix_reason in ("on", WHOLE_PREFIXES):
             self.kept_size = await trio.to_thread.run_sync(self._measure_kept_size)
         await self.chain.run(sink, task_status=task_status)
 

@@ -14,6 +14,10 @@ never a wrong one.
 Entries are evicted least recently used first, so that their bytes stay within `budget`. An
 entry whose tokens are a prefix of a newer one is dropped (the newer one serves every lookup
 it would), and a sequence whose tokens an entry already holds adds nothing.
+
+With `whole` set (a model with a recurrent state, kept as it was at each entry's end), an
+entry serves only a prompt that holds all of it: a lookup returns the longest such entry, and
+an entry's tokens found inside a longer one are still stored.
 """
 
 from __future__ import annotations
@@ -68,9 +72,10 @@ class PrefixIndex:
     """Entries of kept KV by their token ids, within `budget` bytes; `size_of(n)` is what an
     entry of n tokens costs."""
 
-    def __init__(self, budget: int, size_of: Callable[[int], int]) -> None:
+    def __init__(self, budget: int, size_of: Callable[[int], int], *, whole: bool = False) -> None:
         self.budget = budget
         self.size_of = size_of
+        self.whole = whole
         self.used = 0
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self._by_key: dict[int, set[int]] = {}
@@ -106,10 +111,14 @@ class PrefixIndex:
             held = self._by_key.get(key)
             if not held:
                 break
-            candidates = held
+            # Whole entries only: any entry along the way may be one the prompt holds.
+            candidates = candidates | held if self.whole else held
         best: tuple[int, int] | None = None
         for entry_id in candidates:
-            n = shared_length(tokens, self._entries[entry_id].tokens)
+            held_tokens = self._entries[entry_id].tokens
+            n = shared_length(tokens, held_tokens)
+            if self.whole and n < len(held_tokens):
+                continue
             if best is None or n > best[1]:
                 best = (entry_id, n)
         return best
@@ -123,7 +132,9 @@ class PrefixIndex:
             return Stored(None)
         found = self._longest(tokens)
         if found is not None and found[1] == len(tokens):
-            self._entries.move_to_end(found[0])  # an entry holds them all (and maybe more)
+            # An entry holds them all (or more; `whole`: exactly them, as `_longest` finds
+            # only entries the tokens hold whole).
+            self._entries.move_to_end(found[0])
             return Stored(None)
         keys = _keys(tokens)
         # Entries that are a prefix of the new one: it serves every lookup they would.

@@ -270,7 +270,11 @@ class ModelRunner:
             size = self.executor.kept_size
             if size is not None:  # the executor keeps ended sequences' KV for their prefixes
                 with self._lock:
-                    self.scheduler.prefix = PrefixIndex(self.executor.prefix_budget, size)
+                    self.scheduler.prefix = PrefixIndex(
+                        self.executor.prefix_budget,
+                        size,
+                        whole=not self.executor.cuts_prefixes,
+                    )
             nursery.start_soon(self._work_in_thread)
             task_status.started()
             try:

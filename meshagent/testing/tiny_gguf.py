@@ -4,7 +4,7 @@ model (mamba) and a hybrid of attention and state-space layers (jamba)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import gguf
@@ -533,3 +533,24 @@ def quantize(src: Path, dst: Path, ftype: int) -> Path:
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)):
         raise RuntimeError(f"llama.cpp could not quantize {src}")
     return dst
+
+
+# One tiny model of each family the stage engine runs, by the name the docs' family table uses
+# (docs/engine.md): what the parity, certification and end-to-end tests iterate over.
+FAMILIES: dict[str, Callable[[Path], Path]] = {
+    "llama": lambda p: write_tiny_model(p, "llama"),
+    "qwen2": lambda p: write_tiny_model(p, "qwen2"),
+    "qwen3": lambda p: write_tiny_model(p, "qwen3"),
+    "phi3": lambda p: write_tiny_model(p, "phi3"),
+    "mixtral": lambda p: write_tiny_model(p, "llama", experts=True),
+    "qwen2moe": lambda p: write_tiny_model(p, "qwen2moe"),
+    "qwen3moe": lambda p: write_tiny_model(p, "qwen3moe"),
+    "deepseek2": lambda p: write_tiny_deepseek2(p),
+    "gemma": lambda p: write_tiny_gemma(p, "gemma"),
+    "gemma2": lambda p: write_tiny_gemma(p, "gemma2"),
+    "gemma3": lambda p: write_tiny_gemma(p, "gemma3"),
+    "cohere2": lambda p: write_tiny_cohere2(p),
+    "gpt-oss": lambda p: write_tiny_gpt_oss(p),
+    "mamba": lambda p: write_tiny_mamba(p),
+    "jamba": lambda p: write_tiny_jamba(p),
+}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from meshagent.testing.tiny_gguf import write_tiny_jamba, write_tiny_mamba
@@ -67,3 +68,38 @@ def test_a_certified_hybrid_or_recurrent_model_is_split_and_served(spawn_agent, 
     assert list((b.data_dir / "artifacts" / "capabilities").glob("*.cbor"))
     whole = spawn_agent(*SETTINGS, "--model", str(model), name="whole")
     answers_as_whole(whole, agents, model_id, PROMPT)
+    if arch == "jamba":
+        drafts_and_kept_prefixes_change_no_token(whole, b, model_id)
+
+
+def _greedy(agent, model_id: str, prompt: str, max_tokens: int, speculation: str) -> dict:
+    body = {
+        "model": model_id,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "meshagent": {"speculation": speculation},
+    }
+    r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def drafts_and_kept_prefixes_change_no_token(whole, split, model_id: str) -> None:
+    """A hybrid's recurrent state is cut back from a checkpoint when drafts are rejected, and
+    kept at a prefix's end for prompts that hold all of it: with drafts on and a kept prefix,
+    the whole model and the split give the text of plain decoding from scratch."""
+    head = "A river runs down to the sea, past the mill and the bridge. "
+    tail = "The boat goes on"
+    plain = _greedy(whole, model_id, head + tail, 120, "off")
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for agent in (whole, split):
+        # A one-token request leaves its prompt's state kept; the next prompt holds it all.
+        seeded = _greedy(agent, model_id, head, 1, "off")
+        r = _greedy(agent, model_id, head + tail, 120, "on")
+        assert r["choices"][0]["text"] == plain["choices"][0]["text"], agent.data_dir.name
+        cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == seeded["usage"]["prompt_tokens"], agent.data_dir.name
+        # Drafts were accepted, and some rejected: cut back from the checkpoints.
+        receipt = r["usage"]["meshagent"]["speculation"]
+        assert 0 < receipt["accepted"] < receipt["drafted"], receipt

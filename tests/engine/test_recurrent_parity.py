@@ -141,8 +141,48 @@ def test_staged_equals_whole(name, cut, models, reference, store):
         staged.close()
 
 
+def _engine(kind: str, path: Path, store):
+    if kind == "whole":
+        return LlamaEngine(path, slots=2, slot_ctx=128, threads=1, flash_attn=False)
+    return StagedEngine(path, (0, 2, 4, 6), store, slots=2, slot_ctx=128, threads=1)
+
+
+@pytest.mark.parametrize("kind", ["whole", "staged"])
 @pytest.mark.parametrize("name", ["mamba", "jamba"])
-def test_recurrent_state_is_not_rewound_and_moves_between_contexts(name, models, reference, store):
+def test_a_rejected_window_is_cut_back_from_its_checkpoint(name, kind, models, reference, store):
+    """A verify window of three right tokens and two wrong ones, cut back to the right ones:
+    the state is loaded from before the window and the right ones run again, so decoding
+    goes on with the logits of plain greedy decoding."""
+    alone = reference[name][0][0]
+    greedy_tokens = tokens(alone)
+    prompt = PROMPTS[0]
+    pos = len(prompt)
+    engine = _engine(kind, models[name], store)
+    try:
+        engine.clear_sequence(0)
+        engine.forward([ForwardItem(0, 0, prompt, True)])
+        wrong = [(t + 1) % 259 for t in greedy_tokens[3:5]]
+        window = greedy_tokens[:3] + wrong
+        rows = engine.forward([ForwardItem(0, pos, window, True, len(window))])[0]
+        # The rows of the right tokens are one-token steps' logits.
+        assert all(np.array_equal(rows[i], alone[i + 1]) for i in range(3))
+        engine.trim_sequence(0, pos + 3)
+        out = [engine.forward([ForwardItem(0, pos + 3, [greedy_tokens[3]], True)])[0]]
+        for i in range(4, 8):
+            out.append(engine.forward([ForwardItem(0, pos + i, [greedy_tokens[i]], True)])[0])
+        assert same(out, alone[4:9])
+        # Past the last decode of several tokens there is no checkpoint: refused, and the
+        # sequence goes on unchanged.
+        with pytest.raises(EngineError, match="recurrent state"):
+            engine.trim_sequence(0, pos + 2)
+        out = engine.forward([ForwardItem(0, pos + 8, [greedy_tokens[8]], True)])[0]
+        assert np.array_equal(out, alone[9])
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name", ["mamba", "jamba"])
+def test_recurrent_state_moves_between_contexts(name, models, reference, store):
     alone = reference[name][0][0]
     prompt = PROMPTS[0]
     a = StagedEngine(models[name], (0, 2, 4, 6), store, slots=2, slot_ctx=128, threads=1)
@@ -150,10 +190,7 @@ def test_recurrent_state_is_not_rewound_and_moves_between_contexts(name, models,
     try:
         a.clear_sequence(0)
         assert np.array_equal(a.forward([ForwardItem(0, 0, prompt, True)])[0], alone[0])
-        # A trim into the past is refused before any stage changes: the sequence goes on.
-        with pytest.raises(EngineError, match="recurrent state"):
-            a.trim_sequence(0, len(prompt) - 4)
-        a.trim_sequence(0, len(prompt))  # keeps everything: allowed
+        a.trim_sequence(0, len(prompt))  # keeps everything
         # Each stage's state of the sequence moves to another context's slot, as a sequence
         # would move to another peer, and decoding goes on there exactly.
         for sa, sb in zip(a.stages, b.stages, strict=True):

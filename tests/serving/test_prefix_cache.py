@@ -79,17 +79,36 @@ ops = st.lists(
 )
 
 
+def test_with_whole_entries_a_prompt_starts_only_from_one_it_holds_all_of():
+    # A recurrent state is kept as it was at the entry's end: no shorter match will do.
+    index = PrefixIndex(10_000, per_token, whole=True)
+    conversation = index.insert(list(range(60))).entry
+    assert index.lookup([*range(50), 9, 9]) is None
+    assert index.lookup([*range(60), 9, 9]) == (conversation, 60)
+    # Its first turn, held inside it but not whole, is an entry of its own.
+    turn1 = index.insert(list(range(30))).entry
+    assert turn1 is not None
+    assert index.lookup([*range(40), 9]) == (turn1, 30)
+    assert index.lookup(list(range(70))) == (conversation, 60)
+    assert index.insert(list(range(30))).entry is None  # held exactly: adds nothing
+
+
 @settings(max_examples=150, deadline=None)
-@given(ops, st.integers(0, 300))
-def test_the_index_matches_a_search_of_every_entry(script, budget):
+@given(ops, st.integers(0, 300), st.booleans())
+def test_the_index_matches_a_search_of_every_entry(script, budget, whole):
     heads = [[h * 10 + i % 7 for i in range(3 * BLOCK)] for h in range(4)]
-    index = PrefixIndex(budget * 10, per_token)
+    index = PrefixIndex(budget * 10, per_token, whole=whole)
+
+    def usable(tokens, entry) -> int:
+        n = shared_length(tokens, entry.tokens)
+        return n if not whole or n == len(entry.tokens) else 0
+
     for op, head, cut, tail in script:
         tokens = heads[head][:cut] + tail
         if op == "insert":
             index.insert(tokens)
         else:
-            best = max((shared_length(tokens, e.tokens) for e in index.entries()), default=0)
+            best = max((usable(tokens, e) for e in index.entries()), default=0)
             found = index.lookup(tokens)
             if best >= MIN_REUSE:
                 assert found is not None and found[1] == best
@@ -97,9 +116,15 @@ def test_the_index_matches_a_search_of_every_entry(script, budget):
             else:
                 assert found is None
         assert index.used == sum(e.size for e in index.entries()) <= index.budget
-        held = [e.tokens for e in index.entries()]
-        for e in held:  # no entry is a prefix of another
-            assert not any(o != e and o[: len(e)] == e for o in held)
+        held = index.entries()
+        for e in held:  # no entry is a prefix of one stored after it (or of any, unless whole)
+            assert not any(
+                o.tokens != e.tokens
+                and o.tokens[: len(e.tokens)] == e.tokens
+                and (o.id > e.id or not whole)
+                for o in held
+            )
+            assert sum(o.tokens == e.tokens for o in held) == 1
 
 
 # ----- through the runner, on the fake engine -----
