@@ -90,10 +90,7 @@ def prompt_tokens(engine: LlamaEngine, prompt: Prompt, ctx: int, tokens: int) ->
     """The prompt's tokens, cut to leave room for `tokens` more in a context of `ctx`."""
     room = ctx - tokens
     if prompt.chat:
-        info = engine.info
-        template = ChatTemplate(
-            info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token
-        )
+        template = ChatTemplate.for_model(engine)
         text = template.render([ChatMessage("user", prompt.text)])
         return engine.tokenize(text, add_bos=False)[-room:]
     if not prompt.fill_to_ctx:

@@ -21,12 +21,14 @@ from meshagent.models.capability import CapabilityRecord, CapabilityStore
 from meshagent.models.default import resolve_model
 from meshagent.models.family import family_traits
 from meshagent.models.hub import cached_models, partial_models
-from meshagent.models.layout import inspect_model
+from meshagent.models.layout import field, inspect_model, open_gguf
 from meshagent.models.names import HubName, parse_model_name
 from meshagent.models.transfer import LABEL, fetch_artifact
 from meshagent.net.address import Address
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
+from meshagent.serving.chat import OWN
+from meshagent.serving.family_templates import family_template
 from meshagent.wire.handshake import LocalPeer
 
 
@@ -102,11 +104,24 @@ def _certified(record: CapabilityRecord) -> str:
     )
 
 
+def chat_template_name(path: Path) -> str:
+    """Which chat template serving renders conversations with: the file's own, or (a file
+    without one) its family's (`serving/family_templates.py`)."""
+    reader = open_gguf(path)
+    if "tokenizer.chat_template" in reader.fields:
+        return OWN
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    held = set(tokens.contents()) if tokens is not None else set()
+    arch = str(field(reader, "general.architecture", ""))
+    return f"{family_template(arch, held.__contains__).name} (the file has none: its family's)"
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     layout = inspect_model(model)
     traits = family_traits(layout)
     record = _capability(model, args)
+    template = chat_template_name(Path(layout.path))
     if args.json:
         print(
             json.dumps(
@@ -114,6 +129,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                     **layout.to_dict(),
                     "state_kind": traits.state_kind,
                     "layer_types": list(traits.layer_types),
+                    "chat_template": template,
                     "capability": None if record is None else record.to_dict(),
                 },
                 indent=2,
@@ -139,6 +155,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     kv = layout.kv_bytes_per_token_per_layer
     print(f"KV per token   {kv} bytes per layer, {kv * layout.n_layers} for all layers (f16)")
     print(f"state          {traits.state_kind} per sequence")
+    print(f"chat template  {template}")
     if layout.splittable:
         print("split          yes: any contiguous layer range can run as a stage")
     elif traits.certifiable and record is not None:

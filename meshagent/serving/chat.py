@@ -10,14 +10,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from meshagent.errors import ModelError
+from meshagent.serving.family_templates import CHATML, family_template
 
-# Used when a GGUF carries no template: ChatML, the most common instruct format.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+OWN = "the model's own"  # `ChatTemplate.name` of a template the GGUF carries
 
 
 class TemplateError(ValueError):
@@ -50,8 +45,19 @@ class ChatMessage:
 
 
 class ChatTemplate:
-    def __init__(self, source: str | None, *, bos_token: str, eos_token: str) -> None:
-        self.source = source or CHATML_TEMPLATE
+    """`source`: the GGUF's template; without one, `fallback` (a family's, as
+    `for_model` chooses: family_templates.py), else ChatML. `name` says which."""
+
+    def __init__(
+        self,
+        source: str | None,
+        *,
+        bos_token: str,
+        eos_token: str,
+        fallback: tuple[str, str] = ("chatml", CHATML),
+    ) -> None:
+        self.name = OWN if source else fallback[0]
+        self.source = source or fallback[1]
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         try:
@@ -60,6 +66,22 @@ class ChatTemplate:
             raise ModelError(f"the model's chat template does not parse: {e}") from e
         self.bos_token = bos_token
         self.eos_token = eos_token
+
+    @classmethod
+    def for_model(cls, model: Any) -> ChatTemplate:
+        """The template of a loaded model (a `TokenModel`): its file's, or its family's."""
+        info = model.info
+
+        def has_token(text: str) -> bool:
+            return len(model.tokenize(text, add_bos=False)) == 1
+
+        family = family_template(info.architecture, has_token)
+        return cls(
+            info.chat_template,
+            bos_token=info.bos_token,
+            eos_token=info.eos_token,
+            fallback=(family.name, family.source),
+        )
 
     @property
     def reads_tools(self) -> bool:

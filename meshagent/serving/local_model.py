@@ -33,11 +33,7 @@ class LocalModel:
         self.engine = engine
         self.info: ModelInfo = engine.info
         self.runner = runner
-        self.template = ChatTemplate(
-            engine.info.chat_template,
-            bos_token=engine.info.bos_token,
-            eos_token=engine.info.eos_token,
-        )
+        self.template = ChatTemplate.for_model(engine)
 
     @classmethod
     def whole(cls, engine: Engine, *, max_queue: int, prefix_budget: int = 0) -> LocalModel:
