@@ -106,7 +106,8 @@ def wait_routable(agents, model: str, timeout: float = 180) -> None:
         except (httpx.HTTPError, KeyError, TypeError):
             pass
         time.sleep(0.5)
-    raise RuntimeError("the split did not become routable")
+    why = httpx.get(f"{agents[0].url}/control/status").json()["placement"].get(model)
+    raise RuntimeError(f"the split did not become routable: {why}")
 
 
 def start_split(
