@@ -53,6 +53,7 @@ class StageEngine(RuntimeDelegate):
         # Gemma 1 and 2 scale whatever enters the graph: a later stage puts its input back.
         arch = field(open_gguf(layers_path), "general.architecture", "")
         restore = INPUT_SCALE_TENSOR if start > 0 and arch in INPUT_SCALED_ALWAYS else ""
+        self.restores = bool(restore)
         # The capture is named once the slice is loaded: see below.
         capture = (
             None
@@ -109,20 +110,21 @@ class StageEngine(RuntimeDelegate):
             else EmbdItem(it.seq_id, it.pos, it.hidden.astype(np.float32), it.want_logits)
             for it in items
         ]
-        if self.last:
+        if self.last and not self.restores:
             return StageOutput(None, self.runtime.decode_embd(prepared)[1])
         hidden: list[np.ndarray | None] = [None] * len(items)
         logits: list[np.ndarray | None] = [None] * len(items)
         for group in _row_order_safe_groups(prepared):
             rows, lg = self.runtime.decode_embd([prepared[i] for i in group])
-            assert rows is not None
-            for i, h, g in zip(group, rows, lg, strict=True):
-                hidden[i], logits[i] = h, g
-        return StageOutput(hidden, logits)  # type: ignore[arg-type]
+            for j, i in enumerate(group):
+                hidden[i] = None if rows is None else rows[j]
+                logits[i] = lg[j]
+        return StageOutput(None if self.last else hidden, logits)  # type: ignore[arg-type]
 
 
 def _row_order_safe_groups(items: Sequence[EmbdItem]) -> list[list[int]]:
-    """Split a batch into llama_decode calls whose captured rows come back in batch order.
+    """Split a batch into llama_decode calls whose captured (or restored) rows are in batch
+    order.
 
     With a KV stream per sequence, llama.cpp splits a batch into micro-batches holding the
     same number of tokens of every sequence, reordering rows when sequences bring different

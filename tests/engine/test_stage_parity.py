@@ -110,20 +110,60 @@ def test_smollm_three_stages_f16_keeps_greedy_tokens(
     assert worst > 0  # f16 really was on the wire
 
 
+def chunked_run(engine, prompt: list[int], chunks: tuple[int, ...], steps: int):
+    """The prompt prefilled in `chunks` then the rest, then `steps` greedy tokens; the logits
+    after the prompt and after each step."""
+    engine.clear_sequence(0)
+    pos = 0
+    for n in (*chunks, len(prompt) - sum(chunks)):
+        logits = engine.forward([ForwardItem(0, pos, prompt[pos : pos + n], True)])[0]
+        pos += n
+    out = [logits]
+    for _ in range(steps):
+        out.append(engine.forward([ForwardItem(0, pos, [int(np.argmax(out[-1]))], True)])[0])
+        pos += 1
+    return out
+
+
+def pair_run(engine, prompts: list[list[int]], steps: int):
+    """Two sequences prefilled in one call, then decoded together for `steps` greedy steps
+    (in the other order every second step); each one's logits."""
+    for s in (0, 1):
+        engine.clear_sequence(s)
+    first = engine.forward([ForwardItem(s, 0, p, True) for s, p in enumerate(prompts)])
+    got = [[lg] for lg in first]
+    pos = [len(p) for p in prompts]
+    for step in range(steps):
+        order = [0, 1] if step % 2 == 0 else [1, 0]
+        items = [ForwardItem(s, pos[s], [int(np.argmax(got[s][-1]))], True) for s in order]
+        for s, lg in zip(order, engine.forward(items), strict=True):
+            got[s].append(lg)
+            pos[s] += 1
+    return got
+
+
 def assert_splits_exactly(path, cuts, store) -> None:
-    """The model at `path` cut at `cuts` gives the whole model's logits, bit for bit, on a
-    200-token prompt and 32 greedy steps."""
-    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 200)]
-    whole = LlamaEngine(path, slots=1, slot_ctx=512, flash_attn=False, gpu_layers=GPU_LAYERS)
-    staged = StagedEngine(path, cuts, store, slots=1, slot_ctx=512, gpu_layers=GPU_LAYERS)
+    """The model at `path` cut at `cuts` gives the whole model's logits, bit for bit: on a
+    200-token prompt and 32 greedy steps, on the same prompt prefilled in three calls, and
+    on two sequences of different lengths prefilled in one call and decoded together."""
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(3, 259, 200)]
+    other = [int(t) for t in rng.integers(3, 259, 77)]
+    whole = LlamaEngine(path, slots=2, slot_ctx=512, flash_attn=False, gpu_layers=GPU_LAYERS)
+    staged = StagedEngine(path, cuts, store, slots=2, slot_ctx=512, gpu_layers=GPU_LAYERS)
     try:
         ref_logits, ref_tokens = greedy_run(whole, prompt, 32)
         logits, tokens = greedy_run(staged, prompt, 32)
+        chunked = chunked_run(staged, prompt, (37, 81), 8)
+        ref_pair, pair = (pair_run(e, [prompt[:120], other], 8) for e in (whole, staged))
     finally:
         whole.close()
         staged.close()
     assert tokens == ref_tokens
     assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(chunked, ref_logits[:9], strict=True))
+    for ours, theirs in zip(pair, ref_pair, strict=True):
+        assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
     # A random model is not degenerate: its greedy tokens vary.
     assert len(set(tokens)) > 3
 
@@ -148,7 +188,8 @@ def test_tiny_models_split_exactly(arch, window, experts, tmp_path, store):
     path = write_tiny_model(
         tmp_path / f"tiny-{arch}.gguf", arch, n_layers=6, sliding_window=window, experts=experts
     )
-    assert_splits_exactly(path, [0, 2, 4, 6], store)
+    for cuts in ([0, 3, 6], [0, 2, 4, 6]):
+        assert_splits_exactly(path, cuts, store)
 
 
 @pytest.mark.parametrize("lead, cuts", [(3, [0, 2, 4, 6]), (2, [0, 2, 4, 6]), (1, [0, 3, 6])])
@@ -166,6 +207,7 @@ def test_deepseek2_splits_exactly_with_its_dense_layers_counted_per_slice(
     "arch, pattern, cuts",
     [
         ("gemma", None, [0, 2, 4, 6]),
+        ("gemma", None, [0, 3, 6]),
         # Gemma 2: layers alternate windowed (even) and global (odd); a slice from an odd
         # layer starts with a global one.
         ("gemma2", None, [0, 1, 4, 6]),
@@ -199,6 +241,7 @@ MIXED_PATTERN = [True, False, False, True, True, False]
         # only; global only, from a global layer (padded with a windowed one); windowed only.
         (None, [0, 3, 4, 6]),
         (None, [0, 2, 5, 6]),  # a slice across both boundaries, windowed at either end
+        (None, [0, 4, 6]),  # two stages: the global layer ends the first
         (3, [0, 2, 4, 6]),  # the model's own pattern number: [2, 4) starts at a global layer
         (MIXED_PATTERN, [0, 1, 3, 6]),  # a flag per layer
     ],
