@@ -85,10 +85,14 @@ class Access:
         auth = found.get(b"authorization", b"").decode("latin-1")
         scheme, _, given = auth.partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
+            # Anthropic's clients send the key as x-api-key.
+            scheme, given = "bearer", found.get(b"x-api-key", b"").decode("latin-1")
+        if not given.strip():
             return ApiError(
                 401,
                 "You didn't provide an API key. This agent needs one: send it as "
-                "'Authorization: Bearer KEY' (the openai client's api_key).",
+                "'Authorization: Bearer KEY' (the openai client's api_key) or 'x-api-key: KEY' "
+                "(the anthropic client's).",
                 code="invalid_api_key",
             )
         given_b = given.strip().encode()

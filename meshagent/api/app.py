@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from meshagent.api import errors
+from meshagent.api import errors, messages
 from meshagent.api.access import Access
 from meshagent.api.catalog import Catalog, Loads, MeshCatalogue
 from meshagent.api.completions import Completions
@@ -23,6 +23,8 @@ from meshagent.api.openai_routes import MODEL_PREFIX, OpenAIRoutes
 from meshagent.api.responses import ResponsesRoutes
 from meshagent.api.routing import PrefixRouter
 from meshagent.serving.directory import ModelDirectory
+
+MESSAGES_PREFIX = "/v1/messages"  # Anthropic's endpoints answer errors in its shape
 
 __all__ = ["SPLIT_RETRY_AFTER", "OpenAIApp"]
 
@@ -64,6 +66,7 @@ class OpenAIApp:
         self._routes: Routes = {
             **self.openai.routes,
             **ResponsesRoutes(completions).routes,
+            **messages.MessagesRoutes(completions).routes,
             **OllamaRoutes(self.catalog, completions).routes,
             **self.control.routes,
         }
@@ -81,10 +84,17 @@ class OpenAIApp:
                 raise refused
             await self._dispatch(ex)
         except ApiError as e:
+            anthropic = ex.path.startswith(MESSAGES_PREFIX)  # its own error shape
             if not ex.started:
-                await ex.send_error(e)
+                if anthropic:
+                    await ex.send_json(e.status, messages.error_body(e), e.headers())
+                else:
+                    await ex.send_error(e)
             elif ex.sse and not ex.finished:  # a stream opened early (kept alive): say it there
-                await ex.send_event(e.body())
+                if anthropic:
+                    await ex.send_named_event("error", messages.error_body(e))
+                else:
+                    await ex.send_event(e.body())
                 await ex.end()
         except ClientGone:
             pass

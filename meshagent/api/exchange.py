@@ -102,6 +102,10 @@ class Exchange:
         data = payload if isinstance(payload, str) else json.dumps(payload)
         await self._body(f"data: {data}\n\n".encode(), more=True)
 
+    async def send_named_event(self, name: str, payload: object) -> None:
+        """An SSE event with an `event:` line (Anthropic's streams name each event)."""
+        await self._body(f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode(), more=True)
+
     async def end(self) -> None:
         await self._body(b"", more=False)
 

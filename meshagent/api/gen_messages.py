@@ -142,7 +142,12 @@ def _fields(msg: Message) -> dict[int, Any]:
         done[7] = [s.windows, s.drafted, s.accepted, s.peak_in_flight]
     if msg.cached_tokens:
         done[8] = msg.cached_tokens
+    if msg.stop is not None:
+        done[9] = msg.stop
     return done
+
+
+MAX_STOP = 4096  # characters of the stop string a done message names
 
 
 def _seed_bits(seed: int | None) -> int | None:
@@ -190,7 +195,10 @@ def _message(m: dict[int, Any]) -> Message:
         cached = _int(m.get(8, 0), COUNTS, "cached tokens")
         prompt = _int(m[3], COUNTS, "prompt tokens")
         completion = _int(m[4], COUNTS, "completion tokens")
-        return Finished(_str(m[2]), prompt, completion, stage_ms, replays, spec, cached)
+        stop = None if m.get(9) is None else _str(m[9])
+        if stop is not None and len(stop) > MAX_STOP:
+            raise GenMessageError("a stop string longer than any request may give")
+        return Finished(_str(m[2]), prompt, completion, stage_ms, replays, spec, cached, stop)
     if kind == "head":
         headers = [_receipt_header(_bytes(k), _bytes(v)) for k, v in m[2]]
         seed = None if m[4] is None else _int(m[4], SEEDS, "seed")

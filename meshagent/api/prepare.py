@@ -131,8 +131,10 @@ def _generation_request(
                 f"The {param} cannot be enforced on this model: {e}", param=param
             ) from e
     close_within = None
-    if (req.response_format or {}).get("type") == "json_object":
-        # Any JSON object closes before the limit cuts it (`engine/json_close.py`).
+    structured = (req.response_format or {}).get("type") in ("json_object", "json_schema")
+    if structured or (tools is not None and tools.forced):
+        # The reply (a JSON object, one that follows the schema, the forced calls) closes
+        # before the limit cuts it (`engine/json_close.py`, `engine/gbnf_close.py`).
         close_within = limit if limit is not None else model.engine.slot_ctx - len(tokens)
     sampling = SamplingParams(
         temperature=req.temperature,
@@ -144,6 +146,8 @@ def _generation_request(
         grammar_trigger=trigger,
         close_within=close_within,
         logprobs=req.top_count(),
+        top_k=(req.meshagent.top_k or 0) if req.meshagent else 0,
+        repeat_penalty=(req.meshagent.repeat_penalty or 1.0) if req.meshagent else 1.0,
     )
     return GenerationRequest(
         tokens, limit, sampling, req.stop_list(), speculation=req.speculation()

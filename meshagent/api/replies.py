@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from meshagent.api.tools import Call, CallParser, Syntax, Text
+from meshagent.api.tools import ArgsDelta, Call, CallParser, CallStart, Part, Syntax, Text
 from meshagent.serving.generation import Delta, Finished, Logprob
 
 
@@ -78,12 +78,13 @@ class Output:
     dropped), and the finish reason `tool_calls` when it made any. Every protocol's reply
     reads a choice through one (`Reply`, `responses.py`, `ollama.py`)."""
 
-    def __init__(self, tools: Syntax | None) -> None:
-        self.parser = None if tools is None else CallParser(tools)
+    def __init__(self, tools: Syntax | None, *, partial: bool = False) -> None:
+        """`partial`: calls also come as they are written (`CallParser`)."""
+        self.parser = None if tools is None else CallParser(tools, partial=partial)
         self.done: Finished | None = None  # its end, once it came
         self.finish: str | None = None  # ...and the finish reason
 
-    def parts(self, ev: Delta | Finished) -> list[Text | Call]:
+    def parts(self, ev: Delta | Finished) -> list[Part]:
         """What an event of the choice adds: its text's parts, or (its end) those held."""
         if isinstance(ev, Delta):
             return self.feed(ev.text)
@@ -91,22 +92,22 @@ class Output:
         self.done = ev
         return parts
 
-    def feed(self, text: str) -> list[Text | Call]:
+    def feed(self, text: str) -> list[Part]:
         if self.parser is None:
             return [Text(text)]
         return self._shown(self.parser.feed(text))
 
-    def end(self, reason: str) -> tuple[list[Text | Call], str]:
+    def end(self, reason: str) -> tuple[list[Part], str]:
         """What was held back, and the finish reason."""
         if self.parser is None:
             return [], reason
         parts = self._shown(self.parser.finish())
         return parts, "tool_calls" if self.parser.calls and reason == "stop" else reason
 
-    def _shown(self, parts: list[Text | Call]) -> list[Text | Call]:
+    def _shown(self, parts: list[Part]) -> list[Part]:
         assert self.parser is not None
         calls = self.parser.calls
-        return [p for p in parts if isinstance(p, Call) or p.text.strip() or not calls]
+        return [p for p in parts if not isinstance(p, Text) or p.text.strip() or not calls]
 
 
 @dataclass
@@ -116,6 +117,7 @@ class _Choice:
     output: Output
     offset: int = 0  # characters of its text before the next chunk's (text_offset)
     held: tuple[Logprob, ...] = ()  # logprobs of text the call parser holds back
+    streamed: set[str] = field(default_factory=set)  # ids of calls streamed as written
 
 
 @dataclass
@@ -140,7 +142,7 @@ class Reply:
         self._choices = [self._new_choice() for _ in range(self.n)]
 
     def _new_choice(self) -> _Choice:
-        return _Choice(Output(self.tools))
+        return _Choice(Output(self.tools, partial=True))
 
     def delta_chunks(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
         """The streamed chunks of a delta: its text, or (with tools) the text and calls it
@@ -154,16 +156,28 @@ class Reply:
         return [*self._parts(index, parts, ()), self.chunk(None, finish=finish, index=index)]
 
     def _parts(
-        self, index: int, parts: list[Text | Call], lps: tuple[Logprob, ...]
+        self, index: int, parts: list[Part], lps: tuple[Logprob, ...]
     ) -> list[dict[str, Any]]:
         c = self._choices[index]
         c.held += lps
         out = []
         for part in parts:
-            if isinstance(part, Call):
+            call: dict[str, Any] | None = None
+            if isinstance(part, CallStart):  # its arguments follow as they are written
+                fn = {"name": part.name, "arguments": ""}
+                call = {"index": part.index, "id": part.id, "type": "function", "function": fn}
+            elif isinstance(part, ArgsDelta):
+                call = {"index": part.index, "function": {"arguments": part.text}}
+            elif isinstance(part, Call):
+                if part.id in c.streamed:
+                    continue  # its start and arguments went already
                 assert c.output.parser is not None
                 at = c.output.parser.calls.index(part)
-                delta = {"tool_calls": [{"index": at, **part.as_dict()}]}
+                call = {"index": at, **part.as_dict()}
+            if call is not None:
+                if isinstance(part, CallStart):
+                    c.streamed.add(part.id)
+                delta = {"tool_calls": [call]}
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
                 out.append(self._envelope("chat.completion.chunk", [choice]))
             else:

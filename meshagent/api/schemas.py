@@ -20,6 +20,10 @@ class MeshagentOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt option is an error, not ignored
     speculation: Literal["auto", "on", "off"] | None = None
+    # Sampling options of the other protocols, carried in a chat request (`messages.py`,
+    # `ollama.py`): draw from the likeliest top_k tokens; penalise repeated tokens.
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    repeat_penalty: Annotated[float, Field(gt=0.0)] | None = None
 
 
 class _Request(BaseModel):

@@ -20,9 +20,11 @@ from typing import Any
 
 from meshagent.api import errors
 from meshagent.api.structured import MAX_GRAMMAR, schema_grammar
+from meshagent.engine.json_close import JsonCloser
 from meshagent.serving.chat import ChatMessage
 
 MAX_PARALLEL = 4  # the most calls one reply may make
+FREE = ("auto", "required")  # tool choices that leave the model which function, and how many
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CALL_RULE = "tool-call-json"
 
@@ -143,7 +145,8 @@ def plan_tools(
     if choice == "none" or not functions:
         return None
     syntax = syntax_for(template_source)
-    allow_parallel = (parallel is None or parallel) and syntax.parallel
+    # A named function is called once; "required" and "auto" may make parallel calls.
+    allow_parallel = (parallel is None or parallel) and syntax.parallel and choice in FREE
     return ToolPlan(functions, choice, allow_parallel, syntax)
 
 
@@ -293,22 +296,56 @@ class Text:
     text: str
 
 
+@dataclass(frozen=True)
+class CallStart:
+    """A call's name is known (`CallParser(partial=True)`): its arguments follow as
+    `ArgsDelta`s, then the whole `Call` (same id) ends it."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgsDelta:
+    index: int
+    text: str  # the next characters of the call's arguments, as the model writes them
+
+
+Part = Text | Call | CallStart | ArgsDelta
+
+
 class CallParser:
     """Turns streamed output into text and calls: text is passed on as it comes, except what
     could be the start of a call (held back, as a stop string is); a call is passed on whole,
-    once its JSON is complete. At the end, whatever was held back is text after all."""
+    once its JSON is complete. At the end, whatever was held back is text after all.
 
-    def __init__(self, syntax: Syntax) -> None:
+    With `partial`, a call written name first (as the call grammars make them) is also passed
+    on as it comes: its start once the name is complete, then its arguments' text as it is
+    generated; joined, those deltas are the whole call's `arguments`."""
+
+    def __init__(self, syntax: Syntax, *, partial: bool = False) -> None:
         self.syntax = syntax
         self.opener = syntax.open or '{"name"'
         self._buf = ""
         self._in_call = False
         self._after_call = False  # the newlines that separate calls are not text
         self.calls: list[Call] = []
+        self._partial = partial and not syntax.listed
+        self._head = re.compile(
+            r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"'
+            + re.escape(syntax.args_key)
+            + r'"\s*:\s*'
+        )
+        self._started: CallStart | None = None  # the call being streamed
+        self._args_at = 0  # where its arguments start in the buffer
+        self._scan: JsonCloser | None = None  # ...and how far they are complete
+        self._scanned = 0
+        self._sent = 0  # characters of its arguments passed on
 
-    def feed(self, text: str) -> list[Text | Call]:
+    def feed(self, text: str) -> list[Part]:
         self._buf += text
-        out: list[Text | Call] = []
+        out: list[Part] = []
         while True:
             if self._after_call:
                 self._buf = self._buf.lstrip("\n")
@@ -329,15 +366,49 @@ class CallParser:
                 self._in_call = True
             got = self._block()
             if got is None:
-                return out
+                return out + self._stream()
             parsed, used = got
             if isinstance(parsed, list):
-                out += parsed
+                out += self._ending(parsed)
                 self.calls += parsed
                 self._after_call = True
             else:
                 out.append(parsed)
             self._buf, self._in_call = self._buf[used:], False
+            self._started = None
+
+    def _stream(self) -> list[Part]:
+        """What an incomplete call adds to the stream: its start once the name is whole,
+        then its arguments as far as they go (never past their end)."""
+        if not self._partial:
+            return []
+        out: list[Part] = []
+        if self._started is None:
+            m = self._head.match(self._buf, len(self.syntax.open))
+            if m is None or m.end() == len(self._buf):
+                return out  # (what follows the colon may still be more space)
+            name = json.loads(f'"{m.group(1)}"')
+            self._started = CallStart(len(self.calls), "call_" + secrets.token_hex(12), name)
+            self._args_at = self._scanned = m.end()
+            self._scan, self._sent = JsonCloser(), 0
+            out.append(self._started)
+        assert self._scan is not None
+        while self._scanned < len(self._buf) and not self._scan.done:
+            self._scan.feed(self._buf[self._scanned].encode())
+            self._scanned += 1
+        new = self._buf[self._args_at + self._sent : self._scanned]
+        if new:
+            self._sent += len(new)
+            out.append(ArgsDelta(self._started.index, new))
+        return out
+
+    def _ending(self, calls: list[Call]) -> list[Part]:
+        """Complete calls as the stream passes them on: a streamed one's last arguments."""
+        if self._started is None:
+            return list(calls)
+        first, started = calls[0], self._started
+        rest = first.arguments[self._sent :]
+        return [*([ArgsDelta(started.index, rest)] if rest else []), *calls]
 
     def _block(self) -> tuple[list[Call] | Text, int] | None:
         """The block at the start of the buffer: its calls (or, if it is no call after all,
@@ -360,6 +431,8 @@ class CallParser:
             at += gap + len(close)
         items = value if s.listed and isinstance(value, list) else [value]
         calls = [self._call(v) for v in items]
+        if not s.listed and calls[0] is not None:
+            calls[0] = self._as_written(calls[0])
         if not items or any(c is None for c in calls):
             return Text(self._buf[:at]), at
         return [c for c in calls if c is not None], at
@@ -371,10 +444,23 @@ class CallParser:
         text = json.dumps(args, ensure_ascii=False)
         return Call("call_" + secrets.token_hex(12), value["name"], text)
 
-    def finish(self) -> list[Text | Call]:
+    def _as_written(self, call: Call) -> Call:
+        """The call with its arguments' text as the model wrote it (what a stream of its
+        deltas joins into), and the id its start was streamed with."""
+        m = self._head.match(self._buf, len(self.syntax.open))
+        if m is None:
+            return call
+        try:
+            _, end = json.JSONDecoder().raw_decode(self._buf, m.end())
+        except ValueError:
+            return call
+        ident = self._started.id if self._started is not None else call.id
+        return Call(ident, call.name, self._buf[m.end() : end])
+
+    def finish(self) -> list[Part]:
         """The end of the output: a call left incomplete is text after all (never lost)."""
-        out: list[Text | Call] = [Text(self._buf)] if self._buf else []
-        self._buf, self._in_call = "", False
+        out: list[Part] = [Text(self._buf)] if self._buf else []
+        self._buf, self._in_call, self._started = "", False, None
         return out
 
 

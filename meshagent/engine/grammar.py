@@ -8,12 +8,14 @@ an end of generation before it is complete, so `accept` checks first and raises 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 
 import llama_cpp
 import numpy as np
 
 from meshagent.engine.base import check_tokens
+from meshagent.engine.gbnf_close import GbnfCloser, Grammar
 from meshagent.engine.json_close import JsonCloser
 from meshagent.errors import EngineError
 
@@ -65,6 +67,16 @@ class TokenTables:
         self.by_first = {k: np.array(v) for k, v in by_first.items()}
         self.ends = np.array([t for t in range(n_vocab) if is_end(t)], dtype=np.int64)
 
+    def fewest(self, text: bytes) -> list[int]:
+        """For each offset i of `text`, the fewest tokens that write text[i:] (a large number
+        where none can)."""
+        n = len(text)
+        best = [0] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            options = [best[i + len(self.bytes[t])] for t in self.prefixes(text[i:])]
+            best[i] = 1 + min(options) if options else 1 << 30
+        return best
+
     def prefixes(self, text: bytes) -> np.ndarray:
         """The tokens whose bytes begin `text`."""
         if not text:
@@ -73,6 +85,29 @@ class TokenTables:
         if ids is None:
             return np.zeros(0, dtype=np.int64)
         return np.array([t for t in ids if text.startswith(self.bytes[t])], dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _read(text: str) -> Grammar | None:
+    """The grammar as the closer follows it (read once per text), or None where it cannot."""
+    try:
+        return Grammar(text)
+    except (ValueError, IndexError, RecursionError):
+        return None
+
+
+def closer_for(text: str) -> JsonCloser | GbnfCloser | None:
+    """What tracks the shortest closing of output under grammar `text`: the JSON closer for
+    any-JSON grammars (it lets string content run on near the end), else the grammar's own
+    (`engine/gbnf_close.py`); None for a grammar the closer cannot read."""
+    if text.startswith(JSON_GRAMMAR_MARK):
+        return JsonCloser()
+    grammar = _read(text)
+    return None if grammar is None else GbnfCloser(grammar)
+
+
+# The first line of `api/structured.json_grammar`: any JSON object.
+JSON_GRAMMAR_MARK = "root ::= object-1\n"
 
 
 class GrammarConstraint:
@@ -94,10 +129,12 @@ class GrammarConstraint:
         self._n = n_vocab
         self._all = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         self._one = np.zeros(1, dtype=_TOKEN_DATA)
-        # A JSON grammar that must close within `close_within` tokens (`engine/json_close.py`).
-        self._close_within = close_within
+        # Text that must be whole within `close_within` tokens (`engine/json_close.py`,
+        # `engine/gbnf_close.py`). Not for a lazy grammar: it holds only once triggered.
+        closer = closer_for(text) if close_within is not None and trigger is None else None
+        self._close_within = close_within if closer is not None else None
         self._tables = tables
-        self._closer = JsonCloser() if close_within is not None else None
+        self._closer = closer
         self._count = 0  # tokens accepted (of text: an end is never followed by more)
         self._closing: tuple[int, np.ndarray | None] | None = None  # (count, allowed)
         self._allowed: tuple[int, int] | None = None  # (count, token) `allows` said yes to
@@ -113,6 +150,13 @@ class GrammarConstraint:
         allowed: np.ndarray | None = None
         if left <= len(closing) + APPROACH:
             allowed = self._tables.prefixes(closing)
+            if closing:
+                # Of the tokens that write the closing, those after which the rest still fits
+                # the tokens left (or, where none does, those that come closest).
+                fewest = self._tables.fewest(closing)
+                after = np.array([fewest[len(self._tables.bytes[t])] for t in allowed])
+                fit = after <= left - 1
+                allowed = allowed[fit] if fit.any() else allowed[after == after.min()]
             if left > len(closing) and self._closer.in_string:
                 allowed = np.union1d(allowed, np.flatnonzero(self._tables.plain))
         self._closing = (self._count, allowed)
@@ -128,10 +172,25 @@ class GrammarConstraint:
         llama_cpp.llama_sampler_apply(self._sampler, ctypes.byref(array))
         return data[: array.size]
 
+    def _fits(self, token: int) -> bool:
+        """Whether the closing text still fits the tokens left after `token` (one character a
+        token at worst), where no closing set holds yet: a token may open what must close."""
+        if self._closer is None or self._close_within is None or self._tables is None:
+            return True
+        after = self._closer.copy()
+        after.feed(self._tables.bytes[token])
+        left = self._close_within - 2 - self._count  # after this token, before the end
+        return len(after.closing().encode()) <= left
+
     def allows(self, token: int) -> bool:
+        return self._allows(token, fit=True)
+
+    def _allows(self, token: int, *, fit: bool) -> bool:
         check_tokens((token,), self._n)
         closing = self._closing_set()
         if closing is not None and token not in closing:
+            return False
+        if fit and closing is None and not self._fits(token):
             return False
         self._one["id"], self._one["logit"] = token, 0.0
         out = self._apply(self._one)
@@ -156,8 +215,9 @@ class GrammarConstraint:
         return masked
 
     def accept(self, token: int) -> None:
-        # The sampler asked `allows` of this very token already, unless it drew from a mask.
-        if self._allowed != (self._count, token) and not self.allows(token):
+        # The sampler asked `allows` of this very token already, unless it drew from a mask
+        # (which may hold a token that opens more than fits: rare, and no grounds to fail).
+        if self._allowed != (self._count, token) and not self._allows(token, fit=False):
             raise EngineError(f"token {token} does not follow the grammar here")
         llama_cpp.llama_sampler_accept(self._sampler, token)
         self._count += 1

@@ -27,6 +27,17 @@ class JsonCloser:
         self._escape = 0  # 1: after a backslash; 2-5: hex digits of \u still to come + 1
         self._scalar = ""  # a number or literal being written
 
+    def copy(self) -> JsonCloser:
+        other = JsonCloser()
+        other.__dict__.update(self.__dict__)
+        other._stack, other._modes = list(self._stack), list(self._modes)
+        return other
+
+    @property
+    def done(self) -> bool:
+        """Whether one whole JSON value was fed."""
+        return self._done
+
     @property
     def in_string(self) -> bool:
         return self._in_string and self._escape == 0

@@ -63,6 +63,7 @@ class Finished:
     replays: tuple[Replay, ...] = ()  # lost stages this request survived
     speculation: Speculation | None = None  # what drafting did, when drafts were verified
     cached_tokens: int = 0  # prompt tokens a kept prefix gave it (not prefilled)
+    stop: str | None = None  # the stop string that ended it, if one did
 
 
 def check_fits(request: GenerationRequest, slot_ctx: int) -> int:
@@ -269,5 +270,14 @@ async def generate(
     ms = tuple(round(t, 3) for t in stage_ms)
     spec = spec if spec is not None and spec.windows else None  # drafts verified, if any
     replays = tuple(recovery.replays) if recovery is not None else ()
-    finished = Finished(reason, len(request.prompt_tokens), len(history), ms, replays, spec, cached)
+    finished = Finished(
+        reason,
+        len(request.prompt_tokens),
+        len(history),
+        ms,
+        replays,
+        spec,
+        cached,
+        text.stops.matched,
+    )
     out.send_nowait(finished)

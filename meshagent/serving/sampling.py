@@ -50,6 +50,11 @@ class SamplingParams:
     # Report each token's log-probability and this many most likely alternatives (0-20);
     # None: report none.
     logprobs: int | None = None
+    # Draw only from the `top_k` likeliest tokens (0: all); divide a positive logit by
+    # `repeat_penalty` (multiply a negative one) for each token the sequence holds (1: none).
+    # Anthropic's and ollama's options; llama.cpp's order: penalties, top-k, top-p.
+    top_k: int = 0
+    repeat_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
@@ -98,10 +103,13 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         p = self.params
         raw = logits
-        if self._counts and (p.presence_penalty or p.frequency_penalty):
+        if self._counts and (p.presence_penalty or p.frequency_penalty or p.repeat_penalty != 1):
             logits = logits.astype(np.float32, copy=True)
             ids = np.fromiter(self._counts.keys(), dtype=np.int64)
             n = np.fromiter(self._counts.values(), dtype=np.float32)
+            if p.repeat_penalty != 1:
+                held = logits[ids]
+                logits[ids] = np.where(held > 0, held / p.repeat_penalty, held * p.repeat_penalty)
             logits[ids] -= p.presence_penalty + p.frequency_penalty * n
         rng = None if p.greedy else self._rng()
         token = self._choose(logits, rng)
@@ -137,6 +145,9 @@ class Sampler:
     def _sample_random(self, logits: np.ndarray, rng: np.random.Generator) -> int:
         p = self.params
         scaled = logits.astype(np.float64) / p.temperature
+        if 0 < p.top_k < len(scaled):
+            cut = np.partition(scaled, -p.top_k)[-p.top_k]
+            scaled = np.where(scaled >= cut, scaled, -np.inf)
         scaled -= scaled.max()
         probs = np.exp(scaled)
         probs /= probs.sum()

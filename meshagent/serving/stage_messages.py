@@ -222,6 +222,10 @@ def _sampling_to_cbor(p: SamplingParams) -> dict[int, Any]:
         d[7] = p.grammar_trigger
     if p.close_within is not None:
         d[8] = p.close_within
+    if p.top_k:
+        d[9] = p.top_k
+    if p.repeat_penalty != 1:
+        d[10] = p.repeat_penalty
     return d
 
 
@@ -237,10 +241,18 @@ def _sampling_from_cbor(d: Any) -> SamplingParams:
     close_within = _optional(d.get(8), int, "closing budget")
     if close_within is not None and not (_uint(close_within) and 0 < close_within <= MAX_ID):
         raise StageProtocolError("a sampling closing budget must be a positive integer")
+    top_k = d.get(9, 0)
+    if not (_uint(top_k) and top_k <= MAX_ID):
+        raise StageProtocolError("a sampling top_k must be a count of tokens")
+    repeat_penalty = _finite(d.get(10, 1.0), "repeat penalty")
+    if repeat_penalty <= 0:
+        raise StageProtocolError("a sampling repeat penalty must be positive")
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
         seed=seed,
+        top_k=top_k,
+        repeat_penalty=repeat_penalty,
         presence_penalty=_finite(d[3], "presence penalty"),
         frequency_penalty=_finite(d[4], "frequency penalty"),
         grammar=_optional(d.get(5), str, "grammar"),

@@ -8,14 +8,16 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Add generated text; return what can be emitted now (never part of a stop string)."""
         if self.stopped:
             return ""
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             self.stopped = True
             self._held = ""
             return buf[:cut]

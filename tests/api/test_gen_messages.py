@@ -60,6 +60,7 @@ def _body(data: bytes) -> bytes:
         Finished("stop", 10, 20, (1.5, 2.25), (Replay("lost", 30, 1200.5, 800.0),)),
         Finished("length", 1, 2, (), (Replay("a", 3, 4.0, 1.0, ("p:0-10", "q:10-30")),)),
         Finished("stop", 4, 9, (), (), Speculation(3, 12, 7)),
+        Finished("stop", 4, 9, (), (), None, 2, "\n\nUser:"),
         Ask("POST", "/v1/completions", b"{}", seed=5, share="0123abcd"),
         Vector((0.1, -1 / 3, 1e-300, 2.0**60)),
         Embedded("m", 12),

@@ -44,7 +44,11 @@ def test_a_call_in_the_text_becomes_tool_calls_whole_and_streamed():
     chunks += reply.end_chunks("stop")
     deltas = [c["choices"][0]["delta"] for c in chunks]
     calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert len(calls) == 1 and calls[0][0]["index"] == 0 and calls[0][0]["id"].startswith("call_")
+    # Its name first, then its arguments as they are written, which join into the call's.
+    first = calls[0][0]
+    assert first["id"].startswith("call_") and first["function"] == {"name": "add", "arguments": ""}
+    assert len(calls) > 3 and all(c[0]["index"] == 0 for c in calls)
+    assert json.loads("".join(c[0]["function"]["arguments"] for c in calls)) == {"a": 1, "b": 2}
     assert not any(d.get("content") for d in deltas)  # the call's text is not content
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 

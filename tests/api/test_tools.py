@@ -14,8 +14,10 @@ from meshagent.api.tools import (
     HERMES,
     LLAMA3,
     MISTRAL,
+    ArgsDelta,
     Call,
     CallParser,
+    CallStart,
     Text,
     call_grammar,
     call_text,
@@ -60,7 +62,7 @@ def test_a_plan_follows_tool_choice():
     assert plan_tools(None, None, None, "") is None
     auto = plan_tools(TOOLS, None, None, "")
     assert auto.choice == "auto" and not auto.forced and auto.parallel
-    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "add"}}, False, "")
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "add"}}, None, "")
     assert named.choice == "add" and named.forced and not named.parallel
 
 
@@ -125,6 +127,29 @@ def test_calls_are_found_in_streamed_text_as_in_the_whole(syntax):
     got = [(c.name, json.loads(c.arguments)) for c in pieces if isinstance(c, Call)]
     assert got == CALLS == [(c.name, json.loads(c.arguments)) for c in whole.calls]
     assert len({c.id for c in streamed.calls}) == 2
+
+
+@pytest.mark.parametrize("syntax", [HERMES, LLAMA3], ids=lambda s: s.name)
+def test_a_streamed_calls_arguments_come_as_they_are_written(syntax):
+    # Odd spacing and a brace inside a string: the deltas stop exactly where the arguments do.
+    args = '{"city": "Par}is" ,"days":[1, {"x": "\\""}]}'
+    block = f'{{"name" : "get_weather", "{syntax.args_key}":{args} }}'
+    text = "Sure. " + syntax.open + block + syntax.close if syntax.open else block
+    p = CallParser(syntax, partial=True)
+    parts = [x for ch in text for x in p.feed(ch)] + p.finish()
+    starts = [x for x in parts if isinstance(x, CallStart)]
+    deltas = [x.text for x in parts if isinstance(x, ArgsDelta)]
+    [call] = [x for x in parts if isinstance(x, Call)]
+    assert [(s.index, s.id, s.name) for s in starts] == [(0, call.id, "get_weather")]
+    assert len(deltas) > 10 and "".join(deltas) == call.arguments == args
+    # The start comes before any argument, and the whole call after the last.
+    kinds = [type(x).__name__ for x in parts if not isinstance(x, Text)]
+    assert kinds[0] == "CallStart" and kinds[-1] == "Call"
+    # Without `partial` the same call comes whole, its arguments as written.
+    q = CallParser(syntax)
+    whole = [x for ch in text for x in q.feed(ch)] + q.finish()
+    assert [x.arguments for x in whole if isinstance(x, Call)] == [args]
+    assert not any(isinstance(x, CallStart | ArgsDelta) for x in whole)
 
 
 def test_what_is_not_a_call_stays_text():

@@ -746,6 +746,80 @@ def test_forced_tool_calls_follow_their_schemas_whole_and_streamed(
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_forced_calls_end_cleanly_at_any_token_limit_whole_and_streamed(
+    client: OpenAI, model_id: str
+) -> None:
+    # The call grammar closes before the limit: the calls are whole, the reply ends there
+    # with `tool_calls`, no markup is left as content, and a stream's argument deltas (as
+    # they are written) join into the arguments the whole reply carries.
+    import jsonschema
+
+    from meshagent.testing.structured_output import TOOL_SCHEMAS, TOOLS
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    messages = [{"role": "user", "content": "What is the weather in Paris and Rome this week?"}]
+    for choice in ("required", named):
+        for limit in (64, 512):
+            body = dict(
+                model=model_id,
+                messages=messages,
+                tools=TOOLS,
+                tool_choice=choice,
+                max_tokens=limit,
+                temperature=0,
+            )
+            whole = client.chat.completions.create(**body).choices[0]
+            assert whole.finish_reason == "tool_calls", (choice, limit)
+            assert whole.message.content is None, whole.message.content
+            calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+            for name, arguments in calls:
+                jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS[name])
+            parts: dict[int, list] = {}
+            finish, content = None, ""
+            for chunk in client.chat.completions.create(**body, stream=True):
+                if not chunk.choices:
+                    continue
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                for tc in delta.tool_calls or ():
+                    part = parts.setdefault(tc.index, ["", "", 0])
+                    part[0] += tc.function.name or ""
+                    part[1] += tc.function.arguments or ""
+                    part[2] += 1
+                finish = chunk.choices[0].finish_reason or finish
+            assert finish == "tool_calls" and not content.strip()
+            assert [(n, a) for n, a, _ in parts.values()] == calls
+            assert all(chunks > 2 for _, _, chunks in parts.values())  # written as they came
+
+
+def test_a_strict_schema_with_unbounded_parts_validates_at_any_limit(
+    client: OpenAI, model_id: str
+) -> None:
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["title", "tags"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "post", "schema": schema, "strict": True}}
+    ask = "Give a title and as many tags as you can for a long blog post about cooking pasta."
+    for limit in (48, 96, 200):
+        r = client.chat.completions.create(
+            model=model_id,
+            messages=[{"role": "user", "content": ask}],
+            response_format=fmt,
+            max_tokens=limit,
+            temperature=0,
+        )
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        assert r.usage.completion_tokens <= limit
+
+
 def test_bad_tools_are_400s_naming_the_field(agent: AgentProcess, model_id: str) -> None:
     from meshagent.testing.structured_output import TOOLS
 

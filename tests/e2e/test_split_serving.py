@@ -20,6 +20,7 @@ from meshagent.testing.structured_output import (
     reference_logprobs,
 )
 from tests.e2e.agents import invite, wait_for
+from tests.e2e.anthropic_checks import check_messages
 from tests.e2e.test_openai_api import COPY
 
 # SmolLM2 with 2 slots of 1024 tokens needs ~145 MB (weights + KV); with 10% headroom no
@@ -216,6 +217,8 @@ def test_three_small_agents_serve_a_split(spawn_agent, model_id, model_path):
     said = {mode: r["choices"][0]["message"]["content"] for mode, r in copied.items()}
     assert said["on"] == said["auto"]
     _structured_output_and_logprobs_as_the_whole_model(a, whole, model_id, model_path)
+    # Anthropic's Messages API through the split, as the whole model answers it.
+    check_messages(a, model_id, whole)
     whole.stop()
 
     # c dies; a fourth agent with room for the whole model joins: the mesh replans.

@@ -118,3 +118,42 @@ def test_a_json_object_that_must_close_within_a_budget_does(vocab, seed, budget)
     else:
         raise AssertionError(f"no end within {budget} tokens: {out!r}")
     assert isinstance(json.loads(out.decode()), dict)
+
+
+# Unbounded arrays and strings, required and optional properties, nested objects: a random
+# walk runs on, and must still validate when the budget ends it.
+OPEN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "n": {"type": "integer", "minimum": 1, "maximum": 99},
+        "rows": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"k": {"type": "string"}, "v": {"type": "number"}},
+                "required": ["k", "v"],
+            },
+        },
+        "note": {"type": "string"},
+    },
+    "required": ["title", "tags", "n", "rows"],
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget", [24, 48, 96])
+def test_a_schema_that_must_close_within_a_budget_validates(vocab, seed, budget):
+    rng = np.random.default_rng(seed)
+    constraint = vocab.constraint(schema_grammar(OPEN_SCHEMA, param="x"), None, budget)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), (), constraint)
+    out = b""
+    for _ in range(budget):
+        token = sampler.sample(rng.normal(size=vocab.n_vocab).astype(np.float32) * 3)
+        if vocab.is_end_of_generation(token):
+            break
+        out += vocab.token_bytes(token)
+    else:
+        raise AssertionError(f"no end within {budget} tokens: {out!r}")
+    jsonschema.validate(json.loads(out.decode()), OPEN_SCHEMA)

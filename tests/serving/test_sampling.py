@@ -60,6 +60,20 @@ def test_penalties_discourage_repeats(penalty):
     assert s.sample(logits) == 1  # token 0 is now penalised below token 1
 
 
+def test_top_k_keeps_only_the_likeliest():
+    s = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=3))
+    draws = {s.sample(logits_for([0.4, 0.3, 0.2, 0.1])) for _ in range(500)}
+    assert draws == {0, 1}
+
+
+def test_repeat_penalty_divides_what_the_sequence_holds():
+    logits = np.array([2.0, 1.5, -1.0], dtype=np.float32)
+    s = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0), history=(0,))
+    assert s.sample(logits) == 1  # 2.0 / 2 = 1.0 < 1.5
+    s = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0), history=(1, 2))
+    assert s.sample(logits) == 0
+
+
 # ----- constraints (grammars) and logprobs -----
 
 VOCAB = FakeVocab()

@@ -54,6 +54,7 @@ def sample_messages():
         # A constrained sequence that reports logprobs, and its tokens with theirs.
         Open(4, SamplingParams(temperature=0.0, grammar='root ::= "a"', logprobs=2)),
         Open(5, SamplingParams(grammar="g", grammar_trigger="<t>", close_within=300)),
+        Open(6, SamplingParams(temperature=0.8, top_k=40, repeat_penalty=1.1)),
         Token(2, 5, (), (6, 7)),
         Token(1, 4242, (0.5, 1.0, 3.75)),
         Token(4, 7, (1.0,), (8,), (TokenLogprob(-0.5, ((7, -0.5), (9, -2.0))), TokenLogprob(-1.0))),

@@ -18,7 +18,12 @@ def expected(text: str, stops: list[str]) -> str:
 def test_streamed_output_is_the_text_up_to_the_first_stop(chunks, stops):
     m = StopMatcher(tuple(stops))
     out = "".join(m.feed(c) for c in chunks) + m.flush()
-    assert out == expected("".join(chunks), stops)
+    text = "".join(chunks)
+    assert out == expected(text, stops)
+    # The stop that ended it is one found where the text was cut.
+    assert (m.matched is not None) == m.stopped
+    if m.matched is not None:
+        assert text[len(out) :].startswith(m.matched)
 
 
 @given(chunks=st.lists(st.text(alphabet, max_size=6), max_size=12))
