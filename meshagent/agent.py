@@ -54,36 +54,54 @@ class Agent:
         # Ports first, before this agent reads or writes anything: a busy one is an error at
         # once, not after the model has been inspected.
         check_listenable(Address.parse(cfg.listen), advice="Stop it or choose another --listen.")
-        http = HttpBinding(
-            cfg.api_host, cfg.api_port, graceful_timeout=cfg.grace + _HTTP_GRACE_MARGIN
-        )
+        grace = cfg.grace + _HTTP_GRACE_MARGIN
+        http = HttpBinding(cfg.api_host, cfg.api_port, graceful_timeout=grace)
+        ollama = None
         try:
-            services = await Services.build(cfg, self.data_dir, join=self._join, api_url=http.url)
+            if cfg.ollama_port >= 0:
+                ollama = HttpBinding(
+                    cfg.api_host, cfg.ollama_port, graceful_timeout=grace, flag="--ollama-port"
+                )
+            services = await Services.build(
+                cfg,
+                self.data_dir,
+                join=self._join,
+                api_url=http.url,
+                ollama_url=ollama.url if ollama else None,
+            )
             try:
-                await self._serve(services, http, task_status)
+                await self._serve(services, http, task_status, ollama)
             finally:
                 self.data_dir.run_path.unlink(missing_ok=True)
                 with trio.CancelScope(shield=True):
                     await services.models.aclose()
         finally:
             http.close()
+            if ollama is not None:
+                ollama.close()
         log.info("agent.stopped")
 
     async def _serve(
-        self, services: Services, http: HttpBinding, task_status: trio.TaskStatus[Services]
+        self,
+        services: Services,
+        http: HttpBinding,
+        task_status: trio.TaskStatus[Services],
+        ollama: HttpBinding | None = None,
     ) -> None:
         stop_accepting = trio.Event()
         async with trio.open_nursery() as nursery:
             await services.start(nursery)
-            await nursery.start(
-                partial(serve_http, services.app, http, shutdown_trigger=stop_accepting.wait)
-            )
+            for binding in (http, ollama):
+                if binding is not None:
+                    serve = partial(serve_http, services.app, binding)
+                    await nursery.start(partial(serve, shutdown_trigger=stop_accepting.wait))
             for address in services.bootstrap:
                 nursery.start_soon(_bootstrap, services.overlay, address)
             self._write_run_file(services)
             log.info(
                 "agent.ready",
                 api=services.api_url,
+                ollama=services.ollama_url,
                 overlay=[str(a) for a in services.overlay.listen_addresses],
                 models=services.models.names,
             )
@@ -122,6 +140,7 @@ class Agent:
         info = {
             "pid": os.getpid(),
             "api": services.api_url,
+            "ollama": services.ollama_url,
             "peer_id": services.identity.peer_id,
             "listen": [str(a) for a in services.overlay.listen_addresses],
         }

@@ -82,6 +82,8 @@ class AgentConfig:
     models: tuple[str, ...] = ()
     api_host: str = DEFAULT_API_HOST
     api_port: int = DEFAULT_API_PORT
+    # Also serve the API on this port, for tools that look for ollama there (11434); -1: off.
+    ollama_port: int = -1
     api_keys: tuple[str, ...] = ()  # Bearer keys the HTTP API asks for; none: no key
     api_key_file: str = ""  # a file of more keys, one per line (config.toml or --api-key-file)
     insecure_no_api_key: bool = False  # serve a non-loopback API without a key anyway
@@ -154,6 +156,8 @@ class AgentConfig:
             raise ConfigError(
                 f"api port {self.api_port} is out of range 0-65535 (0: any free port)"
             )
+        if not -1 <= self.ollama_port < 65536:
+            raise ConfigError(f"ollama port {self.ollama_port} is out of range 0-65535 (-1: off)")
         if any(not k.strip() for k in self.api_keys):
             raise ConfigError("an API key must not be empty")
         if not self.api_keys and not self.insecure_no_api_key and not is_loopback(self.api_host):
@@ -213,6 +217,7 @@ CONFIG_TEMPLATE = """\
 # name = "my-laptop"
 # api_host = "127.0.0.1"
 # api_port = 9337
+# ollama_port = 11434   # also serve the API on ollama's port, for tools that look only there
 # api_keys = ["a long random string"]   # clients send it as a Bearer key
 # api_key_file = "/path/to/keys"        # or keys in a file of their own, one per line
 # listen = "0.0.0.0:9338"

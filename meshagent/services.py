@@ -90,10 +90,17 @@ class Services:
 
     @classmethod
     async def build(
-        cls, config: AgentConfig, data_dir: DataDir, *, join: MeshSecret | None, api_url: str
+        cls,
+        config: AgentConfig,
+        data_dir: DataDir,
+        *,
+        join: MeshSecret | None,
+        api_url: str,
+        ollama_url: str | None = None,
     ) -> Services:
         """Load identity, mesh secret and model (creating the first two on first start), then
-        build the services; `api_url` is where the API will serve."""
+        build the services; `api_url` is where the API will serve (and `ollama_url` where it
+        also serves, on ollama's port: `--ollama-port`)."""
         data_dir.ensure()
         identity, created = NodeIdentity.load_or_create(data_dir.identity_path)
         mesh, how = load_or_create_mesh(data_dir.mesh_path, join)
@@ -121,6 +128,7 @@ class Services:
             files=files,
             store=store,
             api_url=api_url,
+            ollama_url=ollama_url,
             joined=join is not None,
             catalog=Catalog(identity, data_dir.catalog_path, store),
             models_dir=data_dir.models_path,
@@ -136,6 +144,7 @@ class Services:
         files: Sequence[ModelFiles],
         store: ArtifactStore,
         api_url: str,
+        ollama_url: str | None = None,
         joined: bool = False,
         catalog: Catalog,
         models_dir: Path | None = None,
@@ -155,6 +164,7 @@ class Services:
         self.mesh = mesh
         self.store = store
         self.api_url = api_url
+        self.ollama_url = ollama_url
         self.name = config.name or os.uname().nodename
         self.started_at = time.time()
         self.inflight = InFlight()
@@ -212,8 +222,8 @@ class Services:
         for f in files:
             self.models.add(self._mesh_model(f))
         self.assigning = self._assigning()
-        port = urlsplit(api_url).port or 0
-        self.access = Access.for_binding(config.api_keys, config.api_host, port)
+        ports = [urlsplit(u).port or 0 for u in (api_url, ollama_url) if u is not None]
+        self.access = Access.for_binding(config.api_keys, config.api_host, *ports)
         self.app = OpenAIApp(
             self.models.directory,
             self.inflight,

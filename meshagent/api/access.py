@@ -36,13 +36,14 @@ class Access:
     hosts: frozenset[str] = frozenset()  # the Host values accepted; empty: any
 
     @classmethod
-    def for_binding(cls, keys: Iterable[str], bind_host: str, port: int) -> Access:
-        """Keys for every request; on a loopback bind, `Host` must name loopback and `port`."""
+    def for_binding(cls, keys: Iterable[str], bind_host: str, *ports: int) -> Access:
+        """Keys for every request; on a loopback bind, `Host` must name loopback and one of
+        `ports` (the API's, and ollama's where it also serves there)."""
         hosts: set[str] = set()
         if is_loopback(bind_host):
             for name in ("127.0.0.1", "localhost", "[::1]", bind_host.lower()):
                 shown = f"[{name}]" if ":" in name and not name.startswith("[") else name
-                hosts |= {shown, f"{shown}:{port}"}
+                hosts |= {shown} | {f"{shown}:{port}" for port in ports}
         return cls(tuple(keys), frozenset(hosts))
 
     def refuse(

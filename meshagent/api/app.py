@@ -67,7 +67,7 @@ class OpenAIApp:
             **self.openai.routes,
             **ResponsesRoutes(completions).routes,
             **messages.MessagesRoutes(completions).routes,
-            **OllamaRoutes(self.catalog, completions).routes,
+            **OllamaRoutes(self.catalog, completions, self.openai).routes,
             **self.control.routes,
         }
 

@@ -6,7 +6,7 @@ agent serves yet has a card that says so."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import trio
@@ -33,8 +33,11 @@ class MeshCatalogue(Protocol):
         """The same, with who added each."""
         ...
 
-    async def add(self, spec: str) -> SignedEntry:
-        """Add the model a path or hub name gives (ModelError, CatalogError)."""
+    async def add(
+        self, spec: str, progress: Callable[[int, int], None] | None = None
+    ) -> SignedEntry:
+        """Add the model a path or hub name gives (ModelError, CatalogError); `progress`
+        hears of a download (on a worker thread)."""
         ...
 
     def remove(self, name: str) -> SignedEntry:

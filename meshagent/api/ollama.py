@@ -1,12 +1,17 @@
 """Ollama's endpoints, for tools that speak only its protocol: `GET /api/tags`, `GET /api/ps`
 (the models loaded in the mesh and when each unloads), `POST /api/chat` and `POST
-/api/generate`, answered as chat or text completions (`Completions`:
-routed, carried, replayed and metered like any request). Streams are newline-delimited JSON,
-as ollama's are, and stream by default.
+/api/generate`, answered as chat or text completions (`Completions`: routed, carried,
+replayed and metered like any request); the endpoints about models are `ollama_models.py`'s.
+Streams are newline-delimited JSON, as ollama's are, and stream by default.
 
-Options read: `temperature`, `top_p`, `num_predict`, `seed`, `stop`, `presence_penalty`,
-`frequency_penalty`. `format` (JSON or a schema), tools and images are refused with 400:
-their output would not be constrained or read. Errors are ollama's shape, `{"error": "..."}`."""
+Options mapped: `temperature`, `top_p`, `top_k`, `num_predict`, `seed`, `stop`,
+`presence_penalty`, `frequency_penalty`, `repeat_penalty`. Accepted and left to the agent,
+which sets them for every request: `num_ctx` (its `--ctx-size`), `num_batch`, `num_gpu`,
+`main_gpu`, `num_thread`, `num_keep`, `use_mmap`, `use_mlock`, `numa`, `low_vram`,
+`vocab_only`. Any other option is refused by name (400). `format` (JSON or a schema) and
+tools are enforced by grammar; images are refused. `/api/generate`'s `suffix` (fill in the
+middle) is refused unless the model's vocabulary has fill-in-the-middle tokens. Errors are
+ollama's shape, `{"error": "..."}`."""
 
 from __future__ import annotations
 
@@ -16,17 +21,21 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from meshagent.api import ollama_models
 from meshagent.api.catalog import Catalog
 from meshagent.api.completion_events import Completion, Failed, unwrap
 from meshagent.api.completions import Completions
 from meshagent.api.errors import ApiError, bad_request
 from meshagent.api.exchange import Exchange, Routes
+from meshagent.api.ollama_models import NDJSON, model_name
 from meshagent.api.replies import Output
 from meshagent.api.tools import Call
 
-NDJSON = "application/x-ndjson"
+if TYPE_CHECKING:
+    from meshagent.api.openai_routes import OpenAIRoutes
+
 _OPTIONS = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -36,13 +45,23 @@ _OPTIONS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-
-
-def model_name(name: Any) -> str:
-    """Ollama's names carry a tag (`:latest` when none is given); ours have none."""
-    if not isinstance(name, str) or not name:
-        raise bad_request("Missing required parameter: 'model'.", param="model")
-    return name.removesuffix(":latest")
+_EXTENSIONS = {"top_k": "top_k", "repeat_penalty": "repeat_penalty"}  # the `meshagent` object's
+# How the agent runs its models, set for all of its requests: accepted, not changed by one.
+_AGENTS_OWN = frozenset(
+    {
+        "num_ctx",
+        "num_batch",
+        "num_gpu",
+        "main_gpu",
+        "num_thread",
+        "num_keep",
+        "use_mmap",
+        "use_mlock",
+        "numa",
+        "low_vram",
+        "vocab_only",
+    }
+)
 
 
 def tags(models: list[dict[str, Any]]) -> dict[str, Any]:
@@ -101,9 +120,19 @@ def _openai_body(body: dict[str, Any]) -> dict[str, Any]:
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise bad_request("'options' must be an object.", param="options")
+    for key in options:
+        if key not in _OPTIONS and key not in _EXTENSIONS and key not in _AGENTS_OWN:
+            raise bad_request(
+                f"The option '{key}' is not supported.",
+                param=f"options.{key}",
+                code="unsupported_parameter",
+            )
     for theirs, ours in _OPTIONS.items():
         if options.get(theirs) is not None:
             out[ours] = options[theirs]
+    extensions = {ours: options[k] for k, ours in _EXTENSIONS.items() if options.get(k) is not None}
+    if extensions:
+        out["meshagent"] = extensions
     if out.get("max_tokens") is not None and out["max_tokens"] < 0:
         del out["max_tokens"]  # ollama's -1: until the context is full
     fmt = body.get("format")
@@ -152,6 +181,11 @@ def generate_request(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not isinstance(prompt, str):
         raise bad_request("Missing required parameter: 'prompt'.", param="prompt")
     out = _openai_body(body)
+    suffix = body.get("suffix")
+    if suffix:  # fill in the middle: the model's own tokens around prompt and suffix
+        if not isinstance(suffix, str):
+            raise bad_request("'suffix' must be text.", param="suffix")
+        return "/v1/completions", {**out, "prompt": prompt, "suffix": suffix}
     if body.get("raw"):
         out["prompt"] = prompt
         return "/v1/completions", out
@@ -166,15 +200,50 @@ class OllamaRoutes:
     """Ollama's endpoints, over `catalog`'s model cards and the completions of
     `completions`."""
 
-    def __init__(self, catalog: Catalog, completions: Completions) -> None:
+    def __init__(self, catalog: Catalog, completions: Completions, openai: OpenAIRoutes) -> None:
         self.catalog = catalog
         self.completions = completions
+        self.openai = openai
         self.routes: Routes = {
             ("GET", "/api/tags"): self._tags,
             ("GET", "/api/ps"): self._ps,
+            ("GET", "/api/version"): self._version,
+            ("POST", "/api/show"): self._show,
+            ("POST", "/api/pull"): self._pull,
+            ("POST", "/api/embed"): partial(self._embed, old=False),
+            ("POST", "/api/embeddings"): partial(self._embed, old=True),
             ("POST", "/api/chat"): partial(self._answer, chat=True),
             ("POST", "/api/generate"): partial(self._answer, chat=False),
         }
+
+    async def _version(self, ex: Exchange) -> None:
+        await ex.send_json(200, {"version": ollama_models.OLLAMA_API_VERSION})
+
+    async def _object(self, ex: Exchange) -> dict[str, Any]:
+        body = await ex.json_body()
+        if not isinstance(body, dict):
+            raise bad_request("The request body must be a JSON object.")
+        return body
+
+    async def _show(self, ex: Exchange) -> None:
+        try:
+            body = await self._object(ex)
+            name = model_name(body.get("model") or body.get("name"))
+            await ex.send_json(200, ollama_models.show(self.catalog, name))
+        except ApiError as e:
+            await ex.send_json(e.status, {"error": e.message})
+
+    async def _pull(self, ex: Exchange) -> None:
+        try:
+            await ollama_models.pull(ex, self.catalog, await self._object(ex))
+        except ApiError as e:
+            await ex.send_json(e.status, {"error": e.message})
+
+    async def _embed(self, ex: Exchange, *, old: bool) -> None:
+        try:
+            await ollama_models.embed(ex, self.openai, await self._object(ex), old=old)
+        except ApiError as e:
+            await ex.send_json(e.status, {"error": e.message})
 
     async def _tags(self, ex: Exchange) -> None:
         await ex.send_json(200, tags(self.catalog.cards()))

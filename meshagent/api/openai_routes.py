@@ -8,7 +8,13 @@ from meshagent.api import elsewhere
 from meshagent.api.catalog import Catalog
 from meshagent.api.completions import Completions
 from meshagent.api.delivery import deliver
-from meshagent.api.embeddings import EMBEDDINGS_PATH, embed_here, embedding_reply, parse_embedding
+from meshagent.api.embeddings import (
+    EMBEDDINGS_PATH,
+    EmbeddingRequest,
+    embed_here,
+    embedding_reply,
+    parse_embedding,
+)
 from meshagent.api.exchange import Exchange, Routes
 from meshagent.api.prepare import KINDS
 
@@ -41,19 +47,23 @@ class OpenAIRoutes:
 
     async def _embeddings(self, ex: Exchange) -> None:
         req = parse_embedding(await ex.json_body())
+        name, vectors, tokens, served_by = await self.embed(ex, req, ex.raw_body)
+        reply = embedding_reply(name, vectors, tokens, req.encoding_format)
+        await ex.send_json(200, reply, served_by)
+
+    async def embed(
+        self, ex: Exchange, req: EmbeddingRequest, raw: bytes
+    ) -> tuple[str, list[list[float]], int, list[tuple[bytes, bytes]]]:
+        """The request's vectors (here, or by the agent that serves the model: `raw` is the
+        request as it goes there), their token count, and the model's name and receipt."""
         texts = req.texts()
         await self.catalog.await_served(req.model)
         model = self.catalog.local(req.model)
         if model is None and (remote := self.catalog.remote(req.model)) is not None:
             # The agent serving it answers (or says why not).
             directory = self.catalog.directory
-            vectors, tokens, name = await elsewhere.embed(
-                ex, directory, remote, ex.raw_body, len(texts)
-            )
-            served_by = [(b"x-meshagent-served-by", remote.peer_id.encode())]
-        else:
-            model = self.catalog.model(req.model)
-            vectors, tokens = await embed_here(model, texts)
-            name, served_by = model.info.id, []
-        reply = embedding_reply(name, vectors, tokens, req.encoding_format)
-        await ex.send_json(200, reply, served_by)
+            vectors, tokens, name = await elsewhere.embed(ex, directory, remote, raw, len(texts))
+            return name, vectors, tokens, [(b"x-meshagent-served-by", remote.peer_id.encode())]
+        model = self.catalog.model(req.model)
+        vectors, tokens = await embed_here(model, texts)
+        return model.info.id, vectors, tokens, []

@@ -90,6 +90,11 @@ def _chat(req: ChatCompletionRequest, model: LocalModel) -> Prepared:
 
 
 def _completion(req: CompletionRequest, model: LocalModel) -> Prepared:
+    if req.suffix:
+        tokens = _fill_in_the_middle(model, str(req.prompt), req.suffix)
+        gen = _generation_request(req, model, tokens, req.max_tokens)
+        echo = str(req.prompt) if req.echo else ""
+        return Prepared(model, gen, False, req.stream, req.include_usage(), "prompt", echo, n=req.n)
     if isinstance(req.prompt, str):
         prompt_text = req.prompt
         tokens = model.text_tokens(prompt_text)
@@ -110,6 +115,25 @@ def _completion(req: CompletionRequest, model: LocalModel) -> Prepared:
     gen = _generation_request(req, model, tokens, req.max_tokens)
     echo = prompt_text if req.echo else ""
     return Prepared(model, gen, False, req.stream, req.include_usage(), "prompt", echo, n=req.n)
+
+
+def _fill_in_the_middle(model: LocalModel, prefix: str, suffix: str) -> tuple[int, ...]:
+    """The prompt that asks the model for what goes between `prefix` and `suffix`: its
+    fill-in-the-middle tokens around them (prefix, suffix, middle: llama.cpp's order)."""
+    fim = model.info.fim
+    if fim is None:
+        raise errors.bad_request(
+            f"The model '{model.info.id}' has no fill-in-the-middle tokens: 'suffix' needs a "
+            "model trained for it (a code model such as Qwen2.5-Coder).",
+            param="suffix",
+            code="unsupported_parameter",
+        )
+    pre, suf, mid = fim
+    head = model.engine.tokenize(prefix, add_bos=True)
+    bos = head[:1] if head and model.engine.tokenize("", add_bos=True) == head[:1] else []
+    body = head[len(bos) :]
+    tail = model.engine.tokenize(suffix, add_bos=False)
+    return (*bos, pre, *body, suf, *tail, mid)
 
 
 def _generation_request(

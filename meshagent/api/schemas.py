@@ -186,8 +186,8 @@ def _refuse_unsupported(req: _Request) -> None:
                 "echo",
                 "echo with logprobs is not supported: the prompt's tokens get no logprobs.",
             )
-        if req.suffix:
-            raise unsupported("suffix", "suffix (fill-in-the-middle) is not supported.")
+        if req.suffix and not isinstance(req.prompt, str):
+            raise unsupported("suffix", "suffix (fill-in-the-middle) needs one text prompt.")
         if req.best_of is not None and req.best_of > 1:
             raise unsupported("best_of", "Only best_of=1 is supported.")
         if isinstance(req.prompt, list) and not req.prompt:

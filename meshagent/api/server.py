@@ -30,15 +30,18 @@ class HttpBinding:
     port fails at once rather than after the model is read, and connections made before it
     serves are refused rather than left waiting."""
 
-    def __init__(self, host: str, port: int, *, graceful_timeout: float) -> None:
+    def __init__(
+        self, host: str, port: int, *, graceful_timeout: float, flag: str = "--api-port"
+    ) -> None:
         self.config = hypercorn_config(host, port, graceful_timeout=graceful_timeout)
         try:
             self.sockets = self.config.create_sockets()
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
+                who = "ollama itself?" if flag == "--ollama-port" else "another agent?"
                 raise ConfigError(
-                    f"{host}:{port} is already in use: another agent or program listens "
-                    "there. Stop it or choose another --api-port."
+                    f"{host}:{port} is already in use: a program listens there ({who}). "
+                    f"Stop it or choose another {flag}."
                 ) from e
             raise ConfigError(f"cannot serve the API on {host}:{port}: {e.strerror or e}") from e
         bound = self.sockets.insecure_sockets[0].getsockname()

@@ -111,11 +111,17 @@ class Catalog:
 
     # ----- this agent's user changes it -----
 
-    async def add(self, spec: str) -> SignedEntry:
+    async def add(
+        self, spec: str, progress: Callable[[int, int], None] | None = None
+    ) -> SignedEntry:
         """Add the model `spec` names (a path here, a hub name, "" the embedded default):
         resolved (a hub model downloaded) and read in a worker thread, then signed.
-        ModelError when it cannot be had or read; CatalogError when it cannot be added."""
-        model = await trio.to_thread.run_sync(read_model_file, spec, self.store, self._resolve)
+        `progress(done, total)` hears of a download, on that thread. ModelError when it
+        cannot be had or read; CatalogError when it cannot be added."""
+        resolve = self._resolve
+        if progress is not None:
+            resolve = partial(self._resolve, progress=progress)  # type: ignore[call-arg]
+        model = await trio.to_thread.run_sync(read_model_file, spec, self.store, resolve)
         return self.add_model(model)
 
     def add_model(self, model: ModelFile) -> SignedEntry:

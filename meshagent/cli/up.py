@@ -48,6 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-host", help=f"address of the API (default {d.api_host})")
     p.add_argument("--api-port", type=int, help=f"port of the API (default {d.api_port})")
     p.add_argument(
+        "--ollama-port",
+        type=int,
+        help="also serve the API on this port of --api-host, for tools that speak only "
+        "ollama's protocol and look for it there (ollama's own: 11434; default off)",
+    )
+    p.add_argument(
         "--api-key",
         action="append",
         dest="api_keys",
@@ -225,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
             "name",
             "api_host",
             "api_port",
+            "ollama_port",
             "insecure_no_api_key",
             "listen",
             "ctx_size",

@@ -31,6 +31,7 @@ class ModelInfo:
     chat_template: str | None
     bos_token: str
     eos_token: str
+    fim: tuple[int, int, int] | None = None  # fill-in-the-middle: prefix, suffix, middle
 
 
 class Constraint(Protocol):

@@ -85,6 +85,7 @@ class LlamaEngine(VocabDelegate, RuntimeDelegate):
             chat_template=self.vocab.chat_template(),
             bos_token=self.vocab.bos_token,
             eos_token=self.vocab.eos_token,
+            fim=self.vocab.fim(),
         )
         log.info(
             "engine.loaded",

@@ -81,6 +81,7 @@ class StagedEngine(VocabDelegate):
             chat_template=self.vocab.chat_template(),
             bos_token=self.vocab.bos_token,
             eos_token=self.vocab.eos_token,
+            fim=self.vocab.fim(),
         )
 
     def forward(self, items: Sequence[ForwardItem]) -> list[np.ndarray | None]:

@@ -88,6 +88,17 @@ class Vocab:
     def eos_token(self) -> str:
         return self.token_text(llama_cpp.llama_vocab_eos(self._vocab))
 
+    def fim(self) -> tuple[int, int, int] | None:
+        """The fill-in-the-middle tokens (prefix, suffix, middle), where the vocabulary has
+        them (llama.cpp finds them by their text: Qwen's, StarCoder's, CodeLlama's...)."""
+        v = self._vocab
+        ids = (
+            llama_cpp.llama_vocab_fim_pre(v),
+            llama_cpp.llama_vocab_fim_suf(v),
+            llama_cpp.llama_vocab_fim_mid(v),
+        )
+        return ids if all(0 <= t < self.n_vocab for t in ids) else None
+
     def chat_template(self) -> str | None:
         raw = llama_cpp.llama_model_chat_template(self._model, None)
         return raw.decode() if raw else None

@@ -72,6 +72,7 @@ class EntryEngine(VocabDelegate):
             chat_template=self.vocab.chat_template(),
             bos_token=self.vocab.bos_token,
             eos_token=self.vocab.eos_token,
+            fim=self.vocab.fim(),
         )
         self.n_slots = first_stage.n_slots
         self.slot_ctx = first_stage.slot_ctx

@@ -40,8 +40,12 @@ class _Weights:
 EXTRA_TOKENS = {"phi3": ("<|endoftext|>",)}
 
 
-def n_vocab(arch: str) -> int:
-    return N_VOCAB + len(EXTRA_TOKENS.get(arch, ()))
+# Qwen's fill-in-the-middle tokens, which llama.cpp finds by their text.
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def n_vocab(arch: str, fim: bool = False) -> int:
+    return N_VOCAB + len(EXTRA_TOKENS.get(arch, ())) + (len(FIM_TOKENS) if fim else 0)
 
 
 def _add_vocab(w: gguf.GGUFWriter, extra: Sequence[str] = ()) -> None:
@@ -81,8 +85,10 @@ def write_tiny_model(
     seed: int = 0,
     sliding_window: int | None = None,
     experts: bool = False,
+    fim: bool = False,
 ) -> Path:
-    """`experts`: a `llama` whose FFNs are experts (Mixtral); the MoE families always are."""
+    """`experts`: a `llama` whose FFNs are experts (Mixtral); the MoE families always are.
+    `fim`: the vocabulary holds fill-in-the-middle tokens (`FIM_TOKENS`)."""
     head_dim = n_embd // n_head
     experts = experts or arch in MOE
     w = _begin(path, arch, n_embd=n_embd, n_layers=n_layers)
@@ -101,9 +107,9 @@ def write_tiny_model(
         w.add_sliding_window(sliding_window)
     if arch == "phi3":
         w.add_rope_dimension_count(head_dim)
-    _add_vocab(w, EXTRA_TOKENS.get(arch, ()))
+    _add_vocab(w, EXTRA_TOKENS.get(arch, ()) + (FIM_TOKENS if fim else ()))
     g = _Weights(w, seed)
-    _embeddings_and_head(g, n_embd, n_vocab(arch))
+    _embeddings_and_head(g, n_embd, n_vocab(arch, fim))
     for i in range(n_layers):
         p = f"blk.{i}."
         g.ones(p + "attn_norm.weight", n_embd)
