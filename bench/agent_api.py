@@ -13,8 +13,12 @@ split (a mesh of their own). Every prompt goes to both, greedy:
   of llama.cpp's logits, computed here;
 - n=4: the engine's token count against one prefill plus each choice's own tokens.
 
+- strict json_schema with unbounded arrays and strings at max_tokens 48, 96 and 200: each
+  reply must close in time and validate.
+
 Goal (issue 18): 50 of 50 valid tool calls and schema outputs, whole and split; json_object
-always parses; logprobs equal llama.cpp's; n=4 with one prefill.
+always parses; logprobs equal llama.cpp's; n=4 with one prefill. Every unbounded schema
+reply validates, whole and split.
 """
 
 from __future__ import annotations
@@ -214,6 +218,63 @@ def schema_outputs(url: str, texts: list[str]) -> tuple[int, int, list[str]]:
     return ok, len(texts), bad
 
 
+# Strict schemas whose replies have no natural end: unbounded arrays and strings. A model may
+# run on inside them until max_tokens; the reply must still close and validate.
+OPEN_SCHEMAS = {
+    "tags": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["title", "tags"],
+        "additionalProperties": False,
+    },
+    "notes": {
+        "type": "object",
+        "properties": {
+            "summary": {"type": "string"},
+            "steps": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"say": {"type": "string"}, "n": {"type": "integer"}},
+                    "required": ["say", "n"],
+                },
+            },
+        },
+        "required": ["summary", "steps"],
+    },
+}
+OPEN_LIMITS = (48, 96, 200)
+
+
+def open_schemas(url: str, texts: list[str]) -> tuple[int, int, list[str]]:
+    """Strict unbounded schemas at each of OPEN_LIMITS: replies that parse and validate."""
+    ok, asked, failures = 0, 0, []
+    names = sorted(OPEN_SCHEMAS)
+    for i, text in enumerate(texts):
+        name = names[i % len(names)]
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "strict": True}}
+        fmt["json_schema"]["schema"] = OPEN_SCHEMAS[name]
+        for limit in OPEN_LIMITS:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"Write at length: {text}"}],
+                "response_format": fmt,
+                "max_tokens": limit,
+                "temperature": 0,
+            }
+            asked += 1
+            out = post(url, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+            try:
+                jsonschema.validate(json.loads(out), OPEN_SCHEMAS[name])
+                ok += 1
+            except (ValueError, jsonschema.ValidationError) as e:
+                failures.append(f"open schema {name} at {limit}: {str(e)[:80]} in {out[:80]!r}")
+    return ok, asked, failures
+
+
 def json_objects(url: str, texts: list[str], max_tokens: int) -> tuple[int, int, int]:
     """(parsed, asked, cut by max_tokens)"""
     ok = cut = 0
@@ -287,6 +348,7 @@ def measure(name: str, url: str, args: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     tools = tool_calls(url, texts)
     schemas = schema_outputs(url, texts)
+    unbounded = open_schemas(url, prompts(args.open_prompts))
     objects = json_objects(url, prompts(args.json_objects), args.json_object_tokens)
     err = logprob_error(url)
     ran, one = n_prefill(url)
@@ -296,6 +358,8 @@ def measure(name: str, url: str, args: argparse.Namespace) -> dict:
         "tool_calls_asked": tools[1],
         "schema_valid": schemas[0],
         "schema_asked": schemas[1],
+        "open_schema_valid": unbounded[0],
+        "open_schema_asked": unbounded[1],
         "json_object_parsed": objects[0],
         "json_object_asked": objects[1],
         "json_object_cut_by_max_tokens": objects[2],
@@ -303,7 +367,7 @@ def measure(name: str, url: str, args: argparse.Namespace) -> dict:
         "n4_tokens_run": ran,
         "n4_one_prefill_tokens": one,
         "seconds": round(time.monotonic() - t0, 1),
-        "failures": tools[2] + schemas[2],
+        "failures": tools[2] + schemas[2] + unbounded[2],
     }
     print(f"{name}: done in {row['seconds']} s", file=sys.stderr)
     return row
@@ -313,6 +377,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--json-objects", type=int, default=20)
+    ap.add_argument(
+        "--open-prompts", type=int, default=10, help="prompts for the unbounded schemas"
+    )
     ap.add_argument("--json-object-tokens", type=int, default=400)
     ap.add_argument("--out", type=Path, default=Path("bench/results/agent_api.json"))
     args = ap.parse_args()
@@ -328,13 +395,14 @@ def main() -> None:
         entry, stages, _ = start_split(root, agents, MODEL, SMALL)
         rows.append(measure(f"split ({len(stages)} stages)", entry.url, args))
     print(
-        f"\n{'side':<18} {'tool calls':>11} {'json_schema':>11} {'json_object':>12} "
-        f"{'logprob err':>11} {'n=4 tokens run / one prefill':>29}"
+        f"\n{'side':<18} {'tool calls':>11} {'json_schema':>11} {'unbounded@48/96/200':>19} "
+        f"{'json_object':>12} {'logprob err':>11} {'n=4 tokens run / one prefill':>29}"
     )
     for r in rows:
         print(
             f"{r['side']:<18} {r['tool_calls_valid']:>5}/{r['tool_calls_asked']:<5} "
             f"{r['schema_valid']:>5}/{r['schema_asked']:<5} "
+            f"{r['open_schema_valid']:>9}/{r['open_schema_asked']:<9} "
             f"{r['json_object_parsed']:>5}/{r['json_object_asked']:<3}"
             f"({r['json_object_cut_by_max_tokens']} cut) "
             f"{r['logprob_max_abs_error']:>11.2e} "

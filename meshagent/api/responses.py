@@ -29,7 +29,7 @@ from meshagent.api.exchange import Exchange, Routes
 from meshagent.api.replies import Output
 from meshagent.api.responses_request import Remembered, ResponsesRequest
 from meshagent.api.schemas import parse_body
-from meshagent.api.tools import Call
+from meshagent.api.tools import ArgsDelta, Call, CallStart
 from meshagent.serving.generation import Finished
 
 CHAT_PATH = "/v1/chat/completions"
@@ -66,11 +66,12 @@ class _Reply:
             "content": content,
         }
 
-    def add_call(self, call: Call) -> dict[str, Any]:
-        """A call the model made, as a function_call output item."""
+    def add_call(self, call: Call, item_id: str | None = None) -> dict[str, Any]:
+        """A call the model made, as a function_call output item (`item_id`: the one its
+        stream announced)."""
         item = {
             "type": "function_call",
-            "id": "fc_" + secrets.token_hex(12),
+            "id": item_id or "fc_" + secrets.token_hex(12),
             "call_id": call.id,
             "name": call.name,
             "arguments": call.arguments,
@@ -185,7 +186,7 @@ async def _deliver(ex: Exchange, completion: Completion, *, reply: _Reply, strea
     if isinstance(opened, Failed):
         await ex.send_json(opened.error.status, opened.error.body())
         return
-    output = Output(opened.tools)
+    output = Output(opened.tools, partial=stream)  # a stream's calls come as they are written
     await (_stream if stream else _whole)(ex, completion, reply, output)
 
 
@@ -213,6 +214,7 @@ async def _whole(ex: Exchange, completion: Completion, reply: _Reply, output: Ou
 async def _stream(ex: Exchange, completion: Completion, reply: _Reply, output: Output) -> None:
     part_at = {"output_index": 0, "item_id": reply.item_id, "content_index": 0}
     opened_message = False  # the message item: opened with its first text (or at the end)
+    started: dict[str, dict[str, Any]] = {}  # calls streamed as written: where their events go
 
     async def open_message() -> None:
         nonlocal opened_message
@@ -240,8 +242,38 @@ async def _stream(ex: Exchange, completion: Completion, reply: _Reply, output: O
             await ex.send_event(reply.event("response.created", response=in_progress))
             await ex.send_event(reply.event("response.in_progress", response=in_progress))
         for part in output.parts(unwrap(ev)[1]):  # (one choice)
-            if isinstance(part, Call):
-                await _send_call(ex, reply, reply.add_call(part), opened_message)
+            if isinstance(part, CallStart):  # its arguments follow as they are written
+                at = {"output_index": len(reply.calls) + opened_message}
+                at["item_id"] = "fc_" + secrets.token_hex(12)
+                started[part.id] = at
+                item = {"type": "function_call", "id": at["item_id"], "call_id": part.id}
+                item |= {"name": part.name, "arguments": "", "status": "in_progress"}
+                await ex.send_event(
+                    reply.event(
+                        "response.output_item.added", output_index=at["output_index"], item=item
+                    )
+                )
+            elif isinstance(part, ArgsDelta):
+                at = started[next(reversed(started))]
+                await ex.send_event(
+                    reply.event("response.function_call_arguments.delta", **at, delta=part.text)
+                )
+            elif isinstance(part, Call):
+                at = started.pop(part.id, None)
+                if at is None:
+                    await _send_call(ex, reply, reply.add_call(part), opened_message)
+                else:
+                    item = reply.add_call(part, at["item_id"])
+                    args = item["arguments"]
+                    done = reply.event(
+                        "response.function_call_arguments.done", **at, arguments=args
+                    )
+                    await ex.send_event(done)
+                    await ex.send_event(
+                        reply.event(
+                            "response.output_item.done", output_index=at["output_index"], item=item
+                        )
+                    )
             elif part.text:
                 if not opened_message:
                     await open_message()
@@ -269,9 +301,9 @@ async def _stream(ex: Exchange, completion: Completion, reply: _Reply, output: O
 
 
 async def _send_call(ex: Exchange, reply: _Reply, call: dict[str, Any], after: bool) -> None:
-    """A function call's events: its item, its arguments (whole: the chat endpoint passes a
-    call on once its JSON is complete), its end. Calls follow the message item, if one was
-    opened (`after`)."""
+    """A function call's events, for a call not streamed as it was written (one whose JSON
+    names its function after its arguments): its item, its arguments whole, its end. Calls
+    follow the message item, if one was opened (`after`)."""
     at = {"output_index": len(reply.calls) - 1 + after, "item_id": call["id"]}
     await ex.send_event(
         reply.event(

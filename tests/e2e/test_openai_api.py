@@ -917,8 +917,16 @@ def test_the_responses_api_calls_functions_and_follows_a_json_schema(
     jsonschema.validate(json.loads(call.arguments), TOOL_SCHEMAS["get_weather"])
     events = list(client.responses.create(**ask, stream=True))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert [json.loads(e.arguments) for e in done] == [json.loads(call.arguments)]
+    assert [e.arguments for e in done] == [call.arguments]
+    # The arguments stream as they are written, and join into the whole call's.
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 2 and "".join(deltas) == call.arguments
     assert events[-1].type == "response.completed"
+    # At a tight limit the forced call still closes: the response completes with it.
+    tight = client.responses.create(**{**ask, "max_output_tokens": 40})
+    assert tight.status == "completed" and not tight.output_text
+    [short] = [o for o in tight.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(short.arguments), TOOL_SCHEMAS["get_weather"])
     # The call's output goes back in, and the model answers on.
     after = client.responses.create(
         model=model_id,

@@ -91,5 +91,5 @@ async def test_a_continuation_that_already_reached_its_end_computes_nothing(mode
     stop = text[20:22]  # the history ran into a stop string: the text up to it was sent
     stopped = replace(whole, stop=(stop,), history=tokens, delivered=text.index(stop))
     events = await events_of(model, stopped)
-    assert events == [Finished("stop", len(whole.prompt_tokens), 60)]
+    assert events == [Finished("stop", len(whole.prompt_tokens), 60, stop=stop)]
     assert model.runner.stats().tokens_processed == before

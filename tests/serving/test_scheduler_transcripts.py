@@ -217,21 +217,21 @@ SEEDS = (2, 3, 4)
 
 # Recorded from the scheduler as it was before its drafting policy moved to an object of its own.
 DIGESTS = {
-    ("whole, drafts off, on and auto", 2): "4702345532cee3dd",
-    ("whole, drafts off, on and auto", 3): "fa58acb41ad25def",
-    ("whole, drafts off, on and auto", 4): "0a679c143cf6eef2",
-    ("whole, copying names", 2): "064f48631bccce60",
-    ("whole, copying names", 3): "a5216638c7ca9720",
-    ("whole, copying names", 4): "76fb09edead6489c",
-    ("split, windows in flight", 2): "74903cbbf17ff85c",
-    ("split, windows in flight", 3): "7c2209fe7e09b93c",
-    ("split, windows in flight", 4): "8706305458f7f996",
-    ("whole, kept prefixes", 2): "70ad790715b0a9fa",
-    ("whole, kept prefixes", 3): "69a10373d6bbcba4",
-    ("whole, kept prefixes", 4): "58ad92f5a1e603c8",
-    ("split, kept prefixes", 2): "a23b06d185961e53",
-    ("split, kept prefixes", 3): "eab99a4c2ca39370",
-    ("split, kept prefixes", 4): "ae62784891d2e529",
+    ("whole, drafts off, on and auto", 2): "5b1864566c72ddef",
+    ("whole, drafts off, on and auto", 3): "5146baf804f7e030",
+    ("whole, drafts off, on and auto", 4): "b2bcf67d242707ab",
+    ("whole, copying names", 2): "7ed48e15c4fafce2",
+    ("whole, copying names", 3): "88f3e0b4ff03cfb6",
+    ("whole, copying names", 4): "aab4fc5de8da6e8b",
+    ("split, windows in flight", 2): "4da0751fa1b07d19",
+    ("split, windows in flight", 3): "540a02bbea29337c",
+    ("split, windows in flight", 4): "2539a59a5366c7f2",
+    ("whole, kept prefixes", 2): "d3b0efcdfd4d93c1",
+    ("whole, kept prefixes", 3): "e80792970cb14c40",
+    ("whole, kept prefixes", 4): "aaec0d74c4cd6660",
+    ("split, kept prefixes", 2): "de6c2dd07f403e97",
+    ("split, kept prefixes", 3): "9bcac6c8da795cfa",
+    ("split, kept prefixes", 4): "e6b1cf24741dc38d",
 }
 
 
