@@ -211,3 +211,22 @@ async def test_a_probe_is_capped_in_size_and_time_before_it_goes_out():
         r = await call(app, "POST", "/control/probe", body=body)
         assert r.status == 400, (body, r.body)
         assert named in r.json()["error"]["message"], r.json()
+
+
+async def test_anthropics_clients_send_their_key_as_x_api_key_and_get_its_error_shape():
+    access = Access.for_binding(["s3cret"], "127.0.0.1", 9400, 11434)
+    assert access.refuse("GET", "/v1/models", [HOST, (b"x-api-key", b"s3cret")]) is None
+    assert access.refuse("GET", "/v1/models", [HOST, (b"x-api-key", b"nope")]) is not None
+    # The ollama port is the API's too: its Host names are loopback's with either port.
+    key = (b"x-api-key", b"s3cret")
+    assert access.refuse("GET", "/v1/models", [(b"host", b"127.0.0.1:11434"), key]) is None
+    assert access.refuse("GET", "/v1/models", [(b"host", b"127.0.0.1:9999"), key]) is not None
+    app = OpenAIApp(StaticDirectory(), InFlight(), lambda: {}, access=access)
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    r = await call(app, "POST", "/v1/messages", headers=[HOST, JSON], body=body)
+    assert r.status == 401
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+    r = await call(app, "POST", "/v1/messages", headers=[HOST, JSON, key], body=body)
+    assert r.status == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = await call(app, "POST", "/v1/chat/completions", headers=[HOST, JSON], body=body)
+    assert r.status == 401 and r.json()["error"]["code"] == "invalid_api_key"  # OpenAI's shape
