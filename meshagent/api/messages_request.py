@@ -1,7 +1,9 @@
 """Anthropic's Messages API request (`POST /v1/messages`) as a chat completion's: the system
 prompt and the turns (text, `tool_use` and `tool_result` blocks) as chat messages, the tools as
 functions, `tool_choice` and the sampling options as the chat request's. Whatever the API has
-that meshagent cannot honour (images, documents, extended thinking) is refused by name."""
+that meshagent cannot honour (images, documents, server tools) is refused by name; extended
+thinking is accepted and produces no thinking blocks (clients such as Claude Code ask for it
+of every model they may)."""
 
 from __future__ import annotations
 
@@ -57,13 +59,11 @@ class MessagesRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # accepted; no thinking blocks come back
     output_config: dict[str, Any] | None = None  # `format`: a JSON schema the reply follows
     service_tier: str | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.thinking and self.thinking.get("type") != "disabled":
-            raise unsupported("thinking", "Extended thinking")
         for i, tool in enumerate(self.tools or ()):
             if tool.type not in (None, "custom"):
                 raise unsupported(f"tools.{i}.type", f"The server tool '{tool.type}'")

@@ -74,7 +74,6 @@ def test_tools_and_tool_choice_map_to_chats(choice, chat_choice):
     [
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
          "messages.0.content.0"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"tools": [{"name": "s", "type": "web_search_20250305", "input_schema": {}}]},
          "tools.0.type"),
         ({"temperature": 1.5}, "temperature"),
@@ -87,6 +86,11 @@ def test_what_cannot_be_honoured_is_refused_by_name(fields, param):
         req.chat_messages()
         req.chat_options()
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_extended_thinking_is_accepted_and_changes_nothing():
+    thinking = request(thinking={"type": "enabled", "budget_tokens": 1024})
+    assert thinking.chat_options() == request().chat_options()
 
 
 def test_errors_take_anthropics_shape():

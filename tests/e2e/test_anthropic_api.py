@@ -30,10 +30,17 @@ def test_a_missing_max_tokens_is_an_anthropic_error(agent: AgentProcess, model_i
         "type": "error",
         "error": {"type": "invalid_request_error", "message": missing},
     }
+    # Extended thinking, which some clients ask of every model: accepted, no thinking blocks.
     thinking = {"type": "enabled", "budget_tokens": 1024}
+    reply = client_for(agent).messages.create(
+        model=model_id, max_tokens=5, messages=ASK, thinking=thinking
+    )
+    assert [b.type for b in reply.content] == ["text"]
     with pytest.raises(anthropic.BadRequestError):
         client_for(agent).messages.create(
-            model=model_id, max_tokens=5, messages=ASK, thinking=thinking
+            model=model_id,
+            max_tokens=5,
+            messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}],
         )
     # Anthropic's own range: a temperature of 0-1.
     r = httpx.post(
