@@ -38,7 +38,7 @@ from split import start_split
 
 from meshagent.launch import start_agent
 from meshagent.models.default import default_model_path
-from meshagent.testing.structured_output import ADD, WEATHER, reference_logprobs
+from meshagent.testing.structured_output import ADD, TAGS, WEATHER, reference_logprobs
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SMALL = ["--max-memory", "80M", "--slots", "2", "--ctx-size", "1024", "--threads", "1"]
@@ -221,15 +221,7 @@ def schema_outputs(url: str, texts: list[str]) -> tuple[int, int, list[str]]:
 # Strict schemas whose replies have no natural end: unbounded arrays and strings. A model may
 # run on inside them until max_tokens; the reply must still close and validate.
 OPEN_SCHEMAS = {
-    "tags": {
-        "type": "object",
-        "properties": {
-            "title": {"type": "string"},
-            "tags": {"type": "array", "items": {"type": "string"}},
-        },
-        "required": ["title", "tags"],
-        "additionalProperties": False,
-    },
+    "tags": TAGS,
     "notes": {
         "type": "object",
         "properties": {

@@ -223,3 +223,31 @@ def test_invite_of_loopback_addresses_only_warns(tmp_path, capsys):
     # A relay in the token is a way in: no warning then.
     assert main(["invite", "--data-dir", str(tmp_path), "--relay", "r.example:9339"]) == 0
     assert "only loopback" not in capsys.readouterr().err
+
+
+def _options(parser, path=("meshagent",)):
+    """Every option of `meshagent` and its subcommands, with the command it belongs to."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, (*path, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield " ".join(path), action
+
+
+def test_every_option_has_help_and_a_metavar_of_its_own():
+    # argparse's default metavar is the option's name in capitals (--api-host API_HOST): each
+    # option that takes a value names what it takes (HOST, PORT, SIZE, PATH...).
+    from meshagent.cli.main import build_parser
+
+    seen = 0
+    for command, action in _options(build_parser()):
+        where = f"{command} {'/'.join(action.option_strings) or action.dest}"
+        assert action.help, f"{where} has no help"
+        takes_value = action.option_strings and action.nargs != 0 and not action.choices
+        if takes_value:
+            assert action.metavar is not None, f"{where} shows argparse's default metavar"
+        seen += 1
+    assert seen > 60  # every subcommand was walked

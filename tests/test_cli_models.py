@@ -47,3 +47,26 @@ def test_models_inspect_says_what_experts_cost(tmp_path, capsys):
     layout = json.loads(capsys.readouterr().out)
     assert (layout["experts"], layout["experts_used"]) == (N_EXPERTS, N_EXPERTS_USED)
     assert layout["layer_params"][0] < layout["layer_bytes"][0] // 4  # f32: 4 bytes a weight
+
+
+def test_models_inspect_of_a_hub_name_reads_its_header_only(tmp_path, capsys, monkeypatch):
+    # A model of realistic proportions (weights far bigger than the header), on a local hub:
+    # inspecting it by name fetches the header by range, not the file.
+    from meshagent.testing.tiny_gguf import write_tiny_model
+    from tests.models.fake_hub import FakeHub
+
+    model = write_tiny_model(
+        tmp_path / "big-Q8_0.gguf", "qwen3", n_layers=8, n_embd=256, n_head=8, n_ff=1024
+    )
+    hub = FakeHub({"org/big-GGUF": {model.name: model.read_bytes()}})
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        args = ["models", "inspect", "org/big-GGUF:Q8_0", "--data-dir", str(tmp_path / "dd")]
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert "architecture   qwen3" in out and "layers         8" in out
+        assert "split          yes" in out and "file           " in out
+        assert 0 < hub.served < model.stat().st_size / 100, (hub.served, model.stat().st_size)
+    finally:
+        hub.close()

@@ -45,7 +45,9 @@ def register(msub: argparse._SubParsersAction) -> None:
 
 
 def _agent_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api", help="the agent's API URL (default: read from the data dir)")
+    p.add_argument(
+        "--api", metavar="URL", help="the agent's API URL (default: read from the data dir)"
+    )
     add_data_dir(p)
 
 

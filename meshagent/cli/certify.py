@@ -19,14 +19,19 @@ def register(msub: argparse._SubParsersAction) -> None:
         help="measure a split against the whole model per wire dtype; sign a capability record",
     )
     c.add_argument("model", nargs="?", default="", help="a GGUF file (default: embedded)")
-    c.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt (24)")
+    c.add_argument(
+        "--tokens", metavar="N", type=int, default=24, help="greedy tokens per prompt (24)"
+    )
     c.add_argument(
         "--ctx-size",
+        metavar="TOKENS",
         type=int,
         default=1024,
         help="context length to certify: the long prompt fills it (1024)",
     )
-    c.add_argument("--threads", type=int, default=0, help="compute threads (one per core)")
+    c.add_argument(
+        "--threads", metavar="N", type=int, default=0, help="compute threads (one per core)"
+    )
     c.add_argument(
         "--cut",
         action="append",

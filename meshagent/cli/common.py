@@ -11,13 +11,14 @@ from typing import Any
 import httpx
 
 from meshagent.cli.secrets import read_key_file
-from meshagent.config import API_KEY_ENV, DataDir, default_data_dir
-from meshagent.errors import MeshError
+from meshagent.config import API_KEY_ENV, DataDir, default_data_dir, parse_size
+from meshagent.errors import ConfigError, MeshError
 
 
 def add_data_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data-dir",
+        metavar="PATH",
         type=Path,
         default=None,
         help="where the identity, config and caches live "
@@ -108,3 +109,11 @@ def auth_headers(dd: DataDir) -> dict[str, str]:
             keys = []
         key = str(keys[0]) if keys else ""
     return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def size_arg(text: str) -> int:
+    """Bytes from `4MiB`, `500k`, `1048576`...: every size option takes the same units."""
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -45,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = msub.add_parser("slice", help="cut layers A:B (or the entry artifact) into the cache")
     s.add_argument("model", nargs="?", default="", help="a GGUF file (default: embedded)")
     g = s.add_mutually_exclusive_group(required=True)
-    g.add_argument("--layers", help="the layer range A:B to cut, B exclusive (e.g. 10:20)")
+    g.add_argument(
+        "--layers", metavar="A:B", help="the layer range A:B to cut, B exclusive (e.g. 10:20)"
+    )
     g.add_argument(
         "--entry", action="store_true", help="the entry artifact: tokenizer and embeddings"
     )
@@ -62,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         help="the overlay address of a peer that holds it",
     )
-    f.add_argument("--sha256", help="refuse the artifact unless its sha256 is this")
+    f.add_argument("--sha256", metavar="HEX", help="refuse the artifact unless its sha256 is this")
     add_data_dir(f)
     f.set_defaults(run=run_fetch)
 
@@ -78,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="models downloaded by name, and the stage artifacts and capability records in "
         "the data dir's cache",
     )
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print the models as JSON")
     add_data_dir(ls)
     ls.set_defaults(run=run_list)
 
@@ -116,8 +118,20 @@ def chat_template_name(path: Path) -> str:
     return f"{family_template(arch, held.__contains__).name} (the file has none: its family's)"
 
 
+def _inspected(spec: str, args: argparse.Namespace) -> Path:
+    """The file to inspect: a local one, or for a hub name not in the cache its header only
+    (a range request into a partial copy under the data dir: the file is not downloaded)."""
+    if spec:
+        name = parse_model_name(spec)
+        if isinstance(name, HubName):
+            from meshagent.models.hub import model_for_agent
+
+            return model_for_agent(name, data_dir_from(args).models_path, weights_offer=0)
+    return resolve_model(spec)
+
+
 def run_inspect(args: argparse.Namespace) -> int:
-    model = resolve_model(args.model)
+    model = _inspected(args.model, args)
     layout = inspect_model(model)
     traits = family_traits(layout)
     record = _capability(model, args)

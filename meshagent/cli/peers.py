@@ -10,7 +10,14 @@ from typing import Any
 
 import httpx
 
-from meshagent.cli.common import NoAgent, add_data_dir, auth_headers, control_get, data_dir_from
+from meshagent.cli.common import (
+    NoAgent,
+    add_data_dir,
+    auth_headers,
+    control_get,
+    data_dir_from,
+    size_arg,
+)
 
 _GIB = 1 << 30
 
@@ -31,14 +38,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="PEER",
         help="send bytes to a connected peer (id or unique prefix) and check they all arrive",
     )
-    p.add_argument("--probe-bytes", type=int, default=8 << 20, help="bytes to send (default 8 MiB)")
+    p.add_argument(
+        "--probe-bytes",
+        metavar="SIZE",
+        type=size_arg,
+        default=8 << 20,
+        help="bytes to send, e.g. 8MiB or 500k (default 8MiB)",
+    )
     p.add_argument(
         "--probe-seconds",
+        metavar="SECONDS",
         type=float,
         default=0.0,
         help="spread the probe over this many seconds (default: as fast as possible)",
     )
-    p.add_argument("--api", help="the agent's API URL (default: read from the data dir)")
+    p.add_argument(
+        "--api", metavar="URL", help="the agent's API URL (default: read from the data dir)"
+    )
     add_data_dir(p)
     p.set_defaults(run=run)
 

@@ -13,7 +13,7 @@ import structlog
 import trio
 
 from meshagent import logs
-from meshagent.config import parse_size
+from meshagent.cli.common import size_arg
 from meshagent.errors import ConfigError
 from meshagent.net.address import Address
 from meshagent.net.tcp import TcpTransport
@@ -21,14 +21,6 @@ from meshagent.relay.limits import RelayLimits
 from meshagent.relay.server import RelayServer
 
 log = structlog.get_logger(__name__)
-
-
-def size(text: str) -> int:
-    """Bytes from `4MiB`, `500k`, `1048576`..."""
-    try:
-        return parse_size(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,32 +37,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--circuits-per-agent",
+        metavar="N",
         type=int,
         default=d.circuits_per_agent,
         help=f"circuits one agent may be an end of at once (default {d.circuits_per_agent})",
     )
     p.add_argument(
         "--max-agents",
+        metavar="N",
         type=int,
         default=d.max_agents,
         help=f"agents registered at once (default {d.max_agents})",
     )
     p.add_argument(
         "--rate",
-        type=size,
+        type=size_arg,
         default=int(d.rate_bytes_per_s),
         metavar="BYTES",
         help="bytes per second per circuit, both directions together (default 4MiB)",
     )
     p.add_argument(
         "--circuits-per-mesh",
+        metavar="N",
         type=int,
         default=d.circuits_per_mesh,
         help=f"circuits among one mesh's members at once (default {d.circuits_per_mesh})",
     )
     p.add_argument(
         "--mesh-rate",
-        type=size,
+        type=size_arg,
         default=0,
         metavar="BYTES",
         help="bytes per second of all one mesh's circuits together (default 0: no cap)",
@@ -96,7 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help=f"close a circuit that moves no byte this long (default {d.idle_timeout:g})",
     )
-    p.add_argument("--log-level", choices=logs.LEVELS, default="info")
+    p.add_argument(
+        "--log-level", choices=logs.LEVELS, default="info", help="the least severe events logged"
+    )
     p.add_argument(
         "--log-format",
         choices=("auto", "json", "console"),

@@ -11,7 +11,9 @@ from meshagent.cli.common import add_data_dir, control_get
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="show the local agent's identity and what it serves")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
-    p.add_argument("--api", help="the agent's API URL (default: read from the data dir)")
+    p.add_argument(
+        "--api", metavar="URL", help="the agent's API URL (default: read from the data dir)"
+    )
     add_data_dir(p)
     p.set_defaults(run=run)
 

@@ -44,11 +44,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ORG/REPO/FILE.gguf (repeatable: one agent takes part in several models; default: "
         "the embedded SmolLM2-135M)",
     )
-    p.add_argument("--name", help="a human name for this agent (default: the host name)")
-    p.add_argument("--api-host", help=f"address of the API (default {d.api_host})")
-    p.add_argument("--api-port", type=int, help=f"port of the API (default {d.api_port})")
+    p.add_argument(
+        "--name", metavar="NAME", help="a human name for this agent (default: the host name)"
+    )
+    p.add_argument("--api-host", metavar="HOST", help=f"address of the API (default {d.api_host})")
+    p.add_argument(
+        "--api-port", metavar="PORT", type=int, help=f"port of the API (default {d.api_port})"
+    )
     p.add_argument(
         "--ollama-port",
+        metavar="PORT",
         type=int,
         help="also serve the API on this port of --api-host, for tools that speak only "
         "ollama's protocol and look for it there (ollama's own: 11434; default off)",
@@ -76,7 +81,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve an API that listens beyond loopback without a key (anyone who reaches it "
         "can use it)",
     )
-    p.add_argument("--listen", help=f"overlay address for peers, host:port (default {d.listen})")
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help=f"overlay address for peers, host:port (default {d.listen})",
+    )
     p.add_argument(
         "--peer",
         action="append",
@@ -119,14 +128,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         const=False,
         help="do not advertise or browse on the local network (mDNS)",
     )
-    p.add_argument("--ctx-size", type=int, help=f"context tokens per slot (default {d.ctx_size})")
-    p.add_argument("--slots", type=int, help=f"requests decoded together (default {d.slots})")
+    p.add_argument(
+        "--ctx-size",
+        metavar="TOKENS",
+        type=int,
+        help=f"context tokens per slot (default {d.ctx_size})",
+    )
+    p.add_argument(
+        "--slots", metavar="N", type=int, help=f"requests decoded together (default {d.slots})"
+    )
     p.add_argument(
         "--max-queue",
+        metavar="N",
         type=int,
         help=f"requests waiting for a slot before answering 429 (default {d.max_queue})",
     )
-    p.add_argument("--threads", type=int, help="compute threads (default: one per core)")
+    p.add_argument(
+        "--threads", metavar="N", type=int, help="compute threads (default: one per core)"
+    )
     p.add_argument(
         "--max-memory",
         metavar="SIZE",
@@ -149,6 +168,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--grace",
+        metavar="SECONDS",
         type=float,
         help=f"seconds in-flight requests get to finish on shutdown (default {d.grace})",
     )

@@ -98,3 +98,16 @@ TOOLS = [
 ]
 TOOL_SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 TOOL_PROMPTS = ["What is the weather in Paris?", "Add 2 and 40.", "Will it rain in Oslo this week?"]
+
+
+# A strict schema whose reply has no natural end (an unbounded array of strings): a model may
+# run on inside it until max_tokens (tests/e2e/test_openai_api.py, bench/agent_api.py).
+TAGS = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["title", "tags"],
+    "additionalProperties": False,
+}

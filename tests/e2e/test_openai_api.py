@@ -797,15 +797,8 @@ def test_a_strict_schema_with_unbounded_parts_validates_at_any_limit(
 ) -> None:
     import jsonschema
 
-    schema = {
-        "type": "object",
-        "properties": {
-            "title": {"type": "string"},
-            "tags": {"type": "array", "items": {"type": "string"}},
-        },
-        "required": ["title", "tags"],
-        "additionalProperties": False,
-    }
+    from meshagent.testing.structured_output import TAGS as schema
+
     fmt = {"type": "json_schema", "json_schema": {"name": "post", "schema": schema, "strict": True}}
     ask = "Give a title and as many tags as you can for a long blog post about cooking pasta."
     for limit in (48, 96, 200):

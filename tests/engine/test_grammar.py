@@ -106,18 +106,22 @@ def test_random_logits_under_the_json_object_grammar_give_an_object(vocab, seed)
 def test_a_json_object_that_must_close_within_a_budget_does(vocab, seed, budget):
     # Random logits write deep, long JSON; the closer makes it whole before the budget, with
     # the end of generation at the last token at the latest.
+    assert isinstance(json.loads(walk_within(vocab, json_grammar(), seed, budget)), dict)
+
+
+def walk_within(vocab, grammar: str, seed: int, budget: int) -> str:
+    """Sample through random logits under `grammar`, which must close within `budget`
+    tokens, the end of generation included."""
     rng = np.random.default_rng(seed)
-    constraint = vocab.constraint(json_grammar(), None, budget)
+    constraint = vocab.constraint(grammar, None, budget)
     sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), (), constraint)
     out = b""
     for _ in range(budget):
         token = sampler.sample(rng.normal(size=vocab.n_vocab).astype(np.float32) * 3)
         if vocab.is_end_of_generation(token):
-            break
+            return out.decode()
         out += vocab.token_bytes(token)
-    else:
-        raise AssertionError(f"no end within {budget} tokens: {out!r}")
-    assert isinstance(json.loads(out.decode()), dict)
+    raise AssertionError(f"no end within {budget} tokens: {out!r}")
 
 
 # Unbounded arrays and strings, required and optional properties, nested objects: a random
@@ -145,15 +149,5 @@ OPEN_SCHEMA = {
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("budget", [24, 48, 96])
 def test_a_schema_that_must_close_within_a_budget_validates(vocab, seed, budget):
-    rng = np.random.default_rng(seed)
-    constraint = vocab.constraint(schema_grammar(OPEN_SCHEMA, param="x"), None, budget)
-    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), (), constraint)
-    out = b""
-    for _ in range(budget):
-        token = sampler.sample(rng.normal(size=vocab.n_vocab).astype(np.float32) * 3)
-        if vocab.is_end_of_generation(token):
-            break
-        out += vocab.token_bytes(token)
-    else:
-        raise AssertionError(f"no end within {budget} tokens: {out!r}")
-    jsonschema.validate(json.loads(out.decode()), OPEN_SCHEMA)
+    text = walk_within(vocab, schema_grammar(OPEN_SCHEMA, param="x"), seed, budget)
+    jsonschema.validate(json.loads(text), OPEN_SCHEMA)
