@@ -214,17 +214,20 @@ def default_data_dir() -> Path:
 CONFIG_TEMPLATE = """\
 # meshagent agent configuration. Command-line flags override these values.
 # Uncomment and edit to change a default.
+# models = ["ORG/REPO:Q4_K_M"]          # files or hub names; none: the mesh's catalogue
 # name = "my-laptop"
 # api_host = "127.0.0.1"
 # api_port = 9337
 # ollama_port = 11434   # also serve the API on ollama's port, for tools that look only there
 # api_keys = ["a long random string"]   # clients send it as a Bearer key
 # api_key_file = "/path/to/keys"        # or keys in a file of their own, one per line
+# insecure_no_api_key = false           # true: serve a non-loopback API without a key
 # listen = "0.0.0.0:9338"
 # peers = ["192.168.1.20:9338"]
 # addresses = ["203.0.113.7:9338"]
 # ctx_size = 2048
 # slots = 4
+# threads = 0                           # compute threads; 0: one per core
 # max_queue = 64
 # grace = 10.0
 # replay_deadline = 30.0
@@ -243,6 +246,8 @@ CONFIG_TEMPLATE = """\
 # mem_kv_gib = 0.0
 # max_memory = "1.5G"
 # max_vram = "all"                      # GPU memory offered; "0": none
+# wire_dtype = "auto"                   # activations between stages: auto, f16 or f32
+# log_level = "info"
 """
 
 

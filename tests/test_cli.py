@@ -251,3 +251,25 @@ def test_every_option_has_help_and_a_metavar_of_its_own():
             assert action.metavar is not None, f"{where} shows argparse's default metavar"
         seen += 1
     assert seen > 60  # every subcommand was walked
+
+
+def test_every_command_but_two_takes_a_data_dir():
+    # docs/cli.md, "Data dir": --data-dir on every command but `models pull` and `relay`.
+    import argparse
+
+    from meshagent.cli.main import build_parser
+
+    def leaves(parser, path=()):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield " ".join(path), parser
+        for action in subs:
+            for name, sub in action.choices.items():
+                yield from leaves(sub, (*path, name))
+
+    without = {
+        command
+        for command, parser in leaves(build_parser())
+        if not any("--data-dir" in a.option_strings for a in parser._actions)
+    }
+    assert without == {"models pull", "relay"}

@@ -115,3 +115,20 @@ def test_many_models_settings():
     for bad in ({"keep_alive": "soon"}, {"load_timeout": 0.0}):
         with pytest.raises(ConfigError, match=next(iter(bad)).replace("_", "-")):
             AgentConfig().merged(bad).validate()
+
+
+def test_the_config_template_names_every_key_commented_out_and_each_parses():
+    # docs/cli.md: config.toml is created with every key commented out.
+    import re
+    import tomllib
+    from dataclasses import fields
+
+    from meshagent.config import CONFIG_TEMPLATE, AgentConfig
+
+    lines = re.findall(r"^# (\w+ = .*)$", CONFIG_TEMPLATE, re.MULTILINE)
+    named = {line.split(" =")[0] for line in lines}
+    assert named == {f.name for f in fields(AgentConfig)}
+    # Each line, uncommented, is a setting the agent takes.
+    for line in lines:
+        setting = tomllib.loads(line.split("  #")[0])
+        AgentConfig().merged(setting)

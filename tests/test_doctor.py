@@ -241,3 +241,23 @@ def test_an_api_key_file_in_the_config_is_checked_too(tmp_path, capsys):
     _, findings = run_doctor(root, capsys)
     [f] = secrets_found(findings)
     assert str(keys) in f["said"] and f["fix"] == f"chmod 600 {keys}"
+
+
+def test_doctor_downloads_nothing_for_a_hub_model_named_in_the_config(
+    tmp_path, monkeypatch, capsys
+):
+    from tests.models.fake_hub import FakeHub
+
+    hub = FakeHub({"org/big-GGUF": {"big-Q4_K_M.gguf": b"GGUF" + bytes(64)}})
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        dd = tmp_path / "dd"
+        dd.mkdir()
+        (dd / "config.toml").write_text('model = "org/big-GGUF:Q4_K_M"\n')
+        main(["doctor", "--data-dir", str(dd)])
+        out = capsys.readouterr().out
+        assert "org/big-GGUF:Q4_K_M is not on this machine yet" in out
+        assert hub.requests == []  # doctor changes nothing: not even a download
+    finally:
+        hub.close()

@@ -158,8 +158,8 @@ class Catalog:
                 await trio.sleep(_SERVED_POLL)
             return
         raise errors.unavailable(
-            f"The model '{name}' is being placed again (a peer was lost) and no agent "
-            f"serves it yet after {bound:g} s; retry shortly.",
+            f"The model '{name}' is being placed (at start, or again after a lost peer) and "
+            f"no agent serves it yet after {bound:g} s; retry shortly.",
             code="split_unavailable",
             retry_after=SPLIT_RETRY_AFTER,
         )

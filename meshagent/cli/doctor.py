@@ -12,7 +12,7 @@ from meshagent import doctor
 from meshagent.cli.common import add_data_dir, auth_headers, data_dir_from
 from meshagent.config import AgentConfig
 from meshagent.errors import MeshError
-from meshagent.models.default import resolve_model
+from meshagent.models.default import local_file
 
 MARK = {doctor.OK: "ok  ", doctor.WARN: "warn", doctor.FAIL: "FAIL"}
 
@@ -35,11 +35,18 @@ def run(args: argparse.Namespace) -> int:
     except MeshError as e:
         findings.append(doctor.Finding(doctor.FAIL, "config", str(e), f"edit {dd.config_path}"))
         config = AgentConfig()
+    # The model as it is on this machine now: doctor changes nothing, so a hub model not in
+    # the cache is not downloaded here (`up` does that).
+    spec = config.models[0] if config.models else ""
     try:
-        model_path = resolve_model(config.models[0] if config.models else "")
+        model_path = local_file(spec)
     except MeshError as e:
         findings.append(doctor.Finding(doctor.FAIL, "model", str(e), "see the message"))
         model_path = None
+    else:
+        if model_path is None:
+            said = f"{spec or 'the embedded model'} is not on this machine yet"
+            findings.append(doctor.Finding(doctor.WARN, "model", said, "`meshagent up` fetches it"))
     situation = doctor.Situation(
         dd, config, doctor.running_status(dd, auth_headers(dd)), doctor.agent_command(dd)
     )

@@ -156,8 +156,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-vram",
         metavar="SIZE",
         help="cap on the GPU memory this agent offers the mesh, all devices together, e.g. "
-        "20G; 0 offers none (default: each GPU's free memory, less 512 MiB; a CPU build of "
-        "llama.cpp has no GPU)",
+        "20G; 0 offers none; all (the default): each GPU's free memory, less 512 MiB (a CPU "
+        "build of llama.cpp has no GPU)",
     )
     p.add_argument(
         "--wire-dtype",
