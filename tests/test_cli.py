@@ -108,25 +108,27 @@ def test_an_agent_that_cannot_serve_its_model_says_why(spawn_agent, capsys):
 
     agent = spawn_agent("--max-memory", "80M", wait_model=False)
     log = agent.data_dir / "agent.log"
-    wait_for(lambda: "meshagent: not serving" in log.read_text(errors="replace"), timeout=60)
+    model = "SmolLM2-135M-Instruct.Q4_1"
+    wait_for(lambda: "is not served: " in log.read_text(errors="replace"), timeout=60)
     said = log.read_text(errors="replace")
     assert f"meshagent: API at {agent.url}/v1 (console: {agent.url}/console); serving " in said
     assert "meshagent: serving" not in said
-    assert said.count("meshagent: not serving") == 1  # not the mesh that looked empty at start
+    assert said.count(f"meshagent: {model} is not served") == 1  # not the empty mesh at start
     assert main(["status", "--data-dir", str(agent.data_dir)]) == 0
     out = capsys.readouterr().out
     [line] = [x for x in out.splitlines() if x.startswith("placement ")]
-    assert "not served: " in line and "SmolLM2-135M-Instruct" in line
-    reason = line.split("not served: ", 1)[1]
-    assert f"not serving SmolLM2-135M-Instruct.Q4_1: {reason}" in said
-    # ...and so do the log, `meshagent peers` and the API, in the same words.
+    assert line.startswith(f"placement {model} is not served: ")
+    reason = line.split("is not served: ", 1)[1]
+    # ...and so do the `up` line, the log, `meshagent peers` and the API, in the same words
+    # (`wording.not_served`).
+    assert f"meshagent: {model} is not served: {reason}" in said
     assert "placement.not_served" in said and reason in said.split("placement.not_served")[-1]
     assert main(["peers", "--data-dir", str(agent.data_dir)]) == 0
-    assert f"SmolLM2-135M-Instruct.Q4_1 not served: {reason}" in capsys.readouterr().out
-    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "hi", "max_tokens": 2}
+    assert f"{model} is not served: {reason}" in capsys.readouterr().out
+    body = {"model": model, "prompt": "hi", "max_tokens": 2}
     r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_served"
-    assert r.json()["error"]["message"].endswith(f"is not served: {reason}")
+    assert r.json()["error"]["message"] == f"The model {model} is not served: {reason}"
 
 
 def test_invite_needs_a_mesh_first(tmp_path, capsys):

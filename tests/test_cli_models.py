@@ -15,7 +15,7 @@ def test_models_inspect_reports_layers_and_kv(tmp_path, capsys):
 
 
 def test_models_slice_caches_by_content(tmp_path, capsys):
-    args = ["models", "slice", "--layers", "20:30", "--json", "--data-dir", str(tmp_path)]
+    args = ["models", "slice", "--layers", "20-30", "--json", "--data-dir", str(tmp_path)]
     assert main(args) == 0
     first = json.loads(capsys.readouterr().out)
     assert first["role"] == "last"
@@ -31,9 +31,9 @@ def test_models_slice_caches_by_content(tmp_path, capsys):
 
 def test_models_slice_refuses_a_bad_range(tmp_path, capsys):
     assert main(["models", "slice", "--layers", "5:99", "--data-dir", str(tmp_path)]) == 1
-    assert "outside this model's 0:30" in capsys.readouterr().err
+    assert "5-99 is outside this model's 0-30" in capsys.readouterr().err
     assert main(["models", "slice", "--layers", "oops", "--data-dir", str(tmp_path)]) == 1
-    assert "A:B" in capsys.readouterr().err
+    assert "A-B" in capsys.readouterr().err
 
 
 def test_models_inspect_says_what_experts_cost(tmp_path, capsys):

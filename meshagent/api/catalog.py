@@ -17,6 +17,7 @@ from meshagent.api.inflight import InFlight
 from meshagent.catalog.entry import CatalogEntry, SignedEntry
 from meshagent.serving.directory import ModelDirectory, RemoteModel
 from meshagent.serving.local_model import LocalModel
+from meshagent.wording import not_served
 
 _SERVED_POLL = 0.1  # seconds between looks for a model being placed again
 
@@ -153,7 +154,7 @@ class Catalog:
                 why = self.directory.why_unserved(name)
                 if why is not None:
                     raise errors.unavailable(
-                        f"The model '{name}' is not served: {why}", code="model_not_served"
+                        f"The model {not_served(name, why)}", code="model_not_served"
                     )
                 await trio.sleep(_SERVED_POLL)
             return
@@ -184,7 +185,7 @@ class Catalog:
                     why = self.loads.why_not_placed(name) or self.directory.why_unserved(name)
                     if why is not None:
                         raise errors.unavailable(
-                            f"The model '{name}' is not served: {why}",
+                            f"The model {not_served(name, why)}",
                             code="model_not_served",
                             retry_after=LOAD_RETRY_AFTER,
                         )

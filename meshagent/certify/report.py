@@ -11,6 +11,7 @@ import llama_cpp
 from meshagent.certify.checks import Certification, CutResult
 from meshagent.certify.soak import SoakResult
 from meshagent.models.capability import CapabilityRecord, WireResult
+from meshagent.wording import layer_range
 
 
 def wire_results(results: list[CutResult], dtypes: tuple[str, ...]) -> tuple[WireResult, ...]:
@@ -133,7 +134,7 @@ def report_markdown(
         lines += ["", "Soak: not run."]
     else:
         verdict = "passed" if soaked.passed else f"FAILED ({soaked.error or 'texts differ'})"
-        stages = ", ".join(f"{a}-{b}" for a, b in soaked.stages) or "-"
+        stages = ", ".join(layer_range(a, b) for a, b in soaked.stages) or "-"
         lines += [
             "",
             f"Soak ({soaked.wire_dtype} wire, 3 agent processes, stages {stages}, against one "

@@ -30,6 +30,7 @@ from meshagent.net.tcp import TcpTransport
 from meshagent.serving.chat import OWN
 from meshagent.serving.family_templates import family_template
 from meshagent.wire.handshake import LocalPeer
+from meshagent.wording import layer_range
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("model", nargs="?", default="", help="a GGUF file (default: embedded)")
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument(
-        "--layers", metavar="A:B", help="the layer range A:B to cut, B exclusive (e.g. 10:20)"
+        "--layers", metavar="A-B", help="the layer range A-B to cut, B exclusive (e.g. 10-20)"
     )
     g.add_argument(
         "--entry", action="store_true", help="the entry artifact: tokenizer and embeddings"
@@ -186,12 +187,15 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def _parse_range(text: str, n_layers: int) -> tuple[int, int]:
+    """Layers A-B (B exclusive); A:B, the older form, is read too."""
     try:
-        a, b = (int(x) for x in text.split(":"))
+        a, b = (int(x) for x in text.replace(":", "-", 1).split("-"))
     except ValueError:
-        raise ConfigError(f"--layers must look like A:B (e.g. 0:10), got {text!r}") from None
+        raise ConfigError(f"--layers must look like A-B (e.g. 0-10), got {text!r}") from None
     if not 0 <= a < b <= n_layers:
-        raise ConfigError(f"--layers {a}:{b} is outside this model's 0:{n_layers}")
+        raise ConfigError(
+            f"--layers {layer_range(a, b)} is outside this model's {layer_range(0, n_layers)}"
+        )
     return a, b
 
 

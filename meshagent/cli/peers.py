@@ -18,6 +18,7 @@ from meshagent.cli.common import (
     data_dir_from,
     size_arg,
 )
+from meshagent.wording import not_served
 
 _GIB = 1 << 30
 
@@ -88,7 +89,7 @@ def _show(args: argparse.Namespace) -> None:
         print(body["alone"])
     for model, p in body.get("placement", {}).items():
         if not p["routable"] and p["error"]:
-            print(f"{model} not served: {p['error']}")
+            print(not_served(model, p["error"]))
 
 
 def table(peers: list[dict[str, Any]]) -> str:

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from meshagent.cli.common import add_data_dir, control_get
+from meshagent.wording import layer_range, not_served
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -135,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
             whose = "its" if len(loading) == 1 else "their"
             waiting = f"waiting for {', '.join(loading)} to load {whose} part" if loading else ""
             why = p.get("error") or waiting or "a plan is being agreed"
-            print(f"placement {model_id}  not served: {why}")
+            print(f"placement {not_served(model_id, why)}")
         if p.get("stages"):
-            parts = ", ".join(f"{pid[:12]}:{a}-{b}" for pid, a, b in p["stages"])
+            parts = ", ".join(f"{pid[:12]}:{layer_range(a, b)}" for pid, a, b in p["stages"])
             print(f"split     {model_id}  {parts}")
         wire = p.get("wire")
         if wire:

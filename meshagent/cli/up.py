@@ -26,6 +26,7 @@ from meshagent.net.address import Address, is_loopback
 from meshagent.services import Services
 from meshagent.serving.mesh_directory import UNSERVED_SETTLE
 from meshagent.serving.mesh_model import MeshModel
+from meshagent.wording import not_served
 
 log = structlog.get_logger(__name__)
 
@@ -399,7 +400,7 @@ async def _say_what_serves(model: MeshModel, api_url: str) -> None:
         if p["routable"]:
             line = f"serving {model.info.id} at {api_url}/v1"
         elif p["error"]:
-            line = f"not serving {model.info.id}: {p['error']}"
+            line = not_served(model.info.id, p["error"])
         else:
             line = None  # a plan is being agreed or loaded
         if line != seen:

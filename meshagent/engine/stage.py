@@ -16,6 +16,7 @@ from meshagent.errors import EngineError
 from meshagent.models.architectures import INPUT_SCALE_TENSOR, INPUT_SCALED_ALWAYS
 from meshagent.models.layout import field, open_gguf
 from meshagent.models.slicer import PAD_LAYERS_KEY, SLICE_KEY_PREFIX
+from meshagent.wording import layer_range
 
 WIRE_DTYPES = {"f32": np.float32, "f16": np.float16}
 
@@ -45,7 +46,9 @@ class StageEngine(RuntimeDelegate):
         gpu_layers: int = 0,
     ) -> None:
         if not 0 <= start < end <= total_layers:
-            raise EngineError(f"layer range {start}:{end} is outside 0:{total_layers}")
+            raise EngineError(
+                f"layer range {layer_range(start, end)} is outside {layer_range(0, total_layers)}"
+            )
         self.start = start
         self.end = end
         self.last = end == total_layers

@@ -21,6 +21,7 @@ from meshagent.models.architectures import INPUT_SCALED_FOR_TOKENS, SWA_PATTERN
 from meshagent.models.family import ATTENTION, RECURRENT, family_traits
 from meshagent.models.gguf_file import TOKENIZER_PREFIX, GGUFFile
 from meshagent.models.layout import LAYER_TENSOR, ModelLayout, open_gguf
+from meshagent.wording import layer_range
 
 PLACEHOLDER_VOCAB = 8
 SLICE_KEY_PREFIX = "meshagent.slice."
@@ -200,7 +201,8 @@ def write_layers(
 ) -> None:
     """Write the layers artifact for [start, end) of `layout`'s model to `dst`."""
     if not 0 <= start < end <= layout.n_layers:
-        raise ModelError(f"layer range {start}:{end} is outside 0:{layout.n_layers}")
+        whole = layer_range(0, layout.n_layers)
+        raise ModelError(f"layer range {layer_range(start, end)} is outside {whole}")
     if layout.stage_refusal and (start, end) != (0, layout.n_layers):
         raise ModelError(f"cannot split {layout.name}: {layout.stage_refusal}")
     reader = open_gguf(Path(layout.path))
