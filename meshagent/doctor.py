@@ -36,6 +36,35 @@ class Finding:
     said: str  # what was found
     fix: str = ""  # one line that fixes it (WARN and FAIL)
 
+    @property
+    def more(self) -> str:
+        """The section of docs/troubleshooting.md that explains a problem of this check."""
+        section = TROUBLESHOOTING.get(self.check)
+        return f'docs/troubleshooting.md, "{section}"' if section else ""
+
+
+# Each check's problems, by the symptom the user sees (docs/troubleshooting.md's sections).
+UNSEEN, UNSERVED, SLOW, REFUSED = (
+    "My machine doesn't see the others",
+    "The model is not served",
+    "It is slow",
+    "A client is refused",
+)
+TROUBLESHOOTING = {
+    "ports": UNSEEN,
+    "mdns": UNSEEN,
+    "relay": UNSEEN,
+    "nat": UNSEEN,
+    "memory": UNSERVED,
+    "model": UNSERVED,
+    "config": UNSERVED,
+    "llama.cpp": SLOW,
+    "windows": SLOW,
+    "gpu": SLOW,
+    "secrets": REFUSED,
+    "data dir": REFUSED,
+}
+
 
 @dataclass(frozen=True)
 class Situation:

@@ -90,6 +90,16 @@ def test_the_text_report_prints_each_fix_and_exits_non_zero(tmp_path, capsys):
     out = capsys.readouterr()
     assert f"FAIL  relay      the relay {relay} cannot be reached" in out.out
     assert "fix: check the address" in out.out and "1 problem(s)" in out.err
+    # ...and where the troubleshooting guide explains it.
+    assert 'more: docs/troubleshooting.md, "My machine doesn\'t see the others"' in out.out
+
+
+def test_every_check_points_to_a_section_the_guide_has():
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "troubleshooting.md").read_text()
+    headings = {line[3:] for line in guide.splitlines() if line.startswith("## ")}
+    assert set(doctor.TROUBLESHOOTING.values()) <= headings
+    checks = {"ports", "mdns", "relay", "nat", "memory", "llama.cpp", "gpu", "secrets"}
+    assert checks <= set(doctor.TROUBLESHOOTING)
 
 
 def test_ports_a_running_agent_holds_are_its_own():

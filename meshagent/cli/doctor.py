@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{MARK[f.level]}  {f.check:10} {f.said}")
         if f.fix:
             print(f"      {'':10} fix: {f.fix}")
+        if f.level != doctor.OK and f.more:
+            print(f"      {'':10} more: {f.more}")
     warned = sum(f.level == doctor.WARN for f in findings)
     if failed:
         print(f"{failed} problem(s), {warned} warning(s)", file=sys.stderr)
