@@ -34,7 +34,14 @@ _SAY_EVERY = 0.5  # seconds between looks at whether the model is served
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start an agent and serve the API on localhost")
+    p = sub.add_parser(
+        "up",
+        help="start an agent and serve the API on localhost",
+        description="Start an agent and serve the API on localhost. To add this machine to "
+        "a mesh: `meshagent invite` on a member, then `meshagent up --join -` here and paste "
+        "the token. The machines must reach each other on the --listen port (TCP; on one LAN "
+        "they find each other by mDNS), or share a relay (--relay).",
+    )
     d = AgentConfig()
     p.add_argument(
         "--model",
@@ -204,11 +211,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--speculation",
         choices=("auto", "on", "off"),
-        help="speculative decoding with drafts from each request's own text, for requests "
-        f"that do not choose (default {d.speculation}; auto: drafts while they are accepted, "
-        "where the engine computes a draft's window exactly as one-token steps, so that no "
-        "token changes; on: whenever the text proposes one, even where windows are not exact; "
-        "off: never; docs/speculation.md)",
+        help=f"speculative decoding for requests that do not choose (default {d.speculation}: "
+        "only where it changes no token; docs/speculation.md)",
     )
     p.add_argument(
         "--prefix-cache",
