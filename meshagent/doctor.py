@@ -24,6 +24,7 @@ from meshagent.config import API_KEY_ENV, JOIN_ENV, AgentConfig, DataDir
 from meshagent.discovery import addresses
 from meshagent.errors import MeshError
 from meshagent.net.address import Address, is_loopback
+from meshagent.wording import NOT_SERVED_SECTION
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 RELAY_TIMEOUT = 3.0  # seconds to connect to a relay
@@ -44,12 +45,12 @@ class Finding:
 
 
 # Each check's problems, by the symptom the user sees (docs/troubleshooting.md's sections).
-UNSEEN, UNSERVED, SLOW, REFUSED = (
+UNSEEN, SLOW, REFUSED = (
     "My machine doesn't see the others",
-    "The model is not served",
     "It is slow",
     "A client is refused",
 )
+UNSERVED = NOT_SERVED_SECTION
 TROUBLESHOOTING = {
     "ports": UNSEEN,
     "mdns": UNSEEN,

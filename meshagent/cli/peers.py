@@ -18,7 +18,7 @@ from meshagent.cli.common import (
     data_dir_from,
     size_arg,
 )
-from meshagent.wording import not_served
+from meshagent.wording import layer_range, not_served, peer_label
 
 _GIB = 1 << 30
 
@@ -114,8 +114,8 @@ def table(peers: list[dict[str, Any]]) -> str:
             mem = f"{p['mem_weights_bytes'] / _GIB:.1f}/{p['mem_kv_bytes'] / _GIB:.1f}G"
         speed = "-" if not p["compute_speed"] else f"{p['compute_speed']:.0f}GF"
         vram, gpu_speed = _gpus(p.get("devices") or [])
-        serves = [f"{s['model']}[{s['layers'][0]}:{s['layers'][1]}]" for s in p["serving"]]
-        stages = [f"{s['kind']}[{s['layers'][0]}:{s['layers'][1]}]" for s in p["stages"]]
+        serves = [f"{s['model']} {layer_range(*s['layers'])}" for s in p["serving"]]
+        stages = [f"{s['kind']} {layer_range(*s['layers'])}" for s in p["stages"]]
         extra = f" +{len(stages)} stage artifacts" if stages else ""
         rows.append(
             (
@@ -137,8 +137,11 @@ def table(peers: list[dict[str, Any]]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
         for r in rows
     )
+    names = {p["peer_id"]: p["name"] or "" for p in peers}
     why = [
-        f"{p['peer_id'][:12]} relayed: {p['why_relayed']}" for p in peers if p.get("why_relayed")
+        f"{peer_label(p['peer_id'], names)} relayed: {p['why_relayed']}"
+        for p in peers
+        if p.get("why_relayed")
     ]
     return "\n".join([table, *why])
 

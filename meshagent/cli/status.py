@@ -6,7 +6,7 @@ import argparse
 import json
 
 from meshagent.cli.common import add_data_dir, control_get
-from meshagent.wording import layer_range, not_served
+from meshagent.wording import layer_range, not_served, peer_label
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +24,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
+    # Peers by the names their users gave them (the peers document has them).
+    rows = control_get(args, "/control/peers").get("peers") or []
+    names = {r["peer_id"]: r.get("name") or "" for r in rows}
+    names[st["peer_id"]] = st.get("name") or ""
+
+    def label(peer_id: str) -> str:
+        return peer_label(peer_id, names)
+
     print(f"peer id   {st['peer_id']}")
     print(f"name      {st['name']}")
     print(f"version   {st['version']}")
@@ -118,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         if m.get("loading"):
             where = f"loading: {m['loading']}"
         elif m["placed"]:
-            where = f"placed on {', '.join(x[:12] for x in m['peers'])}"
+            where = f"placed on {', '.join(label(x) for x in m['peers'])}"
         else:
             where = f"not placed: {m['why_not'] or 'being decided'}"
         pin = "pinned" if m["pinned"] else ""
@@ -132,13 +140,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"model     {m['model']}  {where} ({extras})")
     for model_id, p in (st.get("placement") or {}).items():
         if not p.get("routable"):
-            loading = [x[:12] for x in p.get("loading") or []]
+            loading = [label(x) for x in p.get("loading") or []]
             whose = "its" if len(loading) == 1 else "their"
             waiting = f"waiting for {', '.join(loading)} to load {whose} part" if loading else ""
             why = p.get("error") or waiting or "a plan is being agreed"
             print(f"placement {not_served(model_id, why)}")
         if p.get("stages"):
-            parts = ", ".join(f"{pid[:12]}:{layer_range(a, b)}" for pid, a, b in p["stages"])
+            parts = ", ".join(f"{label(pid)} {layer_range(a, b)}" for pid, a, b in p["stages"])
             print(f"split     {model_id}  {parts}")
         wire = p.get("wire")
         if wire:
@@ -164,5 +172,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"peers     {len(peers)} connected")
     for p in peers:
         rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f} ms"
-        print(f"  {p['peer_id'][:12]}  {p['path']:<8} {p['address']:<22} rtt {rtt}")
+        print(f"  {label(p['peer_id'])}  {p['path']:<8} {p['address']:<22} rtt {rtt}")
     return 0
