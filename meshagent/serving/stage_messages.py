@@ -31,6 +31,7 @@ VERSION = 1
 MAX_HEADER = 64 * 1024
 MAX_PAYLOAD = 256 * 1024 * 1024  # whatever the limits, no message carries more
 MAX_ID = 2**63 - 1  # prefix-cache entries, layers, seeds: any id the sender's counters reach
+MAX_TOKEN = 2**31 - 1  # token ids (llama.cpp's are int32), and so counts of them
 DTYPES = {"f16": np.dtype("<f2"), "f32": np.dtype("<f4")}
 
 # header keys
@@ -242,7 +243,7 @@ def _sampling_from_cbor(d: Any) -> SamplingParams:
     if close_within is not None and not (_uint(close_within) and 0 < close_within <= MAX_ID):
         raise StageProtocolError("a sampling closing budget must be a positive integer")
     top_k = d.get(9, 0)
-    if not (_uint(top_k) and top_k <= MAX_ID):
+    if not (_uint(top_k) and top_k <= MAX_TOKEN):  # (more than the vocabulary: all of it)
         raise StageProtocolError("a sampling top_k must be a count of tokens")
     repeat_penalty = _finite(d.get(10, 1.0), "repeat penalty")
     if repeat_penalty <= 0:

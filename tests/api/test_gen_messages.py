@@ -77,6 +77,15 @@ def test_a_fresh_ask_carries_no_continuation():
     assert (cont[5], cont[6], cont[7]) == ([7], 1, 5)
 
 
+def test_a_done_names_a_stop_string_of_bounded_text():
+    done = {0: 1, 1: "done", 2: "stop", 3: 4, 4: 9, 5: [], 6: []}
+    with pytest.raises(GenMessageError):
+        decode(cbor2.dumps({**done, 9: "x" * 5000}))
+    with pytest.raises(GenMessageError):
+        decode(cbor2.dumps({**done, 9: 7}))
+    assert decode(cbor2.dumps({**done, 9: "\n\nUser:"})).stop == "\n\nUser:"
+
+
 @pytest.mark.parametrize(
     "fields,why",
     [
