@@ -66,10 +66,20 @@ class TokenTables:
                 by_first.setdefault(b[0], []).append(t)
         self.by_first = {k: np.array(v) for k, v in by_first.items()}
         self.ends = np.array([t for t in range(n_vocab) if is_end(t)], dtype=np.int64)
+        self._fewest: dict[bytes, list[int]] = {}
 
     def fewest(self, text: bytes) -> list[int]:
         """For each offset i of `text`, the fewest tokens that write text[i:] (a large number
-        where none can)."""
+        where none can). Kept for the last few texts: a closing often stays the same from
+        one step to the next (inside a string)."""
+        found = self._fewest.get(text)
+        if found is None:
+            if len(self._fewest) >= 64:
+                self._fewest.clear()
+            found = self._fewest[text] = self._count_fewest(text)
+        return found
+
+    def _count_fewest(self, text: bytes) -> list[int]:
         n = len(text)
         best = [0] * (n + 1)
         for i in range(n - 1, -1, -1):
