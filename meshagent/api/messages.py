@@ -19,11 +19,10 @@ from meshagent.api.errors import ApiError
 from meshagent.api.exchange import Exchange, Routes
 from meshagent.api.messages_request import MessagesRequest
 from meshagent.api.replies import Output
+from meshagent.api.responses import CHAT_PATH
 from meshagent.api.schemas import parse_body
 from meshagent.api.tools import ArgsDelta, Call, CallStart, Text
 from meshagent.serving.generation import Finished
-
-CHAT_PATH = "/v1/chat/completions"
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

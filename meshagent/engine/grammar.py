@@ -148,6 +148,8 @@ class GrammarConstraint:
         self._count = 0  # tokens accepted (of text: an end is never followed by more)
         self._closing: tuple[int, np.ndarray | None] | None = None  # (count, allowed)
         self._allowed: tuple[int, int] | None = None  # (count, token) `allows` said yes to
+        # (count, token, the closer fed it) as `_fits` left it: `accept` takes it up.
+        self._fed: tuple[int, int, JsonCloser | GbnfCloser] | None = None
 
     def _closing_set(self) -> np.ndarray | None:
         """The tokens allowed now by the need to close in time (None: any)."""
@@ -189,6 +191,7 @@ class GrammarConstraint:
             return True
         after = self._closer.copy()
         after.feed(self._tables.bytes[token])
+        self._fed = (self._count, token, after)
         left = self._close_within - 2 - self._count  # after this token, before the end
         return len(after.closing().encode()) <= left
 
@@ -230,9 +233,12 @@ class GrammarConstraint:
         if self._allowed != (self._count, token) and not self._allows(token, fit=False):
             raise EngineError(f"token {token} does not follow the grammar here")
         llama_cpp.llama_sampler_accept(self._sampler, token)
-        self._count += 1
-        if self._closer is not None and self._tables is not None:
+        if self._fed is not None and self._fed[:2] == (self._count, token):
+            self._closer = self._fed[2]  # fed this very token already, to see it fits
+        elif self._closer is not None and self._tables is not None:
             self._closer.feed(self._tables.bytes[token])
+        self._fed = None
+        self._count += 1
 
     def close(self) -> None:
         if self._sampler:

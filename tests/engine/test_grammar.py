@@ -151,3 +151,13 @@ OPEN_SCHEMA = {
 def test_a_schema_that_must_close_within_a_budget_validates(vocab, seed, budget):
     text = walk_within(vocab, schema_grammar(OPEN_SCHEMA, param="x"), seed, budget)
     jsonschema.validate(json.loads(text), OPEN_SCHEMA)
+
+
+def test_the_any_json_grammar_gets_the_json_closer_and_a_schema_its_own():
+    # The engine tells the API's json_object grammar by its first line (JSON_GRAMMAR_MARK).
+    from meshagent.engine.gbnf_close import GbnfCloser
+    from meshagent.engine.grammar import closer_for
+    from meshagent.engine.json_close import JsonCloser
+
+    assert isinstance(closer_for(json_grammar()), JsonCloser)
+    assert isinstance(closer_for(schema_grammar(SCHEMA, param="x")), GbnfCloser)
