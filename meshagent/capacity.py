@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 COMPUTE_UNIT = "matmul_gflops_f32"
-RESERVE_BYTES = 1 << 30
+RESERVE_BYTES = 10**9
 WEIGHTS_SHARE = 0.75
 
 

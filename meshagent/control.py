@@ -19,6 +19,8 @@ from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.net.manager import ConnectionManager
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from meshagent.api.access import Access
     from meshagent.api.inflight import InFlight
     from meshagent.discovery.dialer import PeerDialer
@@ -229,20 +231,28 @@ def _why_relayed(s: AgentParts, rows: list[dict[str, Any]]) -> list[dict[str, An
     return rows
 
 
-async def probe(overlay: ConnectionManager, body: dict[str, Any]) -> dict[str, Any]:
-    """Push bytes to the connected peer whose id starts with `body["peer"]` and verify them:
-    at most `probe.MAX_BYTES`, paced over at most `probe.MAX_SECONDS`, within a deadline."""
+async def probe(
+    overlay: ConnectionManager, body: dict[str, Any], names: Callable[[], dict[str, str]]
+) -> dict[str, Any]:
+    """Push bytes to the connected peer `body["peer"]` names (its name, as its record gives
+    it, or the start of its id) and verify them: at most `probe.MAX_BYTES`, paced over at
+    most `probe.MAX_SECONDS`, within a deadline."""
     want, total, seconds = body.get("peer", ""), body.get("bytes", 1 << 20), body.get("seconds", 0)
     if not isinstance(want, str):
-        raise path_probe.ProbeError("a probe's 'peer' must be (the start of) a peer id")
+        raise path_probe.ProbeError("a probe's 'peer' must be a peer's name or the start of its id")
     if not isinstance(total, int) or isinstance(total, bool):
         raise path_probe.ProbeError(f"a probe's 'bytes' must be an integer, not {total!r}")
     if not isinstance(seconds, int | float) or isinstance(seconds, bool):
         raise path_probe.ProbeError(f"a probe's 'seconds' must be a number, not {seconds!r}")
     path_probe.check(total, float(seconds))
-    matches = [link.peer_id for link in overlay.links() if link.peer_id.startswith(want)]
-    if not want or len(matches) != 1:
+    connected = [link.peer_id for link in overlay.links()]
+    known = names()
+    matches = [p for p in connected if want and known.get(p, "").lower() == want.lower()]
+    if not matches:
+        matches = [p for p in connected if want and p.startswith(want)]
+    if len(matches) != 1:
         raise path_probe.ProbeError(
-            f"peer {want[:80]!r} matches {len(matches)} connected peers; give more of its id"
+            f"{want[:80]!r} names {len(matches)} connected peers: give a peer's name, or more "
+            "of its id (`meshagent peers` lists both)"
         )
     return await path_probe.probe(overlay, matches[0], total=total, seconds=float(seconds))

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from meshagent import wording
 from meshagent.engine.native import ggml_library
 from meshagent.engine.runtime import init_backend
 
@@ -31,7 +32,7 @@ KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 OFFLOAD_KINDS = ("gpu", "igpu")
 GGML_TYPE_F32 = 0
 # Left free on each device for the driver and other programs, as the CPU's RESERVE_BYTES.
-VRAM_RESERVE = 512 << 20
+VRAM_RESERVE = 500 * 10**6
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def device_gflops(name: str = "", n: int = 0, repeats: int = 3) -> float:
         base.ggml_build_forward_expand(graph, base.ggml_mul_mat(ctx, a, b))
         buf = base.ggml_backend_alloc_ctx_tensors(ctx, backend)
         if not buf:
-            raise RuntimeError(f"ggml could not allocate {2 * n * n * 4 >> 20} MiB on {name}")
+            raise RuntimeError(f"ggml could not allocate {wording.size(2 * n * n * 4)} on {name}")
         host = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
         for t in (a, b):
             base.ggml_backend_tensor_set(t, host.ctypes.data, 0, host.nbytes)

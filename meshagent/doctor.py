@@ -24,7 +24,7 @@ from meshagent.config import API_KEY_ENV, JOIN_ENV, AgentConfig, DataDir
 from meshagent.discovery import addresses
 from meshagent.errors import MeshError
 from meshagent.net.address import Address, is_loopback
-from meshagent.wording import NOT_SERVED_SECTION
+from meshagent.wording import NOT_SERVED_SECTION, size
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 RELAY_TIMEOUT = 3.0  # seconds to connect to a relay
@@ -411,8 +411,8 @@ def check_build() -> list[Finding]:
             Finding(
                 OK,
                 "gpu",
-                f"{d.name} ({d.description}, {d.kind}): {d.free_bytes / 2**30:.1f} GiB free of "
-                f"{d.total_bytes / 2**30:.1f} GiB; layers are offloaded to it up to --max-vram",
+                f"{d.name} ({d.description}, {d.kind}): {size(d.free_bytes)} free of "
+                f"{size(d.total_bytes)}; layers are offloaded to it up to --max-vram",
             )
         )
     if not gpus:
@@ -463,14 +463,14 @@ def check_memory(s: Situation, model_path: Path | None) -> list[Finding]:
         kv=int(c.mem_kv_gib * gib),
     )
     if model_path is None:
-        return [Finding(WARN, "memory", f"offers {offer.total / 1e9:.2f} GB; no model to weigh")]
+        return [Finding(WARN, "memory", f"offers {size(offer.total)}; no model to weigh")]
     layout = inspect_model(model_path)
     cost = ModelCost.from_layout(model_path.stem, layout)
     # As placement counts it: compute buffers out of the memory beyond the offer first.
     spare = capacity.spare_memory(available, offer)
     need = cost.offer_bytes(0, layout.n_layers, c.slots * c.ctx_size, spare)
     said = (
-        f"offers {offer.total / 1e9:.2f} GB; {model_path.stem} needs {need / 1e9:.2f} GB of it "
+        f"offers {size(offer.total)}; {model_path.stem} needs {size(need)} of it "
         f"whole ({c.slots} slots of {c.ctx_size} tokens)"
     )
     if offer.total * 0.9 >= need:  # the planner keeps a tenth free

@@ -229,7 +229,7 @@ class Services:
             self.inflight,
             partial(control.status, self),
             peers=partial(control.peers, self),
-            probe=partial(control.probe, self.overlay),
+            probe=partial(control.probe, self.overlay, names=self._peer_names),
             access=self.access,
             catalogue=self.catalog,
             loads=self.assigning,
@@ -447,6 +447,10 @@ class Services:
             stream.reset(f"no service for stream label {stream.label!r}")
             handler = _refused
         return self.stream_budgets.admit(stream, service, handler)
+
+    def _peer_names(self) -> dict[str, str]:
+        """Each live peer's name, as its record gives it."""
+        return {pid: v.record.name for pid, v in self.gossip.snapshot().items()}
 
     def _sighted(self, sighting: Sighting) -> None:
         self.dialer.offer(sighting.peer_id, addresses=sighting.addresses, source="mdns", renew=True)

@@ -20,17 +20,18 @@ def test_a_total_split_for_the_wire_adds_back_up(total):
 
 
 def test_measured_memory_is_what_is_available_less_the_reserve():
-    assert memory_offer(9 * GIB).total == 8 * GIB
+    assert memory_offer(9 * GIB).total == 9 * GIB - 10**9  # 1 GB kept back
     assert memory_offer(RESERVE_BYTES // 2).total == 0
 
 
 def test_a_limit_caps_the_total_and_is_split_3_to_1():
     assert memory_offer(9 * GIB, limit=80_000_000) == MemoryOffer(60_000_000, 20_000_000)
-    assert memory_offer(2 * GIB, limit=4 * GIB).total == GIB  # a cap above the measure
+    assert memory_offer(2 * GIB, limit=4 * GIB).total == 2 * GIB - 10**9  # a cap above it
 
 
 def test_configured_parts_replace_the_measured_ones_under_the_cap():
-    assert memory_offer(9 * GIB, weights=GIB) == MemoryOffer(GIB, 2 * GIB)
+    kv = MemoryOffer.split(9 * GIB - 10**9).kv  # the measured part, 3:1 of what is left
+    assert memory_offer(9 * GIB, weights=GIB) == MemoryOffer(GIB, kv)
     assert memory_offer(9 * GIB, weights=GIB, kv=GIB, limit=GIB).total == GIB
 
 

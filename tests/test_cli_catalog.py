@@ -89,7 +89,7 @@ def test_add_sends_a_path_absolute_with_the_key(agent, tmp_path, monkeypatch, ca
     assert body == {"model": str(tmp_path / "tiny-llama.gguf")}
     assert headers["authorization"] == "Bearer sekrit"
     out = capsys.readouterr().out
-    assert "added tiny-llama to the mesh's catalogue (3.0 MiB, 6 layers" in out
+    assert "added tiny-llama to the mesh's catalogue (3.15 MB, 6 layers" in out
 
 
 def test_add_sends_a_hub_name_as_it_is(agent, tmp_path, capsys):

@@ -54,6 +54,7 @@ class Carried:
     # The request prepared on this agent, if it serves the model itself now.
     local: Callable[[], Prepared | None]
     entry: str = ""  # the peer serving the request now
+    _entry_label: str = ""  # ... as messages name it
     history: list[int] = field(default_factory=list)
     delivered: int = 0
     prompt_tokens: int = 0
@@ -92,7 +93,7 @@ class Carried:
         except Broken as e:
             await self._close()
             lost = (self._entry_stage,)
-            first = await self._resume(f"the entry {remote.peer_id[:12]} failed: {e}", lost)
+            first = await self._resume(f"the entry {remote.label} failed: {e}", lost)
         if isinstance(first, Prepared):  # this agent serves it by now
             self._first_here = first
             model, tokens = first.model, len(first.gen.prompt_tokens)
@@ -123,7 +124,7 @@ class Carried:
                 msg = await read_message(self._stream, self._frames)
             except Broken as e:
                 await self._close()
-                why = f"the entry {self.entry[:12]} was lost: {e}"
+                why = f"the entry {self._entry_label} was lost: {e}"
                 if await self._moved_on(why, (self._entry_stage,), emit):
                     return
                 continue
@@ -131,7 +132,7 @@ class Carried:
                 if not msg.resumable:
                     raise msg.error
                 await self._close()
-                why = f"the entry {self.entry[:12]} let go: {msg.error.message}"
+                why = f"the entry {self._entry_label} let go: {msg.error.message}"
                 if await self._moved_on(why, (), emit):
                     return
                 continue
@@ -171,6 +172,7 @@ class Carried:
             raise Broken(f"unreachable: {e}") from e
         self._unreachable = False
         self._stream, self._frames, self.entry = stream, frames(), peer_id
+        self._entry_label = remote.label
         ask = replace(self.ask, history=tuple(self.history), delivered=self.delivered)
         try:
             await stream.send_all(encode(ask))

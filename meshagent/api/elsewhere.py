@@ -182,7 +182,7 @@ async def embed(
     log.warning("embed.timeout", peer=remote.peer_id, seconds=deadline)
     raise ApiError(
         504,
-        f"The peer serving '{remote.id}' ({remote.peer_id[:12]}) did not answer within "
+        f"The peer serving '{remote.id}', {remote.label}, did not answer within "
         f"{deadline:g} s; retry, or send fewer inputs per request.",
         type="server_error",
         code="peer_timeout",
@@ -196,7 +196,7 @@ async def _vectors(
         stream = await directory.open_stream(remote.peer_id, GENERATE_LABEL)
     except MeshError as e:
         raise errors.unavailable(
-            f"The peer serving '{remote.id}' ({remote.peer_id[:12]}) is unreachable: {e}",
+            f"The peer serving '{remote.id}', {remote.label}, is unreachable: {e}",
             code="peer_unavailable",
         ) from e
     vectors: list[list[float]] = []

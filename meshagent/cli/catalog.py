@@ -12,6 +12,7 @@ from urllib.parse import quote
 
 from meshagent.cli.common import add_data_dir, control_call
 from meshagent.models.names import parse_model_name
+from meshagent.wording import size
 
 _ADD_TIMEOUT = None  # a hub model downloads on the agent first: as long as that takes
 
@@ -62,7 +63,7 @@ def run_add(args: argparse.Namespace) -> int:
         print(json.dumps(entry, indent=2))
     else:
         print(
-            f"added {entry['name']} to the mesh's catalogue ({_size(entry['size'])}, "
+            f"added {entry['name']} to the mesh's catalogue ({size(entry['size'])}, "
             f"{entry['layers']} layers, sha256 {entry['sha256'][:16]}, version "
             f"{entry['version']})"
         )
@@ -96,7 +97,7 @@ def table(models: list[dict[str, Any]]) -> str:
     rows = [
         (
             m["name"],
-            _size(m["size"]),
+            size(m["size"]),
             str(m["layers"]),
             m["sha256"][:12],
             m["author"][:12],
@@ -110,7 +111,3 @@ def table(models: list[dict[str, Any]]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1]
         for r in [head, *rows]
     )
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

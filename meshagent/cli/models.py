@@ -30,7 +30,7 @@ from meshagent.net.tcp import TcpTransport
 from meshagent.serving.chat import OWN
 from meshagent.serving.family_templates import family_template
 from meshagent.wire.handshake import LocalPeer
-from meshagent.wording import layer_range
+from meshagent.wording import layer_range, size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,10 +84,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--json", action="store_true", help="print the models as JSON")
     add_data_dir(ls)
     ls.set_defaults(run=run_list)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
 
 
 def _capability(model: Path, args: argparse.Namespace) -> CapabilityRecord | None:
@@ -156,11 +152,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"layers         {layout.n_layers}  (embedding length {layout.n_embd})")
     print(f"vocabulary     {layout.n_vocab} tokens")
     print(f"context        {layout.context_length} tokens (trained)")
-    print(f"file           {_mib(layout.file_bytes)}")
-    print(f"embeddings     {_mib(layout.embedding_bytes)}")
-    print(f"output head    {_mib(layout.head_bytes)}")
+    print(f"file           {size(layout.file_bytes)}")
+    print(f"embeddings     {size(layout.embedding_bytes)}")
+    print(f"output head    {size(layout.head_bytes)}")
     sizes = sorted(set(layout.layer_bytes))
-    per_layer = _mib(sizes[0]) if len(sizes) == 1 else f"{_mib(sizes[0])} - {_mib(sizes[-1])}"
+    per_layer = size(sizes[0]) if len(sizes) == 1 else f"{size(sizes[0])} - {size(sizes[-1])}"
     print(f"per layer      {per_layer}  ({layout.layer_bytes[0]} bytes for layer 0)")
     if layout.n_experts:
         print(
@@ -214,7 +210,7 @@ def run_slice(args: argparse.Namespace) -> int:
     print(f"{manifest.kind} artifact {manifest.start}:{manifest.end} ({manifest.role})")
     print(f"path           {path}")
     print(f"sha256         {manifest.sha256}")
-    print(f"file           {_mib(manifest.size_bytes)}, weights {_mib(manifest.weight_bytes)}")
+    print(f"file           {size(manifest.size_bytes)}, weights {size(manifest.weight_bytes)}")
     print(f"KV per token   {manifest.kv_bytes_per_token_per_layer} bytes per layer")
     return 0
 
@@ -244,11 +240,11 @@ def run_list(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     for name, path in downloaded:
-        print(f"model    {name}  {_mib(path.stat().st_size)}")
+        print(f"model    {name}  {size(path.stat().st_size)}")
     for _, part in partial:
         st = part.status()
-        state = "whole" if st["complete"] else f"{_mib(st['held_bytes'])} here (stage-only)"
-        print(f"partial  {st['repo']}/{st['file']}  {_mib(st['size_bytes'])}, {state}")
+        state = "whole" if st["complete"] else f"{size(st['held_bytes'])} here (stage-only)"
+        print(f"partial  {st['repo']}/{st['file']}  {size(st['size_bytes'])}, {state}")
     for r in records:
         print(f"record   {r.model_name}  {r.model_sha256[:16]}  {_certified(r)}")
     if not manifests:
@@ -258,7 +254,7 @@ def run_list(args: argparse.Namespace) -> int:
     for m in manifests:
         print(
             f"{m.source_name[:35]:<36}{m.kind:<8}{f'{m.start}:{m.end}':<10}{m.role:<8}"
-            f"{_mib(m.size_bytes):>12}  {m.sha256[:16]}"
+            f"{size(m.size_bytes):>12}  {m.sha256[:16]}"
         )
     return 0
 

@@ -18,9 +18,7 @@ from meshagent.cli.common import (
     data_dir_from,
     size_arg,
 )
-from meshagent.wording import layer_range, not_served, peer_label
-
-_GIB = 1 << 30
+from meshagent.wording import layer_range, not_served, peer_label, size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,14 +35,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--probe",
         metavar="PEER",
-        help="send bytes to a connected peer (id or unique prefix) and check they all arrive",
+        help="send bytes to a connected peer (its name, its id or a unique start of the id) "
+        "and check they all arrive",
     )
     p.add_argument(
         "--probe-bytes",
         metavar="SIZE",
         type=size_arg,
-        default=8 << 20,
-        help="bytes to send, e.g. 8MiB or 500k (default 8MiB)",
+        default=8_000_000,
+        help="bytes to send, e.g. 8M or 500k (default 8M)",
     )
     p.add_argument(
         "--probe-seconds",
@@ -94,16 +93,17 @@ def _show(args: argparse.Namespace) -> None:
 
 def table(peers: list[dict[str, Any]]) -> str:
     head = (
-        "PEER",
         "NAME",
+        "PEER",
         "STATE",
         "PATH",
         "ADDRESS",
         "RTT",
-        "MEM W/KV",
+        "MEMORY W+KV",
         "SPEED",
         "VRAM",
         "GPU SPEED",
+        "ARTIFACTS",
         "SERVES",
     )
     rows = [head]
@@ -111,16 +111,14 @@ def table(peers: list[dict[str, Any]]) -> str:
         rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.1f}ms"
         mem = "-"
         if p["mem_weights_bytes"] is not None:
-            mem = f"{p['mem_weights_bytes'] / _GIB:.1f}/{p['mem_kv_bytes'] / _GIB:.1f}G"
+            mem = f"{size(p['mem_weights_bytes'])}+{size(p['mem_kv_bytes'])}"
         speed = "-" if not p["compute_speed"] else f"{p['compute_speed']:.0f}GF"
         vram, gpu_speed = _gpus(p.get("devices") or [])
         serves = [f"{s['model']} {layer_range(*s['layers'])}" for s in p["serving"]]
-        stages = [f"{s['kind']} {layer_range(*s['layers'])}" for s in p["stages"]]
-        extra = f" +{len(stages)} stage artifacts" if stages else ""
         rows.append(
             (
-                p["peer_id"][:12] + ("*" if p["self"] else ""),
-                p["name"] or "?",
+                (p["name"] or "?") + (" (this)" if p["self"] else ""),
+                p["peer_id"][:12],
                 p["state"],
                 p["path"] or "-",
                 p["address"] or "-",
@@ -129,7 +127,8 @@ def table(peers: list[dict[str, Any]]) -> str:
                 speed,
                 vram,
                 gpu_speed,
-                (", ".join(serves) or "-") + extra,
+                str(len(p["stages"])),
+                ", ".join(serves) or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
@@ -147,13 +146,11 @@ def table(peers: list[dict[str, Any]]) -> str:
 
 
 def _gpus(devices: list[dict[str, Any]]) -> tuple[str, str]:
-    """A peer's GPUs as two cells: memory offered of the total ("20.0/80.0G", "+" between
-    devices) and each one's measured speed ("-" until measured, or without a GPU)."""
+    """A peer's GPUs as two cells: memory offered of the total ("20.0 GB/80.0 GB", "+"
+    between devices) and each one's measured speed ("-" until measured, or without a GPU)."""
     if not devices:
         return "-", "-"
-    vram = "+".join(
-        f"{d['offer_bytes'] / _GIB:.1f}/{d['total_bytes'] / _GIB:.1f}G" for d in devices
-    )
+    vram = "+".join(f"{size(d['offer_bytes'])}/{size(d['total_bytes'])}" for d in devices)
     speed = "+".join(f"{d['speed']:.0f}GF" if d["speed"] else "-" for d in devices)
     return vram, speed
 

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import TextIO
 
+from meshagent.wording import size
+
 
 class ProgressBar:
     def __init__(self, label: str, *, out: TextIO | None = None, width: int = 30) -> None:
@@ -20,8 +22,8 @@ class ProgressBar:
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
         frac = done / total if total else 1.0
-        rate = done / max(now - self._start, 1e-6) / 2**20
-        text = f"{self.label} {done / 2**20:.1f}/{total / 2**20:.1f} MiB {rate:.1f} MiB/s"
+        rate = done / max(now - self._start, 1e-6)
+        text = f"{self.label} {size(done)}/{size(total)} {size(rate)}/s"
         if self.tty:
             if now - self._last_draw < 0.1 and done < total:
                 return

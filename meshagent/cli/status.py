@@ -6,7 +6,7 @@ import argparse
 import json
 
 from meshagent.cli.common import add_data_dir, control_get
-from meshagent.wording import layer_range, not_served, peer_label
+from meshagent.wording import layer_range, not_served, peer_label, size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         guard = "NO KEY, reachable beyond loopback"
     print(f"api       {st['api']}/v1  ({guard})")
-    print(f"overlay   {', '.join(st['listen']) or '-'}")
+    print(f"listen    {', '.join(st['listen']) or '-'}")
     if st.get("alone"):
         print(f"ALONE     {st['alone']}")
     if "advertised" in st:
-        print(f"dialable  {', '.join(st['advertised']) or '-'}")
+        print(f"addresses {', '.join(st['advertised']) or '-'}  (advertised to peers)")
     for r in st.get("relays", []):
         state = (
             f"registered, {len(r['members'])} mesh members there"
@@ -89,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
         spec = m.get("speculation")
         if spec:
             exact = "exact" if spec["exact_windows"] else "not exact"
-            print(f"drafting  {spec['default']} by default; windows {exact}: {spec['reason']}")
+            print(
+                f"speculation {spec['default']} by default; windows {exact}: "
+                f"{spec['reason']}"
+            )
         if s.get("draft_windows"):
             share = s["draft_accepted"] / max(1, s["draft_tokens"])
             print(
@@ -107,10 +110,9 @@ def run(args: argparse.Namespace) -> int:
             )
         cache = m.get("prefix_cache")
         if cache:
-            mib = cache["budget_bytes"] / (1 << 20)
             print(
                 f"prefixes  {cache['reason']}; {s.get('prefix_entries', 0)} kept, "
-                f"{s.get('prefix_bytes', 0) / (1 << 20):.1f} of {mib:.1f} MiB; "
+                f"{size(s.get('prefix_bytes', 0))} of {size(cache['budget_bytes'])}; "
                 f"{s.get('prefix_hits', 0)} hits, {s.get('prefix_misses', 0)} misses, "
                 f"{s.get('prefix_tokens', 0)} prompt tokens not prefilled"
             )
@@ -154,18 +156,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"wire      {wire['dtype']}  {exact}: {wire['reason']}")
     d = st.get("download")
     if d:
-        mb = 1e6
         state = "whole, sha256 checked" if d["complete"] else "stage-only"
-        hub, peers = d["fetched_from_hub_bytes"] / mb, d["fetched_from_peers_bytes"] / mb
+        hub, peers = size(d["fetched_from_hub_bytes"]), size(d["fetched_from_peers_bytes"])
         print(
-            f"download  {d['repo']}/{d['file']}  {state}: {d['held_bytes'] / mb:.1f} of "
-            f"{d['size_bytes'] / mb:.1f} MB here; fetched {hub:.1f} MB from the hub, "
-            f"{peers:.1f} MB from peers"
+            f"download  {d['repo']}/{d['file']}  {state}: {size(d['held_bytes'])} of "
+            f"{size(d['size_bytes'])} here; fetched {hub} from the hub, {peers} from peers"
         )
         for key, verdict in sorted(d["artifacts"].items()):
             print(f"  {key}  {verdict}")
         for f in d.get("fetching") or []:
-            got = f"{f['done_bytes'] / mb:.1f} of {f['total_bytes'] / mb:.1f} MB"
+            got = f"{size(f['done_bytes'])} of {size(f['total_bytes'])}"
             got = got if f["total_bytes"] else "starting"
             print(f"  {f['key']}  fetching from {f['source']}: {got}")
     peers = st.get("peers", [])

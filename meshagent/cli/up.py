@@ -92,21 +92,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--listen",
         metavar="HOST:PORT",
-        help=f"overlay address for peers, host:port (default {d.listen})",
+        help="where this agent listens for its peers (the overlay between agents; default "
+        f"{d.listen}); the addresses it advertises are this host's at that port",
     )
     p.add_argument(
         "--peer",
         action="append",
         dest="peers",
         metavar="HOST:PORT",
-        help="an overlay address to dial at start (repeatable)",
+        help="another agent's address (as its status lists under addresses) to dial at "
+        "start (repeatable)",
     )
     p.add_argument(
         "--address",
         action="append",
         dest="addresses",
         metavar="HOST:PORT",
-        help="an overlay address to advertise besides this host's own, for one peers reach "
+        help="an address to advertise to peers besides this host's own, for one they reach "
         "but this host cannot see (a public IP forwarded to --listen's port; repeatable)",
     )
     p.add_argument(
@@ -158,13 +160,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-memory",
         metavar="SIZE",
         help="cap on the memory this agent offers the mesh for weights and KV cache, e.g. "
-        "300M or 1.5G (default: what the system has available, less 1 GiB)",
+        "300M or 1.5G (default: what the system has available, less 1 GB)",
     )
     p.add_argument(
         "--max-vram",
         metavar="SIZE",
         help="cap on the GPU memory this agent offers the mesh, all devices together, e.g. "
-        "20G; 0 offers none; all (the default): each GPU's free memory, less 512 MiB (a CPU "
+        "20G; 0 offers none; all (the default): each GPU's free memory, less 500 MB (a CPU "
         "build of llama.cpp has no GPU)",
     )
     p.add_argument(

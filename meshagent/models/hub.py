@@ -31,6 +31,7 @@ from meshagent.models.ranged import (
     is_partial,
     transport_errors,
 )
+from meshagent.wording import size
 
 PARTIAL_DIR = ".meshagent-partial"  # under the cache: whole downloads under way
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
@@ -243,8 +244,8 @@ def model_for_agent(
         return fetch(name, progress=progress, remote=remote)
     if say is not None:
         say(
-            f"{remote.filename} is {remote.size / 1e9:.2f} GB, more than the "
-            f"{weights_offer / 1e9:.2f} GB this agent offers for weights: it downloads the "
+            f"{remote.filename} is {size(remote.size)}, more than the "
+            f"{size(weights_offer)} this agent offers for weights: it downloads the "
             "header now, and only the layers the mesh gives it once placed"
         )
     found = header_map(remote.sha256) if header_map is not None and remote.sha256 else None

@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from meshagent import wording
 from meshagent.errors import ModelError
 from meshagent.models.files import file_sha256, write_atomic
 from meshagent.models.gguf_file import Gap, Header, HeaderTruncated, parse_header, tensor_bytes
@@ -564,6 +565,6 @@ def check_room(size: int, where: Path, what: str, remedy: str) -> None:
     free = shutil.disk_usage(where).free
     if size > free:
         raise ModelError(
-            f"{what} needs {size / 1e9:.2f} GB and {where} has {free / 1e9:.2f} GB free: "
+            f"{what} needs {wording.size(size)} and {where} has {wording.size(free)} free: "
             f"free some space, or {remedy}"
         )

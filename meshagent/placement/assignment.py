@@ -58,6 +58,7 @@ from meshagent.placement.planner import (
     plan,
     should_replan,
 )
+from meshagent.wording import size
 
 GROW_AT = 1.0  # recent demand past what the replicas serve adds replicas,
 GROW_TO = 0.5  # as many as bring it under this share (and shrinking stops there too)
@@ -551,8 +552,8 @@ class _Assigner:
         need = model.stage_bytes(0, model.n_layers, self.ctx)
         largest = max((self._usable(self.free[p.peer_id]) for p in self._peers_for(m)), default=0)
         return (
-            f"no memory anywhere: needs {need / 1e9:.1f} GB on one peer, the largest free "
-            f"offer is {largest / 1e9:.1f} GB"
+            f"no memory anywhere: needs {size(need)} on one peer, the largest free "
+            f"offer is {size(largest)}"
         )
 
     # The steps.

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from meshagent.errors import MeshError
 from meshagent.models.layout import ModelLayout
+from meshagent.wording import size
 
 DEFAULT_RTT_MS = 5.0  # assumed for a pair not measured yet, while no pair is measured
 MAX_CANDIDATES = 8  # peers considered for a split (the largest memory x speed first)
@@ -279,8 +280,8 @@ def plan(
         most = max(_usable(p, headroom) for p in ordered)
         raise PlanError(
             f"{model.model_id} cannot be split ({model.split_refusal}) and no peer can hold it "
-            f"whole: it needs {whole / 1e9:.2f} GB on one peer, the largest offer is "
-            f"{most / 1e9:.2f} GB"
+            f"whole: it needs {size(whole)} on one peer, the largest offer is "
+            f"{size(most)}"
         )
     if current is not None and current.split:
         repaired = repair(model, current, ordered, headroom=headroom)
@@ -320,22 +321,22 @@ def plan(
     what = f"weights, KV cache for {context_tokens} tokens and compute buffers"
     if need > total:
         raise PlanError(
-            f"{model.model_id} needs {need / 1e9:.2f} GB across the mesh ({what}), the mesh "
-            f"offers {total / 1e9:.2f} GB: it needs {(need - total) / 1e9:.2f} GB more memory"
+            f"{model.model_id} needs {size(need)} across the mesh ({what}), the mesh "
+            f"offers {size(total)}: it needs {size(need - total)} more memory"
         )
     last = min(p.needs(model, n - 1, n, context_tokens) for p in ordered)
     most = max(_usable(p, headroom) for p in ordered)
     if last > most:  # enough in all, but no peer can take the last stage even of one layer
         raise PlanError(
-            f"{model.model_id}'s last stage needs at least {last / 1e9:.2f} GB on one peer "
-            f"(its output head, {what}), the largest offer is {most / 1e9:.2f} GB: give one "
+            f"{model.model_id}'s last stage needs at least {size(last)} on one peer "
+            f"(its output head, {what}), the largest offer is {size(most)}: give one "
             "peer more memory"
         )
     # Enough in all by the sum, but the layers do not fall into the offers as they are.
     raise PlanError(
-        f"no split of {model.model_id} over {k} peers fits: it needs about {need / 1e9:.2f} GB "
-        f"across them ({what}), they offer {total / 1e9:.2f} GB, the largest "
-        f"{most / 1e9:.2f} GB: give the peers more memory"
+        f"no split of {model.model_id} over {k} peers fits: it needs about {size(need)} "
+        f"across them ({what}), they offer {size(total)}, the largest "
+        f"{size(most)}: give the peers more memory"
     )
 
 

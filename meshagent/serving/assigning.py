@@ -34,6 +34,7 @@ from meshagent.placement.service import Snapshot, capacities, claims_for, takes_
 from meshagent.serving.mesh_model import MeshModel
 from meshagent.serving.model_host import ModelHost
 from meshagent.waiting import first
+from meshagent.wording import peer_label
 
 log = structlog.get_logger(__name__)
 
@@ -176,7 +177,9 @@ class Assigning:
         for f in model.source.downloads():
             done = f"{100 * f['done_bytes'] // f['total_bytes']}%" if f["total_bytes"] else "0%"
             said.append(f"{done} of {f['key']} from {f['source']}")
-        waiting = [p[:12] for p in in_force.plan.peers if p not in placement.ready]
+        views = self.gossip.snapshot()
+        names = {p: v.record.name for p, v in views.items() if v.record is not None}
+        waiting = [peer_label(p, names) for p in in_force.plan.peers if p not in placement.ready]
         if waiting:
             said.append(f"waiting for {', '.join(waiting)} to load")
         return "; ".join(said) or "loading"

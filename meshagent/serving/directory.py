@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from meshagent import wording
 from meshagent.net.stream import MeshStream
 from meshagent.serving.local_model import LocalModel
 
@@ -36,6 +37,12 @@ class RemoteModel:
     stages: tuple[tuple[str, int, int], ...] = ()  # (peer id, first layer, end) of a split
     layers: int = 0
     context_length: int = 0
+    peer_name: str = ""  # the name `peer_id` goes by, as its record gives it
+
+    @property
+    def label(self) -> str:
+        """The peer as messages name it: `laptop (3f2a9c01b7d4)`."""
+        return wording.peer(self.peer_id, self.peer_name)
 
 
 class ModelDirectory(Protocol):

@@ -45,11 +45,21 @@ def foreign_models(views: Mapping[str, Any], hosted: Collection[str]) -> list[Re
         if plan.split:
             stages = tuple((s.peer_id, s.start, s.end) for s in plan.stages)
             entry = plan.stages[0].peer_id
-            out.append(RemoteModel(model_id, entry, "split", stages, plan.stages[-1].end))
+            end = plan.stages[-1].end
+            out.append(
+                RemoteModel(model_id, entry, "split", stages, end, peer_name=_name(views, entry))
+            )
             continue
         for peer in serving_peers(winner, claims, alive):
             layers = next(
                 (s.total_layers for s in views[peer].record.serving if s.model == model_id), 0
             )
-            out.append(RemoteModel(model_id, peer, "whole", (), layers))
+            out.append(
+                RemoteModel(model_id, peer, "whole", (), layers, peer_name=_name(views, peer))
+            )
     return out
+
+
+def _name(views: Mapping[str, Any], peer_id: str) -> str:
+    view = views.get(peer_id)
+    return view.record.name if view is not None and view.record is not None else ""

@@ -106,6 +106,11 @@ class MeshDirectory:
         held = trio.current_time() - p.error_since
         return p.error if held >= UNSERVED_SETTLE else None
 
+    def _name(self, peer_id: str) -> str:
+        """The name `peer_id` goes by, as its record gives it ("" when not known)."""
+        view = self.placement.gossip.snapshot().get(peer_id)
+        return view.record.name if view is not None and view.record is not None else ""
+
     def remote_models(self) -> list[RemoteModel]:
         claim = self.placement.in_force
         if claim is None or not self.placement.routable:
@@ -117,11 +122,11 @@ class MeshDirectory:
                 return []  # this agent is the entry
             entry = plan.stages[0].peer_id
             stages = tuple((s.peer_id, s.start, s.end) for s in plan.stages)
-            return [RemoteModel(self.info.id, entry, "split", stages, n, ctx)]
+            return [RemoteModel(self.info.id, entry, "split", stages, n, ctx, self._name(entry))]
         # Every other replica serving now, also when this agent is one: the API routes a
         # request to the replica that holds its conversation (`api/routing.py`).
         return [
-            RemoteModel(self.info.id, peer, "whole", (), n, ctx)
+            RemoteModel(self.info.id, peer, "whole", (), n, ctx, self._name(peer))
             for peer in plan.replicas
             if peer != self.peer_id and peer in self.placement.ready
         ]

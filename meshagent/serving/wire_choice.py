@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 import trio
 
+from meshagent import wording
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.capability import WireChoice, choose_wire_dtype
 from meshagent.models.layout import ModelLayout
@@ -65,7 +66,7 @@ def judge_windows(
         view = views.get(st.peer_id)
         if st.peer_id != peer_id and view is not None and view.record.windows_inexact:
             pipeline.exact_windows = False
-            who = view.record.name or st.peer_id[:12]
+            who = wording.peer(st.peer_id, view.record.name)
             pipeline.windows_reason = (
                 f"a split: the stage on {who} computes windows otherwise: "
                 f"{view.record.windows_inexact}"

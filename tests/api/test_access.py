@@ -162,7 +162,7 @@ def keyless_app() -> OpenAIApp:
         InFlight(),
         lambda: {"peer_id": "me"},
         peers=lambda: {"peers": []},
-        probe=partial(control.probe, OneLink()),
+        probe=partial(control.probe, OneLink(), names=dict),
         access=Access.for_binding([], "127.0.0.1", 9400),
     )
 

@@ -57,10 +57,10 @@ async def test_a_request_waits_for_a_model_being_placed_again(nursery):
         assert r.headers["retry-after"] == "5"
         # One that no plan can host says why at once, rather than after the bound.
         directory.bound = 30.0
-        directory.why = "it needs 0.21 GB more memory"
+        directory.why = "it needs 210 MB more memory"
         t0 = trio.current_time()
         r = await client.post(f"{url}/v1/completions", json=body)
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_served"
-        assert "not served: it needs 0.21 GB more memory" in r.json()["error"]["message"]
+        assert "not served: it needs 210 MB more memory" in r.json()["error"]["message"]
         assert trio.current_time() - t0 < 1.0
     stop.set()

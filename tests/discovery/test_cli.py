@@ -47,13 +47,14 @@ def test_peers_table():
     text = table([_row(self=True, path="local", rtt_ms=None), _row(state="dead", path=None)])
     lines = text.splitlines()
     assert lines[0].split() == [
-        "PEER", "NAME", "STATE", "PATH", "ADDRESS", "RTT", "MEM", "W/KV", "SPEED", "VRAM", "GPU",
-        "SPEED", "SERVES",
+        "NAME", "PEER", "STATE", "PATH", "ADDRESS", "RTT", "MEMORY", "W+KV", "SPEED", "VRAM",
+        "GPU", "SPEED", "ARTIFACTS", "SERVES",
     ]  # fmt: skip
-    assert lines[1].startswith("abcdefghijkl*")
-    assert "relay 10.0.0.1:9339" in lines[1] and "6.0/2.0G" in lines[1] and "85GF" in lines[1]
-    assert "m 0-30 +1 stage artifacts" in lines[1]
-    assert " dead " in lines[2] and "12.3ms" in lines[2]
+    # peers by name, the id after; sizes in decimal units, as every message writes them
+    assert lines[1].startswith("laptop (this)  abcdefghijkl  alive")
+    assert "relay 10.0.0.1:9339" in lines[1] and "6.44 GB+2.15 GB" in lines[1]
+    assert "85GF" in lines[1] and lines[1].split()[-3:] == ["1", "m", "0-30"]
+    assert lines[2].startswith("laptop         abcdefghijkl  dead ") and "12.3ms" in lines[2]
 
 
 def test_peers_table_shows_each_gpus_offer_and_speed():
@@ -63,9 +64,9 @@ def test_peers_table_shows_each_gpus_offer_and_speed():
     ]
     text = table([_row(devices=gpus), _row()])
     gpu_row, cpu_row = text.splitlines()[1:]
-    assert "20.0/80.0G+0.0/24.0G" in gpu_row and "41234GF+-" in gpu_row
-    # no GPU: VRAM and GPU SPEED (before "m 0-30 +1 stage artifacts")
-    assert cpu_row.split()[-7:-5] == ["-", "-"]
+    assert "21.5 GB/85.9 GB+0 B/25.8 GB" in gpu_row and "41234GF+-" in gpu_row
+    # no GPU: VRAM and GPU SPEED (before the artifacts and "m 0-30")
+    assert cpu_row.split()[-5:-3] == ["-", "-"]
 
 
 @pytest.mark.parametrize(

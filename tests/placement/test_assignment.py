@@ -123,7 +123,7 @@ def test_a_model_that_fits_one_peer_is_not_split_when_others_hold_that_peer():
     assert peers_of(a, "held") == ("p",)
     assert a.get("big") is None
     reason = a.reason("big")
-    assert reason.startswith("no memory anywhere: needs 2.0 GB on one peer, the largest free ")
+    assert reason.startswith("no memory anywhere: needs 2.00 GB on one peer, the largest free ")
     assert "pinned" in reason
 
 

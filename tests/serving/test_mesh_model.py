@@ -123,7 +123,7 @@ def test_a_split_drafts_by_default_only_where_every_stage_computes_windows_exact
     judge_windows(pipeline, plan, views(), "a")
     assert not pipeline.exact_windows
     assert pipeline.windows_reason == (
-        "a split: the stage on host-c computes windows otherwise: built with LLAMAFILE"
+        "a split: the stage on host-c (c) computes windows otherwise: built with LLAMAFILE"
     )
     # A repaired plan without that stage drafts again.
     repaired = Plan("m", 256, stages=(plan.stages[0], StageAssignment("b", 10, 30)))
