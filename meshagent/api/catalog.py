@@ -268,7 +268,15 @@ class Catalog:
             },
         }
 
-    def _remote_card(self, remote: RemoteModel, catalogued: Mapping[str, object]) -> dict[str, Any]:
+    def _remote_card(
+        self, remote: RemoteModel, catalogued: Mapping[str, CatalogEntry]
+    ) -> dict[str, Any]:
+        entry = catalogued.get(remote.id.casefold())
+        known = (  # what the catalogue says of the file, where it holds the model
+            {"architecture": entry.architecture, "size_bytes": entry.size, "sha256": entry.sha256}
+            if entry is not None
+            else {}
+        )
         return {
             "id": remote.id,
             "object": "model",
@@ -280,7 +288,8 @@ class Catalog:
                 "served_by": remote.served_as,
                 "peer": remote.peer_id,
                 "stages": [list(s) for s in remote.stages],
-                "catalogued": remote.id.casefold() in catalogued,
+                "catalogued": entry is not None,
                 "loaded": True,
+                **known,
             },
         }

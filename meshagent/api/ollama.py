@@ -75,7 +75,7 @@ def tags(models: list[dict[str, Any]]) -> dict[str, Any]:
                 "model": card["id"],
                 "modified_at": datetime.fromtimestamp(card.get("created", 0), UTC).isoformat(),
                 "size": info.get("size_bytes", 0),
-                "digest": "",
+                "digest": info.get("sha256", ""),
                 "details": {
                     "format": "gguf",
                     "family": info.get("architecture", ""),

@@ -89,10 +89,7 @@ def run(args: argparse.Namespace) -> int:
         spec = m.get("speculation")
         if spec:
             exact = "exact" if spec["exact_windows"] else "not exact"
-            print(
-                f"speculation {spec['default']} by default; windows {exact}: "
-                f"{spec['reason']}"
-            )
+            print(f"speculation {spec['default']} by default; windows {exact}: {spec['reason']}")
         if s.get("draft_windows"):
             share = s["draft_accepted"] / max(1, s["draft_tokens"])
             print(

@@ -44,6 +44,7 @@ class Step:
     kind: str  # "sh", "python" or "hands"
     where: str  # a machine's name, "each machine" or "every machine"; for hands, the action
     text: str
+    shows: str = ""  # the `text` box after it: what the guide says it prints
 
 
 def read_guide(text: str) -> list[Step]:
@@ -64,8 +65,10 @@ def read_guide(text: str) -> list[Step]:
                 if inner.startswith("```"):
                     break
                 body.append(inner)
-            if lang == "text":
-                continue  # what a command prints
+            if lang == "text":  # what the command before prints
+                assert steps and steps[-1].kind != "hands" and not steps[-1].shows
+                steps[-1].shows = "\n".join(body)
+                continue
             assert lang in ("sh", "python"), f"a box of {lang!r} in the guide: sh or python"
             m = re.fullmatch(r"# on (.+)", body[0] if body else "")
             assert m, f"every command box starts with `# on MACHINE`: {body[:1]}"
@@ -202,6 +205,10 @@ class Guide:
         assert r.returncode == 0, f"on {m.name}: {step.text}\n{r.stdout}\n{r.stderr}"
         if step.text.strip() == "meshagent invite":
             self.invite = r.stdout.strip()
+            assert self.invite.startswith("meshinv1")
+            assert step.shows.startswith("meshinv1") or not step.shows
+        else:
+            _shows_alike(step.shows, r.stdout + r.stderr)
         self.outputs.setdefault(step.text, []).append(r.stdout)
         return r.stdout
 
@@ -262,6 +269,17 @@ class Guide:
 
     def settle(self) -> None:
         wait_until(self.settled, 180, "the mesh settled: every agent sees the others, split")
+
+
+def _shows_alike(shown: str, printed: str) -> None:
+    """What the guide shows a command print reads like what it printed: each line the guide
+    shows starts with the word that one of the printed lines starts with (the row labels of
+    `status`, the peers' names and the table's header, a JSON body's first key); ids,
+    addresses and timings differ from run to run."""
+    starts = {line.split()[0] for line in printed.splitlines() if line.split()}
+    for line in shown.splitlines():
+        if line.split():
+            assert line.split()[0] in starts, f"the guide shows {line!r}; it printed:\n{printed}"
 
 
 # A control GET from inside a namespace, with the data dir's API key where it has one.
@@ -357,7 +375,8 @@ def test_the_guide_runs_as_written(tmp_path: Path):
         answers += _answers(guide.outputs[chat])
         assert len(answers) == 3 and answers[0], answers
         tags = json.loads(guide.outputs["curl -s http://127.0.0.1:11434/api/tags"][0])
-        assert MODEL in [t["name"] for t in tags["models"]]
+        (tag,) = [t for t in tags["models"] if t["name"] == MODEL]
+        assert tag["size"] > 0 and tag["details"]["family"] == "llama", tag
         spoken = [v[0] for k, v in guide.outputs.items() if k.startswith(("import", "from"))]
         assert len(spoken) == 2 and all(x.strip() for x in spoken), spoken
     finally:
@@ -437,3 +456,8 @@ def test_every_command_box_of_the_guide_names_its_machine():
         if s.kind == "sh" and _long_running(s.text):
             assert "\n" not in s.text
     assert sum(1 for s in steps if s.kind == "hands") >= 3
+    # the guide shows what the commands a user looks at print
+    shown = {s.text for s in steps if s.shows}
+    assert {"meshagent peers", "meshagent status", "meshagent invite", "meshagent doctor"} <= {
+        line for t in shown for line in t.splitlines()
+    }
