@@ -255,4 +255,5 @@ async def probe(
             f"{want[:80]!r} names {len(matches)} connected peers: give a peer's name, or more "
             "of its id (`meshagent peers` lists both)"
         )
-    return await path_probe.probe(overlay, matches[0], total=total, seconds=float(seconds))
+    result = await path_probe.probe(overlay, matches[0], total=total, seconds=float(seconds))
+    return {**result, "name": known.get(matches[0], "")}

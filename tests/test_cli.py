@@ -87,10 +87,7 @@ def test_status_of_a_running_agent(spawn_agent, model_id, capsys):
     # The mesh's catalogue, seeded with the embedded default, which the agent pins.
     assert "model     SmolLM2-135M-Instruct.Q4_1  placed on " in out and "pinned" in out
     assert "drafts    " not in out
-    assert (
-        "speculation auto by default; windows exact: a window's logits equal one-token"
-        in out
-    )
+    assert "speculation auto by default; windows exact: a window's logits equal one-token" in out
     # A request served with speculation shows in the model's totals.
     prompt = "one two three four five six seven eight; one two three four five six seven eight;"
     body = {"model": model_id, "prompt": prompt, "max_tokens": 24, "temperature": 0}

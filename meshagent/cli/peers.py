@@ -18,7 +18,7 @@ from meshagent.cli.common import (
     data_dir_from,
     size_arg,
 )
-from meshagent.wording import layer_range, not_served, peer_label, size
+from meshagent.wording import layer_range, not_served, peer, peer_label, size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -176,8 +176,9 @@ def _probe(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2))
     else:
         verdict = "ok" if body["ok"] else "MISMATCH"
+        who = peer(body["peer_id"], body.get("name", ""))
         print(
-            f"probe {body['peer_id'][:12]}: {verdict}, {body['bytes']} bytes in "
+            f"probe {who}: {verdict}, {body['bytes']} bytes in "
             f"{body['seconds']} s ({body['mbit_per_s']} Mbit/s) over {body['path']}"
             + (f", now {body['path_after']}" if body["path_after"] != body["path"] else "")
         )

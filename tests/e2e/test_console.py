@@ -67,6 +67,11 @@ def test_the_console_shows_the_split_and_a_requests_stage_times(spawn_agent, mod
             expect(page.locator("#console")).to_be_visible(timeout=10_000)
             expect(page.locator("#peer-count")).to_have_text("(3 peers)", timeout=15_000)
             expect(page.locator("#graph g.node")).to_have_count(3)
+            # peers by name, the id after, as `meshagent peers` writes them
+            auth = {"Authorization": f"Bearer {KEY}"}
+            st = httpx.get(f"{b.url}/control/status", headers=auth, timeout=10).json()
+            mine = f"{st['name']} ({st['peer_id'][:12]}) (this agent)"
+            expect(page.locator("#peers")).to_contain_text(mine)
             expect(page.locator("#plans td.layers")).to_have_text(ranges, timeout=15_000)
             # The mesh's catalogue: the embedded default, which the first agent pinned.
             catalogued = page.locator(f'#catalogue tr[data-model="{model_id}"]')
