@@ -129,6 +129,6 @@ def test_a_full_disk_refuses_the_download_before_it_starts(hub, tmp_path, monkey
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**6, 10**6, 100))
-    with pytest.raises(ModelError, match="GB free: free some space, or set HF_HUB_CACHE"):
+    with pytest.raises(ModelError, match="B free: free some space, or set HF_HUB_CACHE"):
         fetch(HubName(REPO, "Q8_0"), tmp_path, hub.url)
     assert hub.ranges == [] and not list(tmp_path.rglob("*.gguf*"))

@@ -194,7 +194,7 @@ def test_the_disk_check_refuses_a_download_that_cannot_fit(hub, tmp_path, monkey
     path = _partial(hub, tmp_path)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**6, 10**6, 1000))
-    with pytest.raises(ModelError, match="GB free: free some space"):
+    with pytest.raises(ModelError, match="B free: free some space"):
         PartialModel(path).ensure_whole()
 
 
@@ -219,7 +219,7 @@ def test_a_disk_that_fills_mid_download_says_so_and_keeps_what_landed(
 
     path = _partial(hub, small_disk)
     assert whole.stat().st_size > 640 << 10  # the whole file cannot fit
-    with pytest.raises(ModelError, match="GB free: free some space"):
+    with pytest.raises(ModelError, match="B free: free some space"):
         PartialModel(path).ensure_whole()  # refused before a byte is fetched
     monkeypatch.setattr(ranged, "check_room", lambda *a: None)  # as if the space went later
     with pytest.raises(ModelError) as e:
