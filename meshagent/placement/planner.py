@@ -5,10 +5,10 @@ deterministic (peers sorted by id, fixed evaluation order, ties broken by peer i
 that see the same snapshot agree without a master.
 
 Rules: a model that fits one peer (weights + KV cache for the plan's context + llama.cpp's
-compute buffer + headroom) is served whole, by every peer it fits. Otherwise it is split into
-the fewest stages that fit; layers are given in proportion to measured speed within each
-peer's memory; among the orders and peer sets that fit, the one with the smallest estimated
-time per token (compute of every stage + one trip around the ring of measured RTTs) wins.
+compute buffer + headroom) is served whole, by every peer it fits. Otherwise it is split: the
+split with the smallest estimated time per token (compute of every stage + one trip around the
+ring of measured RTTs) that the search over the whole mesh finds (`search.py`), each order cut
+exactly (`cuts.py`).
 
 A peer with GPUs offers their memory too (`vram_bytes`): a stage's layers go on the device
 first and the rest in system memory (llama.cpp's per-layer offload), each part computed at
@@ -17,7 +17,6 @@ its own measured speed, and layers are given so that the stages' times come out 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -26,8 +25,6 @@ from meshagent.models.layout import ModelLayout
 from meshagent.wording import size
 
 DEFAULT_RTT_MS = 5.0  # assumed for a pair not measured yet, while no pair is measured
-MAX_CANDIDATES = 8  # peers considered for a split (the largest memory x speed first)
-MAX_ORDERS = 720  # orders tried per peer set (6! = every order of 6 stages)
 # A new split keeps the current one's entry unless another entry is this much faster: the
 # entry holds the clients' requests, and a request whose entry moves starts its prefill again.
 KEEP_ENTRY = 0.25
@@ -219,11 +216,12 @@ def offloaded_layers(
     return n
 
 
-def _usable(peer: PeerCapacity, headroom: float) -> int:
+def usable(peer: PeerCapacity, headroom: float) -> int:
+    """The bytes of a peer's offer (system and device memory) a plan may fill."""
     return int((peer.memory_bytes + peer.vram_bytes) * (1.0 - headroom))
 
 
-def _rate(peer: PeerCapacity) -> float:
+def rank_speed(peer: PeerCapacity) -> float:
     """A peer's speed for ranking: its devices' when its memory is mostly theirs."""
     total = peer.memory_bytes + peer.vram_bytes
     if total <= 0:
@@ -231,7 +229,8 @@ def _rate(peer: PeerCapacity) -> float:
     return (peer.memory_bytes * peer.speed + peer.vram_bytes * peer.vram_speed) / total
 
 
-def _rtt(a: PeerCapacity, b: PeerCapacity, unknown: float) -> float:
+def rtt_between(a: PeerCapacity, b: PeerCapacity, unknown: float) -> float:
+    """The RTT between two peers: the larger of the two measures, `unknown` with none."""
     if a.peer_id == b.peer_id:
         return 0.0
     ab, ba = a.rtt_ms.get(b.peer_id), b.rtt_ms.get(a.peer_id)
@@ -239,7 +238,7 @@ def _rtt(a: PeerCapacity, b: PeerCapacity, unknown: float) -> float:
     return max(known) if known else unknown
 
 
-def _unknown_rtt(peers: Iterable[PeerCapacity]) -> float:
+def unknown_rtt(peers: Iterable[PeerCapacity]) -> float:
     """What a pair that has not measured its RTT is taken to cost: as much as the farthest
     pair that has. A guess any lower would make a peer that just (re)joined, before its
     probes, look closer than every measured one, and move a working split onto it."""
@@ -248,7 +247,7 @@ def _unknown_rtt(peers: Iterable[PeerCapacity]) -> float:
 
 def _ring_ms(order: Sequence[PeerCapacity], unknown: float) -> float:
     n = len(order)
-    return sum(_rtt(order[i], order[(i + 1) % n], unknown) for i in range(n))
+    return sum(rtt_between(order[i], order[(i + 1) % n], unknown) for i in range(n))
 
 
 def plan(
@@ -267,7 +266,7 @@ def plan(
     ordered = sorted(peers, key=lambda p: p.peer_id)
     whole = model.stage_bytes(0, model.n_layers, context_tokens)
     n = model.n_layers
-    fits = [p for p in ordered if _usable(p, headroom) >= p.needs(model, 0, n, context_tokens)]
+    fits = [p for p in ordered if usable(p, headroom) >= p.needs(model, 0, n, context_tokens)]
     if fits:
         fits.sort(key=lambda p: (p.stage_ms(model, 0, n, context_tokens), p.peer_id))
         return Plan(
@@ -277,7 +276,7 @@ def plan(
             est_token_ms=fits[0].stage_ms(model, 0, n, context_tokens),
         )
     if model.split_refusal is not None:
-        most = max(_usable(p, headroom) for p in ordered)
+        most = max(usable(p, headroom) for p in ordered)
         raise PlanError(
             f"{model.model_id} cannot be split ({model.split_refusal}) and no peer can hold it "
             f"whole: it needs {size(whole)} on one peer, the largest offer is "
@@ -287,45 +286,48 @@ def plan(
         repaired = repair(model, current, ordered, headroom=headroom)
         if repaired is not None:
             return repaired
-    unknown = _unknown_rtt(ordered)
-    candidates = sorted(ordered, key=lambda p: (-_usable(p, headroom) * _rate(p), p.peer_id))
-    candidates = sorted(candidates[:MAX_CANDIDATES], key=lambda p: p.peer_id)
-    entry = current.stages[0].peer_id if current is not None and current.split else None
-    for k in range(2, min(len(candidates), model.n_layers) + 1):
-        options: list[_Option] = []
-        for subset in itertools.combinations(candidates, k):
-            for order in itertools.islice(itertools.permutations(subset), MAX_ORDERS):
-                stages = _assign(model, order, context_tokens, headroom)
-                if stages is None:
-                    continue
-                compute_ms = _compute_ms(model, stages, order, context_tokens)
-                download = sum(
-                    p.download_bytes(model, s.start, s.end)
-                    for s, p in zip(stages, order, strict=True)
-                )
-                score = compute_ms + _ring_ms(order, unknown)
-                options.append((score, tuple(p.peer_id for p in order), stages, download))
-        if not options:
-            continue
+    from meshagent.placement.search import MAX_STAGES, Search  # it builds on this module
+
+    search = Search(
+        model, ordered, context_tokens=context_tokens, headroom=headroom,
+        unknown_rtt=unknown_rtt(ordered),
+    )  # fmt: skip
+    options = search.options()
+    if options:
         best = _least_download(options)
+        entry = current.stages[0].peer_id if current is not None and current.split else None
         kept = [o for o in options if o[1][0] == entry]
         if kept:
             keep = _least_download(kept)
             if keep[0] <= best[0] * (1.0 + KEEP_ENTRY):
                 best = keep
         return Plan(model.model_id, context_tokens, stages=best[2], est_token_ms=best[0])
-    total = sum(_usable(p, headroom) for p in ordered)
-    k, spare = len(ordered), max(p.spare_bytes for p in ordered)
-    need = whole - min(model.compute_bytes(True), spare)
-    need += (k - 1) * (model.other_bytes + max(0, model.compute_bytes(False) - spare))
+    spare = max(p.spare_bytes for p in ordered)
+    base = whole - min(model.compute_bytes(True), spare)
+    per_stage = model.other_bytes + max(0, model.compute_bytes(False) - spare)
+    roomy = sorted((usable(p, headroom) for p in ordered), reverse=True)
+    # the fewest stages whose memory could hold the model, the roomiest peers first
+    k = next(
+        (i for i in range(2, len(roomy) + 1) if sum(roomy[:i]) >= base + (i - 1) * per_stage),
+        None,
+    )
     what = f"weights, KV cache for {context_tokens} tokens and compute buffers"
-    if need > total:
+    if k is None:
+        k = min(len(roomy), MAX_STAGES)
+        need, total = base + (k - 1) * per_stage, sum(roomy)
         raise PlanError(
             f"{model.model_id} needs {size(need)} across the mesh ({what}), the mesh "
             f"offers {size(total)}: it needs {size(need - total)} more memory"
         )
+    if k > MAX_STAGES:
+        raise PlanError(
+            f"{model.model_id} needs at least {k} stages on these peers (the roomiest first) "
+            f"and a split has at most {MAX_STAGES}: give the peers more memory, or add peers "
+            "with more"
+        )
+    need, total = base + (k - 1) * per_stage, sum(roomy[:k])
     last = min(p.needs(model, n - 1, n, context_tokens) for p in ordered)
-    most = max(_usable(p, headroom) for p in ordered)
+    most = max(usable(p, headroom) for p in ordered)
     if last > most:  # enough in all, but no peer can take the last stage even of one layer
         raise PlanError(
             f"{model.model_id}'s last stage needs at least {size(last)} on one peer "
@@ -334,8 +336,8 @@ def plan(
         )
     # Enough in all by the sum, but the layers do not fall into the offers as they are.
     raise PlanError(
-        f"no split of {model.model_id} over {k} peers fits: it needs about {size(need)} "
-        f"across them ({what}), they offer {size(total)}, the largest "
+        f"no split of {model.model_id} fits: over its {k} roomiest peers it needs about "
+        f"{size(need)} ({what}), they offer {size(total)}, the largest "
         f"{size(most)}: give the peers more memory"
     )
 
@@ -345,10 +347,16 @@ _Option = tuple[float, tuple[str, ...], tuple[StageAssignment, ...], int]
 
 
 def _least_download(options: Sequence[_Option]) -> _Option:
-    """The fastest option, unless one within `CLOSE_PLANS` of it downloads fewer bytes: then
-    the one of those that downloads least (ties: the faster, then by peer ids)."""
+    """The fastest option, unless one within `CLOSE_PLANS` of it, of no more stages, downloads
+    fewer bytes: then the one of those that downloads least (ties: the faster, then by peer
+    ids). A peer that holds the file takes a stage a downloading peer would have had, not one
+    more stage."""
     fastest = min(options, key=lambda o: (o[0], o[1]))
-    close = [o for o in options if o[0] <= fastest[0] * (1.0 + CLOSE_PLANS)]
+    close = [
+        o
+        for o in options
+        if o[0] <= fastest[0] * (1.0 + CLOSE_PLANS) and len(o[2]) <= len(fastest[2])
+    ]
     return min(close, key=lambda o: (o[3], o[0], o[1]))
 
 
@@ -379,9 +387,7 @@ def repair(
     for s in current.stages:
         if s.peer_id not in live:
             ctx = current.context_tokens
-            able = [
-                p for p in spares if _usable(p, headroom) >= p.needs(model, s.start, s.end, ctx)
-            ]
+            able = [p for p in spares if usable(p, headroom) >= p.needs(model, s.start, s.end, ctx)]
             able.sort(key=lambda p: (p.stage_ms(model, s.start, s.end, 0), p.peer_id))
             # The fastest, unless one about as fast holds what it needs (no download first).
             fastest = able[0].stage_ms(model, s.start, s.end, 0) if able else 0.0
@@ -403,7 +409,7 @@ def repair(
         model.model_id,
         current.context_tokens,
         stages=tuple(stages),
-        est_token_ms=compute_ms + _ring_ms(order, _unknown_rtt(peers)),
+        est_token_ms=compute_ms + _ring_ms(order, unknown_rtt(peers)),
     )
 
 
@@ -419,103 +425,6 @@ def _compute_ms(
     )
 
 
-def _assign(
-    model: ModelCost,
-    order: Sequence[PeerCapacity],
-    context_tokens: int,
-    headroom: float,
-) -> tuple[StageAssignment, ...] | None:
-    """Layers for peers in this order: in proportion to speed, within memory; None if they
-    cannot fit."""
-    n, k = model.n_layers, len(order)
-    kv_layer = model.kv_bytes_per_token_per_layer * context_tokens
-    avg_layer = sum(model.layer_bytes) / n + kv_layer
-    caps = []
-    for i, p in enumerate(order):
-        fixed = model.other_bytes + max(0, model.compute_bytes(i == k - 1) - p.spare_bytes)
-        fixed += model.embedding_bytes if i == 0 else 0
-        fixed += model.head_bytes if i == k - 1 else 0
-        caps.append(int((_usable(p, headroom) - fixed) // avg_layer))
-    if min(caps) < 1 or sum(caps) < n:
-        return None
-    if any(p.vram_bytes > 0 and p.vram_speed > 0 for p in order):
-        on_device = [int(p.vram_bytes * (1.0 - headroom) // avg_layer) for p in order]
-        counts = _even_times(n, order, caps, on_device)
-    else:
-        counts = _proportional(n, [p.speed for p in order], caps)
-    # Layers differ in size a little: move layers off any stage that overflows exactly.
-    for _ in range(n):
-        bounds = list(itertools.accumulate(counts, initial=0))
-        over = [
-            i
-            for i, p in enumerate(order)
-            if p.needs(model, bounds[i], bounds[i + 1], context_tokens) > _usable(p, headroom)
-        ]
-        if not over:
-            return tuple(
-                StageAssignment(p.peer_id, bounds[i], bounds[i + 1]) for i, p in enumerate(order)
-            )
-        i = over[0]
-        slack = [
-            (_usable(p, headroom) - p.needs(model, bounds[j], bounds[j + 1], context_tokens), j)
-            for j, p in enumerate(order)
-            if j != i
-        ]
-        room, j = max(slack)
-        if counts[i] <= 1 or room < avg_layer:
-            return None
-        counts[i] -= 1
-        counts[j] += 1
-    return None
-
-
-def _proportional(n: int, weights: Sequence[float], caps: Sequence[int]) -> list[int]:
-    """n items split in proportion to weights, each at least 1 and at most its cap (integer,
-    largest remainder; deterministic)."""
-    k = len(weights)
-    counts = [1] * k
-    left = n - k
-    free = [i for i in range(k) if counts[i] < caps[i]]
-    while left > 0 and free:
-        total = sum(weights[i] for i in free)
-        shares = {i: left * weights[i] / total for i in free}
-        grant = {i: min(int(shares[i]), caps[i] - counts[i]) for i in free}
-        if sum(grant.values()) == 0:
-            # Hand out the remainder one by one, largest fractional share first.
-            for i in sorted(free, key=lambda i: (-(shares[i] - int(shares[i])), i)):
-                if left == 0:
-                    break
-                if counts[i] < caps[i]:
-                    counts[i] += 1
-                    left -= 1
-        else:
-            for i, g in grant.items():
-                counts[i] += g
-                left -= g
-        free = [i for i in range(k) if counts[i] < caps[i]]
-    return counts
-
-
-def _even_times(
-    n: int, order: Sequence[PeerCapacity], caps: Sequence[int], on_device: Sequence[int]
-) -> list[int]:
-    """n layers over peers whose first `on_device` layers run at their device speed and the
-    rest at their CPU speed: each next layer to the peer whose time grows least with it
-    (each at least 1 and at most its cap; deterministic), so the stages' times come out
-    about even."""
-
-    def ms(i: int, k: int) -> float:
-        p, dev = order[i], min(k, on_device[i]) if order[i].vram_speed > 0 else 0
-        return 1000.0 * (dev / max(p.vram_speed, 1e-9) + (k - dev) / max(p.speed, 1e-9))
-
-    counts = [1] * len(order)
-    for _ in range(n - len(order)):
-        free = [i for i in range(len(order)) if counts[i] < caps[i]]
-        i = min(free, key=lambda i: (ms(i, counts[i] + 1), i))
-        counts[i] += 1
-    return counts
-
-
 def estimated_token_ms(
     model: ModelCost, current: Plan, peers: Mapping[str, PeerCapacity], context_tokens: int
 ) -> float | None:
@@ -525,7 +434,7 @@ def estimated_token_ms(
         hosts = [peers.get(p) for p in current.replicas]
         alive = [h for h in hosts if h is not None]
         n = model.n_layers
-        if not alive or any(_usable(h, 0.0) < h.needs(model, 0, n, context_tokens) for h in alive):
+        if not alive or any(usable(h, 0.0) < h.needs(model, 0, n, context_tokens) for h in alive):
             return None
         return min(h.stage_ms(model, 0, n, context_tokens) for h in alive)
     order = [peers.get(s.peer_id) for s in current.stages]
@@ -533,10 +442,10 @@ def estimated_token_ms(
         return None
     live = [p for p in order if p is not None]
     for s, p in zip(current.stages, live, strict=True):
-        if p.needs(model, s.start, s.end, context_tokens) > _usable(p, 0.0):
+        if p.needs(model, s.start, s.end, context_tokens) > usable(p, 0.0):
             return None
     compute = _compute_ms(model, current.stages, live, context_tokens)
-    return compute + _ring_ms(live, _unknown_rtt(peers.values()))
+    return compute + _ring_ms(live, unknown_rtt(peers.values()))
 
 
 def should_replan(

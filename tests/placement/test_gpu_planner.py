@@ -186,7 +186,7 @@ def test_no_plan_says_when_the_layers_do_not_fall_into_the_offers():
     try:
         plan(four, peers, context_tokens=100, headroom=0.0)
     except PlanError as e:
-        assert "no split of m over 3 peers fits" in str(e), str(e)
+        assert "no split of m fits: over its 3 roomiest peers" in str(e), str(e)
         assert "last stage" not in str(e)
     else:
         raise AssertionError("planned four layers that do not fit")

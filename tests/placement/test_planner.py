@@ -92,13 +92,24 @@ def test_three_small_peers_must_all_be_used():
     assert sum(s.layers for s in p.stages) == 30
 
 
-def test_a_twice_faster_peer_gets_about_twice_the_layers():
+def test_a_faster_peer_takes_all_the_layers_its_memory_holds():
+    # A token passes every stage in turn: the least time per token puts each layer on the
+    # fastest peer that has room for it (`placement/cuts.py`).
     peers = [peer("fast", 5.0, speed=200), peer("slow", 5.0, speed=100)]
     # Each could hold the model alone with no headroom; force a split with a bigger context.
     big = ModelCost(**{**MODEL.__dict__, "kv_bytes_per_token_per_layer": 60_000})
     p = plan(big, peers, context_tokens=CTX)
     layers = {s.peer_id: s.layers for s in p.stages}
-    assert layers["fast"] == 20 and layers["slow"] == 10
+    fast = next(s for s in p.stages if s.peer_id == "fast")
+    room = peers[0].memory_bytes * 0.9
+    assert big.stage_bytes(fast.start, fast.end, CTX) <= room
+    # one layer more would not fit there
+    more = (fast.start, fast.end + 1) if fast.start == 0 else (fast.start - 1, fast.end)
+    assert big.stage_bytes(*more, CTX) > room
+    assert layers["fast"] > layers["slow"] and sum(layers.values()) == 30
+    # Equal peers share equally.
+    even = plan(big, [peer("a", 5.0), peer("b", 5.0)], context_tokens=CTX)
+    assert [s.layers for s in even.stages] == [15, 15]
 
 
 def test_speed_share_is_capped_by_memory():
@@ -251,8 +262,9 @@ def test_a_new_split_keeps_the_entry_unless_another_is_much_faster():
     assert after.stages[0].peer_id == "e"
     alone = plan(MODEL, peers, context_tokens=CTX)
     assert alone.stages[0].peer_id == "b"  # without a current plan: the smallest order
-    # An entry much slower than the others gives way.
-    slow = [*peers[:3], peer("e", 1.3, speed=20.0)]
+    # An entry much slower than the others gives way: even the one layer it would keep costs
+    # more than `KEEP_ENTRY`.
+    slow = [*peers[:3], peer("e", 1.3, speed=2.0)]
     assert plan(MODEL, slow, context_tokens=CTX, current=current).stages[0].peer_id != "e"
 
 
