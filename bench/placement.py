@@ -2,7 +2,7 @@
 it takes on big meshes. Never asserts; prints tables and writes JSON (default
 bench/results/placement.json).
 
-1. Small meshes: random heterogeneous meshes of 4-12 peers (memory 4-32 GB, speeds over a
+1. Small meshes: random heterogeneous meshes of 4-12 peers (memory 2-12 GB, speeds over a
    factor of 6, peers in one to three cities of `meshagent/testing/city_rtts.py`), each
    needing a split of a 13B-shaped model. The planner's estimated time per token against the
    exhaustive optimum under the same cost model (`meshagent/testing/placement_optimum.py`):
@@ -69,7 +69,7 @@ def mesh(rng: random.Random, n: int, model: ModelCost, *, cities: int, small: bo
             table[i, j] = table[j, i] = rtt(city[i], city[j], rng)
     peers = []
     for i in range(n):
-        gb = rng.choice([4, 8, 8, 16, 16, 24, 32]) if small else rng.choice([2, 4, 8, 8, 16])
+        gb = rng.choice([2, 3, 4, 4, 6, 8, 12]) if small else rng.choice([2, 4, 8, 8, 16])
         gflops = rng.uniform(60, 360)
         rtts = {ids[j]: table[i, j] for j in range(n) if j != i}
         peers.append(PeerCapacity(ids[i], gb * GB, gflops * 1e9 / model.flops_per_layer, rtts))

@@ -45,11 +45,11 @@ class StageCosts:
         np.cumsum(np.asarray(model.layer_bytes, dtype=np.int64), out=prefix[1:])
         idx = np.arange(n + 1, dtype=np.int64)
         a, b = idx[:, None], idx[None, :]
-        self._layers = (b - a).astype(np.int64)  # [a, b]: b - a (negative below the diagonal)
+        self.layers = (b - a).astype(np.int64)  # [a, b]: b - a (negative below the diagonal)
         kv = model.kv_bytes_per_token_per_layer * context_tokens
         # weights and KV cache of layers [a, b) and every stage's other bytes
-        self._body = (prefix[None, :] - prefix[:, None]) + kv * self._layers + model.other_bytes
-        self._valid = self._layers > 0
+        self._body = (prefix[None, :] - prefix[:, None]) + kv * self.layers + model.other_bytes
+        self._valid = self.layers > 0
         self._cache: dict[tuple[str, str], np.ndarray] = {}
 
     def table(self, peer: PeerCapacity, role: str) -> np.ndarray:
@@ -79,7 +79,7 @@ class StageCosts:
         offer_need = need - min(compute, peer.spare_bytes)  # PeerCapacity.needs
         usable = int((peer.memory_bytes + peer.vram_bytes) * (1.0 - self.headroom))
         fits = valid & (offer_need <= usable)
-        layers = self._layers.astype(np.float64)
+        layers = self.layers.astype(np.float64)
         cpu_ms = 1000.0 * layers / max(peer.speed, 1e-9)
         if peer.vram_bytes > 0 and peer.vram_speed > 0:
             on_device = np.minimum(1.0, peer.vram_bytes / np.maximum(need, 1).astype(np.float64))

@@ -22,7 +22,9 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from meshagent.placement.cuts import StageCosts, cut
+import numpy as np
+
+from meshagent.placement.cuts import FIRST, LAST, MIDDLE, StageCosts, cut
 from meshagent.placement.planner import (
     ModelCost,
     PeerCapacity,
@@ -37,10 +39,15 @@ Option = tuple[float, tuple[str, ...], tuple[StageAssignment, ...], int]
 
 MAX_STAGES = 32  # stages in one split
 EXHAUSTIVE_ORDERS = 400  # enumerate every order of every subset up to this many orders
-MAX_EVALUATIONS = 600  # exact cuts computed in one search, at most
+# The work of one search, at most: stages cut (a cut of k stages counts k), so that it is
+# bounded alike for many short splits and few long ones.
+MAX_WORK = 20_000
 NEIGHBOURS = 6  # peers outside the set tried for adding and swapping at each step
 DROPS = 3  # the slowest and the smallest members tried for dropping and swapping
 SEEDS = 4  # peers a cluster is grown around
+SMALL = 16  # a mesh of at most this many candidates: every peer is a seed and a neighbour
+BOUNDED = 12  # at most this many candidates: every set, by branch and bound
+EVERY_ORDER = 4  # a set of at most this many peers is tried in every order
 
 
 class Search:
@@ -59,6 +66,7 @@ class Search:
         self.unknown = unknown_rtt
         self.costs = StageCosts(model, context_tokens, headroom)
         self.evaluations = 0
+        self.work = 0
         self._orders: dict[tuple[str, ...], Option | None] = {}
         self._sets: dict[frozenset[str], Option | None] = {}
         # Peers that can hold one layer of the middle of the model, by id.
@@ -70,6 +78,9 @@ class Search:
             (p for p in peers if usable(p, headroom) >= one), key=lambda p: p.peer_id
         )
         self.need = model.stage_bytes(0, model.n_layers, context_tokens)
+        # what any split needs at least: the weights and KV cache (its compute buffers may go
+        # to the memory beyond the peers' offers)
+        self.floor = self.need - model.compute_bytes(True)
 
     # ----- the answer -----
 
@@ -79,10 +90,12 @@ class Search:
         if _orders_count(m) <= EXHAUSTIVE_ORDERS:
             for k in range(2, min(m, MAX_STAGES, self.model.n_layers) + 1):
                 for subset in itertools.combinations(self.pool, k):
-                    if sum(usable(p, self.headroom) for p in subset) < self.need * 0.9:
+                    if sum(usable(p, self.headroom) for p in subset) < self.floor:
                         continue
                     for order in itertools.permutations(subset):
                         self.order(order)
+        elif m <= BOUNDED:
+            self._bounded()
         else:
             self._local_search()
         return [o for o in self._orders.values() if o is not None]
@@ -94,9 +107,10 @@ class Search:
         key = tuple(p.peer_id for p in order)
         if key in self._orders:
             return self._orders[key]
-        if self.evaluations >= MAX_EVALUATIONS:
+        if self.work >= MAX_WORK:
             return None
         self.evaluations += 1
+        self.work += len(order)
         got = cut(self.costs, order)
         option = None
         if got is not None:
@@ -121,14 +135,66 @@ class Search:
             return self._sets[key]
         best: Option | None = None
         if 2 <= len(members) <= min(MAX_STAGES, self.model.n_layers) and (
-            sum(usable(p, self.headroom) for p in members) >= self.need * 0.9
+            sum(usable(p, self.headroom) for p in members) >= self.floor
         ):
-            for order in self._rotations(self._ring(members)):
+            orders = (
+                itertools.permutations(sorted(members, key=lambda p: p.peer_id))
+                if len(members) <= EVERY_ORDER
+                else self._rotations(self._ring(members))
+            )
+            for order in orders:
                 option = self.order(order)
                 if option is not None and (best is None or option[:2] < best[:2]):
                     best = option
         self._sets[key] = best
         return best
+
+    # ----- every set, by branch and bound -----
+
+    def _bounded(self) -> None:
+        """Every set of peers, in the order of a lower bound on its estimate, each evaluated
+        (`members`) until the bound reaches the best estimate found."""
+        pool, n = self.pool, self.model.n_layers
+        caps, rates = [], []
+        for p in pool:
+            most, rate = 0, math.inf
+            for role in (FIRST, MIDDLE, LAST):
+                t = self.costs.table(p, role)
+                ok = np.isfinite(t)
+                if ok.any():
+                    layers = self.costs.layers[ok]
+                    most = max(most, int(layers.max()))
+                    rate = min(rate, float((t[ok] / layers).min()))
+            caps.append(most)
+            rates.append(rate)
+        rtt = [[self._rtt(a, b) for b in pool] for a in pool]
+        bounds = []
+        for mask in range(1, 1 << len(pool)):
+            s = [i for i in range(len(pool)) if mask >> i & 1]
+            if len(s) < 2 or len(s) > min(MAX_STAGES, n) or sum(caps[i] for i in s) < n:
+                continue
+            if any(caps[i] < 1 for i in s):
+                continue
+            # compute: a layer each, the rest at the cheapest rates the caps allow
+            compute, left = sum(rates[i] for i in s), n - len(s)
+            for i in sorted(s, key=lambda i: rates[i]):
+                give = min(caps[i] - 1, left)
+                compute += give * rates[i]
+                left -= give
+            # a ring enters and leaves each peer: at least half its two shortest edges
+            if len(s) == 2:
+                ring = 2 * rtt[s[0]][s[1]]
+            else:
+                ring = sum(sum(sorted(rtt[i][j] for j in s if j != i)[:2]) for i in s) / 2
+            bounds.append((compute + ring, mask, s))
+        bounds.sort(key=lambda b: (b[0], b[1]))
+        best = math.inf
+        for bound, _, s in bounds:
+            if bound >= best - 1e-9 or self.work >= MAX_WORK:
+                return
+            option = self.members([pool[i] for i in s])
+            if option is not None:
+                best = min(best, option[0])
 
     # ----- rings -----
 
@@ -193,7 +259,7 @@ class Search:
         fast_roomy = [p for p in fastest if usable(p, h) >= share]
         starts = [until_enough(fastest), until_enough(roomiest), until_enough(fast_roomy)]
         strongest = sorted(pool, key=lambda p: (-usable(p, h) * rank_speed(p), p.peer_id))
-        for seed in strongest[:SEEDS]:
+        for seed in strongest if len(pool) <= SMALL else strongest[:SEEDS]:
             near = sorted(
                 (p for p in pool if p.peer_id != seed.peer_id),
                 key=lambda p: (self._rtt(seed, p), -rank_speed(p), p.peer_id),
@@ -217,7 +283,7 @@ class Search:
         if best is None:
             return
         option, members = best
-        while self.evaluations < MAX_EVALUATIONS:
+        while self.work < MAX_WORK:
             step = self._improve(members, option)
             if step is None:
                 return
@@ -238,10 +304,12 @@ class Search:
 
         by_speed = sorted(outside, key=lambda p: (-rank_speed(p), p.peer_id))
         near = sorted(outside, key=lambda p: (closeness(p), -rank_speed(p), p.peer_id))
-        adds = list({p.peer_id: p for p in [*by_speed[:NEIGHBOURS], *near[:NEIGHBOURS]]}.values())
+        few = NEIGHBOURS if len(self.pool) > SMALL else len(self.pool)
+        adds = list({p.peer_id: p for p in [*by_speed[:few], *near[:few]]}.values())
         h = self.headroom
-        slowest = sorted(members, key=lambda p: (rank_speed(p), p.peer_id))[:DROPS]
-        smallest = sorted(members, key=lambda p: (usable(p, h), p.peer_id))[:DROPS]
+        drops = DROPS if len(self.pool) > SMALL else len(members)
+        slowest = sorted(members, key=lambda p: (rank_speed(p), p.peer_id))[:drops]
+        smallest = sorted(members, key=lambda p: (usable(p, h), p.peer_id))[:drops]
         weak = list({p.peer_id: p for p in [*slowest, *smallest]}.values())
         tries: list[list[PeerCapacity]] = []
         tries += [[q for q in members if q is not p] for p in weak]
@@ -250,7 +318,7 @@ class Search:
             # faster peers with about as much room: they can take its place
             room = usable(p, h) * 0.9
             able = [c for c in by_speed if usable(c, h) >= room and rank_speed(c) > rank_speed(p)]
-            tries += [[c if q is p else q for q in members] for c in able[:NEIGHBOURS]]
+            tries += [[c if q is p else q for q in members] for c in able[:few]]
         best: tuple[Option, list[PeerCapacity]] | None = None
         for t in tries:
             option = self.members(t)
