@@ -1,0 +1,115 @@
+"""Membership at scale: the SWIM state machines (`meshagent/gossip/swim.py`) of 10 to 1,000
+members on the simulated bus (`meshagent/testing/swim_bus.py`, inter-city latencies of
+`meshagent/testing/city_rtts.py`, virtual clock). Never asserts; prints a table and writes
+JSON (default bench/results/swim.json).
+
+For each size: members join one by one (10 ms apart, each through a random earlier member) and
+the time until every view is full; bytes each member sends per second in a steady minute (the
+messages' encoded size, and with the overlay's framing modelled); the time after one more
+member joins until its view is full and every view lists it; the time after a member crashes
+until every other declares it dead; and, with 1% of messages lost, how many members any view
+declared dead falsely over `--loss-minutes` virtual minutes.
+
+    .venv/bin/python bench/swim.py [--sizes 10,100,300,1000] [--loss-minutes 10] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from meshagent.testing.swim_bus import FRAME_BYTES, SwimBus
+
+
+def _wait(bus: SwimBus, done, limit: float, step: float = 0.05) -> float:
+    start = bus.now
+    while not done() and bus.now < start + limit:
+        bus.run_until(bus.now + step)
+    return round(bus.now - start, 2) if done() else float("inf")
+
+
+def run(n: int, loss_minutes: float, seed: int) -> dict:
+    t0 = time.perf_counter()
+    bus = SwimBus(seed=seed)
+    names = [f"m{i:04d}" for i in range(n)]
+    bus.add(names[0])
+    for i, name in enumerate(names[1:], 1):
+        bus.run_until(bus.now + 0.01)
+        bus.add(name, contact=names[bus.rng.randrange(i)])
+    everyone = set(names)
+    formed = _wait(bus, lambda: bus.views_complete(everyone), 300, 0.25)
+    bus.run_until(bus.now + 15)
+    sent0 = {k: m.bytes_sent for k, m in bus.members.items()}
+    wire0 = dict(bus.wire_bytes)
+    window = 60.0
+    bus.run_until(bus.now + window)
+    sent = [bus.members[k].bytes_sent - sent0[k] for k in names]
+    wire = [bus.wire_bytes[k] - wire0[k] for k in names]
+
+    newcomer = f"m{n:04d}"
+    bus.add(newcomer, contact=names[bus.rng.randrange(n)])
+    everyone.add(newcomer)
+    joined = _wait(bus, lambda: bus.views_complete(everyone), 60)
+
+    victim = names[n // 2]
+    bus.crash(victim)
+    rest = everyone - {victim}
+    dead = _wait(bus, lambda: all(victim not in bus.members[k].alive() for k in rest), 60)
+
+    # 1% loss: false deaths are deaths of members that did not crash
+    bus.loss = 0.01
+    before = len(bus.deaths)
+    bus.run_until(bus.now + loss_minutes * 60)
+    false = {m for _, _, m in bus.deaths[before:] if m not in bus.crashed}
+    return {
+        "members": n,
+        "formed_s": formed,
+        "sent_bytes_per_member_s": round(sum(sent) / n / window),
+        "sent_bytes_per_member_s_max": round(max(sent) / window),
+        "wire_bytes_per_member_s": round(sum(wire) / n / window),
+        "join_seen_everywhere_s": joined,
+        "crash_dead_everywhere_s": dead,
+        "loss_minutes": loss_minutes,
+        "false_deaths_at_1pct_loss": len(false),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="10,100,300,1000")
+    ap.add_argument("--loss-minutes", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/swim.json"))
+    args = ap.parse_args()
+    rows = []
+    for n in (int(x) for x in args.sizes.split(",")):
+        rows.append(run(n, args.loss_minutes, args.seed))
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    cols = list(rows[0])
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))
+    from meshagent.gossip.swim import SwimConfig
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "config": asdict(SwimConfig()),
+                "frame_bytes": FRAME_BYTES,
+                "machine": platform.platform(),
+                "results": rows,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+"""Membership whose cost per member does not grow with the mesh: SWIM's failure detector with
+Lifeguard's suspicion, and changes spread by piggybacking on the probes (sans-IO).
+
+Each member keeps, for every other, an *incarnation* (raised only by that member, to refute a
+suspicion of itself), a state (alive, suspect, dead) and the version of its record. Every
+`probe_interval` it probes one member (round robin through a shuffled list): a PING, answered
+by an ACK within `probe_timeout`; without one, it asks `indirect` other members to probe the
+target for it (PING-REQ), and without any answer by the end of the period it *suspects* the
+target. A suspicion turns into a death after a timeout that starts at `suspicion_max` and
+shrinks toward `suspicion_min` as other members' suspicions of the same target arrive
+(Lifeguard's confirmations). A member that hears it is suspected raises its incarnation and
+says it is alive, which outranks the suspicion everywhere.
+
+Changes (a member alive at an incarnation, suspected, dead, a new record) are *updates*: each
+is piggybacked on this member's next messages, each update `retransmit` x log2(N + 1) times,
+most recent first within `max_piggyback` bytes; while updates wait, a GOSSIP message carries
+them to `fanout` random members every `gossip_interval`. A joining member pulls the whole
+table from its contact (SYNC), and every `sync_interval` each member compares a digest of its
+table with a random member's and pulls the entries only where they differ: in a steady mesh a
+member sends a probe, an ack and a digest of fixed size, whatever the mesh's size.
+
+The class is a pure state machine: `tick(now)` and `receive(now, source, message)` return the
+messages to send as (destination, message) pairs, and `Message.size()` is its encoded size, so
+the same code runs over the overlay or over the simulated bus of `meshagent/testing/swim_bus.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import cbor2
+
+
+class State(Enum):
+    ALIVE = 0
+    SUSPECT = 1
+    DEAD = 2
+
+
+@dataclass(frozen=True)
+class SwimConfig:
+    probe_interval: float = 0.5
+    probe_timeout: float = 0.4  # a direct PING's ACK, then PING-REQs for the rest of the period
+    indirect: int = 3  # members asked to probe a silent target
+    suspicion_min: float = 1.5
+    suspicion_max: float = 3.0
+    confirmations: int = 3  # suspicions by others that bring the timeout to its minimum
+    retransmit: int = 3  # an update rides on retransmit x log2(N + 1) messages
+    gossip_interval: float = 0.2
+    fanout: int = 3
+    max_piggyback: int = 4096  # bytes of updates on one message
+    sync_interval: float = 10.0
+    signature_bytes: int = 64  # each update is signed by its issuer (counted in sizes)
+
+
+@dataclass(frozen=True)
+class Update:
+    """A change about `subject`: its state at an incarnation, with its record's version (and
+    the record itself, when it is new) from its own ALIVE."""
+
+    subject: str
+    incarnation: int
+    state: State
+    issuer: str
+    record_seq: int = 0
+    record: bytes = b""
+
+    def wire(self) -> list:
+        return [self.subject, self.incarnation, self.state.value, self.issuer, self.record_seq,
+                self.record]  # fmt: skip
+
+    def size(self, signature: int) -> int:
+        got = _SIZES.get(self)
+        if got is None:
+            got = _SIZES[self] = len(cbor2.dumps(self.wire()))
+            if len(_SIZES) > 100_000:
+                _SIZES.clear()
+        return got + signature
+
+
+_SIZES: dict[Update, int] = {}  # encoded sizes, computed once per update
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str  # "ping", "ack", "ping-req", "gossip", "sync", "sync-reply"
+    seq: int = 0
+    target: str = ""  # a PING-REQ's target; an ACK relayed for one
+    updates: tuple[Update, ...] = ()
+    digest: bytes = b""  # a SYNC's digest of the table
+    entries: tuple[Update, ...] = ()  # a SYNC-REPLY's table
+    signature: int = 64
+
+    def size(self) -> int:
+        head = len(cbor2.dumps([self.kind, self.seq, self.target, self.digest]))
+        return head + sum(u.size(self.signature) for u in (*self.updates, *self.entries))
+
+
+@dataclass
+class Member:
+    incarnation: int
+    state: State
+    since: float
+    record_seq: int = 0
+    record: bytes = b""
+    suspectors: set[str] = field(default_factory=set)
+    deadline: float = math.inf  # when a suspicion becomes a death
+
+
+Out = list[tuple[str, Message]]
+
+
+def _outranks(new: Update, old: Member) -> bool:
+    """SWIM's order: a higher incarnation wins; at one incarnation, suspect beats alive and
+    dead beats both."""
+    if new.incarnation != old.incarnation:
+        return new.incarnation > old.incarnation
+    return new.state.value > old.state.value
+
+
+class Swim:
+    def __init__(
+        self, me: str, *, config: SwimConfig | None = None, seed: int = 0, now: float = 0.0
+    ) -> None:
+        self.me = me
+        self.config = config or SwimConfig()
+        self.rng = random.Random(seed)
+        self.incarnation = 0
+        self.record_seq = 0
+        self.record = b""
+        self.members: dict[str, Member] = {}
+        self.bytes_sent = 0
+        self._queue: dict[tuple[str, str], tuple[Update, int]] = {}  # (subject, kind) -> sends
+        self._order: list[str] = []
+        self._seq = 0
+        self._probe: tuple[int, str, float] | None = None  # (seq, target, started)
+        self._acked = False
+        self._relays: dict[int, tuple[str, int]] = {}  # our seq -> (asker, its seq)
+        self._next_probe = now + self.rng.uniform(0, self.config.probe_interval)
+        self._next_gossip = now
+        self._next_sync = now + self.rng.uniform(0, self.config.sync_interval)
+        self._indirect_sent = False
+        self._wants: set[str] = set()  # members whose newer record this member lacks
+        self._digest: bytes | None = None
+        self._live: list[str] | None = None
+
+    # ----- what the member knows -----
+
+    def alive(self) -> set[str]:
+        """Members not known dead (alive or suspect), this one included."""
+        return {self.me, *self._live_others()}
+
+    def _n(self) -> int:
+        return 1 + len(self._live_others())
+
+    def digest(self) -> bytes:
+        if self._digest is None:
+            rows = [
+                (m, x.incarnation, x.state.value, x.record_seq) for m, x in self.members.items()
+            ]
+            rows.append((self.me, self.incarnation, 0, self.record_seq))
+            self._digest = hashlib.sha256(cbor2.dumps(sorted(rows))).digest()[:16]
+        return self._digest
+
+    def _changed(self) -> None:
+        self._digest, self._live = None, None
+
+    # ----- this member's own changes -----
+
+    def publish(self, record: bytes, now: float) -> None:
+        """A new record of this member's, spread to every member."""
+        self.record_seq += 1
+        self.record = record
+        self._changed()
+        self._queue_update(self._self_update(with_record=True))
+
+    def join(self, contact: str, now: float) -> Out:
+        """Ask `contact` for its table; it learns of this member from the same message."""
+        self._queue_update(self._self_update(with_record=True))
+        return self._send([(contact, Message("sync", digest=b"", updates=self._piggyback()))])
+
+    def _self_update(self, *, with_record: bool = False) -> Update:
+        return Update(
+            self.me, self.incarnation, State.ALIVE, self.me, self.record_seq,
+            self.record if with_record else b"",
+        )  # fmt: skip
+
+    # ----- timers -----
+
+    def tick(self, now: float) -> Out:
+        out: Out = []
+        c = self.config
+        for m, x in list(self.members.items()):
+            if x.state == State.SUSPECT and now >= x.deadline:
+                self._apply(Update(m, x.incarnation, State.DEAD, self.me), now)
+        if self._probe is not None:
+            seq, target, started = self._probe
+            if not self._acked and not self._indirect_sent and now >= started + c.probe_timeout:
+                self._indirect_sent = True
+                helpers = [m for m in self._live_others() if m != target]
+                for h in self.rng.sample(helpers, min(c.indirect, len(helpers))):
+                    out.append((h, Message("ping-req", seq, target, self._piggyback())))
+            if now >= started + c.probe_interval:
+                if not self._acked and target in self.members:
+                    x = self.members[target]
+                    if x.state == State.ALIVE:
+                        self._apply(Update(target, x.incarnation, State.SUSPECT, self.me), now)
+                self._probe = None
+        if self._probe is None and now >= self._next_probe:
+            target = self._next_target()
+            self._next_probe = now + c.probe_interval
+            if target is not None:
+                self._seq += 1
+                self._probe, self._acked, self._indirect_sent = (
+                    (self._seq, target, now),
+                    False,
+                    False,
+                )
+                out.append((target, Message("ping", self._seq, updates=self._piggyback())))
+        if now >= self._next_gossip:
+            self._next_gossip = now + c.gossip_interval
+            if self._queue:
+                live = self._live_others()
+                for m in self.rng.sample(live, min(c.fanout, len(live))):
+                    updates = self._piggyback()
+                    if updates:
+                        out.append((m, Message("gossip", updates=updates)))
+        if now >= self._next_sync:
+            self._next_sync = now + c.sync_interval
+            live = self._live_others()
+            if live:
+                out.append((self.rng.choice(live), Message("sync", digest=self.digest())))
+        return self._send(out)
+
+    def next_timer(self) -> float:
+        """When `tick` has work next."""
+        times = [self._next_probe, self._next_sync]
+        if self._queue:
+            times.append(self._next_gossip)
+        if self._probe is not None:
+            _, _, started = self._probe
+            if not self._acked and not self._indirect_sent:
+                times.append(started + self.config.probe_timeout)
+            times.append(started + self.config.probe_interval)
+        times += [x.deadline for x in self.members.values() if x.state == State.SUSPECT]
+        return min(times)
+
+    def _live_others(self) -> list[str]:
+        if self._live is None:
+            self._live = sorted(m for m, x in self.members.items() if x.state != State.DEAD)
+        return self._live
+
+    def _next_target(self) -> str | None:
+        while True:
+            if not self._order:
+                self._order = list(self._live_others())
+                self.rng.shuffle(self._order)
+                if not self._order:
+                    return None
+            m = self._order.pop()
+            if m in self.members and self.members[m].state != State.DEAD:
+                return m
+
+    # ----- messages -----
+
+    def receive(self, now: float, source: str, msg: Message) -> Out:
+        for u in (*msg.updates, *msg.entries):
+            self._apply(u, now)
+        out: Out = []
+        if msg.kind == "ping":
+            out.append((source, Message("ack", msg.seq, msg.target, self._piggyback())))
+        elif msg.kind == "ack":
+            if msg.target:  # an answer to a probe this member made for another
+                asker = self._relays.pop(msg.seq, None)
+                if asker is not None:
+                    out.append((asker[0], Message("ack", asker[1], "", self._piggyback())))
+            elif self._probe is not None and msg.seq == self._probe[0]:
+                self._acked = True
+        elif msg.kind == "ping-req":
+            self._seq += 1
+            self._relays[self._seq] = (source, msg.seq)
+            out.append((msg.target, Message("ping", self._seq, msg.target, self._piggyback())))
+        elif msg.kind == "sync":
+            if msg.digest != self.digest():
+                # a joiner (no digest) gets the records too; others pull those they lack
+                whole = not msg.digest
+                out.append((source, Message("sync-reply", entries=self._table(whole))))
+        elif msg.kind == "pull":
+            records = [self._record_of(m) for m in msg.target.split(",")]
+            out.append((source, Message("gossip", updates=tuple(r for r in records if r))))
+        if self._wants:
+            wants, self._wants = sorted(self._wants), set()
+            out.append((source, Message("pull", target=",".join(wants[:64]))))
+        return self._send(out)
+
+    def _record_of(self, member: str) -> Update | None:
+        if member == self.me:
+            return self._self_update(with_record=True)
+        x = self.members.get(member)
+        if x is None or not x.record:
+            return None
+        return Update(member, x.incarnation, x.state, self.me, x.record_seq, x.record)
+
+    def _table(self, records: bool) -> tuple[Update, ...]:
+        rows = [self._self_update(with_record=records)]
+        for m, x in sorted(self.members.items()):
+            rows.append(
+                Update(
+                    m, x.incarnation, x.state, self.me, x.record_seq, x.record if records else b""
+                )
+            )
+        return tuple(rows)
+
+    def _apply(self, u: Update, now: float) -> None:
+        before = self._row(u.subject)
+        self._take(u, now)
+        if self._row(u.subject) != before:
+            self._changed()
+
+    def _row(self, member: str) -> tuple | None:
+        if member == self.me:
+            return (self.incarnation, self.record_seq)
+        x = self.members.get(member)
+        return None if x is None else (x.incarnation, x.state, x.record_seq)
+
+    def _take(self, u: Update, now: float) -> None:
+        if u.subject == self.me:
+            if u.state != State.ALIVE and u.incarnation >= self.incarnation:
+                self.incarnation = u.incarnation + 1  # refute: alive, newer than the rumour
+                self._queue_update(self._self_update())
+            return
+        x = self.members.get(u.subject)
+        if x is None:
+            if u.state == State.DEAD:
+                return  # a death of a member never known takes no room
+            x = self.members[u.subject] = Member(u.incarnation, u.state, now)
+            if u.record_seq and not u.record:
+                self._wants.add(u.subject)
+            if u.state == State.SUSPECT:
+                self._suspect(x, u, now)
+            self._take_record(x, u)
+            self._queue_update(u)
+            return
+        newer_record = u.record_seq > x.record_seq and u.record
+        if u.record_seq > x.record_seq and not u.record:
+            self._wants.add(u.subject)
+        if _outranks(u, x):
+            was = x.state
+            x.incarnation, x.state = u.incarnation, u.state
+            if u.state != was:
+                x.since = now
+            if u.state == State.SUSPECT:
+                x.suspectors = set()
+                self._suspect(x, u, now)
+            else:
+                x.suspectors, x.deadline = set(), math.inf
+            self._take_record(x, u)
+            self._queue_update(u)
+        elif (
+            u.state == State.SUSPECT
+            and x.state == State.SUSPECT
+            and u.incarnation == x.incarnation
+            and u.issuer not in x.suspectors
+        ):
+            self._suspect(x, u, now)  # another's suspicion confirms ours: a shorter timeout
+        elif newer_record:
+            self._take_record(x, u)
+            self._queue_update(u)
+
+    def _take_record(self, x: Member, u: Update) -> None:
+        if u.record and u.record_seq > x.record_seq:
+            x.record_seq, x.record = u.record_seq, u.record
+
+    def _suspect(self, x: Member, u: Update, now: float) -> None:
+        c = self.config
+        first = not x.suspectors
+        x.suspectors.add(u.issuer)
+        k = min(len(x.suspectors) - 1, c.confirmations)
+        frac = math.log(k + 1) / math.log(c.confirmations + 1)
+        timeout = max(c.suspicion_min, c.suspicion_max - (c.suspicion_max - c.suspicion_min) * frac)
+        start = now if first else x.since
+        x.deadline = start + timeout
+
+    # ----- piggybacking -----
+
+    def _queue_update(self, u: Update) -> None:
+        self._queue[u.subject, "record" if u.record else "state"] = (u, 0)
+
+    def _piggyback(self) -> tuple[Update, ...]:
+        """The updates that ride on the next message: fewest sends first, within the budget."""
+        if not self._queue:
+            return ()
+        limit = self.config.retransmit * max(1, math.ceil(math.log2(self._n() + 1)))
+        room, out = self.config.max_piggyback, []
+        for key, (u, sent) in sorted(self._queue.items(), key=lambda kv: (kv[1][1], kv[0])):
+            size = u.size(self.config.signature_bytes)
+            if size > room:
+                continue
+            room -= size
+            out.append(u)
+            if sent + 1 >= limit:
+                del self._queue[key]
+            else:
+                self._queue[key] = (u, sent + 1)
+        return tuple(out)
+
+    def _send(self, out: Iterable[tuple[str, Message]]) -> Out:
+        out = list(out)
+        self.bytes_sent += sum(m.size() for _, m in out)
+        return out

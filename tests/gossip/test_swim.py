@@ -1,0 +1,84 @@
+"""SWIM membership (`meshagent/gossip/swim.py`) on the simulated bus: a full view, a cost per
+member that does not grow with the mesh, crashes found within seconds, suspicions refuted,
+records spread, and no false death under loss."""
+
+from __future__ import annotations
+
+from meshagent.gossip.swim import Message, State, Update
+from meshagent.testing.swim_bus import SwimBus
+
+
+def _mesh(n: int, seed: int = 1, loss: float = 0.0) -> tuple[SwimBus, list[str]]:
+    bus = SwimBus(seed=seed, loss=loss)
+    names = [f"m{i:03d}" for i in range(n)]
+    bus.add(names[0])
+    for i, name in enumerate(names[1:], 1):
+        bus.run_until(bus.now + 0.01)
+        bus.add(name, contact=names[bus.rng.randrange(i)])
+    everyone = set(names)
+    start = bus.now
+    while not bus.views_complete(everyone):
+        assert bus.now < start + 10, "no full view within 10 s"
+        bus.run_until(bus.now + 0.1)
+    return bus, names
+
+
+def _steady_bytes(bus: SwimBus, names: list[str], window: float = 30.0) -> float:
+    bus.run_until(bus.now + 15)
+    before = {k: bus.members[k].bytes_sent for k in names}
+    bus.run_until(bus.now + window)
+    return sum(bus.members[k].bytes_sent - before[k] for k in names) / len(names) / window
+
+
+def test_what_a_member_sends_does_not_grow_with_the_mesh():
+    small, few = _mesh(10)
+    big, many = _mesh(80)
+    a, b = _steady_bytes(small, few), _steady_bytes(big, many)
+    assert a > 0 and b < 1.5 * a, (a, b)
+
+
+def test_a_crash_is_dead_everywhere_within_five_seconds():
+    bus, names = _mesh(60)
+    bus.run_until(bus.now + 5)
+    victim = names[17]
+    bus.crash(victim)
+    crashed = bus.now
+    rest = set(names) - {victim}
+    while any(victim in bus.members[k].alive() for k in rest):
+        assert bus.now < crashed + 5, "not dead everywhere within 5 s"
+        bus.run_until(bus.now + 0.05)
+    assert all(bus.members[k].members[victim].state == State.DEAD for k in rest)
+
+
+def test_a_live_member_refutes_a_suspicion_of_itself():
+    bus, names = _mesh(20)
+    subject, liar = names[3], names[4]
+    inc = bus.members[subject].incarnation
+    rumour = Update(subject, inc, State.SUSPECT, liar)
+    bus._deliver(liar, [(names[5], Message("gossip", updates=(rumour,)))])
+    bus.run_until(bus.now + 10)
+    assert bus.members[subject].incarnation == inc + 1
+    for k in names:
+        if k != subject:
+            x = bus.members[k].members[subject]
+            assert x.state == State.ALIVE and x.incarnation == inc + 1
+    assert not [d for d in bus.deaths if d[2] == subject]
+
+
+def test_a_new_record_reaches_every_member():
+    bus, names = _mesh(40)
+    bus.members[names[9]].publish(b"x" * 1500, bus.now)
+    published = bus.now
+    while any(
+        bus.members[k].members[names[9]].record != b"x" * 1500 for k in names if k != names[9]
+    ):
+        assert bus.now < published + 5
+        bus.run_until(bus.now + 0.05)
+
+
+def test_no_false_death_at_one_percent_loss():
+    bus, names = _mesh(40, seed=3)
+    bus.loss = 0.01
+    bus.run_until(bus.now + 180)
+    assert bus.deaths == []
+    assert bus.views_complete(set(names))
