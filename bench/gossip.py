@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import result_file
 import structlog
 import trio
 import trio.testing
@@ -99,10 +100,7 @@ def main() -> None:
         row["wall_s"] = round(time.perf_counter() - t, 1)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
-    cols = list(rows[0])
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
+    result_file.print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

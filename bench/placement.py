@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import result_file
 
 from meshagent.placement.planner import ModelCost, PeerCapacity, PlanError, plan, unknown_rtt
 from meshagent.testing.city_rtts import CITIES, rtt
@@ -165,13 +166,6 @@ def big_meshes(sizes: list[int], seed: int) -> list[dict]:
     return rows
 
 
-def _table(rows: list[dict]) -> None:
-    cols = list(rows[0])
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--meshes", type=int, default=1000)
@@ -183,17 +177,12 @@ def main() -> None:
     small = small_meshes(args.meshes, args.seed)
     small["wall_s"] = round(time.perf_counter() - t, 1)
     print("small meshes (4-12 peers, 13B shape): the plan's estimate / the exhaustive optimum")
-    _table([small])
+    result_file.print_table([small])
     big = big_meshes([int(x) for x in args.sizes.split(",")], args.seed)
     print("big meshes")
-    _table(big)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {"machine": platform.platform(), "context_tokens": CTX, "small": small, "big": big},
-            indent=1,
-        )
-    )
+    result_file.print_table(big)
+    result = {"machine": result_file.machine(), "context_tokens": CTX, "small": small, "big": big}
+    result_file.write(args.out, result)
 
 
 if __name__ == "__main__":

@@ -19,3 +19,11 @@ def write(out: Path, result: dict[str, Any], note: str = "") -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}{note}")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """Rows of one shape as a table: a header of their keys, then one line each."""
+    cols = list(rows[0])
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+import result_file
+
+from meshagent.gossip.swim import SwimConfig
 from meshagent.testing.swim_bus import FRAME_BYTES, SwimBus
 
 
@@ -36,11 +38,7 @@ def _wait(bus: SwimBus, done, limit: float, step: float = 0.05) -> float:
 def run(n: int, loss_minutes: float, seed: int) -> dict:
     t0 = time.perf_counter()
     bus = SwimBus(seed=seed)
-    names = [f"m{i:04d}" for i in range(n)]
-    bus.add(names[0])
-    for i, name in enumerate(names[1:], 1):
-        bus.run_until(bus.now + 0.01)
-        bus.add(name, contact=names[bus.rng.randrange(i)])
+    names = bus.grow(n)
     everyone = set(names)
     formed = _wait(bus, lambda: bus.views_complete(everyone), 300, 0.25)
     bus.run_until(bus.now + 15)
@@ -91,23 +89,15 @@ def main() -> None:
     for n in (int(x) for x in args.sizes.split(",")):
         rows.append(run(n, args.loss_minutes, args.seed))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    cols = list(rows[0])
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in cols))
-    from meshagent.gossip.swim import SwimConfig
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "config": asdict(SwimConfig()),
-                "frame_bytes": FRAME_BYTES,
-                "machine": platform.platform(),
-                "results": rows,
-            },
-            indent=1,
-        )
+    result_file.print_table(rows)
+    result_file.write(
+        args.out,
+        {
+            "config": asdict(SwimConfig()),
+            "frame_bytes": FRAME_BYTES,
+            "machine": result_file.machine(),
+            "results": rows,
+        },
     )
 
 

@@ -57,6 +57,15 @@ class SwimBus:
         self._reschedule(name)
         return m
 
+    def grow(self, n: int, spacing: float = 0.01) -> list[str]:
+        """n members, `spacing` seconds apart, each joining through a random earlier one."""
+        names = [f"m{i:04d}" for i in range(n)]
+        self.add(names[0])
+        for i, name in enumerate(names[1:], 1):
+            self.run_until(self.now + spacing)
+            self.add(name, contact=names[self.rng.randrange(i)])
+        return names
+
     def crash(self, name: str) -> None:
         """It stops: sends nothing, and what is sent to it is lost."""
         self.crashed.add(name)

@@ -10,11 +10,7 @@ from meshagent.testing.swim_bus import SwimBus
 
 def _mesh(n: int, seed: int = 1, loss: float = 0.0) -> tuple[SwimBus, list[str]]:
     bus = SwimBus(seed=seed, loss=loss)
-    names = [f"m{i:03d}" for i in range(n)]
-    bus.add(names[0])
-    for i, name in enumerate(names[1:], 1):
-        bus.run_until(bus.now + 0.01)
-        bus.add(name, contact=names[bus.rng.randrange(i)])
+    names = bus.grow(n)
     everyone = set(names)
     start = bus.now
     while not bus.views_complete(everyone):
