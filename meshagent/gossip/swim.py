@@ -135,7 +135,9 @@ class Swim:
         self.record = b""
         self.members: dict[str, Member] = {}
         self.bytes_sent = 0
-        self._queue: dict[tuple[str, str], tuple[Update, int]] = {}  # (subject, kind) -> sends
+        # updates waiting to be piggybacked: by how often each was sent, oldest first
+        self._queue: list[dict[tuple[str, str], Update]] = []
+        self._sent: dict[tuple[str, str], int] = {}  # (subject, kind) -> its bucket
         self._order: list[str] = []
         self._seq = 0
         self._probe: tuple[int, str, float] | None = None  # (seq, target, started)
@@ -224,7 +226,7 @@ class Swim:
                 out.append((target, Message("ping", self._seq, updates=self._piggyback())))
         if now >= self._next_gossip:
             self._next_gossip = now + c.gossip_interval
-            if self._queue:
+            if self._sent:
                 live = self._live_others()
                 for m in self.rng.sample(live, min(c.fanout, len(live))):
                     updates = self._piggyback()
@@ -240,7 +242,7 @@ class Swim:
     def next_timer(self) -> float:
         """When `tick` has work next."""
         times = [self._next_probe, self._next_sync]
-        if self._queue:
+        if self._sent:
             times.append(self._next_gossip)
         if self._probe is not None:
             _, _, started = self._probe
@@ -389,24 +391,43 @@ class Swim:
     # ----- piggybacking -----
 
     def _queue_update(self, u: Update) -> None:
-        self._queue[u.subject, "record" if u.record else "state"] = (u, 0)
+        key = (u.subject, "record" if u.record else "state")
+        was = self._sent.pop(key, None)
+        if was is not None:
+            del self._queue[was][key]
+        if not self._queue:
+            self._queue.append({})
+        self._queue[0][key] = u
+        self._sent[key] = 0
 
     def _piggyback(self) -> tuple[Update, ...]:
-        """The updates that ride on the next message: fewest sends first, within the budget."""
-        if not self._queue:
+        """The updates that ride on the next message: those sent least first (the oldest of
+        them first), within the budget; each goes `retransmit` x log2(N + 1) times."""
+        if not self._sent:
             return ()
         limit = self.config.retransmit * max(1, math.ceil(math.log2(self._n() + 1)))
-        room, out = self.config.max_piggyback, []
-        for key, (u, sent) in sorted(self._queue.items(), key=lambda kv: (kv[1][1], kv[0])):
-            size = u.size(self.config.signature_bytes)
-            if size > room:
+        room, out, moved = self.config.max_piggyback, [], []
+        for count, bucket in enumerate(self._queue):
+            for key, u in list(bucket.items()):
+                size = u.size(self.config.signature_bytes)
+                if size > room:
+                    if room < 64:
+                        break
+                    continue
+                room -= size
+                out.append(u)
+                del bucket[key]
+                moved.append((key, u, count + 1))
+            if room < 64:
+                break
+        for key, u, count in moved:
+            if count >= limit:
+                del self._sent[key]
                 continue
-            room -= size
-            out.append(u)
-            if sent + 1 >= limit:
-                del self._queue[key]
-            else:
-                self._queue[key] = (u, sent + 1)
+            while len(self._queue) <= count:
+                self._queue.append({})
+            self._queue[count][key] = u
+            self._sent[key] = count
         return tuple(out)
 
     def _send(self, out: Iterable[tuple[str, Message]]) -> Out:
