@@ -24,8 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshagent.placement.cuts import FIRST, LAST, MIDDLE, StageCosts, cut
-from meshagent.placement.planner import (
+from meshagent.placement.costs import (
     ModelCost,
     PeerCapacity,
     StageAssignment,
@@ -33,6 +32,7 @@ from meshagent.placement.planner import (
     rtt_between,
     usable,
 )
+from meshagent.placement.cuts import FIRST, LAST, MIDDLE, StageCosts, cut
 
 # (est. ms per token, peer order, stages, bytes its peers must download first)
 Option = tuple[float, tuple[str, ...], tuple[StageAssignment, ...], int]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshagent.placement.planner import ModelCost, PeerCapacity, rtt_between, usable
+from meshagent.placement.costs import ModelCost, PeerCapacity, rtt_between, usable
 
 
 def layer_caps(
