@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshagent.models.layout import ModelLayout
@@ -171,3 +171,9 @@ def unknown_rtt(peers: Iterable[PeerCapacity]) -> float:
     pair that has. A guess any lower would make a peer that just (re)joined, before its
     probes, look closer than every measured one, and move a working split onto it."""
     return max((ms for p in peers for ms in p.rtt_ms.values()), default=DEFAULT_RTT_MS)
+
+
+def ring_ms(order: Sequence[PeerCapacity], unknown: float) -> float:
+    """One trip around the ring of peers in this order."""
+    n = len(order)
+    return sum(rtt_between(order[i], order[(i + 1) % n], unknown) for i in range(n))

@@ -18,12 +18,10 @@ bits and therefore the same plan.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from meshagent.placement.costs import ModelCost, PeerCapacity, StageAssignment
+from meshagent.placement.costs import ModelCost, PeerCapacity, StageAssignment
 
 FIRST, MIDDLE, LAST = "first", "middle", "last"
 # Sums of stage times that differ by less than this (ms) are ties, broken by balance.
@@ -94,8 +92,6 @@ def cut(
 ) -> tuple[tuple[StageAssignment, ...], float] | None:
     """The least-time cut of the model over `order` (two or more peers) and its compute ms per
     token; None when no cut fits."""
-    from meshagent.placement.costs import StageAssignment
-
     k, n = len(order), costs.n
     if k < 2 or k > n:
         return None

@@ -12,7 +12,7 @@ exactly (`cuts.py`).
 
 A peer with GPUs offers their memory too (`vram_bytes`): a stage's layers go on the device
 first and the rest in system memory (llama.cpp's per-layer offload), each part computed at
-its own measured speed, and layers are given so that the stages' times come out even.
+its own measured speed; the exact cut counts it stage by stage.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from meshagent.placement.costs import (
     ModelCost,
     PeerCapacity,
     StageAssignment,
-    rtt_between,
+    ring_ms,
     unknown_rtt,
     usable,
 )
@@ -89,11 +89,6 @@ def offloaded_layers(
             break
         n += 1
     return n
-
-
-def _ring_ms(order: Sequence[PeerCapacity], unknown: float) -> float:
-    n = len(order)
-    return sum(rtt_between(order[i], order[(i + 1) % n], unknown) for i in range(n))
 
 
 def plan(
@@ -254,7 +249,7 @@ def repair(
         model.model_id,
         current.context_tokens,
         stages=tuple(stages),
-        est_token_ms=compute_ms + _ring_ms(order, unknown_rtt(peers)),
+        est_token_ms=compute_ms + ring_ms(order, unknown_rtt(peers)),
     )
 
 
@@ -290,7 +285,7 @@ def estimated_token_ms(
         if p.needs(model, s.start, s.end, context_tokens) > usable(p, 0.0):
             return None
     compute = _compute_ms(model, current.stages, live, context_tokens)
-    return compute + _ring_ms(live, unknown_rtt(peers.values()))
+    return compute + ring_ms(live, unknown_rtt(peers.values()))
 
 
 def should_replan(

@@ -29,6 +29,7 @@ from meshagent.placement.costs import (
     PeerCapacity,
     StageAssignment,
     rank_speed,
+    ring_ms,
     rtt_between,
     usable,
 )
@@ -115,10 +116,7 @@ class Search:
         option = None
         if got is not None:
             stages, compute_ms = got
-            ring = sum(
-                rtt_between(order[i], order[(i + 1) % len(order)], self.unknown)
-                for i in range(len(order))
-            )
+            ring = ring_ms(order, self.unknown)
             download = sum(
                 p.download_bytes(self.model, s.start, s.end)
                 for s, p in zip(stages, order, strict=True)

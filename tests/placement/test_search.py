@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshagent.placement.costs import rtt_between
 from meshagent.placement.cuts import StageCosts, cut
 from meshagent.placement.planner import (
     ModelCost,
     PeerCapacity,
     PlanError,
     plan,
-    rtt_between,
     unknown_rtt,
     usable,
 )
