@@ -15,6 +15,26 @@ from meshagent.models.ranged import header_gaps
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 KV_BYTES_F16 = 2
 
+# llama.cpp loads no model without token embeddings, but the last stage of a split never looks
+# a token up (its input is hidden states). Where the model has its own output head, the last
+# stage's slice carries zeros in their place, in the smallest ggml type the width allows:
+# (type name, weights per block, bytes per block), the first whose block divides the width.
+STANDIN_TYPES = (("IQ1_S", 256, 50), ("Q4_0", 32, 18), ("F16", 1, 2))
+
+
+def embedding_standin(n_embd: int) -> tuple[str, int, int]:
+    """The ggml type of the zero embeddings a last stage carries, as `STANDIN_TYPES` lists."""
+    return next(t for t in STANDIN_TYPES if n_embd % t[1] == 0)
+
+
+def standin_bytes(n_vocab: int, n_embd: int, tied: bool) -> int:
+    """What the zero embeddings of a last stage (not also the first) weigh: nothing where the
+    output head is the embedding matrix itself (`tied`)."""
+    if tied or not n_vocab or not n_embd:
+        return 0
+    _, per_block, block_bytes = embedding_standin(n_embd)
+    return n_vocab * n_embd // per_block * block_bytes
+
 
 @dataclass(frozen=True)
 class ModelLayout:
@@ -61,12 +81,15 @@ class ModelLayout:
 
     def weight_bytes(self, start: int, end: int) -> int:
         """Bytes of weights a stage over layers [start, end) holds: the first stage also holds
-        the token embeddings, the last the output head."""
+        the token embeddings, the last the output head (and, not also the first, the zero
+        embeddings that stand in for the real ones: `standin_bytes`)."""
         total = sum(self.layer_bytes[start:end]) + self.other_bytes
         if start == 0:
             total += self.embedding_bytes
         if end == self.n_layers:
             total += self.head_bytes
+            if start > 0:
+                total += standin_bytes(self.n_vocab, self.n_embd, self.tied_embeddings)
         return total
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from meshagent.errors import ModelError, OutOfRange
 from meshagent.models.architectures import INPUT_SCALED_FOR_TOKENS, SWA_PATTERN
 from meshagent.models.family import ATTENTION, RECURRENT, family_traits
 from meshagent.models.gguf_file import TOKENIZER_PREFIX, GGUFFile
-from meshagent.models.layout import LAYER_TENSOR, ModelLayout, open_gguf
+from meshagent.models.layout import LAYER_TENSOR, ModelLayout, embedding_standin, open_gguf
 from meshagent.wording import layer_range
 
 PLACEHOLDER_VOCAB = 8
@@ -192,8 +192,30 @@ def tensors_read(layout: ModelLayout, kind: str, start: int, end: int) -> list[s
     if kind == "entry":
         return ["token_embd.weight"]
     last = end == layout.n_layers
+    standin = _has_standin(layout, start, end)
     reader = open_gguf(Path(layout.path))
-    return [t.name for t in reader.tensors if _layer_copy(t.name, start, end, last) is not None]
+    return [
+        t.name
+        for t in reader.tensors
+        if _layer_copy(t.name, start, end, last) is not None
+        and not (standin and t.name == "token_embd.weight")
+    ]
+
+
+def _has_standin(layout: ModelLayout, start: int, end: int) -> bool:
+    """Whether the slice [start, end) carries zero embeddings in place of the model's: it
+    ends the model but does not begin it, and the model has its own output head."""
+    return end == layout.n_layers and start > 0 and not layout.tied_embeddings
+
+
+def _zero_embeddings(writer: gguf.GGUFWriter, n_vocab: int, n_embd: int) -> None:
+    """`token_embd.weight` of the right shape, all zeros, in the smallest type that fits."""
+    name, per_block, block_bytes = embedding_standin(n_embd)
+    if name == "F16":
+        writer.add_tensor("token_embd.weight", np.zeros((n_vocab, n_embd), np.float16))
+        return
+    raw = np.zeros((n_vocab, n_embd // per_block * block_bytes), np.uint8)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=gguf.GGMLQuantizationType[name])
 
 
 def write_layers(
@@ -248,7 +270,9 @@ def write_layers(
             # All-zero bytes are a zero weight in every ggml type (float or quantised blocks).
             writer.add_tensor(f"blk.0.{m.group(2)}", np.zeros_like(t.data), raw_dtype=t.tensor_type)
         name = _layer_copy(t.name, start, end, last, len(pads))
-        if name is not None:
+        if name == "token_embd.weight" and _has_standin(layout, start, end):
+            _zero_embeddings(writer, layout.n_vocab, layout.n_embd)
+        elif name is not None:
             writer.add_tensor(name, t.data, raw_dtype=t.tensor_type)
     if not last:
         _add_placeholder_vocab(writer, arch, layout.n_embd)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from meshagent.models.layout import ModelLayout
+from meshagent.models.layout import ModelLayout, standin_bytes
 
 DEFAULT_RTT_MS = 5.0  # assumed for a pair not measured yet, while no pair is measured
 
@@ -85,7 +85,15 @@ class ModelCost:
             total += self.head_bytes
             if start == 0 and self.tied_embeddings:
                 total -= self.embedding_bytes
+            if start > 0:
+                total += self.standin_bytes
         return total
+
+    @property
+    def standin_bytes(self) -> int:
+        """The zero token embeddings a last stage (not also the first) carries because
+        llama.cpp requires them (`models.layout.standin_bytes`)."""
+        return standin_bytes(self.n_vocab, self.n_embd, self.tied_embeddings)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class StageCosts:
             valid[1:, :] = False  # starts at 0
             valid[:, n] = False  # and is not also the last
         elif role == LAST:
-            need = need + m.head_bytes
+            need = need + m.head_bytes + m.standin_bytes
             valid[:, :n] = False  # ends at n
             valid[0, :] = False  # and is not also the first
         else:

@@ -10,6 +10,7 @@ rewired to its new neighbours, and the entry's requests replay on the new chain
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -117,6 +118,7 @@ class Parts:
             log.info("mesh_model.part", kept=True, whole=True)
             return
         await self.unload()
+        began = time.monotonic()
         if self.peer_id in plan.replicas:
             await self._load_whole(plan)
             receipt = self._whole_receipt()
@@ -131,6 +133,7 @@ class Parts:
             whole=self._whole is not None,
             stage=None if self.split is None else self.split.layers,
             entry=self.local is not None,
+            load_s=round(time.monotonic() - began, 2),
         )
 
     async def release(self, plan: Plan) -> None:
