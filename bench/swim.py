@@ -56,8 +56,7 @@ def run(n: int, loss_minutes: float, seed: int) -> dict:
 
     victim = names[n // 2]
     bus.crash(victim)
-    rest = everyone - {victim}
-    dead = _wait(bus, lambda: all(victim not in bus.members[k].alive() for k in rest), 60)
+    dead = _wait(bus, lambda: bus.dead_everywhere(victim), 60)
 
     # 1% loss: false deaths are deaths of members that did not crash
     bus.loss = 0.01

@@ -32,6 +32,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 import cbor2
 
@@ -75,15 +76,12 @@ class Update:
                 self.record]  # fmt: skip
 
     def size(self, signature: int) -> int:
-        got = _SIZES.get(self)
-        if got is None:
-            got = _SIZES[self] = len(cbor2.dumps(self.wire()))
-            if len(_SIZES) > 100_000:
-                _SIZES.clear()
-        return got + signature
+        return self.encoded_size + signature
 
-
-_SIZES: dict[Update, int] = {}  # encoded sizes, computed once per update
+    @cached_property
+    def encoded_size(self) -> int:
+        """Its encoded size without the signature, computed once."""
+        return len(cbor2.dumps(self.wire()))
 
 
 @dataclass(frozen=True)
@@ -97,6 +95,10 @@ class Message:
     signature: int = 64
 
     def size(self) -> int:
+        return self.encoded_size
+
+    @cached_property
+    def encoded_size(self) -> int:
         head = len(cbor2.dumps([self.kind, self.seq, self.target, self.digest]))
         return head + sum(u.size(self.signature) for u in (*self.updates, *self.entries))
 
@@ -113,6 +115,10 @@ class Member:
 
 
 Out = list[tuple[str, Message]]
+
+
+def _row_hash(row: tuple) -> int:
+    return int.from_bytes(hashlib.blake2b(cbor2.dumps(row), digest_size=16).digest(), "big")
 
 
 def _outranks(new: Update, old: Member) -> bool:
@@ -148,8 +154,13 @@ class Swim:
         self._next_sync = now + self.rng.uniform(0, self.config.sync_interval)
         self._indirect_sent = False
         self._wants: set[str] = set()  # members whose newer record this member lacks
-        self._digest: bytes | None = None
-        self._live: list[str] | None = None
+        # The table's digest: the XOR of its rows' hashes, kept as rows change.
+        self._digest = _row_hash((self.me, 0, 0, 0))
+        # Members not known dead, in a list for sampling (with each one's index in it).
+        self._live: list[str] = []
+        self._live_at: dict[str, int] = {}
+        self._suspects: set[str] = set()
+        self.died: list[tuple[float, str]] = []  # (when, member) this member declared dead
 
     # ----- what the member knows -----
 
@@ -157,28 +168,55 @@ class Swim:
         """Members not known dead (alive or suspect), this one included."""
         return {self.me, *self._live_others()}
 
+    def alive_others(self) -> list[str]:
+        """The other members not known dead (not to be changed by the caller)."""
+        return self._live
+
+    def state_of(self, member: str) -> State | None:
+        x = self.members.get(member)
+        return None if x is None else x.state
+
     def _n(self) -> int:
-        return 1 + len(self._live_others())
+        return 1 + len(self._live)
 
     def digest(self) -> bytes:
-        if self._digest is None:
-            rows = [
-                (m, x.incarnation, x.state.value, x.record_seq) for m, x in self.members.items()
-            ]
-            rows.append((self.me, self.incarnation, 0, self.record_seq))
-            self._digest = hashlib.sha256(cbor2.dumps(sorted(rows))).digest()[:16]
-        return self._digest
+        """16 bytes that differ between two members whose tables differ (the XOR of a hash
+        of every row, this member's own included)."""
+        return self._digest.to_bytes(16, "big")
 
-    def _changed(self) -> None:
-        self._digest, self._live = None, None
+    def _rows_changed(self, member: str, before: tuple | None, after: tuple | None) -> None:
+        """Keep the digest, the live list and the suspects as `member`'s row changes."""
+        if before == after:
+            return
+        if before is not None:
+            self._digest ^= _row_hash((member, *before))
+        if after is not None:
+            self._digest ^= _row_hash((member, *after))
+        if member == self.me:
+            return
+        was_live = before is not None and before[1] != State.DEAD.value
+        live = after is not None and after[1] != State.DEAD.value
+        if live and not was_live:
+            self._live_at[member] = len(self._live)
+            self._live.append(member)
+        elif was_live and not live:
+            i = self._live_at.pop(member)
+            last = self._live.pop()
+            if last != member:
+                self._live[i], self._live_at[last] = last, i
+        if after is not None and after[1] == State.SUSPECT.value:
+            self._suspects.add(member)
+        else:
+            self._suspects.discard(member)
 
     # ----- this member's own changes -----
 
     def publish(self, record: bytes, now: float) -> None:
         """A new record of this member's, spread to every member."""
+        before = self._row(self.me)
         self.record_seq += 1
         self.record = record
-        self._changed()
+        self._rows_changed(self.me, before, self._row(self.me))
         self._queue_update(self._self_update(with_record=True))
 
     def join(self, contact: str, now: float) -> Out:
@@ -197,8 +235,9 @@ class Swim:
     def tick(self, now: float) -> Out:
         out: Out = []
         c = self.config
-        for m, x in list(self.members.items()):
-            if x.state == State.SUSPECT and now >= x.deadline:
+        for m in sorted(self._suspects):
+            x = self.members[m]
+            if now >= x.deadline:
                 self._apply(Update(m, x.incarnation, State.DEAD, self.me), now)
         if self._probe is not None:
             seq, target, started = self._probe
@@ -249,12 +288,10 @@ class Swim:
             if not self._acked and not self._indirect_sent:
                 times.append(started + self.config.probe_timeout)
             times.append(started + self.config.probe_interval)
-        times += [x.deadline for x in self.members.values() if x.state == State.SUSPECT]
+        times += [self.members[m].deadline for m in self._suspects]
         return min(times)
 
     def _live_others(self) -> list[str]:
-        if self._live is None:
-            self._live = sorted(m for m, x in self.members.items() if x.state != State.DEAD)
         return self._live
 
     def _next_target(self) -> str | None:
@@ -319,16 +356,28 @@ class Swim:
         return tuple(rows)
 
     def _apply(self, u: Update, now: float) -> None:
+        x = self.members.get(u.subject)
+        if (
+            x is not None
+            and u.incarnation == x.incarnation
+            and u.state == x.state
+            and u.record_seq <= x.record_seq
+            and (u.state != State.SUSPECT or u.issuer in x.suspectors)
+        ):
+            return  # what this member knows already: most updates, as each goes round
         before = self._row(u.subject)
         self._take(u, now)
-        if self._row(u.subject) != before:
-            self._changed()
+        after = self._row(u.subject)
+        self._rows_changed(u.subject, before, after)
+        if after is not None and after[1] == State.DEAD.value != (before or (0, 0))[1]:
+            self.died.append((now, u.subject))
 
     def _row(self, member: str) -> tuple | None:
+        """What the digest covers of a member: (incarnation, state, record version)."""
         if member == self.me:
-            return (self.incarnation, self.record_seq)
+            return (self.incarnation, State.ALIVE.value, self.record_seq)
         x = self.members.get(member)
-        return None if x is None else (x.incarnation, x.state, x.record_seq)
+        return None if x is None else (x.incarnation, x.state.value, x.record_seq)
 
     def _take(self, u: Update, now: float) -> None:
         if u.subject == self.me:
@@ -408,7 +457,7 @@ class Swim:
         limit = self.config.retransmit * max(1, math.ceil(math.log2(self._n() + 1)))
         room, out, moved = self.config.max_piggyback, [], []
         for count, bucket in enumerate(self._queue):
-            for key, u in list(bucket.items()):
+            for key, u in bucket.items():
                 size = u.size(self.config.signature_bytes)
                 if size > room:
                     if room < 64:
@@ -416,18 +465,18 @@ class Swim:
                     continue
                 room -= size
                 out.append(u)
-                del bucket[key]
-                moved.append((key, u, count + 1))
+                moved.append((key, u, count))
             if room < 64:
                 break
         for key, u, count in moved:
-            if count >= limit:
+            del self._queue[count][key]
+            if count + 1 >= limit:
                 del self._sent[key]
                 continue
-            while len(self._queue) <= count:
+            if len(self._queue) <= count + 1:
                 self._queue.append({})
-            self._queue[count][key] = u
-            self._sent[key] = count
+            self._queue[count + 1][key] = u
+            self._sent[key] = count + 1
         return tuple(out)
 
     def _send(self, out: Iterable[tuple[str, Message]]) -> Out:

@@ -88,21 +88,21 @@ class SwimBus:
                     continue
                 del self._scheduled[a]
                 self._deliver(a, self.members[a].tick(when))
+                self._note_deaths(a)
                 self._reschedule(a)
             else:  # a message from b to a
                 if a in self.crashed or a not in self.members:
                     continue
-                member = self.members[a]
-                before = {m: x.state for m, x in member.members.items()}
-                self._deliver(a, member.receive(when, b, msg))
-                self._note_deaths(a, before)
+                self._deliver(a, self.members[a].receive(when, b, msg))
+                self._note_deaths(a)
                 self._reschedule(a)
         self.now = t
 
-    def _note_deaths(self, observer: str, before: dict[str, State]) -> None:
-        for m, x in self.members[observer].members.items():
-            if x.state == State.DEAD and before.get(m) != State.DEAD:
-                self.deaths.append((self.now, observer, m))
+    def _note_deaths(self, observer: str) -> None:
+        died = self.members[observer].died
+        if died:
+            self.deaths.extend((when, observer, m) for when, m in died)
+            died.clear()
 
     def _reschedule(self, name: str) -> None:
         if name in self.crashed:
@@ -124,4 +124,15 @@ class SwimBus:
 
     def views_complete(self, names: set[str]) -> bool:
         """Every running member of `names` lists exactly `names` as alive or suspect."""
-        return all(self.members[n].alive() == names for n in names if n not in self.crashed)
+        running = [self.members[n] for n in names if n not in self.crashed]
+        if any(len(m.alive_others()) != len(names) - 1 for m in running):
+            return False  # (counted first: comparing sets of a thousand is the slow part)
+        return all(m.alive() == names for m in running)
+
+    def dead_everywhere(self, name: str) -> bool:
+        """Every running member other than `name` knows it dead."""
+        return all(
+            m.state_of(name) == State.DEAD
+            for k, m in self.members.items()
+            if k != name and k not in self.crashed
+        )
