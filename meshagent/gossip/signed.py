@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Self
 
 import cbor2
 from nacl.exceptions import BadSignatureError
@@ -30,6 +30,7 @@ MAX_ITEM_BYTES = MAX_RECORD_BYTES + 256
 _RECORD_CONTEXT = b"meshagent/gossip-record/v1\x00"
 _BEAT_CONTEXT = b"meshagent/gossip-beat/v1\x00"
 _OBIT_CONTEXT = b"meshagent/gossip-obituary/v1\x00"
+_SUSPECT_CONTEXT = b"meshagent/gossip-suspicion/v1\x00"
 _U64 = struct.Struct(">Q")
 # The largest beat an item may carry. Beats are wall-clock milliseconds (2**63 ms is some 292
 # million years); the headroom above it up to the u64 of the signed message is what keeps
@@ -159,25 +160,29 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
-class Obituary:
-    """`reporter` declares `subject` dead as of the subject's beat `beat`. Any later beat
-    from the subject overrides it (the subject is alive after all, or has come back)."""
+class _Accusation:
+    """`reporter` says something of `subject` as of the subject's beat `beat` (its incarnation,
+    in membership by probes): that it is dead (an obituary) or that it did not answer (a
+    suspicion). Any later beat from the subject overrides it."""
 
     subject: str
     beat: int
     reporter_key: bytes
     signature: bytes
 
+    CONTEXT = b""
+    WHAT = ""
+
     @property
     def reporter(self) -> str:
         return _peer_id(self.reporter_key)
 
-    @staticmethod
-    def _message(mesh: str, subject: str, beat: int, reporter_key: bytes) -> bytes:
-        return _OBIT_CONTEXT + mesh.encode() + subject.encode() + _U64.pack(beat) + reporter_key
+    @classmethod
+    def _message(cls, mesh: str, subject: str, beat: int, reporter_key: bytes) -> bytes:
+        return cls.CONTEXT + mesh.encode() + subject.encode() + _U64.pack(beat) + reporter_key
 
     @classmethod
-    def sign(cls, identity: NodeIdentity, subject: str, beat: int, mesh: str) -> Obituary:
+    def sign(cls, identity: NodeIdentity, subject: str, beat: int, mesh: str) -> Self:
         pk = identity.public_key
         return cls(subject, beat, pk, identity.sign(cls._message(mesh, subject, beat, pk)))
 
@@ -193,19 +198,39 @@ class Obituary:
         )
 
     @classmethod
-    def decode(cls, data: bytes) -> Obituary:
-        d = _load(data, 5, "obituary")
+    def decode(cls, data: bytes) -> Self:
+        what = cls.WHAT
+        d = _load(data, 5, what)
         subject = d[1]
         if not isinstance(subject, str) or not 0 < len(subject) <= 64:
-            raise RecordRejected("obituary subject must be a peer id")
+            raise RecordRejected(f"{what} subject must be a peer id")
         return cls(
             subject,
-            _beat(d[2], "obituary beat"),
-            _bytes(d[3], 32, "obituary reporter key"),
-            _bytes(d[4], 64, "obituary signature"),
+            _beat(d[2], f"{what} beat"),
+            _bytes(d[3], 32, f"{what} reporter key"),
+            _bytes(d[4], 64, f"{what} signature"),
         )
 
-    def verify(self, mesh: str) -> Obituary:
+    def verify(self, mesh: str) -> Self:
         msg = self._message(mesh, self.subject, self.beat, self.reporter_key)
-        _verify(self.reporter_key, msg, self.signature, "obituary")
+        _verify(self.reporter_key, msg, self.signature, self.WHAT)
         return self
+
+
+@dataclass(frozen=True)
+class Obituary(_Accusation):
+    """`reporter` declares `subject` dead as of the subject's beat `beat`. Any later beat
+    from the subject overrides it (the subject is alive after all, or has come back)."""
+
+    CONTEXT = _OBIT_CONTEXT
+    WHAT = "obituary"
+
+
+@dataclass(frozen=True)
+class Suspicion(_Accusation):
+    """`reporter` probed `subject` at its beat `beat` and got no answer, directly or through
+    others (`gossip/swim.py`). Suspicions by distinct reporters shorten the time before the
+    subject is declared dead; a later beat from the subject refutes them."""
+
+    CONTEXT = _SUSPECT_CONTEXT
+    WHAT = "suspicion"

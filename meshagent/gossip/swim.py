@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -70,13 +70,16 @@ class Update:
     issuer: str
     record_seq: int = 0
     record: bytes = b""
+    # The issuer's signed item that vouches for the change (`swim_proofs.py`); empty on the
+    # simulated bus, where `SwimConfig.signature_bytes` stands for it.
+    proof: bytes = b""
 
     def wire(self) -> list:
         return [self.subject, self.incarnation, self.state.value, self.issuer, self.record_seq,
-                self.record]  # fmt: skip
+                self.record, self.proof]  # fmt: skip
 
     def size(self, signature: int) -> int:
-        return self.encoded_size + signature
+        return self.encoded_size + (0 if self.proof else signature)
 
     @cached_property
     def encoded_size(self) -> int:
@@ -112,9 +115,15 @@ class Member:
     record: bytes = b""
     suspectors: set[str] = field(default_factory=set)
     deadline: float = math.inf  # when a suspicion becomes a death
+    issuer: str = ""  # who vouched for the current state, and its proof (passed on in tables)
+    proof: bytes = b""
 
 
 Out = list[tuple[str, Message]]
+# Attaches this member's proof to an update it issues (its alive, its suspicions and deaths).
+Sign = Callable[[Update], Update]
+# Whether a received update's proof holds; asked only of an update that would change something.
+Verify = Callable[[Update], bool]
 
 
 def _row_hash(row: tuple) -> int:
@@ -131,12 +140,25 @@ def _outranks(new: Update, old: Member) -> bool:
 
 class Swim:
     def __init__(
-        self, me: str, *, config: SwimConfig | None = None, seed: int = 0, now: float = 0.0
+        self,
+        me: str,
+        *,
+        config: SwimConfig | None = None,
+        seed: int = 0,
+        now: float = 0.0,
+        incarnation: int = 0,
+        sign: Sign | None = None,
+        verify: Verify | None = None,
     ) -> None:
+        """`incarnation`: where this member's starts (an agent starts it at the wall clock in
+        ms, so that a restart outranks what the mesh remembers of its last run)."""
         self.me = me
+        self._sign = sign
+        self._verify = verify
+        self.rejected = 0  # received updates whose proof did not hold
         self.config = config or SwimConfig()
         self.rng = random.Random(seed)
-        self.incarnation = 0
+        self.incarnation = incarnation
         self.record_seq = 0
         self.record = b""
         self.members: dict[str, Member] = {}
@@ -155,7 +177,7 @@ class Swim:
         self._indirect_sent = False
         self._wants: set[str] = set()  # members whose newer record this member lacks
         # The table's digest: the XOR of its rows' hashes, kept as rows change.
-        self._digest = _row_hash((self.me, 0, 0, 0))
+        self._digest = _row_hash((self.me, incarnation, 0, 0))
         # Members not known dead, in a list for sampling (with each one's index in it).
         self._live: list[str] = []
         self._live_at: dict[str, int] = {}
@@ -171,6 +193,11 @@ class Swim:
     def alive_others(self) -> list[str]:
         """The other members not known dead (not to be changed by the caller)."""
         return self._live
+
+    @property
+    def pending_updates(self) -> int:
+        """Updates still to be piggybacked (0: this member only probes and syncs)."""
+        return len(self._sent)
 
     def state_of(self, member: str) -> State | None:
         x = self.members.get(member)
@@ -225,10 +252,15 @@ class Swim:
         return self._send([(contact, Message("sync", digest=b"", updates=self._piggyback()))])
 
     def _self_update(self, *, with_record: bool = False) -> Update:
-        return Update(
-            self.me, self.incarnation, State.ALIVE, self.me, self.record_seq,
-            self.record if with_record else b"",
+        return self._issue(
+            Update(
+                self.me, self.incarnation, State.ALIVE, self.me, self.record_seq,
+                self.record if with_record else b"",
+            )
         )  # fmt: skip
+
+    def _issue(self, u: Update) -> Update:
+        return u if self._sign is None else self._sign(u)
 
     # ----- timers -----
 
@@ -238,7 +270,7 @@ class Swim:
         for m in sorted(self._suspects):
             x = self.members[m]
             if now >= x.deadline:
-                self._apply(Update(m, x.incarnation, State.DEAD, self.me), now)
+                self._apply(self._issue(Update(m, x.incarnation, State.DEAD, self.me)), now)
         if self._probe is not None:
             seq, target, started = self._probe
             if not self._acked and not self._indirect_sent and now >= started + c.probe_timeout:
@@ -250,7 +282,8 @@ class Swim:
                 if not self._acked and target in self.members:
                     x = self.members[target]
                     if x.state == State.ALIVE:
-                        self._apply(Update(target, x.incarnation, State.SUSPECT, self.me), now)
+                        suspicion = Update(target, x.incarnation, State.SUSPECT, self.me)
+                        self._apply(self._issue(suspicion), now)
                 self._probe = None
         if self._probe is None and now >= self._next_probe:
             target = self._next_target()
@@ -343,16 +376,13 @@ class Swim:
         x = self.members.get(member)
         if x is None or not x.record:
             return None
-        return Update(member, x.incarnation, x.state, self.me, x.record_seq, x.record)
+        return Update(member, x.incarnation, x.state, x.issuer, x.record_seq, x.record, x.proof)
 
     def _table(self, records: bool) -> tuple[Update, ...]:
         rows = [self._self_update(with_record=records)]
         for m, x in sorted(self.members.items()):
-            rows.append(
-                Update(
-                    m, x.incarnation, x.state, self.me, x.record_seq, x.record if records else b""
-                )
-            )
+            record = x.record if records else b""
+            rows.append(Update(m, x.incarnation, x.state, x.issuer, x.record_seq, record, x.proof))
         return tuple(rows)
 
     def _apply(self, u: Update, now: float) -> None:
@@ -365,6 +395,9 @@ class Swim:
             and (u.state != State.SUSPECT or u.issuer in x.suspectors)
         ):
             return  # what this member knows already: most updates, as each goes round
+        if self._verify is not None and not self._verify(u):
+            self.rejected += 1
+            return
         before = self._row(u.subject)
         self._take(u, now)
         after = self._row(u.subject)
@@ -389,7 +422,9 @@ class Swim:
         if x is None:
             if u.state == State.DEAD:
                 return  # a death of a member never known takes no room
-            x = self.members[u.subject] = Member(u.incarnation, u.state, now)
+            x = self.members[u.subject] = Member(
+                u.incarnation, u.state, now, issuer=u.issuer, proof=u.proof
+            )
             if u.record_seq and not u.record:
                 self._wants.add(u.subject)
             if u.state == State.SUSPECT:
@@ -403,6 +438,7 @@ class Swim:
         if _outranks(u, x):
             was = x.state
             x.incarnation, x.state = u.incarnation, u.state
+            x.issuer, x.proof = u.issuer, u.proof
             if u.state != was:
                 x.since = now
             if u.state == State.SUSPECT:

@@ -129,6 +129,12 @@ class SwimBus:
             return False  # (counted first: comparing sets of a thousand is the slow part)
         return all(m.alive() == names for m in running)
 
+    def quiet(self) -> bool:
+        """No running member has updates left to spread."""
+        return all(
+            not m.pending_updates for k, m in self.members.items() if k not in self.crashed
+        )
+
     def dead_everywhere(self, name: str) -> bool:
         """Every running member other than `name` knows it dead."""
         return all(
