@@ -8,7 +8,10 @@ dialing agent 0; no models, no HTTP. Times are virtual seconds (trio MockClock),
 depend on this machine's load; the wall time of each run is reported too. Prints a table and
 writes JSON (default bench/results/gossip.json). Never asserts.
 
-    .venv/bin/python bench/gossip.py [--sizes 3,10,30] [--window 60] [--out PATH]
+    .venv/bin/python bench/gossip.py [--sizes 3,10,30] [--window 60] [--membership swim]
+
+`--membership swim` runs membership by probes (`gossip/swim_service.py`) in every agent instead
+of the heartbeat protocol.
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ from meshagent.testing.sim_agents import start_sim_agent
 from meshagent.testing.sim_network import LinkSpec, SimNetwork
 
 
-async def run_one(n: int, window: float, config: GossipConfig) -> dict[str, float]:
+async def run_one(
+    n: int, window: float, config: GossipConfig, membership: str, settle: float
+) -> dict[str, float | str | None]:
     net = SimNetwork(default=LinkSpec(latency=0.010), seed=n)
     async with trio.open_nursery() as nursery:
         agents = [
-            await start_sim_agent(nursery, net, f"h{i}", seed=i, gossip_config=config)
+            await start_sim_agent(
+                nursery, net, f"h{i}", seed=i, gossip_config=config, membership=membership
+            )
             for i in range(n)
         ]
         for a in agents[1:]:
@@ -45,7 +52,7 @@ async def run_one(n: int, window: float, config: GossipConfig) -> dict[str, floa
         while not all(a.alive_view() == everyone for a in agents):
             await trio.sleep(0.05)
         converged = trio.current_time() - t0
-        await trio.sleep(10)  # let the full mesh of connections settle
+        await trio.sleep(settle)  # the full mesh of connections, their RTTs in the records
 
         gossip0 = [a.gossip.bytes_sent for a in agents]
         wire0 = [sum(c.bytes_sent for c in a.overlay.connections()) for a in agents]
@@ -55,6 +62,8 @@ async def run_one(n: int, window: float, config: GossipConfig) -> dict[str, floa
             await trio.sleep(0.25)
             now = trio.current_time()
             for a in agents:
+                if membership == "swim":
+                    continue  # no heartbeats: probes
                 for pid, e in a.gossip.state.entries.items():
                     if pid != a.peer_id:
                         worst_age = max(worst_age, now - e.last_progress)
@@ -73,12 +82,13 @@ async def run_one(n: int, window: float, config: GossipConfig) -> dict[str, floa
         detected = trio.current_time() - killed
         nursery.cancel_scope.cancel()
     return {
+        "membership": membership,
         "agents": n,
         "converged_s": round(converged, 2),
         "gossip_bytes_per_agent_s": round(sum(gossip) / n / window),
         "gossip_bytes_per_agent_s_max": round(max(gossip) / window),
         "overlay_bytes_per_agent_s": round(sum(wire) / n / window),
-        "worst_heartbeat_age_s": round(worst_age, 2),
+        "worst_heartbeat_age_s": round(worst_age, 2) if membership != "swim" else None,
         "kill_detected_everywhere_s": round(detected, 2),
     }
 
@@ -87,6 +97,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="3,10,30")
     ap.add_argument("--window", type=float, default=60.0, help="virtual seconds measured")
+    ap.add_argument(
+        "--settle", type=float, default=30.0, help="virtual seconds after the views are full"
+    )
+    ap.add_argument("--membership", choices=("heartbeat", "swim"), default="heartbeat")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gossip.json"))
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -95,7 +109,13 @@ def main() -> None:
     for n in (int(x) for x in args.sizes.split(",")):
         t = time.perf_counter()
         row = trio.run(
-            run_one, n, args.window, config, clock=trio.testing.MockClock(autojump_threshold=0)
+            run_one,
+            n,
+            args.window,
+            config,
+            args.membership,
+            args.settle,
+            clock=trio.testing.MockClock(autojump_threshold=0),
         )
         row["wall_s"] = round(time.perf_counter() - t, 1)
         rows.append(row)

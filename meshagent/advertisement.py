@@ -20,8 +20,8 @@ from meshagent.catalog.service import Catalog
 from meshagent.config import AgentConfig
 from meshagent.engine.runtime import inexact_build, inexact_model
 from meshagent.errors import ModelError
+from meshagent.gossip.membership import Membership
 from meshagent.gossip.peer_record import MAX_ARTIFACTS, ArtifactHeld, DeviceOffer, ModelHeld
-from meshagent.gossip.service import GossipService
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.relay.client import RelayClient
@@ -113,7 +113,7 @@ def no_tokenizer(model_path: Path) -> tuple[str, ...]:
 
 
 async def measure(
-    gossip: GossipService,
+    gossip: Membership,
     config: AgentConfig,
     name: str,
     models: Sequence[MeshModel],

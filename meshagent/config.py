@@ -109,6 +109,9 @@ class AgentConfig:
     log_level: str = "info"
     relays: tuple[str, ...] = ()  # relay servers to register with (host:port)
     mdns: bool = True  # advertise and browse on the local network (not when listening on loopback)
+    # how members know each other: "heartbeat" (gossip of heartbeats) or "swim" (probes,
+    # docs/gossip.md); the gossip_interval, suspect_after and dead_after keys are heartbeat's
+    membership: str = "heartbeat"
     gossip_interval: float = 1.0  # seconds between heartbeats and gossip rounds
     suspect_after: float = 4.5  # seconds without a heartbeat before a peer is suspect
     dead_after: float = 8.0  # ...and before it is declared dead
@@ -194,6 +197,8 @@ class AgentConfig:
             raise ConfigError(f"max-memory must be >= 0 bytes (0: no cap), got {self.max_memory}")
         if self.max_vram < VRAM_ALL:
             raise ConfigError(f"max-vram must be a size, 0 (no GPU) or all, got {self.max_vram}")
+        if self.membership not in ("heartbeat", "swim"):
+            raise ConfigError(f"membership must be heartbeat or swim, got {self.membership!r}")
         if self.speculation not in ("auto", "on", "off"):
             raise ConfigError("speculation must be auto, on or off")
         if self.prefix_cache < PREFIX_CACHE_AUTO:
@@ -238,6 +243,7 @@ CONFIG_TEMPLATE = """\
 # prefix_cache = "auto"
 # relays = ["relay.example.org:9339"]
 # mdns = true
+# membership = "heartbeat"              # or "swim": probes, a cost that does not grow with the mesh
 # gossip_interval = 1.0
 # suspect_after = 4.5
 # dead_after = 8.0

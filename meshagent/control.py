@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from meshagent.api.inflight import InFlight
     from meshagent.discovery.dialer import PeerDialer
     from meshagent.discovery.lan import LanDiscovery
-    from meshagent.gossip.service import GossipService
+    from meshagent.gossip.membership import Membership
     from meshagent.identity.keys import NodeIdentity
     from meshagent.identity.mesh import MeshSecret
     from meshagent.models.artifacts import ArtifactStore
@@ -48,7 +48,7 @@ class AgentParts(Protocol):
     overlay: ConnectionManager
     relays: tuple[RelayClient, ...]
     lan: LanDiscovery
-    gossip: GossipService
+    gossip: Membership
     models: ModelHost
     assigning: Assigning
     store: ArtifactStore
@@ -191,17 +191,7 @@ def _mdns(s: AgentParts) -> dict[str, Any]:
 
 
 def _gossip(s: AgentParts) -> dict[str, Any]:
-    cfg = s.gossip.config
-    states: dict[str, int] = {}
-    for e in s.gossip.state.entries.values():
-        states[e.state.value] = states.get(e.state.value, 0) + 1
-    return {
-        **s.gossip.stats(),
-        "states": states,
-        "interval_s": cfg.interval,
-        "suspect_after_s": cfg.suspect_after,
-        "dead_after_s": cfg.dead_after,
-    }
+    return s.gossip.summary()
 
 
 def peers(services: AgentParts) -> dict[str, Any]:

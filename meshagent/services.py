@@ -38,8 +38,11 @@ from meshagent.discovery.reachable import Reachable
 from meshagent.engine.llama import read_model_info
 from meshagent.errors import MeshError, ModelError
 from meshagent.gossip import service as gossip_service
+from meshagent.gossip import swim_service
 from meshagent.gossip.config import GossipConfig
+from meshagent.gossip.membership import Membership
 from meshagent.gossip.service import GossipService
+from meshagent.gossip.swim_service import SwimService
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret, mesh_fingerprint
 from meshagent.identity.mesh_file import load_or_create_mesh
@@ -76,6 +79,7 @@ StreamHandler = Callable[[MeshStream], Awaitable[None]]
 # open them is the split's to judge.
 STREAM_BUDGETS: dict[str, int] = {
     gossip_service.LABEL: 4,
+    swim_service.LABEL: 16,
     probe.LABEL: 2,
     hearing.LABEL: 32,
     punch.LABEL: 2,
@@ -244,7 +248,7 @@ class Services:
             punch.LABEL: punch.server(
                 self.overlay, self.transport, self.reachable, self.dialer.behind_symmetric
             ),
-            gossip_service.LABEL: self.gossip.handle,
+            self._gossip_label: self.gossip.handle,
             GENERATE_LABEL: lambda s: entry.serve(s, self.app.catalog, peer_id=s.peer_id),
             **self.models.handlers(),
         }
@@ -264,8 +268,26 @@ class Services:
             (m.files.path, partial(self.store.source_sha256, m.files.path)) for m in self.models
         ]
 
-    def _gossip(self) -> GossipService:
+    @property
+    def _gossip_label(self) -> str:
+        return swim_service.LABEL if self.config.membership == "swim" else gossip_service.LABEL
+
+    def _gossip(self) -> Membership:
         cfg = self.config
+        fields = partial(
+            advertisement.dynamic_fields,
+            self.advertised,
+            self.nat_kind,
+            self.relays,
+            self.store,
+            self.capabilities,
+            lambda: [m.files.path for m in self.models],
+            self.catalog,
+        )
+        if cfg.membership == "swim":
+            return SwimService(
+                self.identity, mesh_fingerprint(self.mesh), self.overlay, local_fields=fields
+            )
         return GossipService(
             self.identity,
             mesh_fingerprint(self.mesh),
@@ -275,16 +297,7 @@ class Services:
                 suspect_after=cfg.suspect_after,
                 dead_after=cfg.dead_after,
             ),
-            local_fields=partial(
-                advertisement.dynamic_fields,
-                self.advertised,
-                self.nat_kind,
-                self.relays,
-                self.store,
-                self.capabilities,
-                lambda: [m.files.path for m in self.models],
-                self.catalog,
-            ),
+            local_fields=fields,
         )
 
     def _mesh_model(self, files: ModelFiles) -> MeshModel:

@@ -76,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if g:
         states = ", ".join(f"{n} {k}" for k, n in sorted(g["states"].items()))
         print(
-            f"gossip    {states}; every {g['interval_s']:g} s, suspect after "
-            f"{g['suspect_after_s']:g} s, dead after {g['dead_after_s']:g} s; "
+            f"gossip    {states}; {g['protocol']}, {g['timers']}; "
             f"{g['exchanges']} exchanges, {g['bytes_sent']} bytes sent"
         )
     for m in st["models"]:

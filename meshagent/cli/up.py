@@ -211,6 +211,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"before it gets a 503 (default {d.load_timeout:g})",
     )
     p.add_argument(
+        "--membership",
+        choices=("heartbeat", "swim"),
+        help=f"how members know each other (default {d.membership}; swim: by probes, at a "
+        "cost per agent that does not grow with the mesh; docs/gossip.md)",
+    )
+    p.add_argument(
         "--speculation",
         choices=("auto", "on", "off"),
         help=f"speculative decoding for requests that do not choose (default {d.speculation}: "
@@ -274,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
             "pins",
             "load_timeout",
             "speculation",
+            "membership",
             "prefix_cache",
             "log_level",
             "mdns",

@@ -35,8 +35,7 @@ import trio
 
 from meshagent.discovery import hearing, nat
 from meshagent.discovery.punch import Outcome, punches, schedule, why_relayed
-from meshagent.gossip.failure import PeerState
-from meshagent.gossip.service import GossipService
+from meshagent.gossip.membership import Membership
 from meshagent.net.address import Address
 from meshagent.net.connection import DIRECT, RELAYED, Connection
 from meshagent.net.errors import DialError
@@ -98,7 +97,7 @@ class PeerDialer:
         self,
         overlay: ConnectionManager,
         *,
-        gossip: GossipService | None = None,
+        gossip: Membership | None = None,
         relay_dial: RelayDial | None = None,
         local_relays: Callable[[], tuple[str, ...]] = tuple,
         punch: Punch | None = None,
@@ -221,10 +220,10 @@ class PeerDialer:
         """When gossip says `c` died, if it does and there was no sighting since."""
         if self.gossip is None:
             return None
-        entry = self.gossip.state.entries.get(c.peer_id)
-        if entry is None or entry.state is not PeerState.DEAD or c.offered_at > entry.state_since:
+        since = self.gossip.dead_since(c.peer_id)
+        if since is None or c.offered_at > since:
             return None
-        return entry.state_since
+        return since
 
     def _review(self, nursery: trio.Nursery, now: float) -> None:
         for c in self._candidates.values():
@@ -433,8 +432,8 @@ class PeerDialer:
         )
 
     def _their_nat(self, peer_id: str) -> str:
-        entry = self.gossip.state.entries.get(peer_id) if self.gossip is not None else None
-        return entry.record.record.nat if entry is not None and entry.record is not None else ""
+        record = self.gossip.record_of(peer_id) if self.gossip is not None else None
+        return record.nat if record is not None else ""
 
     async def _dial_direct(self, c: Candidate, address: str, *, replace: bool) -> Connection | None:
         """A direct connection to `c` at `address`, or None (logged)."""

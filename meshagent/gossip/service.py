@@ -25,7 +25,9 @@ from meshagent.gossip.budget import Buckets
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.errors import ExchangeError, GossipError
 from meshagent.gossip.exchange import Exchange
+from meshagent.gossip.failure import PeerState
 from meshagent.gossip.hearsay import Heard
+from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.state import Change, GossipState, PeerView
 from meshagent.identity.keys import NodeIdentity
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
@@ -192,6 +194,33 @@ class GossipService:
             self._account(ex)
         await stream.aclose()
 
+    def summary(self) -> dict[str, Any]:
+        """For the control API's status: the counters, members by state, the timers."""
+        states: dict[str, int] = {}
+        for e in self.state.entries.values():
+            states[e.state.value] = states.get(e.state.value, 0) + 1
+        c = self.config
+        return {
+            **self.stats(),
+            "protocol": "heartbeat",
+            "states": states,
+            "interval_s": c.interval,
+            "suspect_after_s": c.suspect_after,
+            "dead_after_s": c.dead_after,
+            "timers": f"every {c.interval:g} s, suspect after {c.suspect_after:g} s, "
+            f"dead after {c.dead_after:g} s",
+        }
+
+    def record_of(self, peer_id: str) -> PeerRecord | None:
+        """`peer_id`'s record as known here, if any."""
+        e = self.state.entries.get(peer_id)
+        return None if e is None or e.record is None else e.record.record
+
+    def dead_since(self, peer_id: str) -> float | None:
+        """When `peer_id` was declared dead here, if it is dead."""
+        e = self.state.entries.get(peer_id)
+        return e.state_since if e is not None and e.state is PeerState.DEAD else None
+
     def declare_dead(self, peer_id: str, reason: str) -> None:
         """`peer_id` is gone for certain (its process no longer listens where it did): it is
         dead here now, and every connected peer hears so at once rather than after
@@ -323,17 +352,10 @@ class GossipService:
         if now - self._last_refresh < self.config.rtt_refresh:
             return
         self._last_refresh = now
-        fields = dict(self._local_fields()) if self._local_fields is not None else {}
-        rtts = {
-            link.peer_id: round(link.rtt.smoothed * 1000, 2)
-            for link in self.overlay.links()
-            if link.rtt.smoothed is not None
-        }
-        if _rtts_moved(self._published_rtts, rtts):
-            fields["rtts_ms"] = tuple(sorted(rtts.items()))
-            self._published_rtts = rtts
         current = self.state.me.record.record if self.state.me.record is not None else None
-        changed = {k: v for k, v in fields.items() if current is None or getattr(current, k) != v}
+        changed, self._published_rtts = fields_to_publish(
+            current, self._local_fields, self.overlay, self._published_rtts
+        )
         if changed or current is None:
             try:
                 self.update_local(**changed)
@@ -345,6 +367,27 @@ class GossipService:
             self._generation += 1
             self._changed.set()
             self._changed = trio.Event()
+
+
+def fields_to_publish(
+    current: PeerRecord | None,
+    local_fields: LocalFields | None,
+    overlay: ConnectionManager,
+    published_rtts: dict[str, float],
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """What of our record to republish (the caller's dynamic fields that changed, and our RTTs
+    where they moved enough), and the RTTs published from now on."""
+    fields = dict(local_fields()) if local_fields is not None else {}
+    rtts = {
+        link.peer_id: round(link.rtt.smoothed * 1000, 2)
+        for link in overlay.links()
+        if link.rtt.smoothed is not None
+    }
+    if _rtts_moved(published_rtts, rtts):
+        fields["rtts_ms"] = tuple(sorted(rtts.items()))
+        published_rtts = rtts
+    changed = {k: v for k, v in fields.items() if current is None or getattr(current, k) != v}
+    return changed, published_rtts
 
 
 def _rtts_moved(old: dict[str, float], new: dict[str, float]) -> bool:

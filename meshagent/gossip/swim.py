@@ -30,7 +30,7 @@ import hashlib
 import math
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
 
@@ -238,10 +238,11 @@ class Swim:
 
     # ----- this member's own changes -----
 
-    def publish(self, record: bytes, now: float) -> None:
-        """A new record of this member's, spread to every member."""
+    def publish(self, record: bytes, now: float, seq: int | None = None) -> None:
+        """A new record of this member's, spread to every member; `seq`: its version (the
+        record's own, where it carries one; by default the next)."""
         before = self._row(self.me)
-        self.record_seq += 1
+        self.record_seq = self.record_seq + 1 if seq is None else max(seq, self.record_seq + 1)
         self.record = record
         self._rows_changed(self.me, before, self._row(self.me))
         self._queue_update(self._self_update(with_record=True))
@@ -261,6 +262,35 @@ class Swim:
 
     def _issue(self, u: Update) -> Update:
         return u if self._sign is None else self._sign(u)
+
+    def declare_dead(self, member: str, now: float) -> bool:
+        """`member` is gone for certain (its process no longer listens): dead here now, and
+        spread as any death. False where it is unknown or dead already."""
+        x = self.members.get(member)
+        if x is None or x.state == State.DEAD:
+            return False
+        self._apply(self._issue(Update(member, x.incarnation, State.DEAD, self.me)), now)
+        return True
+
+    def leave(self, now: float, peers: int) -> Out:
+        """This member leaves: its own death at its incarnation, to `peers` members (they
+        spread it). A restart outranks it with a later incarnation."""
+        u = self._issue(Update(self.me, self.incarnation, State.DEAD, self.me))
+        live = self._live_others()
+        chosen = self.rng.sample(live, min(peers, len(live)))
+        return self._send([(m, Message("gossip", updates=(u,))) for m in chosen])
+
+    def flush(self, now: float) -> Out:
+        """The updates waiting now, to `fanout` members at once (not at the next tick)."""
+        if not self._sent:
+            return []
+        live = self._live_others()
+        out: Out = []
+        for m in self.rng.sample(live, min(self.config.fanout, len(live))):
+            updates = self._piggyback()
+            if updates:
+                out.append((m, Message("gossip", updates=updates)))
+        return self._send(out)
 
     # ----- timers -----
 
@@ -476,7 +506,12 @@ class Swim:
     # ----- piggybacking -----
 
     def _queue_update(self, u: Update) -> None:
+        """Spread `u`. A new record is announced by its version only: a member that lacks it
+        pulls it from the one that told it (`pull`), so a record crosses each link about
+        once, not retransmit x log2(N + 1) times."""
         key = (u.subject, "record" if u.record else "state")
+        if u.record:
+            u = replace(u, record=b"")
         was = self._sent.pop(key, None)
         if was is not None:
             del self._queue[was][key]

@@ -12,9 +12,12 @@ import trio
 
 from meshagent.discovery import hearing
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
+from meshagent.gossip import swim_service
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.failure import PeerState
+from meshagent.gossip.membership import Membership
 from meshagent.gossip.service import LABEL, GossipService
+from meshagent.gossip.swim import SwimConfig
 from meshagent.identity.keys import NodeIdentity
 from meshagent.identity.mesh import MeshSecret
 from meshagent.net.manager import ConnectionManager
@@ -29,7 +32,7 @@ SECRET = MeshSecret(b"\x17" * 32)
 class SimAgent:
     name: str
     overlay: ConnectionManager
-    gossip: GossipService
+    gossip: Membership
     dialer: PeerDialer
     scope: trio.CancelScope
 
@@ -51,9 +54,12 @@ async def start_sim_agent(
     identity: NodeIdentity | None = None,
     port: int = 0,
     serve_gossip: Callable[[MeshStream], Awaitable[None]] | None = None,
+    membership: str = "heartbeat",
+    swim_config: SwimConfig | None = None,
 ) -> SimAgent:
     """An agent named `name` on `net`; `serve_gossip` answers its inbound `gossip/1` streams
-    in place of its gossip service (a hostile member's, say)."""
+    in place of its gossip service (a hostile member's, say). `membership`: "swim" runs
+    membership by probes (`swim_service`) instead of the heartbeat protocol."""
     identity = identity or NodeIdentity.generate()
     handlers = {}
 
@@ -81,15 +87,28 @@ async def start_sim_agent(
         with scope:
             async with trio.open_nursery() as inner:
                 addresses = await inner.start(overlay.run)
-                gossip = GossipService(
-                    identity,
-                    SECRET.fingerprint,
-                    overlay,
-                    gossip_config,
-                    local_fields=lambda: {"addresses": tuple(str(a) for a in addresses)},
-                    rng=random.Random(seed + 1),
-                )
-                handlers[LABEL] = serve_gossip or gossip.handle
+                fields = lambda: {"addresses": tuple(str(a) for a in addresses)}  # noqa: E731
+                gossip: Membership
+                if membership == "swim":
+                    gossip = swim_service.SwimService(
+                        identity,
+                        SECRET.fingerprint,
+                        overlay,
+                        swim_config,
+                        local_fields=fields,
+                        rng=random.Random(seed + 1),
+                    )
+                    handlers[swim_service.LABEL] = serve_gossip or gossip.handle
+                else:
+                    gossip = GossipService(
+                        identity,
+                        SECRET.fingerprint,
+                        overlay,
+                        gossip_config,
+                        local_fields=fields,
+                        rng=random.Random(seed + 1),
+                    )
+                    handlers[LABEL] = serve_gossip or gossip.handle
                 handlers[hearing.LABEL] = partial(hearing.serve, overlay)
                 dialer = PeerDialer(
                     overlay, gossip=gossip, config=DialerConfig(), rng=random.Random(seed + 2)

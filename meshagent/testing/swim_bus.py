@@ -131,9 +131,7 @@ class SwimBus:
 
     def quiet(self) -> bool:
         """No running member has updates left to spread."""
-        return all(
-            not m.pending_updates for k, m in self.members.items() if k not in self.crashed
-        )
+        return all(not m.pending_updates for k, m in self.members.items() if k not in self.crashed)
 
     def dead_everywhere(self, name: str) -> bool:
         """Every running member other than `name` knows it dead."""

@@ -1,0 +1,104 @@
+"""SwimService over the simulated overlay (Noise, streams, the dialer): members find each
+other's records, a change reaches everyone, a crashed member is declared dead everywhere, one
+that leaves is dead at once, and a member's bad message ends its stream only."""
+
+from __future__ import annotations
+
+import trio
+
+from meshagent.gossip.failure import PeerState
+from meshagent.gossip.swim_service import LABEL
+from meshagent.testing.sim_agents import start_sim_agent
+from meshagent.testing.sim_network import LinkSpec, SimNetwork
+
+
+async def _mesh(nursery, n: int = 4):
+    net = SimNetwork(default=LinkSpec(latency=0.025), seed=1)
+    agents = [
+        await start_sim_agent(nursery, net, f"h{i}", seed=i, membership="swim") for i in range(n)
+    ]
+    for x in agents[1:]:
+        await x.overlay.dial(agents[0].overlay.listen_addresses[0])
+    everyone = {a.peer_id for a in agents}
+    with trio.fail_after(10):
+        while not all(a.alive_view() == everyone for a in agents):
+            await trio.sleep(0.1)
+    return net, agents
+
+
+async def test_members_learn_every_record_and_a_change_reaches_everyone(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, agents = await _mesh(nursery)
+        a, c = agents[0], agents[-1]
+        for x in agents:  # every record, with its addresses (the dialer's input)
+            for y in agents:
+                assert x.gossip.snapshot()[y.peer_id].record.addresses
+        gen = c.gossip.generation
+        a.gossip.update_local(mem_kv_bytes=12345, extras={"claims": [1, 2]})
+        with trio.fail_after(3):
+            while c.gossip.snapshot()[a.peer_id].record.mem_kv_bytes != 12345:
+                gen = await c.gossip.wait_changed(gen)
+        assert c.gossip.snapshot()[a.peer_id].record.extras == {"claims": [1, 2]}
+        assert all(x.gossip.stats()["rejected"] == 0 for x in agents)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_crashed_member_is_dead_everywhere_within_seconds(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, agents = await _mesh(nursery)
+        victim, rest = agents[1], [x for x in agents if x is not agents[1]]
+        await trio.sleep(5)
+        victim.scope.cancel()
+        began = trio.current_time()
+        with trio.fail_after(15):
+            while not all(
+                x.gossip.snapshot(include_dead=True)[victim.peer_id].state is PeerState.DEAD
+                for x in rest
+            ):
+                await trio.sleep(0.05)
+        # Probes find it (or the dialer, when its connections break): well within 5 s here.
+        assert trio.current_time() - began < 5
+        await trio.sleep(10)  # and nobody else is suspected meanwhile
+        for x in rest:
+            assert x.alive_view() == {y.peer_id for y in rest}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_member_that_leaves_is_dead_at_once(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, agents = await _mesh(nursery)
+        leaver = agents[2]
+        await leaver.gossip.leave(peers=3)
+        with trio.fail_after(1):
+            while any(
+                x.gossip.snapshot(include_dead=True)[leaver.peer_id].state is not PeerState.DEAD
+                for x in agents
+                if x is not leaver
+            ):
+                await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_bad_message_ends_its_stream_only(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, agents = await _mesh(nursery, 3)
+        a, b = agents[0], agents[1]
+        failed = b.gossip.stats()["failed"]
+        for junk in (b"\xff\xfe", b"\x86" + b"\x00" * 5, bytes(5 << 20)):
+            stream = await a.overlay.open_stream(b.peer_id, LABEL)
+            try:
+                await stream.send_all(junk)
+                await stream.send_eof()
+                while await stream.receive_some():
+                    pass
+            except Exception:
+                pass
+            await stream.aclose()
+        await trio.sleep(1)
+        assert b.gossip.stats()["failed"] >= failed + 3
+        # b is unharmed: it still hears a's changes.
+        a.gossip.update_local(mem_kv_bytes=777)
+        with trio.fail_after(3):
+            while b.gossip.snapshot()[a.peer_id].record.mem_kv_bytes != 777:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
