@@ -37,9 +37,10 @@ def _wait(bus: SwimBus, done, limit: float, step: float = 0.05) -> float:
     return round(bus.now - start, 2) if done() else float("inf")
 
 
-def run(n: int, loss_minutes: float, seed: int) -> dict:
+def run(n: int, loss_minutes: float, seed: int, signed: bool = False) -> dict:
+    """`signed`: members with identities, signed updates and the wire codec (`SwimBus`)."""
     t0 = time.perf_counter()
-    bus = SwimBus(seed=seed)
+    bus = SwimBus(seed=seed, signed=signed)
     names = bus.grow(n)
     everyone = set(names)
     formed = _wait(bus, lambda: bus.views_complete(everyone), 300, 0.25)
@@ -55,7 +56,7 @@ def run(n: int, loss_minutes: float, seed: int) -> dict:
     sent = [bus.members[k].bytes_sent - sent0[k] for k in names]
     wire = [bus.wire_bytes[k] - wire0[k] for k in names]
 
-    newcomer = f"m{n:04d}"
+    newcomer = bus.new_name()
     bus.add(newcomer, contact=names[bus.rng.randrange(n)])
     everyone.add(newcomer)
     joined = _wait(bus, lambda: bus.views_complete(everyone), 60)
@@ -71,6 +72,7 @@ def run(n: int, loss_minutes: float, seed: int) -> dict:
     false = {m for _, _, m in bus.deaths[before:] if m not in bus.crashed}
     return {
         "members": n,
+        "signed": signed,
         "formed_s": formed,
         "quiet_after_s": quiet,
         "formation_bytes_per_member_s": round(formation),
@@ -90,11 +92,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="10,100,300,1000")
     ap.add_argument("--loss-minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--signed", action="store_true", help="signed updates and records, through the codec"
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/swim.json"))
     args = ap.parse_args()
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        rows.append(run(n, args.loss_minutes, args.seed))
+        rows.append(run(n, args.loss_minutes, args.seed, args.signed))
         print(json.dumps(rows[-1]), file=sys.stderr)
     result_file.print_table(rows)
     result_file.write(

@@ -3,6 +3,11 @@ state machines under a virtual clock, one event queue, latencies from a table of
 RTTs, loss, crashes and joins. No sockets and no encryption: the overlay's cost is modelled as
 `FRAME_BYTES` per message on top of the message's encoded size (a Noise frame's tag and
 length, the stream's header), so a thousand members run in minutes on one core.
+
+With `signed`, members are what an agent runs but its streams: each has an ed25519 identity
+and a signed record, its updates carry their issuers' proofs (`gossip/swim_proofs.py`, checked
+by every receiver), and every message crosses the wire codec (`gossip/swim_wire.py`) as bytes,
+whose length is what it costs.
 """
 
 from __future__ import annotations
@@ -12,10 +17,16 @@ import itertools
 import random
 from collections.abc import Callable
 
+from meshagent.gossip import swim_wire
+from meshagent.gossip.peer_record import ModelHeld, PeerRecord
+from meshagent.gossip.signed import SignedRecord
 from meshagent.gossip.swim import Message, State, Swim, SwimConfig
+from meshagent.gossip.swim_proofs import SwimProofs
+from meshagent.identity.keys import NodeIdentity
 from meshagent.testing.city_rtts import CITIES, rtt
 
 FRAME_BYTES = 40  # per message over the overlay: AEAD tag, lengths, stream header
+MESH = "swim-bus-mesh"
 
 
 class SwimBus:
@@ -26,7 +37,10 @@ class SwimBus:
         loss: float = 0.0,
         cities: int = 3,
         config: SwimConfig | None = None,
+        signed: bool = False,
     ) -> None:
+        self.signed = signed
+        self.identities: dict[str, NodeIdentity] = {}
         self.rng = random.Random(seed)
         self.loss = loss
         self.config = config or SwimConfig()
@@ -46,10 +60,34 @@ class SwimBus:
 
     # ----- the mesh -----
 
+    def new_name(self) -> str:
+        """A name for the next member: its peer id where members are signed."""
+        if not self.signed:
+            return f"m{len(self.members):04d}"
+        identity = NodeIdentity.generate()
+        self.identities[identity.peer_id] = identity
+        return identity.peer_id
+
     def add(self, name: str, contact: str | None = None) -> Swim:
         """A member; it joins through `contact` (none: the first of the mesh)."""
         seed = self.rng.getrandbits(32)
-        m = self.members[name] = Swim(name, config=self.config, seed=seed, now=self.now)
+        if self.signed:
+            identity = self.identities[name]
+            proofs = SwimProofs(identity, MESH)
+            m = Swim(
+                name,
+                config=self.config,
+                seed=seed,
+                now=self.now,
+                incarnation=1_700_000_000_000 + int(self.now * 1000),
+                sign=proofs.sign,
+                verify=proofs.verify,
+            )
+            record = _record(identity, self.rng)
+            m.publish(record.raw, self.now, record.seq)
+        else:
+            m = Swim(name, config=self.config, seed=seed, now=self.now)
+        self.members[name] = m
         self.city[name] = self.rng.choice(self._cities)
         self.wire_bytes[name] = 0
         if contact is not None:
@@ -59,11 +97,12 @@ class SwimBus:
 
     def grow(self, n: int, spacing: float = 0.01) -> list[str]:
         """n members, `spacing` seconds apart, each joining through a random earlier one."""
-        names = [f"m{i:04d}" for i in range(n)]
+        names = [self.new_name()]
         self.add(names[0])
-        for i, name in enumerate(names[1:], 1):
+        for i in range(1, n):
             self.run_until(self.now + spacing)
-            self.add(name, contact=names[self.rng.randrange(i)])
+            names.append(self.new_name())
+            self.add(names[-1], contact=names[self.rng.randrange(i)])
         return names
 
     def crash(self, name: str) -> None:
@@ -93,6 +132,8 @@ class SwimBus:
             else:  # a message from b to a
                 if a in self.crashed or a not in self.members:
                     continue
+                if self.signed:
+                    msg = swim_wire.decode(msg)
                 self._deliver(a, self.members[a].receive(when, b, msg))
                 self._note_deaths(a)
                 self._reschedule(a)
@@ -114,7 +155,11 @@ class SwimBus:
 
     def _deliver(self, source: str, out: list[tuple[str, Message]]) -> None:
         for dest, msg in out:
-            self.wire_bytes[source] += msg.size() + FRAME_BYTES
+            if self.signed:  # the message as bytes: what it costs, and what arrives
+                msg = swim_wire.encode(msg)
+                self.wire_bytes[source] += len(msg) + FRAME_BYTES
+            else:
+                self.wire_bytes[source] += msg.size() + FRAME_BYTES
             if dest in self.crashed or self.rng.random() < self.loss:
                 continue
             when = self.now + self._latency(source, dest)
@@ -140,3 +185,20 @@ class SwimBus:
             for k, m in self.members.items()
             if k != name and k not in self.crashed
         )
+
+
+def _record(identity: NodeIdentity, rng: random.Random) -> SignedRecord:
+    """A record of an agent's usual size: its name, addresses, memory, speed and a model."""
+    record = PeerRecord(
+        identity.peer_id,
+        identity.public_key,
+        seq=1,
+        name=f"agent-{identity.peer_id[:6]}",
+        addresses=(f"198.51.100.{rng.randrange(1, 255)}:9338",),
+        mem_weights_bytes=rng.randrange(4, 64) * 10**9,
+        mem_kv_bytes=rng.randrange(1, 16) * 10**9,
+        compute_speed=round(rng.uniform(50, 2000), 1),
+        compute_unit="matmul_gflops_f32",
+        models=(ModelHeld("Llama-3.1-70B-Q4_K_M", "ab" * 32, "llama", 80, 42_500_000_000),),
+    )
+    return SignedRecord.sign(record, identity, MESH)
