@@ -204,6 +204,7 @@ class Services:
             CapabilityStore(store.capabilities_path), lambda: self.gossip.snapshot()
         )
         self.gossip = self._gossip()
+        self._told_membership: set[str] = set()
         self.dialer = PeerDialer(
             self.overlay,
             gossip=self.gossip,
@@ -249,6 +250,7 @@ class Services:
                 self.overlay, self.transport, self.reachable, self.dialer.behind_symmetric
             ),
             self._gossip_label: self.gossip.handle,
+            self._other_label: self._other_membership,
             GENERATE_LABEL: lambda s: entry.serve(s, self.app.catalog, peer_id=s.peer_id),
             **self.models.handlers(),
         }
@@ -271,6 +273,25 @@ class Services:
     @property
     def _gossip_label(self) -> str:
         return swim_service.LABEL if self.config.membership == "swim" else gossip_service.LABEL
+
+    @property
+    def _other_label(self) -> str:
+        return gossip_service.LABEL if self.config.membership == "swim" else swim_service.LABEL
+
+    async def _other_membership(self, stream: MeshStream) -> None:
+        """A peer that runs the other membership protocol: neither sees the other in its
+        view, so say so (once a peer) rather than leave the two to wonder."""
+        mine = self.config.membership
+        theirs = "heartbeat" if mine == "swim" else "swim"
+        if stream.peer_id not in self._told_membership:
+            self._told_membership.add(stream.peer_id)
+            log.warning(
+                "gossip.membership_mismatch",
+                peer=stream.peer_id,
+                error=f"the peer runs --membership {theirs}, this agent {mine}: they do not "
+                "see each other; start every agent of a mesh with the same",
+            )
+        stream.reset(f"this agent runs --membership {mine}")
 
     def _gossip(self) -> Membership:
         cfg = self.config
