@@ -1,11 +1,13 @@
 """SwimService: membership by probes (`swim.py`) over overlay streams (label `swim/1`), behind
 the API of `GossipService`, so that placement, the dialer and the control API use either.
 
-Every message goes on a stream of its own to the member it is for (one message per stream,
-read to its end, at most `swim_wire.MAX_MESSAGE` bytes); a member without a connection here
-does not get it, which the protocol takes as it takes a lost datagram. A received message is
-decoded with its bounds (`swim_wire`), its updates checked against their issuers' signatures
-(`swim_proofs`), and a bad one ends its stream only. Every connection that comes up is a join:
+Messages to a member go on one long-lived stream to it (`u32 length || message`, at most
+`swim_wire.MAX_MESSAGE` bytes), opened when the first is sent and reopened after a break; the
+replies come on the member's own stream back. A member without a connection here, or whose
+stream is backed up by `_OUTBOX` messages, does not get a message: the protocol takes that as
+it takes a lost datagram. A received message is decoded with its bounds (`swim_wire`), its
+updates checked against their issuers' signatures (`swim_proofs`), and a bad one ends its
+stream only. Every connection that comes up is a join:
 this agent asks that peer for its table (so two meshes that meet merge), and what it learns it
 spreads as SWIM does, piggybacked on its probes.
 
@@ -37,11 +39,15 @@ from meshagent.identity.keys import NodeIdentity
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
+from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
 
 LABEL = "swim/1"
 _SEND_TIMEOUT = 2.0
+_OUTBOX = 32  # messages waiting for one member's stream; more are dropped
+_IDLE = 60.0  # seconds a stream to a member stays open with nothing to send
+FRAMING = Framing("membership message", 4, MAX_MESSAGE, error=SwimWireError)
 _RTT_REFRESH = 10.0  # our record's RTT figures are republished at most this often
 _STATES = {
     State.ALIVE: PeerState.ALIVE,
@@ -98,6 +104,8 @@ class SwimService:
         self._published_rtts: dict[str, float] = {}
         self._last_refresh = -float("inf")
         self._nursery: trio.Nursery | None = None
+        self._outboxes: dict[str, trio.MemorySendChannel[bytes]] = {}
+        self.dropped = 0  # messages not sent: no connection, or the member's stream backed up
         self.bytes_sent = 0
         self.bytes_received = 0
         self.messages_sent = 0
@@ -176,6 +184,7 @@ class SwimService:
             "messages_sent": self.messages_sent,
             "messages_received": self.messages_received,
             "failed": self.failed,
+            "dropped": self.dropped,
             "exchanges": self.messages_sent,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
@@ -223,10 +232,17 @@ class SwimService:
     async def leave(self, *, timeout: float = 2.0, peers: int = 3) -> None:
         """Tell a few members this agent is leaving: a death of its own, signed by it."""
         out = self.swim.leave(_now(), peers)
-        with trio.move_on_after(timeout):
-            async with trio.open_nursery() as nursery:
-                for dest, msg in out:
-                    nursery.start_soon(self._send, dest, msg)
+        if self._nursery is None:
+            return
+        self._dispatch(out)
+        told = {dest for dest, _ in out}
+        with trio.move_on_after(timeout):  # until those members' streams have taken it
+            while any(
+                (box := self._outboxes.get(d)) is not None and box.statistics().current_buffer_used
+                for d in told
+            ):
+                await trio.sleep(0.01)
+            await trio.sleep(0.05)
         log.info("gossip.left", told=len(out))
 
     # ----- service -----
@@ -250,26 +266,26 @@ class SwimService:
                     self._dispatch(self.swim.flush(_now()))
 
     async def handle(self, stream: MeshStream) -> None:
-        """One message from a member (`swim/1` streams); the replies go on streams of ours."""
+        """A member's stream of messages to this agent (`swim/1`), read until it ends."""
         peer = stream.peer_id
+        frames = LengthPrefixDecoder(FRAMING)
         try:
-            data = bytearray()
-            with trio.fail_after(_SEND_TIMEOUT):
-                while chunk := await stream.receive_some():
-                    data += chunk
-                    if len(data) > MAX_MESSAGE:
-                        raise SwimWireError(f"a membership message over {MAX_MESSAGE} bytes")
-            msg = decode(bytes(data))
-            self.bytes_received += len(data)
-            self.messages_received += 1
-            self._dispatch(self.swim.receive(_now(), peer, msg))
-            self._after_change()
+            while chunk := await stream.receive_some():
+                frames.feed(chunk)
+                while (data := frames.next_frame()) is not None:
+                    msg = decode(data)
+                    self.bytes_received += FRAMING.width + len(data)
+                    self.messages_received += 1
+                    self._dispatch(self.swim.receive(_now(), peer, msg))
+                    self._after_change()
+            if frames.pending:
+                raise SwimWireError("a membership stream ended inside a message")
             await stream.send_eof()
-        except (SwimWireError, trio.TooSlowError, *_STREAM_ERRORS) as e:
+        except (SwimWireError, *_STREAM_ERRORS) as e:
             self.failed += 1
             log.info("gossip.message_refused", peer=peer, error=str(e))
             stream.reset(f"membership message refused: {e}")
-        except Exception as e:  # a bug met by one message ends that message only
+        except Exception as e:  # a bug met by one stream ends that stream only
             self.failed += 1
             log.error("gossip.message_failed", peer=peer, error=repr(e), exc_info=e)
             stream.reset(f"membership message failed: {type(e).__name__}")
@@ -301,27 +317,62 @@ class SwimService:
         if self._nursery is None:
             return
         for dest, msg in out:
-            self._nursery.start_soon(self._send, dest, msg)
+            self._post(dest, FRAMING.encode(encode(msg)))
 
-    async def _send(self, dest: str, msg: Message) -> None:
+    def _post(self, dest: str, frame: bytes) -> None:
+        """Queue `frame` on `dest`'s stream (opened now if there is none)."""
+        assert self._nursery is not None
         if self.overlay.connection(dest) is None:
-            return  # no path to it now: as a lost datagram
-        data = encode(msg)
+            self.dropped += 1  # no path to it now: as a lost datagram
+            return
+        box = self._outboxes.get(dest)
+        if box is None:
+            box, inbox = trio.open_memory_channel[bytes](_OUTBOX)
+            self._outboxes[dest] = box
+            self._nursery.start_soon(self._stream_to, dest, box, inbox)
+        try:
+            box.send_nowait(frame)
+        except trio.WouldBlock:
+            self.dropped += 1
+
+    async def _stream_to(
+        self,
+        dest: str,
+        box: trio.MemorySendChannel[bytes],
+        inbox: trio.MemoryReceiveChannel[bytes],
+    ) -> None:
+        """Send what is queued for `dest` on one stream, until the stream breaks or the
+        member has nothing for `_IDLE` seconds; a later message opens another."""
+        stream: MeshStream | None = None
         try:
             with trio.move_on_after(_SEND_TIMEOUT):
                 stream = await self.overlay.open_stream(dest, LABEL, window_bytes=MAX_MESSAGE)
-                try:
-                    await stream.send_all(data)
+            if stream is None:
+                raise ConnectionUnavailable(f"no stream to {dest} within {_SEND_TIMEOUT:g} s")
+            try:
+                while True:
+                    frame: bytes | None = None
+                    with trio.move_on_after(_IDLE):
+                        frame = await inbox.receive()
+                    if frame is None:
+                        break
+                    with trio.fail_after(_SEND_TIMEOUT):
+                        await stream.send_all(frame)
+                    self.bytes_sent += len(frame)
+                    self.messages_sent += 1
+            finally:
+                with trio.move_on_after(_SEND_TIMEOUT):
                     await stream.send_eof()
-                    while await stream.receive_some():  # the receiver's end: it has it all
-                        raise SwimWireError("a reply on a membership message's stream")
-                finally:
-                    await stream.aclose()
-                self.bytes_sent += len(data)
-                self.messages_sent += 1
-        except (SwimWireError, *_STREAM_ERRORS) as e:
+                    while await stream.receive_some():
+                        pass
+                await stream.aclose()
+        except (SwimWireError, trio.TooSlowError, *_STREAM_ERRORS) as e:
             self.failed += 1
             log.debug("gossip.send_failed", peer=dest, error=str(e))
+        finally:
+            if self._outboxes.get(dest) is box:
+                del self._outboxes[dest]
+            self.dropped += _drain(inbox)
 
     def _after_change(self) -> None:
         """Bump the generation if any member's row changed (placement waits on it)."""
@@ -365,3 +416,14 @@ class SwimService:
 
 def _now() -> float:
     return trio.current_time()
+
+
+def _drain(inbox: trio.MemoryReceiveChannel[bytes]) -> int:
+    """Messages left in a closed outbox: dropped."""
+    n = 0
+    while True:
+        try:
+            inbox.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return n
+        n += 1
