@@ -156,6 +156,9 @@ class Swim:
         self._sign = sign
         self._verify = verify
         self.rejected = 0  # received updates whose proof did not hold
+        self.disputed = 0  # deaths heard of members this member had not suspected
+        self._checks: dict[str, tuple[int, float]] = {}  # member -> (ping seq, sent)
+        self._later: Out = []  # messages decided while applying updates, sent with the rest
         self.config = config or SwimConfig()
         self.rng = random.Random(seed)
         self.incarnation = incarnation
@@ -297,6 +300,12 @@ class Swim:
     def tick(self, now: float) -> Out:
         out: Out = []
         c = self.config
+        for m, (_, sent) in sorted(self._checks.items()):
+            if now >= sent + c.probe_interval:  # no answer: suspected on this member's word
+                del self._checks[m]
+                x = self.members.get(m)
+                if x is not None and x.state == State.ALIVE:
+                    self._apply(self._issue(Update(m, x.incarnation, State.SUSPECT, self.me)), now)
         for m in sorted(self._suspects):
             x = self.members[m]
             if now >= x.deadline:
@@ -352,6 +361,7 @@ class Swim:
                 times.append(started + self.config.probe_timeout)
             times.append(started + self.config.probe_interval)
         times += [self.members[m].deadline for m in self._suspects]
+        times += [sent + self.config.probe_interval for _, sent in self._checks.values()]
         return min(times)
 
     def _live_others(self) -> list[str]:
@@ -383,6 +393,8 @@ class Swim:
                     out.append((asker[0], Message("ack", asker[1], "", self._piggyback())))
             elif self._probe is not None and msg.seq == self._probe[0]:
                 self._acked = True
+            elif self._checks.get(source, (None,))[0] == msg.seq:
+                del self._checks[source]  # it answers: the death was hearsay
         elif msg.kind == "ping-req":
             self._seq += 1
             self._relays[self._seq] = (source, msg.seq)
@@ -465,6 +477,19 @@ class Swim:
         newer_record = u.record_seq > x.record_seq and u.record
         if u.record_seq > x.record_seq and not u.record:
             self._wants.add(u.subject)
+        if (
+            u.state == State.DEAD
+            and u.issuer not in (self.me, u.subject)
+            and _outranks(u, x)
+            and not (x.state == State.SUSPECT and x.incarnation == u.incarnation)
+        ):
+            # Another member's word that it died, where this member has not suspected it:
+            # this member pings it itself, and suspects it only if that goes unanswered
+            # (what a member hears itself beats hearsay). A member that declares others
+            # dead at will costs each receiver a ping.
+            self._check(u.subject, now)
+            self.disputed += 1
+            return
         if _outranks(u, x):
             was = x.state
             x.incarnation, x.state = u.incarnation, u.state
@@ -488,6 +513,14 @@ class Swim:
         elif newer_record:
             self._take_record(x, u)
             self._queue_update(u)
+
+    def _check(self, member: str, now: float) -> None:
+        """Ping `member` now, unless a check of it is under way (`tick` judges it)."""
+        if member in self._checks:
+            return
+        self._seq += 1
+        self._checks[member] = (self._seq, now)
+        self._later.append((member, Message("ping", self._seq, updates=self._piggyback())))
 
     def _take_record(self, x: Member, u: Update) -> None:
         if u.record and u.record_seq > x.record_seq:
@@ -552,5 +585,8 @@ class Swim:
 
     def _send(self, out: Iterable[tuple[str, Message]]) -> Out:
         out = list(out)
+        if self._later:
+            out += self._later
+            self._later = []
         self.bytes_sent += sum(m.size() for _, m in out)
         return out

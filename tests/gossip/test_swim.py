@@ -78,3 +78,25 @@ def test_no_false_death_at_one_percent_loss():
     bus.run_until(bus.now + 180)
     assert bus.deaths == []
     assert bus.views_complete(set(names))
+
+
+def test_a_member_that_declares_others_dead_makes_them_suspect_no_more():
+    bus, names = _mesh(30)
+    hostile, victim = names[3], names[11]
+    bus.run_until(bus.now + 5)
+    end = bus.now + 30
+    while bus.now < end:  # every 0.5 s a death of the victim, at its latest incarnation
+        inc = bus.members[victim].incarnation
+        death = Update(victim, inc, State.DEAD, hostile)
+        for k in bus.rng.sample(names, 5):
+            if k not in (hostile, victim):
+                bus._deliver(hostile, [(k, Message("gossip", updates=(death,)))])
+        bus.run_until(bus.now + 0.5)
+    assert not [d for d in bus.deaths if d[2] == victim]
+    assert all(victim in bus.members[k].alive() for k in names)
+    # The real thing is still found: the victim crashes, and it is dead everywhere.
+    bus.crash(victim)
+    start = bus.now
+    while not bus.dead_everywhere(victim):
+        assert bus.now < start + 5, "a crash not dead everywhere within 5 s"
+        bus.run_until(bus.now + 0.05)
