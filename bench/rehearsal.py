@@ -40,7 +40,7 @@ import httpx
 import result_file
 import trio
 from real_split import ask
-from split import measure, wait_routable
+from split import measure, start_split, wait_routable
 
 from meshagent.launch import AgentProcess, start_agent
 from meshagent.models.layout import inspect_model
@@ -156,18 +156,13 @@ def main() -> None:
         offer = f"{need * SHARE // 100 // 1024}K"
         began = time.monotonic()
         with contextlib.ExitStack() as agents:
-            split = _start_three(root, agents, ["--model", str(path), "--max-memory", offer])
-            wait_routable(split, model, timeout=900)
+            flags = ["--model", str(path), "--max-memory", offer]
+            entry, stages, in_order = start_split(root, agents, model, flags, timeout=900)
             split_ready = time.monotonic() - began
-            stages = status(split[0])["placement"][model]["stages"]
-            ids = {status(a)["peer_id"]: a for a in split}
-            in_order = [ids[peer] for peer, *_ in stages]
-            entry = in_order[0]
             got = answers(entry.url, model, 32)
             split_rate = decode_rate(entry.url, model, args.max_tokens)
             hops = _hop_bytes(in_order, [s[0] for s in stages], entry, model)
-            for i, (peer, start, end, *_) in enumerate(stages):
-                a = ids[peer]
+            for i, ((_, start, end, *_), a) in enumerate(zip(stages, in_order, strict=True)):
                 rows.append(
                     {
                         "agent": f"stage {i + 1}",
@@ -207,22 +202,6 @@ def main() -> None:
 def _loads(agent: AgentProcess) -> dict:
     load, check = load_seconds(agent)
     return {"load_s": load, "windows_check_s": check}
-
-
-def _start_three(root: Path, agents: contextlib.ExitStack, flags: list[str]) -> list:
-    a = start_agent(root / "a", *flags, wait_model=False)
-    agents.callback(a.stop)
-    token = subprocess.run(
-        [sys.executable, "-m", "meshagent", "invite", "--data-dir", str(root / "a")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    out = [a]
-    for name in ("b", "c"):
-        out.append(start_agent(root / name, *flags, "--join", token, wait_model=False))
-        agents.callback(out[-1].stop)
-    return out
 
 
 def _hop_bytes(in_order: list, peers: list[str], entry, model: str) -> list[float]:

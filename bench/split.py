@@ -117,11 +117,12 @@ def start_split(
     flags: list[str],
     first: list[str] = (),
     launcher: list[str] = (),
+    timeout: float = 180,
 ) -> tuple[AgentProcess, list, list[AgentProcess]]:
     """Three agents with `flags` (the first also `first`) in one mesh, stopped with `agents`;
     once the model is routable, the split's entry, its stages and the three agents in the
     stages' order (which agent holds which stage follows from their random identities).
-    `launcher`: as `start_agent` takes it."""
+    `launcher`: as `start_agent` takes it; `timeout`: seconds to wait for the split."""
     a = start_agent(root / "a", *flags, *first, wait_model=False, launcher=launcher)
     agents.callback(a.stop)
     token = subprocess.run(
@@ -136,7 +137,7 @@ def start_split(
             start_agent(root / name, *flags, "--join", token, wait_model=False, launcher=launcher)
         )
         agents.callback(split[-1].stop)
-    wait_routable(split, model)
+    wait_routable(split, model, timeout)
     stages = httpx.get(f"{a.url}/control/status").json()["placement"][model]["stages"]
     ids = {httpx.get(f"{x.url}/control/status").json()["peer_id"]: x for x in split}
     in_order = [ids[peer] for peer, *_ in stages]

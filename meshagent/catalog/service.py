@@ -28,7 +28,7 @@ from meshagent.gossip.errors import GossipError
 from meshagent.identity.keys import NodeIdentity
 from meshagent.models.artifacts import ArtifactStore
 from meshagent.models.default import resolve_model
-from meshagent.waiting import first
+from meshagent.waiting import Generation, first
 
 log = structlog.get_logger(__name__)
 
@@ -76,8 +76,7 @@ class Catalog:
         self._published = self._publishable()
         self._checked: dict[bytes, SignedEntry | None] = {}  # gossiped bytes, verified once
         self._heard: dict[str, tuple[bytes, ...]] = {}  # each peer's blobs last merged
-        self._generation = 0
-        self._changed = trio.Event()
+        self._changes = Generation()
 
     # ----- what the catalogue holds -----
 
@@ -101,13 +100,11 @@ class Catalog:
     @property
     def generation(self) -> int:
         """Increases whenever the book changes (an add, a removal, a tombstone dropped)."""
-        return self._generation
+        return self._changes.value
 
     async def wait_changed(self, after: int) -> int:
         """Wait until the generation passes `after`; returns the new generation."""
-        while self._generation <= after:
-            await self._changed.wait()
-        return self._generation
+        return await self._changes.wait_past(after)
 
     # ----- this agent's user changes it -----
 
@@ -197,7 +194,7 @@ class Catalog:
         published: tuple[bytes, ...] = ()
         task_status.started()
         while True:
-            seen, mine = gossip.generation, self._generation
+            seen, mine = gossip.generation, self._changes.value
             self.heard(gossip.snapshot())
             self.expire()
             if self._published != published:
@@ -220,9 +217,7 @@ class Catalog:
             # What peers gossip is merged again: an entry the bound left out may fit now.
             self._heard.clear()
         self._published = self._publishable()
-        self._generation += 1
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changes.bump()
         try:
             save_entries(self.path, self.book.entries())
         except OSError as e:  # the catalogue goes on in memory and in gossip

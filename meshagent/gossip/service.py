@@ -33,6 +33,7 @@ from meshagent.identity.keys import NodeIdentity
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
+from meshagent.waiting import Generation
 
 log = structlog.get_logger(__name__)
 
@@ -86,8 +87,7 @@ class GossipService:
         self._local_fields = local_fields
         self._rng = rng or random.Random()
         self._wall = wall_clock
-        self._generation = 0
-        self._changed = trio.Event()
+        self._changes = Generation()
         self._buckets = Buckets(self.config.inbound_burst, self.config.inbound_rate)
         self._known_links: set[str] = set()
         self._busy_with: set[str] = set()
@@ -121,19 +121,17 @@ class GossipService:
     @property
     def generation(self) -> int:
         """Increases on every change of membership, state or any record."""
-        return self._generation
+        return self._changes.value
 
     async def wait_changed(self, after: int) -> int:
         """Wait until the generation passes `after`; returns the new generation."""
-        while self._generation <= after:
-            await self._changed.wait()
-        return self._generation
+        return await self._changes.wait_past(after)
 
     def stats(self) -> dict[str, Any]:
         st = self.state.stats
         return {
             "members": len(self.state.entries),
-            "generation": self._generation,
+            "generation": self._changes.value,
             "exchanges": self.exchanges,
             "failed_exchanges": self.failed_exchanges,
             "refused_exchanges": self.refused_exchanges,
@@ -364,9 +362,7 @@ class GossipService:
 
     def _notify(self, changes: list[Change]) -> None:
         if changes:
-            self._generation += 1
-            self._changed.set()
-            self._changed = trio.Event()
+            self._changes.bump()
 
 
 def fields_to_publish(

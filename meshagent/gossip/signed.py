@@ -20,8 +20,8 @@ import cbor2
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
-from meshagent.gossip.errors import RecordRejected
-from meshagent.gossip.peer_record import MAX_RECORD_BYTES, PeerRecord
+from meshagent.gossip.errors import GossipError, RecordRejected
+from meshagent.gossip.peer_record import MAX_RECORD_BYTES, PUBLISHABLE, PeerRecord
 from meshagent.identity.keys import NodeIdentity, peer_id_for
 from meshagent.wire.quoted import quoted
 
@@ -120,6 +120,27 @@ class SignedRecord:
             )
         _verify(record.public_key, _RECORD_CONTEXT + mesh.encode() + body, sig, "record")
         return cls(record, bytes(data))
+
+
+def sign_new_record(
+    identity: NodeIdentity, mesh: str, fields: dict[str, Any], *, seq: int, wall_time: float
+) -> SignedRecord:
+    """Our record with `fields` (only `PUBLISHABLE` ones: GossipError names any other), at
+    version `seq`, signed; raises if it is too large."""
+    unknown = set(fields) - PUBLISHABLE
+    if unknown:
+        raise GossipError(
+            f"unknown record fields: {', '.join(sorted(unknown))} "
+            f"(publishable: {', '.join(sorted(PUBLISHABLE))})"
+        )
+    record = PeerRecord(
+        peer_id=identity.peer_id,
+        public_key=identity.public_key,
+        seq=seq,
+        issued_at=round(wall_time, 3),
+        **fields,
+    )
+    return SignedRecord.sign(record, identity, mesh)
 
 
 @dataclass(frozen=True)

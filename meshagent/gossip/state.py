@@ -19,13 +19,13 @@ import structlog
 
 from meshagent.gossip import merge
 from meshagent.gossip.config import GossipConfig
-from meshagent.gossip.errors import GossipError, RecordRejected
+from meshagent.gossip.errors import RecordRejected
 from meshagent.gossip.failure import PeerState, classify
 from meshagent.gossip.hearsay import Heard, hears, introductions
 from meshagent.gossip.merge import Verdict
 from meshagent.gossip.messages import DigestEntry, Items
-from meshagent.gossip.peer_record import PUBLISHABLE, PeerRecord
-from meshagent.gossip.signed import MAX_BEAT, Heartbeat, Obituary, SignedRecord
+from meshagent.gossip.peer_record import PeerRecord
+from meshagent.gossip.signed import MAX_BEAT, Heartbeat, Obituary, SignedRecord, sign_new_record
 from meshagent.identity.keys import NodeIdentity
 
 log = structlog.get_logger(__name__)
@@ -147,23 +147,10 @@ class GossipState:
 
     def publish(self, *, wall_time: float, min_seq: int = 0, **fields: Any) -> SignedRecord:
         """Issue (and sign) a new record of ours with `fields` changed; returns it."""
-        unknown = set(fields) - PUBLISHABLE
-        if unknown:
-            raise GossipError(
-                f"unknown record fields: {', '.join(sorted(unknown))} "
-                f"(publishable: {', '.join(sorted(PUBLISHABLE))})"
-            )
         candidate = {**self._fields, **fields}
         self._wall = max(self._wall, wall_time)
         seq = max(int(self._wall * 1_000_000), self.me.seq + 1, min_seq)
-        record = PeerRecord(
-            peer_id=self.self_id,
-            public_key=self.identity.public_key,
-            seq=seq,
-            issued_at=round(wall_time, 3),
-            **candidate,
-        )
-        signed = SignedRecord.sign(record, self.identity, self.mesh)  # raises if too large
+        signed = sign_new_record(self.identity, self.mesh, candidate, seq=seq, wall_time=wall_time)
         self._fields = candidate
         self.me.record = signed
         return signed

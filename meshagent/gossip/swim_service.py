@@ -28,9 +28,9 @@ import trio
 
 from meshagent.gossip.errors import GossipError
 from meshagent.gossip.failure import PeerState
-from meshagent.gossip.peer_record import PUBLISHABLE, PeerRecord
+from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.service import LocalFields, fields_to_publish
-from meshagent.gossip.signed import SignedRecord
+from meshagent.gossip.signed import SignedRecord, sign_new_record
 from meshagent.gossip.state import PeerView
 from meshagent.gossip.swim import Message, State, Swim, SwimConfig
 from meshagent.gossip.swim_proofs import SwimProofs
@@ -39,6 +39,7 @@ from meshagent.identity.keys import NodeIdentity
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
+from meshagent.waiting import Generation
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
@@ -97,8 +98,7 @@ class SwimService:
         self._since: dict[str, float] = {}  # when each member's state last changed here
         self._rows: dict[str, tuple[int, State, int]] = {}
         self._seen_digest = b""
-        self._generation = 0
-        self._changed = trio.Event()
+        self._changes = Generation()
         self._wake = trio.Event()
         self._known_links: set[str] = set()
         self._published_rtts: dict[str, float] = {}
@@ -145,42 +145,27 @@ class SwimService:
         return self._since.get(peer_id)
 
     def update_local(self, **fields: Any) -> None:
-        unknown = set(fields) - PUBLISHABLE
-        if unknown:
-            raise GossipError(
-                f"unknown record fields: {', '.join(sorted(unknown))} "
-                f"(publishable: {', '.join(sorted(PUBLISHABLE))})"
-            )
         candidate = {**self._fields, **fields}
         wall = self._wall()
         seq = max(int(wall * 1_000_000), (self._record.seq + 1) if self._record else 1)
-        record = PeerRecord(
-            peer_id=self.peer_id,
-            public_key=self.identity.public_key,
-            seq=seq,
-            issued_at=round(wall, 3),
-            **candidate,
-        )
-        signed = SignedRecord.sign(record, self.identity, self.mesh)  # raises if too large
+        signed = sign_new_record(self.identity, self.mesh, candidate, seq=seq, wall_time=wall)
         self._fields, self._record = candidate, signed
         self.swim.publish(signed.raw, _now(), seq)
-        self._generation_up()
+        self._changes.bump()
         self._wake.set()
 
     @property
     def generation(self) -> int:
-        return self._generation
+        return self._changes.value
 
     async def wait_changed(self, after: int) -> int:
-        while self._generation <= after:
-            await self._changed.wait()
-        return self._generation
+        return await self._changes.wait_past(after)
 
     def stats(self) -> dict[str, Any]:
         return {
             "protocol": "swim",
             "members": len(self.swim.members),
-            "generation": self._generation,
+            "generation": self._changes.value,
             "messages_sent": self.messages_sent,
             "messages_received": self.messages_received,
             "failed": self.failed,
@@ -391,12 +376,7 @@ class SwimService:
                 self._rows[m] = row
                 changed = True
         if changed:
-            self._generation_up()
-
-    def _generation_up(self) -> None:
-        self._generation += 1
-        self._changed.set()
-        self._changed = trio.Event()
+            self._changes.bump()
 
     def _refresh(self, now: float) -> None:
         """Republish our RTTs and the caller's dynamic fields when they changed enough."""
