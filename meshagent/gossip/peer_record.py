@@ -14,6 +14,7 @@ from typing import Any
 import cbor2
 
 from meshagent.gossip.errors import RecordRejected
+from meshagent.net.coordinates import Coordinate
 from meshagent.wire.quoted import quoted
 
 RECORD_VERSION = 1
@@ -198,6 +199,9 @@ class PeerRecord:
     # What stands between this peer and the internet (`discovery/nat.py`: none, independent,
     # dependent, unknown), as its relays see it; "" where it has no relay to ask.
     nat: str = ""
+    # Its network coordinate (`net/coordinates.py`): x, y and height in ms, and its error;
+    # () until it has one. Placement estimates the RTT between peers that never measured it.
+    coord: tuple[float, ...] = ()
     # Fields other services publish without a record format change (e.g. placement
     # leases): text keys, CBOR values.
     extras: dict[str, Any] = field(default_factory=dict)
@@ -241,6 +245,8 @@ class PeerRecord:
             wire[23] = list(self.catalog)
         if self.nat:  # likewise
             wire[24] = self.nat
+        if self.coord:  # likewise
+            wire[25] = [float(f) for f in self.coord]
         body = cbor2.dumps(wire, canonical=True)
         if len(body) > MAX_RECORD_BYTES:
             raise RecordRejected(
@@ -305,6 +311,7 @@ class PeerRecord:
                     _blob(c, MAX_CATALOG_BYTES) for c in _bounded(d.get(23, []), MAX_CATALOG)
                 ),
                 nat=_nat(d.get(24, "")),
+                coord=_coord(d.get(25)),
             )
         except KeyError as e:
             raise RecordRejected(f"record lacks field {e}") from e
@@ -335,6 +342,7 @@ class PeerRecord:
             "windows_inexact": self.windows_inexact,
             "devices": [d.__dict__ for d in self.devices],
             "nat": self.nat,
+            "coord": list(self.coord),
         }
 
 
@@ -406,6 +414,17 @@ def _list(v: Any, n: int, what: str) -> list[Any]:
     if not isinstance(v, list) or len(v) != n:
         raise RecordRejected(f"{what} must be a list of {n} items")
     return v
+
+
+def _coord(v: Any) -> tuple[float, ...]:
+    if v is None:
+        return ()
+    c = Coordinate.from_wire(v)
+    if c is None:
+        raise RecordRejected(
+            f"coord must be [x, y, height, error], finite and in bounds, not {quoted(v, 60)}"
+        )
+    return (c.x, c.y, c.height, c.error)
 
 
 def _bounded(v: Any, limit: int) -> list[Any]:

@@ -30,6 +30,7 @@ from meshagent.gossip.hearsay import Heard
 from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.state import Change, GossipState, PeerView
 from meshagent.identity.keys import NodeIdentity
+from meshagent.net.coordinates import Coordinate, CoordinateKeeper
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
@@ -38,6 +39,9 @@ from meshagent.waiting import Generation
 log = structlog.get_logger(__name__)
 
 LABEL = "gossip/1"
+# A record lists its RTTs to this many of its nearest peers; placement estimates the others
+# from coordinates (records stay small in a big mesh, where the decoder takes 256 at most).
+MAX_PUBLISHED_RTTS = 32
 # Gossip streams carry small messages; a small window bounds what a peer can make us buffer.
 _WINDOW_BYTES = 1 << 20
 _STREAM_ERRORS = (
@@ -93,6 +97,7 @@ class GossipService:
         self._busy_with: set[str] = set()
         self._again: set[str] = set()  # asked for while busy: exchange again once it ends
         self._published_rtts: dict[str, float] = {}
+        self.coordinate = CoordinateKeeper(random.Random(self._rng.getrandbits(32)))
         self._last_refresh = -float("inf")
         self._nursery: trio.Nursery | None = None
         self.bytes_sent = 0
@@ -352,7 +357,12 @@ class GossipService:
         self._last_refresh = now
         current = self.state.me.record.record if self.state.me.record is not None else None
         changed, self._published_rtts = fields_to_publish(
-            current, self._local_fields, self.overlay, self._published_rtts
+            current,
+            self._local_fields,
+            self.overlay,
+            self._published_rtts,
+            self.coordinate,
+            self.record_of,
         )
         if changed or current is None:
             try:
@@ -370,15 +380,29 @@ def fields_to_publish(
     local_fields: LocalFields | None,
     overlay: ConnectionManager,
     published_rtts: dict[str, float],
+    coordinate: CoordinateKeeper,
+    record_of: Callable[[str], PeerRecord | None],
 ) -> tuple[dict[str, Any], dict[str, float]]:
-    """What of our record to republish (the caller's dynamic fields that changed, and our RTTs
-    where they moved enough), and the RTTs published from now on."""
+    """What of our record to republish (the caller's dynamic fields that changed, our RTTs to
+    the `MAX_PUBLISHED_RTTS` nearest peers where they moved enough, our coordinate where it
+    moved: each measured RTT to a peer with a coordinate moves ours), and the RTTs published
+    from now on."""
     fields = dict(local_fields()) if local_fields is not None else {}
-    rtts = {
+    measured = {
         link.peer_id: round(link.rtt.smoothed * 1000, 2)
         for link in overlay.links()
         if link.rtt.smoothed is not None
     }
+    for peer, ms in sorted(measured.items()):
+        record = record_of(peer)
+        theirs = Coordinate.from_wire(list(record.coord)) if record and record.coord else None
+        if theirs is not None:
+            coordinate.observe(theirs, ms)
+    coord = coordinate.to_publish()
+    if coord is not None:
+        fields["coord"] = coord
+    nearest = sorted(measured.items(), key=lambda kv: (kv[1], kv[0]))[:MAX_PUBLISHED_RTTS]
+    rtts = dict(nearest)
     if _rtts_moved(published_rtts, rtts):
         fields["rtts_ms"] = tuple(sorted(rtts.items()))
         published_rtts = rtts

@@ -36,6 +36,7 @@ from meshagent.gossip.swim import Message, State, Swim, SwimConfig
 from meshagent.gossip.swim_proofs import SwimProofs
 from meshagent.gossip.swim_wire import MAX_MESSAGE, SwimWireError, decode, encode
 from meshagent.identity.keys import NodeIdentity
+from meshagent.net.coordinates import CoordinateKeeper
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
@@ -102,6 +103,7 @@ class SwimService:
         self._wake = trio.Event()
         self._known_links: set[str] = set()
         self._published_rtts: dict[str, float] = {}
+        self.coordinate = CoordinateKeeper(random.Random(self._rng.getrandbits(32)))
         self._last_refresh = -float("inf")
         self._nursery: trio.Nursery | None = None
         self._outboxes: dict[str, trio.MemorySendChannel[bytes]] = {}
@@ -385,7 +387,12 @@ class SwimService:
         self._last_refresh = now
         current = self._record.record if self._record is not None else None
         changed, self._published_rtts = fields_to_publish(
-            current, self._local_fields, self.overlay, self._published_rtts
+            current,
+            self._local_fields,
+            self.overlay,
+            self._published_rtts,
+            self.coordinate,
+            self.record_of,
         )
         if changed or current is None:
             try:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshagent.models.layout import ModelLayout, standin_bytes
+from meshagent.net.coordinates import Coordinate, estimate_ms
 
 DEFAULT_RTT_MS = 5.0  # assumed for a pair not measured yet, while no pair is measured
 
@@ -114,6 +115,9 @@ class PeerCapacity:
     # Whether it has read the model's tokenizer (a stage host that fetched the header around
     # it, `models/ranged.py`, fetches it before it can cut the first or last stage).
     tokenizer: bool = True
+    # Its network coordinate, as its record gives it (None: none yet): the RTT to a peer it
+    # has not measured is estimated from both peers' (`rtt_between`).
+    coord: Coordinate | None = None
 
     def needs(self, model: ModelCost, start: int, end: int, context_tokens: int) -> int:
         """Bytes of its offer a stage over layers [start, end) takes here: weights and KV
@@ -166,12 +170,17 @@ def rank_speed(peer: PeerCapacity) -> float:
 
 
 def rtt_between(a: PeerCapacity, b: PeerCapacity, unknown: float) -> float:
-    """The RTT between two peers: the larger of the two measures, `unknown` with none."""
+    """The RTT between two peers: the larger of the two measures; with none, what their
+    coordinates estimate where both have settled ones; else `unknown`."""
     if a.peer_id == b.peer_id:
         return 0.0
     ab, ba = a.rtt_ms.get(b.peer_id), b.rtt_ms.get(a.peer_id)
     known = [x for x in (ab, ba) if x is not None]
-    return max(known) if known else unknown
+    if known:
+        return max(known)
+    if a.coord is not None and b.coord is not None and max(a.coord.error, b.coord.error) < 1.0:
+        return estimate_ms(a.coord, b.coord)
+    return unknown
 
 
 def unknown_rtt(peers: Iterable[PeerCapacity]) -> float:

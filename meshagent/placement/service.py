@@ -17,6 +17,7 @@ import trio
 from meshagent.capacity import COMPUTE_UNIT, offered_memory
 from meshagent.errors import MeshError
 from meshagent.gossip.failure import PeerState
+from meshagent.net.coordinates import Coordinate
 from meshagent.placement.negotiation import (
     Claim,
     ClaimError,
@@ -127,6 +128,7 @@ def capacities(
                 vram_speed=vram_speed,
                 spare_bytes=int(getattr(r, "mem_spare_bytes", 0)),
                 tokenizer=source_sha256 not in getattr(r, "no_tokenizer", ()),
+                coord=Coordinate.from_wire(list(r.coord)) if getattr(r, "coord", ()) else None,
             )
         )
     return out
