@@ -275,6 +275,11 @@ class Swim:
         self._apply(self._issue(Update(member, x.incarnation, State.DEAD, self.me)), now)
         return True
 
+    def sync_with(self, member: str) -> Out:
+        """A digest of this member's table to `member`, which answers with its own table
+        where they differ (anti-entropy now rather than at the next `sync_interval`)."""
+        return self._send([(member, Message("sync", digest=self.digest()))])
+
     def leave(self, now: float, peers: int) -> Out:
         """This member leaves: its own death at its incarnation, to `peers` members (they
         spread it). A restart outranks it with a later incarnation."""

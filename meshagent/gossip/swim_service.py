@@ -291,13 +291,19 @@ class SwimService:
         return got
 
     def _joins(self, now: float) -> list[tuple[str, Message]]:
-        """Ask every peer newly connected for its table: a join, or two meshes merging."""
+        """Compare tables with every peer newly connected: one it knows of already gets a
+        digest (and answers with its table only where they differ, records pulled as
+        needed); one it does not know of, a join (its whole table with records comes back,
+        and two meshes that meet merge)."""
         links = {link.peer_id for link in self.overlay.links()}
         new = sorted(links - self._known_links)
         self._known_links = links
         out: list[tuple[str, Message]] = []
         for peer in new:
-            out += self.swim.join(peer, now)
+            if peer in self.swim.members:
+                out += self.swim.sync_with(peer)
+            else:
+                out += self.swim.join(peer, now)
         return out
 
     def _dispatch(self, out: list[tuple[str, Message]]) -> None:
