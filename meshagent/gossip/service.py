@@ -88,7 +88,6 @@ class GossipService:
             identity, mesh, self.config, now=0.0, heard=heard or heard_on(overlay)
         )
         self.overlay = overlay
-        self._local_fields = local_fields
         self._rng = rng or random.Random()
         self._wall = wall_clock
         self._changes = Generation()
@@ -96,8 +95,9 @@ class GossipService:
         self._known_links: set[str] = set()
         self._busy_with: set[str] = set()
         self._again: set[str] = set()  # asked for while busy: exchange again once it ends
-        self._published_rtts: dict[str, float] = {}
-        self.coordinate = CoordinateKeeper(random.Random(self._rng.getrandbits(32)))
+        self._republisher = Republisher(
+            local_fields, overlay, CoordinateKeeper(random.Random(self._rng.getrandbits(32)))
+        )
         self._last_refresh = -float("inf")
         self._nursery: trio.Nursery | None = None
         self.bytes_sent = 0
@@ -356,23 +356,48 @@ class GossipService:
             return
         self._last_refresh = now
         current = self.state.me.record.record if self.state.me.record is not None else None
-        changed, self._published_rtts = fields_to_publish(
-            current,
-            self._local_fields,
-            self.overlay,
-            self._published_rtts,
-            self.coordinate,
-            self.record_of,
-        )
-        if changed or current is None:
-            try:
-                self.update_local(**changed)
-            except GossipError as e:
-                log.warning("gossip.publish_failed", error=str(e))
+        self._republisher.republish(current, self.record_of, self.update_local)
 
     def _notify(self, changes: list[Change]) -> None:
         if changes:
             self._changes.bump()
+
+
+class Republisher:
+    """What either membership service republishes of its own record, and when: the caller's
+    dynamic fields that changed, its nearest RTTs and its coordinate (`fields_to_publish`)."""
+
+    def __init__(
+        self,
+        local_fields: LocalFields | None,
+        overlay: ConnectionManager,
+        coordinate: CoordinateKeeper,
+    ) -> None:
+        self.local_fields = local_fields
+        self.overlay = overlay
+        self.coordinate = coordinate
+        self.published_rtts: dict[str, float] = {}
+
+    def republish(
+        self,
+        current: PeerRecord | None,
+        record_of: Callable[[str], PeerRecord | None],
+        publish: Callable[..., None],
+    ) -> None:
+        """Publish what changed since `current` (everything, with no record yet)."""
+        changed, self.published_rtts = fields_to_publish(
+            current,
+            self.local_fields,
+            self.overlay,
+            self.published_rtts,
+            self.coordinate,
+            record_of,
+        )
+        if changed or current is None:
+            try:
+                publish(**changed)
+            except GossipError as e:
+                log.warning("gossip.publish_failed", error=str(e))
 
 
 def fields_to_publish(

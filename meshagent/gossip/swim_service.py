@@ -26,10 +26,9 @@ from typing import Any
 import structlog
 import trio
 
-from meshagent.gossip.errors import GossipError
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.peer_record import PeerRecord
-from meshagent.gossip.service import LocalFields, fields_to_publish
+from meshagent.gossip.service import LocalFields, Republisher
 from meshagent.gossip.signed import SignedRecord, sign_new_record
 from meshagent.gossip.state import PeerView
 from meshagent.gossip.swim import Message, State, Swim, SwimConfig
@@ -81,7 +80,6 @@ class SwimService:
         self.mesh = mesh
         self.overlay = overlay
         self.proofs = SwimProofs(identity, mesh)
-        self._local_fields = local_fields
         self._rng = rng or random.Random()
         self._wall = wall_clock
         self.swim = Swim(
@@ -102,8 +100,9 @@ class SwimService:
         self._changes = Generation()
         self._wake = trio.Event()
         self._known_links: set[str] = set()
-        self._published_rtts: dict[str, float] = {}
-        self.coordinate = CoordinateKeeper(random.Random(self._rng.getrandbits(32)))
+        self._republisher = Republisher(
+            local_fields, overlay, CoordinateKeeper(random.Random(self._rng.getrandbits(32)))
+        )
         self._last_refresh = -float("inf")
         self._nursery: trio.Nursery | None = None
         self._outboxes: dict[str, trio.MemorySendChannel[bytes]] = {}
@@ -392,19 +391,7 @@ class SwimService:
             return
         self._last_refresh = now
         current = self._record.record if self._record is not None else None
-        changed, self._published_rtts = fields_to_publish(
-            current,
-            self._local_fields,
-            self.overlay,
-            self._published_rtts,
-            self.coordinate,
-            self.record_of,
-        )
-        if changed or current is None:
-            try:
-                self.update_local(**changed)
-            except GossipError as e:
-                log.warning("gossip.publish_failed", error=str(e))
+        self._republisher.republish(current, self.record_of, self.update_local)
 
 
 def _now() -> float:
