@@ -56,6 +56,9 @@ class SwimBus:
         self._scheduled: dict[str, float] = {}
         # each (observer, subject) whose state at the observer became DEAD, with when
         self.deaths: list[tuple[float, str, str]] = []
+        # A partition: each member's side (members not listed are on side 0); a message
+        # between sides is lost.
+        self.side: dict[str, int] = {}
         self.on_dead: Callable[[float, str, str], None] | None = None
 
     # ----- the mesh -----
@@ -109,12 +112,41 @@ class SwimBus:
         """It stops: sends nothing, and what is sent to it is lost."""
         self.crashed.add(name)
 
-    def _latency(self, a: str, b: str) -> float:
+    def partition(self, away: set[str]) -> None:
+        """`away` and the rest of the mesh stop hearing each other (`heal` ends it)."""
+        self.side = dict.fromkeys(away, 1)
+
+    def heal(self, spread: float = 2.0) -> None:
+        """The partition ends: messages cross again, and within `spread` seconds each
+        member's connections come back, each syncing with one member of the other side (a
+        new connection is a digest sync in the agent, `SwimService._joins`)."""
+        sides = self.side
+        self.side = {}
+        running = sorted(k for k in self.members if k not in self.crashed)
+        near = [k for k in running if sides.get(k, 0) == 0]
+        away = [k for k in running if sides.get(k, 0) == 1]
+        if not near or not away:
+            return
+        for k in running:
+            other = away if sides.get(k, 0) == 0 else near
+            when = self.now + self.rng.uniform(0.0, spread)
+            heapq.heappush(
+                self._events, (when, next(self._tie), "sync", k, self.rng.choice(other), None)
+            )
+
+    def rtt_ms(self, a: str, b: str) -> float:
+        """The round trip between two members (ms), as their messages take it."""
+        return 2000.0 * self._latency_base(a, b)
+
+    def _latency_base(self, a: str, b: str) -> float:
         key = (a, b) if a < b else (b, a)
         ms = self._rtts.get(key)
         if ms is None:
             ms = self._rtts[key] = rtt(self.city[a], self.city[b], self.rng)
-        return ms / 2000.0 * self.rng.uniform(1.0, 1.1)  # one way, seconds
+        return ms / 2000.0
+
+    def _latency(self, a: str, b: str) -> float:
+        return self._latency_base(a, b) * self.rng.uniform(1.0, 1.1)  # one way, seconds
 
     # ----- running -----
 
@@ -122,6 +154,11 @@ class SwimBus:
         while self._events and self._events[0][0] <= t:
             when, _, kind, a, b, msg = heapq.heappop(self._events)
             self.now = when
+            if kind == "sync":  # a connection back after a partition: a digest sync
+                if a not in self.crashed:
+                    self._deliver(a, self.members[a].sync_with(b))
+                    self._reschedule(a)
+                continue
             if kind == "tick":
                 if a in self.crashed or self._scheduled.get(a) != when:
                     continue
@@ -132,6 +169,8 @@ class SwimBus:
             else:  # a message from b to a
                 if a in self.crashed or a not in self.members:
                     continue
+                if self.side and self.side.get(a, 0) != self.side.get(b, 0):
+                    continue  # in flight when the partition began
                 if self.signed:
                     msg = swim_wire.decode(msg)
                 self._deliver(a, self.members[a].receive(when, b, msg))
@@ -161,6 +200,8 @@ class SwimBus:
             else:
                 self.wire_bytes[source] += msg.size() + FRAME_BYTES
             if dest in self.crashed or self.rng.random() < self.loss:
+                continue
+            if self.side and self.side.get(dest, 0) != self.side.get(source, 0):
                 continue
             when = self.now + self._latency(source, dest)
             heapq.heappush(self._events, (when, next(self._tie), "msg", dest, source, msg))

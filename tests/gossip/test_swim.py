@@ -19,6 +19,13 @@ def _mesh(n: int, seed: int = 1, loss: float = 0.0) -> tuple[SwimBus, list[str]]
     return bus, names
 
 
+def _run_until(bus: SwimBus, done, limit: float, step: float = 0.25) -> bool:
+    start = bus.now
+    while not done() and bus.now < start + limit:
+        bus.run_until(bus.now + step)
+    return done()
+
+
 def _steady_bytes(bus: SwimBus, names: list[str], window: float = 30.0) -> float:
     bus.run_until(bus.now + 15)
     before = {k: bus.members[k].bytes_sent for k in names}
@@ -100,3 +107,25 @@ def test_a_member_that_declares_others_dead_makes_them_suspect_no_more():
     while not bus.dead_everywhere(victim):
         assert bus.now < start + 5, "a crash not dead everywhere within 5 s"
         bus.run_until(bus.now + 0.05)
+
+
+def test_the_two_sides_of_a_healed_partition_are_one_mesh_again():
+    # Each side declares the other dead; once messages cross again, each member syncs with
+    # one member of the other side (its connections coming back): each learns from the
+    # other's table that it is held dead there, refutes it, and the refutations spread.
+    bus = SwimBus(seed=3, signed=True)
+    names = bus.grow(40)
+    everyone = set(names)
+    assert _run_until(bus, lambda: bus.views_complete(everyone), 30)
+    away = set(names[:10])
+    bus.partition(away)
+
+    def split() -> bool:
+        return all(bus.members[a].alive() == away for a in away) and all(
+            bus.members[b].alive() == everyone - away for b in everyone - away
+        )
+
+    assert _run_until(bus, split, 30)
+    bus.run_until(bus.now + 10)
+    bus.heal()
+    assert _run_until(bus, lambda: bus.views_complete(everyone), 10)
