@@ -229,14 +229,10 @@ def repair(
             ctx = current.context_tokens
             able = [p for p in spares if usable(p, headroom) >= p.needs(model, s.start, s.end, ctx)]
             able.sort(key=lambda p: (p.stage_ms(model, s.start, s.end, 0), p.peer_id))
-            # The fastest, unless one about as fast holds what it needs (no download first).
-            fastest = able[0].stage_ms(model, s.start, s.end, 0) if able else 0.0
-            ready = [
-                p
-                for p in able
-                if p.download_bytes(model, s.start, s.end) == 0
-                and p.stage_ms(model, s.start, s.end, 0) <= fastest * (1.0 + CLOSE_PLANS)
-            ]
+            # The fastest that holds what it needs, else the fastest: a repair is there to
+            # serve again within the requests' replay deadline, and a download of a big
+            # model's stage takes minutes (a slower stage can be planned away later).
+            ready = [p for p in able if p.download_bytes(model, s.start, s.end) == 0]
             taker = (ready or able or [None])[0]
             if taker is None:
                 return None

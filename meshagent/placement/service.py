@@ -280,7 +280,13 @@ class PlacementService:
                 self._seen_settle = self.repair_settle if repair else self.settle
                 self._seen = (digest, now)
             await self._release_stale(winner)
-        if winner is not None and not self._follows(winner):
+        outside = winner is not None and me not in winner.plan.peers and winner.proposer != me
+        if outside:
+            # An agent outside the plan that did not propose it follows it without a claim:
+            # were every agent to claim every plan, each plan change would be a record
+            # republished by every agent of the mesh (at 300 agents, most of its gossip).
+            self._withdraw_claim()
+        elif winner is not None and not self._follows(winner):
             assert self._seen is not None
             digest = self._seen[0]
             pending = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, False)
@@ -312,16 +318,7 @@ class PlacementService:
         is judged when it ends)."""
         self.placed = False
         self._set_error(why)
-        if self.mine is not None:
-            self.mine = None
-            views = self.gossip.snapshot()
-            me = views.get(self.gossip.peer_id)
-            extras = dict(me.record.extras) if me is not None else {}
-            placement = dict(extras.get(EXTRAS_KEY, {}))
-            placement.pop(self.cost.model_id, None)
-            extras[EXTRAS_KEY] = placement
-            self.gossip.update_local(extras=extras)
-            self.gossip.spread_now()
+        self._withdraw_claim()
         if self._loaded is not None and self._loading is None:
             self._loaded = None
             if self._release is not None:
@@ -333,6 +330,20 @@ class PlacementService:
             log.info("placement.routable", routable=False, peers=[], why=why)
         self.changed.set()
         self.changed = trio.Event()
+
+    def _withdraw_claim(self) -> None:
+        """This agent's claim on the model, if it has one, leaves its record."""
+        if self.mine is None:
+            return
+        self.mine = None
+        views = self.gossip.snapshot()
+        me = views.get(self.gossip.peer_id)
+        extras = dict(me.record.extras) if me is not None else {}
+        placement = dict(extras.get(EXTRAS_KEY, {}))
+        placement.pop(self.cost.model_id, None)
+        extras[EXTRAS_KEY] = placement
+        self.gossip.update_local(extras=extras)
+        self.gossip.spread_now()
 
     async def _release_stale(self, winner: Claim) -> None:
         """The part loaded here (served, or loaded for a plan replaced meanwhile) is not of

@@ -16,6 +16,7 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 from meshagent.gossip import swim_wire
 from meshagent.gossip.peer_record import ModelHeld, PeerRecord
@@ -41,6 +42,7 @@ class SwimBus:
     ) -> None:
         self.signed = signed
         self.identities: dict[str, NodeIdentity] = {}
+        self.records: dict[str, PeerRecord] = {}  # each signed member's record as published
         self.rng = random.Random(seed)
         self.loss = loss
         self.config = config or SwimConfig()
@@ -87,6 +89,7 @@ class SwimBus:
                 verify=proofs.verify,
             )
             record = _record(identity, self.rng)
+            self.records[name] = record.record
             m.publish(record.raw, self.now, record.seq)
         else:
             m = Swim(name, config=self.config, seed=seed, now=self.now)
@@ -107,6 +110,16 @@ class SwimBus:
             names.append(self.new_name())
             self.add(names[-1], contact=names[self.rng.randrange(i)])
         return names
+
+    def republish(self, name: str, **fields: object) -> int:
+        """A signed member publishes its record again with `fields` changed (its next
+        version, which the others pull as they learn of it); the record's encoded size."""
+        record = replace(self.records[name], seq=self.records[name].seq + 1, **fields)
+        signed = SignedRecord.sign(record, self.identities[name], MESH)
+        self.records[name] = record
+        self.members[name].publish(signed.raw, self.now, record.seq)
+        self._reschedule(name)
+        return len(signed.raw)
 
     def crash(self, name: str) -> None:
         """It stops: sends nothing, and what is sent to it is lost."""

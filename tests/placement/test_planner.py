@@ -360,3 +360,17 @@ def test_a_repair_gives_a_lost_stage_to_a_spare_that_holds_it():
     spares = [_holding(peer("s1", 1.3)), _holding(peer("s2", 1.3), (lost.start, lost.end))]
     after = plan(MODEL, left + spares, context_tokens=CTX, current=before)
     assert after.stages[1] == StageAssignment("s2", lost.start, lost.end)
+
+
+def test_a_repair_prefers_a_slower_spare_holding_the_stage_to_a_faster_one_that_must_fetch_it():
+    # Requests in flight wait for the repair: a download of a big stage outlasts them.
+    three = [_holding(peer(x, 1.3)) for x in "abc"]
+    before = plan(MODEL, three, context_tokens=CTX)
+    lost = before.stages[1]
+    left = [p for p in three if p.peer_id != lost.peer_id]
+    fast, slow = peer("fast", 1.3, speed=400.0), peer("slow", 1.3, speed=50.0)
+    spares = [_holding(fast), _holding(slow, (lost.start, lost.end))]
+    after = plan(MODEL, left + spares, context_tokens=CTX, current=before)
+    assert after.stages[1] == StageAssignment("slow", lost.start, lost.end)
+    lacking = plan(MODEL, [*left, _holding(fast)], context_tokens=CTX, current=before)
+    assert lacking.stages[1].peer_id == "fast"  # none holds it: the fastest downloads it

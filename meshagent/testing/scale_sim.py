@@ -1,0 +1,829 @@
+"""Hundreds of agents serving several big models under churn, simulated on a virtual clock.
+
+What runs for real:
+- **Membership**: every agent's SWIM state machine on the signed bus (`swim_bus.py`): its
+  identity, signed updates and records, the wire codec, inter-city latencies. An agent's
+  *view* is the members it holds alive or suspect, as its own state machine says.
+- **The assignment**: each agent plans from its own view (`assignment.assign` over the offers
+  of the members it sees, with the plans in force as `current`, the holders of each file
+  preferred). Agents with the same view compute the same assignment, so it is computed once
+  per distinct view; each new view is also computed with its peers in a shuffled order, and
+  the two must agree (what every agent computing the same plan rests on).
+- **Claims in records**: each change of an agent's claims (it follows a new plan as one of its
+  peers or its proposer; its part is loaded) republishes its signed record with the claims in
+  `extras["placement"]`, encoded as the agent encodes them (`negotiation.Claim`), so the
+  gossip cost counts them.
+
+What is modelled:
+- **Negotiation.** The agents whose view gives a plan other than the one in force propose it
+  at the next epoch; the lowest proposer id wins (`negotiation.plan_in_force`'s rule), and the
+  plan is in force on its side of any partition `CLAIM_S` later. A plan's peers load their
+  parts once it has been in force `SETTLE_S` (`REPAIR_SETTLE_S` for a repair: the same
+  layers with a lost stage given to another peer), as `PlacementService` does. After a
+  partition heals, the plan in force with the higher claim wins everywhere.
+- **Loading**: `LOAD_FIXED_S` plus the stage's weights over the peer's disk rate, plus a
+  download at its network rate where it does not hold the model's file. A part kept by a new
+  plan (same peer, same layers) keeps its engine.
+- **Requests**: Poisson arrivals per model, each at an agent drawn at random (the client's
+  own agent, its entry). A request takes a slot of the model's chain (`SLOTS` per chain;
+  queued past that), prefills its prompt, then decodes at the chain's true time per token:
+  stage compute at the peers' speeds and one trip round the ring at the true RTTs. A chain
+  that loses a stage (its agent crashed or is cut off by a partition, or its plan was
+  superseded) interrupts its requests: each waits for its model to be routable again from
+  its entry's side, and replays its prompt and the tokens it has (a prefill), for at most
+  `REPLAY_DEADLINE_S` from the loss, the agent's default `--replay-deadline`. Past that it
+  fails with the reason. A request whose entry agent crashes fails: its client's
+  connection was to that agent.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from meshagent.gossip.swim import State
+from meshagent.net.coordinates import Coordinate, update
+from meshagent.placement.assignment import Assignment, assign
+from meshagent.placement.demand import BUCKET_S, Bucket, Demand
+from meshagent.placement.negotiation import Claim, plan_digest
+from meshagent.placement.planner import ModelCost, PeerCapacity, Plan, is_repair
+from meshagent.placement.service import EXTRAS_KEY
+from meshagent.testing.assignment_sim import GB, model_cost
+from meshagent.testing.swim_bus import SwimBus
+
+CONTEXT_TOKENS = 8192  # the agent's default: 4 slots of 2048
+SLOTS = 4
+HEADROOM = 0.1
+TICK_S = 0.5  # how often requests advance and loads are judged
+DECIDE_S = 1.0  # how often agents decide (PlacementService: on every change, at least 1/s)
+CLAIM_S = 1.0  # a claim reaches every agent: a record change at 300 members on the bus
+SETTLE_S = 2.0  # a new plan must stay in force this long before its parts load
+REPAIR_SETTLE_S = 0.25
+LOAD_FIXED_S = 2.0
+REPLAY_DEADLINE_S = 30.0
+PREFILL_SHARE = 0.1  # a prompt token costs this share of a decoded token's compute
+BATCH_COST = 0.1  # each more sequence in a decode step adds this share to its compute
+ORDER_CHECK_EVERY = 4  # one new view in this many is planned again in a shuffled order
+MEASURED = 8  # peers whose RTT an agent measures (3 in its city): a bounded connection set
+
+
+def big_models() -> dict[str, ModelCost]:
+    """Three models of 70B shape at Q4 (80 layers, width 8192, about 40 GB)."""
+    shapes = (
+        ("llama-3.1-70b", 70.6, 40.0, 128256),
+        ("qwen2.5-72b", 72.7, 44.0, 152064),
+        ("r1-distill-70b", 70.6, 40.0, 128256),
+    )
+    return {
+        name: model_cost(
+            name, params_b=p, file_gb=gb, n_layers=80, n_embd=8192, n_vocab=vocab, kv_heads=8
+        )
+        for name, p, gb, vocab in shapes
+    }
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """An agent's offer (speeds in GFLOP/s, as gossiped), disk and network rates, and the
+    model files it holds."""
+
+    offer: PeerCapacity
+    disk_bps: float
+    net_bps: float
+    holds: frozenset[str]
+
+
+def draw_agent(peer_id: str, rng: random.Random, models: Sequence[str]) -> AgentSpec:
+    """Laptops offering 4-12 GB (60% of agents), desktops 12-16 GB, and GPU boxes with 8-16
+    GB of VRAM; each holds each model's file with probability one half."""
+    kind = rng.random()
+    if kind < 0.6:
+        ram, cpu, vram, gpu = rng.choice([4, 6, 8, 12]), rng.uniform(60, 200), 0, 0.0
+        disk, net = rng.uniform(0.5, 2.0), rng.uniform(0.03, 0.12)
+    elif kind < 0.9:
+        ram, cpu, vram, gpu = rng.choice([12, 16]), rng.uniform(150, 300), 0, 0.0
+        disk, net = rng.uniform(1.0, 3.0), rng.uniform(0.1, 0.25)
+    else:
+        ram, cpu, vram, gpu = 16, 250, rng.choice([8, 12, 16]), rng.uniform(800, 2000)
+        disk, net = rng.uniform(2.0, 3.0), rng.uniform(0.1, 1.1)
+    offer = PeerCapacity(
+        peer_id,
+        int(ram * GB),
+        cpu,
+        vram_bytes=int(vram * GB),
+        vram_speed=gpu,
+        spare_bytes=2 * GB,
+    )
+    holds = frozenset(m for m in models if rng.random() < 0.5)
+    return AgentSpec(offer, disk * GB, net * GB, holds)
+
+
+# ----- serving state -----
+
+
+@dataclass
+class Force:
+    """A model's plan in force on one side: its claim's epoch and proposer, since when."""
+
+    plan: Plan
+    epoch: int
+    proposer: str
+    since: float
+    repair: bool = False
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.epoch, self.proposer, plan_digest(self.plan))
+
+
+@dataclass
+class Part:
+    """A peer's part of a model: its layers, and when it is loaded (inf: not yet begun)."""
+
+    start: int
+    end: int
+    ready_at: float
+
+
+@dataclass
+class Request:
+    rid: int
+    model: str
+    entry: str
+    arrived: float
+    prompt: int
+    output: int
+    done: float = 0.0  # tokens decoded (fractional between ticks)
+    chain: tuple | None = None  # the Force.key it runs on
+    busy_until: float = 0.0  # prefilling until then
+    lost_at: float | None = None
+    no_chain_since: float | None = None  # waiting with no routable chain since then
+    replays: int = 0
+    waited_s: float = 0.0  # waiting for a chain after a loss, in all
+    finished: float | None = None
+    failed: str = ""
+
+
+@dataclass
+class Tally:
+    formed_s: float = math.inf  # every model routable, after the mesh started
+    views_full_s: float = math.inf
+    events: list[dict] = field(default_factory=list)
+    proposals: int = 0
+    assignments: int = 0  # distinct views planned
+    assign_s: list[float] = field(default_factory=list)
+    order_checks: int = 0  # views planned again with their peers in a shuffled order
+    disagreements: int = 0  # of which gave another assignment
+    republished: int = 0
+    record_bytes: list[int] = field(default_factory=list)
+
+
+class ScaleSim:
+    def __init__(
+        self,
+        n: int,
+        *,
+        seed: int = 1,
+        models: Mapping[str, ModelCost] | None = None,
+        cities: int = 3,
+        request_every_s: float = 6.0,
+        prompt: int = 200,
+        output: int = 128,
+        claims_by: str = "plan",
+    ) -> None:
+        """`claims_by`: "plan" (the plan's peers and its proposer claim it, as
+        `PlacementService` does) or "all" (every agent claims the plan it follows, as it did
+        before this simulation measured what that costs)."""
+        import time as _time
+
+        self.claims_by = claims_by
+        self.trace = None
+        self._perf = _time.perf_counter
+        self.rng = random.Random(seed)
+        self.models = dict(models or big_models())
+        self.bus = SwimBus(seed=seed, signed=True, cities=cities)
+        self.request_every_s = request_every_s
+        self.prompt, self.output = prompt, output
+        self.specs: dict[str, AgentSpec] = {}
+        self.coords: dict[str, Coordinate] = {}
+        self.measured: dict[str, dict[str, float]] = {}
+        self.force: list[dict[str, Force]] = [{}]  # per side
+        self.pending: list[dict[str, tuple[Force, float]]] = [{}]
+        self.parts: dict[tuple[str, str], Part] = {}  # (peer, model)
+        self.claims: dict[str, dict[str, Claim]] = {}  # what each agent publishes
+        self.requests: list[Request] = []
+        self.queue: list[Request] = []  # waiting for a slot or a chain
+        self.tally = Tally()
+        self._views: dict[str, tuple[bytes, frozenset[str]]] = {}
+        self._plans: dict[tuple, Assignment] = {}
+        self._rid = 0
+        self._next_request: dict[str, float] = {}
+        self._next_decision = 0.0
+        self.request_every: dict[str, float] = {}  # mean seconds between requests per model
+        self.names = self._grow(n)
+
+    # ----- the mesh -----
+
+    def _grow(self, n: int) -> list[str]:
+        names: list[str] = []
+        for i in range(n):
+            if i:
+                self.bus.run_until(self.bus.now + 0.01)
+            names.append(self._join(names[self.rng.randrange(i)] if i else None))
+        return names
+
+    def _join(self, contact: str | None) -> str:
+        name = self.bus.new_name()
+        self.specs[name] = draw_agent(name, self.rng, sorted(self.models))
+        self.bus.add(name, contact=contact)
+        self._place_coordinate(name)
+        return name
+
+    def _place_coordinate(self, name: str) -> None:
+        """The agent measures `MEASURED` others (3 in its city, the rest anywhere) and moves
+        its coordinate with each sample (Vivaldi, `net/coordinates.py`), as its probes do;
+        the others' coordinates move with it."""
+        others = [k for k in self.specs if k != name and k not in self.bus.crashed]
+        if not others:
+            self.coords[name] = Coordinate()
+            self.measured[name] = {}
+            return
+        city = self.bus.city[name]
+        near = [k for k in others if self.bus.city[k] == city]
+        chosen = self.rng.sample(near, min(3, len(near)))
+        rest = [k for k in others if k not in chosen]
+        chosen += self.rng.sample(rest, min(MEASURED - len(chosen), len(rest)))
+        self.measured[name] = {k: self.bus.rtt_ms(name, k) for k in chosen}
+        for k, ms in self.measured[name].items():
+            self.measured.setdefault(k, {})[name] = ms
+        c = self.coords.get(name, Coordinate())
+        for _ in range(30):
+            for k in chosen:
+                theirs = self.coords.get(k, Coordinate())
+                sample = self.measured[name][k] * self.rng.uniform(0.97, 1.05)
+                c = update(c, theirs, sample, self.rng)
+                self.coords[k] = update(theirs, c, sample, self.rng)
+        self.coords[name] = c
+
+    def settle_coordinates(self, rounds: int = 40) -> None:
+        """Every agent measures its peers again for a while (the mesh's first minute)."""
+        names = sorted(self.coords)
+        for _ in range(rounds):
+            for a in names:
+                for b, ms in sorted(self.measured[a].items()):
+                    sample = ms * self.rng.uniform(0.97, 1.05)
+                    self.coords[a] = update(self.coords[a], self.coords[b], sample, self.rng)
+
+    def capacity(self, name: str, alive: frozenset[str]) -> PeerCapacity:
+        """An agent's offer as its record gives it to the agents that see it: the RTTs it
+        measured to peers they also see, and its coordinate."""
+        rtts = {k: v for k, v in self.measured.get(name, {}).items() if k in alive}
+        return replace(self.specs[name].offer, rtt_ms=rtts, coord=self.coords.get(name))
+
+    def running(self) -> list[str]:
+        return [k for k in self.bus.members if k not in self.bus.crashed]
+
+    def side_of(self, name: str) -> int:
+        return self.bus.side.get(name, 0)
+
+    # ----- views and the assignment -----
+
+    def view(self, name: str) -> frozenset[str]:
+        m = self.bus.members[name]
+        digest = m.digest()
+        held = self._views.get(name)
+        if held is None or held[0] != digest:
+            held = (digest, frozenset(m.alive()))
+            self._views[name] = held
+        return held[1]
+
+    def assignment(self, view: frozenset[str], side: int) -> Assignment:
+        force = self.force[side]
+        key = (view, tuple(sorted((m, f.key) for m, f in force.items())))
+        got = self._plans.get(key)
+        if got is None:
+            got = self._assign(sorted(view), force)
+            if len(self._plans) % ORDER_CHECK_EVERY == 0:
+                shuffled = sorted(view)
+                random.Random(len(self._plans)).shuffle(shuffled)
+                self.tally.order_checks += 1
+                if self._assign(shuffled, force) != got:
+                    self.tally.disagreements += 1
+            self._plans[key] = got
+            self.tally.assignments += 1
+        return got
+
+    def _assign(self, ids: Sequence[str], force: Mapping[str, Force]) -> Assignment:
+        alive = frozenset(ids)
+        t = self._perf()
+        now = self.bus.now + 1_000_000.0
+        bucket = Bucket(int(now // BUCKET_S), 10, 10_000)
+        demand = {
+            m: Demand(buckets=(bucket,), last_used=now, expires_at=now + 300, in_flight=1)
+            for m in self.models
+        }
+        got = assign(
+            self.models,
+            [self.capacity(k, alive) for k in ids],
+            demand,
+            now=now,
+            context_tokens=CONTEXT_TOKENS,
+            headroom=HEADROOM,
+            pins=frozenset(self.models),
+            current={m: f.plan for m, f in force.items()},
+            holders={m: frozenset(k for k in ids if m in self.specs[k].holds) for m in self.models},
+        )
+        self.tally.assign_s.append(self._perf() - t)
+        return got
+
+    def decide(self) -> None:
+        """Each side: the agents whose view gives another plan than the one in force propose
+        it; the lowest proposer's plan comes into force `CLAIM_S` later."""
+        now = self.bus.now
+        for side in range(len(self.force)):
+            for model, (force, at) in sorted(self.pending[side].items()):
+                if now >= at:
+                    del self.pending[side][model]
+                    self._adopt(side, model, force)
+            members = sorted(k for k in self.running() if self.side_of(k) == side)
+            by_view: dict[frozenset[str], str] = {}
+            for k in members:
+                by_view.setdefault(self.view(k), k)  # its lowest member proposes first
+            for view, proposer in sorted(by_view.items(), key=lambda kv: kv[1]):
+                if all(m in self.pending[side] for m in self.models):
+                    break  # every model has a proposal under way: later ones lose to it
+                wanted = self.assignment(view, side)
+                for model in sorted(self.models):
+                    if model in self.pending[side]:
+                        continue
+                    placed = wanted.get(model)
+                    force = self.force[side].get(model)
+                    if placed is None:
+                        continue  # no plan from this view: requests will say why
+                    if force is not None and plan_digest(force.plan) == plan_digest(placed.plan):
+                        continue
+                    epoch = 1 + max(
+                        (f.epoch for s in self.force for m, f in s.items() if m == model),
+                        default=0,
+                    )
+                    repair = force is not None and is_repair(force.plan, placed.plan)
+                    new = Force(placed.plan, epoch, proposer, now + CLAIM_S, repair)
+                    self.pending[side][model] = (new, now + CLAIM_S)
+                    self.tally.proposals += 1
+                    if self.trace:
+                        self.trace(
+                            f"{now:7.1f} side {side} propose {model} e{epoch} by {proposer[:6]}"
+                            f" view {len(view)} repair={repair} peers="
+                            + ",".join(
+                                f"{p[:6]}{'' if model in self.specs[p].holds else '*'}"
+                                for p in placed.plan.peers
+                            )
+                        )
+
+    def _adopt(self, side: int, model: str, force: Force) -> None:
+        """`force` is in force on `side`: the parts no longer in it stop serving (their
+        requests replay), its peers load theirs once it has settled, and the agents claim it."""
+        self.force[side][model] = force
+        ranges = _ranges(force.plan, self.models[model])
+        for (peer, m), part in list(self.parts.items()):
+            here = m == model and self.side_of(peer) == side
+            if here and ranges.get(peer) != (part.start, part.end):
+                del self.parts[(peer, m)]
+        settle = REPAIR_SETTLE_S if force.repair else SETTLE_S
+        begin = max(self.bus.now, force.since + settle)
+        for peer, (start, end) in sorted(ranges.items()):
+            if peer in self.bus.crashed or self.side_of(peer) != side:
+                continue
+            if (peer, model) not in self.parts:
+                ready = begin + self.load_s(peer, model, start, end)
+                self.parts[(peer, model)] = Part(start, end, ready)
+        for peer in self._claimants(side, model, force):
+            self._claim(peer, model, force)
+
+    def _claimants(self, side: int, model: str, force: Force) -> list[str]:
+        if self.claims_by == "all":
+            return sorted(k for k in self.running() if self.side_of(k) == side)
+        peers = {*force.plan.peers, force.proposer}
+        return sorted(k for k in peers if k not in self.bus.crashed and self.side_of(k) == side)
+
+    def load_s(self, peer: str, model: str, start: int, end: int) -> float:
+        spec = self.specs[peer]
+        size = self.models[model].weight_bytes(start, end)
+        seconds = LOAD_FIXED_S + size / spec.disk_bps
+        if model not in spec.holds:
+            seconds += size / spec.net_bps
+        return seconds
+
+    def _claim(self, peer: str, model: str, force: Force) -> None:
+        """`peer` publishes its claim on `model`: ready once its part is loaded (an agent
+        outside the plan, once the plan has settled)."""
+        now = self.bus.now
+        part = self.parts.get((peer, model))
+        if peer in force.plan.peers:
+            ready = part is not None and part.ready_at <= now
+        else:
+            ready = now >= force.since + (REPAIR_SETTLE_S if force.repair else SETTLE_S)
+        claim = Claim(model, force.epoch, force.proposer, force.plan, ready)
+        held = self.claims.setdefault(peer, {})
+        if held.get(model) == claim:
+            return
+        held[model] = claim
+        extras = {EXTRAS_KEY: {m: c.to_cbor() for m, c in sorted(held.items())}}
+        self.tally.record_bytes.append(self.bus.republish(peer, extras=extras))
+        self.tally.republished += 1
+
+    def claims_ready(self) -> None:
+        """Agents claim ready what they can: their part loaded, or the plan settled."""
+        for side, forces in enumerate(self.force):
+            for model, force in sorted(forces.items()):
+                for peer in self._claimants(side, model, force):
+                    held = self.claims.get(peer, {}).get(model)
+                    if held is None or not held.ready or held.epoch != force.epoch:
+                        self._claim(peer, model, force)
+
+    def routable(self, model: str, side: int) -> Force | None:
+        force = self.force[side].get(model)
+        if force is None:
+            return None
+        ranges = _ranges(force.plan, self.models[model])
+        for peer, (start, end) in ranges.items():
+            part = self.parts.get((peer, model))
+            if (
+                peer in self.bus.crashed
+                or self.side_of(peer) != side
+                or part is None
+                or (part.start, part.end) != (start, end)
+                or part.ready_at > self.bus.now
+            ):
+                return None
+        return force
+
+    def why_not(self, model: str, side: int) -> str:
+        """Why `model` is not routable from `side` now, in words."""
+        force = self.force[side].get(model)
+        anyone = next((k for k in sorted(self.running()) if self.side_of(k) == side), None)
+        if anyone is not None:
+            placed = self.assignment(self.view(anyone), side)
+            why = placed.reason(model)
+            if placed.get(model) is None:
+                return f"no plan on this side: {why or 'not placed'}"
+        if force is None:
+            return "no plan in force"
+        ranges = _ranges(force.plan, self.models[model])
+        for peer, (start, end) in sorted(ranges.items()):
+            part = self.parts.get((peer, model))
+            if peer in self.bus.crashed:
+                return f"stage {start}-{end} on {peer[:8]}, which crashed, not yet replaced"
+            if self.side_of(peer) != side:
+                return f"stage {start}-{end} on {peer[:8]}, across the partition"
+            if part is not None and part.ready_at > self.bus.now:
+                left = part.ready_at - self.bus.now
+                held = model in self.specs[peer].holds
+                how = "loading" if held else "downloading and loading"
+                return f"stage {start}-{end} on {peer[:8]} still {how} ({left:.0f} s left)"
+        return "not routable"
+
+    # ----- requests -----
+
+    def arrivals(self, start: float) -> None:
+        now = self.bus.now
+        for model in sorted(self.models):
+            t = self._next_request.setdefault(model, start)
+            every = self.request_every.get(model, self.request_every_s)
+            while t <= now:
+                entries = self.running()
+                self._rid += 1
+                r = Request(self._rid, model, self.rng.choice(entries), t, self.prompt, self.output)
+                self.requests.append(r)
+                self.queue.append(r)
+                t += self.rng.expovariate(1.0 / every)
+            self._next_request[model] = t
+
+    def chain_token_s(self, model: str, force: Force, batch: int) -> float:
+        """Seconds per decoded token of `force`'s chain with `batch` sequences in a step."""
+        cost = self.models[model]
+        compute = 0.0
+        per_layer = 1e9 / cost.flops_per_layer
+        for peer, (start, end) in _ranges(force.plan, cost).items():
+            o = self.specs[peer].offer
+            scaled = replace(o, speed=o.speed * per_layer, vram_speed=o.vram_speed * per_layer)
+            compute += scaled.stage_ms(cost, start, end, CONTEXT_TOKENS)
+        peers = force.plan.peers
+        ring = sum(
+            self.bus.rtt_ms(peers[i], peers[(i + 1) % len(peers)])
+            for i in range(len(peers))
+            if len(peers) > 1
+        )
+        return (compute * (1 + BATCH_COST * (batch - 1)) + ring) / 1000.0
+
+    def serve(self, dt: float) -> None:
+        """Requests in flight advance by `dt`; lost ones wait, replay or fail; queued ones
+        start where a chain has a slot."""
+        now = self.bus.now
+        running: dict[tuple, list[Request]] = {}
+        for r in self.requests:
+            if r.finished is None and not r.failed and r.chain is not None:
+                running.setdefault((r.model, r.chain), []).append(r)
+        for (model, key), rs in sorted(running.items(), key=lambda kv: kv[1][0].rid):
+            side = self.side_of(rs[0].entry)
+            force = self.routable(model, side)
+            if force is None or force.key != key:
+                for r in rs:
+                    self._lose(r)
+                continue
+            step = self.chain_token_s(model, force, len(rs))
+            for r in rs:
+                if r.entry in self.bus.crashed:
+                    r.failed = "its client's own agent stopped"
+                    continue
+                start = max(now - dt, r.busy_until)
+                if start < now:
+                    r.done += (now - start) / step
+                if r.done >= r.output:
+                    r.finished = now
+        slots: dict[tuple, int] = {}
+        for (model, key), rs in running.items():
+            slots[(model, key)] = sum(1 for r in rs if r.finished is None and not r.failed)
+        waiting = []
+        for r in self.queue:
+            if r.entry in self.bus.crashed:
+                r.failed = "its client's own agent stopped"
+                continue
+            force = self.routable(r.model, self.side_of(r.entry))
+            if force is None:
+                if r.no_chain_since is None:
+                    r.no_chain_since = now if r.lost_at is None else r.lost_at
+                if now - r.no_chain_since > REPLAY_DEADLINE_S:
+                    r.failed = self.why_not(r.model, self.side_of(r.entry))
+                    continue
+                waiting.append(r)
+                continue
+            r.no_chain_since = None
+            if slots.get((r.model, force.key), 0) >= SLOTS:
+                waiting.append(r)  # waiting for a slot is no failure
+                continue
+            slots[(r.model, force.key)] = slots.get((r.model, force.key), 0) + 1
+            tokens = r.prompt + int(r.done)
+            compute = self.chain_token_s(r.model, force, 1)
+            r.busy_until = now + tokens * compute * PREFILL_SHARE + compute
+            r.chain = force.key
+            if r.lost_at is not None:
+                r.waited_s += now - r.lost_at
+                r.replays += 1
+                r.lost_at = None
+        self.queue = waiting
+
+    def _lose(self, r: Request) -> None:
+        if r.entry in self.bus.crashed:
+            r.failed = "its client's own agent stopped"
+            return
+        r.chain = None
+        r.lost_at = self.bus.now
+        self.queue.append(r)
+
+    # ----- churn -----
+
+    def crash(self, name: str) -> None:
+        self.bus.crash(name)
+        for key in [k for k in self.parts if k[0] == name]:
+            del self.parts[key]
+
+    def partition(self, away: set[str]) -> None:
+        self.bus.partition(away)
+        self.force = [self.force[0], dict(self.force[0])]
+        self.pending = [self.pending[0], dict(self.pending[0])]
+
+    def heal(self) -> None:
+        """Messages cross again; once the claims cross (`CLAIM_S`), each model's plan in
+        force is the higher claim of the two sides', everywhere."""
+        self.bus.heal()
+        if len(self.force) == 1:
+            return
+        at = self.bus.now + CLAIM_S
+        merged: dict[str, tuple[Force, float]] = {}
+        for model in sorted(self.models):
+            rivals = [f for s in self.force if (f := s.get(model)) is not None]
+            rivals += [f for s in self.pending if (f := s.get(model, (None,))[0]) is not None]
+            if rivals:
+                win = min(rivals, key=lambda f: (-f.epoch, f.proposer, plan_digest(f.plan)))
+                merged[model] = (win, at)
+        self.force, self.pending = [dict(self.force[0])], [merged]
+
+    # ----- running -----
+
+    def step(self, requests_from: float | None) -> None:
+        self.bus.run_until(self.bus.now + TICK_S)
+        if self.bus.now >= self._next_decision:
+            self._next_decision = self.bus.now + DECIDE_S - 1e-9
+            self.decide()
+        self.claims_ready()
+        if requests_from is not None:
+            self.arrivals(requests_from)
+        self.serve(TICK_S)
+
+    def set_load(self, load: float) -> dict[str, float]:
+        """Requests for each model arrive `load` times as often as its chain in force can
+        serve them with every slot busy (each request alone on its chain's time per token);
+        the mean seconds between requests of each model."""
+        for model, force in sorted(self.force[0].items()):
+            token_s = self.chain_token_s(model, force, SLOTS)
+            request_s = self.prompt * PREFILL_SHARE * token_s + self.output * token_s
+            self.request_every[model] = max(self.request_every_s, request_s / (SLOTS * load))
+        return dict(self.request_every)
+
+    def all_routable(self) -> bool:
+        return all(self.routable(m, 0) is not None for m in self.models)
+
+
+def _ranges(plan: Plan, model: ModelCost) -> dict[str, tuple[int, int]]:
+    if plan.split:
+        return {s.peer_id: (s.start, s.end) for s in plan.stages}
+    return {p: (0, model.n_layers) for p in plan.replicas}
+
+
+def run(
+    n: int = 300,
+    *,
+    minutes: float = 30.0,
+    seed: int = 1,
+    request_every_s: float = 2.0,
+    partition_s: float = 45.0,
+    load: float = 0.5,
+    claims_by: str = "plan",
+    log=None,
+) -> dict:
+    """The whole run: formation, then `minutes` of churn (one event a minute: a join, a
+    crash of an agent serving a model, a crash of any agent, a partition of a random tenth
+    of the mesh for `partition_s`, in turn), with requests throughout; its report."""
+    sim = ScaleSim(n, seed=seed, request_every_s=request_every_s, claims_by=claims_by)
+    sim.settle_coordinates()
+    everyone = set(sim.names)
+    # The agents start within n x 10 ms; placement begins once every view is full (planning
+    # from hundreds of views that differ while the mesh forms is what an agent does, but
+    # costs the simulation an assignment per distinct view).
+    while not sim.bus.views_complete(everyone) and sim.bus.now < 300:
+        sim.bus.run_until(sim.bus.now + TICK_S)
+    sim.tally.views_full_s = round(sim.bus.now, 2)
+    while not sim.all_routable() and sim.bus.now < 900:
+        sim.step(None)
+    sim.tally.formed_s = round(sim.bus.now, 2) if sim.all_routable() else math.inf
+    sim.set_load(load)
+    formation_bytes = sum(sim.bus.wire_bytes.values())
+    formation_at = sim.bus.now
+    start = sim.bus.now
+    kinds = ("join", "crash a stage", "crash any", "partition")
+    events: list[tuple[float, int, str]] = []
+    for i in range(int(minutes)):
+        heapq.heappush(events, (start + 30.0 + 60.0 * i, i, kinds[i % len(kinds)]))
+    wire0 = dict(sim.bus.wire_bytes)
+    end = start + minutes * 60.0
+    heal_at = None
+    open_events: list[dict] = []
+    while sim.bus.now < end or any(r.finished is None and not r.failed for r in sim.requests):
+        if sim.bus.now > end + 300:
+            break
+        if events and events[0][0] <= sim.bus.now:
+            _, _, kind = heapq.heappop(events)
+            open_events.append(_event(sim, kind, partition_s))
+            if kind == "partition":
+                heal_at = sim.bus.now + partition_s
+        if heal_at is not None and sim.bus.now >= heal_at:
+            sim.heal()
+            heal_at = None
+            open_events.append({"kind": "heal", "at": sim.bus.now, "models": sorted(sim.models)})
+        sim.step(start if sim.bus.now < end else None)
+        for e in list(open_events):
+            if _event_progress(sim, e):
+                open_events.remove(e)
+                sim.tally.events.append(e)
+                if log:
+                    log(e)
+    for e in open_events:
+        sim.tally.events.append(e)
+    span = sim.bus.now - start
+    live = [k for k in sim.bus.members if k not in sim.bus.crashed]
+    sent = [sim.bus.wire_bytes[k] - wire0.get(k, 0) for k in live]
+    return _report(sim, formation_bytes / n / max(formation_at, 1e-9), sent, span)
+
+
+def _event(sim: ScaleSim, kind: str, partition_s: float) -> dict:
+    now = sim.bus.now
+    running = sorted(sim.running())
+    serving = sorted({p for f in sim.force[0].values() for p in f.plan.peers})
+    if kind == "join":
+        name = sim._join(sim.rng.choice(running))
+        return {"kind": kind, "at": now, "agent": name, "models": []}
+    if kind in ("crash a stage", "crash any"):
+        victim = sim.rng.choice(serving if kind == "crash a stage" else running)
+        hit = sorted(m for m, f in sim.force[0].items() if victim in f.plan.peers)
+        sim.crash(victim)
+        return {"kind": kind, "at": now, "agent": victim, "models": hit}
+    away = set(sim.rng.sample(running, max(1, len(running) // 10)))
+    hit = sorted(m for m, f in sim.force[0].items() if away & set(f.plan.peers))
+    sim.partition(away)
+    return {"kind": kind, "at": now, "away": away, "models": hit, "lasts_s": partition_s}
+
+
+def _event_progress(sim: ScaleSim, e: dict) -> bool:
+    """Notes when each view has taken the event in (`views_s`) and when every model it
+    touched is routable again on the main side with no plan pending (`replan_s`); True once
+    both are known."""
+    now = sim.bus.now
+    if "views_s" not in e:
+        running = sim.running()
+        if e["kind"] == "join":
+            seen = all(e["agent"] in sim.view(k) for k in running)
+        elif e["kind"] in ("crash a stage", "crash any"):
+            seen = all(e["agent"] not in sim.view(k) for k in running)
+        elif e["kind"] == "partition":
+            seen = all(
+                sim.view(k) <= e["away"] if k in e["away"] else not sim.view(k) & e["away"]
+                for k in running
+            )
+        else:  # heal
+            seen = all(sim.view(k) == set(running) for k in running)
+        if seen:
+            e["views_s"] = round(now - e["at"], 2)
+    if (
+        "replan_s" not in e
+        and now - e["at"] >= TICK_S
+        and all(sim.routable(m, 0) is not None for m in e["models"])
+        and not any(m in sim.pending[0] for m in e["models"])
+    ):
+        e["replan_s"] = round(now - e["at"], 2)
+    return "views_s" in e and "replan_s" in e
+
+
+def _report(sim: ScaleSim, formation_bps: float, sent: list[int], span: float) -> dict:
+    rs = sim.requests
+    done = [r for r in rs if r.finished is not None]
+    failed = [r for r in rs if r.failed]
+    reasons: dict[str, int] = {}
+    for r in failed:
+        reasons[r.failed] = reasons.get(r.failed, 0) + 1
+    replayed = [r for r in done if r.replays]
+    t = sim.tally
+    by_kind: dict[str, list[float]] = {}
+    for e in t.events:
+        if "replan_s" in e and e["models"]:
+            by_kind.setdefault(e["kind"], []).append(e["replan_s"])
+    return {
+        "agents": len(sim.names),
+        "models": sorted(sim.models),
+        "views_full_s": t.views_full_s,
+        "formed_s": t.formed_s,
+        "formation_bytes_per_agent_s": round(formation_bps),
+        "churn_bytes_per_agent_s": round(sum(sent) / max(len(sent), 1) / span),
+        "churn_bytes_per_agent_s_max": round(max(sent) / span),
+        "records_republished": t.republished,
+        "record_bytes_median": sorted(t.record_bytes)[len(t.record_bytes) // 2]
+        if t.record_bytes
+        else 0,
+        "replan_s_by_event": {
+            k: {"events": len(v), "median": sorted(v)[len(v) // 2], "max": max(v)}
+            for k, v in sorted(by_kind.items())
+        },
+        "events": [_plain(e) for e in t.events],
+        "proposals": t.proposals,
+        "views_planned": t.assignments,
+        "assign_s_median": round(sorted(t.assign_s)[len(t.assign_s) // 2], 3),
+        "assign_s_max": round(max(t.assign_s), 3),
+        "views_planned_in_another_order": t.order_checks,
+        "plans_differing_by_order": t.disagreements,
+        "requests": len(rs),
+        "served": len(done),
+        "replayed": len(replayed),
+        "replay_wait_s_max": round(max((r.waited_s for r in replayed), default=0.0), 1),
+        "failed": len(failed),
+        "failures": reasons,
+        "unfinished": len(rs) - len(done) - len(failed),
+        "stages": {m: len(f.plan.peers) for m, f in sorted(sim.force[0].items())},
+        "request_every_s": {m: round(v, 1) for m, v in sorted(sim.request_every.items())},
+        "token_s": {
+            m: round(sim.chain_token_s(m, f, 1), 3) for m, f in sorted(sim.force[0].items())
+        },
+        "state_counts": _states(sim),
+    }
+
+
+def _plain(e: dict) -> dict:
+    out = {k: v for k, v in e.items() if k not in ("away", "agent")}
+    if "agent" in e:
+        out["agent"] = e["agent"][:8]
+    if "away" in e:
+        out["agents_away"] = len(e["away"])
+    return out
+
+
+def _states(sim: ScaleSim) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in sim.running():
+        for s in sim.bus.members[k].members.values():
+            out[s.state.name] = out.get(s.state.name, 0) + 1
+    return out
+
+
+__all__ = ["ScaleSim", "State", "run"]
