@@ -36,6 +36,8 @@ from meshagent.placement.planner import (
     plan,
     should_replan,
 )
+from meshagent.placement.quorum import WINDOW_S as QUORUM_WINDOW_S
+from meshagent.placement.quorum import cut_off
 
 log = structlog.get_logger(__name__)
 
@@ -262,13 +264,19 @@ class PlacementService:
         if self._failed is not None and self._seen is not None and self._failed == self._seen[0]:
             error = self._load_error
         self._set_error(error)
-        if candidate is not None and (
+        wants = candidate is not None and (
             winner is None
             or (
                 plan_digest(candidate) != plan_digest(winner.plan)
                 and should_replan(self.cost, winner.plan, candidate, caps, threshold=self.threshold)
             )
-        ):
+        )
+        cut = cut_off(len(alive), self._lost()) if wants else None
+        if cut is not None:
+            if self.error != cut:
+                log.warning("placement.cut_off", model=self.cost.model_id, why=cut)
+            self._set_error(cut)
+        elif wants and candidate is not None:
             winner = Claim(self.cost.model_id, next_epoch(claims), me, candidate, ready=False)
             log.info("placement.propose", epoch=winner.epoch, peers=list(candidate.peers))
         now = trio.current_time()
@@ -330,6 +338,11 @@ class PlacementService:
             log.info("placement.routable", routable=False, peers=[], why=why)
         self.changed.set()
         self.changed = trio.Event()
+
+    def _lost(self) -> int:
+        """Peers declared dead within the quorum's window (a gossip without the count: 0)."""
+        lost_within = getattr(self.gossip, "lost_within", None)
+        return lost_within(QUORUM_WINDOW_S) if lost_within is not None else 0
 
     def _withdraw_claim(self) -> None:
         """This agent's claim on the model, if it has one, leaves its record."""

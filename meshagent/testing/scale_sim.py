@@ -50,6 +50,8 @@ from meshagent.placement.assignment import Assignment, assign
 from meshagent.placement.demand import BUCKET_S, Bucket, Demand
 from meshagent.placement.negotiation import Claim, plan_digest
 from meshagent.placement.planner import ModelCost, PeerCapacity, Plan, is_repair
+from meshagent.placement.quorum import WINDOW_S as QUORUM_WINDOW_S
+from meshagent.placement.quorum import cut_off
 from meshagent.placement.service import EXTRAS_KEY
 from meshagent.testing.assignment_sim import GB, model_cost
 from meshagent.testing.swim_bus import SwimBus
@@ -173,6 +175,7 @@ class Tally:
     views_full_s: float = math.inf
     events: list[dict] = field(default_factory=list)
     proposals: int = 0
+    cut_off: int = 0  # decisions skipped: the view saw fewer agents than it lost lately
     assignments: int = 0  # distinct views planned
     assign_s: list[float] = field(default_factory=list)
     order_checks: int = 0  # views planned again with their peers in a shuffled order
@@ -193,13 +196,17 @@ class ScaleSim:
         prompt: int = 200,
         output: int = 128,
         claims_by: str = "plan",
+        quorum: bool = True,
     ) -> None:
         """`claims_by`: "plan" (the plan's peers and its proposer claim it, as
         `PlacementService` does) or "all" (every agent claims the plan it follows, as it did
-        before this simulation measured what that costs)."""
+        before this simulation measured what that costs). `quorum`: an agent that sees fewer
+        agents than it lost lately proposes nothing (`placement/quorum.py`), as the agent
+        does; False: as it did before."""
         import time as _time
 
         self.claims_by = claims_by
+        self.quorum = quorum
         self.trace = None
         self._perf = _time.perf_counter
         self.rng = random.Random(seed)
@@ -355,6 +362,9 @@ class ScaleSim:
             for view, proposer in sorted(by_view.items(), key=lambda kv: kv[1]):
                 if all(m in self.pending[side] for m in self.models):
                     break  # every model has a proposal under way: later ones lose to it
+                if self.quorum and cut_off(len(view), self._lost(proposer)) is not None:
+                    self.tally.cut_off += 1
+                    continue  # it sees fewer agents than it lost lately: it proposes nothing
                 wanted = self.assignment(view, side)
                 for model in sorted(self.models):
                     if model in self.pending[side]:
@@ -382,6 +392,15 @@ class ScaleSim:
                                 for p in placed.plan.peers
                             )
                         )
+
+    def _lost(self, name: str) -> int:
+        """Members `name` holds dead since `QUORUM_WINDOW_S` or less."""
+        now = self.bus.now
+        return sum(
+            1
+            for x in self.bus.members[name].members.values()
+            if x.state == State.DEAD and now - x.since <= QUORUM_WINDOW_S
+        )
 
     def _adopt(self, side: int, model: str, force: Force) -> None:
         """`force` is in force on `side`: the parts no longer in it stop serving (their
@@ -653,12 +672,15 @@ def run(
     partition_s: float = 45.0,
     load: float = 0.5,
     claims_by: str = "plan",
+    quorum: bool = True,
     log=None,
 ) -> dict:
     """The whole run: formation, then `minutes` of churn (one event a minute: a join, a
     crash of an agent serving a model, a crash of any agent, a partition of a random tenth
     of the mesh for `partition_s`, in turn), with requests throughout; its report."""
-    sim = ScaleSim(n, seed=seed, request_every_s=request_every_s, claims_by=claims_by)
+    sim = ScaleSim(
+        n, seed=seed, request_every_s=request_every_s, claims_by=claims_by, quorum=quorum
+    )
     sim.settle_coordinates()
     everyone = set(sim.names)
     # The agents start within n x 10 ms; placement begins once every view is full (planning
@@ -788,6 +810,7 @@ def _report(sim: ScaleSim, formation_bps: float, sent: list[int], span: float) -
         },
         "events": [_plain(e) for e in t.events],
         "proposals": t.proposals,
+        "decisions_cut_off": t.cut_off,
         "views_planned": t.assignments,
         "assign_s_median": round(sorted(t.assign_s)[len(t.assign_s) // 2], 3),
         "assign_s_max": round(max(t.assign_s), 3),

@@ -18,6 +18,8 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
+from nacl.signing import SigningKey
+
 from meshagent.gossip import swim_wire
 from meshagent.gossip.peer_record import ModelHeld, PeerRecord
 from meshagent.gossip.signed import SignedRecord
@@ -69,7 +71,7 @@ class SwimBus:
         """A name for the next member: its peer id where members are signed."""
         if not self.signed:
             return f"m{len(self.members):04d}"
-        identity = NodeIdentity.generate()
+        identity = NodeIdentity(SigningKey(self.rng.randbytes(32)))  # a run repeats itself
         self.identities[identity.peer_id] = identity
         return identity.peer_id
 

@@ -399,3 +399,60 @@ async def test_an_agent_that_finds_no_plan_of_its_own_follows_the_plan_in_force(
         await settle(services)
         assert all(s.routable for s in services) and a.error is None
         nursery.cancel_scope.cancel()
+
+
+class CutOffGossip(FakeGossip):
+    """The world as an agent on the small side of a cut sees it: the agents across it look
+    dead from `cut_at`, and count as lost for the quorum's window."""
+
+    def __init__(self, world: World, peer_id: str, side: set[str]) -> None:
+        super().__init__(world, peer_id)
+        self.side = side
+        self.cut_at: float | None = None
+
+    def snapshot(self) -> dict[str, Any]:
+        views = dict(self.world.views)
+        if self.cut_at is not None:
+            for pid in views:
+                if pid not in self.side:
+                    views[pid] = replace(views[pid], state="dead")
+        return views
+
+    def lost_within(self, seconds: float) -> int:
+        if self.cut_at is None or trio.current_time() - self.cut_at > seconds:
+            return 0
+        return sum(1 for pid in self.world.views if pid not in self.side)
+
+
+async def test_the_small_side_of_a_cut_proposes_no_plan_until_the_quorum_window_passes(
+    autojump_clock,
+):
+    # a, b and c serve a split; d and e, big enough to serve it between them, are spares.
+    # Cut off, d and e see three agents dead and two alive: they propose nothing (were they
+    # to plan on their own, their plan's higher epoch would win over the one a, b and c
+    # serve when the cut heals) and say why. Once the window has passed, they plan again.
+    world = World()
+    loads: list = []
+    async with trio.open_nursery() as nursery:
+        services = await three_agreed(world, loads, nursery)
+        first = services[0].in_force.plan
+        small = []
+        for pid in "de":
+            s = agent(world, pid, 2.0, loads)
+            s.gossip = CutOffGossip(world, pid, {"d", "e"})
+            small.append(s)
+            nursery.start_soon(s.run)
+        await trio.sleep(10)
+        assert all(s.in_force.plan == first for s in small)  # they follow it, as spares
+        for s in small:
+            s.gossip.cut_at = trio.current_time()
+        world.bump()
+        await trio.sleep(30)
+        for s in small:
+            assert s.in_force is None or s.in_force.plan == first
+            assert s.error is not None and "sees 2 agents where 5 were alive" in s.error
+        assert all(s.in_force.plan == first and s.routable for s in services)
+        await trio.sleep(40)  # past the window: the small side plans on its own
+        plans = {plan_digest(s.in_force.plan) for s in small if s.in_force is not None}
+        assert len(plans) == 1 and set(small[0].in_force.plan.peers) == {"d", "e"}
+        nursery.cancel_scope.cancel()
