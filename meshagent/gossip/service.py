@@ -219,15 +219,6 @@ class GossipService:
         e = self.state.entries.get(peer_id)
         return None if e is None or e.record is None else e.record.record
 
-    def lost_within(self, seconds: float) -> int:
-        """How many peers were declared dead here within the last `seconds`."""
-        now = trio.current_time()
-        return sum(
-            1
-            for e in self.state.entries.values()
-            if e.state is PeerState.DEAD and now - e.state_since <= seconds
-        )
-
     def dead_since(self, peer_id: str) -> float | None:
         """When `peer_id` was declared dead here, if it is dead."""
         e = self.state.entries.get(peer_id)

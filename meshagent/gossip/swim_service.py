@@ -139,15 +139,6 @@ class SwimService:
             return None
         return self._record_of(peer_id, x.record_seq, x.record)
 
-    def lost_within(self, seconds: float) -> int:
-        """How many members were declared dead here within the last `seconds`."""
-        now = _now()
-        return sum(
-            1
-            for m, t in self._since.items()
-            if now - t <= seconds and self.swim.state_of(m) == State.DEAD
-        )
-
     def dead_since(self, peer_id: str) -> float | None:
         """When `peer_id` was last declared dead here, if it is dead."""
         if self.swim.state_of(peer_id) != State.DEAD:

@@ -1,25 +1,39 @@
-"""Whether an agent may propose plans: not while it sees fewer agents than it lost lately.
+"""Whether an agent may propose plans: not while it sees fewer agents than it lost lately, nor
+while agents are dying in a burst.
 
 An agent cannot tell a partition from deaths: the agents on the other side of a cut look dead.
 Were the side that sees few to plan on its own, each agent it lost would break its plan in
 turn (a proposal a second as its view shrinks), and when the cut heals, the highest epoch
 wins everywhere: the few would replace the plans the many were serving (found by the scale
-simulation, `meshagent/testing/scale_sim.py`: five agents cut off from sixty won every model
-back at the heal, and the mesh waited on their loads). So an agent that sees fewer agents
-alive (itself included) than it saw die within `WINDOW_S` proposes nothing: it follows the
-plans in force, and its requests wait for them. Past the window it plans again, as after any
-death: a mesh that lost most of its agents for good waits `WINDOW_S` before replanning.
+simulation, `meshagent/testing/scale_sim.py`: five agents cut off from sixty won models back
+at the heal, and the mesh waited on their loads). So:
+- an agent that sees fewer agents alive (itself included) than it saw die within `WINDOW_S`
+  proposes nothing: it follows the plans in force, and its requests wait for them. Past the
+  window it plans again, as after any death: a mesh that lost most of its agents for good
+  waits `WINDOW_S` before replanning;
+- while agents die in a burst (`BURST` or more within `BURST_WINDOW_S`, the last under
+  `QUIET_S` ago), it waits for the view to stop shrinking first: a cut reaches each side's
+  views over seconds, death by death, and until it has, the small side still sees more than
+  it lost. A single crash is repaired at once.
 """
 
 from __future__ import annotations
 
 WINDOW_S = 60.0
+BURST = 2
+BURST_WINDOW_S = 10.0
+QUIET_S = 3.0
 
 
-def cut_off(alive: int, lost: int) -> str | None:
-    """Why an agent that sees `alive` agents (itself included) and saw `lost` die within
-    `WINDOW_S` may not propose a plan; None when it may (it sees at least as many as it
-    lost: a crash of one of two agents still leaves the survivor free to plan)."""
+def cut_off(alive: int, lost: int, burst: int = 0, latest: int = 0) -> str | None:
+    """Why an agent may not propose a plan now; None when it may. `alive`: the agents it
+    sees, itself included; `lost`: those it saw die within `WINDOW_S`; `burst`: within
+    `BURST_WINDOW_S`; `latest`: within `QUIET_S`."""
+    if burst >= BURST and latest > 0:
+        return (
+            f"{burst} agents died within {BURST_WINDOW_S:g} s: this agent proposes no plan until "
+            f"{QUIET_S:g} s pass without a death (a partition reaches a view death by death)"
+        )
     if alive >= lost:
         return None
     return (

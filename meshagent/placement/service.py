@@ -8,6 +8,7 @@ ready), and recompute whether the split is routable. It runs again whenever goss
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ from meshagent.capacity import COMPUTE_UNIT, offered_memory
 from meshagent.errors import MeshError
 from meshagent.gossip.failure import PeerState
 from meshagent.net.coordinates import Coordinate
+from meshagent.placement import quorum
 from meshagent.placement.negotiation import (
     Claim,
     ClaimError,
@@ -36,7 +38,6 @@ from meshagent.placement.planner import (
     plan,
     should_replan,
 )
-from meshagent.placement.quorum import WINDOW_S as QUORUM_WINDOW_S
 from meshagent.placement.quorum import cut_off
 
 log = structlog.get_logger(__name__)
@@ -213,6 +214,10 @@ class PlacementService:
         # withdrawn and its part, once no request uses it, unloaded). None: all of it.
         self.allowance: Callable[[list[PeerCapacity]], list[PeerCapacity] | str] | None = None
         self.placed = True  # False while the allowance places the model nowhere
+        # The peers alive at the last decision, and when each peer lost since went
+        # (`quorum.py`: an agent that lost more than it sees proposes nothing).
+        self._alive_before: set[str] | None = None
+        self._departures: collections.deque[float] = collections.deque()
 
     def _publish(self, claim: Claim) -> None:
         self.mine = claim
@@ -245,6 +250,7 @@ class PlacementService:
         claims = claims_for(self.cost.model_id, views, self.cost.n_layers)
         winner = plan_in_force(claims)
         alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD} | {me}
+        self._count_departures(alive)
         error = None
         try:
             candidate: Plan | None = plan(
@@ -271,7 +277,7 @@ class PlacementService:
                 and should_replan(self.cost, winner.plan, candidate, caps, threshold=self.threshold)
             )
         )
-        cut = cut_off(len(alive), self._lost()) if wants else None
+        cut = cut_off(len(alive), *self._lost()) if wants else None
         if cut is not None:
             if self.error != cut:
                 log.warning("placement.cut_off", model=self.cost.model_id, why=cut)
@@ -339,10 +345,28 @@ class PlacementService:
         self.changed.set()
         self.changed = trio.Event()
 
-    def _lost(self) -> int:
-        """Peers declared dead within the quorum's window (a gossip without the count: 0)."""
-        lost_within = getattr(self.gossip, "lost_within", None)
-        return lost_within(QUORUM_WINDOW_S) if lost_within is not None else 0
+    def _count_departures(self, alive: set[str]) -> None:
+        """Note the peers alive at the last decision that are not now (dead, or gone from
+        gossip), with when: what the quorum counts (a peer that comes back still counts as
+        lost for the window, so an agent whose view grows back after a cut waits for it to
+        be whole again)."""
+        now = trio.current_time()
+        if self._alive_before is not None:
+            self._departures.extend([now] * len(self._alive_before - alive))
+        self._alive_before = set(alive)
+        while self._departures and now - self._departures[0] > quorum.WINDOW_S:
+            self._departures.popleft()
+
+    def _lost(self) -> tuple[int, int, int]:
+        """Peers lost within the quorum's window, its burst window and its quiet time
+        (`quorum.cut_off`)."""
+        now = trio.current_time()
+        ages = [now - t for t in self._departures]
+        return (
+            len(ages),
+            sum(a <= quorum.BURST_WINDOW_S for a in ages),
+            sum(a <= quorum.QUIET_S for a in ages),
+        )
 
     def _withdraw_claim(self) -> None:
         """This agent's claim on the model, if it has one, leaves its record."""

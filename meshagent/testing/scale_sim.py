@@ -46,11 +46,11 @@ from dataclasses import dataclass, field, replace
 
 from meshagent.gossip.swim import State
 from meshagent.net.coordinates import Coordinate, update
+from meshagent.placement import quorum
 from meshagent.placement.assignment import Assignment, assign
 from meshagent.placement.demand import BUCKET_S, Bucket, Demand
 from meshagent.placement.negotiation import Claim, plan_digest
 from meshagent.placement.planner import ModelCost, PeerCapacity, Plan, is_repair
-from meshagent.placement.quorum import WINDOW_S as QUORUM_WINDOW_S
 from meshagent.placement.quorum import cut_off
 from meshagent.placement.service import EXTRAS_KEY
 from meshagent.testing.assignment_sim import GB, model_cost
@@ -229,6 +229,8 @@ class ScaleSim:
         self._rid = 0
         self._next_request: dict[str, float] = {}
         self._next_decision = 0.0
+        self._deaths_read = 0  # of `bus.deaths`
+        self._deaths_seen: dict[str, list[float]] = {}  # by observer: when it saw a death
         self.request_every: dict[str, float] = {}  # mean seconds between requests per model
         self.names = self._grow(n)
 
@@ -362,7 +364,7 @@ class ScaleSim:
             for view, proposer in sorted(by_view.items(), key=lambda kv: kv[1]):
                 if all(m in self.pending[side] for m in self.models):
                     break  # every model has a proposal under way: later ones lose to it
-                if self.quorum and cut_off(len(view), self._lost(proposer)) is not None:
+                if self.quorum and cut_off(len(view), *self._lost(proposer)) is not None:
                     self.tally.cut_off += 1
                     continue  # it sees fewer agents than it lost lately: it proposes nothing
                 wanted = self.assignment(view, side)
@@ -393,13 +395,18 @@ class ScaleSim:
                             )
                         )
 
-    def _lost(self, name: str) -> int:
-        """Members `name` holds dead since `QUORUM_WINDOW_S` or less."""
+    def _lost(self, name: str) -> tuple[int, int, int]:
+        """Deaths `name` saw within the quorum's window, its burst window and its quiet time
+        (`quorum.cut_off`; a member that came back since still counts, as in the agent)."""
         now = self.bus.now
-        return sum(
-            1
-            for x in self.bus.members[name].members.values()
-            if x.state == State.DEAD and now - x.since <= QUORUM_WINDOW_S
+        for when, observer, _ in self.bus.deaths[self._deaths_read :]:
+            self._deaths_seen.setdefault(observer, []).append(when)
+        self._deaths_read = len(self.bus.deaths)
+        ages = [now - t for t in self._deaths_seen.get(name, ()) if now - t <= quorum.WINDOW_S]
+        return (
+            len(ages),
+            sum(a <= quorum.BURST_WINDOW_S for a in ages),
+            sum(a <= quorum.QUIET_S for a in ages),
         )
 
     def _adopt(self, side: int, model: str, force: Force) -> None:

@@ -403,7 +403,7 @@ async def test_an_agent_that_finds_no_plan_of_its_own_follows_the_plan_in_force(
 
 class CutOffGossip(FakeGossip):
     """The world as an agent on the small side of a cut sees it: the agents across it look
-    dead from `cut_at`, and count as lost for the quorum's window."""
+    dead from `cut_at`."""
 
     def __init__(self, world: World, peer_id: str, side: set[str]) -> None:
         super().__init__(world, peer_id)
@@ -417,11 +417,6 @@ class CutOffGossip(FakeGossip):
                 if pid not in self.side:
                     views[pid] = replace(views[pid], state="dead")
         return views
-
-    def lost_within(self, seconds: float) -> int:
-        if self.cut_at is None or trio.current_time() - self.cut_at > seconds:
-            return 0
-        return sum(1 for pid in self.world.views if pid not in self.side)
 
 
 async def test_the_small_side_of_a_cut_proposes_no_plan_until_the_quorum_window_passes(
