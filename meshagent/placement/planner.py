@@ -299,7 +299,9 @@ def should_replan(
     estimate is mostly measured RTTs, which swing by milliseconds on their own (a path that
     falls back to a relay for a few seconds doubles its RTT). A candidate that moves the
     entry of a working plan must be `MOVE_ENTRY_GAIN` faster: requests in flight there are
-    handed on to the new entry and prefilled there again."""
+    handed on to the new entry and prefilled there again. A working plan is never left for a
+    split one of whose new stages must be downloaded first (it would stop serving for the
+    download)."""
     if current is None:
         return True
     by_id = {p.peer_id: p for p in peers}
@@ -313,10 +315,29 @@ def should_replan(
             return True
         if set(candidate.replicas) > set(current.replicas):
             return True
+    if candidate.split and _downloads(model, current, candidate, by_id):
+        # A working split stops while the new one's parts load: one that must download a
+        # stage first would stop it for minutes (a 70B stage at 100 MB/s), longer than
+        # requests wait to replay (the scale simulation's replans after a cut healed).
+        return False
     gain = now - candidate.est_token_ms
     if _entries(candidate).isdisjoint(_entries(current)):
         threshold = max(threshold, MOVE_ENTRY_GAIN)
     return candidate.est_token_ms * (1.0 + threshold) < now and gain >= MIN_GAIN_MS
+
+
+def _downloads(
+    model: ModelCost, current: Plan, candidate: Plan, peers: Mapping[str, PeerCapacity]
+) -> bool:
+    """Some stage of `candidate` that `current` does not have on that peer must be
+    downloaded before it loads."""
+    kept = {(s.peer_id, s.start, s.end) for s in current.stages}
+    return any(
+        (s.peer_id, s.start, s.end) not in kept
+        and s.peer_id in peers
+        and peers[s.peer_id].download_bytes(model, s.start, s.end) > 0
+        for s in candidate.stages
+    )
 
 
 def _entries(p: Plan) -> set[str]:

@@ -374,3 +374,20 @@ def test_a_repair_prefers_a_slower_spare_holding_the_stage_to_a_faster_one_that_
     assert after.stages[1] == StageAssignment("slow", lost.start, lost.end)
     lacking = plan(MODEL, [*left, _holding(fast)], context_tokens=CTX, current=before)
     assert lacking.stages[1].peer_id == "fast"  # none holds it: the fastest downloads it
+
+
+def test_a_working_split_is_not_left_for_one_that_must_download_a_stage_first():
+    # A much faster split on new peers: taken where they hold the file, not where one must
+    # download its stage first (the split would stop serving for the download).
+    slow = [peer(x, 1.3, speed=100) for x in "abc"]
+    current = plan(MODEL, slow, context_tokens=CTX)
+    fast = [peer(x, 1.3, speed=400) for x in "xyz"]
+    held = [*slow, *fast]
+    candidate = plan(MODEL, held, context_tokens=CTX)
+    assert set(candidate.peers) <= {"x", "y", "z"}
+    assert should_replan(MODEL, current, candidate, held)
+    lacking = [*slow, *fast[:2], _holding(fast[2])]
+    assert not should_replan(MODEL, current, candidate, lacking)
+    # broken, it is left for whatever works
+    gone = [p for p in lacking if p.peer_id != current.stages[0].peer_id]
+    assert should_replan(MODEL, current, candidate, gone)
