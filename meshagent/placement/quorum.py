@@ -11,10 +11,12 @@ at the heal, and the mesh waited on their loads). So:
   proposes nothing: it follows the plans in force, and its requests wait for them. Past the
   window it plans again, as after any death: a mesh that lost most of its agents for good
   waits `WINDOW_S` before replanning;
-- while agents die in a burst (`BURST` or more within `BURST_WINDOW_S`, the last under
-  `QUIET_S` ago), it waits for the view to stop shrinking first: a cut reaches each side's
+- while agents die or come in a burst (`BURST` or more within `BURST_WINDOW_S`, the last
+  under `QUIET_S` ago), it waits for the view to settle first: a cut reaches each side's
   views over seconds, death by death, and until it has, the small side still sees more than
-  it lost. A single crash is repaired at once.
+  it lost; when it heals, the agents across come back into each view over seconds, and an
+  agent whose view lags would replace a stage whose agent it still holds dead. A single
+  crash or join is planned for at once.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ QUIET_S = 3.0
 
 def cut_off(alive: int, lost: int, burst: int = 0, latest: int = 0) -> str | None:
     """Why an agent may not propose a plan now; None when it may. `alive`: the agents it
-    sees, itself included; `lost`: those it saw die within `WINDOW_S`; `burst`: within
-    `BURST_WINDOW_S`; `latest`: within `QUIET_S`."""
+    sees, itself included; `lost`: those it saw die within `WINDOW_S`; `burst`: the agents
+    it saw die or come within `BURST_WINDOW_S`; `latest`: within `QUIET_S`."""
     if burst >= BURST and latest > 0:
         return (
-            f"{burst} agents died within {BURST_WINDOW_S:g} s: this agent proposes no plan until "
-            f"{QUIET_S:g} s pass without a death (a partition reaches a view death by death)"
+            f"{burst} agents died or came within {BURST_WINDOW_S:g} s: this agent proposes no "
+            f"plan until {QUIET_S:g} s pass with none (a cut, and its healing, reach a view "
+            "agent by agent)"
         )
     if alive >= lost:
         return None

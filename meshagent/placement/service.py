@@ -218,6 +218,7 @@ class PlacementService:
         # (`quorum.py`: an agent that lost more than it sees proposes nothing).
         self._alive_before: set[str] | None = None
         self._departures: collections.deque[float] = collections.deque()
+        self._changes: collections.deque[float] = collections.deque()  # departures, arrivals
 
     def _publish(self, claim: Claim) -> None:
         self.mine = claim
@@ -347,23 +348,27 @@ class PlacementService:
 
     def _count_departures(self, alive: set[str]) -> None:
         """Note the peers alive at the last decision that are not now (dead, or gone from
-        gossip), with when: what the quorum counts (a peer that comes back still counts as
-        lost for the window, so an agent whose view grows back after a cut waits for it to
-        be whole again)."""
+        gossip) and those that came, with when: what the quorum counts. A peer that comes
+        back still counts as lost for the window, so an agent whose view grows back after a
+        cut waits for it to be whole again; arrivals count toward a burst, so it also waits
+        for its view to stop growing."""
         now = trio.current_time()
         if self._alive_before is not None:
-            self._departures.extend([now] * len(self._alive_before - alive))
+            gone = len(self._alive_before - alive)
+            self._departures.extend([now] * gone)
+            self._changes.extend([now] * (gone + len(alive - self._alive_before)))
         self._alive_before = set(alive)
-        while self._departures and now - self._departures[0] > quorum.WINDOW_S:
-            self._departures.popleft()
+        for times in (self._departures, self._changes):
+            while times and now - times[0] > quorum.WINDOW_S:
+                times.popleft()
 
     def _lost(self) -> tuple[int, int, int]:
-        """Peers lost within the quorum's window, its burst window and its quiet time
-        (`quorum.cut_off`)."""
+        """Peers lost within the quorum's window, and the peers lost or come within its burst
+        window and its quiet time (`quorum.cut_off`)."""
         now = trio.current_time()
-        ages = [now - t for t in self._departures]
+        ages = [now - t for t in self._changes]
         return (
-            len(ages),
+            len(self._departures),
             sum(a <= quorum.BURST_WINDOW_S for a in ages),
             sum(a <= quorum.QUIET_S for a in ages),
         )

@@ -229,8 +229,9 @@ class ScaleSim:
         self._rid = 0
         self._next_request: dict[str, float] = {}
         self._next_decision = 0.0
-        self._deaths_read = 0  # of `bus.deaths`
-        self._deaths_seen: dict[str, list[float]] = {}  # by observer: when it saw a death
+        # by agent: when each member it saw leave its view went; when any left or came
+        self._departed: dict[str, list[float]] = {}
+        self._changed: dict[str, list[float]] = {}
         self.request_every: dict[str, float] = {}  # mean seconds between requests per model
         self.names = self._grow(n)
 
@@ -301,11 +302,21 @@ class ScaleSim:
     # ----- views and the assignment -----
 
     def view(self, name: str) -> frozenset[str]:
+        """The members `name` holds alive or suspect; the departures and arrivals since it
+        was last asked are noted with the time, as the placement service notes them between
+        its decisions (`quorum.py`)."""
         m = self.bus.members[name]
         digest = m.digest()
         held = self._views.get(name)
         if held is None or held[0] != digest:
-            held = (digest, frozenset(m.alive()))
+            alive = frozenset(m.alive())
+            if held is not None:
+                gone = len(held[1] - alive)
+                came = len(alive - held[1])
+                now = self.bus.now
+                self._departed.setdefault(name, []).extend([now] * gone)
+                self._changed.setdefault(name, []).extend([now] * (gone + came))
+            held = (digest, alive)
             self._views[name] = held
         return held[1]
 
@@ -396,15 +407,13 @@ class ScaleSim:
                         )
 
     def _lost(self, name: str) -> tuple[int, int, int]:
-        """Deaths `name` saw within the quorum's window, its burst window and its quiet time
-        (`quorum.cut_off`; a member that came back since still counts, as in the agent)."""
+        """What the quorum counts for `name` (`quorum.cut_off`): departures within its
+        window, departures and arrivals within its burst window and its quiet time."""
         now = self.bus.now
-        for when, observer, _ in self.bus.deaths[self._deaths_read :]:
-            self._deaths_seen.setdefault(observer, []).append(when)
-        self._deaths_read = len(self.bus.deaths)
-        ages = [now - t for t in self._deaths_seen.get(name, ()) if now - t <= quorum.WINDOW_S]
+        lost = sum(now - t <= quorum.WINDOW_S for t in self._departed.get(name, ()))
+        ages = [now - t for t in self._changed.get(name, ()) if now - t <= quorum.WINDOW_S]
         return (
-            len(ages),
+            lost,
             sum(a <= quorum.BURST_WINDOW_S for a in ages),
             sum(a <= quorum.QUIET_S for a in ages),
         )

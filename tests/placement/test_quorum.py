@@ -12,7 +12,7 @@ def test_a_single_crash_is_planned_around_at_once():
 
 def test_deaths_in_a_burst_wait_for_the_view_to_stop_shrinking():
     why = cut_off(alive=50, lost=3, burst=3, latest=1)
-    assert why is not None and "3 agents died within 10 s" in why
+    assert why is not None and "3 agents died or came within 10 s" in why
     assert cut_off(alive=50, lost=3, burst=3, latest=0) is None  # quiet for 3 s
 
 
