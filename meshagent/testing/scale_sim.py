@@ -590,7 +590,7 @@ class ScaleSim:
             force = self.routable(r.model, self.side_of(r.entry))
             if force is None:
                 if r.no_chain_since is None:
-                    r.no_chain_since = now if r.lost_at is None else r.lost_at
+                    r.no_chain_since = now
                 if now - r.no_chain_since > REPLAY_DEADLINE_S:
                     r.failed = self.why_not(r.model, self.side_of(r.entry))
                     continue
@@ -616,7 +616,7 @@ class ScaleSim:
             r.failed = "its client's own agent stopped"
             return
         r.chain = None
-        r.lost_at = self.bus.now
+        r.lost_at = r.no_chain_since = self.bus.now
         self.queue.append(r)
 
     # ----- churn -----
@@ -838,7 +838,10 @@ def _report(sim: ScaleSim, formation_bps: float, sent: list[int], span: float) -
         "replay_wait_s_max": round(max((r.waited_s for r in replayed), default=0.0), 1),
         "failed": len(failed),
         "failures": reasons,
+        # still queued (for a chain's slot) or decoding when the run stopped, 300 s after
+        # its last minute: demand beyond what the chains in force serve
         "unfinished": len(rs) - len(done) - len(failed),
+        "unfinished_queued": sum(1 for r in sim.queue if not r.failed),
         "stages": {m: len(f.plan.peers) for m, f in sorted(sim.force[0].items())},
         "request_every_s": {m: round(v, 1) for m, v in sorted(sim.request_every.items())},
         "token_s": {
