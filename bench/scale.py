@@ -29,7 +29,7 @@ from meshagent.testing import scale_sim
 
 def _kind_of(reason: str) -> str:
     """A failure's reason without its agents, layers and seconds: what kind it is."""
-    return re.sub(r"\(\d+ s left\)|on \w{8}|\d+-\d+ ", "", reason).replace("  ", " ").strip()
+    return re.sub(r"\(\d+ s left\)|stage \d+-\d+ on \w{8}:? ?", "", reason).strip()
 
 
 def main() -> None:

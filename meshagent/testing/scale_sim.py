@@ -511,9 +511,14 @@ class ScaleSim:
         for peer, (start, end) in sorted(ranges.items()):
             part = self.parts.get((peer, model))
             if peer in self.bus.crashed:
-                return f"stage {start}-{end} on {peer[:8]}, which crashed, not yet replaced"
+                return f"stage {start}-{end} on {peer[:8]}: its agent crashed, not yet replaced"
             if self.side_of(peer) != side:
-                return f"stage {start}-{end} on {peer[:8]}, across the partition"
+                where = (
+                    "this agent is on the small side of a cut"
+                    if side
+                    else "across a cut, not yet replaced"
+                )
+                return f"stage {start}-{end} on {peer[:8]}: {where}"
             if part is not None and part.ready_at > self.bus.now:
                 left = part.ready_at - self.bus.now
                 held = model in self.specs[peer].holds
