@@ -64,6 +64,24 @@ def run(n: int, loss_minutes: float, seed: int, signed: bool = False) -> dict:
     victim = names[n // 2]
     bus.crash(victim)
     dead = _wait(bus, lambda: bus.dead_everywhere(victim), 60)
+    # what is measured so far, before the long loss phase (a run stopped there keeps it)
+    print(
+        json.dumps(
+            {
+                "members": n,
+                "so_far": True,
+                "formed_s": formed,
+                "quiet_after_s": quiet,
+                "formation_bytes_per_member_s": round(formation),
+                "sent_bytes_per_member_s": round(sum(sent) / n / window),
+                "join_seen_everywhere_s": joined,
+                "crash_dead_everywhere_s": dead,
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
 
     # 1% loss: false deaths are deaths of members that did not crash
     bus.loss = 0.01
