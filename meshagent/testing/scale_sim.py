@@ -7,14 +7,18 @@ What runs for real:
 - **The assignment**: each agent plans from its own view (`assignment.assign` over the offers
   of the members it sees, with the plans in force as `current`, the holders of each file
   preferred). Agents with the same view compute the same assignment, so it is computed once
-  per distinct view; each new view is also computed with its peers in a shuffled order, and
-  the two must agree (what every agent computing the same plan rests on).
+  per distinct view; one new view in `ORDER_CHECK_EVERY` is also computed with its peers in
+  a shuffled order, and the two must agree (what every agent computing the same plan rests
+  on). An agent proposes only where the quorum lets it (`placement/quorum.py`), counted from
+  the departures and arrivals of its own view.
 - **Claims in records**: each change of an agent's claims (it follows a new plan as one of its
   peers or its proposer; its part is loaded) republishes its signed record with the claims in
   `extras["placement"]`, encoded as the agent encodes them (`negotiation.Claim`), so the
   gossip cost counts them.
 
 What is modelled:
+- **Formation**: placement begins once every view is full (an agent plans while the mesh
+  forms too, but hundreds of views that differ would cost an assignment each).
 - **Negotiation.** The agents whose view gives a plan other than the one in force propose it
   at the next epoch; the lowest proposer id wins (`negotiation.plan_in_force`'s rule), and the
   plan is in force on its side of any partition `CLAIM_S` later. A plan's peers load their
