@@ -220,13 +220,17 @@ def repair(
     live = {p.peer_id: p for p in peers}
     if all(s.peer_id in live for s in current.stages):
         return None
+    ctx = current.context_tokens
+    for s in current.stages:
+        p = live.get(s.peer_id)
+        if p is not None and usable(p, headroom) < p.needs(model, s.start, s.end, ctx):
+            return None  # a stage that stays no longer fits its peer: not a repair's case
     spares = sorted(
         (p for p in peers if p.peer_id not in current.peers), key=lambda p: (-p.speed, p.peer_id)
     )
     stages = []
     for s in current.stages:
         if s.peer_id not in live:
-            ctx = current.context_tokens
             able = [p for p in spares if usable(p, headroom) >= p.needs(model, s.start, s.end, ctx)]
             able.sort(key=lambda p: (p.stage_ms(model, s.start, s.end, 0), p.peer_id))
             # The fastest that holds what it needs, else the fastest: a repair is there to

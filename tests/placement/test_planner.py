@@ -391,3 +391,16 @@ def test_a_working_split_is_not_left_for_one_that_must_download_a_stage_first():
     # broken, it is left for whatever works
     gone = [p for p in lacking if p.peer_id != current.stages[0].peer_id]
     assert should_replan(MODEL, current, candidate, gone)
+
+
+def test_a_split_whose_remaining_stage_no_longer_fits_is_planned_afresh_not_repaired():
+    # c is gone and b's offer shrank below its stage (another model took memory there, say):
+    # giving c's stage to a spare would leave b's stage where it no longer fits.
+    three = [peer(x, 1.3) for x in "abc"]
+    before = plan(MODEL, three, context_tokens=CTX)
+    b = before.stages[1].peer_id
+    gone = before.stages[2].peer_id
+    left = [peer(p.peer_id, 0.3) if p.peer_id == b else p for p in three if p.peer_id != gone]
+    spares = [peer("s1", 1.3), peer("s2", 1.3)]
+    after = plan(MODEL, left + spares, context_tokens=CTX, current=before)
+    check_fits(after, left + spares)
