@@ -24,7 +24,7 @@ from pathlib import Path
 
 import result_file
 
-from meshagent.testing import scale_sim
+from meshagent.testing import scale_churn
 
 
 def _kind_of(reason: str) -> str:
@@ -50,9 +50,9 @@ def main() -> None:
         t0 = time.perf_counter()
 
         def log(e: dict) -> None:
-            print(f"  {json.dumps(scale_sim._plain(e))}", file=sys.stderr, flush=True)
+            print(f"  {json.dumps(scale_churn.plain(e))}", file=sys.stderr, flush=True)
 
-        got = scale_sim.run(
+        got = scale_churn.run(
             args.agents, minutes=args.minutes, seed=args.seed, claims_by=claims, log=log
         )
         got["claims_by"] = claims

@@ -42,7 +42,6 @@ What is modelled:
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -57,7 +56,7 @@ from meshagent.placement.negotiation import Claim, plan_digest
 from meshagent.placement.planner import ModelCost, PeerCapacity, Plan, is_repair
 from meshagent.placement.quorum import cut_off
 from meshagent.placement.service import EXTRAS_KEY
-from meshagent.testing.assignment_sim import GB, model_cost
+from meshagent.testing.scale_mesh import AgentSpec, big_models, draw_agent
 from meshagent.testing.swim_bus import SwimBus
 
 CONTEXT_TOKENS = 8192  # the agent's default: 4 slots of 2048
@@ -74,57 +73,6 @@ PREFILL_SHARE = 0.1  # a prompt token costs this share of a decoded token's comp
 BATCH_COST = 0.1  # each more sequence in a decode step adds this share to its compute
 ORDER_CHECK_EVERY = 4  # one new view in this many is planned again in a shuffled order
 MEASURED = 8  # peers whose RTT an agent measures (3 in its city): a bounded connection set
-
-
-def big_models() -> dict[str, ModelCost]:
-    """Three models of 70B shape at Q4 (80 layers, width 8192, about 40 GB)."""
-    shapes = (
-        ("llama-3.1-70b", 70.6, 40.0, 128256),
-        ("qwen2.5-72b", 72.7, 44.0, 152064),
-        ("r1-distill-70b", 70.6, 40.0, 128256),
-    )
-    return {
-        name: model_cost(
-            name, params_b=p, file_gb=gb, n_layers=80, n_embd=8192, n_vocab=vocab, kv_heads=8
-        )
-        for name, p, gb, vocab in shapes
-    }
-
-
-@dataclass(frozen=True)
-class AgentSpec:
-    """An agent's offer (speeds in GFLOP/s, as gossiped), disk and network rates, and the
-    model files it holds."""
-
-    offer: PeerCapacity
-    disk_bps: float
-    net_bps: float
-    holds: frozenset[str]
-
-
-def draw_agent(peer_id: str, rng: random.Random, models: Sequence[str]) -> AgentSpec:
-    """Laptops offering 4-12 GB (60% of agents), desktops 12-16 GB, and GPU boxes with 8-16
-    GB of VRAM; each holds each model's file with probability one half."""
-    kind = rng.random()
-    if kind < 0.6:
-        ram, cpu, vram, gpu = rng.choice([4, 6, 8, 12]), rng.uniform(60, 200), 0, 0.0
-        disk, net = rng.uniform(0.5, 2.0), rng.uniform(0.03, 0.12)
-    elif kind < 0.9:
-        ram, cpu, vram, gpu = rng.choice([12, 16]), rng.uniform(150, 300), 0, 0.0
-        disk, net = rng.uniform(1.0, 3.0), rng.uniform(0.1, 0.25)
-    else:
-        ram, cpu, vram, gpu = 16, 250, rng.choice([8, 12, 16]), rng.uniform(800, 2000)
-        disk, net = rng.uniform(2.0, 3.0), rng.uniform(0.1, 1.1)
-    offer = PeerCapacity(
-        peer_id,
-        int(ram * GB),
-        cpu,
-        vram_bytes=int(vram * GB),
-        vram_speed=gpu,
-        spare_bytes=2 * GB,
-    )
-    holds = frozenset(m for m in models if rng.random() < 0.5)
-    return AgentSpec(offer, disk * GB, net * GB, holds)
 
 
 # ----- serving state -----
@@ -688,193 +636,4 @@ def _ranges(plan: Plan, model: ModelCost) -> dict[str, tuple[int, int]]:
     return {p: (0, model.n_layers) for p in plan.replicas}
 
 
-def run(
-    n: int = 300,
-    *,
-    minutes: float = 30.0,
-    seed: int = 1,
-    request_every_s: float = 2.0,
-    partition_s: float = 45.0,
-    load: float = 0.5,
-    claims_by: str = "plan",
-    quorum: bool = True,
-    log=None,
-) -> dict:
-    """The whole run: formation, then `minutes` of churn (one event a minute: a join, a
-    crash of an agent serving a model, a crash of any agent, a partition of a random tenth
-    of the mesh for `partition_s`, in turn), with requests throughout; its report."""
-    sim = ScaleSim(
-        n, seed=seed, request_every_s=request_every_s, claims_by=claims_by, quorum=quorum
-    )
-    sim.settle_coordinates()
-    everyone = set(sim.names)
-    # The agents start within n x 10 ms; placement begins once every view is full (planning
-    # from hundreds of views that differ while the mesh forms is what an agent does, but
-    # costs the simulation an assignment per distinct view).
-    while not sim.bus.views_complete(everyone) and sim.bus.now < 300:
-        sim.bus.run_until(sim.bus.now + TICK_S)
-    sim.tally.views_full_s = round(sim.bus.now, 2)
-    while not sim.all_routable() and sim.bus.now < 900:
-        sim.step(None)
-    sim.tally.formed_s = round(sim.bus.now, 2) if sim.all_routable() else math.inf
-    sim.set_load(load)
-    formation_bytes = sum(sim.bus.wire_bytes.values())
-    formation_at = sim.bus.now
-    start = sim.bus.now
-    kinds = ("join", "crash a stage", "crash any", "partition")
-    events: list[tuple[float, int, str]] = []
-    for i in range(int(minutes)):
-        heapq.heappush(events, (start + 30.0 + 60.0 * i, i, kinds[i % len(kinds)]))
-    wire0 = dict(sim.bus.wire_bytes)
-    end = start + minutes * 60.0
-    heal_at = None
-    open_events: list[dict] = []
-    while sim.bus.now < end or any(r.finished is None and not r.failed for r in sim.requests):
-        if sim.bus.now > end + 300:
-            break
-        if events and events[0][0] <= sim.bus.now:
-            _, _, kind = heapq.heappop(events)
-            open_events.append(_event(sim, kind, partition_s))
-            if kind == "partition":
-                heal_at = sim.bus.now + partition_s
-        if heal_at is not None and sim.bus.now >= heal_at:
-            sim.heal()
-            heal_at = None
-            open_events.append({"kind": "heal", "at": sim.bus.now, "models": sorted(sim.models)})
-        sim.step(start if sim.bus.now < end else None)
-        for e in list(open_events):
-            if _event_progress(sim, e):
-                open_events.remove(e)
-                sim.tally.events.append(e)
-                if log:
-                    log(e)
-    for e in open_events:
-        sim.tally.events.append(e)
-    span = sim.bus.now - start
-    live = [k for k in sim.bus.members if k not in sim.bus.crashed]
-    sent = [sim.bus.wire_bytes[k] - wire0.get(k, 0) for k in live]
-    return _report(sim, formation_bytes / n / max(formation_at, 1e-9), sent, span)
-
-
-def _event(sim: ScaleSim, kind: str, partition_s: float) -> dict:
-    now = sim.bus.now
-    running = sorted(sim.running())
-    serving = sorted({p for f in sim.force[0].values() for p in f.plan.peers})
-    if kind == "join":
-        name = sim._join(sim.rng.choice(running))
-        return {"kind": kind, "at": now, "agent": name, "models": []}
-    if kind in ("crash a stage", "crash any"):
-        victim = sim.rng.choice(serving if kind == "crash a stage" else running)
-        hit = sorted(m for m, f in sim.force[0].items() if victim in f.plan.peers)
-        sim.crash(victim)
-        return {"kind": kind, "at": now, "agent": victim, "models": hit}
-    away = set(sim.rng.sample(running, max(1, len(running) // 10)))
-    hit = sorted(m for m, f in sim.force[0].items() if away & set(f.plan.peers))
-    sim.partition(away)
-    return {"kind": kind, "at": now, "away": away, "models": hit, "lasts_s": partition_s}
-
-
-def _event_progress(sim: ScaleSim, e: dict) -> bool:
-    """Notes when each view has taken the event in (`views_s`) and when every model it
-    touched is routable again on the main side with no plan pending (`replan_s`); True once
-    both are known."""
-    now = sim.bus.now
-    if "views_s" not in e:
-        running = sim.running()
-        if e["kind"] == "join":
-            seen = all(e["agent"] in sim.view(k) for k in running)
-        elif e["kind"] in ("crash a stage", "crash any"):
-            seen = all(e["agent"] not in sim.view(k) for k in running)
-        elif e["kind"] == "partition":
-            seen = all(
-                sim.view(k) <= e["away"] if k in e["away"] else not sim.view(k) & e["away"]
-                for k in running
-            )
-        else:  # heal
-            seen = all(sim.view(k) == set(running) for k in running)
-        if seen:
-            e["views_s"] = round(now - e["at"], 2)
-    if (
-        "replan_s" not in e
-        and now - e["at"] >= TICK_S
-        and all(sim.routable(m, 0) is not None for m in e["models"])
-        and not any(m in sim.pending[0] for m in e["models"])
-    ):
-        e["replan_s"] = round(now - e["at"], 2)
-    return "views_s" in e and "replan_s" in e
-
-
-def _report(sim: ScaleSim, formation_bps: float, sent: list[int], span: float) -> dict:
-    rs = sim.requests
-    done = [r for r in rs if r.finished is not None]
-    failed = [r for r in rs if r.failed]
-    reasons: dict[str, int] = {}
-    for r in failed:
-        reasons[r.failed] = reasons.get(r.failed, 0) + 1
-    replayed = [r for r in done if r.replays]
-    t = sim.tally
-    by_kind: dict[str, list[float]] = {}
-    for e in t.events:
-        if "replan_s" in e and e["models"]:
-            by_kind.setdefault(e["kind"], []).append(e["replan_s"])
-    return {
-        "agents": len(sim.names),
-        "models": sorted(sim.models),
-        "views_full_s": t.views_full_s,
-        "formed_s": t.formed_s,
-        "formation_bytes_per_agent_s": round(formation_bps),
-        "churn_bytes_per_agent_s": round(sum(sent) / max(len(sent), 1) / span),
-        "churn_bytes_per_agent_s_max": round(max(sent) / span),
-        "records_republished": t.republished,
-        "record_bytes_median": sorted(t.record_bytes)[len(t.record_bytes) // 2]
-        if t.record_bytes
-        else 0,
-        "replan_s_by_event": {
-            k: {"events": len(v), "median": sorted(v)[len(v) // 2], "max": max(v)}
-            for k, v in sorted(by_kind.items())
-        },
-        "events": [_plain(e) for e in t.events],
-        "proposals": t.proposals,
-        "decisions_cut_off": t.cut_off,
-        "views_planned": t.assignments,
-        "assign_s_median": round(sorted(t.assign_s)[len(t.assign_s) // 2], 3),
-        "assign_s_max": round(max(t.assign_s), 3),
-        "views_planned_in_another_order": t.order_checks,
-        "plans_differing_by_order": t.disagreements,
-        "requests": len(rs),
-        "served": len(done),
-        "replayed": len(replayed),
-        "replay_wait_s_max": round(max((r.waited_s for r in replayed), default=0.0), 1),
-        "failed": len(failed),
-        "failures": reasons,
-        # still queued (for a chain's slot) or decoding when the run stopped, 300 s after
-        # its last minute: demand beyond what the chains in force serve
-        "unfinished": len(rs) - len(done) - len(failed),
-        "unfinished_queued": sum(1 for r in sim.queue if not r.failed),
-        "stages": {m: len(f.plan.peers) for m, f in sorted(sim.force[0].items())},
-        "request_every_s": {m: round(v, 1) for m, v in sorted(sim.request_every.items())},
-        "token_s": {
-            m: round(sim.chain_token_s(m, f, 1), 3) for m, f in sorted(sim.force[0].items())
-        },
-        "state_counts": _states(sim),
-    }
-
-
-def _plain(e: dict) -> dict:
-    out = {k: v for k, v in e.items() if k not in ("away", "agent")}
-    if "agent" in e:
-        out["agent"] = e["agent"][:8]
-    if "away" in e:
-        out["agents_away"] = len(e["away"])
-    return out
-
-
-def _states(sim: ScaleSim) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in sim.running():
-        for s in sim.bus.members[k].members.values():
-            out[s.state.name] = out.get(s.state.name, 0) + 1
-    return out
-
-
-__all__ = ["ScaleSim", "State", "run"]
+__all__ = ["ScaleSim", "State"]
