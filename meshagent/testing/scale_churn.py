@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
+from typing import Any
 
 from meshagent.testing.scale_sim import TICK_S, ScaleSim
 
@@ -16,20 +18,16 @@ def run(
     n: int = 300,
     *,
     minutes: float = 30.0,
-    seed: int = 1,
-    request_every_s: float = 2.0,
     partition_s: float = 45.0,
     load: float = 0.5,
-    claims_by: str = "plan",
-    quorum: bool = True,
-    log=None,
+    log: Callable[[dict], None] | None = None,
+    **options: Any,
 ) -> dict:
     """The whole run: formation, then `minutes` of churn (one event a minute: a join, a
     crash of an agent serving a model, a crash of any agent, a partition of a random tenth
-    of the mesh for `partition_s`, in turn), with requests throughout; its report."""
-    sim = ScaleSim(
-        n, seed=seed, request_every_s=request_every_s, claims_by=claims_by, quorum=quorum
-    )
+    of the mesh for `partition_s`, in turn), with requests throughout; its report.
+    `options`: the simulation's (`ScaleSim`: seed, claims_by, quorum, ...)."""
+    sim = ScaleSim(n, **options)
     sim.settle_coordinates()
     everyone = set(sim.names)
     # The agents start within n x 10 ms; placement begins once every view is full (planning

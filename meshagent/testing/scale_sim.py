@@ -144,7 +144,7 @@ class ScaleSim:
         seed: int = 1,
         models: Mapping[str, ModelCost] | None = None,
         cities: int = 3,
-        request_every_s: float = 6.0,
+        request_every_s: float = 2.0,  # the shortest mean gap between requests of a model
         prompt: int = 200,
         output: int = 128,
         claims_by: str = "plan",
