@@ -1,0 +1,68 @@
+"""The state the scale simulation (`scale_sim.py`) keeps: each model's plan in force on a side
+of a cut, each agent's parts, the requests, and the tally of what happened."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from meshagent.placement.negotiation import plan_digest
+from meshagent.placement.planner import Plan
+
+
+@dataclass
+class Force:
+    """A model's plan in force on one side: its claim's epoch and proposer, since when."""
+
+    plan: Plan
+    epoch: int
+    proposer: str
+    since: float
+    repair: bool = False
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.epoch, self.proposer, plan_digest(self.plan))
+
+
+@dataclass
+class Part:
+    """A peer's part of a model: its layers, and when it is loaded (inf: not yet begun)."""
+
+    start: int
+    end: int
+    ready_at: float
+
+
+@dataclass
+class Request:
+    rid: int
+    model: str
+    entry: str
+    arrived: float
+    prompt: int
+    output: int
+    done: float = 0.0  # tokens decoded (fractional between ticks)
+    chain: tuple | None = None  # the Force.key it runs on
+    busy_until: float = 0.0  # prefilling until then
+    lost_at: float | None = None
+    no_chain_since: float | None = None  # waiting with no routable chain since then
+    replays: int = 0
+    waited_s: float = 0.0  # waiting for a chain after a loss, in all
+    finished: float | None = None
+    failed: str = ""
+
+
+@dataclass
+class Tally:
+    formed_s: float = math.inf  # every model routable, after the mesh started
+    views_full_s: float = math.inf
+    events: list[dict] = field(default_factory=list)
+    proposals: int = 0
+    cut_off: int = 0  # decisions skipped: the view saw fewer agents than it lost lately
+    assignments: int = 0  # distinct views planned
+    assign_s: list[float] = field(default_factory=list)
+    order_checks: int = 0  # views planned again with their peers in a shuffled order
+    disagreements: int = 0  # of which gave another assignment
+    republished: int = 0
+    record_bytes: list[int] = field(default_factory=list)
