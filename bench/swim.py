@@ -64,31 +64,7 @@ def run(n: int, loss_minutes: float, seed: int, signed: bool = False) -> dict:
     victim = names[n // 2]
     bus.crash(victim)
     dead = _wait(bus, lambda: bus.dead_everywhere(victim), 60)
-    # what is measured so far, before the long loss phase (a run stopped there keeps it)
-    print(
-        json.dumps(
-            {
-                "members": n,
-                "so_far": True,
-                "formed_s": formed,
-                "quiet_after_s": quiet,
-                "formation_bytes_per_member_s": round(formation),
-                "sent_bytes_per_member_s": round(sum(sent) / n / window),
-                "join_seen_everywhere_s": joined,
-                "crash_dead_everywhere_s": dead,
-                "wall_s": round(time.perf_counter() - t0, 1),
-            }
-        ),
-        file=sys.stderr,
-        flush=True,
-    )
-
-    # 1% loss: false deaths are deaths of members that did not crash
-    bus.loss = 0.01
-    before = len(bus.deaths)
-    bus.run_until(bus.now + loss_minutes * 60)
-    false = {m for _, _, m in bus.deaths[before:] if m not in bus.crashed}
-    return {
+    row = {
         "members": n,
         "signed": signed,
         "formed_s": formed,
@@ -99,10 +75,20 @@ def run(n: int, loss_minutes: float, seed: int, signed: bool = False) -> dict:
         "wire_bytes_per_member_s": round(sum(wire) / n / window),
         "join_seen_everywhere_s": joined,
         "crash_dead_everywhere_s": dead,
-        "loss_minutes": loss_minutes,
-        "false_deaths_at_1pct_loss": len(false),
-        "wall_s": round(time.perf_counter() - t0, 1),
     }
+    # what is measured so far, before the long loss phase (a run stopped there keeps it)
+    so_far = {**row, "so_far": True, "wall_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(so_far), file=sys.stderr, flush=True)
+
+    # 1% loss: false deaths are deaths of members that did not crash
+    bus.loss = 0.01
+    before = len(bus.deaths)
+    bus.run_until(bus.now + loss_minutes * 60)
+    false = {m for _, _, m in bus.deaths[before:] if m not in bus.crashed}
+    row["loss_minutes"] = loss_minutes
+    row["false_deaths_at_1pct_loss"] = len(false)
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    return row
 
 
 def main() -> None:

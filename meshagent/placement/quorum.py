@@ -21,6 +21,9 @@ at the heal, and the mesh waited on their loads). So:
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Collection
+
 WINDOW_S = 60.0
 BURST = 2
 BURST_WINDOW_S = 10.0
@@ -44,3 +47,34 @@ def cut_off(alive: int, lost: int, burst: int = 0, latest: int = 0) -> str | Non
         f"alive within {WINDOW_S:g} s (a partition?): it proposes no plan until it sees at "
         "least as many as it lost, and follows the plans in force meanwhile"
     )
+
+
+class Turnover:
+    """The agents that left an agent's view and those that came into it, with when: what
+    `cut_off` counts. `note` each view as it is read (a peer that comes back still counts as
+    lost for the window, so an agent whose view grows back after a cut waits for it to be
+    whole again; arrivals count toward a burst, so it also waits for its view to stop
+    growing)."""
+
+    def __init__(self) -> None:
+        self._before: set[str] | None = None
+        self._changes: collections.deque[tuple[float, bool]] = collections.deque()  # gone?
+
+    def note(self, alive: Collection[str], now: float) -> None:
+        alive = set(alive)
+        if self._before is not None:
+            self._changes.extend([(now, True)] * len(self._before - alive))
+            self._changes.extend([(now, False)] * len(alive - self._before))
+        self._before = alive
+        while self._changes and now - self._changes[0][0] > WINDOW_S:
+            self._changes.popleft()
+
+    def cut_off(self, alive: int, now: float) -> str | None:
+        """`cut_off` for an agent that sees `alive` agents now."""
+        ages = [(now - t, gone) for t, gone in self._changes if now - t <= WINDOW_S]
+        return cut_off(
+            alive,
+            sum(gone for _, gone in ages),
+            sum(a <= BURST_WINDOW_S for a, _ in ages),
+            sum(a <= QUIET_S for a, _ in ages),
+        )

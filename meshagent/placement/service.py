@@ -8,7 +8,6 @@ ready), and recompute whether the split is routable. It runs again whenever goss
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -38,7 +37,6 @@ from meshagent.placement.planner import (
     plan,
     should_replan,
 )
-from meshagent.placement.quorum import cut_off
 
 log = structlog.get_logger(__name__)
 
@@ -214,11 +212,9 @@ class PlacementService:
         # withdrawn and its part, once no request uses it, unloaded). None: all of it.
         self.allowance: Callable[[list[PeerCapacity]], list[PeerCapacity] | str] | None = None
         self.placed = True  # False while the allowance places the model nowhere
-        # The peers alive at the last decision, and when each peer lost since went
-        # (`quorum.py`: an agent that lost more than it sees proposes nothing).
-        self._alive_before: set[str] | None = None
-        self._departures: collections.deque[float] = collections.deque()
-        self._changes: collections.deque[float] = collections.deque()  # departures, arrivals
+        # The peers that left or came between decisions (`quorum.py`: an agent that lost
+        # more than it sees, or whose view changes in a burst, proposes nothing).
+        self._turnover = quorum.Turnover()
 
     def _publish(self, claim: Claim) -> None:
         self.mine = claim
@@ -251,7 +247,7 @@ class PlacementService:
         claims = claims_for(self.cost.model_id, views, self.cost.n_layers)
         winner = plan_in_force(claims)
         alive = {pid for pid, v in views.items() if v.state != PeerState.DEAD} | {me}
-        self._count_departures(alive)
+        self._turnover.note(alive, trio.current_time())
         error = None
         try:
             candidate: Plan | None = plan(
@@ -278,7 +274,7 @@ class PlacementService:
                 and should_replan(self.cost, winner.plan, candidate, caps, threshold=self.threshold)
             )
         )
-        cut = cut_off(len(alive), *self._lost()) if wants else None
+        cut = self._turnover.cut_off(len(alive), trio.current_time()) if wants else None
         if cut is not None:
             if self.error != cut:
                 log.warning("placement.cut_off", model=self.cost.model_id, why=cut)
@@ -345,33 +341,6 @@ class PlacementService:
             log.info("placement.routable", routable=False, peers=[], why=why)
         self.changed.set()
         self.changed = trio.Event()
-
-    def _count_departures(self, alive: set[str]) -> None:
-        """Note the peers alive at the last decision that are not now (dead, or gone from
-        gossip) and those that came, with when: what the quorum counts. A peer that comes
-        back still counts as lost for the window, so an agent whose view grows back after a
-        cut waits for it to be whole again; arrivals count toward a burst, so it also waits
-        for its view to stop growing."""
-        now = trio.current_time()
-        if self._alive_before is not None:
-            gone = len(self._alive_before - alive)
-            self._departures.extend([now] * gone)
-            self._changes.extend([now] * (gone + len(alive - self._alive_before)))
-        self._alive_before = set(alive)
-        for times in (self._departures, self._changes):
-            while times and now - times[0] > quorum.WINDOW_S:
-                times.popleft()
-
-    def _lost(self) -> tuple[int, int, int]:
-        """Peers lost within the quorum's window, and the peers lost or come within its burst
-        window and its quiet time (`quorum.cut_off`)."""
-        now = trio.current_time()
-        ages = [now - t for t in self._changes]
-        return (
-            len(self._departures),
-            sum(a <= quorum.BURST_WINDOW_S for a in ages),
-            sum(a <= quorum.QUIET_S for a in ages),
-        )
 
     def _withdraw_claim(self) -> None:
         """This agent's claim on the model, if it has one, leaves its record."""

@@ -83,7 +83,7 @@ def _event(sim: ScaleSim, kind: str, partition_s: float) -> dict:
     running = sorted(sim.running())
     serving = sorted({p for f in sim.force[0].values() for p in f.plan.peers})
     if kind == "join":
-        name = sim._join(sim.rng.choice(running))
+        name = sim.join(sim.rng.choice(running))
         return {"kind": kind, "at": now, "agent": name, "models": []}
     if kind in ("crash a stage", "crash any"):
         victim = sim.rng.choice(serving if kind == "crash a stage" else running)

@@ -43,17 +43,16 @@ What is modelled:
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from meshagent.gossip.swim import State
 from meshagent.net.coordinates import Coordinate, update
 from meshagent.placement import quorum
 from meshagent.placement.assignment import Assignment, assign
 from meshagent.placement.demand import BUCKET_S, Bucket, Demand
 from meshagent.placement.negotiation import Claim, plan_digest
 from meshagent.placement.planner import ModelCost, PeerCapacity, Plan, is_repair
-from meshagent.placement.quorum import cut_off
 from meshagent.placement.service import EXTRAS_KEY
 from meshagent.testing.scale_mesh import AgentSpec, big_models, draw_agent
 from meshagent.testing.scale_state import Force, Part, Request, Tally
@@ -72,6 +71,7 @@ REPLAY_DEADLINE_S = 30.0
 PREFILL_SHARE = 0.1  # a prompt token costs this share of a decoded token's compute
 BATCH_COST = 0.1  # each more sequence in a decode step adds this share to its compute
 ORDER_CHECK_EVERY = 4  # one new view in this many is planned again in a shuffled order
+ENTRY_STOPPED = "its client's own agent stopped"  # the request's client was connected there
 MEASURED = 8  # peers whose RTT an agent measures (3 in its city): a bounded connection set
 
 
@@ -94,12 +94,8 @@ class ScaleSim:
         before this simulation measured what that costs). `quorum`: an agent that sees fewer
         agents than it lost lately proposes nothing (`placement/quorum.py`), as the agent
         does; False: as it did before."""
-        import time as _time
-
         self.claims_by = claims_by
         self.quorum = quorum
-        self.trace = None
-        self._perf = _time.perf_counter
         self.rng = random.Random(seed)
         self.models = dict(models or big_models())
         self.bus = SwimBus(seed=seed, signed=True, cities=cities)
@@ -120,9 +116,7 @@ class ScaleSim:
         self._rid = 0
         self._next_request: dict[str, float] = {}
         self._next_decision = 0.0
-        # by agent: when each member it saw leave its view went; when any left or came
-        self._departed: dict[str, list[float]] = {}
-        self._changed: dict[str, list[float]] = {}
+        self._turnover: dict[str, quorum.Turnover] = {}  # by agent, of its view
         self.request_every: dict[str, float] = {}  # mean seconds between requests per model
         self.names = self._grow(n)
 
@@ -133,10 +127,11 @@ class ScaleSim:
         for i in range(n):
             if i:
                 self.bus.run_until(self.bus.now + 0.01)
-            names.append(self._join(names[self.rng.randrange(i)] if i else None))
+            names.append(self.join(names[self.rng.randrange(i)] if i else None))
         return names
 
-    def _join(self, contact: str | None) -> str:
+    def join(self, contact: str | None) -> str:
+        """A new agent, joining through `contact` (none: the first)."""
         name = self.bus.new_name()
         self.specs[name] = draw_agent(name, self.rng, sorted(self.models))
         self.bus.add(name, contact=contact)
@@ -201,12 +196,7 @@ class ScaleSim:
         held = self._views.get(name)
         if held is None or held[0] != digest:
             alive = frozenset(m.alive())
-            if held is not None:
-                gone = len(held[1] - alive)
-                came = len(alive - held[1])
-                now = self.bus.now
-                self._departed.setdefault(name, []).extend([now] * gone)
-                self._changed.setdefault(name, []).extend([now] * (gone + came))
+            self._turnover.setdefault(name, quorum.Turnover()).note(alive, self.bus.now)
             held = (digest, alive)
             self._views[name] = held
         return held[1]
@@ -229,7 +219,7 @@ class ScaleSim:
 
     def _assign(self, ids: Sequence[str], force: Mapping[str, Force]) -> Assignment:
         alive = frozenset(ids)
-        t = self._perf()
+        t = time.perf_counter()
         now = self.bus.now + 1_000_000.0
         bucket = Bucket(int(now // BUCKET_S), 10, 10_000)
         demand = {
@@ -247,7 +237,7 @@ class ScaleSim:
             current={m: f.plan for m, f in force.items()},
             holders={m: frozenset(k for k in ids if m in self.specs[k].holds) for m in self.models},
         )
-        self.tally.assign_s.append(self._perf() - t)
+        self.tally.assign_s.append(time.perf_counter() - t)
         return got
 
     def decide(self) -> None:
@@ -266,7 +256,8 @@ class ScaleSim:
             for view, proposer in sorted(by_view.items(), key=lambda kv: kv[1]):
                 if all(m in self.pending[side] for m in self.models):
                     break  # every model has a proposal under way: later ones lose to it
-                if self.quorum and cut_off(len(view), *self._lost(proposer)) is not None:
+                turnover = self._turnover[proposer]
+                if self.quorum and turnover.cut_off(len(view), now) is not None:
                     self.tally.cut_off += 1
                     continue  # it sees fewer agents than it lost lately: it proposes nothing
                 wanted = self.assignment(view, side)
@@ -287,27 +278,6 @@ class ScaleSim:
                     new = Force(placed.plan, epoch, proposer, now + CLAIM_S, repair)
                     self.pending[side][model] = (new, now + CLAIM_S)
                     self.tally.proposals += 1
-                    if self.trace:
-                        self.trace(
-                            f"{now:7.1f} side {side} propose {model} e{epoch} by {proposer[:6]}"
-                            f" view {len(view)} repair={repair} peers="
-                            + ",".join(
-                                f"{p[:6]}{'' if model in self.specs[p].holds else '*'}"
-                                for p in placed.plan.peers
-                            )
-                        )
-
-    def _lost(self, name: str) -> tuple[int, int, int]:
-        """What the quorum counts for `name` (`quorum.cut_off`): departures within its
-        window, departures and arrivals within its burst window and its quiet time."""
-        now = self.bus.now
-        lost = sum(now - t <= quorum.WINDOW_S for t in self._departed.get(name, ()))
-        ages = [now - t for t in self._changed.get(name, ()) if now - t <= quorum.WINDOW_S]
-        return (
-            lost,
-            sum(a <= quorum.BURST_WINDOW_S for a in ages),
-            sum(a <= quorum.QUIET_S for a in ages),
-        )
 
     def _adopt(self, side: int, model: str, force: Force) -> None:
         """`force` is in force on `side`: the parts no longer in it stop serving (their
@@ -318,8 +288,7 @@ class ScaleSim:
             here = m == model and self.side_of(peer) == side
             if here and ranges.get(peer) != (part.start, part.end):
                 del self.parts[(peer, m)]
-        settle = REPAIR_SETTLE_S if force.repair else SETTLE_S
-        begin = max(self.bus.now, force.since + settle)
+        begin = max(self.bus.now, _settled_at(force))
         for peer, (start, end) in sorted(ranges.items()):
             if peer in self.bus.crashed or self.side_of(peer) != side:
                 continue
@@ -351,7 +320,7 @@ class ScaleSim:
         if peer in force.plan.peers:
             ready = part is not None and part.ready_at <= now
         else:
-            ready = now >= force.since + (REPAIR_SETTLE_S if force.repair else SETTLE_S)
+            ready = now >= _settled_at(force)
         claim = Claim(model, force.epoch, force.proposer, force.plan, ready)
         held = self.claims.setdefault(peer, {})
         if held.get(model) == claim:
@@ -359,7 +328,6 @@ class ScaleSim:
         held[model] = claim
         extras = {EXTRAS_KEY: {m: c.to_cbor() for m, c in sorted(held.items())}}
         self.tally.record_bytes.append(self.bus.republish(peer, extras=extras))
-        self.tally.republished += 1
 
     def claims_ready(self) -> None:
         """Agents claim ready what they can: their part loaded, or the plan settled."""
@@ -468,7 +436,7 @@ class ScaleSim:
             step = self.chain_token_s(model, force, len(rs))
             for r in rs:
                 if r.entry in self.bus.crashed:
-                    r.failed = "its client's own agent stopped"
+                    r.failed = ENTRY_STOPPED
                     continue
                 start = max(now - dt, r.busy_until)
                 if start < now:
@@ -481,7 +449,7 @@ class ScaleSim:
         waiting = []
         for r in self.queue:
             if r.entry in self.bus.crashed:
-                r.failed = "its client's own agent stopped"
+                r.failed = ENTRY_STOPPED
                 continue
             force = self.routable(r.model, self.side_of(r.entry))
             if force is None:
@@ -509,7 +477,7 @@ class ScaleSim:
 
     def _lose(self, r: Request) -> None:
         if r.entry in self.bus.crashed:
-            r.failed = "its client's own agent stopped"
+            r.failed = ENTRY_STOPPED
             return
         r.chain = None
         r.lost_at = r.no_chain_since = self.bus.now
@@ -569,10 +537,15 @@ class ScaleSim:
         return all(self.routable(m, 0) is not None for m in self.models)
 
 
+def _settled_at(force: Force) -> float:
+    """When a plan in force has settled: its parts load, agents outside it claim it ready."""
+    return force.since + (REPAIR_SETTLE_S if force.repair else SETTLE_S)
+
+
 def _ranges(plan: Plan, model: ModelCost) -> dict[str, tuple[int, int]]:
     if plan.split:
         return {s.peer_id: (s.start, s.end) for s in plan.stages}
     return {p: (0, model.n_layers) for p in plan.replicas}
 
 
-__all__ = ["ScaleSim", "State"]
+__all__ = ["ScaleSim"]

@@ -27,7 +27,7 @@ class Force:
 
 @dataclass
 class Part:
-    """A peer's part of a model: its layers, and when it is loaded (inf: not yet begun)."""
+    """A peer's part of a model: its layers, and when it is loaded."""
 
     start: int
     end: int
@@ -64,5 +64,8 @@ class Tally:
     assign_s: list[float] = field(default_factory=list)
     order_checks: int = 0  # views planned again with their peers in a shuffled order
     disagreements: int = 0  # of which gave another assignment
-    republished: int = 0
-    record_bytes: list[int] = field(default_factory=list)
+    record_bytes: list[int] = field(default_factory=list)  # of each record republished
+
+    @property
+    def republished(self) -> int:
+        return len(self.record_bytes)
