@@ -61,20 +61,31 @@ class StreamBudgets:
             stream.reset(reason, ErrorCode.REFUSED_STREAM)
             return _nothing()
         self._open[key] = held + 1
-        return self._counted(key, stream, handler)
+        released = False
 
-    async def _counted(
-        self,
-        key: tuple[str, str],
-        stream: MeshStream,
-        handler: Callable[[MeshStream], Awaitable[None]],
-    ) -> None:
-        try:
-            await handler(stream)
-        finally:
-            self._open[key] -= 1
-            if not self._open[key]:
-                del self._open[key]
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._open[key] -= 1
+                if not self._open[key]:
+                    del self._open[key]
+
+        # Freed as the stream ends here, before the peer can see it end (so a peer that
+        # opens the next one straight after is within budget), or when the handler returns.
+        stream.when_ended(release)
+        return _counted(stream, handler, release)
+
+
+async def _counted(
+    stream: MeshStream,
+    handler: Callable[[MeshStream], Awaitable[None]],
+    release: Callable[[], None],
+) -> None:
+    try:
+        await handler(stream)
+    finally:
+        release()
 
 
 async def _nothing() -> None:

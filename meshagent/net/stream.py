@@ -67,6 +67,7 @@ class MeshStream(trio.abc.HalfCloseableStream):
         self._receiving = False
         self._readable = trio.Event()
         self._writable = trio.Event()
+        self._on_ended: list[Callable[[], None]] = []
 
     @property
     def peer_id(self) -> str:
@@ -93,6 +94,18 @@ class MeshStream(trio.abc.HalfCloseableStream):
             self._error = error
         self._readable.set()
         self._writable.set()
+        self._ended()
+
+    def when_ended(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once, as soon as the stream is over both ways here: our EOF
+        queued after the peer's, a reset either way, or closed. Called before the peer can
+        learn of it, so what it frees is free by the time the peer sees the stream end."""
+        self._on_ended.append(callback)
+
+    def _ended(self) -> None:
+        callbacks, self._on_ended = self._on_ended, []
+        for callback in callbacks:
+            callback()
 
     def _check_send(self) -> None:
         if self._closed:
@@ -184,6 +197,8 @@ class MeshStream(trio.abc.HalfCloseableStream):
         if not self._eof_sent:
             self._eof_sent = True
             self._conn.send_eof(self.stream_id)
+            if not self._conn.is_remote_open(self.stream_id):
+                self._ended()
             await self._conn.write_inline()
         await trio.lowlevel.checkpoint()
 
@@ -206,4 +221,5 @@ class MeshStream(trio.abc.HalfCloseableStream):
                     self._conn.send_eof(self.stream_id)
             self._closed = True
             self._conn.forget_stream(self.stream_id)
+            self._ended()
         await trio.lowlevel.checkpoint()

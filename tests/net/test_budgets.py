@@ -190,6 +190,37 @@ async def test_of_streams_that_arrive_together_the_first_ones_are_served(env, cl
         nursery.cancel_scope.cancel()
 
 
+async def test_a_stream_the_peer_has_seen_end_no_longer_counts(env, clock):
+    """The budget frees a stream as it ends both ways here, before the peer can see it end,
+    not when its handler returns: a peer that opens the next stream straight after reading
+    the last one's EOF is within budget, even while the handler still lingers."""
+    budgets = StreamBudgets({"slow/1": 1})
+    lingering = 0
+
+    async def reply_then_linger(stream: MeshStream) -> None:
+        nonlocal lingering
+        await hash_reply(stream)
+        lingering += 1
+        await trio.sleep(60)
+
+    def route(stream: MeshStream):
+        return budgets.admit(stream, "slow/1", reply_then_linger)
+
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "a", nursery, on_stream=route) as (a, addr),
+        node(env, "m", nursery, listen=False) as (m, _),
+    ):
+        await m.dial(addr, peer_id=a.peer_id)
+        with trio.fail_after(30):
+            for _ in range(3):
+                await hash_exchange(await m.open_stream(a.peer_id, "slow/1"), [b"next"])
+            assert budgets.refused["slow/1"] == 0
+            await wait_for(lambda: lingering == 3)
+            assert budgets.open_streams(m.peer_id, "slow/1") == 0
+        nursery.cancel_scope.cancel()
+
+
 def test_a_budget_is_at_least_one_stream():
     with pytest.raises(ValueError):
         StreamBudgets({"x/1": 0})
