@@ -8,17 +8,20 @@ the time until every view is full, then until every member has spread every join
 it does (`quiet_after_s`, and the bytes each sent per second until then); bytes each member
 sends per second in a steady minute (the messages' encoded size, and with the overlay's
 framing modelled); the time after one more member joins until its view is full and every view
-lists it; the time after a member crashes until every other declares it dead; and, with 1% of
-messages lost, how many members any view declared dead falsely over `--loss-minutes` virtual
-minutes.
+lists it; the time after a member crashes until every other declares it dead (`--crashes`
+members, one after another: the median and the longest); and, with 1% of messages lost, how
+many members any view declared dead falsely over `--loss-minutes` virtual minutes, and how
+many times a member had to refute a suspicion of itself.
 
-    .venv/bin/python bench/swim.py [--sizes 10,100,300,1000] [--loss-minutes 10] [--out PATH]
+    .venv/bin/python bench/swim.py [--sizes 10,100,300,1000] [--loss-minutes 10] [--crashes 5]
+        [--signed] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -37,7 +40,7 @@ def _wait(bus: SwimBus, done, limit: float, step: float = 0.05) -> float:
     return round(bus.now - start, 2) if done() else float("inf")
 
 
-def run(n: int, loss_minutes: float, seed: int, signed: bool = False) -> dict:
+def run(n: int, loss_minutes: float, seed: int, signed: bool = False, crashes: int = 5) -> dict:
     """`signed`: members with identities, signed updates and the wire codec (`SwimBus`)."""
     t0 = time.perf_counter()
     bus = SwimBus(seed=seed, signed=signed)
@@ -61,9 +64,12 @@ def run(n: int, loss_minutes: float, seed: int, signed: bool = False) -> dict:
     everyone.add(newcomer)
     joined = _wait(bus, lambda: bus.views_complete(everyone), 60)
 
-    victim = names[n // 2]
-    bus.crash(victim)
-    dead = _wait(bus, lambda: bus.dead_everywhere(victim), 60)
+    dead = []
+    for i in range(min(crashes, n - 2)):
+        victim = names[(n // 2 + i * 7919) % n]
+        bus.crash(victim)
+        dead.append(_wait(bus, lambda v=victim: bus.dead_everywhere(v), 60))
+        bus.run_until(bus.now + 5)
     row = {
         "members": n,
         "signed": signed,
@@ -74,7 +80,9 @@ def run(n: int, loss_minutes: float, seed: int, signed: bool = False) -> dict:
         "sent_bytes_per_member_s_max": round(max(sent) / window),
         "wire_bytes_per_member_s": round(sum(wire) / n / window),
         "join_seen_everywhere_s": joined,
-        "crash_dead_everywhere_s": dead,
+        "crash_dead_everywhere_s": max(dead),
+        "crash_dead_median_s": statistics.median(dead),
+        "crashes": len(dead),
     }
     # what is measured so far, before the long loss phase (a run stopped there keeps it)
     so_far = {**row, "so_far": True, "wall_s": round(time.perf_counter() - t0, 1)}
@@ -83,10 +91,14 @@ def run(n: int, loss_minutes: float, seed: int, signed: bool = False) -> dict:
     # 1% loss: false deaths are deaths of members that did not crash
     bus.loss = 0.01
     before = len(bus.deaths)
+    incarnations = {k: m.incarnation for k, m in bus.members.items()}
     bus.run_until(bus.now + loss_minutes * 60)
     false = {m for _, _, m in bus.deaths[before:] if m not in bus.crashed}
     row["loss_minutes"] = loss_minutes
     row["false_deaths_at_1pct_loss"] = len(false)
+    row["refutations_at_1pct_loss"] = sum(
+        m.incarnation - incarnations[k] for k, m in bus.members.items() if k not in bus.crashed
+    )
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     return row
 
@@ -96,6 +108,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="10,100,300,1000")
     ap.add_argument("--loss-minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--crashes", type=int, default=5, help="members crashed one after another")
     ap.add_argument(
         "--signed", action="store_true", help="signed updates and records, through the codec"
     )
@@ -103,7 +116,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        rows.append(run(n, args.loss_minutes, args.seed, args.signed))
+        rows.append(run(n, args.loss_minutes, args.seed, args.signed, args.crashes))
         print(json.dumps(rows[-1]), file=sys.stderr)
     result_file.print_table(rows)
     result_file.write(

@@ -4,9 +4,12 @@ Lifeguard's suspicion, and changes spread by piggybacking on the probes (sans-IO
 Each member keeps, for every other, an *incarnation* (raised only by that member, to refute a
 suspicion of itself), a state (alive, suspect, dead) and the version of its record. Every
 `probe_interval` it probes one member (round robin through a shuffled list): a PING, answered
-by an ACK within `probe_timeout`; without one, it asks `indirect` other members to probe the
-target for it (PING-REQ), and without any answer by the end of the period it *suspects* the
-target. A suspicion turns into a death after a timeout that starts at `suspicion_max` and
+by an ACK within a timeout fitted to the round trips measured to it (`rtt_timeouts` of them,
+at most `probe_timeout`); without one, it asks `indirect` other members to probe the target
+for it (PING-REQ), and without any answer within `indirect_timeout` more it *suspects* the
+target. The indirect probes cross two links each way, which between continents take most of
+a second: they run on while the next probes start, so that a lost PING or ACK (a probe in
+fifty at 1% loss) is not a suspicion. A suspicion turns into a death after a timeout that starts at `suspicion_max` and
 shrinks toward `suspicion_min` as other members' suspicions of the same target arrive
 (Lifeguard's confirmations). A member that hears it is suspected raises its incarnation and
 says it is alive, which outranks the suspicion everywhere.
@@ -45,10 +48,13 @@ class State(Enum):
 
 @dataclass(frozen=True)
 class SwimConfig:
-    probe_interval: float = 0.5
-    probe_timeout: float = 0.4  # a direct PING's ACK, then PING-REQs for the rest of the period
+    probe_interval: float = 0.4
+    probe_timeout: float = 0.4  # the longest a direct PING's ACK is waited for, then PING-REQs
+    rtt_timeouts: float = 3.0  # the direct wait, in smoothed round trips to the target
+    min_probe_timeout: float = 0.05
     indirect: int = 3  # members asked to probe a silent target
-    suspicion_min: float = 1.5
+    indirect_timeout: float = 0.8  # the PING-REQs' answers: two links there and back
+    suspicion_min: float = 1.0
     suspicion_max: float = 3.0
     confirmations: int = 3  # suspicions by others that bring the timeout to its minimum
     retransmit: int = 3  # an update rides on retransmit x log2(N + 1) messages
@@ -107,6 +113,18 @@ class Message:
 
 
 @dataclass
+class _Probe:
+    """A probe of `target` under way: direct until `direct_until`, then indirect until
+    `judged_at`, when it is suspected unless an ACK came."""
+
+    target: str
+    started: float
+    direct_until: float
+    judged_at: float
+    indirect_sent: bool = False
+
+
+@dataclass
 class Member:
     incarnation: int
     state: State
@@ -118,6 +136,8 @@ class Member:
     issuer: str = ""  # who vouched for the current state, and its proof (passed on in tables)
     proof: bytes = b""
 
+
+_RELAYS = 1024  # PING-REQs relayed and not answered yet, kept at most
 
 Out = list[tuple[str, Message]]
 # Attaches this member's proof to an update it issues (its alive, its suspicions and deaths).
@@ -171,13 +191,12 @@ class Swim:
         self._sent: dict[tuple[str, str], int] = {}  # (subject, kind) -> its bucket
         self._order: list[str] = []
         self._seq = 0
-        self._probe: tuple[int, str, float] | None = None  # (seq, target, started)
-        self._acked = False
+        self._probes: dict[int, _Probe] = {}  # our ping seq -> the probe under way
+        self._rtt: dict[str, float] = {}  # smoothed round trip of our direct probes, by member
         self._relays: dict[int, tuple[str, int]] = {}  # our seq -> (asker, its seq)
         self._next_probe = now + self.rng.uniform(0, self.config.probe_interval)
         self._next_gossip = now
         self._next_sync = now + self.rng.uniform(0, self.config.sync_interval)
-        self._indirect_sent = False
         self._wants: set[str] = set()  # members whose newer record this member lacks
         # The table's digest: the XOR of its rows' hashes, kept as rows change.
         self._digest = _row_hash((self.me, incarnation, 0, 0))
@@ -230,6 +249,7 @@ class Swim:
             self._live_at[member] = len(self._live)
             self._live.append(member)
         elif was_live and not live:
+            self._rtt.pop(member, None)
             i = self._live_at.pop(member)
             last = self._live.pop()
             if last != member:
@@ -315,31 +335,28 @@ class Swim:
             x = self.members[m]
             if now >= x.deadline:
                 self._apply(self._issue(Update(m, x.incarnation, State.DEAD, self.me)), now)
-        if self._probe is not None:
-            seq, target, started = self._probe
-            if not self._acked and not self._indirect_sent and now >= started + c.probe_timeout:
-                self._indirect_sent = True
-                helpers = [m for m in self._live_others() if m != target]
+        for seq, p in sorted(self._probes.items()):
+            if not p.indirect_sent and now >= p.direct_until:
+                p.indirect_sent = True
+                helpers = [m for m in self._live_others() if m != p.target]
                 for h in self.rng.sample(helpers, min(c.indirect, len(helpers))):
-                    out.append((h, Message("ping-req", seq, target, self._piggyback())))
-            if now >= started + c.probe_interval:
-                if not self._acked and target in self.members:
-                    x = self.members[target]
-                    if x.state == State.ALIVE:
-                        suspicion = Update(target, x.incarnation, State.SUSPECT, self.me)
-                        self._apply(self._issue(suspicion), now)
-                self._probe = None
-        if self._probe is None and now >= self._next_probe:
+                    out.append((h, Message("ping-req", seq, p.target, self._piggyback())))
+            if now >= p.judged_at:
+                del self._probes[seq]
+                x = self.members.get(p.target)
+                # Unanswered: a suspicion of ours, or our confirmation of another's (which
+                # brings the suspicion's timeout toward its minimum everywhere).
+                if x is not None and (
+                    x.state == State.ALIVE
+                    or (x.state == State.SUSPECT and self.me not in x.suspectors)
+                ):
+                    suspicion = Update(p.target, x.incarnation, State.SUSPECT, self.me)
+                    self._apply(self._issue(suspicion), now)
+        if now >= self._next_probe:
             target = self._next_target()
             self._next_probe = now + c.probe_interval
             if target is not None:
-                self._seq += 1
-                self._probe, self._acked, self._indirect_sent = (
-                    (self._seq, target, now),
-                    False,
-                    False,
-                )
-                out.append((target, Message("ping", self._seq, updates=self._piggyback())))
+                out.append(self._start_probe(target, now))
         if now >= self._next_gossip:
             self._next_gossip = now + c.gossip_interval
             if self._sent:
@@ -360,11 +377,8 @@ class Swim:
         times = [self._next_probe, self._next_sync]
         if self._sent:
             times.append(self._next_gossip)
-        if self._probe is not None:
-            _, _, started = self._probe
-            if not self._acked and not self._indirect_sent:
-                times.append(started + self.config.probe_timeout)
-            times.append(started + self.config.probe_interval)
+        for p in self._probes.values():
+            times.append(p.judged_at if p.indirect_sent else p.direct_until)
         times += [self.members[m].deadline for m in self._suspects]
         times += [sent + self.config.probe_interval for _, sent in self._checks.values()]
         return min(times)
@@ -372,16 +386,37 @@ class Swim:
     def _live_others(self) -> list[str]:
         return self._live
 
+    def _start_probe(self, target: str, now: float) -> tuple[str, Message]:
+        self._seq += 1
+        wait = self._direct_timeout(target)
+        judged = now + wait + self.config.indirect_timeout
+        self._probes[self._seq] = _Probe(target, now, now + wait, judged)
+        return (target, Message("ping", self._seq, updates=self._piggyback()))
+
+    def _direct_timeout(self, target: str) -> float:
+        """How long a direct PING to `target` waits for its ACK: `rtt_timeouts` round trips
+        as measured, within [`min_probe_timeout`, `probe_timeout`]."""
+        c = self.config
+        rtt = self._rtt.get(target)
+        if rtt is None:
+            return c.probe_timeout
+        return min(c.probe_timeout, max(c.min_probe_timeout, c.rtt_timeouts * rtt))
+
     def _next_target(self) -> str | None:
-        while True:
-            if not self._order:
-                self._order = list(self._live_others())
-                self.rng.shuffle(self._order)
-                if not self._order:
-                    return None
-            m = self._order.pop()
-            if m in self.members and self.members[m].state != State.DEAD:
-                return m
+        """The next member of the shuffled round, skipping those dead or already under a
+        probe; None when there is none."""
+        probed = self._probing()
+        for refilled in (False, True):
+            while self._order:
+                m = self._order.pop()
+                x = self.members.get(m)
+                if x is not None and x.state != State.DEAD and m not in probed:
+                    return m
+            if refilled:
+                return None
+            self._order = list(self._live_others())
+            self.rng.shuffle(self._order)
+        return None
 
     # ----- messages -----
 
@@ -396,13 +431,19 @@ class Swim:
                 asker = self._relays.pop(msg.seq, None)
                 if asker is not None:
                     out.append((asker[0], Message("ack", asker[1], "", self._piggyback())))
-            elif self._probe is not None and msg.seq == self._probe[0]:
-                self._acked = True
+            elif msg.seq in self._probes:
+                p = self._probes.pop(msg.seq)
+                if p.target == source:  # the target's own ACK: a direct round trip
+                    sample = now - p.started
+                    was = self._rtt.get(source)
+                    self._rtt[source] = sample if was is None else 0.8 * was + 0.2 * sample
             elif self._checks.get(source, (None,))[0] == msg.seq:
                 del self._checks[source]  # it answers: the death was hearsay
         elif msg.kind == "ping-req":
             self._seq += 1
             self._relays[self._seq] = (source, msg.seq)
+            if len(self._relays) > _RELAYS:  # the oldest were never answered
+                del self._relays[next(iter(self._relays))]
             out.append((msg.target, Message("ping", self._seq, msg.target, self._piggyback())))
         elif msg.kind == "sync":
             if msg.digest != self.digest():
@@ -515,6 +556,8 @@ class Swim:
             and u.issuer not in x.suspectors
         ):
             self._suspect(x, u, now)  # another's suspicion confirms ours: a shorter timeout
+            if len(x.suspectors) <= self.config.confirmations + 1:
+                self._queue_update(u, confirmation=True)  # and the others count it too
         elif newer_record:
             self._take_record(x, u)
             self._queue_update(u)
@@ -540,14 +583,27 @@ class Swim:
         timeout = max(c.suspicion_min, c.suspicion_max - (c.suspicion_max - c.suspicion_min) * frac)
         start = now if first else x.since
         x.deadline = start + timeout
+        if first and u.issuer != self.me and u.subject not in self._probing():
+            # Confirmations come from members whose own probes fail: besides those the
+            # rounds bring, a few members (about `confirmations` + 1 of the mesh) probe a
+            # newly suspected member at once, so that a real failure reaches the shortest
+            # timeout without waiting on the rounds' luck.
+            if self.rng.random() < (c.confirmations + 1) / max(1, len(self._live)):
+                self._later.append(self._start_probe(u.subject, now))
+
+    def _probing(self) -> set[str]:
+        return {p.target for p in self._probes.values()}
 
     # ----- piggybacking -----
 
-    def _queue_update(self, u: Update) -> None:
+    def _queue_update(self, u: Update, *, confirmation: bool = False) -> None:
         """Spread `u`. A new record is announced by its version only: a member that lacks it
         pulls it from the one that told it (`pull`), so a record crosses each link about
-        once, not retransmit x log2(N + 1) times."""
-        key = (u.subject, "record" if u.record else "state")
+        once, not retransmit x log2(N + 1) times. A `confirmation` (another member's
+        suspicion of a member already suspected) spreads beside the suspicion, not in its
+        place."""
+        kind = f"confirm:{u.issuer}" if confirmation else "record" if u.record else "state"
+        key = (u.subject, kind)
         if u.record:
             u = replace(u, record=b"")
         was = self._sent.pop(key, None)

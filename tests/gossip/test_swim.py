@@ -87,6 +87,42 @@ def test_no_false_death_at_one_percent_loss():
     assert bus.views_complete(set(names))
 
 
+def test_a_lost_ping_or_ack_is_not_a_suspicion():
+    """Members in three cities, up to 200 ms apart: a probe whose PING or ACK is lost (one in
+    fifty at 1% loss) goes on through PING-REQs, whose answers cross two links each way and
+    come after the next probe has started. Almost no suspicion, so almost no refutation."""
+    bus, names = _mesh(40, seed=3)
+    bus.run_until(bus.now + 5)
+    before = {k: bus.members[k].incarnation for k in names}
+    bus.loss = 0.01
+    bus.run_until(bus.now + 120)
+    refuted = sum(bus.members[k].incarnation - before[k] for k in names)
+    assert refuted <= 2, refuted  # ~240 expected were a lost message a suspicion
+    assert bus.deaths == []
+
+
+def test_a_crash_is_confirmed_by_others_and_dead_soon_after_its_first_suspicion():
+    """Others' failed probes confirm a suspicion (spread beside it), which brings every
+    member's timeout toward `suspicion_min` instead of `suspicion_max`."""
+    bus, names = _mesh(60)
+    bus.run_until(bus.now + 5)
+    victim = names[23]
+    bus.crash(victim)
+    first, confirmed = None, 0  # when first suspected; the most suspectors one member heard
+    while not bus.dead_everywhere(victim):
+        assert bus.now < 60
+        bus.run_until(bus.now + 0.05)
+        rows = [bus.members[k].members[victim] for k in names if k != victim]
+        suspected = [x for x in rows if x.state == State.SUSPECT]
+        if suspected:
+            first = first or bus.now
+            confirmed = max(confirmed, *(len(x.suspectors) for x in suspected))
+    died = min(when for when, _, m in bus.deaths if m == victim)
+    c = bus.config
+    assert died - first < (c.suspicion_min + c.suspicion_max) / 2, (first, died)
+    assert confirmed > c.confirmations, confirmed
+
+
 def test_a_member_that_declares_others_dead_makes_them_suspect_no_more():
     bus, names = _mesh(30)
     hostile, victim = names[3], names[11]
