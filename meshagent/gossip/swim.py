@@ -9,9 +9,11 @@ at most `probe_timeout`); without one, it asks `indirect` other members to probe
 for it (PING-REQ), and without any answer within `indirect_timeout` more it *suspects* the
 target. The indirect probes cross two links each way, which between continents take most of
 a second: they run on while the next probes start, so that a lost PING or ACK (a probe in
-fifty at 1% loss) is not a suspicion. A suspicion turns into a death after a timeout that starts at `suspicion_max` and
-shrinks toward `suspicion_min` as other members' suspicions of the same target arrive
-(Lifeguard's confirmations). A member that hears it is suspected raises its incarnation and
+fifty at 1% loss) is not a suspicion. A suspicion turns into a death after a timeout that
+starts at `suspicion_max` and shrinks toward `suspicion_min` as other members' suspicions of
+the same target arrive (Lifeguard's confirmations: a member whose own probe of a suspect goes
+unanswered spreads its suspicion beside the first, and a few members probe a newly suspected
+member at once). A member that hears it is suspected raises its incarnation and
 says it is alive, which outranks the suspicion everywhere.
 
 Changes (a member alive at an incarnation, suspected, dead, a new record) are *updates*: each
@@ -583,13 +585,17 @@ class Swim:
         timeout = max(c.suspicion_min, c.suspicion_max - (c.suspicion_max - c.suspicion_min) * frac)
         start = now if first else x.since
         x.deadline = start + timeout
-        if first and u.issuer != self.me and u.subject not in self._probing():
-            # Confirmations come from members whose own probes fail: besides those the
-            # rounds bring, a few members (about `confirmations` + 1 of the mesh) probe a
-            # newly suspected member at once, so that a real failure reaches the shortest
-            # timeout without waiting on the rounds' luck.
-            if self.rng.random() < (c.confirmations + 1) / max(1, len(self._live)):
-                self._later.append(self._start_probe(u.subject, now))
+        # Confirmations come from members whose own probes fail: besides those the rounds
+        # bring, a few members (about `confirmations` + 1 of the mesh) probe a newly
+        # suspected member at once, so that a real failure reaches the shortest timeout
+        # without waiting on the rounds' luck.
+        if (
+            first
+            and u.issuer != self.me
+            and u.subject not in self._probing()
+            and self.rng.random() < (c.confirmations + 1) / max(1, len(self._live))
+        ):
+            self._later.append(self._start_probe(u.subject, now))
 
     def _probing(self) -> set[str]:
         return {p.target for p in self._probes.values()}
