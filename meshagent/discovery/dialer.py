@@ -1,4 +1,7 @@
-"""PeerDialer: keeps this node connected to every live member it has heard of.
+"""PeerDialer: keeps this node connected to every live member it has heard of, or, given a
+`keep` (membership by probes: `keep.py`), to the members that returns; others are dialled
+when a stream must go to them (`reach`), and a connection it opened to one of them is closed
+once it has carried nothing but membership for a while.
 
 Candidates come from mDNS, relay rendezvous, bootstrap addresses and gossip records. For a
 peer without a connection it tries the peer's direct addresses, then the relays it shares
@@ -34,14 +37,17 @@ import structlog
 import trio
 
 from meshagent.discovery import hearing, nat
+from meshagent.discovery.keep import IdleConnections
 from meshagent.discovery.punch import Outcome, punches, schedule, why_relayed
+from meshagent.gossip import swim_service
 from meshagent.gossip.membership import Membership
+from meshagent.gossip.swim_service import SwimService
 from meshagent.net.address import Address
 from meshagent.net.connection import DIRECT, RELAYED, Connection
 from meshagent.net.errors import DialError
 from meshagent.net.manager import ConnectionManager
 from meshagent.relay.errors import RelayError
-from meshagent.wire.errors import HandshakeError
+from meshagent.wire.errors import ErrorCode, HandshakeError
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +112,11 @@ class PeerDialer:
         config: DialerConfig | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        """With membership by probes (`gossip` a SwimService) the dialer keeps connections to
+        the members that `gossip.kept()` names and to peers not yet members; a connection it
+        opened to another, carrying no stream but membership's, is closed once it has been
+        so for `keep_config.idle_close` seconds; a stream to a peer without a connection
+        dials it (the overlay's `reach`)."""
         self.overlay = overlay
         self.gossip = gossip
         self.config = config or DialerConfig()
@@ -114,6 +125,16 @@ class PeerDialer:
         self._punch = punch
         self._my_nat = my_nat  # this agent's NAT kind as its relays see it (`nat.py`)
         self._relay_members = relay_members  # peers registered now at one of our relays
+        self._keep: Callable[[], set[str]] | None = None
+        self._idle = IdleConnections(0.0)
+        self._idle_labels: frozenset[str] = frozenset()
+        self.closed_idle = 0  # connections closed as idle and not kept
+        if isinstance(gossip, SwimService):
+            self._keep = gossip.kept
+            self._idle = IdleConnections(gossip.keep_config.idle_close)
+            self._idle_labels = frozenset({swim_service.LABEL})
+            overlay.reach = self.reach
+            gossip.on_tick = self.wake
         self._rng = rng or random.Random()
         self._candidates: dict[str, Candidate] = {}
         self._judging: set[str] = set()  # peers whose silence is being looked into
@@ -208,6 +229,10 @@ class PeerDialer:
 
     # ----- internals -----
 
+    def wake(self) -> None:
+        """Review the connections now (the kept set changed)."""
+        self._wake.set()
+
     def _from_gossip(self) -> None:
         if self.gossip is None:
             return
@@ -226,6 +251,7 @@ class PeerDialer:
         return since
 
     def _review(self, nursery: trio.Nursery, now: float) -> None:
+        kept = None if self._keep is None else self._keep()
         for c in self._candidates.values():
             if c.attempting:
                 continue
@@ -241,7 +267,7 @@ class PeerDialer:
                     nursery.start_soon(self._probe, c)
                 continue
             conn = self.overlay.connection(c.peer_id)
-            if conn is None and now >= c.next_attempt:
+            if conn is None and now >= c.next_attempt and self._wanted(c.peer_id, kept):
                 c.attempting = True
                 nursery.start_soon(self._connect, c)
             elif (
@@ -250,6 +276,31 @@ class PeerDialer:
                 c.attempting = True
                 c.next_upgrade = now + self.config.upgrade_interval
                 nursery.start_soon(self._upgrade, c)
+        if kept is not None:
+            self._close_idle(nursery, now, kept)
+
+    def _wanted(self, peer_id: str, kept: set[str] | None) -> bool:
+        """Whether to stay connected to `peer_id`: every peer without a `keep`; with one,
+        those it keeps, and a peer membership does not know yet (the connection is a join)."""
+        if kept is None or peer_id in kept:
+            return True
+        return self.gossip is not None and self.gossip.record_of(peer_id) is None
+
+    def _close_idle(self, nursery: trio.Nursery, now: float, kept: set[str]) -> None:
+        """Close the connections this node opened to peers it does not keep, once they
+        have carried nothing but membership for `idle_close` seconds."""
+        closable = {
+            conn.peer_id: conn
+            for conn in self.overlay.connections()
+            if conn.initiator
+            and not conn.draining
+            and self.overlay.connection(conn.peer_id) is conn
+            and all(label in self._idle_labels for label in conn.stream_labels())
+        }
+        for peer in self._idle.to_close(now, closable, kept):
+            self.closed_idle += 1
+            log.debug("dialer.idle_close", peer=peer)
+            nursery.start_soon(_close, closable[peer])
 
     async def _connect(self, c: Candidate) -> None:
         try:
@@ -491,3 +542,9 @@ class PeerDialer:
             except _DIAL_ERRORS as e:
                 log.info("dialer.relay_failed", peer=c.peer_id, relay=relay, error=str(e))
         return None
+
+
+async def _close(conn: Connection) -> None:
+    """Close an idle connection at once: what it carries is membership's, whose messages a
+    member takes as datagrams that may be lost."""
+    await conn.aclose(ErrorCode.NO_ERROR, "idle: not kept")

@@ -206,6 +206,9 @@ class Swim:
         self._live: list[str] = []
         self._live_at: dict[str, int] = {}
         self._suspects: set[str] = set()
+        # Whether a member can be sent to now (the agent: it has a connection to it); None:
+        # any. Gossip, PING-REQs and syncs go to members it says yes of, where there are any.
+        self.reachable: Callable[[str], bool] | None = None
         self.died: list[tuple[float, str]] = []  # (when, member) this member declared dead
 
     # ----- what the member knows -----
@@ -306,17 +309,14 @@ class Swim:
         """This member leaves: its own death at its incarnation, to `peers` members (they
         spread it). A restart outranks it with a later incarnation."""
         u = self._issue(Update(self.me, self.incarnation, State.DEAD, self.me))
-        live = self._live_others()
-        chosen = self.rng.sample(live, min(peers, len(live)))
-        return self._send([(m, Message("gossip", updates=(u,))) for m in chosen])
+        return self._send([(m, Message("gossip", updates=(u,))) for m in self._pick(peers)])
 
     def flush(self, now: float) -> Out:
         """The updates waiting now, to `fanout` members at once (not at the next tick)."""
         if not self._sent:
             return []
-        live = self._live_others()
         out: Out = []
-        for m in self.rng.sample(live, min(self.config.fanout, len(live))):
+        for m in self._pick(self.config.fanout):
             updates = self._piggyback()
             if updates:
                 out.append((m, Message("gossip", updates=updates)))
@@ -340,8 +340,7 @@ class Swim:
         for seq, p in sorted(self._probes.items()):
             if not p.indirect_sent and now >= p.direct_until:
                 p.indirect_sent = True
-                helpers = [m for m in self._live_others() if m != p.target]
-                for h in self.rng.sample(helpers, min(c.indirect, len(helpers))):
+                for h in self._pick(c.indirect, but=p.target):
                     out.append((h, Message("ping-req", seq, p.target, self._piggyback())))
             if now >= p.judged_at:
                 del self._probes[seq]
@@ -362,16 +361,14 @@ class Swim:
         if now >= self._next_gossip:
             self._next_gossip = now + c.gossip_interval
             if self._sent:
-                live = self._live_others()
-                for m in self.rng.sample(live, min(c.fanout, len(live))):
+                for m in self._pick(c.fanout):
                     updates = self._piggyback()
                     if updates:
                         out.append((m, Message("gossip", updates=updates)))
         if now >= self._next_sync:
             self._next_sync = now + c.sync_interval
-            live = self._live_others()
-            if live:
-                out.append((self.rng.choice(live), Message("sync", digest=self.digest())))
+            for m in self._pick(1):
+                out.append((m, Message("sync", digest=self.digest())))
         return self._send(out)
 
     def next_timer(self) -> float:
@@ -387,6 +384,23 @@ class Swim:
 
     def _live_others(self) -> list[str]:
         return self._live
+
+    def _pick(self, k: int, *, but: str | None = None) -> list[str]:
+        """`k` members drawn at random to send to (not `but`): of those `reachable` now,
+        where any is, else of every live member."""
+        live = self._live if but is None else [m for m in self._live if m != but]
+        if self.reachable is not None:
+            live = [m for m in live if self.reachable(m)] or live
+        return self.rng.sample(live, min(k, len(live)))
+
+    def upcoming(self, k: int) -> list[str]:
+        """The next `k` members this one will probe, in order (one that dies or is under a
+        probe then is skipped), so that a caller can connect to them ahead."""
+        if len(self._order) < k:
+            fresh = list(self._live_others())
+            self.rng.shuffle(fresh)
+            self._order = fresh + self._order  # the next round, after what is left of this
+        return self._order[-k:][::-1]
 
     def _start_probe(self, target: str, now: float) -> tuple[str, Message]:
         self._seq += 1
@@ -407,7 +421,7 @@ class Swim:
     def _next_target(self) -> str | None:
         """The next member of the shuffled round, skipping those dead or already under a
         probe; None when there is none."""
-        probed = self._probing()
+        probed = self.probing()
         for refilled in (False, True):
             while self._order:
                 m = self._order.pop()
@@ -592,12 +606,13 @@ class Swim:
         if (
             first
             and u.issuer != self.me
-            and u.subject not in self._probing()
+            and u.subject not in self.probing()
             and self.rng.random() < (c.confirmations + 1) / max(1, len(self._live))
         ):
             self._later.append(self._start_probe(u.subject, now))
 
-    def _probing(self) -> set[str]:
+    def probing(self) -> set[str]:
+        """The members a probe of this one is under way to."""
         return {p.target for p in self._probes.values()}
 
     # ----- piggybacking -----

@@ -3,17 +3,20 @@ the API of `GossipService`, so that placement, the dialer and the control API us
 
 Messages to a member go on one long-lived stream to it (`u32 length || message`, at most
 `swim_wire.MAX_MESSAGE` bytes), opened when the first is sent and reopened after a break; the
-replies come on the member's own stream back. A member without a connection here, or whose
-stream is backed up by `_OUTBOX` messages, does not get a message: the protocol takes that as
-it takes a lost datagram. A received message is decoded with its bounds (`swim_wire`), its
-updates checked against their issuers' signatures (`swim_proofs`), and a bad one ends its
-stream only. Every connection that comes up is a join:
-this agent asks that peer for its table (so two meshes that meet merge), and what it learns it
-spreads as SWIM does, piggybacked on its probes.
+replies come on the member's own stream back. The agent keeps connections to a bounded set of
+members (`keep`: those it is about to probe, a few at random, a few near; the dialer closes
+the others it opened once idle, `discovery/keep.py`), and gossip, PING-REQs and syncs go to
+members it is connected to. A message to a member without a connection dials it (at most
+`_DIALS` at once); one whose stream is backed up by `_OUTBOX` messages, or that cannot be
+sent, is dropped: the protocol takes that as it takes a lost datagram. A received message
+is decoded with its bounds (`swim_wire`), its updates checked against their issuers'
+signatures (`swim_proofs`), and a bad one ends its stream only. Every connection that comes
+up is a join: this agent asks that peer for its table (so two meshes that meet merge), and
+what it learns it spreads as SWIM does, piggybacked on its probes.
 
 The agent chooses it with `membership = "swim"` (config) or `--membership swim`; the default
-is still the heartbeat protocol (`service.py`) until the overlay keeps connections to a
-bounded set of peers (docs/gossip.md).
+is still the heartbeat protocol (`service.py`), which keeps a connection to every member
+(docs/gossip.md).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import structlog
 import trio
 
+from meshagent.discovery.keep import KeepConfig, KeepSet
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.service import LocalFields, Republisher
@@ -35,7 +39,7 @@ from meshagent.gossip.swim import Message, State, Swim, SwimConfig
 from meshagent.gossip.swim_proofs import SwimProofs
 from meshagent.gossip.swim_wire import MAX_MESSAGE, SwimWireError, decode, encode
 from meshagent.identity.keys import NodeIdentity
-from meshagent.net.coordinates import CoordinateKeeper
+from meshagent.net.coordinates import Coordinate, CoordinateKeeper, estimate_ms
 from meshagent.net.errors import ConnectionUnavailable, StreamResetError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
@@ -47,6 +51,7 @@ log = structlog.get_logger(__name__)
 LABEL = "swim/1"
 _SEND_TIMEOUT = 2.0
 _OUTBOX = 32  # messages waiting for one member's stream; more are dropped
+_DIALS = 8  # streams waiting for a connection to be dialled; a message past them is dropped
 _IDLE = 60.0  # seconds a stream to a member stays open with nothing to send
 FRAMING = Framing("membership message", 4, MAX_MESSAGE, error=SwimWireError)
 _RTT_REFRESH = 10.0  # our record's RTT figures are republished at most this often
@@ -74,6 +79,7 @@ class SwimService:
         local_fields: LocalFields | None = None,
         rng: random.Random | None = None,
         wall_clock: Callable[[], float] = time.time,
+        keep: KeepConfig | None = None,
     ) -> None:
         self.config = config or SwimConfig()
         self.identity = identity
@@ -91,6 +97,11 @@ class SwimService:
             sign=self.proofs.sign,
             verify=self.proofs.verify,
         )
+        self.swim.reachable = lambda m: overlay.connection(m) is not None
+        self.keep_config = keep or KeepConfig()
+        self._keep = KeepSet(self.keep_config, random.Random(self._rng.getrandbits(32)))
+        self.on_tick: Callable[[], None] | None = None  # after each tick (the dialer's wake)
+        self._dialing = 0  # streams waiting for a connection to be dialled
         self._fields: dict[str, Any] = {}
         self._record: SignedRecord | None = None
         self._parsed: dict[tuple[str, int], PeerRecord] = {}
@@ -231,6 +242,27 @@ class SwimService:
             await trio.sleep(0.05)
         log.info("gossip.left", told=len(out))
 
+    def kept(self) -> set[str]:
+        """The members to keep connections to: the next `lookahead` of the probe order and
+        those under a probe, a few at random, a few nearest by coordinates (`keep.py`)."""
+        pinned = {*self.swim.upcoming(self.keep_config.lookahead), *self.swim.probing()}
+        mine = self._coordinate(self.peer_id)
+
+        def estimate(m: str) -> float | None:
+            theirs = self._coordinate(m)
+            return None if mine is None or theirs is None else estimate_ms(mine, theirs)
+
+        return self._keep.choose(self.swim.alive_others(), estimate, pinned)
+
+    def _coordinate(self, peer_id: str) -> Coordinate | None:
+        if peer_id == self.peer_id:
+            record = self._record.record if self._record is not None else None
+        else:
+            record = self.record_of(peer_id)
+        if record is None or not record.coord:
+            return None
+        return Coordinate.from_wire(list(record.coord))
+
     # ----- service -----
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED):
@@ -244,6 +276,8 @@ class SwimService:
                 out = self._joins(now) + self.swim.tick(now)
                 self._dispatch(out)
                 self._after_change()
+                if self.on_tick is not None:
+                    self.on_tick()
                 wait = max(0.0, min(self.swim.next_timer(), now + 0.5) - _now())
                 with trio.move_on_after(wait):
                     await self._wake.wait()
@@ -314,10 +348,15 @@ class SwimService:
     def _post(self, dest: str, frame: bytes) -> None:
         """Queue `frame` on `dest`'s stream (opened now if there is none)."""
         assert self._nursery is not None
-        if self.overlay.connection(dest) is None:
-            self.dropped += 1  # no path to it now: as a lost datagram
-            return
+        connected = self.overlay.connection(dest) is not None
         box = self._outboxes.get(dest)
+        if (
+            box is None
+            and not connected
+            and (self.overlay.reach is None or self._dialing >= _DIALS)
+        ):
+            self.dropped += 1  # no path to it now, nor one to be dialled: a lost datagram
+            return
         if box is None:
             box, inbox = trio.open_memory_channel[bytes](_OUTBOX)
             self._outboxes[dest] = box
@@ -336,9 +375,13 @@ class SwimService:
         """Send what is queued for `dest` on one stream, until the stream breaks or the
         member has nothing for `_IDLE` seconds; a later message opens another."""
         stream: MeshStream | None = None
+        dialling = self.overlay.connection(dest) is None
+        self._dialing += dialling
         try:
             with trio.move_on_after(_SEND_TIMEOUT):
                 stream = await self.overlay.open_stream(dest, LABEL, window_bytes=MAX_MESSAGE)
+            self._dialing -= dialling
+            dialling = False
             if stream is None:
                 raise ConnectionUnavailable(f"no stream to {dest} within {_SEND_TIMEOUT:g} s")
             try:
@@ -362,6 +405,7 @@ class SwimService:
             self.failed += 1
             log.debug("gossip.send_failed", peer=dest, error=str(e))
         finally:
+            self._dialing -= dialling
             if self._outboxes.get(dest) is box:
                 del self._outboxes[dest]
             self.dropped += _drain(inbox)

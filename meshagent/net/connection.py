@@ -136,6 +136,10 @@ class Connection:
 
     # ----- public state -----
 
+    def stream_labels(self) -> list[str]:
+        """The labels of the streams open on it now."""
+        return [stream.label for stream in self._streams.values()]
+
     @property
     def initiator_peer_id(self) -> str:
         return self.local_peer_id if self.initiator else self.peer_id

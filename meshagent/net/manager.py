@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import errno
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -110,6 +110,9 @@ class ConnectionManager:
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
         self.listen_addresses: list[Address] = []
+        # Connects to a peer now (the dialer's `reach`), for a stream to a peer this node
+        # keeps no connection to (a bounded connection set); None: `open_stream` needs one.
+        self.reach: Callable[[str], Awaitable[None]] | None = None
 
     @property
     def peer_id(self) -> str:
@@ -186,8 +189,12 @@ class ConnectionManager:
         window_bytes: int | None = None,
         window_frames: int | None = None,
     ) -> MeshStream:
-        """Open a stream on the active connection to `peer_id`."""
+        """Open a stream on the active connection to `peer_id` (connected first by `reach`,
+        where there is none and a `reach` is set)."""
         conn = self._active.get(peer_id)
+        if conn is None and self.reach is not None:
+            await self.reach(peer_id)
+            conn = self._active.get(peer_id)
         if conn is None:
             raise ConnectionUnavailable(f"not connected to peer {peer_id}; dial it first")
         return await conn.open_stream(label, window_bytes=window_bytes, window_frames=window_frames)

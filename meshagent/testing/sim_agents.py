@@ -12,6 +12,7 @@ import trio
 
 from meshagent.discovery import hearing
 from meshagent.discovery.dialer import DialerConfig, PeerDialer
+from meshagent.discovery.keep import KeepConfig
 from meshagent.gossip import swim_service
 from meshagent.gossip.config import GossipConfig
 from meshagent.gossip.failure import PeerState
@@ -56,10 +57,12 @@ async def start_sim_agent(
     serve_gossip: Callable[[MeshStream], Awaitable[None]] | None = None,
     membership: str = "heartbeat",
     swim_config: SwimConfig | None = None,
+    keep: KeepConfig | None = None,
 ) -> SimAgent:
     """An agent named `name` on `net`; `serve_gossip` answers its inbound `gossip/1` streams
     in place of its gossip service (a hostile member's, say). `membership`: "swim" runs
-    membership by probes (`swim_service`) instead of the heartbeat protocol."""
+    membership by probes (`swim_service`) instead of the heartbeat protocol, with connections
+    to the set of members `keep` bounds (`discovery/keep.py`)."""
     identity = identity or NodeIdentity.generate()
     handlers = {}
 
@@ -97,6 +100,7 @@ async def start_sim_agent(
                         swim_config,
                         local_fields=fields,
                         rng=random.Random(seed + 1),
+                        keep=keep,
                     )
                     handlers[swim_service.LABEL] = serve_gossip or gossip.handle
                 else:

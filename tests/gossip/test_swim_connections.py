@@ -1,0 +1,106 @@
+"""Membership by probes keeps connections to a bounded set of members (`discovery/keep.py`),
+over the simulated overlay: every view is still full, a record change still reaches everyone
+and a crash is still dead everywhere within seconds, while each agent holds far fewer
+connections than there are members; a stream to a member it keeps no connection to dials it."""
+
+from __future__ import annotations
+
+import trio
+
+from meshagent.discovery import hearing
+from meshagent.discovery.keep import IdleConnections, KeepConfig, KeepSet
+from meshagent.gossip.failure import PeerState
+from meshagent.testing.sim_agents import start_sim_agent
+from meshagent.testing.sim_network import LinkSpec, SimNetwork
+
+N = 32
+KEEP = KeepConfig(random=2, near=1, lookahead=2, idle_close=1.0)
+
+
+async def _mesh(nursery):
+    net = SimNetwork(default=LinkSpec(latency=0.025), seed=2)
+    agents = [
+        await start_sim_agent(nursery, net, f"h{i}", seed=i, membership="swim", keep=KEEP)
+        for i in range(N)
+    ]
+    for x in agents[1:]:
+        x.dialer.offer(agents[0].peer_id, addresses=(str(agents[0].overlay.listen_addresses[0]),),
+                       source="bootstrap")  # fmt: skip
+    everyone = {a.peer_id for a in agents}
+    with trio.fail_after(30):
+        while not all(a.alive_view() == everyone for a in agents):
+            await trio.sleep(0.1)
+    return agents
+
+
+def _opened(agent) -> int:
+    return sum(1 for c in agent.overlay.connections() if c.initiator)
+
+
+async def test_a_mesh_on_a_bounded_connection_set_keeps_its_views_and_finds_crashes(
+    autojump_clock,
+):
+    async with trio.open_nursery() as nursery:
+        agents = await _mesh(nursery)
+        await trio.sleep(15)  # the joins' connections idle out
+        # What each agent opened: its kept members (2 random, 1 near, the next 2 probed),
+        # the probes under way, and the ones not idle long enough yet.
+        opened = [_opened(a) for a in agents]
+        total = [len(a.overlay.connections()) for a in agents]
+        assert max(opened) <= 8, opened
+        assert sum(total) / N < (N - 1) * 0.6, total
+        assert sum(a.dialer.closed_idle for a in agents) > N
+        # A change still reaches everyone.
+        a, c = agents[0], agents[-1]
+        a.gossip.update_local(mem_kv_bytes=4242)
+        with trio.fail_after(5):
+            while any(x.gossip.snapshot()[a.peer_id].record.mem_kv_bytes != 4242 for x in agents):
+                await trio.sleep(0.05)
+        # A stream to a member without a connection dials it.
+        far = next(x for x in agents[1:] if a.overlay.connection(x.peer_id) is None)
+        heard = await hearing.ask(a.overlay, far.peer_id, about=a.peer_id, timeout=5.0)
+        assert heard is not None and a.overlay.connection(far.peer_id) is not None
+        # A crash is dead everywhere within seconds, and no one else is suspected.
+        victim = agents[5]
+        rest = [x for x in agents if x is not victim]
+        victim.scope.cancel()
+        began = trio.current_time()
+        with trio.fail_after(15):
+            while not all(
+                x.gossip.snapshot(include_dead=True)[victim.peer_id].state is PeerState.DEAD
+                for x in rest
+            ):
+                await trio.sleep(0.05)
+        assert trio.current_time() - began < 5
+        await trio.sleep(10)
+        assert all(x.alive_view() == {y.peer_id for y in rest} for x in rest)
+        assert c.gossip.stats()["rejected"] == 0
+        nursery.cancel_scope.cancel()
+
+
+def test_the_random_picks_stay_while_they_live_and_are_drawn_again_when_they_die():
+    import random
+
+    keep = KeepSet(KeepConfig(random=3, near=2), random.Random(1))
+    members = [f"m{i}" for i in range(20)]
+    rtt = {m: float(i) for i, m in enumerate(members)}
+    first = keep.choose(members, rtt.get, pinned={"stage"})
+    assert {"m0", "m1", "stage"} <= first and len(first) <= 6
+    drawn = first - {"m0", "m1", "stage"}
+    again = keep.choose(members, rtt.get)
+    assert again == first - {"stage"}  # sticky: the same picks while they live
+    gone = sorted(drawn)[0]
+    members.remove(gone)
+    after = keep.choose(members, rtt.get)
+    assert gone not in after and len(after - {"m0", "m1"}) >= len(drawn - {"m0", "m1"})
+
+
+def test_an_unkept_connection_closes_only_after_idling_its_time():
+    idle = IdleConnections(3.0)
+    assert idle.to_close(0.0, {"a", "b"}, kept={"a"}) == []
+    assert idle.to_close(2.0, {"a", "b"}, kept={"a"}) == []
+    assert idle.to_close(3.0, {"a", "b"}, kept={"a"}) == ["b"]
+    # Busy again (not closable) or kept again: its idle time starts over.
+    assert idle.to_close(4.0, {"a"}, kept=set()) == []
+    assert idle.to_close(6.9, {"a", "b"}, kept=set()) == []
+    assert idle.to_close(7.0, {"a", "b"}, kept=set()) == ["a"]
