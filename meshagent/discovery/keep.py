@@ -24,7 +24,7 @@ class KeepConfig:
     random: int = 4  # members kept at random, drawn again as they die
     near: int = 4  # the members nearest by estimated RTT
     lookahead: int = 3  # the next members of the probe order, dialled before their probe
-    idle_close: float = 3.0  # seconds an unkept connection we opened may idle before it closes
+    idle_close: float = 1.0  # seconds an unkept connection we opened may idle before it closes
 
 
 class KeepSet:

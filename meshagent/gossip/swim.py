@@ -35,83 +35,12 @@ import hashlib
 import math
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-from enum import Enum
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import cbor2
 
-
-class State(Enum):
-    ALIVE = 0
-    SUSPECT = 1
-    DEAD = 2
-
-
-@dataclass(frozen=True)
-class SwimConfig:
-    probe_interval: float = 0.4
-    probe_timeout: float = 0.4  # the longest a direct PING's ACK is waited for, then PING-REQs
-    rtt_timeouts: float = 3.0  # the direct wait, in smoothed round trips to the target
-    min_probe_timeout: float = 0.05
-    indirect: int = 3  # members asked to probe a silent target
-    indirect_timeout: float = 0.8  # the PING-REQs' answers: two links there and back
-    suspicion_min: float = 1.0
-    suspicion_max: float = 3.0
-    confirmations: int = 3  # suspicions by others that bring the timeout to its minimum
-    retransmit: int = 3  # an update rides on retransmit x log2(N + 1) messages
-    gossip_interval: float = 0.2
-    fanout: int = 3
-    max_piggyback: int = 4096  # bytes of updates on one message
-    sync_interval: float = 10.0
-    signature_bytes: int = 64  # each update is signed by its issuer (counted in sizes)
-
-
-@dataclass(frozen=True)
-class Update:
-    """A change about `subject`: its state at an incarnation, with its record's version (and
-    the record itself, when it is new) from its own ALIVE."""
-
-    subject: str
-    incarnation: int
-    state: State
-    issuer: str
-    record_seq: int = 0
-    record: bytes = b""
-    # The issuer's signed item that vouches for the change (`swim_proofs.py`); empty on the
-    # simulated bus, where `SwimConfig.signature_bytes` stands for it.
-    proof: bytes = b""
-
-    def wire(self) -> list:
-        return [self.subject, self.incarnation, self.state.value, self.issuer, self.record_seq,
-                self.record, self.proof]  # fmt: skip
-
-    def size(self, signature: int) -> int:
-        return self.encoded_size + (0 if self.proof else signature)
-
-    @cached_property
-    def encoded_size(self) -> int:
-        """Its encoded size without the signature, computed once."""
-        return len(cbor2.dumps(self.wire()))
-
-
-@dataclass(frozen=True)
-class Message:
-    kind: str  # "ping", "ack", "ping-req", "gossip", "sync", "sync-reply"
-    seq: int = 0
-    target: str = ""  # a PING-REQ's target; an ACK relayed for one
-    updates: tuple[Update, ...] = ()
-    digest: bytes = b""  # a SYNC's digest of the table
-    entries: tuple[Update, ...] = ()  # a SYNC-REPLY's table
-    signature: int = 64
-
-    def size(self) -> int:
-        return self.encoded_size
-
-    @cached_property
-    def encoded_size(self) -> int:
-        head = len(cbor2.dumps([self.kind, self.seq, self.target, self.digest]))
-        return head + sum(u.size(self.signature) for u in (*self.updates, *self.entries))
+from meshagent.gossip.swim_messages import Message, State, SwimConfig, Update
+from meshagent.gossip.swim_updates import UpdateQueue
 
 
 @dataclass
@@ -188,9 +117,7 @@ class Swim:
         self.record = b""
         self.members: dict[str, Member] = {}
         self.bytes_sent = 0
-        # updates waiting to be piggybacked: by how often each was sent, oldest first
-        self._queue: list[dict[tuple[str, str], Update]] = []
-        self._sent: dict[tuple[str, str], int] = {}  # (subject, kind) -> its bucket
+        self._updates = UpdateQueue(self.config)  # updates waiting to be piggybacked
         self._order: list[str] = []
         self._seq = 0
         self._probes: dict[int, _Probe] = {}  # our ping seq -> the probe under way
@@ -224,7 +151,7 @@ class Swim:
     @property
     def pending_updates(self) -> int:
         """Updates still to be piggybacked (0: this member only probes and syncs)."""
-        return len(self._sent)
+        return len(self._updates)
 
     def state_of(self, member: str) -> State | None:
         x = self.members.get(member)
@@ -313,7 +240,7 @@ class Swim:
 
     def flush(self, now: float) -> Out:
         """The updates waiting now, to `fanout` members at once (not at the next tick)."""
-        if not self._sent:
+        if not self._updates:
             return []
         out: Out = []
         for m in self._pick(self.config.fanout):
@@ -360,7 +287,7 @@ class Swim:
                 out.append(self._start_probe(target, now))
         if now >= self._next_gossip:
             self._next_gossip = now + c.gossip_interval
-            if self._sent:
+            if self._updates:
                 for m in self._pick(c.fanout):
                     updates = self._piggyback()
                     if updates:
@@ -374,7 +301,7 @@ class Swim:
     def next_timer(self) -> float:
         """When `tick` has work next."""
         times = [self._next_probe, self._next_sync]
-        if self._sent:
+        if self._updates:
             times.append(self._next_gossip)
         for p in self._probes.values():
             times.append(p.judged_at if p.indirect_sent else p.direct_until)
@@ -618,52 +545,10 @@ class Swim:
     # ----- piggybacking -----
 
     def _queue_update(self, u: Update, *, confirmation: bool = False) -> None:
-        """Spread `u`. A new record is announced by its version only: a member that lacks it
-        pulls it from the one that told it (`pull`), so a record crosses each link about
-        once, not retransmit x log2(N + 1) times. A `confirmation` (another member's
-        suspicion of a member already suspected) spreads beside the suspicion, not in its
-        place."""
-        kind = f"confirm:{u.issuer}" if confirmation else "record" if u.record else "state"
-        key = (u.subject, kind)
-        if u.record:
-            u = replace(u, record=b"")
-        was = self._sent.pop(key, None)
-        if was is not None:
-            del self._queue[was][key]
-        if not self._queue:
-            self._queue.append({})
-        self._queue[0][key] = u
-        self._sent[key] = 0
+        self._updates.put(u, confirmation=confirmation)
 
     def _piggyback(self) -> tuple[Update, ...]:
-        """The updates that ride on the next message: those sent least first (the oldest of
-        them first), within the budget; each goes `retransmit` x log2(N + 1) times."""
-        if not self._sent:
-            return ()
-        limit = self.config.retransmit * max(1, math.ceil(math.log2(self._n() + 1)))
-        room, out, moved = self.config.max_piggyback, [], []
-        for count, bucket in enumerate(self._queue):
-            for key, u in bucket.items():
-                size = u.size(self.config.signature_bytes)
-                if size > room:
-                    if room < 64:
-                        break
-                    continue
-                room -= size
-                out.append(u)
-                moved.append((key, u, count))
-            if room < 64:
-                break
-        for key, u, count in moved:
-            del self._queue[count][key]
-            if count + 1 >= limit:
-                del self._sent[key]
-                continue
-            if len(self._queue) <= count + 1:
-                self._queue.append({})
-            self._queue[count + 1][key] = u
-            self._sent[key] = count + 1
-        return tuple(out)
+        return self._updates.take(self._n())
 
     def _send(self, out: Iterable[tuple[str, Message]]) -> Out:
         out = list(out)
