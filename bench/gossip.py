@@ -18,6 +18,10 @@ everywhere, a crash dead everywhere and false deaths at 1% loss, at sizes the ov
 reach here (a thousand).
 
     .venv/bin/python bench/gossip.py --sizes 10,100,300,1000 --membership swim
+    .venv/bin/python bench/gossip.py --sizes 10,30,60 --membership swim --no-bus
+
+Membership by probes keeps connections to a bounded set of members (`discovery/keep.py`); the
+connections each agent holds at the end of the window are reported.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ async def run_one(
         await trio.sleep(settle)  # the full mesh of connections, their RTTs in the records
 
         gossip0 = [a.gossip.bytes_sent for a in agents]
-        wire0 = [sum(c.bytes_sent for c in a.overlay.connections()) for a in agents]
+        wire0 = [_sent(a) for a in agents]
         worst_age = 0.0
         end = trio.current_time() + window
         while trio.current_time() < end:
@@ -74,11 +78,9 @@ async def run_one(
                 for pid, e in a.gossip.state.entries.items():
                     if pid != a.peer_id:
                         worst_age = max(worst_age, now - e.last_progress)
+        connections = [len(a.overlay.connections()) for a in agents]
         gossip = [a.gossip.bytes_sent - g for a, g in zip(agents, gossip0, strict=True)]
-        wire = [
-            sum(c.bytes_sent for c in a.overlay.connections()) - w
-            for a, w in zip(agents, wire0, strict=True)
-        ]
+        wire = [_sent(a) - w for a, w in zip(agents, wire0, strict=True)]
 
         victim = agents[n // 2]
         victim.scope.cancel()
@@ -95,9 +97,16 @@ async def run_one(
         "gossip_bytes_per_agent_s": round(sum(gossip) / n / window),
         "gossip_bytes_per_agent_s_max": round(max(gossip) / window),
         "overlay_bytes_per_agent_s": round(sum(wire) / n / window),
+        "connections_per_agent": round(sum(connections) / n, 1),
+        "connections_per_agent_max": max(connections),
         "worst_heartbeat_age_s": round(worst_age, 2) if membership != "swim" else None,
         "kill_detected_everywhere_s": round(detected, 2),
     }
+
+
+def _sent(agent) -> int:
+    """Bytes the agent's overlay has sent, on every connection it had (ended ones too)."""
+    return sum(t["sent"] for t in agent.overlay.traffic().values())
 
 
 def main() -> None:
@@ -115,6 +124,7 @@ def main() -> None:
         help="with --membership swim: the largest size run over the simulated overlay; every "
         "size also runs on the message bus (bench/swim.py's measures, signed, through the codec)",
     )
+    ap.add_argument("--no-bus", action="store_true", help="with --membership swim: overlay only")
     ap.add_argument("--loss-minutes", type=float, default=10.0, help="the bus's 1%% loss run")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gossip.json"))
     args = ap.parse_args()
@@ -124,7 +134,7 @@ def main() -> None:
     bus_rows: list[dict] = []
     sizes = [int(x) for x in args.sizes.split(",")]
     if args.membership == "swim":
-        for n in sizes:
+        for n in [] if args.no_bus else sizes:
             bus_rows.append(swim.run(n, args.loss_minutes, seed=1, signed=True))
             print(json.dumps(bus_rows[-1]), file=sys.stderr)
         sizes = [n for n in sizes if n <= args.overlay_max]

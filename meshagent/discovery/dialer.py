@@ -1,7 +1,7 @@
-"""PeerDialer: keeps this node connected to every live member it has heard of, or, given a
-`keep` (membership by probes: `keep.py`), to the members that returns; others are dialled
-when a stream must go to them (`reach`), and a connection it opened to one of them is closed
-once it has carried nothing but membership for a while.
+"""PeerDialer: keeps this node connected to every live member it has heard of or, with
+membership by probes, to the bounded set of members that membership keeps (`keep.py`); others
+are dialled when a stream must go to them (`reach`), and a connection it opened to one of them
+is closed once it has carried nothing but membership for a while.
 
 Candidates come from mDNS, relay rendezvous, bootstrap addresses and gossip records. For a
 peer without a connection it tries the peer's direct addresses, then the relays it shares
@@ -227,11 +227,11 @@ class PeerDialer:
         finally:
             self._nursery = None  # `lost` starts nothing once stopped
 
-    # ----- internals -----
-
     def wake(self) -> None:
         """Review the connections now (the kept set changed)."""
         self._wake.set()
+
+    # ----- internals -----
 
     def _from_gossip(self) -> None:
         if self.gossip is None:
