@@ -129,8 +129,10 @@ class PeerDialer:
         self._idle = IdleConnections(0.0)
         self._idle_labels: frozenset[str] = frozenset()
         self.closed_idle = 0  # connections closed as idle and not kept
+        self._quiet_for: Callable[[str], float] = lambda peer: float("inf")
         if isinstance(gossip, SwimService):
             self._keep = gossip.kept
+            self._quiet_for = gossip.quiet_for
             self._idle = IdleConnections(gossip.keep_config.idle_close)
             self._idle_labels = frozenset({swim_service.LABEL})
             overlay.reach = self.reach
@@ -296,6 +298,7 @@ class PeerDialer:
             and not conn.draining
             and self.overlay.connection(conn.peer_id) is conn
             and all(label in self._idle_labels for label in conn.stream_labels())
+            and self._quiet_for(conn.peer_id) >= self._idle.idle_close
         }
         for peer in self._idle.to_close(now, closable, kept):
             self.closed_idle += 1

@@ -2,14 +2,16 @@
 (membership by probes, `gossip/swim_service.py`), sans-IO.
 
 With the heartbeat protocol every agent gossips with every other, so the dialer keeps a
-connection to every member. Membership by probes needs far fewer: the members it is about to
-probe (dialled `lookahead` probes ahead, so the PING finds a connection), a few members drawn
-at random (kept while they live: they carry its gossip, and make the connection graph one
-that spreads), a few of the nearest by estimated RTT (so that network coordinates measure
-near peers as well as far ones), and whatever the caller pins (peers a probe is under way
-to, relays). Every other connection this agent opened is closed once it has carried nothing
-but membership for `idle_close` seconds; a connection another agent opened is that agent's
-to close. Streams to a peer without a connection dial it first (`ConnectionManager.reach`).
+connection to every member. Membership by probes needs far fewer: each agent keeps a few
+members drawn at random (kept while they live: the connection graph is then one that spreads
+gossip and holds together), a few of the nearest by estimated RTT among a sample of the mesh
+(so that network coordinates measure near peers as well as far ones), and whatever the caller
+pins (a probe under way). Each agent probes the members it is connected to, whichever side
+opened the connection, so every member is watched by at least the few it keeps itself and by
+those that keep it. Every other connection this agent opened (one dialled for a stream, a
+join) is closed once membership has said nothing on it for `idle_close` seconds and no other
+service's stream is open on it; a connection another agent opened is that agent's to close.
+Streams to a peer without a connection dial it first (`ConnectionManager.reach`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+_POOL = 8  # the nearest are looked for among this many members per one kept
+
 
 @dataclass(frozen=True)
 class KeepConfig:
     random: int = 4  # members kept at random, drawn again as they die
     near: int = 4  # the members nearest by estimated RTT
-    lookahead: int = 3  # the next members of the probe order, dialled before their probe
     idle_close: float = 1.0  # seconds an unkept connection we opened may idle before it closes
 
 
@@ -34,6 +37,10 @@ class KeepSet:
         self.config = config or KeepConfig()
         self._rng = rng or random.Random()
         self._random: list[str] = []
+        self._seen: set[str] = set()  # every member seen, for the random picks' sampling
+        self._near: list[str] = []
+        self._pool: list[str] = []  # the members the nearest are looked for among
+        self._jitter: dict[str, float] = {}
 
     def choose(
         self,
@@ -44,14 +51,42 @@ class KeepSet:
         """Of `members` (the others alive), the random and the nearest ones (`estimate_ms`:
         a member's estimated RTT, None where unknown), with `pinned` whatever they are."""
         alive = set(members)
+        k = self.config.random
+        # A uniform sample of the members seen (reservoir sampling: the i-th member seen
+        # takes a pick's place with chance k / i), so that the picks made while this agent
+        # knew few members (its contact at first) do not stay: kept while they live, else.
+        for m in sorted(alive - self._seen):
+            self._seen.add(m)
+            if len(self._random) < k:
+                self._random.append(m)
+            elif self._rng.random() < k / len(self._seen):
+                self._random[self._rng.randrange(k)] = m
         self._random = [m for m in self._random if m in alive]
-        if len(self._random) < self.config.random:
+        if len(self._random) < k:
             pool = sorted(alive.difference(self._random))
-            draw = min(self.config.random - len(self._random), len(pool))
+            draw = min(k - len(self._random), len(pool))
             self._random += self._rng.sample(pool, draw)
-        known = [(ms, m) for m in members if (ms := estimate_ms(m)) is not None]
-        near = [m for _, m in sorted(known)[: self.config.near]]
-        return {*self._random, *near, *pinned}
+        # The nearest of a sample of the mesh (drawn again as its members die), not of all:
+        # where RTTs are alike, every agent's nearest would be the same few.
+        self._pool = [m for m in self._pool if m in alive]
+        self._jitter = {m: f for m, f in self._jitter.items() if m in alive}
+        want = min(len(alive), _POOL * self.config.near)
+        if len(self._pool) < want:
+            rest = sorted(alive.difference(self._pool))
+            self._pool += self._rng.sample(rest, want - len(self._pool))
+        # Each estimate scaled by a factor of this agent's own (1-1.25) per member, so that
+        # of members about as near, agents pick different ones.
+        for m in self._pool:
+            self._jitter.setdefault(m, self._rng.uniform(1.0, 1.25))
+        known = [
+            (ms * self._jitter[m], m) for m in self._pool if (ms := estimate_ms(m)) is not None
+        ]
+        self._near = [m for _, m in sorted(known)[: self.config.near]]
+        return {*self._random, *self._near, *pinned}
+
+    def lasting(self) -> set[str]:
+        """The members kept for more than a probe: the random and the nearest ones."""
+        return {*self._random, *self._near}
 
 
 class IdleConnections:

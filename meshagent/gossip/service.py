@@ -372,10 +372,15 @@ class Republisher:
         local_fields: LocalFields | None,
         overlay: ConnectionManager,
         coordinate: CoordinateKeeper,
+        rtt_peers: Callable[[], set[str]] | None = None,
     ) -> None:
+        """`rtt_peers`: the peers whose RTTs to publish, of those connected (None: any); a
+        bounded connection set publishes its lasting connections', not the probes' brief
+        ones, so that its record does not change with every probe."""
         self.local_fields = local_fields
         self.overlay = overlay
         self.coordinate = coordinate
+        self.rtt_peers = rtt_peers
         self.published_rtts: dict[str, float] = {}
 
     def republish(
@@ -392,6 +397,7 @@ class Republisher:
             self.published_rtts,
             self.coordinate,
             record_of,
+            None if self.rtt_peers is None else self.rtt_peers(),
         )
         if changed or current is None:
             try:
@@ -407,6 +413,7 @@ def fields_to_publish(
     published_rtts: dict[str, float],
     coordinate: CoordinateKeeper,
     record_of: Callable[[str], PeerRecord | None],
+    rtt_peers: set[str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """What of our record to republish (the caller's dynamic fields that changed, our RTTs to
     the `MAX_PUBLISHED_RTTS` nearest peers where they moved enough, our coordinate where it
@@ -416,7 +423,7 @@ def fields_to_publish(
     measured = {
         link.peer_id: round(link.rtt.smoothed * 1000, 2)
         for link in overlay.links()
-        if link.rtt.smoothed is not None
+        if link.rtt.smoothed is not None and (rtt_peers is None or link.peer_id in rtt_peers)
     }
     for peer, ms in sorted(measured.items()):
         record = record_of(peer)

@@ -320,15 +320,6 @@ class Swim:
             live = [m for m in live if self.reachable(m)] or live
         return self.rng.sample(live, min(k, len(live)))
 
-    def upcoming(self, k: int) -> list[str]:
-        """The next `k` members this one will probe, in order (one that dies or is under a
-        probe then is skipped), so that a caller can connect to them ahead."""
-        if len(self._order) < k:
-            fresh = list(self._live_others())
-            self.rng.shuffle(fresh)
-            self._order = fresh + self._order  # the next round, after what is left of this
-        return self._order[-k:][::-1]
-
     def _start_probe(self, target: str, now: float) -> tuple[str, Message]:
         self._seq += 1
         wait = self._direct_timeout(target)
@@ -347,17 +338,23 @@ class Swim:
 
     def _next_target(self) -> str | None:
         """The next member of the shuffled round, skipping those dead or already under a
-        probe; None when there is none."""
+        probe; None when there is none. With `reachable`, the round is of the members it
+        says yes of (the agent's connections: each member is probed by those connected to
+        it), where there are any."""
         probed = self.probing()
+        near = self.reachable
         for refilled in (False, True):
             while self._order:
                 m = self._order.pop()
                 x = self.members.get(m)
-                if x is not None and x.state != State.DEAD and m not in probed:
+                if x is None or x.state == State.DEAD or m in probed:
+                    continue
+                if near is None or near(m) or not any(map(near, self._live)):
                     return m
             if refilled:
                 return None
-            self._order = list(self._live_others())
+            live = list(self._live_others())
+            self._order = live if near is None else [m for m in live if near(m)] or live
             self.rng.shuffle(self._order)
         return None
 

@@ -44,6 +44,7 @@ from meshagent.net.errors import ConnectionUnavailable, StreamResetError
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.stream import MeshStream
 from meshagent.waiting import Generation
+from meshagent.wire.errors import ErrorCode
 from meshagent.wire.framing import Framing, LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
@@ -51,6 +52,7 @@ log = structlog.get_logger(__name__)
 LABEL = "swim/1"
 _SEND_TIMEOUT = 2.0
 _OUTBOX = 32  # messages waiting for one member's stream; more are dropped
+_LINK_SYNC = 2.0  # seconds between digest syncs with members newly connected
 _DIALS = 8  # streams waiting for a connection to be dialled; a message past them is dropped
 _IDLE = 60.0  # seconds a stream to a member stays open with nothing to send
 FRAMING = Framing("membership message", 4, MAX_MESSAGE, error=SwimWireError)
@@ -98,8 +100,6 @@ class SwimService:
             verify=self.proofs.verify,
         )
         self.swim.reachable = lambda m: overlay.connection(m) is not None
-        self.keep_config = keep or KeepConfig()
-        self._keep = KeepSet(self.keep_config, random.Random(self._rng.getrandbits(32)))
         self.on_tick: Callable[[], None] | None = None  # after each tick (the dialer's wake)
         self._dialing = 0  # streams waiting for a connection to be dialled
         self._fields: dict[str, Any] = {}
@@ -111,9 +111,16 @@ class SwimService:
         self._changes = Generation()
         self._wake = trio.Event()
         self._known_links: set[str] = set()
+        self._last_link_sync = -float("inf")
+        self.keep_config = keep or KeepConfig()
+        self._keep = KeepSet(self.keep_config, random.Random(self._rng.getrandbits(32)))
         self._republisher = Republisher(
-            local_fields, overlay, CoordinateKeeper(random.Random(self._rng.getrandbits(32)))
+            local_fields,
+            overlay,
+            CoordinateKeeper(random.Random(self._rng.getrandbits(32))),
+            rtt_peers=self._keep.lasting,
         )
+        self._exchanged: dict[str, float] = {}  # member -> when a message last went either way
         self._last_refresh = -float("inf")
         self._nursery: trio.Nursery | None = None
         self._outboxes: dict[str, trio.MemorySendChannel[bytes]] = {}
@@ -243,9 +250,9 @@ class SwimService:
         log.info("gossip.left", told=len(out))
 
     def kept(self) -> set[str]:
-        """The members to keep connections to: the next `lookahead` of the probe order and
-        those under a probe, a few at random, a few nearest by coordinates (`keep.py`)."""
-        pinned = {*self.swim.upcoming(self.keep_config.lookahead), *self.swim.probing()}
+        """The members to keep connections to: a few at random, a few nearest by
+        coordinates, and those under a probe (`keep.py`)."""
+        pinned = self.swim.probing()
         mine = self._coordinate(self.peer_id)
 
         def estimate(m: str) -> float | None:
@@ -253,6 +260,10 @@ class SwimService:
             return None if mine is None or theirs is None else estimate_ms(mine, theirs)
 
         return self._keep.choose(self.swim.alive_others(), estimate, pinned)
+
+    def quiet_for(self, peer_id: str) -> float:
+        """Seconds since a membership message last went to or came from `peer_id`."""
+        return _now() - self._exchanged.get(peer_id, -float("inf"))
 
     def _coordinate(self, peer_id: str) -> Coordinate | None:
         if peer_id == self.peer_id:
@@ -294,6 +305,7 @@ class SwimService:
                 frames.feed(chunk)
                 while (data := frames.next_frame()) is not None:
                     msg = decode(data)
+                    self._exchanged[peer] = _now()
                     self.bytes_received += FRAMING.width + len(data)
                     self.messages_received += 1
                     self._dispatch(self.swim.receive(_now(), peer, msg))
@@ -302,9 +314,10 @@ class SwimService:
                 raise SwimWireError("a membership stream ended inside a message")
             await stream.send_eof()
         except (SwimWireError, *_STREAM_ERRORS) as e:
-            self.failed += 1
-            log.info("gossip.message_refused", peer=peer, error=str(e))
-            stream.reset(f"membership message refused: {e}")
+            if not _closed(e):  # (else its connection closed, an idle one, say)
+                self.failed += 1
+                log.info("gossip.message_refused", peer=peer, error=str(e))
+                stream.reset(f"membership message refused: {e}")
         except Exception as e:  # a bug met by one stream ends that stream only
             self.failed += 1
             log.error("gossip.message_failed", peer=peer, error=repr(e), exc_info=e)
@@ -324,26 +337,33 @@ class SwimService:
         return got
 
     def _joins(self, now: float) -> list[tuple[str, Message]]:
-        """Compare tables with every peer newly connected: one it knows of already gets a
-        digest (and answers with its table only where they differ, records pulled as
-        needed); one it does not know of, a join (its whole table with records comes back,
-        and two meshes that meet merge)."""
+        """Compare tables with peers newly connected: one it does not know of gets a join
+        (its whole table with records comes back, and two meshes that meet merge); of those
+        it knows, one at most every `_LINK_SYNC` seconds gets a digest (and answers with its
+        table only where they differ, records pulled as needed), so that connections that
+        come back after a partition merge the two sides soon, while the short connections
+        of the probes cost nothing more."""
         links = {link.peer_id for link in self.overlay.links()}
         new = sorted(links - self._known_links)
         self._known_links = links
         out: list[tuple[str, Message]] = []
         for peer in new:
-            if peer in self.swim.members:
-                out += self.swim.sync_with(peer)
-            else:
+            if peer not in self.swim.members:
                 out += self.swim.join(peer, now)
+            elif now - self._last_link_sync >= _LINK_SYNC:
+                self._last_link_sync = now
+                out += self.swim.sync_with(peer)
         return out
 
     def _dispatch(self, out: list[tuple[str, Message]]) -> None:
         if self._nursery is None:
             return
+        now = _now()
         for dest, msg in out:
+            self._exchanged[dest] = now
             self._post(dest, FRAMING.encode(encode(msg)))
+        if len(self._exchanged) > 4 * max(64, len(self.swim.members)):
+            self._exchanged = {p: t for p, t in self._exchanged.items() if now - t < 60.0}
 
     def _post(self, dest: str, frame: bytes) -> None:
         """Queue `frame` on `dest`'s stream (opened now if there is none)."""
@@ -402,7 +422,7 @@ class SwimService:
                         pass
                 await stream.aclose()
         except (SwimWireError, trio.TooSlowError, *_STREAM_ERRORS) as e:
-            self.failed += 1
+            self.failed += not _closed(e)
             log.debug("gossip.send_failed", peer=dest, error=str(e))
         finally:
             self._dialing -= dialling
@@ -440,6 +460,11 @@ class SwimService:
 
 def _now() -> float:
     return trio.current_time()
+
+
+def _closed(e: BaseException) -> bool:
+    """Whether `e` is a stream's end with its connection's orderly close."""
+    return isinstance(e, StreamResetError) and e.code is ErrorCode.NO_ERROR
 
 
 def _drain(inbox: trio.MemoryReceiveChannel[bytes]) -> int:
