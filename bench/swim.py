@@ -29,6 +29,7 @@ from pathlib import Path
 
 import result_file
 
+from meshagent.discovery.keep import KeepConfig
 from meshagent.gossip.swim import SwimConfig
 from meshagent.testing.swim_bus import FRAME_BYTES, SwimBus
 
@@ -40,10 +41,18 @@ def _wait(bus: SwimBus, done, limit: float, step: float = 0.05) -> float:
     return round(bus.now - start, 2) if done() else float("inf")
 
 
-def run(n: int, loss_minutes: float, seed: int, signed: bool = False, crashes: int = 5) -> dict:
-    """`signed`: members with identities, signed updates and the wire codec (`SwimBus`)."""
+def run(
+    n: int,
+    loss_minutes: float,
+    seed: int,
+    signed: bool = False,
+    crashes: int = 5,
+    bounded: bool = False,
+) -> dict:
+    """`signed`: members with identities, signed updates and the wire codec (`SwimBus`);
+    `bounded`: members connected as agents are, on a bounded set each, probing those."""
     t0 = time.perf_counter()
-    bus = SwimBus(seed=seed, signed=signed)
+    bus = SwimBus(seed=seed, signed=signed, keep=KeepConfig() if bounded else None)
     names = bus.grow(n)
     everyone = set(names)
     formed = _wait(bus, lambda: bus.views_complete(everyone), 300, 0.25)
@@ -73,6 +82,7 @@ def run(n: int, loss_minutes: float, seed: int, signed: bool = False, crashes: i
     row = {
         "members": n,
         "signed": signed,
+        "bounded": bounded,
         "formed_s": formed,
         "quiet_after_s": quiet,
         "formation_bytes_per_member_s": round(formation),
@@ -108,6 +118,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="10,100,300,1000")
     ap.add_argument("--loss-minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--bounded",
+        action="store_true",
+        help="members connected as agents are, to a bounded set each (discovery/keep.py)",
+    )
     ap.add_argument("--crashes", type=int, default=5, help="members crashed one after another")
     ap.add_argument(
         "--signed", action="store_true", help="signed updates and records, through the codec"
@@ -116,7 +131,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        rows.append(run(n, args.loss_minutes, args.seed, args.signed, args.crashes))
+        rows.append(run(n, args.loss_minutes, args.seed, args.signed, args.crashes, args.bounded))
         print(json.dumps(rows[-1]), file=sys.stderr)
     result_file.print_table(rows)
     result_file.write(

@@ -524,16 +524,20 @@ class Swim:
         start = now if first else x.since
         x.deadline = start + timeout
         # Confirmations come from members whose own probes fail: besides those the rounds
-        # bring, a few members (about `confirmations` + 1 of the mesh) probe a newly
-        # suspected member at once, so that a real failure reaches the shortest timeout
-        # without waiting on the rounds' luck.
-        if (
-            first
-            and u.issuer != self.me
-            and u.subject not in self.probing()
-            and self.rng.random() < (c.confirmations + 1) / max(1, len(self._live))
-        ):
-            self._later.append(self._start_probe(u.subject, now))
+        # bring, a few members (about `confirmations` + 1 of those that probe it: the mesh,
+        # or with `reachable` the member's neighbours) probe a newly suspected member at
+        # once, so that a real failure reaches the shortest timeout without waiting on the
+        # rounds' luck.
+        if first and u.issuer != self.me and u.subject not in self.probing():
+            near = self.reachable
+            if near is None:
+                probers = len(self._live)
+            elif near(u.subject):
+                probers = sum(1 for m in self._live if near(m))  # ours, for its neighbours'
+            else:
+                probers = 0  # not a neighbour: its neighbours probe it
+            if probers and self.rng.random() < (c.confirmations + 1) / probers:
+                self._later.append(self._start_probe(u.subject, now))
 
     def probing(self) -> set[str]:
         """The members a probe of this one is under way to."""

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from nacl.signing import SigningKey
 
+from meshagent.discovery.keep import KeepConfig, KeepSet
 from meshagent.gossip import swim_wire
 from meshagent.gossip.peer_record import ModelHeld, PeerRecord
 from meshagent.gossip.signed import SignedRecord
@@ -28,6 +29,7 @@ from meshagent.gossip.swim_proofs import SwimProofs
 from meshagent.identity.keys import NodeIdentity
 from meshagent.testing.city_rtts import CITIES, rtt
 
+_KEEP_EVERY = 2.0  # seconds between a member's choices of its kept set
 FRAME_BYTES = 40  # per message over the overlay: AEAD tag, lengths, stream header
 MESH = "swim-bus-mesh"
 
@@ -41,8 +43,18 @@ class SwimBus:
         cities: int = 3,
         config: SwimConfig | None = None,
         signed: bool = False,
+        keep: KeepConfig | None = None,
     ) -> None:
+        """`keep`: members connected as agents are on a bounded set (`discovery/keep.py`):
+        each keeps a few members at random and the nearest by RTT, two members are connected
+        when either keeps the other, and each probes (and gossips to) those it is connected
+        to; a message to a member it is not connected to takes a dial first (1.5 RTT)."""
         self.signed = signed
+        self.keep = keep
+        self._keepers: dict[str, KeepSet] = {}
+        self.kept: dict[str, set[str]] = {}  # each member's kept set, as last chosen
+        self._kept_at: dict[str, float] = {}
+        self._kept_size: dict[str, int] = {}
         self.identities: dict[str, NodeIdentity] = {}
         self.records: dict[str, PeerRecord] = {}  # each signed member's record as published
         self.rng = random.Random(seed)
@@ -95,6 +107,11 @@ class SwimBus:
             m.publish(record.raw, self.now, record.seq)
         else:
             m = Swim(name, config=self.config, seed=seed, now=self.now)
+        if self.keep is not None:
+            self._keepers[name] = KeepSet(self.keep, random.Random(seed))
+            self.kept[name] = set()
+            self._kept_at[name] = -1.0
+            m.reachable = lambda other, me=name: self.connected(me, other)
         self.members[name] = m
         self.city[name] = self.rng.choice(self._cities)
         self.wire_bytes[name] = 0
@@ -149,6 +166,25 @@ class SwimBus:
                 self._events, (when, next(self._tie), "sync", k, self.rng.choice(other), None)
             )
 
+    def connected(self, a: str, b: str) -> bool:
+        """Whether `a` and `b` hold a connection: either keeps the other."""
+        return b in self.kept.get(a, ()) or a in self.kept.get(b, ())
+
+    def _choose_kept(self, name: str) -> None:
+        """`name` chooses its kept set again, as it ticks: every `_KEEP_EVERY` seconds, and
+        whenever its view has grown or shrunk by a tenth (as an agent's dialer reviews its
+        set at every probe)."""
+        m = self.members[name]
+        size = len(m.alive_others())
+        was = self._kept_size.get(name, 0)
+        if self.now - self._kept_at[name] < _KEEP_EVERY and abs(size - was) < max(2, was / 10):
+            return
+        self._kept_at[name] = self.now
+        self._kept_size[name] = size
+        self.kept[name] = self._keepers[name].choose(
+            m.alive_others(), lambda other: self.rtt_ms(name, other), m.probing()
+        )
+
     def rtt_ms(self, a: str, b: str) -> float:
         """The round trip between two members (ms), as their messages take it."""
         return 2000.0 * self._latency_base(a, b)
@@ -178,6 +214,8 @@ class SwimBus:
                 if a in self.crashed or self._scheduled.get(a) != when:
                     continue
                 del self._scheduled[a]
+                if self.keep is not None:
+                    self._choose_kept(a)
                 self._deliver(a, self.members[a].tick(when))
                 self._note_deaths(a)
                 self._reschedule(a)
@@ -219,6 +257,8 @@ class SwimBus:
             if self.side and self.side.get(dest, 0) != self.side.get(source, 0):
                 continue
             when = self.now + self._latency(source, dest)
+            if self.keep is not None and not self.connected(source, dest):
+                when += 3 * self._latency_base(source, dest)  # a dial first: 1.5 RTT
             heapq.heappush(self._events, (when, next(self._tie), "msg", dest, source, msg))
 
     # ----- what the members see -----
