@@ -6,10 +6,11 @@ connection to every member. Membership by probes needs far fewer: each agent kee
 members drawn at random (kept while they live: the connection graph is then one that spreads
 gossip and holds together), a few of the nearest by estimated RTT among a sample of the mesh
 (so that network coordinates measure near peers as well as far ones), and whatever the caller
-pins (a probe under way). Each agent probes the members it is connected to, whichever side
-opened the connection, so every member is watched by at least the few it keeps itself and by
-those that keep it. Every other connection this agent opened (one dialled for a stream, a
-join) is closed once membership has said nothing on it for `idle_close` seconds and no other
+pins (a probe under way). Each agent probes its neighbours: the members it keeps and those
+that opened a connection to it (which they keep, or close soon), so every member is watched
+by at least the few it keeps itself and by those that keep it; a connection it opened and
+does not keep (a join, one dialled for a stream or a PING-REQ) carries no probe, and is
+closed once membership has said nothing on it for `idle_close` seconds and no other
 service's stream is open on it; a connection another agent opened is that agent's to close.
 Streams to a peer without a connection dial it first (`ConnectionManager.reach`).
 """
@@ -41,6 +42,7 @@ class KeepSet:
         self._near: list[str] = []
         self._pool: list[str] = []  # the members the nearest are looked for among
         self._jitter: dict[str, float] = {}
+        self._lasting: frozenset[str] = frozenset()
 
     def choose(
         self,
@@ -82,11 +84,12 @@ class KeepSet:
             (ms * self._jitter[m], m) for m in self._pool if (ms := estimate_ms(m)) is not None
         ]
         self._near = [m for _, m in sorted(known)[: self.config.near]]
-        return {*self._random, *self._near, *pinned}
+        self._lasting = frozenset((*self._random, *self._near))
+        return {*self._lasting, *pinned}
 
-    def lasting(self) -> set[str]:
+    def lasting(self) -> frozenset[str]:
         """The members kept for more than a probe: the random and the nearest ones."""
-        return {*self._random, *self._near}
+        return self._lasting
 
 
 class IdleConnections:

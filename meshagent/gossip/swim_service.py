@@ -99,7 +99,7 @@ class SwimService:
             sign=self.proofs.sign,
             verify=self.proofs.verify,
         )
-        self.swim.reachable = lambda m: overlay.connection(m) is not None
+        self.swim.reachable = self._neighbour
         self.on_tick: Callable[[], None] | None = None  # after each tick (the dialer's wake)
         self._dialing = 0  # streams waiting for a connection to be dialled
         self._fields: dict[str, Any] = {}
@@ -260,6 +260,14 @@ class SwimService:
             return None if mine is None or theirs is None else estimate_ms(mine, theirs)
 
         return self._keep.choose(self.swim.alive_others(), estimate, pinned)
+
+    def _neighbour(self, peer_id: str) -> bool:
+        """Whether membership talks to `peer_id` on its own account (probes it, gossips
+        to it): a member this agent keeps and is connected to, or one that opened a
+        connection to it. A connection this agent opened and does not keep (a join, one
+        dialled for a stream) carries no probe of its own, so it falls quiet and closes."""
+        conn = self.overlay.connection(peer_id)
+        return conn is not None and (not conn.initiator or peer_id in self._keep.lasting())
 
     def quiet_for(self, peer_id: str) -> float:
         """Seconds since a membership message last went to or came from `peer_id`."""

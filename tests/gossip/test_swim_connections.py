@@ -45,11 +45,13 @@ async def test_a_mesh_on_a_bounded_connection_set_keeps_its_views_and_finds_cras
     async with trio.open_nursery() as nursery:
         agents = await _mesh(nursery)
         await trio.sleep(15)  # the joins' connections idle out
-        # What each agent opened: its kept members (2 random, 1 near), and a connection it
-        # dialled for a stream (its join, a PING-REQ's target) not yet idle for its second.
+        # What each agent opened: its kept members (2 random, 1 near), and the few it
+        # dialled for a message (a PING-REQ's target, a check) or kept before, not yet quiet
+        # for their second.
         opened = [_opened(a) for a in agents]
         total = [len(a.overlay.connections()) for a in agents]
-        assert max(opened) <= KEEP.random + KEEP.near + 2, opened
+        assert max(opened) <= KEEP.random + KEEP.near + 5, opened
+        assert sum(opened) / N <= KEEP.random + KEEP.near + 1, opened
         assert sum(total) / N < (N - 1) * 0.4, total
         # The agent everyone joined through keeps few of those joins.
         assert total[0] < (N - 1) / 2, total
