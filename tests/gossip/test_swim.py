@@ -4,6 +4,7 @@ records spread, and no false death under loss."""
 
 from __future__ import annotations
 
+from meshagent.discovery.keep import KeepConfig
 from meshagent.gossip.swim import Message, State, Update
 from meshagent.testing.swim_bus import SwimBus
 
@@ -51,6 +52,26 @@ def test_a_crash_is_dead_everywhere_within_five_seconds():
         assert bus.now < crashed + 5, "not dead everywhere within 5 s"
         bus.run_until(bus.now + 0.05)
     assert all(bus.members[k].members[victim].state == State.DEAD for k in rest)
+
+
+def test_on_a_bounded_set_of_connections_each_probes_its_neighbours_and_finds_a_crash():
+    """Members connected as agents are with a bounded set (`discovery/keep.py`: 4 random,
+    4 nearest, a connection where either keeps the other) probe only their neighbours, and a
+    crash is still dead everywhere within 5 s; no member is declared dead at 1% loss."""
+    bus = SwimBus(seed=4, keep=KeepConfig())
+    names = bus.grow(60)
+    everyone = set(names)
+    assert _run_until(bus, lambda: bus.views_complete(everyone), 30)
+    bus.run_until(bus.now + 10)
+    neighbours = [sum(bus.connected(a, b) for b in names if b != a) for a in names]
+    assert max(neighbours) < 30 and min(neighbours) >= 4, neighbours
+    bus.loss = 0.01
+    bus.run_until(bus.now + 60)
+    assert bus.deaths == []
+    victim = names[29]
+    bus.crash(victim)
+    crashed = bus.now
+    assert _run_until(bus, lambda: bus.dead_everywhere(victim), 5, step=0.05), bus.now - crashed
 
 
 def test_a_live_member_refutes_a_suspicion_of_itself():
