@@ -206,6 +206,8 @@ class SwimService:
         return {
             **self.stats(),
             "states": states,
+            # a crash is declared within about this after the first probe it fails
+            "dead_after_s": c.probe_timeout + c.indirect_timeout + c.suspicion_max,
             "timers": f"probes every {c.probe_interval:g} s, dead "
             f"{c.suspicion_min:g}-{c.suspicion_max:g} s after a suspicion",
         }
@@ -413,12 +415,19 @@ class SwimService:
             if stream is None:
                 raise ConnectionUnavailable(f"no stream to {dest} within {_SEND_TIMEOUT:g} s")
             try:
+                idle_since = _now()
                 while True:
                     frame: bytes | None = None
-                    with trio.move_on_after(_IDLE):
+                    # Looked at every half second: a connection that drains (its peer or
+                    # this agent stops, or it is replaced) ends the stream now, not after
+                    # its drain grace.
+                    with trio.move_on_after(0.5):
                         frame = await inbox.receive()
                     if frame is None:
-                        break
+                        if stream.connection.draining or _now() - idle_since >= _IDLE:
+                            break
+                        continue
+                    idle_since = _now()
                     with trio.fail_after(_SEND_TIMEOUT):
                         await stream.send_all(frame)
                     self.bytes_sent += len(frame)
@@ -452,6 +461,7 @@ class SwimService:
             if old != row:
                 if old is None or old[1] != x.state:
                     self._since[m] = now
+                    _log_state(m, x.state, old)
                 self._rows[m] = row
                 changed = True
         if changed:
@@ -468,6 +478,16 @@ class SwimService:
 
 def _now() -> float:
     return trio.current_time()
+
+
+def _log_state(member: str, state: State, old: tuple[int, State, int] | None) -> None:
+    """Log a member that joined, died or came back, as the heartbeat protocol does."""
+    if old is None and state != State.DEAD:
+        log.info("gossip.peer_joined", peer=member)
+    elif state == State.DEAD:
+        log.info("gossip.peer_dead", peer=member)
+    elif old is not None and old[1] == State.DEAD:
+        log.info("gossip.peer_back", peer=member)
 
 
 def _closed(e: BaseException) -> bool:

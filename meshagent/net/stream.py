@@ -20,6 +20,7 @@ class StreamCarrier(Protocol):
     peer_id: str
     session_id: str
     path: str
+    draining: bool  # it takes no new streams and closes once those open end
 
     def send_data(self, stream_id: int, view: memoryview) -> int:
         """Queue what credit allows of `view`; how many bytes were taken."""
