@@ -125,3 +125,17 @@ async def start_sim_agent(
     nursery.start_soon(serve)
     await ready.wait()
     return agent[0]
+
+
+async def crash_until_dead_everywhere(victim: SimAgent, rest: list[SimAgent]) -> float:
+    """Stop `victim` as a crash would and wait (15 s at most) until every agent of `rest`
+    holds it dead; the seconds that took."""
+    victim.scope.cancel()
+    began = trio.current_time()
+    with trio.fail_after(15):
+        while not all(
+            x.gossip.snapshot(include_dead=True)[victim.peer_id].state is PeerState.DEAD
+            for x in rest
+        ):
+            await trio.sleep(0.05)
+    return trio.current_time() - began

@@ -11,8 +11,7 @@ import trio
 
 from meshagent.discovery import hearing
 from meshagent.discovery.keep import IdleConnections, KeepConfig, KeepSet
-from meshagent.gossip.failure import PeerState
-from meshagent.testing.sim_agents import start_sim_agent
+from meshagent.testing.sim_agents import crash_until_dead_everywhere, start_sim_agent
 from meshagent.testing.sim_network import LinkSpec, SimNetwork
 
 N = 32
@@ -68,15 +67,7 @@ async def test_a_mesh_on_a_bounded_connection_set_keeps_its_views_and_finds_cras
         # A crash is dead everywhere within seconds, and no one else is suspected.
         victim = agents[5]
         rest = [x for x in agents if x is not victim]
-        victim.scope.cancel()
-        began = trio.current_time()
-        with trio.fail_after(15):
-            while not all(
-                x.gossip.snapshot(include_dead=True)[victim.peer_id].state is PeerState.DEAD
-                for x in rest
-            ):
-                await trio.sleep(0.05)
-        assert trio.current_time() - began < 5
+        assert await crash_until_dead_everywhere(victim, rest) < 5
         await trio.sleep(10)
         assert all(x.alive_view() == {y.peer_id for y in rest} for x in rest)
         assert c.gossip.stats()["rejected"] == 0

@@ -6,6 +6,8 @@ network."""
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 from structlog.testing import capture_logs
@@ -23,6 +25,19 @@ from tests.net.support import (
     node,
     quick,
 )
+
+
+@asynccontextmanager
+async def _served_and_member(env, route):
+    """Node "a", serving its streams by `route`, and member "m" connected to it."""
+    async with (
+        trio.open_nursery() as nursery,
+        node(env, "a", nursery, on_stream=route) as (a, addr),
+        node(env, "m", nursery, listen=False) as (m, _),
+    ):
+        await m.dial(addr, peer_id=a.peer_id)
+        yield a, m
+        nursery.cancel_scope.cancel()
 
 
 async def held_or_hashed(stream: MeshStream) -> None:
@@ -171,12 +186,7 @@ async def test_of_streams_that_arrive_together_the_first_ones_are_served(env, cl
     def route(stream: MeshStream):
         return budgets.admit(stream, "slow/1", hash_reply)
 
-    async with (
-        trio.open_nursery() as nursery,
-        node(env, "a", nursery, on_stream=route) as (a, addr),
-        node(env, "m", nursery, listen=False) as (m, _),
-    ):
-        await m.dial(addr, peer_id=a.peer_id)
+    async with _served_and_member(env, route) as (a, m):
         with trio.fail_after(30):
             for _ in range(12):  # arrival order kept every time, not by luck
                 streams = [await m.open_stream(a.peer_id, "slow/1") for _ in range(4)]
@@ -187,7 +197,6 @@ async def test_of_streams_that_arrive_together_the_first_ones_are_served(env, cl
                 for held in streams[:2]:
                     await hash_exchange(held, [b"first"])
                 await wait_for(lambda: budgets.open_streams(m.peer_id, "slow/1") == 0)
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_stream_the_peer_has_seen_end_no_longer_counts(env, clock):
@@ -206,19 +215,13 @@ async def test_a_stream_the_peer_has_seen_end_no_longer_counts(env, clock):
     def route(stream: MeshStream):
         return budgets.admit(stream, "slow/1", reply_then_linger)
 
-    async with (
-        trio.open_nursery() as nursery,
-        node(env, "a", nursery, on_stream=route) as (a, addr),
-        node(env, "m", nursery, listen=False) as (m, _),
-    ):
-        await m.dial(addr, peer_id=a.peer_id)
+    async with _served_and_member(env, route) as (a, m):
         with trio.fail_after(30):
             for _ in range(3):
                 await hash_exchange(await m.open_stream(a.peer_id, "slow/1"), [b"next"])
             assert budgets.refused["slow/1"] == 0
             await wait_for(lambda: lingering == 3)
             assert budgets.open_streams(m.peer_id, "slow/1") == 0
-        nursery.cancel_scope.cancel()
 
 
 def test_a_budget_is_at_least_one_stream():
