@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument(
         "--settle", type=float, default=30.0, help="virtual seconds after the views are full"
     )
-    ap.add_argument("--membership", choices=("heartbeat", "swim"), default="heartbeat")
+    ap.add_argument("--membership", choices=("heartbeat", "swim"), default="swim")
     ap.add_argument(
         "--overlay-max",
         type=int,

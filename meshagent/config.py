@@ -111,7 +111,7 @@ class AgentConfig:
     mdns: bool = True  # advertise and browse on the local network (not when listening on loopback)
     # how members know each other: "heartbeat" (gossip of heartbeats) or "swim" (probes,
     # docs/gossip.md); the gossip_interval, suspect_after and dead_after keys are heartbeat's
-    membership: str = "heartbeat"
+    membership: str = "swim"
     gossip_interval: float = 1.0  # seconds between heartbeats and gossip rounds
     suspect_after: float = 4.5  # seconds without a heartbeat before a peer is suspect
     dead_after: float = 8.0  # ...and before it is declared dead
@@ -243,7 +243,7 @@ CONFIG_TEMPLATE = """\
 # prefix_cache = "auto"
 # relays = ["relay.example.org:9339"]
 # mdns = true
-# membership = "heartbeat"              # or "swim": probes, a cost that does not grow with the mesh
+# membership = "swim"                   # or "heartbeat": a cost that grows with the mesh
 # gossip_interval = 1.0
 # suspect_after = 4.5
 # dead_after = 8.0

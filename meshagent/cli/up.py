@@ -214,7 +214,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--membership",
         choices=("heartbeat", "swim"),
         help=f"how members know each other (default {d.membership}; swim: by probes, at a "
-        "cost per agent that does not grow with the mesh; docs/gossip.md)",
+        "cost per agent that does not grow with the mesh; heartbeat: gossip of heartbeats "
+        "over a connection to every member; docs/gossip.md)",
     )
     p.add_argument(
         "--speculation",

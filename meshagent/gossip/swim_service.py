@@ -14,9 +14,9 @@ signatures (`swim_proofs`), and a bad one ends its stream only. Every connection
 up is a join: this agent asks that peer for its table (so two meshes that meet merge), and
 what it learns it spreads as SWIM does, piggybacked on its probes.
 
-The agent chooses it with `membership = "swim"` (config) or `--membership swim`; the default
-is still the heartbeat protocol (`service.py`), which keeps a connection to every member
-(docs/gossip.md).
+It is the agent's default (`membership = "swim"`, `--membership swim`); `--membership
+heartbeat` runs the heartbeat protocol (`service.py`) instead, which keeps a connection to
+every member (docs/gossip.md).
 """
 
 from __future__ import annotations
