@@ -128,7 +128,6 @@ class PeerDialer:
         self._keep: Callable[[], set[str]] | None = None
         self._idle = IdleConnections(0.0)
         self._idle_labels: frozenset[str] = frozenset()
-        self.closed_idle = 0  # connections closed as idle and not kept
         self._quiet_for: Callable[[str], float] = lambda peer: float("inf")
         if isinstance(gossip, SwimService):
             self._keep = gossip.kept
@@ -301,7 +300,6 @@ class PeerDialer:
             and self._quiet_for(conn.peer_id) >= self._idle.idle_close
         }
         for peer in self._idle.to_close(now, closable, kept):
-            self.closed_idle += 1
             log.debug("dialer.idle_close", peer=peer)
             nursery.start_soon(_close, closable[peer])
 

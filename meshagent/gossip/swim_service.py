@@ -4,9 +4,9 @@ the API of `GossipService`, so that placement, the dialer and the control API us
 Messages to a member go on one long-lived stream to it (`u32 length || message`, at most
 `swim_wire.MAX_MESSAGE` bytes), opened when the first is sent and reopened after a break; the
 replies come on the member's own stream back. The agent keeps connections to a bounded set of
-members (`keep`: those it is about to probe, a few at random, a few near; the dialer closes
-the others it opened once idle, `discovery/keep.py`), and gossip, PING-REQs and syncs go to
-members it is connected to. A message to a member without a connection dials it (at most
+members (`kept`: a few at random, a few near, those under a probe; the dialer closes the
+others it opened once quiet, `discovery/keep.py`), and probes, gossip, PING-REQs and syncs go
+to its neighbours (`_neighbour`). A message to a member without a connection dials it (at most
 `_DIALS` at once); one whose stream is backed up by `_OUTBOX` messages, or that cannot be
 sent, is dropped: the protocol takes that as it takes a lost datagram. A received message
 is decoded with its bounds (`swim_wire`), its updates checked against their issuers'
@@ -351,8 +351,8 @@ class SwimService:
         (its whole table with records comes back, and two meshes that meet merge); of those
         it knows, one at most every `_LINK_SYNC` seconds gets a digest (and answers with its
         table only where they differ, records pulled as needed), so that connections that
-        come back after a partition merge the two sides soon, while the short connections
-        of the probes cost nothing more."""
+        come back after a partition merge the two sides soon, while the short ones dialled
+        for a stream or a PING-REQ cost little more."""
         links = {link.peer_id for link in self.overlay.links()}
         new = sorted(links - self._known_links)
         self._known_links = links
@@ -404,14 +404,8 @@ class SwimService:
     ) -> None:
         """Send what is queued for `dest` on one stream, until the stream breaks or the
         member has nothing for `_IDLE` seconds; a later message opens another."""
-        stream: MeshStream | None = None
-        dialling = self.overlay.connection(dest) is None
-        self._dialing += dialling
         try:
-            with trio.move_on_after(_SEND_TIMEOUT):
-                stream = await self.overlay.open_stream(dest, LABEL, window_bytes=MAX_MESSAGE)
-            self._dialing -= dialling
-            dialling = False
+            stream = await self._open(dest)
             if stream is None:
                 raise ConnectionUnavailable(f"no stream to {dest} within {_SEND_TIMEOUT:g} s")
             try:
@@ -442,10 +436,21 @@ class SwimService:
             self.failed += not _closed(e)
             log.debug("gossip.send_failed", peer=dest, error=str(e))
         finally:
-            self._dialing -= dialling
             if self._outboxes.get(dest) is box:
                 del self._outboxes[dest]
             self.dropped += _drain(inbox)
+
+    async def _open(self, dest: str) -> MeshStream | None:
+        """A stream to `dest` (its connection dialled first where there is none, counted
+        in `_dialing` meanwhile), or None after `_SEND_TIMEOUT`."""
+        dialling = self.overlay.connection(dest) is None
+        self._dialing += dialling
+        try:
+            with trio.move_on_after(_SEND_TIMEOUT):
+                return await self.overlay.open_stream(dest, LABEL, window_bytes=MAX_MESSAGE)
+            return None
+        finally:
+            self._dialing -= dialling
 
     def _after_change(self) -> None:
         """Bump the generation if any member's row changed (placement waits on it)."""
