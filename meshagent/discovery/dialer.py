@@ -129,9 +129,11 @@ class PeerDialer:
         self._idle = IdleConnections(0.0)
         self._idle_labels: frozenset[str] = frozenset()
         self._quiet_for: Callable[[str], float] = lambda peer: float("inf")
+        self._link_lost: Callable[[str], None] = lambda peer: None
         if isinstance(gossip, SwimService):
             self._keep = gossip.kept
             self._quiet_for = gossip.quiet_for
+            self._link_lost = gossip.link_lost
             self._idle = IdleConnections(gossip.keep_config.idle_close)
             self._idle_labels = frozenset({swim_service.LABEL})
             overlay.reach = self.reach
@@ -179,7 +181,8 @@ class PeerDialer:
 
     def lost(self, conn: Connection) -> None:
         """The transport ended `conn` (the overlay's `on_lost`): find out now whether its
-        peer is gone."""
+        peer is gone (and membership probes it meanwhile, `SwimService.link_lost`)."""
+        self._link_lost(conn.peer_id)
         if self._nursery is not None and conn.path == DIRECT:
             self._nursery.start_soon(self._check_gone, conn.peer_id)
 

@@ -57,6 +57,7 @@ _DIALS = 8  # streams waiting for a connection to be dialled; a message past the
 _IDLE = 60.0  # seconds a stream to a member stays open with nothing to send
 FRAMING = Framing("membership message", 4, MAX_MESSAGE, error=SwimWireError)
 _RTT_REFRESH = 10.0  # our record's RTT figures are republished at most this often
+_LOST_PROBED = 30.0  # seconds a member whose connection broke is still probed without one
 _STATES = {
     State.ALIVE: PeerState.ALIVE,
     State.SUSPECT: PeerState.SUSPECT,
@@ -111,6 +112,9 @@ class SwimService:
         self._changes = Generation()
         self._wake = trio.Event()
         self._known_links: set[str] = set()
+        # Members whose connection to this agent broke (not closed in order): when, so
+        # that they are probed until found dead or connected again (`link_lost`).
+        self._lost: dict[str, float] = {}
         self._last_link_sync = -float("inf")
         self.keep_config = keep or KeepConfig()
         self._keep = KeepSet(self.keep_config, random.Random(self._rng.getrandbits(32)))
@@ -265,11 +269,24 @@ class SwimService:
 
     def _neighbour(self, peer_id: str) -> bool:
         """Whether membership talks to `peer_id` on its own account (probes it, gossips
-        to it): a member this agent keeps and is connected to, or one that opened a
-        connection to it. A connection this agent opened and does not keep (a join, one
+        to it): a member this agent keeps and is connected to, one that opened a connection
+        to it, or one whose connection broke lately (`link_lost`: a crash, probed until the
+        probes find it dead). A connection this agent opened and does not keep (a join, one
         dialled for a stream) carries no probe of its own, so it falls quiet and closes."""
         conn = self.overlay.connection(peer_id)
-        return conn is not None and (not conn.initiator or peer_id in self._keep.lasting())
+        if conn is None:
+            lost = self._lost.get(peer_id)
+            return lost is not None and _now() - lost < _LOST_PROBED
+        return not conn.initiator or peer_id in self._keep.lasting()
+
+    def link_lost(self, peer_id: str) -> None:
+        """The connection to `peer_id` broke without a close (the overlay's `on_lost`, by
+        way of the dialer): it stays a neighbour a while, so that this agent's probes (each
+        dialling it) find out whether it crashed. Without that a crash would go unprobed by
+        everyone connected to it, since each probes only its connections."""
+        x = self.swim.members.get(peer_id)
+        if x is not None and x.state != State.DEAD:
+            self._lost[peer_id] = _now()
 
     def quiet_for(self, peer_id: str) -> float:
         """Seconds since a membership message last went to or came from `peer_id`."""
@@ -297,6 +314,7 @@ class SwimService:
                 out = self._joins(now) + self.swim.tick(now)
                 self._dispatch(out)
                 self._after_change()
+                self._forget_lost(now)
                 if self.on_tick is not None:
                     self.on_tick()
                 wait = max(0.0, min(self.swim.next_timer(), now + 0.5) - _now())
@@ -451,6 +469,19 @@ class SwimService:
             return None
         finally:
             self._dialing -= dialling
+
+    def _forget_lost(self, now: float) -> None:
+        """Drop the broken links that are settled: the member is dead, connected again,
+        or was probed without one for `_LOST_PROBED` seconds."""
+        for m, when in list(self._lost.items()):
+            x = self.swim.members.get(m)
+            if (
+                x is None
+                or x.state == State.DEAD
+                or self.overlay.connection(m) is not None
+                or now - when >= _LOST_PROBED
+            ):
+                del self._lost[m]
 
     def _after_change(self) -> None:
         """Bump the generation if any member's row changed (placement waits on it)."""

@@ -112,3 +112,32 @@ def test_an_unkept_connection_closes_only_after_idling_its_time():
     assert idle.to_close(4.0, {"a"}, kept=set()) == []
     assert idle.to_close(6.9, {"a", "b"}, kept=set()) == []
     assert idle.to_close(7.0, {"a", "b"}, kept=set()) == ["a"]
+
+
+async def test_a_member_whose_connection_broke_is_probed_until_found_dead(autojump_clock):
+    """The probes find a crash on their own: with a connection gone, a member is still
+    probed by those that held one to it (here the dialer's own check cannot tell, as when
+    the crashed machine's address gives no answer), so it is dead everywhere in seconds."""
+    async with trio.open_nursery() as nursery:
+        net = SimNetwork(default=LinkSpec(latency=0.005), seed=3)
+        agents = [
+            await start_sim_agent(nursery, net, f"h{i}", seed=i, membership="swim")
+            for i in range(3)
+        ]
+        first = str(agents[0].overlay.listen_addresses[0])
+        for x in agents[1:]:
+            x.dialer.offer(agents[0].peer_id, addresses=(first,), source="bootstrap")
+        everyone = {a.peer_id for a in agents}
+        with trio.fail_after(30):
+            while not all(a.alive_view() == everyone for a in agents):
+                await trio.sleep(0.1)
+        await trio.sleep(5)
+
+        async def no_answer(address, *, timeout):
+            return None
+
+        for x in agents:
+            x.overlay.listening_at = no_answer
+        victim, rest = agents[2], agents[:2]
+        assert await crash_until_dead_everywhere(victim, rest) < 5
+        nursery.cancel_scope.cancel()
