@@ -42,15 +42,19 @@ class ClaimError(MeshError):
 
 
 def plan_digest(plan: Plan) -> str:
-    body = cbor2.dumps(
-        [
-            plan.model_id,
-            plan.context_tokens,
-            list(plan.replicas),
-            [[s.peer_id, s.start, s.end] for s in plan.stages],
-        ]
-    )
-    return hashlib.sha256(body).hexdigest()[:16]
+    fields: list[Any] = [
+        plan.model_id,
+        plan.context_tokens,
+        list(plan.replicas),
+        _wire_stages(plan.stages),
+    ]
+    if plan.chains:  # (a plan of one chain keeps the digest it had before chains)
+        fields.append([_wire_stages(c) for c in plan.chains])
+    return hashlib.sha256(cbor2.dumps(fields)).hexdigest()[:16]
+
+
+def _wire_stages(stages: tuple[StageAssignment, ...]) -> list[list[Any]]:
+    return [[s.peer_id, s.start, s.end] for s in stages]
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,10 @@ class Claim:
             3: self.proposer,
             4: p.context_tokens,
             5: list(p.replicas),
-            6: [[s.peer_id, s.start, s.end] for s in p.stages],
+            6: _wire_stages(p.stages),
             7: self.ready,
             8: p.est_token_ms,
+            **({9: [_wire_stages(c) for c in p.chains]} if p.chains else {}),
         }
 
     @classmethod
@@ -104,6 +109,7 @@ class Claim:
                 "placement claim's plan names replicas or stages, one of them: "
                 f"{len(replicas)} replicas and {len(stages)} stages"
             )
+        chains = _chains(d.get(9, []), n_layers, stages)
         ready = d.get(7)
         if type(ready) is not bool:
             raise ClaimError(f"placement claim's ready is {quoted(ready)}, not true or false")
@@ -117,6 +123,7 @@ class Claim:
             replicas=replicas,
             stages=stages,
             est_token_ms=float(est),
+            chains=chains,
         )
         proposer = _text(d.get(3), "proposer", MAX_PEER_ID)
         return cls(model, _int(d.get(2), "epoch", EPOCHS), proposer, plan, ready)
@@ -179,6 +186,33 @@ def _stages(v: Any, n_layers: int | None) -> tuple[StageAssignment, ...]:
     return tuple(stages)
 
 
+def _chains(
+    v: Any, n_layers: int | None, first: tuple[StageAssignment, ...]
+) -> tuple[tuple[StageAssignment, ...], ...]:
+    """A split's further chains: each as its stages are, no peer in two chains, and at most
+    `MAX_PEERS` peers in all."""
+    if not isinstance(v, list) or len(v) > MAX_PEERS:
+        shown = f"{len(v)} of them" if isinstance(v, list) else quoted(v)
+        raise ClaimError(
+            f"placement claim's chains ({shown}) are not a list of at most {MAX_PEERS}"
+        )
+    if v and not first:
+        raise ClaimError("placement claim names further chains of a model served whole")
+    chains = []
+    for c in v:
+        chain = _stages(c, n_layers)
+        if not chain:
+            raise ClaimError("placement claim names an empty chain")
+        chains.append(chain)
+    hosts = [s.peer_id for chain in (first, *chains) for s in chain]
+    if len(hosts) > MAX_PEERS:
+        raise ClaimError(
+            f"placement claim's chains name {len(hosts)} peers in all, more than {MAX_PEERS}"
+        )
+    _peers(hosts, "chains", "stage host")
+    return tuple(chains)
+
+
 def plan_in_force(claims: Mapping[str, Claim]) -> Claim | None:
     """The claim whose plan every agent follows: highest epoch, then lowest proposer id, then
     lowest plan digest (claims by peer id; all for one model)."""
@@ -205,17 +239,26 @@ def serving_peers(winner: Claim, claims: Mapping[str, Claim], alive: set[str]) -
 
 
 def routable(winner: Claim, claims: Mapping[str, Claim], alive: set[str]) -> bool:
-    """A split: every stage's peer serves its part of the plan in force. A model served
-    whole: at least one replica does (each replica serves on its own)."""
-    ready = serving_peers(winner, claims, alive)
+    """A split: every stage's peer of one chain at least serves its part of the plan in
+    force. A model served whole: at least one replica does (each replica serves on its
+    own)."""
     if winner.plan.split:
-        return len(ready) == len(winner.plan.peers)
-    return bool(ready)
+        return bool(serving_chains(winner, claims, alive))
+    return bool(serving_peers(winner, claims, alive))
+
+
+def serving_chains(
+    winner: Claim, claims: Mapping[str, Claim], alive: set[str]
+) -> tuple[tuple[StageAssignment, ...], ...]:
+    """The chains of a split in force whose every peer serves its part, in the plan's order."""
+    ready = set(serving_peers(winner, claims, alive))
+    return tuple(c for c in winner.plan.pipelines if all(s.peer_id in ready for s in c))
 
 
 def my_part(plan: Plan, peer_id: str) -> StageAssignment | None:
     """This peer's assignment in `plan`: its stage, or the whole model as 0..n, or None."""
-    for s in plan.stages:
-        if s.peer_id == peer_id:
-            return s
+    for chain in plan.pipelines:
+        for s in chain:
+            if s.peer_id == peer_id:
+                return s
     return None

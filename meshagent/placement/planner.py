@@ -18,7 +18,7 @@ its own measured speed; the exact cut counts it stage by stage.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshagent.errors import MeshError
 from meshagent.placement.costs import (
@@ -49,16 +49,34 @@ class Plan:
     model_id: str
     context_tokens: int
     replicas: tuple[str, ...] = ()  # whole-model hosts, fastest first
-    stages: tuple[StageAssignment, ...] = ()  # a split, in pipeline order
-    est_token_ms: float = 0.0
+    stages: tuple[StageAssignment, ...] = ()  # a split, in pipeline order (its first chain)
+    est_token_ms: float = 0.0  # of the first chain, for a split
+    # A split's further chains: each the whole model again over other peers, in pipeline
+    # order, serving requests on its own (throughput, as a whole model's replicas).
+    chains: tuple[tuple[StageAssignment, ...], ...] = ()
 
     @property
     def split(self) -> bool:
         return bool(self.stages)
 
     @property
+    def pipelines(self) -> tuple[tuple[StageAssignment, ...], ...]:
+        """A split's chains, the first one first; () for a model served whole."""
+        return (self.stages, *self.chains) if self.stages else ()
+
+    @property
     def peers(self) -> tuple[str, ...]:
-        return tuple(s.peer_id for s in self.stages) if self.stages else self.replicas
+        if not self.stages:
+            return self.replicas
+        return tuple(s.peer_id for chain in self.pipelines for s in chain)
+
+    def chain_of(self, peer_id: str) -> Plan:
+        """The plan as one of its peers serves it: a split cut down to the chain holding
+        `peer_id` (its stages, its neighbours); the plan itself otherwise."""
+        for chain in self.chains:
+            if any(s.peer_id == peer_id for s in chain):
+                return replace(self, stages=chain, chains=())
+        return replace(self, chains=()) if self.chains else self
 
 
 # A plan change must save at least this much per token (see `should_replan`).
@@ -98,10 +116,87 @@ def plan(
     context_tokens: int,
     headroom: float = 0.1,
     current: Plan | None = None,
+    chains: int = 1,
 ) -> Plan:
     """The plan for `model` on `peers`; raises PlanError naming what is missing. A split
     `current` plan that lost peers is repaired when it can be (`repair`); otherwise a new
-    split keeps its entry unless another is faster by more than `KEEP_ENTRY`."""
+    split keeps its entry unless another is faster by more than `KEEP_ENTRY`. `chains`: how
+    many chains a split should have, each over peers of its own (`_chains`); fewer where
+    the peers do not hold more."""
+    if chains > 1 or (current is not None and current.chains):
+        return _chains(model, peers, context_tokens, headroom, current, chains)
+    return _plan(model, peers, context_tokens, headroom, current)
+
+
+def _chains(
+    model: ModelCost,
+    peers: Sequence[PeerCapacity],
+    context_tokens: int,
+    headroom: float,
+    current: Plan | None,
+    chains: int,
+) -> Plan:
+    """A split of several chains (or fewer, or a whole model where a peer holds it). The
+    chains of `current` that still work stay exactly as they are, first ones first (they
+    serve while the others change); one that lost a peer is repaired from peers in no chain
+    where it can be, else dropped; then new chains are planned, each over the peers no
+    chain holds, while they fit and fewer than `chains` are planned."""
+    ordered = sorted(peers, key=lambda p: p.peer_id)
+    by_id = {p.peer_id: p for p in ordered}
+    pipes = current.pipelines if current is not None else ()
+    held = {s.peer_id for chain in pipes for s in chain}
+    kept: list[tuple[StageAssignment, ...]] = []
+    ms: list[float] = []
+    used: set[str] = set()
+    for chain in pipes:
+        if len(kept) >= max(1, chains):
+            break
+        one = Plan(model.model_id, context_tokens, stages=chain)
+        est = estimated_token_ms(model, one, by_id, context_tokens)
+        if est is None:  # lost a peer, or a part no longer fits: repair it from spare peers
+            mine = {s.peer_id for s in chain}
+            pool = [
+                p
+                for p in ordered
+                if p.peer_id not in used and (p.peer_id in mine or p.peer_id not in held)
+            ]
+            fixed = repair(model, one, pool, headroom=headroom)
+            if fixed is None:
+                continue
+            chain, est = fixed.stages, fixed.est_token_ms
+            held |= {s.peer_id for s in chain}
+        kept.append(chain)
+        ms.append(est)
+        used |= {s.peer_id for s in chain}
+    while len(kept) < chains or not kept:
+        rest = [p for p in ordered if p.peer_id not in used]
+        if not rest and kept:
+            break
+        try:
+            new = _plan(model, rest, context_tokens, headroom, None)
+        except PlanError:
+            if kept:
+                break
+            raise
+        if not new.split:
+            if kept:
+                break
+            return new  # a peer holds it whole: replicas, as a plan of one chain would be
+        kept.append(new.stages)
+        ms.append(new.est_token_ms)
+        used |= set(new.peers)
+    return Plan(
+        model.model_id, context_tokens, stages=kept[0], est_token_ms=ms[0], chains=tuple(kept[1:])
+    )
+
+
+def _plan(
+    model: ModelCost,
+    peers: Sequence[PeerCapacity],
+    context_tokens: int,
+    headroom: float,
+    current: Plan | None,
+) -> Plan:
     if not peers:
         raise PlanError(f"no peer can host {model.model_id}: the mesh is empty")
     ordered = sorted(peers, key=lambda p: p.peer_id)
@@ -201,10 +296,17 @@ def _least_download(options: Sequence[_Option]) -> _Option:
 
 
 def is_repair(before: Plan, after: Plan) -> bool:
-    """`after` is `before` with some stages' peers replaced and nothing else changed."""
-    if not (before.split and after.split) or len(before.stages) != len(after.stages):
+    """`after` is `before` with some stages' peers replaced and nothing else changed (the
+    same chains, each with the same layers)."""
+    if not (before.split and after.split) or len(before.pipelines) != len(after.pipelines):
         return False
-    pairs = list(zip(before.stages, after.stages, strict=True))
+    if any(len(a) != len(b) for a, b in zip(before.pipelines, after.pipelines, strict=True)):
+        return False
+    pairs = [
+        (a, b)
+        for x, y in zip(before.pipelines, after.pipelines, strict=True)
+        for a, b in zip(x, y, strict=True)
+    ]
     same_layers = all((a.start, a.end) == (b.start, b.end) for a, b in pairs)
     return same_layers and any(a.peer_id != b.peer_id for a, b in pairs)
 
@@ -268,8 +370,14 @@ def _compute_ms(
 def estimated_token_ms(
     model: ModelCost, current: Plan, peers: Mapping[str, PeerCapacity], context_tokens: int
 ) -> float | None:
-    """The time per token of `current` under today's capacities; None if it no longer works
-    (a peer is gone, or its part no longer fits)."""
+    """The time per token of `current` under today's capacities (of its first chain); None
+    if it no longer works (a peer is gone, or its part no longer fits, in any chain)."""
+    if current.chains:
+        ms = [
+            estimated_token_ms(model, replace(current, stages=c, chains=()), peers, context_tokens)
+            for c in current.pipelines
+        ]
+        return None if any(m is None for m in ms) else ms[0]
     if current.replicas:
         hosts = [peers.get(p) for p in current.replicas]
         alive = [h for h in hosts if h is not None]
@@ -309,6 +417,15 @@ def should_replan(
     if current is None:
         return True
     by_id = {p.peer_id: p for p in peers}
+    if current.chains or candidate.chains:
+        # Chains serve on their own, as replicas do: one added or dropped, or one that lost
+        # a peer repaired, changes no other. Otherwise the first chains are compared.
+        if estimated_token_ms(model, current, by_id, current.context_tokens) is None:
+            return True
+        before, after = set(current.pipelines), set(candidate.pipelines)
+        if before <= after or after <= before:
+            return True
+        current, candidate = current.chain_of(""), candidate.chain_of("")
     now = estimated_token_ms(model, current, by_id, current.context_tokens)
     if now is None:
         return True
@@ -346,4 +463,4 @@ def _downloads(
 
 def _entries(p: Plan) -> set[str]:
     """The peers where requests for `p` start: a split's first stage, or its replicas."""
-    return {p.stages[0].peer_id} if p.split else set(p.replicas)
+    return {c[0].peer_id for c in p.pipelines} if p.split else set(p.replicas)

@@ -212,6 +212,8 @@ class PlacementService:
         # withdrawn and its part, once no request uses it, unloaded). None: all of it.
         self.allowance: Callable[[list[PeerCapacity]], list[PeerCapacity] | str] | None = None
         self.placed = True  # False while the allowance places the model nowhere
+        # How many chains a split should have (the assignment's, by the model's demand).
+        self.chains = 1
         # The peers that left or came between decisions (`quorum.py`: an agent that lost
         # more than it sees, or whose view changes in a burst, proposes nothing).
         self._turnover = quorum.Turnover()
@@ -256,6 +258,7 @@ class PlacementService:
                 context_tokens=self.context_tokens,
                 headroom=self.headroom,
                 current=winner.plan if winner is not None else None,
+                chains=self.chains,
             )
         except PlanError as e:
             candidate, error = None, str(e)
@@ -299,18 +302,22 @@ class PlacementService:
             self._withdraw_claim()
         elif winner is not None and not self._follows(winner):
             assert self._seen is not None
-            digest = self._seen[0]
+            digest, part = self._seen[0], _part_digest(winner.plan, me)
+            # This agent's chain the same as the one it serves (a chain added, dropped or
+            # repaired elsewhere): nothing to load or wait for, it serves on.
+            kept = me in winner.plan.peers and self._loaded == part
             pending = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, False)
-            if self.mine != pending:
+            if self.mine != pending and not kept:
                 self._publish(pending)
-            if now - self._seen[1] >= self._seen_settle and self._failed != digest:
-                if me not in winner.plan.peers or self._loaded == digest:
+            settled = kept or now - self._seen[1] >= self._seen_settle
+            if settled and self._failed != digest:
+                if me not in winner.plan.peers or kept:
                     ready = Claim(winner.model_id, winner.epoch, winner.proposer, winner.plan, True)
                     self._publish(ready)
                     claims[me] = ready
                 elif self._loading is None and self._loads is not None:
-                    self._loading, self._loaded = digest, None
-                    self._loads.start_soon(self._load, digest, winner)
+                    self._loading, self._loaded = part, None
+                    self._loads.start_soon(self._load, digest, part, winner)
         self.in_force = winner
         was = self.routable
         self.routable = winner is not None and routable(winner, claims, alive)
@@ -360,13 +367,14 @@ class PlacementService:
         """The part loaded here (served, or loaded for a plan replaced meanwhile) is not of
         `winner`'s plan: stop serving it now, not after the settling time (its peers may be
         gone). Never while a load runs: that one is judged when it ends."""
-        if self._loaded in (None, plan_digest(winner.plan)) or self._loading is not None:
+        mine = _part_digest(winner.plan, self.gossip.peer_id)
+        if self._loaded in (None, mine) or self._loading is not None:
             return
         self._loaded = None
         if self._release is not None:
             await self._release(winner.plan)
 
-    async def _load(self, digest: str, winner: Claim) -> None:
+    async def _load(self, digest: str, part: str, winner: Claim) -> None:
         """Load this agent's part of `winner`'s plan. Decisions go on meanwhile: the plan is
         claimed ready by the next one if it is still in force then; if another replaced it,
         that one is loaded next (a repair that keeps this agent's part loads nothing)."""
@@ -379,7 +387,7 @@ class PlacementService:
             self._load_error = f"could not load this agent's part of the plan: {e}"
             log.error("placement.take_part_failed", epoch=winner.epoch, error=str(e))
         else:
-            self._loaded = digest
+            self._loaded = part
         finally:
             self._loading = None
             self._load_done.set()
@@ -439,3 +447,9 @@ class PlacementService:
         """This agent is leaving: it proposes no plan and takes no part from now on (what it
         serves keeps serving until it closes)."""
         self._running.cancel()
+
+
+def _part_digest(plan: Plan, peer_id: str) -> str:
+    """What this agent loads of `plan`: the digest of its chain (the plan itself where it
+    has one chain), so that a plan changing only other chains leaves its part as it is."""
+    return plan_digest(plan.chain_of(peer_id))

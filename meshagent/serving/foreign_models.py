@@ -8,7 +8,12 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from meshagent.gossip.failure import PeerState
-from meshagent.placement.negotiation import plan_in_force, routable, serving_peers
+from meshagent.placement.negotiation import (
+    plan_in_force,
+    routable,
+    serving_chains,
+    serving_peers,
+)
 from meshagent.placement.service import EXTRAS_KEY, claims_for
 from meshagent.serving.directory import RemoteModel
 
@@ -43,12 +48,14 @@ def foreign_models(views: Mapping[str, Any], hosted: Collection[str]) -> list[Re
             continue
         plan = winner.plan
         if plan.split:
-            stages = tuple((s.peer_id, s.start, s.end) for s in plan.stages)
-            entry = plan.stages[0].peer_id
-            end = plan.stages[-1].end
-            out.append(
-                RemoteModel(model_id, entry, "split", stages, end, peer_name=_name(views, entry))
-            )
+            for chain in serving_chains(winner, claims, alive):  # each serves on its own
+                stages = tuple((s.peer_id, s.start, s.end) for s in chain)
+                entry, end = chain[0].peer_id, chain[-1].end
+                out.append(
+                    RemoteModel(
+                        model_id, entry, "split", stages, end, peer_name=_name(views, entry)
+                    )
+                )
             continue
         for peer in serving_peers(winner, claims, alive):
             layers = next(

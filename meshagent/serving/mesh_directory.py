@@ -118,11 +118,19 @@ class MeshDirectory:
         plan = claim.plan
         n, ctx = self.layout.n_layers, self.settings.slot_ctx
         if plan.split:
-            if plan.stages[0].peer_id == self.peer_id:
-                return []  # this agent is the entry
-            entry = plan.stages[0].peer_id
-            stages = tuple((s.peer_id, s.start, s.end) for s in plan.stages)
-            return [RemoteModel(self.info.id, entry, "split", stages, n, ctx, self._name(entry))]
+            # Each chain serving now whose entry is another agent (the one this agent is the
+            # entry of serves here): the API spreads requests over them (`api/routing.py`).
+            ready = set(self.placement.ready)
+            out = []
+            for chain in plan.pipelines:
+                entry = chain[0].peer_id
+                if entry == self.peer_id or not all(s.peer_id in ready for s in chain):
+                    continue
+                stages = tuple((s.peer_id, s.start, s.end) for s in chain)
+                out.append(
+                    RemoteModel(self.info.id, entry, "split", stages, n, ctx, self._name(entry))
+                )
+            return out
         # Every other replica serving now, also when this agent is one: the API routes a
         # request to the replica that holds its conversation (`api/routing.py`).
         return [

@@ -137,10 +137,10 @@ class MeshModel:
             split.pipeline.interrupt(why)
 
     async def _take_part(self, plan: Any) -> None:
-        await self.parts.take(plan)
+        await self.parts.take(plan.chain_of(self.peer_id))  # a split's chain this agent is in
 
     async def _release(self, plan: Any) -> None:
-        await self.parts.release(plan)
+        await self.parts.release(plan.chain_of(self.peer_id))
 
     async def _watch_certification(self) -> None:
         """A family the stage engine runs but the planner splits only once certified (hybrid
@@ -230,6 +230,7 @@ class MeshModel:
                 "routable": False,
                 "replicas": [],
                 "stages": [],
+                "chains": [],
                 "error": self.placement.error,
             }
         plan = claim.plan
@@ -240,6 +241,8 @@ class MeshModel:
             "routable": self.placement.routable,
             "replicas": list(plan.replicas),
             "stages": [[s.peer_id, s.start, s.end] for s in plan.stages],
+            # a split's further chains, each as `stages` (requests go to any that serves)
+            "chains": [[[s.peer_id, s.start, s.end] for s in c] for c in plan.chains],
             "est_token_ms": round(plan.est_token_ms, 2),
             "wire_dtype": wire.dtype if plan.split and wire else None,
             "wire": wire.to_dict() if plan.split and wire else None,

@@ -75,7 +75,7 @@ def spare_cuts(plan: Plan, peer_id: str) -> list[tuple[str, int, int]]:
     Nothing for a whole-model plan or a peer of the plan."""
     if not plan.split or peer_id in plan.peers:
         return []
-    cuts = [("layers", s.start, s.end) for s in plan.stages]
+    cuts = list(dict.fromkeys(("layers", s.start, s.end) for c in plan.pipelines for s in c))
     return [("entry", 0, 0), *cuts]
 
 
@@ -84,7 +84,7 @@ def cuts_here(plan: Plan, peer_id: str) -> list[tuple[str, int, int]]:
     entry's token embedding for the first), or those a spare prepares (`spare_cuts`)."""
     if not plan.split:
         return []
-    mine = [("layers", s.start, s.end) for s in plan.stages if s.peer_id == peer_id]
+    mine = [("layers", s.start, s.end) for c in plan.pipelines for s in c if s.peer_id == peer_id]
     if any(start == 0 for _, start, _ in mine):
         mine.insert(0, ("entry", 0, 0))
     return mine or spare_cuts(plan, peer_id)
@@ -96,7 +96,9 @@ def needed_by(plan: Plan, key: str) -> bool:
     if parsed is None or not plan.split:
         return False
     _, kind, start, end = parsed
-    return kind == "entry" or any((s.start, s.end) == (start, end) for s in plan.stages)
+    return kind == "entry" or any(
+        (s.start, s.end) == (start, end) for c in plan.pipelines for s in c
+    )
 
 
 def cut_artifact(

@@ -220,7 +220,7 @@ class Rerouting:
         if not self.placement.routable or claim is None:
             return False
         plan = claim.plan
-        entries = plan.replicas if not plan.split else (plan.stages[0].peer_id,)
+        entries = plan.replicas if not plan.split else tuple(c[0].peer_id for c in plan.pipelines)
         return self.peer_id not in entries
 
     async def watch(self, interrupt: Callable[[str], None]) -> None:
@@ -230,8 +230,20 @@ class Rerouting:
         overlay's dead-peer timeout. Woken by each placement decision."""
         while True:
             await self.placement.changed.wait()
-            if not self.placement.routable:
+            if not self.placement.routable or self._chain_lost():
                 interrupt("the split lost a stage (its peer is gone or left the plan)")
+
+    def _chain_lost(self) -> bool:
+        """This agent's chain of a split of several lost a peer the plan in force still
+        names (another chain may serve on)."""
+        claim = self.placement.in_force
+        if claim is None or not claim.plan.chains:
+            return False
+        chain = claim.plan.chain_of(self.peer_id).stages
+        if not chain or chain[0].peer_id != self.peer_id:
+            return False
+        views = self.placement.gossip.snapshot()
+        return any((v := views.get(s.peer_id)) is None or v.state == PeerState.DEAD for s in chain)
 
 
 def stage_name(stage: Any) -> str:
