@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshagent.placement.demand import BUCKET_S, NEVER, SHORT_S, WINDOW_S, Demand
@@ -54,8 +54,10 @@ from meshagent.placement.planner import (
     PeerCapacity,
     Plan,
     PlanError,
+    StageAssignment,
     estimated_token_ms,
     plan,
+    repair,
     should_replan,
 )
 from meshagent.wording import size
@@ -71,6 +73,7 @@ CLOSE = 0.10  # among peers this close to the fastest, one that served it or hol
 FAIR_SHARE = 0.5
 RECLAIM = 1.5  # a peer others' spare replicas hold is taken when this much better
 NO_DEMAND = Demand()
+_CHAIN = "\0chain"  # a victim that is a split's last chain (`_victims`), not a peer
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,12 @@ class Placed:
     # are in layers per second of this model.
     peers: tuple[PeerCapacity, ...]
     plan: Plan
-    tokens_per_s: float  # what the plan serves alone: one stream per replica, or the split's
+    tokens_per_s: float  # what the plan serves alone: one stream per replica or chain
+
+    @property
+    def chains(self) -> int:
+        """How many chains the split has (1 for a model served whole)."""
+        return max(1, len(self.plan.pipelines))
 
     @property
     def peer_ids(self) -> tuple[str, ...]:
@@ -217,7 +225,9 @@ class _Placing:
 
     split: bool
     shares: dict[str, _Share]  # by peer id
-    split_rate: float = 0.0  # a split's tokens per second (its plan's estimate)
+    split_rate: float = 0.0  # a split's tokens per second (its chains' estimates, summed)
+    # A split's chains: the peers of each and what it serves, the first one first.
+    chains: list[tuple[frozenset[str], float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -483,13 +493,17 @@ class _Assigner:
                 out.append(x)
         return out
 
-    def _split(self, m: str) -> tuple[_Placing | None, str | None]:
-        """A split of `m` over free memory (the planner's), or None and why not."""
+    def _split(
+        self, m: str, *, besides: frozenset[str] = frozenset()
+    ) -> tuple[_Placing | None, str | None]:
+        """A split of `m` over free memory (the planner's), or None and why not. `besides`:
+        the peers of its chains placed already, which a further chain leaves out (and it
+        is planned afresh, not from the plan in force)."""
         model = self.models[m]
         free_caps = []
         for p in self._peers_for(m):
             f = self.free[p.peer_id]
-            if self._usable(f) > 0:
+            if self._usable(f) > 0 and p.peer_id not in besides:
                 free_caps.append(
                     replace(
                         self._scale(m, p.peer_id),
@@ -498,13 +512,15 @@ class _Assigner:
                         spare_bytes=f.spare,
                     )
                 )
-        cur = self.current.get(m)
+        cur = None if besides else self.current.get(m)
         try:
             found = plan(
                 model, free_caps, context_tokens=self.ctx, headroom=self.headroom, current=cur
             )
         except PlanError as e:
             return None, str(e)
+        if not found.split:
+            return None, f"{m}: a peer holds it whole"
         shares: dict[str, _Share] = {}
         for s in found.stages:
             f = self.free[s.peer_id]
@@ -522,7 +538,8 @@ class _Assigner:
                 pid: _Share(self.free[pid].memory, self.free[pid].vram, self.free[pid].spare)
                 for pid in shares
             }
-        return _Placing(True, shares, 1000.0 / max(found.est_token_ms, 1e-9)), None
+        rate = 1000.0 / max(found.est_token_ms, 1e-9)
+        return _Placing(True, shares, rate, [(frozenset(shares), rate)]), None
 
     def _fit(self, m: str) -> tuple[_Placing | None, str | None]:
         """Room for `m` on free memory, or None and why not."""
@@ -567,14 +584,20 @@ class _Assigner:
         for m in order:
             self._keep(m)
         for m in order:
-            if m in self.placing and not self.placing[m].split:
-                self._shrink(m)
+            if m in self.placing:
+                if self.placing[m].split:
+                    self._shrink_chains(m)
+                else:
+                    self._shrink(m)
         for m in order:
             if m not in self.placing:
                 self._place(m, order)
         for m in order:
-            if m in self.placing and not self.placing[m].split:
-                self._grow(m)
+            if m in self.placing:
+                if self.placing[m].split:
+                    self._grow_chains(m)
+                else:
+                    self._grow(m)
         for m in order:
             if m in self.pins and m in self.placing and not self.placing[m].split:
                 self._fill(m)
@@ -614,16 +637,83 @@ class _Assigner:
             return
         if self._fits_one_peer(m):
             return  # a peer that holds it whole came: placed afresh, whole
+        placing = _Placing(True, {})
+        broken: list[tuple[StageAssignment, ...]] = []
+        for chain in cur.pipelines:
+            shares = {}
+            for s in chain:
+                f = self.free.get(s.peer_id) if s.peer_id in allowed else None
+                share = None
+                if f is not None:
+                    share = _stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
+                if share is None:
+                    break
+                shares[s.peer_id] = share
+            else:
+                one = Plan(m, self.ctx, stages=chain)
+                caps = {pid: self._cut(m, pid, shares[pid]) for pid in sorted(shares)}
+                ms = estimated_token_ms(model, one, caps, self.ctx)
+                rate = 1000.0 / max(cur.est_token_ms if ms is None else ms, 1e-9)
+                placing.shares.update(shares)
+                placing.split_rate += rate
+                placing.chains.append((frozenset(shares), rate))
+                continue
+            if not cur.chains:
+                return  # the one chain lost a stage: placed afresh (repaired) after
+            broken.append(chain)
+        # A chain that lost a stage is repaired where a spare holds that stage's room (the
+        # quickest way back, as for one chain), else it goes (`_grow_chains` may add one).
+        held = frozenset(s.peer_id for c in cur.pipelines for s in c)
+        if placing.chains:
+            self._hold(m, placing)
+        for chain in broken:
+            fixed = self._repair_chain(m, chain, held | frozenset(placing.shares))
+            if fixed is None:
+                continue
+            shares, rate = fixed
+            for pid in sorted(shares):
+                self._take(pid, shares[pid])
+            placing.shares.update(shares)
+            placing.split_rate += rate
+            placing.chains.append((frozenset(shares), rate))
+            held |= frozenset(shares)
+            if m not in self.placing:
+                self.placing[m] = placing
+                self.reasons.pop(m, None)
+
+    def _repair_chain(
+        self, m: str, chain: tuple[StageAssignment, ...], taken: frozenset[str]
+    ) -> tuple[dict[str, _Share], float] | None:
+        """`chain` of `m` with its lost stages given to spares (`planner.repair`) over free
+        memory: its peers that are left and peers not in `taken`; the shares and what it
+        serves, or None."""
+        model = self.models[m]
+        mine = {s.peer_id for s in chain}
+        caps = []
+        for p in self._peers_for(m):
+            pid = p.peer_id
+            if (pid in mine or pid not in taken) and self._usable(self.free[pid]) > 0:
+                f = self.free[pid]
+                caps.append(
+                    replace(
+                        self._scale(m, pid),
+                        memory_bytes=f.memory,
+                        vram_bytes=f.vram,
+                        spare_bytes=f.spare,
+                    )
+                )
+        fixed = repair(model, Plan(m, self.ctx, stages=chain), caps, headroom=self.headroom)
+        if fixed is None:
+            return None
         shares = {}
-        for s in cur.stages:
-            f = self.free.get(s.peer_id) if s.peer_id in allowed else None
-            share = None
-            if f is not None:
-                share = _stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
+        for s in fixed.stages:
+            share = _stage_share(
+                model, s.start, s.end, self.ctx, self.free[s.peer_id], self.headroom
+            )
             if share is None:
-                return
+                return None
             shares[s.peer_id] = share
-        self._hold(m, _Placing(True, shares, 1000.0 / max(cur.est_token_ms, 1e-9)))
+        return shares, 1000.0 / max(fixed.est_token_ms, 1e-9)
 
     def _shrink(self, m: str) -> None:
         """Fewer replicas once demand has settled well below what they serve: all the
@@ -672,6 +762,8 @@ class _Assigner:
                 continue
             if pid is None:
                 moved.append((victim, self._drop(victim)))
+            elif pid == _CHAIN:
+                moved.append((victim, self._drop_chain(victim)))
             else:
                 v = self.placing[victim]
                 share = v.shares.pop(pid)
@@ -687,7 +779,11 @@ class _Assigner:
                 if victim in self.placing:
                     for pid in sorted(was.shares):
                         self._take(pid, was.shares[pid])
-                    self.placing[victim].shares.update(was.shares)
+                    back = self.placing[victim]
+                    back.shares.update(was.shares)
+                    if was.split:  # a chain, back at the end
+                        back.split_rate += was.split_rate
+                        back.chains += was.chains
                 else:
                     self._hold(victim, was)
             elif victim not in self.placing:
@@ -705,13 +801,17 @@ class _Assigner:
 
     def _victims(self, m: str, order: list[str]) -> list[tuple[str, str | None]]:
         """What may give way to `m`, in turn: (model, peer) for an extra replica of any
-        model (the lowest priority's first, the replica serving least first); (model, None)
-        for a model of lower priority than `m` and not pinned, least recently used first."""
+        model, (model, `_CHAIN`) for a split's last chain of several (the lowest priority's
+        first, the replica serving least first); (model, None) for a model of lower priority
+        than `m` and not pinned, least recently used first."""
         rank = {x: i for i, x in enumerate(order)}
         out: list[tuple[str, str | None]] = []
         for x in sorted(self.placing, key=lambda x: (-rank[x], x)):
             placing = self.placing[x]
-            if placing.split or len(placing.shares) < 2:
+            if placing.split:
+                out += [(x, _CHAIN)] * (len(placing.chains) - 1)
+                continue
+            if len(placing.shares) < 2:
                 continue
             by_rate = sorted(
                 placing.shares,
@@ -749,6 +849,52 @@ class _Assigner:
             placing.shares[pid] = share
             serves += rate
 
+    def _grow_chains(self, m: str) -> None:
+        """More chains of a split when recent demand passes `GROW_AT` of what its chains
+        serve: as many as it takes, in one go, each on free memory over peers of its own and
+        serving at least `MIN_REPLICA` of what the first ones do. Never by eviction."""
+        r = self.rates[m]
+        placing = self.placing[m]
+        if r.recent <= GROW_AT * placing.split_rate:
+            return
+        target = max(r.recent, r.latest, r.peak)
+        alone = placing.split_rate
+        while target > GROW_TO * placing.split_rate:
+            more, _ = self._split(m, besides=frozenset(placing.shares))
+            if more is None or more.split_rate < MIN_REPLICA * alone:
+                return
+            for pid in sorted(more.shares):
+                self._take(pid, more.shares[pid])
+            placing.shares.update(more.shares)
+            placing.split_rate += more.split_rate
+            placing.chains += more.chains
+
+    def _shrink_chains(self, m: str) -> None:
+        """Fewer chains once demand has settled well below what they serve: the last ones
+        first, all that can go in one go (the first chain stays)."""
+        r = self.rates[m]
+        busiest = max(r.recent, r.window)
+        if abs(r.recent - r.window) > SETTLED * busiest:
+            return
+        placing = self.placing[m]
+        limit = SHRINK_AT
+        while len(placing.chains) > 1:
+            rate = placing.chains[-1][1]
+            if busiest > limit * (placing.split_rate - rate):
+                return
+            self._drop_chain(m)
+            limit = GROW_TO
+
+    def _drop_chain(self, m: str) -> _Placing:
+        """Take the last chain off `m`'s split; what it held, as a placing of its own."""
+        placing = self.placing[m]
+        peers, rate = placing.chains.pop()
+        gone = {pid: placing.shares.pop(pid) for pid in sorted(peers)}
+        for pid in sorted(gone):
+            self._give(pid, gone[pid])
+        placing.split_rate -= rate
+        return _Placing(True, gone, rate, [(peers, rate)])
+
     def _fill(self, m: str) -> None:
         """A pinned model served whole stays loaded on every peer taking part in it that
         can hold it whole besides what is placed already (as `--model` always kept it): the
@@ -772,7 +918,12 @@ class _Assigner:
             why = ""
             try:
                 p: Plan | None = plan(
-                    model, cut, context_tokens=self.ctx, headroom=self.headroom, current=cur
+                    model,
+                    cut,
+                    context_tokens=self.ctx,
+                    headroom=self.headroom,
+                    current=cur,
+                    chains=max(1, len(placing.chains)),
                 )
             except PlanError as e:
                 p, why = None, str(e)
@@ -790,8 +941,11 @@ class _Assigner:
                 self.reasons[m] = why
                 continue
             if p.split:
-                ms = estimated_token_ms(model, p, by_id, self.ctx) or p.est_token_ms
-                rate = 1000.0 / max(ms, 1e-9)
+                rate = 0.0
+                for chain in p.pipelines:
+                    one = Plan(m, self.ctx, stages=chain, est_token_ms=p.est_token_ms)
+                    ms = estimated_token_ms(model, one, by_id, self.ctx) or p.est_token_ms
+                    rate += 1000.0 / max(ms, 1e-9)
             else:
                 rate = 0.0
                 for pid in sorted(p.replicas):

@@ -334,6 +334,8 @@ class Assigning:
         )
         for model in self.host:
             model.placement.allowance = self._allowance(model.info.id, entries)
+            placed = self.assignment.get(model.info.id)
+            model.placement.chains = placed.chains if placed is not None else 1
         return self.assignment
 
     def _cost(self, name: str, entry: CatalogEntry) -> ModelCost:

@@ -173,10 +173,15 @@ def _report(sim: ScaleSim, formation_bps: float, sent: list[int], span: float) -
         # its last minute: demand beyond what the chains in force serve
         "unfinished": len(rs) - len(done) - len(failed),
         "unfinished_queued": sum(1 for r in sim.queue if not r.failed),
-        "stages": {m: len(f.plan.peers) for m, f in sorted(sim.force[0].items())},
+        "stages": {m: len(sim.first_chain(m)) for m in sorted(sim.force[0])},
+        # chains of each model at the end, and the most it had at once
+        "chains": {m: len(sim.chains_of(m)) for m in sorted(sim.force[0])},
+        "chains_most": dict(sorted(t.chains_most.items())),
         "request_every_s": {m: round(v, 1) for m, v in sorted(sim.request_every.items())},
+        # seconds per token of each chain in force at the end, one sequence each
         "token_s": {
-            m: round(sim.chain_token_s(m, f, 1), 3) for m, f in sorted(sim.force[0].items())
+            m: [round(sim.chain_token_s(m, c, 1), 3) for c in sim.chains_of(m)]
+            for m in sorted(sim.force[0])
         },
         "state_counts": _states(sim),
     }

@@ -50,7 +50,7 @@ from dataclasses import replace
 from meshagent.net.coordinates import Coordinate, update
 from meshagent.placement import quorum
 from meshagent.placement.assignment import Assignment, assign
-from meshagent.placement.demand import BUCKET_S, Bucket, Demand
+from meshagent.placement.demand import BUCKET_S, WINDOW_S, Bucket, Demand
 from meshagent.placement.negotiation import Claim, plan_digest
 from meshagent.placement.planner import ModelCost, PeerCapacity, Plan, is_repair
 from meshagent.placement.service import EXTRAS_KEY
@@ -203,7 +203,8 @@ class ScaleSim:
 
     def assignment(self, view: frozenset[str], side: int) -> Assignment:
         force = self.force[side]
-        key = (view, tuple(sorted((m, f.key) for m, f in force.items())))
+        demand = tuple(sorted(self.request_every.items()))  # what the agents gossip of it
+        key = (view, tuple(sorted((m, f.key) for m, f in force.items())), demand)
         got = self._plans.get(key)
         if got is None:
             got = self._assign(sorted(view), force)
@@ -221,11 +222,7 @@ class ScaleSim:
         alive = frozenset(ids)
         t = time.perf_counter()
         now = self.bus.now + 1_000_000.0
-        bucket = Bucket(int(now // BUCKET_S), 10, 10_000)
-        demand = {
-            m: Demand(buckets=(bucket,), last_used=now, expires_at=now + 300, in_flight=1)
-            for m in self.models
-        }
+        demand = {m: self._demand(m, now) for m in self.models}
         got = assign(
             self.models,
             [self.capacity(k, alive) for k in ids],
@@ -239,6 +236,18 @@ class ScaleSim:
         )
         self.tally.assign_s.append(time.perf_counter() - t)
         return got
+
+    def _demand(self, model: str, now: float) -> Demand:
+        """`model`'s demand as the agents gossip it: every bucket of the window holding the
+        tokens its requests ask for at their mean rate (none before requests begin)."""
+        every = self.request_every.get(model)
+        per_bucket = 0 if every is None else (self.prompt + self.output) * BUCKET_S / every
+        first = int(now // BUCKET_S)
+        buckets = tuple(
+            Bucket(first - i, max(1, round(BUCKET_S / every)) if every else 0, round(per_bucket))
+            for i in range(int(WINDOW_S // BUCKET_S))
+        )
+        return Demand(buckets=buckets, last_used=now, expires_at=now + 300, in_flight=1)
 
     def decide(self) -> None:
         """Each side: the agents whose view gives another plan than the one in force propose
@@ -283,6 +292,8 @@ class ScaleSim:
         """`force` is in force on `side`: the parts no longer in it stop serving (their
         requests replay), its peers load theirs once it has settled, and the agents claim it."""
         self.force[side][model] = force
+        n = len(_chains(force.plan, self.models[model]))
+        self.tally.chains_most[model] = max(n, self.tally.chains_most.get(model, 0))
         ranges = _ranges(force.plan, self.models[model])
         for (peer, m), part in list(self.parts.items()):
             here = m == model and self.side_of(peer) == side
@@ -339,21 +350,31 @@ class ScaleSim:
                         self._claim(peer, model, force)
 
     def routable(self, model: str, side: int) -> Force | None:
+        """The plan in force on `side` where one of its chains (or replicas) serves."""
+        force = self.force[side].get(model)
+        return force if force is not None and self.chains(model, side) else None
+
+    def chains(self, model: str, side: int) -> list[Chain]:
+        """The chains (a replica is a chain of one stage) of `model`'s plan in force on
+        `side` whose every part is loaded there."""
         force = self.force[side].get(model)
         if force is None:
-            return None
-        ranges = _ranges(force.plan, self.models[model])
-        for peer, (start, end) in ranges.items():
-            part = self.parts.get((peer, model))
-            if (
-                peer in self.bus.crashed
-                or self.side_of(peer) != side
-                or part is None
-                or (part.start, part.end) != (start, end)
-                or part.ready_at > self.bus.now
-            ):
-                return None
-        return force
+            return []
+        out = []
+        for chain in _chains(force.plan, self.models[model]):
+            if all(self._serves(model, side, peer, start, end) for peer, start, end in chain):
+                out.append(chain)
+        return out
+
+    def _serves(self, model: str, side: int, peer: str, start: int, end: int) -> bool:
+        part = self.parts.get((peer, model))
+        return (
+            peer not in self.bus.crashed
+            and self.side_of(peer) == side
+            and part is not None
+            and (part.start, part.end) == (start, end)
+            and part.ready_at <= self.bus.now
+        )
 
     def why_not(self, model: str, side: int) -> str:
         """Why `model` is not routable from `side` now, in words."""
@@ -401,22 +422,31 @@ class ScaleSim:
                 t += self.rng.expovariate(1.0 / every)
             self._next_request[model] = t
 
-    def chain_token_s(self, model: str, force: Force, batch: int) -> float:
-        """Seconds per decoded token of `force`'s chain with `batch` sequences in a step."""
+    def chain_token_s(self, model: str, chain: Chain, batch: int) -> float:
+        """Seconds per decoded token of `chain` with `batch` sequences in a step."""
         cost = self.models[model]
         compute = 0.0
         per_layer = 1e9 / cost.flops_per_layer
-        for peer, (start, end) in _ranges(force.plan, cost).items():
+        for peer, start, end in chain:
             o = self.specs[peer].offer
             scaled = replace(o, speed=o.speed * per_layer, vram_speed=o.vram_speed * per_layer)
             compute += scaled.stage_ms(cost, start, end, CONTEXT_TOKENS)
-        peers = force.plan.peers
+        peers = [peer for peer, _, _ in chain]
         ring = sum(
             self.bus.rtt_ms(peers[i], peers[(i + 1) % len(peers)])
             for i in range(len(peers))
             if len(peers) > 1
         )
         return (compute * (1 + BATCH_COST * (batch - 1)) + ring) / 1000.0
+
+    def chains_of(self, model: str, side: int = 0) -> list[Chain]:
+        """Every chain of `model`'s plan in force on `side`, serving or not."""
+        force = self.force[side].get(model)
+        return [] if force is None else _chains(force.plan, self.models[model])
+
+    def first_chain(self, model: str, side: int = 0) -> Chain:
+        """The first chain of `model`'s plan in force on `side`."""
+        return _chains(self.force[side][model].plan, self.models[model])[0]
 
     def serve(self, dt: float) -> None:
         """Requests in flight advance by `dt`; lost ones wait, replay or fail; queued ones
@@ -426,14 +456,13 @@ class ScaleSim:
         for r in self.requests:
             if r.finished is None and not r.failed and r.chain is not None:
                 running.setdefault((r.model, r.chain), []).append(r)
-        for (model, key), rs in sorted(running.items(), key=lambda kv: kv[1][0].rid):
+        for (model, chain), rs in sorted(running.items(), key=lambda kv: kv[1][0].rid):
             side = self.side_of(rs[0].entry)
-            force = self.routable(model, side)
-            if force is None or force.key != key:
+            if chain not in self.chains(model, side):
                 for r in rs:
                     self._lose(r)
                 continue
-            step = self.chain_token_s(model, force, len(rs))
+            step = self.chain_token_s(model, chain, len(rs))
             for r in rs:
                 if r.entry in self.bus.crashed:
                     r.failed = ENTRY_STOPPED
@@ -451,8 +480,8 @@ class ScaleSim:
             if r.entry in self.bus.crashed:
                 r.failed = ENTRY_STOPPED
                 continue
-            force = self.routable(r.model, self.side_of(r.entry))
-            if force is None:
+            chains = self.chains(r.model, self.side_of(r.entry))
+            if not chains:
                 if r.no_chain_since is None:
                     r.no_chain_since = now
                 if now - r.no_chain_since > REPLAY_DEADLINE_S:
@@ -461,14 +490,16 @@ class ScaleSim:
                 waiting.append(r)
                 continue
             r.no_chain_since = None
-            if slots.get((r.model, force.key), 0) >= SLOTS:
+            # The chain with the most free slots (the API's least busy), then the first.
+            chain = min(chains, key=lambda c: slots.get((r.model, c), 0))
+            if slots.get((r.model, chain), 0) >= SLOTS:
                 waiting.append(r)  # waiting for a slot is no failure
                 continue
-            slots[(r.model, force.key)] = slots.get((r.model, force.key), 0) + 1
+            slots[(r.model, chain)] = slots.get((r.model, chain), 0) + 1
             tokens = r.prompt + int(r.done)
-            compute = self.chain_token_s(r.model, force, 1)
+            compute = self.chain_token_s(r.model, chain, 1)
             r.busy_until = now + tokens * compute * PREFILL_SHARE + compute
-            r.chain = force.key
+            r.chain = chain
             if r.lost_at is not None:
                 r.waited_s += now - r.lost_at
                 r.replays += 1
@@ -527,8 +558,8 @@ class ScaleSim:
         """Requests for each model arrive `load` times as often as its chain in force can
         serve them with every slot busy (each request alone on its chain's time per token);
         the mean seconds between requests of each model."""
-        for model, force in sorted(self.force[0].items()):
-            token_s = self.chain_token_s(model, force, SLOTS)
+        for model in sorted(self.force[0]):
+            token_s = self.chain_token_s(model, self.first_chain(model), SLOTS)
             request_s = self.prompt * PREFILL_SHARE * token_s + self.output * token_s
             self.request_every[model] = max(self.request_every_s, request_s / (SLOTS * load))
         return dict(self.request_every)
@@ -543,9 +574,18 @@ def _settled_at(force: Force) -> float:
 
 
 def _ranges(plan: Plan, model: ModelCost) -> dict[str, tuple[int, int]]:
+    return {peer: (start, end) for chain in _chains(plan, model) for peer, start, end in chain}
+
+
+# A chain as the simulation keys it: its stages as (peer, start, end), in order.
+Chain = tuple[tuple[str, int, int], ...]
+
+
+def _chains(plan: Plan, model: ModelCost) -> list[Chain]:
+    """A split's chains, or each replica of a model served whole as a chain of one."""
     if plan.split:
-        return {s.peer_id: (s.start, s.end) for s in plan.stages}
-    return {p: (0, model.n_layers) for p in plan.replicas}
+        return [tuple((s.peer_id, s.start, s.end) for s in c) for c in plan.pipelines]
+    return [((p, 0, model.n_layers),) for p in plan.replicas]
 
 
 __all__ = ["ScaleSim"]

@@ -43,7 +43,7 @@ class Request:
     prompt: int
     output: int
     done: float = 0.0  # tokens decoded (fractional between ticks)
-    chain: tuple | None = None  # the Force.key it runs on
+    chain: tuple | None = None  # the chain it runs on: its stages as (peer, start, end)
     busy_until: float = 0.0  # prefilling until then
     lost_at: float | None = None
     no_chain_since: float | None = None  # waiting with no routable chain since then
@@ -65,6 +65,7 @@ class Tally:
     order_checks: int = 0  # views planned again with their peers in a shuffled order
     disagreements: int = 0  # of which gave another assignment
     record_bytes: list[int] = field(default_factory=list)  # of each record republished
+    chains_most: dict[str, int] = field(default_factory=dict)  # most chains a model had at once
 
     @property
     def republished(self) -> int:

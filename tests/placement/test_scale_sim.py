@@ -32,28 +32,40 @@ def test_a_stage_lost_is_repaired_within_the_replay_deadline_and_its_requests_re
     sim = formed
     assert sim.tally.disagreements == 0 and sim.tally.order_checks >= 1
     assert all(len(f.plan.stages) >= 2 for f in sim.force[0].values())  # 70B: split
+    assert all(len(sim.chains_of(m)) == 1 for m in sim.force[0])  # no demand yet: one chain
     sim.set_load(0.5)
     start = sim.bus.now
     while sim.bus.now < start + 60:
         sim.step(start)
+    # Demand past what one chain serves a stream at a time: more chains, on spare memory.
+    assert any(len(sim.chains_of(m)) >= 2 for m in sim.force[0]), sim.tally.chains_most
 
-    def running(model: str) -> list:
-        key = sim.force[0][model].key
-        return [r for r in sim.requests if r.chain == key and r.finished is None]
+    def running(model: str, chain) -> list:
+        return [r for r in sim.requests if r.chain == chain and r.finished is None]
 
-    model = max(sorted(sim.force[0]), key=lambda m: len(running(m)))
-    force, busy = sim.force[0][model], running(model)
-    # the stage of fewest layers: a spare can take it over (a repair)
-    victim = min(force.plan.stages, key=lambda s: (s.end - s.start, s.peer_id)).peer_id
+    model, chain = max(
+        ((m, c) for m in sorted(sim.force[0]) for c in sim.chains_of(m)),
+        key=lambda mc: len(running(*mc)),
+    )
+    force, busy = sim.force[0][model], running(model, chain)
+    # the chain's stage of fewest layers: a spare can take it over (a repair)
+    victim = min(chain, key=lambda s: (s[2] - s[1], s[0]))[0]
+    rest = {s for s in chain if s[0] != victim}
+
+    def mended() -> bool:  # the chain, its lost stage on a spare, serves again
+        return any(rest < set(c) for c in sim.chains(model, 0))
+
     crashed = sim.bus.now
     sim.crash(victim)
-    while sim.routable(model, 0) is None or sim.bus.now < crashed + 1:
-        assert sim.bus.now < crashed + REPLAY_DEADLINE_S, "not routable again in time"
+    while victim in sim.force[0][model].plan.peers or not mended() or sim.bus.now < crashed + 1:
+        assert sim.bus.now < crashed + REPLAY_DEADLINE_S, "not repaired in time"
         sim.step(start)
     repaired = sim.force[0][model]
-    assert repaired.repair and victim not in repaired.plan.peers
-    # the other stages stay as they were; one peer takes the lost stage's layers
-    assert sum(s not in force.plan.stages for s in repaired.plan.stages) == 1
+    assert repaired.repair
+    # the other stages stay as they were, every chain's; one peer takes the lost stage's layers
+    before = [s for c in force.plan.pipelines for s in c]
+    after = [s for c in repaired.plan.pipelines for s in c]
+    assert len(after) == len(before) and sum(s not in before for s in after) == 1
     while any(r.finished is None and not r.failed for r in busy):
         assert sim.bus.now < crashed + 900
         sim.step(None)
