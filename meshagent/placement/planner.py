@@ -137,37 +137,45 @@ def _chains(
     chains: int,
 ) -> Plan:
     """A split of several chains (or fewer, or a whole model where a peer holds it). The
-    chains of `current` that still work stay exactly as they are, first ones first (they
-    serve while the others change); one that lost a peer is repaired from peers in no chain
-    where it can be, else dropped; then new chains are planned, each over the peers no
-    chain holds, while they fit and fewer than `chains` are planned."""
+    chains of `current` that still work stay exactly as they are (they serve while the
+    others change), the first ones where fewer are wanted; then those that lost a peer are
+    repaired from peers in no chain where they can be, else dropped; the chains kept stay in
+    their order. Then new chains are planned, each over the peers no chain holds, while
+    they fit and fewer than `chains` are planned."""
     ordered = sorted(peers, key=lambda p: p.peer_id)
     by_id = {p.peer_id: p for p in ordered}
     pipes = current.pipelines if current is not None else ()
     held = {s.peer_id for chain in pipes for s in chain}
-    kept: list[tuple[StageAssignment, ...]] = []
-    ms: list[float] = []
+    want = max(1, chains)
+    found: dict[int, tuple[tuple[StageAssignment, ...], float]] = {}
     used: set[str] = set()
-    for chain in pipes:
-        if len(kept) >= max(1, chains):
+    broken = []
+    for i, chain in enumerate(pipes):
+        est = estimated_token_ms(model, Plan(model.model_id, context_tokens, stages=chain), by_id,
+                                 context_tokens)  # fmt: skip
+        if est is None:  # lost a peer, or a part no longer fits
+            broken.append(i)
+        elif len(found) < want:
+            found[i] = (chain, est)
+            used |= {s.peer_id for s in chain}
+    for i in broken:
+        if len(found) >= want:
             break
-        one = Plan(model.model_id, context_tokens, stages=chain)
-        est = estimated_token_ms(model, one, by_id, context_tokens)
-        if est is None:  # lost a peer, or a part no longer fits: repair it from spare peers
-            mine = {s.peer_id for s in chain}
-            pool = [
-                p
-                for p in ordered
-                if p.peer_id not in used and (p.peer_id in mine or p.peer_id not in held)
-            ]
-            fixed = repair(model, one, pool, headroom=headroom)
-            if fixed is None:
-                continue
-            chain, est = fixed.stages, fixed.est_token_ms
-            held |= {s.peer_id for s in chain}
-        kept.append(chain)
-        ms.append(est)
-        used |= {s.peer_id for s in chain}
+        chain = pipes[i]
+        mine = {s.peer_id for s in chain}
+        pool = [
+            p
+            for p in ordered
+            if p.peer_id not in used and (p.peer_id in mine or p.peer_id not in held)
+        ]
+        fixed = repair(model, Plan(model.model_id, context_tokens, stages=chain), pool,
+                       headroom=headroom)  # fmt: skip
+        if fixed is not None:
+            found[i] = (fixed.stages, fixed.est_token_ms)
+            held |= set(fixed.peers)
+            used |= set(fixed.peers)
+    kept = [found[i][0] for i in sorted(found)]
+    ms = [found[i][1] for i in sorted(found)]
     while len(kept) < chains or not kept:
         rest = [p for p in ordered if p.peer_id not in used]
         if not rest and kept:
