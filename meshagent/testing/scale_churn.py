@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshagent.testing.scale_sim import TICK_S, ScaleSim
+from meshagent.testing.scale_tokens import prompt_of, reference
 
 
 def run(
@@ -167,6 +168,15 @@ def _report(sim: ScaleSim, formation_bps: float, sent: list[int], span: float) -
         "served": len(done),
         "replayed": len(replayed),
         "replay_wait_s_max": round(max((r.waited_s for r in replayed), default=0.0), 1),
+        # every token decoded on the chains' fake splits, replays' prefills included; the
+        # served requests whose text is exactly the whole model's (`scale_tokens.reference`)
+        "tokens_computed": sim.fake.tokens,
+        "served_as_the_whole_model": sum(
+            1 for r in done if r.tokens == reference(prompt_of(r.rid, r.prompt), r.output)
+        ),
+        "replayed_as_the_whole_model": sum(
+            1 for r in replayed if r.tokens == reference(prompt_of(r.rid, r.prompt), r.output)
+        ),
         "failed": len(failed),
         "failures": reasons,
         # still queued (for a chain's slot) or decoding when the run stopped, 300 s after

@@ -56,6 +56,7 @@ from meshagent.placement.planner import ModelCost, PeerCapacity, Plan, is_repair
 from meshagent.placement.service import EXTRAS_KEY
 from meshagent.testing.scale_mesh import AgentSpec, big_models, draw_agent
 from meshagent.testing.scale_state import Force, Part, Request, Tally
+from meshagent.testing.scale_tokens import FakeChains, prompt_of
 from meshagent.testing.swim_bus import SwimBus
 
 CONTEXT_TOKENS = 8192  # the agent's default: 4 slots of 2048
@@ -111,6 +112,7 @@ class ScaleSim:
         self.requests: list[Request] = []
         self.queue: list[Request] = []  # waiting for a slot or a chain
         self.tally = Tally()
+        self.fake = FakeChains(SLOTS, prompt + output + 8)  # every request's tokens
         self._views: dict[str, tuple[bytes, frozenset[str]]] = {}
         self._plans: dict[tuple, Assignment] = {}
         self._rid = 0
@@ -466,12 +468,15 @@ class ScaleSim:
             for r in rs:
                 if r.entry in self.bus.crashed:
                     r.failed = ENTRY_STOPPED
+                    self.fake.release(r.rid)
                     continue
                 start = max(now - dt, r.busy_until)
                 if start < now:
                     r.done += (now - start) / step
+                self.fake.decode(r.rid, r.tokens, min(int(r.done), r.output))
                 if r.done >= r.output:
                     r.finished = now
+                    self.fake.release(r.rid)
         slots: dict[tuple, int] = {}
         for (model, key), rs in running.items():
             slots[(model, key)] = sum(1 for r in rs if r.finished is None and not r.failed)
@@ -496,7 +501,13 @@ class ScaleSim:
                 waiting.append(r)  # waiting for a slot is no failure
                 continue
             slots[(r.model, chain)] = slots.get((r.model, chain), 0) + 1
-            tokens = r.prompt + int(r.done)
+            # It prefills its prompt and the tokens it has on this chain (a replay: what it
+            # had decoded on the chain it lost), and decodes on from there.
+            r.done = len(r.tokens)
+            self.fake.start(
+                r.rid, (r.model, chain), len(chain), prompt_of(r.rid, r.prompt) + r.tokens
+            )
+            tokens = r.prompt + len(r.tokens)
             compute = self.chain_token_s(r.model, chain, 1)
             r.busy_until = now + tokens * compute * PREFILL_SHARE + compute
             r.chain = chain
@@ -507,6 +518,7 @@ class ScaleSim:
         self.queue = waiting
 
     def _lose(self, r: Request) -> None:
+        self.fake.release(r.rid)
         if r.entry in self.bus.crashed:
             r.failed = ENTRY_STOPPED
             return

@@ -43,6 +43,7 @@ class Request:
     prompt: int
     output: int
     done: float = 0.0  # tokens decoded (fractional between ticks)
+    tokens: list[int] = field(default_factory=list)  # those decoded, on the fake chains
     chain: tuple | None = None  # the chain it runs on: its stages as (peer, start, end)
     busy_until: float = 0.0  # prefilling until then
     lost_at: float | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from meshagent.testing.scale_sim import REPLAY_DEADLINE_S, ScaleSim
+from meshagent.testing.scale_tokens import prompt_of, reference
 
 
 def _formed(claims_by: str) -> ScaleSim:
@@ -72,6 +73,13 @@ def test_a_stage_lost_is_repaired_within_the_replay_deadline_and_its_requests_re
     assert busy, "no request was on the chain when its stage crashed"
     for r in busy:
         assert r.finished is not None and r.replays >= 1 and not r.failed, r
+        # decoded on fake splits, part on the chain lost and part on the one it replayed on:
+        # exactly the whole model's text
+        assert r.tokens == reference(prompt_of(r.rid, r.prompt), r.output)
+    served = [r for r in sim.requests if r.finished is not None]
+    assert served and all(
+        r.tokens == reference(prompt_of(r.rid, r.prompt), r.output) for r in served
+    )
     # nothing else failed, but what was asked at the crashed agent itself
     assert {r.failed for r in sim.requests if r.failed} <= {"its client's own agent stopped"}
 
