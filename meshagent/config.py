@@ -16,6 +16,7 @@ from meshagent.identity.private_file import write_private
 from meshagent.net.address import Address, is_loopback
 from meshagent.placement.demand import DemandError, keep_alive_seconds
 
+MAX_CHAINS = 16  # chains of one split an agent may ask for (`--chains`)
 API_KEY_ENV = "MESHAGENT_API_KEY"  # an API key from the environment, for agents and clients
 JOIN_ENV = "MESHAGENT_JOIN"  # an invite token from the environment, for `meshagent up`
 
@@ -102,6 +103,7 @@ class AgentConfig:
     # keep_alive: seconds or a duration like 5m; 0: after each request; negative: never).
     keep_alive: str = "5m"
     pins: tuple[str, ...] = ()  # models kept loaded whatever the demand (`--pin`)
+    chains: int = 1  # chains a split this agent pins keeps at least, where memory holds them
     load_timeout: float = 600.0  # seconds a request waits for its model to load
     speculation: str = "auto"  # drafts from a request's own text: auto, on or off
     # bytes of ended requests' KV kept for prompts that share their prefix; -1: auto, 0: off
@@ -174,6 +176,8 @@ class AgentConfig:
             raise ConfigError("ctx-size must be at least 64 tokens")
         if not 1 <= self.slots <= 64:
             raise ConfigError("slots must be between 1 and 64")
+        if not 1 <= self.chains <= MAX_CHAINS:
+            raise ConfigError(f"chains must be between 1 and {MAX_CHAINS}")
         if self.max_queue < 0:
             raise ConfigError("max-queue must be >= 0")
         if self.grace < 0:
@@ -238,6 +242,7 @@ CONFIG_TEMPLATE = """\
 # replay_deadline = 30.0
 # keep_alive = "5m"
 # pins = ["SmolLM2-135M-Instruct.Q4_1"]
+# chains = 1                            # chains a split this agent pins keeps at least
 # load_timeout = 600.0
 # speculation = "auto"
 # prefix_cache = "auto"

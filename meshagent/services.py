@@ -347,6 +347,7 @@ class Services:
             keep_alive=cfg.keep_alive_seconds(),
             # The models an agent is started with stay loaded (as they always have).
             pins=(*cfg.pins, *self.models.names),
+            chains=cfg.chains,
             seed_default=not cfg.models,
             seed_after=SEED_AFTER if self.told else 0.0,
             load_timeout=cfg.load_timeout,

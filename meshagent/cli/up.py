@@ -204,6 +204,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="keep this model loaded whatever the demand (repeatable)",
     )
     p.add_argument(
+        "--chains",
+        metavar="N",
+        type=int,
+        help="keep at least N chains of a split model this agent pins (--model, --pin), each "
+        "the whole model over agents of its own, where the mesh has the memory: throughput "
+        f"for many clients (default {d.chains}: more only as demand asks)",
+    )
+    p.add_argument(
         "--load-timeout",
         type=float,
         metavar="SECONDS",
@@ -279,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
             "replay_deadline",
             "keep_alive",
             "pins",
+            "chains",
             "load_timeout",
             "speculation",
             "membership",

@@ -151,6 +151,7 @@ def assign(
     current: Mapping[str, Plan] | None = None,
     holders: Mapping[str, frozenset[str]] | None = None,
     eligible: Mapping[str, frozenset[str]] | None = None,
+    chains: Mapping[str, int] | None = None,
 ) -> Assignment:
     """The assignment of `peers` to `models` (by id) for the mesh's `demand` at `now`.
     `peers`' speeds are in GFLOP/s (the gossiped unit), turned into layers per second of
@@ -158,7 +159,8 @@ def assign(
     `current`: each model's plan in force (what the mesh serves now). `holders`: the peers
     holding each model's file, preferred (None: every peer holds every file). `eligible`:
     the peers that may take part in each model at all (None: every peer; a model missing:
-    none)."""
+    none). `chains`: the chains a pinned split keeps at least, where free memory holds
+    them (`--chains`; more as demand asks)."""
     return _Assigner(
         models,
         peers,
@@ -170,6 +172,7 @@ def assign(
         current or {},
         holders,
         eligible,
+        chains or {},
     ).run()
 
 
@@ -252,8 +255,10 @@ class _Assigner:
         current: Mapping[str, Plan],
         holders: Mapping[str, frozenset[str]] | None,
         eligible: Mapping[str, frozenset[str]] | None,
+        chains: Mapping[str, int],
     ) -> None:
         self.models = {m: models[m] for m in sorted(models)}
+        self.least_chains = {m: n for m, n in chains.items() if m in pins}
         self.peers = sorted(peers, key=lambda p: p.peer_id)
         self.by_id = {p.peer_id: p for p in self.peers}
         self.now = now
@@ -855,11 +860,12 @@ class _Assigner:
         serving at least `MIN_REPLICA` of what the first ones do. Never by eviction."""
         r = self.rates[m]
         placing = self.placing[m]
-        if r.recent <= GROW_AT * placing.split_rate:
+        least = self.least_chains.get(m, 1)
+        if r.recent <= GROW_AT * placing.split_rate and len(placing.chains) >= least:
             return
         target = max(r.recent, r.latest, r.peak)
         alone = placing.split_rate
-        while target > GROW_TO * placing.split_rate:
+        while len(placing.chains) < least or target > GROW_TO * placing.split_rate:
             more, _ = self._split(m, besides=frozenset(placing.shares))
             if more is None or more.split_rate < MIN_REPLICA * alone:
                 return
@@ -878,7 +884,7 @@ class _Assigner:
             return
         placing = self.placing[m]
         limit = SHRINK_AT
-        while len(placing.chains) > 1:
+        while len(placing.chains) > max(1, self.least_chains.get(m, 1)):
             rate = placing.chains[-1][1]
             if busiest > limit * (placing.split_rate - rate):
                 return

@@ -23,6 +23,7 @@ import structlog
 import trio
 
 from meshagent.catalog.entry import CatalogEntry
+from meshagent.config import MAX_CHAINS
 from meshagent.errors import MeshError
 from meshagent.gossip.failure import PeerState
 from meshagent.placement import demand as demands
@@ -40,6 +41,7 @@ log = structlog.get_logger(__name__)
 
 PINS_KEY = "pins"  # the models an agent pins, in the `extras` of its record
 MAX_PINS = 32
+CHAINS_KEY = "chains"  # the chains it asks of a split it pins (`--chains`), when more than 1
 # Seconds between assignments when nothing changes: demand ages with the clock alone (in
 # buckets of a minute, `demand.BUCKET_S`), and any request or gossiped change recomputes it
 # at once. A keep_alive that runs out wakes the loop at once.
@@ -81,6 +83,7 @@ class Assigning:
         headroom: float,
         keep_alive: float,
         pins: tuple[str, ...] = (),
+        chains: int = 1,
         seed_default: bool = False,
         seed_after: float = SEED_AFTER,
         load_timeout: float = 600.0,
@@ -94,6 +97,7 @@ class Assigning:
         self.headroom = headroom
         self.meter = DemandMeter(default_keep_alive=keep_alive)
         self.pins = tuple(pins)
+        self.chains = chains
         self._seed_default = seed_default  # pin the embedded default if the mesh has none
         self._seed_after = seed_after  # seconds to listen for the mesh's catalogue first
         self.load_timeout = load_timeout  # seconds a request waits for its model to load
@@ -331,6 +335,7 @@ class Assigning:
             pins=self._pins(views),
             current=_plans_in_force(views, models),
             eligible=eligible,
+            chains=self._chains(views),
         )
         for model in self.host:
             model.placement.allowance = self._allowance(model.info.id, entries)
@@ -378,6 +383,26 @@ class Assigning:
                         out.add(names[p.casefold()])
         return frozenset(out)
 
+    def _chains(self, views: Mapping[str, Any]) -> dict[str, int]:
+        """The chains asked of each model that agents pin: the most any alive agent pinning
+        it asks for (`--chains`), within `MAX_CHAINS`."""
+        names = {n.casefold(): n for n in self.catalog.entries()}
+        out: dict[str, int] = {}
+
+        def ask(pins: Any, chains: Any) -> None:
+            if type(chains) is not int or not isinstance(pins, list | tuple) or chains <= 1:
+                return
+            for p in pins[:MAX_PINS]:
+                if isinstance(p, str) and p.casefold() in names:
+                    name = names[p.casefold()]
+                    out[name] = max(out.get(name, 1), min(chains, MAX_CHAINS))
+
+        ask(self.pins, self.chains)
+        for pid, v in views.items():
+            if v.state != PeerState.DEAD and pid != self.gossip.peer_id:
+                ask(v.record.extras.get(PINS_KEY), v.record.extras.get(CHAINS_KEY))
+        return out
+
     def _publish(self) -> None:
         """This agent's demand and pins in its record, when they changed."""
         now = self._clock()
@@ -387,6 +412,8 @@ class Assigning:
         me = self.gossip.snapshot().get(self.gossip.peer_id)
         extras = dict(me.record.extras) if me is not None else {}
         extras[demands.EXTRAS_KEY], extras[PINS_KEY] = mine
+        if self.chains > 1:
+            extras[CHAINS_KEY] = self.chains
         try:
             self.gossip.update_local(extras=extras)
         except MeshError as e:

@@ -182,3 +182,19 @@ def test_extra_chains_give_way_to_a_model_a_request_waits_for():
     kept = a.get("big")
     assert kept is not None and kept.plan.stages == busy.stages
     assert len(kept.plan.pipelines) == 2
+
+
+def test_a_pinned_split_keeps_the_chains_asked_for_where_memory_holds_them():
+    mesh = peers(9)
+
+    def chains(asked: int, pins=frozenset({"big"}), mesh=mesh) -> int:
+        a = assign({"big": BIG}, mesh, {}, now=NOW, context_tokens=CTX, pins=pins,
+                   chains={"big": asked})  # fmt: skip
+        placed = a.get("big")
+        return 0 if placed is None else len(placed.plan.pipelines)
+
+    assert chains(1) == 1  # no demand: one
+    assert chains(3) == 3
+    assert chains(16) == len(mesh) // len(plan(BIG, mesh, context_tokens=CTX).stages)
+    assert chains(3, mesh=mesh[:5]) == 2  # as many as the memory holds
+    assert chains(3, pins=frozenset()) == 0  # (not pinned, not asked for: not placed)
