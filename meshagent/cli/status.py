@@ -143,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
             waiting = f"waiting for {', '.join(loading)} to load {whose} part" if loading else ""
             why = p.get("error") or waiting or "a plan is being agreed"
             print(f"placement {not_served(model_id, why)}")
-        if p.get("stages"):
-            parts = ", ".join(f"{label(pid)} {layer_range(a, b)}" for pid, a, b in p["stages"])
-            print(f"split     {model_id}  {parts}")
+        for chain in [p["stages"], *(p.get("chains") or [])] if p.get("stages") else []:
+            parts = ", ".join(f"{label(pid)} {layer_range(a, b)}" for pid, a, b in chain)
+            print(f"split     {model_id}  {parts}")  # a line per chain
         wire = p.get("wire")
         if wire:
             exact = "certified exact" if wire["certified_exact"] else "not certified exact"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 
@@ -53,6 +55,11 @@ def test_two_chains_serve_the_same_text_and_one_serves_on_when_the_other_loses_a
     ids = {status(x)["peer_id"]: x for x in agents}
     assert {s[0] for s in first} | {s[0] for s in second} == set(ids)
     entries = [ids[first[0][0]], ids[second[0][0]]]
+    shown = subprocess.run(
+        [sys.executable, "-m", "meshagent", "status", "--data-dir", str(a.data_dir)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert sum(line.startswith("split ") for line in shown.splitlines()) == 2, shown
     # Each entry serves its own chain; the same greedy text either way, plain or streamed.
     texts = {s: [complete(e, model_id, PROMPT, s) for e in entries] for s in (False, True)}
     assert texts[False][0] and texts[False] == [texts[False][0]] * 2
