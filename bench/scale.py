@@ -8,7 +8,10 @@ sends per second while the mesh forms and under churn (membership and the record
 placement claims); each churn event (one a minute, in turn: a join, a crash of an agent
 serving a model, a crash of any agent, a partition of a tenth of the mesh for 45 s and its
 heal) with the time until every view took it in and until every model it touched was
-routable again; the requests served, replayed and failed, each failure with its reason.
+routable again; the requests served, replayed and failed, each failure with its reason; the
+chains each model had (demand adds chains of a split); every request's tokens decoded on
+fake splits of its chain's stages, and how many served requests, replayed ones included, came
+out exactly as the whole model decodes them.
 
     .venv/bin/python bench/scale.py [--agents 300] [--minutes 30] [--claims plan,all]
 """
@@ -75,6 +78,8 @@ def main() -> None:
             "served": r["served"],
             "replayed": r["replayed"],
             "failed": r["failed"],
+            "as whole model": r["served_as_the_whole_model"],
+            "chains (most)": ", ".join(str(n) for n in r["chains_most"].values()),
             "replan_s": ", ".join(
                 f"{k} {v['median']}/{v['max']}" for k, v in r["replan_s_by_event"].items()
             ),

@@ -25,10 +25,23 @@ _REMEMBERED = 4096  # verdicts kept, so that an update arriving again is not ver
 class SwimProofs:
     """`sign` and `verify` for a `Swim` of `identity`'s agent in the mesh `mesh`."""
 
-    def __init__(self, identity: NodeIdentity, mesh: str) -> None:
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        mesh: str,
+        *,
+        verdicts: OrderedDict[bytes, str | None] | None = None,
+        remembered: int = _REMEMBERED,
+    ) -> None:
+        """`verdicts`: where to keep them (a simulation of many members shares one: the
+        same bytes get the same verdict from every member of the mesh), `remembered` at
+        most."""
         self.identity = identity
         self.mesh = mesh
-        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
+        self._verdicts: OrderedDict[bytes, str | None] = (
+            OrderedDict() if verdicts is None else verdicts
+        )
+        self._remembered = remembered
         self.last_reason: str | None = None  # why the last refused update was refused
 
     def sign(self, u: Update) -> Update:
@@ -54,7 +67,7 @@ class SwimProofs:
         else:
             reason = self._check(u)
             self._verdicts[key] = reason
-            if len(self._verdicts) > _REMEMBERED:
+            if len(self._verdicts) > self._remembered:
                 self._verdicts.popitem(last=False)
         if reason is not None:
             self.last_reason = reason

@@ -7,7 +7,9 @@ length, the stream's header), so a thousand members run in minutes on one core.
 With `signed`, members are what an agent runs but its streams: each has an ed25519 identity
 and a signed record, its updates carry their issuers' proofs (`gossip/swim_proofs.py`, checked
 by every receiver), and every message crosses the wire codec (`gossip/swim_wire.py`) as bytes,
-whose length is what it costs.
+whose length is what it costs. The members share their verdicts: an update's bytes get the
+same verdict from every member, so each distinct one is verified once for the bus (an agent
+verifies each once for itself), and every receiver still refuses a bad one and counts it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -32,6 +35,7 @@ from meshagent.testing.city_rtts import CITIES, rtt
 _KEEP_EVERY = 2.0  # seconds between a member's choices of its kept set
 FRAME_BYTES = 40  # per message over the overlay: AEAD tag, lengths, stream header
 MESH = "swim-bus-mesh"
+_VERDICTS = 1 << 18  # verdicts the members share, most recent kept
 
 
 class SwimBus:
@@ -50,6 +54,7 @@ class SwimBus:
         when either keeps the other, and each probes (and gossips to) those it is connected
         to; a message to a member it is not connected to takes a dial first (1.5 RTT)."""
         self.signed = signed
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # shared (docstring)
         self.keep = keep
         self._keepers: dict[str, KeepSet] = {}
         self.kept: dict[str, set[str]] = {}  # each member's kept set, as last chosen
@@ -92,7 +97,7 @@ class SwimBus:
         seed = self.rng.getrandbits(32)
         if self.signed:
             identity = self.identities[name]
-            proofs = SwimProofs(identity, MESH)
+            proofs = SwimProofs(identity, MESH, verdicts=self._verdicts, remembered=_VERDICTS)
             m = Swim(
                 name,
                 config=self.config,
