@@ -720,12 +720,18 @@ class _Assigner:
             shares[s.peer_id] = share
         return shares, 1000.0 / max(fixed.est_token_ms, 1e-9)
 
+    def _settled(self, m: str) -> float | None:
+        """`m`'s busiest demand rate once its demand has settled (the recent and the whole
+        window within `SETTLED` of each other), else None: nothing shrinks before."""
+        r = self.rates[m]
+        busiest = max(r.recent, r.window)
+        return None if abs(r.recent - r.window) > SETTLED * busiest else busiest
+
     def _shrink(self, m: str) -> None:
         """Fewer replicas once demand has settled well below what they serve: all the
         replicas that can go, in one go."""
-        r = self.rates[m]
-        busiest = max(r.recent, r.window)
-        if abs(r.recent - r.window) > SETTLED * busiest:
+        busiest = self._settled(m)
+        if busiest is None:
             return
         placing = self.placing[m]
         limit = SHRINK_AT
@@ -878,9 +884,8 @@ class _Assigner:
     def _shrink_chains(self, m: str) -> None:
         """Fewer chains once demand has settled well below what they serve: the last ones
         first, all that can go in one go (the first chain stays)."""
-        r = self.rates[m]
-        busiest = max(r.recent, r.window)
-        if abs(r.recent - r.window) > SETTLED * busiest:
+        busiest = self._settled(m)
+        if busiest is None:
             return
         placing = self.placing[m]
         limit = SHRINK_AT
