@@ -52,10 +52,18 @@ from meshagent.placement import quorum
 from meshagent.placement.assignment import Assignment, assign
 from meshagent.placement.demand import BUCKET_S, WINDOW_S, Bucket, Demand
 from meshagent.placement.negotiation import Claim, plan_digest
-from meshagent.placement.planner import ModelCost, PeerCapacity, Plan, is_repair
+from meshagent.placement.planner import ModelCost, PeerCapacity, is_repair
 from meshagent.placement.service import EXTRAS_KEY
 from meshagent.testing.scale_mesh import AgentSpec, big_models, draw_agent
-from meshagent.testing.scale_state import Force, Part, Request, Tally
+from meshagent.testing.scale_state import (
+    Chain,
+    Force,
+    Part,
+    Request,
+    Tally,
+    plan_chains,
+    plan_ranges,
+)
 from meshagent.testing.scale_tokens import FakeChains, prompt_of
 from meshagent.testing.swim_bus import SwimBus
 
@@ -294,9 +302,9 @@ class ScaleSim:
         """`force` is in force on `side`: the parts no longer in it stop serving (their
         requests replay), its peers load theirs once it has settled, and the agents claim it."""
         self.force[side][model] = force
-        n = len(_chains(force.plan, self.models[model]))
+        n = len(plan_chains(force.plan, self.models[model]))
         self.tally.chains_most[model] = max(n, self.tally.chains_most.get(model, 0))
-        ranges = _ranges(force.plan, self.models[model])
+        ranges = plan_ranges(force.plan, self.models[model])
         for (peer, m), part in list(self.parts.items()):
             here = m == model and self.side_of(peer) == side
             if here and ranges.get(peer) != (part.start, part.end):
@@ -363,7 +371,7 @@ class ScaleSim:
         if force is None:
             return []
         out = []
-        for chain in _chains(force.plan, self.models[model]):
+        for chain in plan_chains(force.plan, self.models[model]):
             if all(self._serves(model, side, peer, start, end) for peer, start, end in chain):
                 out.append(chain)
         return out
@@ -389,7 +397,7 @@ class ScaleSim:
                 return f"no plan on this side: {why or 'not placed'}"
         if force is None:
             return "no plan in force"
-        ranges = _ranges(force.plan, self.models[model])
+        ranges = plan_ranges(force.plan, self.models[model])
         for peer, (start, end) in sorted(ranges.items()):
             part = self.parts.get((peer, model))
             if peer in self.bus.crashed:
@@ -444,11 +452,11 @@ class ScaleSim:
     def chains_of(self, model: str, side: int = 0) -> list[Chain]:
         """Every chain of `model`'s plan in force on `side`, serving or not."""
         force = self.force[side].get(model)
-        return [] if force is None else _chains(force.plan, self.models[model])
+        return [] if force is None else plan_chains(force.plan, self.models[model])
 
     def first_chain(self, model: str, side: int = 0) -> Chain:
         """The first chain of `model`'s plan in force on `side`."""
-        return _chains(self.force[side][model].plan, self.models[model])[0]
+        return plan_chains(self.force[side][model].plan, self.models[model])[0]
 
     def serve(self, dt: float) -> None:
         """Requests in flight advance by `dt`; lost ones wait, replay or fail; queued ones
@@ -583,21 +591,6 @@ class ScaleSim:
 def _settled_at(force: Force) -> float:
     """When a plan in force has settled: its parts load, agents outside it claim it ready."""
     return force.since + (REPAIR_SETTLE_S if force.repair else SETTLE_S)
-
-
-def _ranges(plan: Plan, model: ModelCost) -> dict[str, tuple[int, int]]:
-    return {peer: (start, end) for chain in _chains(plan, model) for peer, start, end in chain}
-
-
-# A chain as the simulation keys it: its stages as (peer, start, end), in order.
-Chain = tuple[tuple[str, int, int], ...]
-
-
-def _chains(plan: Plan, model: ModelCost) -> list[Chain]:
-    """A split's chains, or each replica of a model served whole as a chain of one."""
-    if plan.split:
-        return [tuple((s.peer_id, s.start, s.end) for s in c) for c in plan.pipelines]
-    return [((p, 0, model.n_layers),) for p in plan.replicas]
 
 
 __all__ = ["ScaleSim"]

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from meshagent.placement.negotiation import plan_digest
-from meshagent.placement.planner import Plan
+from meshagent.placement.planner import ModelCost, Plan
 
 
 @dataclass
@@ -71,3 +71,19 @@ class Tally:
     @property
     def republished(self) -> int:
         return len(self.record_bytes)
+
+
+# A chain as the simulation keys it: its stages as (peer, start, end), in order.
+Chain = tuple[tuple[str, int, int], ...]
+
+
+def plan_chains(plan: Plan, model: ModelCost) -> list[Chain]:
+    """A split's chains, or each replica of a model served whole as a chain of one."""
+    if plan.split:
+        return [tuple((s.peer_id, s.start, s.end) for s in c) for c in plan.pipelines]
+    return [((p, 0, model.n_layers),) for p in plan.replicas]
+
+
+def plan_ranges(plan: Plan, model: ModelCost) -> dict[str, tuple[int, int]]:
+    """Each peer's layers in `plan`, every chain's."""
+    return {peer: (start, end) for chain in plan_chains(plan, model) for peer, start, end in chain}
