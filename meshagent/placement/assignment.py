@@ -232,6 +232,12 @@ class _Placing:
     # A split's chains: the peers of each and what it serves, the first one first.
     chains: list[tuple[frozenset[str], float]] = field(default_factory=list)
 
+    def add_chain(self, shares: dict[str, _Share], rate: float) -> None:
+        """One more chain of the split, on `shares`, serving `rate` tokens per second."""
+        self.shares.update(shares)
+        self.split_rate += rate
+        self.chains.append((frozenset(shares), rate))
+
 
 @dataclass(frozen=True)
 class _Rates:
@@ -317,7 +323,8 @@ class _Assigner:
             )
         return self._scaled[key]
 
-    def _cut(self, m: str, pid: str, share: _Share) -> PeerCapacity:
+    def _cut(self, m: str, pid: str, share: _Share | _Free) -> PeerCapacity:
+        """Peer `pid` as `m` sees it, with `share` of its memory (or what it has free)."""
         return replace(
             self._scale(m, pid),
             memory_bytes=share.memory,
@@ -343,7 +350,7 @@ class _Assigner:
         if key not in self._ms:
             model = self.models[m]
             ms = self._cut(m, pid, share).stage_ms(model, 0, model.n_layers, self.ctx)
-            self._ms[key] = 1000.0 / max(ms, 1e-9)
+            self._ms[key] = _per_s(ms)
         return self._ms[key]
 
     def _fits_one_peer(self, m: str) -> bool:
@@ -509,14 +516,7 @@ class _Assigner:
         for p in self._peers_for(m):
             f = self.free[p.peer_id]
             if self._usable(f) > 0 and p.peer_id not in besides:
-                free_caps.append(
-                    replace(
-                        self._scale(m, p.peer_id),
-                        memory_bytes=f.memory,
-                        vram_bytes=f.vram,
-                        spare_bytes=f.spare,
-                    )
-                )
+                free_caps.append(self._cut(m, p.peer_id, f))
         cur = None if besides else self.current.get(m)
         try:
             found = plan(
@@ -543,8 +543,9 @@ class _Assigner:
                 pid: _Share(self.free[pid].memory, self.free[pid].vram, self.free[pid].spare)
                 for pid in shares
             }
-        rate = 1000.0 / max(found.est_token_ms, 1e-9)
-        return _Placing(True, shares, rate, [(frozenset(shares), rate)]), None
+        placing = _Placing(True, {})
+        placing.add_chain(shares, _per_s(found.est_token_ms))
+        return placing, None
 
     def _fit(self, m: str) -> tuple[_Placing | None, str | None]:
         """Room for `m` on free memory, or None and why not."""
@@ -658,10 +659,7 @@ class _Assigner:
                 one = Plan(m, self.ctx, stages=chain)
                 caps = {pid: self._cut(m, pid, shares[pid]) for pid in sorted(shares)}
                 ms = estimated_token_ms(model, one, caps, self.ctx)
-                rate = 1000.0 / max(cur.est_token_ms if ms is None else ms, 1e-9)
-                placing.shares.update(shares)
-                placing.split_rate += rate
-                placing.chains.append((frozenset(shares), rate))
+                placing.add_chain(shares, _per_s(cur.est_token_ms if ms is None else ms))
                 continue
             if not cur.chains:
                 return  # the one chain lost a stage: placed afresh (repaired) after
@@ -678,9 +676,7 @@ class _Assigner:
             shares, rate = fixed
             for pid in sorted(shares):
                 self._take(pid, shares[pid])
-            placing.shares.update(shares)
-            placing.split_rate += rate
-            placing.chains.append((frozenset(shares), rate))
+            placing.add_chain(shares, rate)
             held |= frozenset(shares)
             if m not in self.placing:
                 self.placing[m] = placing
@@ -698,15 +694,7 @@ class _Assigner:
         for p in self._peers_for(m):
             pid = p.peer_id
             if (pid in mine or pid not in taken) and self._usable(self.free[pid]) > 0:
-                f = self.free[pid]
-                caps.append(
-                    replace(
-                        self._scale(m, pid),
-                        memory_bytes=f.memory,
-                        vram_bytes=f.vram,
-                        spare_bytes=f.spare,
-                    )
-                )
+                caps.append(self._cut(m, pid, self.free[pid]))
         fixed = repair(model, Plan(m, self.ctx, stages=chain), caps, headroom=self.headroom)
         if fixed is None:
             return None
@@ -718,7 +706,7 @@ class _Assigner:
             if share is None:
                 return None
             shares[s.peer_id] = share
-        return shares, 1000.0 / max(fixed.est_token_ms, 1e-9)
+        return shares, _per_s(fixed.est_token_ms)
 
     def _settled(self, m: str) -> float | None:
         """`m`'s busiest demand rate once its demand has settled (the recent and the whole
@@ -791,10 +779,10 @@ class _Assigner:
                     for pid in sorted(was.shares):
                         self._take(pid, was.shares[pid])
                     back = self.placing[victim]
-                    back.shares.update(was.shares)
                     if was.split:  # a chain, back at the end
-                        back.split_rate += was.split_rate
-                        back.chains += was.chains
+                        back.add_chain(was.shares, was.split_rate)
+                    else:
+                        back.shares.update(was.shares)
                 else:
                     self._hold(victim, was)
             elif victim not in self.placing:
@@ -877,9 +865,7 @@ class _Assigner:
                 return
             for pid in sorted(more.shares):
                 self._take(pid, more.shares[pid])
-            placing.shares.update(more.shares)
-            placing.split_rate += more.split_rate
-            placing.chains += more.chains
+            placing.add_chain(more.shares, more.split_rate)
 
     def _shrink_chains(self, m: str) -> None:
         """Fewer chains once demand has settled well below what they serve: the last ones
@@ -904,7 +890,9 @@ class _Assigner:
         for pid in sorted(gone):
             self._give(pid, gone[pid])
         placing.split_rate -= rate
-        return _Placing(True, gone, rate, [(peers, rate)])
+        dropped = _Placing(True, {})
+        dropped.add_chain(gone, rate)
+        return dropped
 
     def _fill(self, m: str) -> None:
         """A pinned model served whole stays loaded on every peer taking part in it that
@@ -955,13 +943,14 @@ class _Assigner:
                 rate = 0.0
                 for chain in p.pipelines:
                     one = Plan(m, self.ctx, stages=chain, est_token_ms=p.est_token_ms)
-                    ms = estimated_token_ms(model, one, by_id, self.ctx) or p.est_token_ms
-                    rate += 1000.0 / max(ms, 1e-9)
+                    rate += _per_s(
+                        estimated_token_ms(model, one, by_id, self.ctx) or p.est_token_ms
+                    )
             else:
                 rate = 0.0
                 for pid in sorted(p.replicas):
                     ms = by_id[pid].stage_ms(model, 0, model.n_layers, self.ctx)
-                    rate += 1000.0 / max(ms, 1e-9)
+                    rate += _per_s(ms)
             placed.append(Placed(m, tuple(cut), p, rate))
         crowded = tuple(sorted(m for m in self.crowded if m not in self.placing))
         return Assignment(tuple(placed), tuple(sorted(self.reasons.items())), crowded)
@@ -981,6 +970,11 @@ def _pick(
         (o for o in options if o[0] >= top * (1.0 - CLOSE)),
         key=lambda o: (o[1] not in prefer, not holds(o[1]), -o[0], o[1]),
     )
+
+
+def _per_s(ms: float) -> float:
+    """Tokens per second at `ms` milliseconds a token."""
+    return 1000.0 / max(ms, 1e-9)
 
 
 def _ago(seconds: float) -> str:
