@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshagent.placement.demand import BUCKET_S, NEVER, SHORT_S, WINDOW_S, Demand
@@ -60,6 +60,7 @@ from meshagent.placement.planner import (
     repair,
     should_replan,
 )
+from meshagent.placement.shares import Free, Placing, Share, stage_share
 from meshagent.wording import size
 
 GROW_AT = 1.0  # recent demand past what the replicas serve adds replicas,
@@ -176,69 +177,6 @@ def assign(
     ).run()
 
 
-def replica_share(
-    model: ModelCost, free: PeerCapacity, *, context_tokens: int, headroom: float = 0.1
-) -> PeerCapacity | None:
-    """`free` (what is left of a peer's offer) cut to what one whole replica of `model`
-    takes of it, VRAM first; None when it does not fit."""
-    room = _Free(free.memory_bytes, free.vram_bytes, free.spare_bytes)
-    share = _stage_share(model, 0, model.n_layers, context_tokens, room, headroom)
-    if share is None:
-        return None
-    return replace(free, memory_bytes=share.memory, vram_bytes=share.vram, spare_bytes=share.spare)
-
-
-@dataclass
-class _Free:
-    memory: int
-    vram: int
-    spare: int
-
-
-@dataclass(frozen=True)
-class _Share:
-    memory: int
-    vram: int
-    spare: int
-
-
-def _stage_share(
-    model: ModelCost, start: int, end: int, ctx: int, free: _Free, headroom: float
-) -> _Share | None:
-    """The smallest share of `free` whose usable part (less `headroom`) holds the stage
-    over layers [start, end) as `PeerCapacity.needs` counts it; its VRAM part as much of
-    the stage as the free VRAM takes (so that it runs on the device, as `stage_ms` counts
-    it), with as much of the spare as llama.cpp's compute buffer takes. None if it does not
-    fit."""
-    compute = model.compute_bytes(end == model.n_layers)
-    need = max(0, model.offer_bytes(start, end, ctx, free.spare))
-    total = math.ceil(need / (1.0 - headroom))
-    while int(total * (1.0 - headroom)) < need:
-        total += 1
-    vram = min(free.vram, max(total, model.stage_bytes(start, end, ctx)))
-    memory = max(0, total - vram)
-    if memory > free.memory:
-        return None
-    return _Share(memory, vram, min(compute, free.spare))
-
-
-@dataclass
-class _Placing:
-    """A model's placement while the assignment is made."""
-
-    split: bool
-    shares: dict[str, _Share]  # by peer id
-    split_rate: float = 0.0  # a split's tokens per second (its chains' estimates, summed)
-    # A split's chains: the peers of each and what it serves, the first one first.
-    chains: list[tuple[frozenset[str], float]] = field(default_factory=list)
-
-    def add_chain(self, shares: dict[str, _Share], rate: float) -> None:
-        """One more chain of the split, on `shares`, serving `rate` tokens per second."""
-        self.shares.update(shares)
-        self.split_rate += rate
-        self.chains.append((frozenset(shares), rate))
-
-
 @dataclass(frozen=True)
 class _Rates:
     window: float  # tokens per second over `WINDOW_S`
@@ -275,7 +213,7 @@ class _Assigner:
         self.holders = holders
         self.eligible = eligible
         self.free = {
-            p.peer_id: _Free(p.memory_bytes, p.vram_bytes, p.spare_bytes) for p in self.peers
+            p.peer_id: Free(p.memory_bytes, p.vram_bytes, p.spare_bytes) for p in self.peers
         }
         self.demand = {m: demand.get(m, NO_DEMAND) for m in self.models}
         self.rates = {
@@ -288,13 +226,13 @@ class _Assigner:
             )
             for m, d in self.demand.items()
         }
-        self.placing: dict[str, _Placing] = {}
+        self.placing: dict[str, Placing] = {}
         self.reasons: dict[str, str] = {}
         self.crowded: set[str] = set()
         self._scaled: dict[tuple[str, str], PeerCapacity] = {}
-        self._ms: dict[tuple[str, str, _Share], float] = {}
+        self._ms: dict[tuple[str, str, Share], float] = {}
         self._whole: dict[str, bool] = {}
-        self._shares: dict[tuple[str, int, int, int], _Share | None] = {}
+        self._shares: dict[tuple[str, int, int, int], Share | None] = {}
         self._changes = 0  # of the ledger: what `_use` computed before may be stale
         self._uses: dict[str, tuple[int, dict[str, float]]] = {}
 
@@ -323,7 +261,7 @@ class _Assigner:
             )
         return self._scaled[key]
 
-    def _cut(self, m: str, pid: str, share: _Share | _Free) -> PeerCapacity:
+    def _cut(self, m: str, pid: str, share: Share | Free) -> PeerCapacity:
         """Peer `pid` as `m` sees it, with `share` of its memory (or what it has free)."""
         return replace(
             self._scale(m, pid),
@@ -332,19 +270,17 @@ class _Assigner:
             spare_bytes=share.spare,
         )
 
-    def _usable(self, f: _Free) -> int:
+    def _usable(self, f: Free) -> int:
         return int((f.memory + f.vram) * (1.0 - self.headroom))
 
-    def _whole_share(self, m: str, free: _Free) -> _Share | None:
+    def _whole_share(self, m: str, free: Free) -> Share | None:
         key = (m, free.memory, free.vram, free.spare)
         if key not in self._shares:
             model = self.models[m]
-            self._shares[key] = _stage_share(
-                model, 0, model.n_layers, self.ctx, free, self.headroom
-            )
+            self._shares[key] = stage_share(model, 0, model.n_layers, self.ctx, free, self.headroom)
         return self._shares[key]
 
-    def _replica_rate(self, m: str, pid: str, share: _Share) -> float:
+    def _replica_rate(self, m: str, pid: str, share: Share) -> float:
         """Tokens per second one replica of `m` on this share serves, alone on the peer."""
         key = (m, pid, share)
         if key not in self._ms:
@@ -357,7 +293,7 @@ class _Assigner:
         """Some peer could hold the model whole with all it offers."""
         if m not in self._whole:
             self._whole[m] = any(
-                self._whole_share(m, _Free(p.memory_bytes, p.vram_bytes, p.spare_bytes)) is not None
+                self._whole_share(m, Free(p.memory_bytes, p.vram_bytes, p.spare_bytes)) is not None
                 for p in self._peers_for(m)
             )
         return self._whole[m]
@@ -392,12 +328,12 @@ class _Assigner:
                 used += self._use(x)[pid]
         return max(0.0, 1.0 - used)
 
-    def _serves_on(self, m: str, pid: str, share: _Share) -> float:
+    def _serves_on(self, m: str, pid: str, share: Share) -> float:
         """Tokens per second a replica of `m` on `pid` serves, its speed counted for the
         share of the peer's compute the other models leave (`FAIR_SHARE` at least)."""
         return self._replica_rate(m, pid, share) * max(FAIR_SHARE, self._room(pid, m))
 
-    def _serves(self, m: str, shares: Mapping[str, _Share]) -> float:
+    def _serves(self, m: str, shares: Mapping[str, Share]) -> float:
         """Tokens per second `m`'s replicas on `shares` serve (`_serves_on` each)."""
         total = 0.0
         for pid in sorted(shares):
@@ -406,33 +342,33 @@ class _Assigner:
 
     # The ledger of free memory.
 
-    def _take(self, pid: str, share: _Share) -> None:
+    def _take(self, pid: str, share: Share) -> None:
         self._changes += 1
         f = self.free[pid]
         f.memory -= share.memory
         f.vram -= share.vram
         f.spare -= share.spare
 
-    def _give(self, pid: str, share: _Share) -> None:
+    def _give(self, pid: str, share: Share) -> None:
         self._changes += 1
         f = self.free[pid]
         f.memory += share.memory
         f.vram += share.vram
         f.spare += share.spare
 
-    def _hold(self, m: str, placing: _Placing) -> None:
+    def _hold(self, m: str, placing: Placing) -> None:
         for pid in sorted(placing.shares):
             self._take(pid, placing.shares[pid])
         self.placing[m] = placing
         self.reasons.pop(m, None)
 
-    def _drop(self, m: str) -> _Placing:
+    def _drop(self, m: str) -> Placing:
         placing = self.placing.pop(m)
         for pid in sorted(placing.shares):
             self._give(pid, placing.shares[pid])
         return placing
 
-    def _fits_shares(self, shares: Mapping[str, _Share]) -> bool:
+    def _fits_shares(self, shares: Mapping[str, Share]) -> bool:
         for pid in sorted(shares):
             s, f = shares[pid], self.free[pid]
             if s.memory > f.memory or s.vram > f.vram or s.spare > f.spare:
@@ -444,7 +380,7 @@ class _Assigner:
     def _prefer(self, m: str) -> frozenset[str]:
         return frozenset(self.current[m].peers) if m in self.current else frozenset()
 
-    def _best_peer(self, m: str, least: float = 0.0) -> tuple[str, _Share, float] | None:
+    def _best_peer(self, m: str, least: float = 0.0) -> tuple[str, Share, float] | None:
         """Where to add a replica of `m`, with its share and what it would serve there
         (`_serves_on`), if that is at least `least`: where it would serve most (its speed
         times the compute the others leave); among peers within `CLOSE` of that, one that
@@ -462,11 +398,11 @@ class _Assigner:
                 rate = self._replica_rate(m, pid, share) * self._room(pid, m)
                 free_options.append((rate, pid, share, ()))
                 continue
-            room = _Free(self.free[pid].memory, self.free[pid].vram, self.free[pid].spare)
+            room = Free(self.free[pid].memory, self.free[pid].vram, self.free[pid].spare)
             spare: list[str] = []
             for x in self._spare_on(pid, m):
                 s = self.placing[x].shares[pid]
-                room = _Free(room.memory + s.memory, room.vram + s.vram, room.spare + s.spare)
+                room = Free(room.memory + s.memory, room.vram + s.vram, room.spare + s.spare)
                 spare.append(x)
                 share = self._whole_share(m, room)
                 if share is not None:
@@ -507,7 +443,7 @@ class _Assigner:
 
     def _split(
         self, m: str, *, besides: frozenset[str] = frozenset()
-    ) -> tuple[_Placing | None, str | None]:
+    ) -> tuple[Placing | None, str | None]:
         """A split of `m` over free memory (the planner's), or None and why not. `besides`:
         the peers of its chains placed already, which a further chain leaves out (and it
         is planned afresh, not from the plan in force)."""
@@ -526,10 +462,10 @@ class _Assigner:
             return None, str(e)
         if not found.split:
             return None, f"{m}: a peer holds it whole"
-        shares: dict[str, _Share] = {}
+        shares: dict[str, Share] = {}
         for s in found.stages:
             f = self.free[s.peer_id]
-            share = _stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
+            share = stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
             if share is None:  # cannot be: the planner found it fits
                 return None, f"{m}: the split found does not fit its peers' free memory"
             shares[s.peer_id] = share
@@ -540,20 +476,20 @@ class _Assigner:
             # The planner cuts its layers otherwise on exactly the stages' bytes: give the
             # split all that its peers have free.
             shares = {
-                pid: _Share(self.free[pid].memory, self.free[pid].vram, self.free[pid].spare)
+                pid: Share(self.free[pid].memory, self.free[pid].vram, self.free[pid].spare)
                 for pid in shares
             }
-        placing = _Placing(True, {})
+        placing = Placing(True, {})
         placing.add_chain(shares, _per_s(found.est_token_ms))
         return placing, None
 
-    def _fit(self, m: str) -> tuple[_Placing | None, str | None]:
+    def _fit(self, m: str) -> tuple[Placing | None, str | None]:
         """Room for `m` on free memory, or None and why not."""
         if self._fits_one_peer(m):
             best = self._best_peer(m)
             if best is None:
                 return None, self._no_room(m)
-            return _Placing(False, {best[0]: best[1]}), None
+            return Placing(False, {best[0]: best[1]}), None
         if self.models[m].split_refusal is not None:
             return None, self._planner_says(m)
         return self._split(m)
@@ -639,11 +575,11 @@ class _Assigner:
                 if share is not None:
                     kept[pid] = share
             if kept:
-                self._hold(m, _Placing(False, kept))
+                self._hold(m, Placing(False, kept))
             return
         if self._fits_one_peer(m):
             return  # a peer that holds it whole came: placed afresh, whole
-        placing = _Placing(True, {})
+        placing = Placing(True, {})
         broken: list[tuple[StageAssignment, ...]] = []
         for chain in cur.pipelines:
             shares = {}
@@ -651,7 +587,7 @@ class _Assigner:
                 f = self.free.get(s.peer_id) if s.peer_id in allowed else None
                 share = None
                 if f is not None:
-                    share = _stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
+                    share = stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
                 if share is None:
                     break
                 shares[s.peer_id] = share
@@ -684,7 +620,7 @@ class _Assigner:
 
     def _repair_chain(
         self, m: str, chain: tuple[StageAssignment, ...], taken: frozenset[str]
-    ) -> tuple[dict[str, _Share], float] | None:
+    ) -> tuple[dict[str, Share], float] | None:
         """`chain` of `m` with its lost stages given to spares (`planner.repair`) over free
         memory: its peers that are left and peers not in `taken`; the shares and what it
         serves, or None."""
@@ -700,7 +636,7 @@ class _Assigner:
             return None
         shares = {}
         for s in fixed.stages:
-            share = _stage_share(
+            share = stage_share(
                 model, s.start, s.end, self.ctx, self.free[s.peer_id], self.headroom
             )
             if share is None:
@@ -755,7 +691,7 @@ class _Assigner:
             # by moving another aside (two models would take turns on every request).
             self.reasons.setdefault(m, self._crowded(m, why))
             return
-        moved: list[tuple[str, _Placing]] = []
+        moved: list[tuple[str, Placing]] = []
         for victim, pid in self._victims(m, order):
             if victim not in self.placing:
                 continue
@@ -767,7 +703,7 @@ class _Assigner:
                 v = self.placing[victim]
                 share = v.shares.pop(pid)
                 self._give(pid, share)
-                moved.append((victim, _Placing(False, {pid: share})))
+                moved.append((victim, Placing(False, {pid: share})))
             placing, _ = self._fit(m)
             if placing is not None:
                 self._hold(m, placing)
@@ -882,7 +818,7 @@ class _Assigner:
             self._drop_chain(m)
             limit = GROW_TO
 
-    def _drop_chain(self, m: str) -> _Placing:
+    def _drop_chain(self, m: str) -> Placing:
         """Take the last chain off `m`'s split; what it held, as a placing of its own."""
         placing = self.placing[m]
         peers, rate = placing.chains.pop()
@@ -890,7 +826,7 @@ class _Assigner:
         for pid in sorted(gone):
             self._give(pid, gone[pid])
         placing.split_rate -= rate
-        dropped = _Placing(True, {})
+        dropped = Placing(True, {})
         dropped.add_chain(gone, rate)
         return dropped
 
@@ -957,10 +893,10 @@ class _Assigner:
 
 
 def _pick(
-    options: Sequence[tuple[float, str, _Share, tuple[str, ...]]],
+    options: Sequence[tuple[float, str, Share, tuple[str, ...]]],
     prefer: frozenset[str],
     holds: Any,
-) -> tuple[float, str, _Share, tuple[str, ...]] | None:
+) -> tuple[float, str, Share, tuple[str, ...]] | None:
     """The option serving most, unless one within `CLOSE` of it is on a peer in `prefer`,
     then one on a peer that `holds` the file; then by rate and peer id."""
     if not options:

@@ -18,8 +18,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from meshagent.placement.assignment import Placed, replica_share
+from meshagent.placement.assignment import Placed
 from meshagent.placement.planner import ModelCost, PeerCapacity, PlanError, plan
+from meshagent.placement.shares import replica_share
 from meshagent.testing.assignment_sim import (
     CONTEXT_TOKENS,
     HEADROOM,

@@ -9,9 +9,10 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshagent.placement.assignment import Assignment, assign, replica_share, restrict
+from meshagent.placement.assignment import Assignment, assign, restrict
 from meshagent.placement.demand import BUCKET_S, Bucket, Demand, DemandMeter, bucket_of
 from meshagent.placement.planner import ModelCost, PeerCapacity, Plan, plan
+from meshagent.placement.shares import replica_share
 
 GB = 1_000_000_000
 CTX = 1000
