@@ -14,9 +14,9 @@ from meshagent.errors import ConfigError
 from meshagent.gossip.config import GossipConfig
 from meshagent.identity.private_file import write_private
 from meshagent.net.address import Address, is_loopback
+from meshagent.placement.costs import MAX_CHAINS
 from meshagent.placement.demand import DemandError, keep_alive_seconds
 
-MAX_CHAINS = 16  # chains of one split an agent may ask for (`--chains`)
 API_KEY_ENV = "MESHAGENT_API_KEY"  # an API key from the environment, for agents and clients
 JOIN_ENV = "MESHAGENT_JOIN"  # an invite token from the environment, for `meshagent up`
 

@@ -348,6 +348,7 @@ class Services:
             # The models an agent is started with stay loaded (as they always have).
             pins=(*cfg.pins, *self.models.names),
             chains=cfg.chains,
+            streams=cfg.slots,
             seed_default=not cfg.models,
             seed_after=SEED_AFTER if self.told else 0.0,
             load_timeout=cfg.load_timeout,

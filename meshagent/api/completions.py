@@ -90,7 +90,7 @@ class Completions:
         finally:
             meter.done(ex.status, client_gone=ex.disconnected)
             if demanded is not None and self.catalog.loads is not None:
-                self.catalog.loads.end(demanded, meter.tokens, keep_alive)
+                self.catalog.loads.end(demanded, meter.work, keep_alive)
 
     async def _route(
         self, ex: Exchange, asked: Asked, meter: RequestMeter, deliver: Deliver, *, sse: bool

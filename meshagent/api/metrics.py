@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from meshagent.placement.costs import decode_work
 from meshagent.serving.generation import Finished
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -113,10 +114,14 @@ class RequestMeter:
         self.failed, self.error = status, message
 
     @property
-    def tokens(self) -> int:
-        """The request's tokens, prompt and completion, once it finished (0 before)."""
+    def work(self) -> int:
+        """What the request cost, counted in decoded tokens, once it finished (0 before):
+        its completion, and the prompt tokens it prefilled (those a kept prefix gave it
+        cost nothing) at `PREFILL_SHARE` each (`placement.costs.decode_work`)."""
         fin = self._finished
-        return fin.prompt_tokens + fin.completion_tokens if fin is not None else 0
+        if fin is None:
+            return 0
+        return decode_work(max(0, fin.prompt_tokens - fin.cached_tokens), fin.completion_tokens)
 
     def receipt(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
         """Who serves it, from the response's `x-meshagent-stages` header."""

@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from meshagent.placement.costs import MAX_CHAINS, streams_gain
 from meshagent.placement.demand import BUCKET_S, NEVER, SHORT_S, WINDOW_S, Demand
 from meshagent.placement.negotiation import plan_digest
 from meshagent.placement.planner import (
@@ -73,6 +74,7 @@ CLOSE = 0.10  # among peers this close to the fastest, one that served it or hol
 # there are: peers serve their models' requests side by side, each gets a share.
 FAIR_SHARE = 0.5
 RECLAIM = 1.5  # a peer others' spare replicas hold is taken when this much better
+STANDBY = 1  # chains a pinned split keeps beyond what demand asks, where memory holds them
 NO_DEMAND = Demand()
 _CHAIN = "\0chain"  # a victim that is a split's last chain (`_victims`), not a peer
 
@@ -86,7 +88,7 @@ class Placed:
     # are in layers per second of this model.
     peers: tuple[PeerCapacity, ...]
     plan: Plan
-    tokens_per_s: float  # what the plan serves alone: one stream per replica or chain
+    tokens_per_s: float  # what the plan serves alone, each replica or chain with its streams
 
     @property
     def chains(self) -> int:
@@ -153,6 +155,7 @@ def assign(
     holders: Mapping[str, frozenset[str]] | None = None,
     eligible: Mapping[str, frozenset[str]] | None = None,
     chains: Mapping[str, int] | None = None,
+    streams: int = 1,
 ) -> Assignment:
     """The assignment of `peers` to `models` (by id) for the mesh's `demand` at `now`.
     `peers`' speeds are in GFLOP/s (the gossiped unit), turned into layers per second of
@@ -161,7 +164,9 @@ def assign(
     holding each model's file, preferred (None: every peer holds every file). `eligible`:
     the peers that may take part in each model at all (None: every peer; a model missing:
     none). `chains`: the chains a pinned split keeps at least, where free memory holds
-    them (`--chains`; more as demand asks)."""
+    them (`--chains`; more as demand asks). `streams`: the sequences a replica or a chain
+    decodes together (the agents' `--slots`); what each serves counts them
+    (`costs.streams_gain`), and `demand` is in decoded tokens (`costs.decode_work`)."""
     return _Assigner(
         models,
         peers,
@@ -174,6 +179,7 @@ def assign(
         holders,
         eligible,
         chains or {},
+        streams,
     ).run()
 
 
@@ -200,7 +206,9 @@ class _Assigner:
         holders: Mapping[str, frozenset[str]] | None,
         eligible: Mapping[str, frozenset[str]] | None,
         chains: Mapping[str, int],
+        streams: int,
     ) -> None:
+        self.gain = streams_gain(streams)
         self.models = {m: models[m] for m in sorted(models)}
         self.least_chains = {m: n for m, n in chains.items() if m in pins}
         self.peers = sorted(peers, key=lambda p: p.peer_id)
@@ -286,7 +294,7 @@ class _Assigner:
         if key not in self._ms:
             model = self.models[m]
             ms = self._cut(m, pid, share).stage_ms(model, 0, model.n_layers, self.ctx)
-            self._ms[key] = _per_s(ms)
+            self._ms[key] = self._per_s(ms)
         return self._ms[key]
 
     def _fits_one_peer(self, m: str) -> bool:
@@ -480,7 +488,7 @@ class _Assigner:
                 for pid in shares
             }
         placing = Placing(True, {})
-        placing.add_chain(shares, _per_s(found.est_token_ms))
+        placing.add_chain(shares, self._per_s(found.est_token_ms), found.stages)
         return placing, None
 
     def _fit(self, m: str) -> tuple[Placing | None, str | None]:
@@ -565,7 +573,6 @@ class _Assigner:
         cur = self.current.get(m)
         if cur is None:
             return
-        model = self.models[m]
         allowed = {p.peer_id for p in self._peers_for(m)}
         if not cur.split:
             kept = {}
@@ -579,51 +586,55 @@ class _Assigner:
             return
         if self._fits_one_peer(m):
             return  # a peer that holds it whole came: placed afresh, whole
+        # A chain that lost a stage is repaired in its place where spares hold that stage's
+        # room (the quickest way back, as for one chain), else it goes (`_grow_chains` may
+        # add one); the chains that work stay as they are.
         placing = Placing(True, {})
-        broken: list[tuple[StageAssignment, ...]] = []
-        for chain in cur.pipelines:
-            shares = {}
-            for s in chain:
-                f = self.free.get(s.peer_id) if s.peer_id in allowed else None
-                share = None
-                if f is not None:
-                    share = stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
-                if share is None:
-                    break
-                shares[s.peer_id] = share
-            else:
-                one = Plan(m, self.ctx, stages=chain)
-                caps = {pid: self._cut(m, pid, shares[pid]) for pid in sorted(shares)}
-                ms = estimated_token_ms(model, one, caps, self.ctx)
-                placing.add_chain(shares, _per_s(cur.est_token_ms if ms is None else ms))
-                continue
-            if not cur.chains:
-                return  # the one chain lost a stage: placed afresh (repaired) after
-            broken.append(chain)
-        # A chain that lost a stage is repaired where a spare holds that stage's room (the
-        # quickest way back, as for one chain), else it goes (`_grow_chains` may add one).
         held = frozenset(s.peer_id for c in cur.pipelines for s in c)
-        if placing.chains:
-            self._hold(m, placing)
-        for chain in broken:
-            fixed = self._repair_chain(m, chain, held | frozenset(placing.shares))
-            if fixed is None:
-                continue
-            shares, rate = fixed
+        for chain in cur.pipelines:
+            kept = self._intact_chain(m, chain, allowed)
+            if kept is None:
+                if not cur.chains:
+                    return  # the one chain lost a stage: placed afresh (repaired) after
+                kept = self._repair_chain(m, chain, held)
+                if kept is None:
+                    continue
+            shares, rate, stages = kept
             for pid in sorted(shares):
                 self._take(pid, shares[pid])
-            placing.add_chain(shares, rate)
+            placing.add_chain(shares, rate, stages)
             held |= frozenset(shares)
-            if m not in self.placing:
-                self.placing[m] = placing
-                self.reasons.pop(m, None)
+        if placing.chains:
+            self.placing[m] = placing
+            self.reasons.pop(m, None)
+
+    def _intact_chain(
+        self, m: str, chain: tuple[StageAssignment, ...], allowed: set[str]
+    ) -> tuple[dict[str, Share], float, tuple[StageAssignment, ...]] | None:
+        """`chain` of `m`'s plan in force as it stands, where every stage's peer still takes
+        part and holds its room: the shares and what it serves; else None."""
+        model = self.models[m]
+        shares = {}
+        for s in chain:
+            f = self.free.get(s.peer_id) if s.peer_id in allowed else None
+            share = None
+            if f is not None:
+                share = stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
+            if share is None:
+                return None
+            shares[s.peer_id] = share
+        one = Plan(m, self.ctx, stages=chain)
+        caps = {pid: self._cut(m, pid, shares[pid]) for pid in sorted(shares)}
+        ms = estimated_token_ms(model, one, caps, self.ctx)
+        est = self.current[m].est_token_ms if ms is None else ms
+        return shares, self._per_s(est), chain
 
     def _repair_chain(
         self, m: str, chain: tuple[StageAssignment, ...], taken: frozenset[str]
-    ) -> tuple[dict[str, Share], float] | None:
+    ) -> tuple[dict[str, Share], float, tuple[StageAssignment, ...]] | None:
         """`chain` of `m` with its lost stages given to spares (`planner.repair`) over free
-        memory: its peers that are left and peers not in `taken`; the shares and what it
-        serves, or None."""
+        memory: its peers that are left and peers not in `taken`; the shares, what it serves
+        and its stages, or None."""
         model = self.models[m]
         mine = {s.peer_id for s in chain}
         caps = []
@@ -642,7 +653,7 @@ class _Assigner:
             if share is None:
                 return None
             shares[s.peer_id] = share
-        return shares, _per_s(fixed.est_token_ms)
+        return shares, self._per_s(fixed.est_token_ms), fixed.stages
 
     def _settled(self, m: str) -> float | None:
         """`m`'s busiest demand rate once its demand has settled (the recent and the whole
@@ -716,7 +727,7 @@ class _Assigner:
                         self._take(pid, was.shares[pid])
                     back = self.placing[victim]
                     if was.split:  # a chain, back at the end
-                        back.add_chain(was.shares, was.split_rate)
+                        back.add_chain(was.shares, was.split_rate, was.chains[0].stages)
                     else:
                         back.shares.update(was.shares)
                 else:
@@ -786,48 +797,71 @@ class _Assigner:
 
     def _grow_chains(self, m: str) -> None:
         """More chains of a split when recent demand passes `GROW_AT` of what its chains
-        serve: as many as it takes, in one go, each on free memory over peers of its own and
-        serving at least `MIN_REPLICA` of what the first ones do. Never by eviction."""
+        serve (`_chains_serve`): as many as it takes, in one go, each on free memory over
+        peers of its own and serving at least `MIN_REPLICA` of what the first ones do,
+        `MAX_CHAINS` in all. Never by eviction."""
         r = self.rates[m]
         placing = self.placing[m]
-        least = self.least_chains.get(m, 1)
-        if r.recent <= GROW_AT * placing.split_rate and len(placing.chains) >= least:
+        least = self._least_chains(m)
+        if r.recent <= GROW_AT * self._chains_serve(m, placing) and len(placing.chains) >= least:
             return
         target = max(r.recent, r.latest, r.peak)
         alone = placing.split_rate
-        while len(placing.chains) < least or target > GROW_TO * placing.split_rate:
+        while len(placing.chains) < MAX_CHAINS and (
+            len(placing.chains) < least or target > GROW_TO * self._chains_serve(m, placing)
+        ):
             more, _ = self._split(m, besides=frozenset(placing.shares))
             if more is None or more.split_rate < MIN_REPLICA * alone:
                 return
             for pid in sorted(more.shares):
                 self._take(pid, more.shares[pid])
-            placing.add_chain(more.shares, more.split_rate)
+            placing.add_chain(more.shares, more.split_rate, more.chains[0].stages)
 
     def _shrink_chains(self, m: str) -> None:
         """Fewer chains once demand has settled well below what they serve: the last ones
-        first, all that can go in one go (the first chain stays)."""
+        first, all that can go in one go (the first chain stays, and a pinned split's
+        standby)."""
         busiest = self._settled(m)
         if busiest is None:
             return
         placing = self.placing[m]
         limit = SHRINK_AT
-        while len(placing.chains) > max(1, self.least_chains.get(m, 1)):
-            rate = placing.chains[-1][1]
-            if busiest > limit * (placing.split_rate - rate):
+        while len(placing.chains) > self._least_chains(m):
+            rest = placing.split_rate - placing.chains[-1].rate
+            if self._standby(m, len(placing.chains) - 1):
+                rest -= placing.chains[-2].rate
+            if busiest > limit * rest:
                 return
             self._drop_chain(m)
             limit = GROW_TO
 
+    def _least_chains(self, m: str) -> int:
+        """The chains `m`'s split keeps at least, where free memory holds them: what its
+        pinning agents ask for (`--chains`), and a pinned split's standby."""
+        return max(self.least_chains.get(m, 1), 1 + STANDBY if m in self.pins else 1)
+
+    def _standby(self, m: str, chains: int) -> bool:
+        """Whether the last of `chains` chains of `m` is a standby: a pinned split's spare
+        chain, which a chain that loses a stage hands its requests to at once (and which
+        serves meanwhile); demand grows the chains besides it."""
+        return m in self.pins and chains > STANDBY
+
+    def _chains_serve(self, m: str, placing: Placing) -> float:
+        """Tokens per second `m`'s chains serve, a standby's left out."""
+        if self._standby(m, len(placing.chains)):
+            return placing.split_rate - placing.chains[-1].rate
+        return placing.split_rate
+
     def _drop_chain(self, m: str) -> Placing:
         """Take the last chain off `m`'s split; what it held, as a placing of its own."""
         placing = self.placing[m]
-        peers, rate = placing.chains.pop()
-        gone = {pid: placing.shares.pop(pid) for pid in sorted(peers)}
+        chain = placing.chains.pop()
+        gone = {pid: placing.shares.pop(pid) for pid in sorted(chain.peers)}
         for pid in sorted(gone):
             self._give(pid, gone[pid])
-        placing.split_rate -= rate
+        placing.split_rate -= chain.rate
         dropped = Placing(True, {})
-        dropped.add_chain(gone, rate)
+        dropped.add_chain(gone, chain.rate, chain.stages)
         return dropped
 
     def _fill(self, m: str) -> None:
@@ -846,50 +880,72 @@ class _Assigner:
         placed = []
         for m in sorted(self.placing):
             placing = self.placing[m]
-            model = self.models[m]
             cut = [self._cut(m, pid, placing.shares[pid]) for pid in sorted(placing.shares)]
-            by_id = {c.peer_id: c for c in cut}
-            cur = self.current.get(m)
-            why = ""
-            try:
-                p: Plan | None = plan(
-                    model,
-                    cut,
-                    context_tokens=self.ctx,
-                    headroom=self.headroom,
-                    current=cur,
-                    chains=max(1, len(placing.chains)),
-                )
-            except PlanError as e:
-                p, why = None, str(e)
-            # The current plan stays where the service would keep it (`should_replan`): a
-            # split kept on exactly its stages' bytes, or one not enough slower to move.
-            works = cur is not None and estimated_token_ms(model, cur, by_id, self.ctx) is not None
-            if (
-                works
-                and cur is not None
-                and (p is None or plan_digest(p) != plan_digest(cur))
-                and (p is None or not should_replan(model, cur, p, cut))
-            ):
-                p = cur
-            if p is None:  # not expected: every share was cut to fit
-                self.reasons[m] = why
-                continue
-            if p.split:
-                rate = 0.0
-                for chain in p.pipelines:
-                    one = Plan(m, self.ctx, stages=chain, est_token_ms=p.est_token_ms)
-                    rate += _per_s(
-                        estimated_token_ms(model, one, by_id, self.ctx) or p.est_token_ms
-                    )
+            if len(placing.chains) > 1:
+                p, rate = self._chains_plan(m, placing), placing.split_rate
             else:
-                rate = 0.0
-                for pid in sorted(p.replicas):
-                    ms = by_id[pid].stage_ms(model, 0, model.n_layers, self.ctx)
-                    rate += _per_s(ms)
+                found = self._plan_on(m, cut)
+                if found is None:
+                    continue
+                p, rate = found
             placed.append(Placed(m, tuple(cut), p, rate))
         crowded = tuple(sorted(m for m in self.crowded if m not in self.placing))
         return Assignment(tuple(placed), tuple(sorted(self.reasons.items())), crowded)
+
+    def _chains_plan(self, m: str, placing: Placing) -> Plan:
+        """The plan of a split of several chains: each chain as it was kept, repaired or
+        planned, in that order (a chain's memory was cut to its stages, so they stand)."""
+        first, *more = placing.chains
+        return Plan(
+            m,
+            self.ctx,
+            stages=first.stages,
+            est_token_ms=1000.0 * self.gain / max(first.rate, 1e-9),
+            chains=tuple(c.stages for c in more),
+        )
+
+    def _plan_on(self, m: str, cut: list[PeerCapacity]) -> tuple[Plan, float] | None:
+        """The planner's plan for `m` on its shares (`cut`), and what it serves; the plan in
+        force where the service would keep it (`should_replan`): a split kept on exactly its
+        stages' bytes, or one not enough slower to move. None (and why, in the reasons)
+        where none fits, which is not expected: every share was cut to fit."""
+        model = self.models[m]
+        by_id = {c.peer_id: c for c in cut}
+        cur = self.current.get(m)
+        why = ""
+        try:
+            p: Plan | None = plan(
+                model, cut, context_tokens=self.ctx, headroom=self.headroom, current=cur
+            )
+        except PlanError as e:
+            p, why = None, str(e)
+        works = cur is not None and estimated_token_ms(model, cur, by_id, self.ctx) is not None
+        if (
+            works
+            and cur is not None
+            and (p is None or plan_digest(p) != plan_digest(cur))
+            and (p is None or not should_replan(model, cur, p, cut))
+        ):
+            p = cur
+        if p is None:
+            self.reasons[m] = why
+            return None
+        rate = 0.0
+        if p.split:
+            for chain in p.pipelines:
+                one = Plan(m, self.ctx, stages=chain, est_token_ms=p.est_token_ms)
+                rate += self._per_s(
+                    estimated_token_ms(model, one, by_id, self.ctx) or p.est_token_ms
+                )
+        else:
+            for pid in sorted(p.replicas):
+                rate += self._per_s(by_id[pid].stage_ms(model, 0, model.n_layers, self.ctx))
+        return p, rate
+
+    def _per_s(self, ms: float) -> float:
+        """Tokens per second a replica or chain at `ms` milliseconds a token serves, with
+        the streams it decodes together."""
+        return 1000.0 * self.gain / max(ms, 1e-9)
 
 
 def _pick(
@@ -906,11 +962,6 @@ def _pick(
         (o for o in options if o[0] >= top * (1.0 - CLOSE)),
         key=lambda o: (o[1] not in prefer, not holds(o[1]), -o[0], o[1]),
     )
-
-
-def _per_s(ms: float) -> float:
-    """Tokens per second at `ms` milliseconds a token."""
-    return 1000.0 / max(ms, 1e-9)
 
 
 def _ago(seconds: float) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,26 @@ DEFAULT_RTT_MS = 5.0  # assumed for a pair not measured yet, while no pair is me
 BATCH_TOKENS = 512
 COMPUTE_ROW_EMBD = 12
 COMPUTE_FIXED = 3 << 20
+
+# What a replica or a chain serves with its slots: a decode step of n sequences together
+# costs (1 + BATCH_STEP (n - 1)) of one sequence's step (the weights are read once for all),
+# and a prompt token, prefilled in a batch, `PREFILL_SHARE` of a decoded one. The assignment
+# counts demand in decoded tokens at these costs (`api/metrics.py` meters it so).
+BATCH_STEP = 0.1
+PREFILL_SHARE = 0.1
+MAX_CHAINS = 16  # chains of one split, at most (`--chains`, and what demand grows)
+
+
+def streams_gain(streams: int) -> float:
+    """How many times one sequence's tokens per second `streams` sequences decoded
+    together give (3.1 for 4)."""
+    n = max(1, streams)
+    return n / (1.0 + BATCH_STEP * (n - 1))
+
+
+def decode_work(prompt_tokens: int, completion_tokens: int) -> int:
+    """A request's tokens counted as decoded ones: its prompt at `PREFILL_SHARE` each."""
+    return completion_tokens + math.ceil(prompt_tokens * PREFILL_SHARE)
 
 
 @dataclass(frozen=True)

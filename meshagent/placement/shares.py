@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
-from meshagent.placement.planner import ModelCost, PeerCapacity
+from meshagent.placement.planner import ModelCost, PeerCapacity, StageAssignment
 
 
 def replica_share(
@@ -57,6 +58,14 @@ def stage_share(
     return Share(memory, vram, min(compute, free.spare))
 
 
+class Chain(NamedTuple):
+    """One chain of a split in the making: its peers, what it serves, and its stages."""
+
+    peers: frozenset[str]
+    rate: float  # tokens per second
+    stages: tuple[StageAssignment, ...]  # in pipeline order
+
+
 @dataclass
 class Placing:
     """A model's placement while the assignment is made."""
@@ -64,11 +73,13 @@ class Placing:
     split: bool
     shares: dict[str, Share]  # by peer id
     split_rate: float = 0.0  # a split's tokens per second (its chains' estimates, summed)
-    # A split's chains: the peers of each and what it serves, the first one first.
-    chains: list[tuple[frozenset[str], float]] = field(default_factory=list)
+    chains: list[Chain] = field(default_factory=list)  # a split's, the first one first
 
-    def add_chain(self, shares: dict[str, Share], rate: float) -> None:
-        """One more chain of the split, on `shares`, serving `rate` tokens per second."""
+    def add_chain(
+        self, shares: dict[str, Share], rate: float, stages: tuple[StageAssignment, ...]
+    ) -> None:
+        """One more chain of the split: `stages` on `shares`, serving `rate` tokens per
+        second."""
         self.shares.update(shares)
         self.split_rate += rate
-        self.chains.append((frozenset(shares), rate))
+        self.chains.append(Chain(frozenset(shares), rate, stages))

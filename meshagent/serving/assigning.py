@@ -23,11 +23,11 @@ import structlog
 import trio
 
 from meshagent.catalog.entry import CatalogEntry
-from meshagent.config import MAX_CHAINS
 from meshagent.errors import MeshError
 from meshagent.gossip.failure import PeerState
 from meshagent.placement import demand as demands
 from meshagent.placement.assignment import Assignment, assign, restrict
+from meshagent.placement.costs import MAX_CHAINS
 from meshagent.placement.demand import DemandMeter
 from meshagent.placement.negotiation import plan_in_force
 from meshagent.placement.planner import ModelCost, PeerCapacity, Plan
@@ -84,6 +84,7 @@ class Assigning:
         keep_alive: float,
         pins: tuple[str, ...] = (),
         chains: int = 1,
+        streams: int = 1,
         seed_default: bool = False,
         seed_after: float = SEED_AFTER,
         load_timeout: float = 600.0,
@@ -98,6 +99,7 @@ class Assigning:
         self.meter = DemandMeter(default_keep_alive=keep_alive)
         self.pins = tuple(pins)
         self.chains = chains
+        self.streams = streams  # sequences a replica or chain decodes together (`--slots`)
         self._seed_default = seed_default  # pin the embedded default if the mesh has none
         self._seed_after = seed_after  # seconds to listen for the mesh's catalogue first
         self.load_timeout = load_timeout  # seconds a request waits for its model to load
@@ -119,7 +121,8 @@ class Assigning:
         self._poke.set()
 
     def end(self, model_id: str, tokens: int, keep_alive: float | None = None) -> None:
-        """A request for `model_id` ended having cost `tokens`; its `keep_alive` (seconds;
+        """A request for `model_id` ended having cost `tokens` (decoded ones, its prompt at
+        `costs.PREFILL_SHARE` each: `RequestMeter.work`); its `keep_alive` (seconds;
         None: the agent's) says how long the model stays wanted."""
         self.meter.end(model_id, now=self._clock(), tokens=tokens, keep_alive=keep_alive)
         self._poke.set()
@@ -336,6 +339,7 @@ class Assigning:
             current=_plans_in_force(views, models),
             eligible=eligible,
             chains=self._chains(views),
+            streams=self.streams,
         )
         for model in self.host:
             model.placement.allowance = self._allowance(model.info.id, entries)

@@ -50,6 +50,7 @@ from dataclasses import replace
 from meshagent.net.coordinates import Coordinate, update
 from meshagent.placement import quorum
 from meshagent.placement.assignment import Assignment, assign
+from meshagent.placement.costs import BATCH_STEP, PREFILL_SHARE, decode_work
 from meshagent.placement.demand import BUCKET_S, WINDOW_S, Bucket, Demand
 from meshagent.placement.negotiation import Claim, plan_digest
 from meshagent.placement.planner import ModelCost, PeerCapacity, is_repair
@@ -77,8 +78,6 @@ SETTLE_S = 2.0  # a new plan must stay in force this long before its parts load
 REPAIR_SETTLE_S = 0.25
 LOAD_FIXED_S = 2.0
 REPLAY_DEADLINE_S = 30.0
-PREFILL_SHARE = 0.1  # a prompt token costs this share of a decoded token's compute
-BATCH_COST = 0.1  # each more sequence in a decode step adds this share to its compute
 ORDER_CHECK_EVERY = 4  # one new view in this many is planned again in a shuffled order
 ENTRY_STOPPED = "its client's own agent stopped"  # the request's client was connected there
 MEASURED = 8  # peers whose RTT an agent measures (3 in its city): a bounded connection set
@@ -243,15 +242,18 @@ class ScaleSim:
             pins=frozenset(self.models),
             current={m: f.plan for m, f in force.items()},
             holders={m: frozenset(k for k in ids if m in self.specs[k].holds) for m in self.models},
+            streams=SLOTS,
         )
         self.tally.assign_s.append(time.perf_counter() - t)
         return got
 
     def _demand(self, model: str, now: float) -> Demand:
         """`model`'s demand as the agents gossip it: every bucket of the window holding the
-        tokens its requests ask for at their mean rate (none before requests begin)."""
+        work its requests ask for at their mean rate, in decoded tokens (`decode_work`;
+        none before requests begin)."""
         every = self.request_every.get(model)
-        per_bucket = 0 if every is None else (self.prompt + self.output) * BUCKET_S / every
+        work = decode_work(self.prompt, self.output)
+        per_bucket = 0 if every is None else work * BUCKET_S / every
         first = int(now // BUCKET_S)
         buckets = tuple(
             Bucket(first - i, max(1, round(BUCKET_S / every)) if every else 0, round(per_bucket))
@@ -447,7 +449,7 @@ class ScaleSim:
             for i in range(len(peers))
             if len(peers) > 1
         )
-        return (compute * (1 + BATCH_COST * (batch - 1)) + ring) / 1000.0
+        return (compute * (1 + BATCH_STEP * (batch - 1)) + ring) / 1000.0
 
     def chains_of(self, model: str, side: int = 0) -> list[Chain]:
         """Every chain of `model`'s plan in force on `side`, serving or not."""

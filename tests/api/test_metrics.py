@@ -105,3 +105,13 @@ def test_a_requests_counts_move_and_its_times_land_in_buckets():
     assert got[("meshagent_time_to_first_token_seconds_bucket", inf)] == 1
     first = tuple(sorted((*ml, ("le", str(TTFT_BUCKETS[0])))))
     assert got[("meshagent_time_to_first_token_seconds_bucket", first)] == 1
+
+
+def test_a_request_meters_its_work_in_decoded_tokens_for_the_assignment():
+    meter = Metrics().request()
+    assert meter.work == 0  # not finished
+    meter.model = "m"
+    meter.finished(Finished("stop", prompt_tokens=300, completion_tokens=40, cached_tokens=100))
+    # 40 decoded, and the 200 prompt tokens prefilled at a tenth each; the 100 a kept prefix
+    # gave it cost nothing
+    assert meter.work == 40 + 20

@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from meshagent.placement.assignment import assign
+from meshagent.placement.costs import MAX_CHAINS, decode_work, streams_gain
 from meshagent.placement.demand import BUCKET_S, Bucket, Demand, bucket_of
 from meshagent.placement.negotiation import (
     Claim,
@@ -147,9 +148,9 @@ def steady(rate: float) -> Demand:
     )
 
 
-def chains_for(rate: float, mesh, current=None) -> Plan:
+def chains_for(rate: float, mesh, current=None, streams: int = 1) -> Plan:
     a = assign({"big": BIG}, mesh, {"big": steady(rate)}, now=NOW, context_tokens=CTX,
-               current={"big": current} if current else None)  # fmt: skip
+               current={"big": current} if current else None, streams=streams)  # fmt: skip
     placed = a.get("big")
     assert placed is not None, a.reason("big")
     assert placed.chains == len(placed.plan.pipelines)
@@ -193,8 +194,34 @@ def test_a_pinned_split_keeps_the_chains_asked_for_where_memory_holds_them():
         placed = a.get("big")
         return 0 if placed is None else len(placed.plan.pipelines)
 
-    assert chains(1) == 1  # no demand: one
+    assert chains(1) == 2  # no demand: one, and a standby
+    assert chains(1, mesh=mesh[:3]) == 1  # (where the memory holds one)
     assert chains(3) == 3
     assert chains(16) == len(mesh) // len(plan(BIG, mesh, context_tokens=CTX).stages)
     assert chains(3, mesh=mesh[:5]) == 2  # as many as the memory holds
     assert chains(3, pins=frozenset()) == 0  # (not pinned, not asked for: not placed)
+
+
+def test_a_chain_counts_the_streams_it_decodes_together():
+    mesh = peers(9)
+    low = chains_for(0.5, mesh)
+    rate = 1000.0 / low.est_token_ms  # what one chain serves, a stream at a time
+    assert len(chains_for(1.5 * rate, mesh, low).pipelines) == 3
+    # Four streams together serve 4 / 1.3 times one: this demand is still under one chain.
+    assert streams_gain(4) == pytest.approx(4 / 1.3)
+    assert len(chains_for(1.5 * rate, mesh, low, streams=4).pipelines) == 1
+    assert len(chains_for(4.0 * rate, mesh, low, streams=4).pipelines) == 3
+
+
+def test_demand_grows_chains_up_to_max_chains():
+    mesh = peers(2 * MAX_CHAINS + 6)
+    plan_ = chains_for(1e6, mesh)
+    assert len(plan_.pipelines) == MAX_CHAINS
+    every = [s.peer_id for c in plan_.pipelines for s in c]
+    assert len(every) == len(set(every))
+
+
+def test_prompt_tokens_count_at_their_prefill_cost():
+    assert decode_work(0, 50) == 50
+    assert decode_work(200, 128) == 128 + 20  # a prompt token: a tenth of a decoded one
+    assert decode_work(1, 0) == 1  # (rounded up: any work counts)
