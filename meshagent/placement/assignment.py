@@ -47,7 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from meshagent.placement.costs import MAX_CHAINS, streams_gain
+from meshagent.placement.chain_rules import SplitChains
+from meshagent.placement.costs import streams_gain
 from meshagent.placement.demand import BUCKET_S, NEVER, SHORT_S, WINDOW_S, Demand
 from meshagent.placement.negotiation import plan_digest
 from meshagent.placement.planner import (
@@ -55,26 +56,23 @@ from meshagent.placement.planner import (
     PeerCapacity,
     Plan,
     PlanError,
-    StageAssignment,
     estimated_token_ms,
     plan,
-    repair,
     should_replan,
 )
 from meshagent.placement.shares import Free, Placing, Share, stage_share
+from meshagent.placement.thresholds import (
+    CLOSE,
+    FAIR_SHARE,
+    GROW_AT,
+    GROW_TO,
+    MIN_REPLICA,
+    RECLAIM,
+    SETTLED,
+    SHRINK_AT,
+)
 from meshagent.wording import size
 
-GROW_AT = 1.0  # recent demand past what the replicas serve adds replicas,
-GROW_TO = 0.5  # as many as bring it under this share (and shrinking stops there too)
-SHRINK_AT = 0.2  # replicas go when the rest would serve the settled demand under this
-SETTLED = 0.25  # demand has settled: the recent and the whole window this close
-MIN_REPLICA = 0.15  # a replica added must serve this share of what the model had at least
-CLOSE = 0.10  # among peers this close to the fastest, one that served it or holds its file
-# What a model is counted to get at least of a peer's compute, however busy the other models
-# there are: peers serve their models' requests side by side, each gets a share.
-FAIR_SHARE = 0.5
-RECLAIM = 1.5  # a peer others' spare replicas hold is taken when this much better
-STANDBY = 1  # chains a pinned split keeps beyond what demand asks, where memory holds them
 NO_DEMAND = Demand()
 _CHAIN = "\0chain"  # a victim that is a split's last chain (`_victims`), not a peer
 
@@ -192,7 +190,7 @@ class _Rates:
     requests: float  # requests per second over `WINDOW_S`
 
 
-class _Assigner:
+class _Assigner(SplitChains):
     def __init__(
         self,
         models: Mapping[str, ModelCost],
@@ -608,53 +606,6 @@ class _Assigner:
             self.placing[m] = placing
             self.reasons.pop(m, None)
 
-    def _intact_chain(
-        self, m: str, chain: tuple[StageAssignment, ...], allowed: set[str]
-    ) -> tuple[dict[str, Share], float, tuple[StageAssignment, ...]] | None:
-        """`chain` of `m`'s plan in force as it stands, where every stage's peer still takes
-        part and holds its room: the shares and what it serves; else None."""
-        model = self.models[m]
-        shares = {}
-        for s in chain:
-            f = self.free.get(s.peer_id) if s.peer_id in allowed else None
-            share = None
-            if f is not None:
-                share = stage_share(model, s.start, s.end, self.ctx, f, self.headroom)
-            if share is None:
-                return None
-            shares[s.peer_id] = share
-        one = Plan(m, self.ctx, stages=chain)
-        caps = {pid: self._cut(m, pid, shares[pid]) for pid in sorted(shares)}
-        ms = estimated_token_ms(model, one, caps, self.ctx)
-        est = self.current[m].est_token_ms if ms is None else ms
-        return shares, self._per_s(est), chain
-
-    def _repair_chain(
-        self, m: str, chain: tuple[StageAssignment, ...], taken: frozenset[str]
-    ) -> tuple[dict[str, Share], float, tuple[StageAssignment, ...]] | None:
-        """`chain` of `m` with its lost stages given to spares (`planner.repair`) over free
-        memory: its peers that are left and peers not in `taken`; the shares, what it serves
-        and its stages, or None."""
-        model = self.models[m]
-        mine = {s.peer_id for s in chain}
-        caps = []
-        for p in self._peers_for(m):
-            pid = p.peer_id
-            if (pid in mine or pid not in taken) and self._usable(self.free[pid]) > 0:
-                caps.append(self._cut(m, pid, self.free[pid]))
-        fixed = repair(model, Plan(m, self.ctx, stages=chain), caps, headroom=self.headroom)
-        if fixed is None:
-            return None
-        shares = {}
-        for s in fixed.stages:
-            share = stage_share(
-                model, s.start, s.end, self.ctx, self.free[s.peer_id], self.headroom
-            )
-            if share is None:
-                return None
-            shares[s.peer_id] = share
-        return shares, self._per_s(fixed.est_token_ms), fixed.stages
-
     def _settled(self, m: str) -> float | None:
         """`m`'s busiest demand rate once its demand has settled (the recent and the whole
         window within `SETTLED` of each other), else None: nothing shrinks before."""
@@ -795,75 +746,6 @@ class _Assigner:
             placing.shares[pid] = share
             serves += rate
 
-    def _grow_chains(self, m: str) -> None:
-        """More chains of a split when recent demand passes `GROW_AT` of what its chains
-        serve (`_chains_serve`): as many as it takes, in one go, each on free memory over
-        peers of its own and serving at least `MIN_REPLICA` of what the first ones do,
-        `MAX_CHAINS` in all. Never by eviction."""
-        r = self.rates[m]
-        placing = self.placing[m]
-        least = self._least_chains(m)
-        if r.recent <= GROW_AT * self._chains_serve(m, placing) and len(placing.chains) >= least:
-            return
-        target = max(r.recent, r.latest, r.peak)
-        alone = placing.split_rate
-        while len(placing.chains) < MAX_CHAINS and (
-            len(placing.chains) < least or target > GROW_TO * self._chains_serve(m, placing)
-        ):
-            more, _ = self._split(m, besides=frozenset(placing.shares))
-            if more is None or more.split_rate < MIN_REPLICA * alone:
-                return
-            for pid in sorted(more.shares):
-                self._take(pid, more.shares[pid])
-            placing.add_chain(more.shares, more.split_rate, more.chains[0].stages)
-
-    def _shrink_chains(self, m: str) -> None:
-        """Fewer chains once demand has settled well below what they serve: the last ones
-        first, all that can go in one go (the first chain stays, and a pinned split's
-        standby)."""
-        busiest = self._settled(m)
-        if busiest is None:
-            return
-        placing = self.placing[m]
-        limit = SHRINK_AT
-        while len(placing.chains) > self._least_chains(m):
-            rest = placing.split_rate - placing.chains[-1].rate
-            if self._standby(m, len(placing.chains) - 1):
-                rest -= placing.chains[-2].rate
-            if busiest > limit * rest:
-                return
-            self._drop_chain(m)
-            limit = GROW_TO
-
-    def _least_chains(self, m: str) -> int:
-        """The chains `m`'s split keeps at least, where free memory holds them: what its
-        pinning agents ask for (`--chains`), and a pinned split's standby."""
-        return max(self.least_chains.get(m, 1), 1 + STANDBY if m in self.pins else 1)
-
-    def _standby(self, m: str, chains: int) -> bool:
-        """Whether the last of `chains` chains of `m` is a standby: a pinned split's spare
-        chain, which a chain that loses a stage hands its requests to at once (and which
-        serves meanwhile); demand grows the chains besides it."""
-        return m in self.pins and chains > STANDBY
-
-    def _chains_serve(self, m: str, placing: Placing) -> float:
-        """Tokens per second `m`'s chains serve, a standby's left out."""
-        if self._standby(m, len(placing.chains)):
-            return placing.split_rate - placing.chains[-1].rate
-        return placing.split_rate
-
-    def _drop_chain(self, m: str) -> Placing:
-        """Take the last chain off `m`'s split; what it held, as a placing of its own."""
-        placing = self.placing[m]
-        chain = placing.chains.pop()
-        gone = {pid: placing.shares.pop(pid) for pid in sorted(chain.peers)}
-        for pid in sorted(gone):
-            self._give(pid, gone[pid])
-        placing.split_rate -= chain.rate
-        dropped = Placing(True, {})
-        dropped.add_chain(gone, chain.rate, chain.stages)
-        return dropped
-
     def _fill(self, m: str) -> None:
         """A pinned model served whole stays loaded on every peer taking part in it that
         can hold it whole besides what is placed already (as `--model` always kept it): the
@@ -891,18 +773,6 @@ class _Assigner:
             placed.append(Placed(m, tuple(cut), p, rate))
         crowded = tuple(sorted(m for m in self.crowded if m not in self.placing))
         return Assignment(tuple(placed), tuple(sorted(self.reasons.items())), crowded)
-
-    def _chains_plan(self, m: str, placing: Placing) -> Plan:
-        """The plan of a split of several chains: each chain as it was kept, repaired or
-        planned, in that order (a chain's memory was cut to its stages, so they stand)."""
-        first, *more = placing.chains
-        return Plan(
-            m,
-            self.ctx,
-            stages=first.stages,
-            est_token_ms=1000.0 * self.gain / max(first.rate, 1e-9),
-            chains=tuple(c.stages for c in more),
-        )
 
     def _plan_on(self, m: str, cut: list[PeerCapacity]) -> tuple[Plan, float] | None:
         """The planner's plan for `m` on its shares (`cut`), and what it serves; the plan in
