@@ -89,6 +89,9 @@ class Assigning:
         seed_after: float = SEED_AFTER,
         load_timeout: float = 600.0,
         clock: Callable[[], float] = time.time,
+        off_loop: Callable[[Callable[[], Assignment]], Awaitable[Assignment]] = (
+            trio.to_thread.run_sync
+        ),
     ) -> None:
         self.host = host
         self.catalog = catalog
@@ -104,6 +107,7 @@ class Assigning:
         self._seed_after = seed_after  # seconds to listen for the mesh's catalogue first
         self.load_timeout = load_timeout  # seconds a request waits for its model to load
         self._clock = clock
+        self._off_loop = off_loop  # runs the assignment off the event loop (`reassign`)
         self.assignment = Assignment()
         self._heard_catalogue = False  # past the start: a model not catalogued is not placed
         self._cannot: dict[tuple[str, str], str] = {}  # (name, sha256) -> why not here
@@ -225,7 +229,7 @@ class Assigning:
             while True:
                 self._poke = trio.Event()
                 self._follow()
-                self.reassign()
+                await self.reassign()
                 self._publish()
                 # Read after publishing (nothing else runs in between): this agent's own new
                 # record is not a change to wake for.
@@ -312,12 +316,23 @@ class Assigning:
 
     # ----- the assignment -----
 
-    def reassign(self) -> Assignment:
+    async def reassign(self) -> Assignment:
         """The assignment on what this agent knows now; each model's placement is told its
-        share."""
+        share. `assign` runs on a worker thread over a snapshot of the inputs (it is pure):
+        at hundreds of agents a new chain's search takes seconds, which the event loop (the
+        probes, the streams) must not wait out."""
+        entries = self.catalog.entries()
+        self.assignment = await self._off_loop(self._assignment_of(entries))
+        for model in self.host:
+            model.placement.allowance = self._allowance(model.info.id, entries)
+            placed = self.assignment.get(model.info.id)
+            model.placement.chains = placed.chains if placed is not None else 1
+        return self.assignment
+
+    def _assignment_of(self, entries: Mapping[str, CatalogEntry]) -> Callable[[], Assignment]:
+        """The assignment on what this agent knows now, to compute: its inputs read here."""
         now = self._clock()
         views = self.gossip.snapshot()
-        entries = self.catalog.entries()
         models = {name: self._cost(name, e) for name, e in entries.items()}
         peers = capacities(views)
         eligible = {
@@ -328,7 +343,8 @@ class Assigning:
             )
             for name in models
         }
-        self.assignment = assign(
+        return partial(
+            assign,
             models,
             peers,
             self._demand(views, now),
@@ -341,11 +357,6 @@ class Assigning:
             chains=self._chains(views),
             streams=self.streams,
         )
-        for model in self.host:
-            model.placement.allowance = self._allowance(model.info.id, entries)
-            placed = self.assignment.get(model.info.id)
-            model.placement.chains = placed.chains if placed is not None else 1
-        return self.assignment
 
     def _cost(self, name: str, entry: CatalogEntry) -> ModelCost:
         """What the model costs to host: as this agent's placement of it knows it where it

@@ -230,7 +230,9 @@ class ScaleSim:
     def _assign(self, ids: Sequence[str], force: Mapping[str, Force]) -> Assignment:
         alive = frozenset(ids)
         t = time.perf_counter()
-        now = self.bus.now + 1_000_000.0
+        # At the start of a bucket: the window holds whole buckets only (a mean rate read
+        # over a window that counted the bucket running as whole would overstate it).
+        now = (self.bus.now + 1_000_000.0) // BUCKET_S * BUCKET_S
         demand = {m: self._demand(m, now) for m in self.models}
         got = assign(
             self.models,
@@ -250,14 +252,15 @@ class ScaleSim:
     def _demand(self, model: str, now: float) -> Demand:
         """`model`'s demand as the agents gossip it: every bucket of the window holding the
         work its requests ask for at their mean rate, in decoded tokens (`decode_work`;
-        none before requests begin)."""
+        none before requests begin). `now`: the start of a bucket, the window's buckets
+        those before it."""
         every = self.request_every.get(model)
         work = decode_work(self.prompt, self.output)
         per_bucket = 0 if every is None else work * BUCKET_S / every
-        first = int(now // BUCKET_S)
+        first = int(now // BUCKET_S) - 1
         buckets = tuple(
             Bucket(first - i, max(1, round(BUCKET_S / every)) if every else 0, round(per_bucket))
-            for i in range(int(WINDOW_S // BUCKET_S))
+            for i in reversed(range(int(WINDOW_S // BUCKET_S)))
         )
         return Demand(buckets=buckets, last_used=now, expires_at=now + 300, in_flight=1)
 

@@ -4,6 +4,7 @@ it, a removal drops it, a new entry is taken part in, and an empty mesh is seede
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ from meshagent.placement.demand import EXTRAS_KEY as DEMAND_KEY
 from meshagent.placement.demand import from_cbor
 from meshagent.placement.planner import ModelCost
 from meshagent.placement.service import TAKES_KEY
+from meshagent.serving import assigning as assigning_module
 from meshagent.serving.assigning import PINS_KEY, Assigning
 
 GB = 1_000_000_000
@@ -132,10 +134,16 @@ def _model(name: str) -> Any:
     return SimpleNamespace(info=SimpleNamespace(id=name), placement=placement, source=source)
 
 
+async def _inline(compute: Any) -> Any:
+    return compute()
+
+
 def _assigning(host: Host, catalog: Catalog, gossip: Gossip, clock: list[float], **kw) -> Assigning:
     async def obtain(entry: Entry) -> Any:
         return _model(entry.name) if entry.name != "elsewhere" else None
 
+    # The assignment on the event loop: the virtual clock would jump while a thread computes.
+    kw.setdefault("off_loop", _inline)
     return Assigning(
         host,
         catalog,
@@ -182,6 +190,34 @@ async def test_a_request_places_its_model_and_keep_alive_0_lets_it_go(autojump_c
         await trio.sleep(0.1)
         assert "keep_alive 0" in _allowed(chat, gossip)
         assert assigning.summary()[0]["placed"] is False
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_assignment_runs_on_a_worker_thread(monkeypatch):
+    host, catalog = Host(), Catalog("chat")
+    gossip = Gossip("a")
+    gossip.update_local(extras={TAKES_KEY: ["chat"]})
+    ran_on: list[int] = []
+
+    def assign(*args: Any, **kw: Any) -> Any:
+        ran_on.append(threading.get_ident())
+        return real_assign(*args, **kw)
+
+    real_assign = assigning_module.assign
+    monkeypatch.setattr(assigning_module, "assign", assign)
+
+    async def obtain(entry: Entry) -> Any:
+        return _model(entry.name)
+
+    assigning = Assigning(host, catalog, gossip, obtain=obtain, context_tokens=1000,
+                          headroom=0.1, keep_alive=300.0, seed_after=0.0)  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(assigning.run)
+        assigning.begin("chat")
+        with trio.fail_after(10):
+            while (chat := host.get("chat")) is None or isinstance(_allowed(chat, gossip), str):
+                await trio.sleep(0.01)
+        assert ran_on and threading.get_ident() not in ran_on
         nursery.cancel_scope.cancel()
 
 
