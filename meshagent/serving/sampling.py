@@ -101,8 +101,54 @@ class Sampler:
         self._logprobs: list[TokenLogprob] = []
 
     def sample(self, logits: np.ndarray) -> int:
+        raw, logits = logits, self._penalised(logits)
+        rng = None if self.params.greedy else self._rng()
+        token = self._choose(logits, rng)
+        if self.constraint is not None and not self.constraint.allows(token):
+            masked = self.constraint.mask(logits)
+            if not np.isfinite(masked).any():
+                raise EngineError("the grammar allows no token here")
+            token = self._choose(masked, rng)
+        return self._took(raw, token)
+
+    def sample_drafted(self, logits: np.ndarray, token: int, q: np.ndarray | None) -> int:
+        """The token at a position a draft model drafted `token` for, drawing it from its own
+        distribution `q` over this vocabulary: the standard speculative sampling rule. The
+        draft is kept with probability min(1, p / q) (p: this sampler's distribution here),
+        else a token is drawn from what p has beyond q (max(0, p - q), normalised). The
+        result has exactly p's distribution, and the draft is kept more often than a fixed
+        draft would be (the sum of min(p, q) against that of q p). Greedy, or with no `q` (a
+        draft from the text, or across tokenizers): `sample` (the draft is kept where it
+        equals it). Its randomness is the seed's and the token's index's alone, as
+        `sample`'s: a seeded run with the same drafts is the same run."""
+        if self.params.greedy or q is None:
+            return self.sample(logits)
+        probs = self._distribution(logits)
+        rng = self._rng()
+        u, drafted = rng.random(), float(q[token])
+        if drafted > 0 and u * drafted < probs[token]:
+            chosen = token
+        else:
+            beyond = np.maximum(probs - q, 0.0)
+            total = beyond.sum()
+            # (p = q everywhere leaves nothing beyond, but then the draft was kept)
+            chosen = int(rng.choice(len(probs), p=beyond / total if total > 0 else probs))
+        return self._took(logits, chosen)
+
+    def _took(self, raw: np.ndarray, token: int) -> int:
+        """`token` was sampled from `raw`: the grammar, the log-probabilities, the penalties'
+        counts and the index move past it."""
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        if self.params.logprobs is not None:
+            self._logprobs.append(logprob_of(raw, token, self.params.logprobs))
+        self._counts[token] += 1
+        self._index += 1
+        return token
+
+    def _penalised(self, logits: np.ndarray) -> np.ndarray:
+        """`logits` with the presence, frequency and repeat penalties of the tokens so far."""
         p = self.params
-        raw = logits
         if self._counts and (p.presence_penalty or p.frequency_penalty or p.repeat_penalty != 1):
             logits = logits.astype(np.float32, copy=True)
             ids = np.fromiter(self._counts.keys(), dtype=np.int64)
@@ -111,20 +157,30 @@ class Sampler:
                 held = logits[ids]
                 logits[ids] = np.where(held > 0, held / p.repeat_penalty, held * p.repeat_penalty)
             logits[ids] -= p.presence_penalty + p.frequency_penalty * n
-        rng = None if p.greedy else self._rng()
-        token = self._choose(logits, rng)
+        return logits
+
+    def _distribution(self, logits: np.ndarray) -> np.ndarray:
+        """What `sample` draws from at this position, as probabilities over the vocabulary:
+        the penalties, the temperature, top-k, top-p and the grammar."""
+        p = self.params
+        scaled = self._penalised(logits).astype(np.float64)
         if self.constraint is not None:
-            if not self.constraint.allows(token):
-                masked = self.constraint.mask(logits)
-                if not np.isfinite(masked).any():
-                    raise EngineError("the grammar allows no token here")
-                token = self._choose(masked, rng)
-            self.constraint.accept(token)
-        if p.logprobs is not None:
-            self._logprobs.append(logprob_of(raw, token, p.logprobs))
-        self._counts[token] += 1
-        self._index += 1
-        return token
+            scaled = self.constraint.mask(scaled)
+            if not np.isfinite(scaled).any():
+                raise EngineError("the grammar allows no token here")
+        scaled /= p.temperature
+        if 0 < p.top_k < len(scaled):
+            cut = np.partition(scaled, -p.top_k)[-p.top_k]
+            scaled = np.where(scaled >= cut, scaled, -np.inf)
+        scaled -= scaled.max()
+        probs = np.exp(scaled)
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            ids = _nucleus(probs, p.top_p)
+            kept = np.zeros_like(probs)
+            kept[ids] = probs[ids]
+            probs = kept / kept.sum()
+        return probs
 
     def take_logprobs(self) -> list[TokenLogprob]:
         """The log-probabilities of the tokens sampled since the last call, in order (none
