@@ -16,8 +16,8 @@ a word the draft would go on with. Verification makes the text
 exact whatever the draft says (`serving/drafting.py`); a draft that does not tokenize as the
 target would only costs acceptance.
 
-No I/O, no model: the tokenizers are passed in (`engine/vocab.py`'s `Vocab` is one), tested
-alone.
+No I/O, no model: the tokenizers are passed in (any `TokenModel`: an engine, a split's
+entry), tested alone.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Protocol
 
 
 class Tokenizer(Protocol):
-    def tokenize(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]: ...
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]: ...
 
     def token_bytes(self, token: int) -> bytes: ...
 
@@ -45,7 +45,7 @@ class CrossDrafts:
         self.fed: list[int] = []  # the draft tokens its cache holds (as `resync` said)
         self._ends: list[int] = []  # where each fed token ends in the agreed text
         # What the draft model reads first and always keeps (its BOS, spelling nothing).
-        self._lead = draft.tokenize("", add_bos=True, special=False) if draft_bos else []
+        self._lead = draft.tokenize("", add_bos=True) if draft_bos else []
         self._started = False  # the lead was fed
 
     def extend(self, target_tokens: Sequence[int]) -> None:
@@ -75,7 +75,7 @@ class CrossDrafts:
         feed = [] if self._started else list(self._lead)
         self._started = True
         if new:
-            feed += self.draft.tokenize(new, add_bos=False, special=False)
+            feed += self.draft.tokenize(new, add_bos=False)
         self.fed = self.fed[:keep] + feed
         ends, at = self._ends[:keep], start
         for t in feed:
@@ -114,7 +114,7 @@ class CrossDrafts:
         text = drafted[: _whole_chars(drafted)]
         if not text:
             return []
-        tokens = self.target.tokenize(text.decode(), add_bos=False, special=False)
+        tokens = self.target.tokenize(text.decode(), add_bos=False)
         out, cut, at = [], 0, 0
         for i, t in enumerate(tokens):
             piece = self.target.token_bytes(t)

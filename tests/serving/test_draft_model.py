@@ -1,0 +1,125 @@
+"""A draft model (`serving/draft_model.py`) proposing a target's next tokens: its cache follows
+the target's sequence, token for token where they share a vocabulary and by text where they
+do not, and what it drafted and the target confirmed is not computed again. On the fake
+engine (whose cache checks every position it is given) and on SmolLM2 drafting for itself."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshagent.engine.base import ForwardItem
+from meshagent.engine.llama import LlamaEngine
+from meshagent.serving.draft_model import DraftModel
+from meshagent.testing.fake_engine import EOS, FakeEngine, FakeVocab
+
+
+def greedy(engine, tokens: list[int], n: int, slot: int = 0) -> list[int]:
+    """`engine`'s own greedy continuation of `tokens` (its slot cleared first)."""
+    engine.clear_sequence(slot)
+    (logits,) = engine.forward([ForwardItem(slot, 0, tokens, True)])
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        out.append(t)
+        if engine.is_end_of_generation(t):
+            break
+        (logits,) = engine.forward([ForwardItem(slot, len(tokens) + len(out) - 1, [t], True)])
+    engine.clear_sequence(slot)
+    return out
+
+
+def test_a_draft_of_the_same_vocabulary_proposes_its_greedy_text_and_keeps_its_cache():
+    target, draft = FakeEngine(slots=2), FakeEngine(slots=2)
+    prompt = target.tokenize("the draft", add_bos=True)
+    truth = greedy(target, prompt, 12)
+    d = DraftModel(draft, target, same_vocab=True)
+    assert d.open(7, prompt)
+    first = d.propose(7, 5)
+    assert first == truth[:5]  # the same model: its own text
+    fed = d.forwards
+    d.extend(7, first)  # the target kept all five
+    assert d.propose(7, 4) == truth[5:9]
+    # Nothing it drafted was fed again: its last token ran once more for its logits, then
+    # one pass per proposed token after the first.
+    assert d.forwards - fed == 4
+    # The target went elsewhere after two of them: the cache keeps what it shares.
+    d.extend(7, [truth[5], truth[6], 30])
+    got = d.propose(7, 3)
+    assert got == greedy(target, [*prompt, *truth[:7], 30], 3)
+    assert draft.caches.held[0][: len(prompt) + 8] == [*prompt, *truth[:7], 30]
+
+
+def test_slots_are_the_draft_engines_and_a_closed_sequence_gets_none():
+    d = DraftModel(FakeEngine(slots=1), FakeVocab(), same_vocab=True)
+    assert d.open(1, [1, 2, 3]) and not d.open(2, [1, 2])  # every slot taken
+    d.close(1)
+    assert d.propose(1, 3) == [] and d.open(2, [1, 2]) and d.propose(2, 3)
+
+
+def test_a_proposal_stops_at_an_end_of_generation():
+    engine = FakeEngine(slots=1, eos_every=6)
+    d = DraftModel(engine, engine, same_vocab=True)
+    d.open(1, [1, 2, 3])
+    got = d.propose(1, 10)
+    assert got[-1] == EOS and len(got) == 4  # after the 6th position: the end
+
+
+class Words:
+    """A target tokenizer of whole words (and single letters and spaces)."""
+
+    words = ("the ", "cat ", "sat ")
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        out, i = [], 0
+        while i < len(text):
+            w = next((k for k, w in enumerate(self.words) if text.startswith(w, i)), None)
+            if w is not None:
+                out.append(1000 + w)
+                i += len(self.words[w])
+            else:
+                out.append(ord(text[i]))
+                i += 1
+        return out
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.words[token - 1000].encode() if token >= 1000 else bytes([token])
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return False
+
+
+def test_a_draft_of_another_vocabulary_proposes_by_text_cut_where_both_end_a_token():
+    draft, target, ref = FakeEngine(slots=1), Words(), FakeEngine(slots=1)
+    d = DraftModel(draft, target, same_vocab=False)
+    prompt = target.tokenize("the cat sat ", add_bos=False)
+    d.open(3, prompt)
+    got = d.propose(3, 8)
+    # The draft's greedy letters after "the cat sat " (its BOS first), read as target tokens
+    # and cut before the draft's last token: one target token per letter here.
+    letters = greedy(ref, [1, *ref.tokenize("the cat sat ", add_bos=False)], 9)
+    text = b"".join(draft.token_bytes(t) for t in letters[:-1])
+    assert b"".join(target.token_bytes(t) for t in got) == text[: len(got)]
+    assert got and len(got) <= 8
+    # The target keeps three of them: the draft's cache still spells the text, and the
+    # next proposal follows on from it.
+    d.extend(3, got[:3])
+    more = d.propose(3, 4)
+    after = greedy(ref, [1, *ref.tokenize("the cat sat ", add_bos=False), *letters[:3]], 5)
+    assert (
+        b"".join(target.token_bytes(t) for t in more)
+        == b"".join(draft.token_bytes(t) for t in after[:4])[: len(more)]
+    )
+
+
+def test_smollm2_drafting_for_itself_proposes_its_greedy_text(model_path):
+    engine = LlamaEngine(model_path, slots=2, slot_ctx=256, threads=1)
+    try:
+        prompt = engine.tokenize("The capital of France is", add_bos=True)
+        truth = greedy(engine, prompt, 8, slot=1)
+        d = DraftModel(engine, engine, same_vocab=True)
+        d.open(0, prompt)
+        assert d.propose(0, 4) == truth[:4]
+        d.extend(0, truth[:4])
+        assert d.propose(0, 4) == truth[4:8]
+    finally:
+        engine.close()
