@@ -53,6 +53,7 @@ class _Probe:
     direct_until: float
     judged_at: float
     indirect_sent: bool = False
+    helpers: frozenset[str] = frozenset()  # asked to probe it for us (PING-REQ)
 
 
 @dataclass
@@ -122,7 +123,8 @@ class Swim:
         self._seq = 0
         self._probes: dict[int, _Probe] = {}  # our ping seq -> the probe under way
         self._rtt: dict[str, float] = {}  # smoothed round trip of our direct probes, by member
-        self._relays: dict[int, tuple[str, int]] = {}  # our seq -> (asker, its seq)
+        # our seq -> (asker, its seq, the target we pinged for it)
+        self._relays: dict[int, tuple[str, int, str]] = {}
         self._next_probe = now + self.rng.uniform(0, self.config.probe_interval)
         self._next_gossip = now
         self._next_sync = now + self.rng.uniform(0, self.config.sync_interval)
@@ -267,7 +269,9 @@ class Swim:
         for seq, p in sorted(self._probes.items()):
             if not p.indirect_sent and now >= p.direct_until:
                 p.indirect_sent = True
-                for h in self._pick(c.indirect, but=p.target):
+                helpers = self._pick(c.indirect, but=p.target)
+                p.helpers = frozenset(helpers)
+                for h in helpers:
                     out.append((h, Message("ping-req", seq, p.target, self._piggyback())))
             if now >= p.judged_at:
                 del self._probes[seq]
@@ -367,11 +371,16 @@ class Swim:
         if msg.kind == "ping":
             out.append((source, Message("ack", msg.seq, msg.target, self._piggyback())))
         elif msg.kind == "ack":
+            # An ACK counts only from whom it was asked of (the sequence numbers are easy to
+            # guess): a member answering for another would keep a silent one alive.
             if msg.target:  # an answer to a probe this member made for another
-                asker = self._relays.pop(msg.seq, None)
-                if asker is not None:
-                    out.append((asker[0], Message("ack", asker[1], "", self._piggyback())))
-            elif msg.seq in self._probes:
+                relay = self._relays.get(msg.seq)
+                if relay is not None and relay[2] == source:
+                    del self._relays[msg.seq]
+                    out.append((relay[0], Message("ack", relay[1], "", self._piggyback())))
+            elif msg.seq in self._probes and (
+                source == self._probes[msg.seq].target or source in self._probes[msg.seq].helpers
+            ):
                 p = self._probes.pop(msg.seq)
                 if p.target == source:  # the target's own ACK: a direct round trip
                     sample = now - p.started
@@ -381,7 +390,7 @@ class Swim:
                 del self._checks[source]  # it answers: the death was hearsay
         elif msg.kind == "ping-req":
             self._seq += 1
-            self._relays[self._seq] = (source, msg.seq)
+            self._relays[self._seq] = (source, msg.seq, msg.target)
             if len(self._relays) > _RELAYS:  # the oldest were never answered
                 del self._relays[next(iter(self._relays))]
             out.append((msg.target, Message("ping", self._seq, msg.target, self._piggyback())))

@@ -5,7 +5,7 @@ records spread, and no false death under loss."""
 from __future__ import annotations
 
 from meshagent.discovery.keep import KeepConfig
-from meshagent.gossip.swim import Message, State, Update
+from meshagent.gossip.swim import Message, State, Swim, Update
 from meshagent.testing.swim_bus import SwimBus
 
 
@@ -186,3 +186,23 @@ def test_the_two_sides_of_a_healed_partition_are_one_mesh_again():
     bus.run_until(bus.now + 10)
     bus.heal()
     assert _run_until(bus, lambda: bus.views_complete(everyone), 10)
+
+
+def test_a_member_answering_for_a_silent_one_does_not_keep_it_alive():
+    # A hostile member sends an ACK with every sequence number a probe of a silent member
+    # may carry (they are easy to guess): only its target's, or a helper's asked for it,
+    # counts, so the silent member is still suspected and buried. (A hostile helper asked
+    # for it can still vouch for it in that one probe: SWIM trusts its helpers.)
+    a = Swim("a", seed=1)
+    others = [f"o{i}" for i in range(8)]  # (the helpers a may ask besides h)
+    known = tuple(Update(m, 0, State.ALIVE, m) for m in ("t", "h", *others))
+    a.receive(0.0, "t", Message("gossip", updates=known))
+    now, forged = 0.0, 0
+    while now < 20 and a.state_of("t") != State.DEAD:
+        now += 0.05
+        a.tick(now)
+        for seq in range(1, int(now / 0.2) + 3):  # (a probe every 0.4 s at most)
+            a.receive(now, "h", Message("ack", seq))
+            a.receive(now, "h", Message("ack", seq, "t"))  # as if relayed
+            forged += 1
+    assert forged and a.state_of("t") == State.DEAD, now
