@@ -162,21 +162,14 @@ class Sampler:
     def _distribution(self, logits: np.ndarray) -> np.ndarray:
         """What `sample` draws from at this position, as probabilities over the vocabulary:
         the penalties, the temperature, top-k, top-p and the grammar."""
-        p = self.params
-        scaled = self._penalised(logits).astype(np.float64)
+        logits = self._penalised(logits)
         if self.constraint is not None:
-            scaled = self.constraint.mask(scaled)
-            if not np.isfinite(scaled).any():
+            logits = self.constraint.mask(logits)
+            if not np.isfinite(logits).any():
                 raise EngineError("the grammar allows no token here")
-        scaled /= p.temperature
-        if 0 < p.top_k < len(scaled):
-            cut = np.partition(scaled, -p.top_k)[-p.top_k]
-            scaled = np.where(scaled >= cut, scaled, -np.inf)
-        scaled -= scaled.max()
-        probs = np.exp(scaled)
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            ids = _nucleus(probs, p.top_p)
+        probs = self._tempered(logits)
+        if self.params.top_p < 1.0:
+            ids = _nucleus(probs, self.params.top_p)
             kept = np.zeros_like(probs)
             kept[ids] = probs[ids]
             probs = kept / kept.sum()
@@ -199,6 +192,15 @@ class Sampler:
         return np.random.default_rng((seed_word(self.params.seed), self._index))
 
     def _sample_random(self, logits: np.ndarray, rng: np.random.Generator) -> int:
+        probs = self._tempered(logits)
+        if self.params.top_p < 1.0:
+            ids = _nucleus(probs, self.params.top_p)
+            kept = probs[ids]
+            return int(ids[rng.choice(len(ids), p=kept / kept.sum())])
+        return int(rng.choice(len(probs), p=probs))
+
+    def _tempered(self, logits: np.ndarray) -> np.ndarray:
+        """`logits` as probabilities at the temperature, within top-k."""
         p = self.params
         scaled = logits.astype(np.float64) / p.temperature
         if 0 < p.top_k < len(scaled):
@@ -206,12 +208,7 @@ class Sampler:
             scaled = np.where(scaled >= cut, scaled, -np.inf)
         scaled -= scaled.max()
         probs = np.exp(scaled)
-        probs /= probs.sum()
-        if p.top_p < 1.0:
-            ids = _nucleus(probs, p.top_p)
-            kept = probs[ids]
-            return int(ids[rng.choice(len(ids), p=kept / kept.sum())])
-        return int(rng.choice(len(probs), p=probs))
+        return probs / probs.sum()
 
 
 def logprob_of(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
