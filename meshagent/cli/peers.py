@@ -108,7 +108,11 @@ def table(peers: list[dict[str, Any]]) -> str:
     )
     rows = [head]
     for p in peers:
-        rtt = "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.1f}ms"
+        rtt = "-"
+        if p["rtt_ms"] is not None:
+            rtt = f"{p['rtt_ms']:.1f}ms"
+        elif p.get("rtt_est_ms") is not None:  # not connected: the coordinates' estimate
+            rtt = f"~{p['rtt_est_ms']:.0f}ms"
         mem = "-"
         if p["mem_weights_bytes"] is not None:
             mem = f"{size(p['mem_weights_bytes'])}+{size(p['mem_kv_bytes'])}"

@@ -7,6 +7,7 @@ from typing import Any
 
 from meshagent.gossip.peer_record import PeerRecord
 from meshagent.gossip.state import PeerView
+from meshagent.net.coordinates import Coordinate, estimate_ms
 from meshagent.net.manager import PeerLink
 
 
@@ -16,6 +17,8 @@ def peer_rows(
     """One row per peer known to gossip (ourselves first, dead ones included) or connected
     without a record yet; sorted by name then id."""
     by_peer = {link.peer_id: link for link in links}
+    own = views.get(self_id)
+    mine = own.record.coord if own is not None and own.record is not None else ()
     rows = []
     for pid in sorted(set(views) | set(by_peer)):
         view, link = views.get(pid), by_peer.get(pid)
@@ -30,6 +33,10 @@ def peer_rows(
                 "path": "local" if pid == self_id else (link.path if link else None),
                 "address": _address(link, rec),
                 "rtt_ms": None if rtt is None else round(rtt * 1000, 3),
+                # not connected: what both network coordinates predict (`net/coordinates.py`)
+                "rtt_est_ms": _estimate(mine, rec.coord if rec else ())
+                if rtt is None and pid != self_id
+                else None,
                 "rtts_ms": dict(rec.rtts_ms) if rec else {},  # its RTTs to others (gossip)
                 "silent_s": None if view is None else round(view.silent_s, 1),
                 "agent_version": rec.agent_version if rec else None,
@@ -76,3 +83,9 @@ def _address(link: PeerLink | None, rec: PeerRecord | None) -> str | None:
     host = link.remote.rpartition(":")[0]
     same_host = [a for a in rec.addresses if a.rpartition(":")[0] == host]
     return same_host[0] if same_host else link.remote
+
+
+def _estimate(mine: tuple[float, ...], theirs: tuple[float, ...]) -> float | None:
+    """The RTT in ms two gossiped coordinates predict, or None where either is missing."""
+    a, b = Coordinate.from_wire(list(mine)), Coordinate.from_wire(list(theirs))
+    return None if a is None or b is None else round(estimate_ms(a, b), 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meshagent.cli.peers import table
 from meshagent.discovery.mesh_view import peer_rows
 from meshagent.gossip.failure import PeerState
 from meshagent.gossip.peer_record import PeerRecord, Serving
@@ -44,3 +45,24 @@ def test_rows_join_records_and_links():
     assert rows["c"]["address"] == "10.0.0.9:9338"
     assert rows["r"]["path"] == "relayed" and rows["r"]["address"] == "relay 10.9.9.9:9339"
     assert rows["x"]["state"] == "connecting" and rows["x"]["name"] == ""
+
+
+def test_a_peer_not_connected_shows_the_rtt_its_coordinates_predict():
+    def placed(pid: str, coord: tuple[float, ...]) -> PeerView:
+        rec = PeerRecord(pid, b"k" * 32, 1, name=pid, coord=coord)
+        return PeerView(pid, rec, PeerState.ALIVE, 0.5, 1)
+
+    views = {
+        "me": placed("me", (0.0, 0.0, 1.0, 0.2)),
+        "far": placed("far", (30.0, 40.0, 2.0, 0.2)),  # 50 ms away in the plane, plus heights
+        "near": placed("near", (3.0, 4.0, 1.0, 0.2)),
+        "lost": placed("lost", ()),  # no coordinate yet
+    }
+    rows = {
+        r["peer_id"]: r
+        for r in peer_rows("me", views, [link("near", "10.0.0.3:9338", initiator=True)])
+    }
+    assert rows["far"]["rtt_ms"] is None and rows["far"]["rtt_est_ms"] == 53.0
+    assert rows["near"]["rtt_ms"] == 2.1 and rows["near"]["rtt_est_ms"] is None  # measured
+    assert rows["lost"]["rtt_est_ms"] is None and rows["me"]["rtt_est_ms"] is None
+    assert "~53ms" in table(list(rows.values())) and "2.1ms" in table(list(rows.values()))
