@@ -47,31 +47,35 @@ class CrossDrafts:
         # What the draft model reads first and always keeps (its BOS, spelling nothing).
         self._lead = draft.tokenize("", add_bos=True) if draft_bos else []
         self._started = False  # the lead was fed
+        self._whole = True  # the text the last `resync` followed ends on a whole character
 
     def extend(self, target_tokens: Sequence[int]) -> None:
         """The target's sequence went on with `target_tokens`."""
         for t in target_tokens:
             self.text += self.target.token_bytes(t)
 
-    def resync(self) -> tuple[int, list[int]]:
+    def resync(self, after: Sequence[int] = ()) -> tuple[int, list[int]]:
         """What the draft model's cache must hold now: its first `keep` tokens, then `feed`
-        (after them). The caller applies both before the next proposal."""
-        done = _whole_chars(self.text)
+        (after them). The caller applies both before the next proposal. `after`: target
+        tokens not verified yet (windows in flight) that the proposal is to follow, as if
+        the target had gone on with them (they are not agreed: the next `resync` without
+        them keeps what still spells the agreed text)."""
+        text = self.text + b"".join(self.target.token_bytes(t) for t in after)
+        done = _whole_chars(text)
+        self._whole = done == len(text)
         lead = len(self._lead) if self._started else 0
         keep = lead
         for i in range(lead, len(self.fed)):
             start, end = (self._ends[i - 1] if i else 0), self._ends[i]
-            if end > done or bytes(self.text[start:end]) != self.draft.token_bytes(self.fed[i]):
+            if end > done or bytes(text[start:end]) != self.draft.token_bytes(self.fed[i]):
                 break
             keep = i + 1
         if keep > lead and self._ends[keep - 1] < done:
             keep -= 1  # text follows its last token: tokenized with it
-        while (
-            keep > lead and _whole_chars(self.text[: self._ends[keep - 1]]) < self._ends[keep - 1]
-        ):
+        while keep > lead and _whole_chars(text[: self._ends[keep - 1]]) < self._ends[keep - 1]:
             keep -= 1  # (and from a character's start: a byte token may end inside one)
         start = self._ends[keep - 1] if keep else 0
-        new = bytes(self.text[start:done]).decode(errors="replace")
+        new = bytes(text[start:done]).decode(errors="replace")
         feed = [] if self._started else list(self._lead)
         self._started = True
         if new:
@@ -96,9 +100,9 @@ class CrossDrafts:
     def to_target(self, proposal: Sequence[int]) -> list[int]:
         """The draft model's `proposal` (after the fed tokens) as the target's tokens: the
         drafted text up to the last point where both tokenizations end a token, before any
-        end of generation; [] where they share none, or while the agreed text ends inside a
-        character (the draft model has not read it all)."""
-        if _whole_chars(self.text) != len(self.text):
+        end of generation; [] where they share none, or while the text the last `resync`
+        followed ends inside a character (the draft model has not read it all)."""
+        if not self._whole:
             return []
         drafted, draft_ends, ended = b"", set(), False
         for t in proposal:

@@ -75,13 +75,15 @@ class DraftModel:
             self.engine.clear_sequence(s.slot)
             self._free.append(s.slot)
 
-    def propose(self, seq: int, k: int) -> list[int]:
+    def propose(self, seq: int, k: int, after: Sequence[int] = ()) -> list[int]:
         """Up to `k` target tokens the draft model expects next (fewer where its text and
-        the target's tokens part, or it ends the generation; [] for a closed sequence)."""
+        the target's tokens part, or it ends the generation; [] for a closed sequence).
+        `after`: target tokens in flight, not verified yet, to propose beyond (as if the
+        sequence went on with them; nothing is learnt from them)."""
         s = self._slots.get(seq)
         if s is None or k < 1:
             return []
-        keep, feed = self._resync(s)
+        keep, feed = self._resync(s, after)
         room = self.engine.slot_ctx - keep - len(feed)
         steps = min(k + (s.cross is not None), room)  # across tokenizers: one to cut before
         if steps < 1 or not (keep or feed):
@@ -106,16 +108,18 @@ class DraftModel:
             return s.cross.to_target(drafted)[:k]
         return drafted[:k]
 
-    def _resync(self, s: _Slot) -> tuple[int, list[int]]:
-        """How many of the slot's cached tokens stand, and what to feed after them."""
+    def _resync(self, s: _Slot, after: Sequence[int]) -> tuple[int, list[int]]:
+        """How many of the slot's cached tokens stand, and what to feed after them, for a
+        proposal beyond the target's tokens and `after`."""
         if s.cross is not None:
-            return s.cross.resync()
+            return s.cross.resync(after)
+        follow = [*s.agreed, *after]
         keep = 0
-        for a, b in zip(s.cached, s.agreed, strict=False):
+        for a, b in zip(s.cached, follow, strict=False):
             if a != b:
                 break
             keep += 1
-        return keep, s.agreed[keep:]
+        return keep, follow[keep:]
 
     def _run(self, s: _Slot, tokens: list[int]) -> np.ndarray:
         """Feed `tokens` to the slot; the logits after the last."""

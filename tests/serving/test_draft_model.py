@@ -123,3 +123,31 @@ def test_smollm2_drafting_for_itself_proposes_its_greedy_text(model_path):
         assert d.propose(0, 4) == truth[4:8]
     finally:
         engine.close()
+
+
+def test_a_proposal_beyond_the_windows_in_flight_continues_the_draft_unverified():
+    # A split's entry sends the next window before the verdict on the last: the draft goes
+    # on from its own tokens in flight, and nothing of them is agreed until the target says.
+    target, draft = FakeEngine(slots=1), FakeEngine(slots=1)
+    prompt = target.tokenize("in flight", add_bos=True)
+    truth = greedy(target, prompt, 12)
+    d = DraftModel(draft, target, same_vocab=True)
+    d.open(1, prompt)
+    first = d.propose(1, 4)
+    fed = d.forwards
+    assert d.propose(1, 4, after=first) == truth[4:8]
+    assert d.forwards - fed == 4  # on from its cache: nothing fed again
+    # The target rejects the second token: the next proposal follows what it verified.
+    d.extend(1, [truth[0], 30])
+    assert d.propose(1, 3) == greedy(target, [*prompt, truth[0], 30], 3)
+
+
+def test_across_tokenizers_a_proposal_beyond_the_windows_in_flight():
+    draft, target, ref = FakeEngine(slots=1), Words(), FakeEngine(slots=1)
+    d = DraftModel(draft, target, same_vocab=False)
+    d.open(2, target.tokenize("the cat ", add_bos=False))
+    first = d.propose(2, 3)
+    more = d.propose(2, 3, after=first)
+    text = b"".join(target.token_bytes(t) for t in (*first, *more))
+    letters = greedy(ref, [1, *ref.tokenize("the cat ", add_bos=False)], 8)
+    assert more and text == b"".join(ref.token_bytes(t) for t in letters)[: len(text)]
