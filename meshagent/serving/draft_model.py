@@ -9,13 +9,18 @@ continuation, decoded a token at a time in its own cache, and given in the targe
 What the draft decoded stays in its cache, and what the target then confirms is not computed
 again.
 
-Blocking (each proposal runs the draft model's forward passes): called from a worker thread,
-never the event loop. Every token a proposal feeds the engine is of the draft's own
-vocabulary: its tokenizer's or its own argmax (nothing reaches llama.cpp unchecked).
+Blocking (each proposal runs the draft model's forward passes): `propose` is called from one
+worker thread, never the event loop; what any other thread tells it (`open`, `extend`,
+`close`: appends to an inbox, never a wait) is applied there before the next proposal, so the
+engine is only ever called from that thread and the event loop never waits for a draft.
+Every token a proposal feeds the engine is checked against the draft's vocabulary (nothing
+reaches llama.cpp unchecked): a target's token where the two share one, else its own
+tokenizer's or its own argmax.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,41 +50,59 @@ class DraftModel:
         self._slots: dict[int, _Slot] = {}
         self._free = list(range(engine.n_slots))
         self.forwards = 0  # forward passes run, for what drafting costs
+        # What the other threads told it, applied by the proposing thread (`_drain`): the
+        # engine is only ever called from that one.
+        self._inbox: deque[tuple[str, int, tuple[int, ...]]] = deque()
 
-    def open(self, seq: int, tokens: Sequence[int]) -> bool:
-        """Draft for the target's sequence `seq`, which holds `tokens` so far; False where
-        every slot is taken (that sequence gets no drafts from the model)."""
-        if seq in self._slots:
-            raise ValueError(f"sequence {seq} is open already")
-        if not self._free:
-            return False
-        s = _Slot(self._free.pop(0))
-        if not self.same_vocab:
-            s.cross = CrossDrafts(self.target, self.engine, draft_bos=True)
-        self._slots[seq] = s
-        self.engine.clear_sequence(s.slot)
-        self.extend(seq, tokens)
-        return True
+    # ----- from any thread: queued, applied before the next proposal -----
+
+    def open(self, seq: int, tokens: Sequence[int]) -> None:
+        """Draft for the target's sequence `seq`, which holds `tokens` so far (where every
+        slot is taken, it gets no drafts from the model)."""
+        self._inbox.append(("open", seq, tuple(tokens)))
 
     def extend(self, seq: int, tokens: Sequence[int]) -> None:
         """The target's sequence `seq` went on with `tokens` (verified)."""
-        s = self._slots[seq]
-        if s.cross is not None:
-            s.cross.extend(tokens)
-        else:
-            s.agreed.extend(tokens)
+        self._inbox.append(("extend", seq, tuple(tokens)))
 
     def close(self, seq: int) -> None:
-        s = self._slots.pop(seq, None)
-        if s is not None:
-            self.engine.clear_sequence(s.slot)
-            self._free.append(s.slot)
+        """The target's sequence `seq` ended: its slot is free."""
+        self._inbox.append(("close", seq, ()))
+
+    def _drain(self) -> None:
+        while self._inbox:
+            op, seq, tokens = self._inbox.popleft()
+            s = self._slots.get(seq)
+            if op == "open" and s is None and self._free:
+                s = _Slot(self._free.pop(0))
+                if not self.same_vocab:
+                    s.cross = CrossDrafts(self.target, self.engine, draft_bos=True)
+                self._slots[seq] = s
+                self.engine.clear_sequence(s.slot)
+                op = "extend"
+            if op == "extend" and s is not None:
+                if s.cross is not None:
+                    s.cross.extend(tokens)
+                else:
+                    s.agreed.extend(tokens)
+            elif op == "close" and s is not None:
+                del self._slots[seq]
+                self.engine.clear_sequence(s.slot)
+                self._free.append(s.slot)
+
+    # ----- from the proposing thread -----
+
+    def holds(self, seq: int) -> bool:
+        """Whether `seq` has a slot (after what it was told)."""
+        self._drain()
+        return seq in self._slots
 
     def propose(self, seq: int, k: int, after: Sequence[int] = ()) -> list[int]:
         """Up to `k` target tokens the draft model expects next (fewer where its text and
         the target's tokens part, or it ends the generation; [] for a closed sequence).
         `after`: target tokens in flight, not verified yet, to propose beyond (as if the
         sequence went on with them; nothing is learnt from them)."""
+        self._drain()
         s = self._slots.get(seq)
         if s is None or k < 1:
             return []

@@ -5,6 +5,9 @@ engine (whose cache checks every position it is given) and on SmolLM2 drafting f
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 
 from meshagent.engine.base import ForwardItem
@@ -33,7 +36,7 @@ def test_a_draft_of_the_same_vocabulary_proposes_its_greedy_text_and_keeps_its_c
     prompt = target.tokenize("the draft", add_bos=True)
     truth = greedy(target, prompt, 12)
     d = DraftModel(draft, target, same_vocab=True)
-    assert d.open(7, prompt)
+    d.open(7, prompt)
     first = d.propose(7, 5)
     assert first == truth[:5]  # the same model: its own text
     fed = d.forwards
@@ -51,9 +54,13 @@ def test_a_draft_of_the_same_vocabulary_proposes_its_greedy_text_and_keeps_its_c
 
 def test_slots_are_the_draft_engines_and_a_closed_sequence_gets_none():
     d = DraftModel(FakeEngine(slots=1), FakeVocab(), same_vocab=True)
-    assert d.open(1, [1, 2, 3]) and not d.open(2, [1, 2])  # every slot taken
+    d.open(1, [1, 2, 3])
+    d.open(2, [1, 2])
+    assert d.holds(1) and not d.holds(2)  # every slot taken
+    assert d.propose(1, 3) and d.propose(2, 3) == []
     d.close(1)
-    assert d.propose(1, 3) == [] and d.open(2, [1, 2]) and d.propose(2, 3)
+    d.open(3, [1, 2])
+    assert d.propose(1, 3) == [] and d.holds(3) and d.propose(3, 3)
 
 
 def test_a_proposal_stops_at_an_end_of_generation():
@@ -151,3 +158,35 @@ def test_across_tokenizers_a_proposal_beyond_the_windows_in_flight():
     text = b"".join(target.token_bytes(t) for t in (*first, *more))
     letters = greedy(ref, [1, *ref.tokenize("the cat ", add_bos=False)], 8)
     assert more and text == b"".join(ref.token_bytes(t) for t in letters)[: len(text)]
+
+
+def test_what_other_threads_tell_it_is_applied_by_the_proposing_thread():
+    # The event loop tells it of verified tokens while a worker thread proposes: the
+    # engine is only called from the proposing thread, and the drafts follow the tokens.
+    target, draft = FakeEngine(slots=1), FakeEngine(slots=1)
+    prompt = target.tokenize("threads", add_bos=True)
+    truth = greedy(target, prompt, 40)
+    d = DraftModel(draft, target, same_vocab=True)
+    calls: set[int] = set()
+    forward = draft.forward
+
+    def recorded(items):
+        calls.add(threading.get_ident())
+        return forward(items)
+
+    draft.forward = recorded
+    d.open(1, prompt)
+
+    def tell() -> None:
+        for t in truth[:30]:
+            d.extend(1, [t])
+            time.sleep(0.0005)
+
+    teller = threading.Thread(target=tell)
+    teller.start()
+    while teller.is_alive():
+        got = d.propose(1, 3)
+        assert got and len(got) <= 3
+    teller.join()
+    assert d.propose(1, 5) == truth[30:35]
+    assert calls == {threading.get_ident()}
