@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshagent.serving.copying import TokenNames
+from meshagent.serving.draft_model import DraftModel
 from meshagent.serving.drafting import (
     MAX_DRAFT,
     Acceptance,
@@ -37,6 +38,7 @@ from meshagent.serving.drafting import (
     best_draft,
     follow_up_draft,
 )
+from meshagent.serving.model_drafts import Key, ModelDrafts
 from meshagent.serving.sequence import DraftState, SeqState, Window
 
 SPECULATION = ("auto", "on", "off")
@@ -78,8 +80,10 @@ class DraftPolicy:
         is_end: Callable[[int], bool],
         max_windows: int = 1,
         names: TokenNames | None = None,
+        model: DraftModel | None = None,
     ) -> None:
         self.slot_ctx = slot_ctx
+        self.model = model  # a draft model beside the text's drafts (`serving/model_drafts.py`)
         self.max_windows = max(1, max_windows)
         self._is_end = is_end
         self._names = names
@@ -87,18 +91,57 @@ class DraftPolicy:
         self.counts = DraftCounts()
 
     def start(
-        self, speculation: str, prompt: Sequence[int], history: Sequence[int]
+        self,
+        speculation: str,
+        prompt: Sequence[int],
+        history: Sequence[int],
+        seq: int | None = None,
     ) -> DraftState | None:
-        """The drafting state of a sequence submitted with `speculation` ("auto", "on" or
+        """The drafting state of sequence `seq` submitted with `speculation` ("auto", "on" or
         "off": None)."""
         if speculation not in SPECULATION:
             raise ValueError(f"speculation must be auto, on or off, not {speculation!r}")
         if speculation == "off":
             return None
-        drafter = SuffixDrafter.answering(prompt, history, self._names)
+        drafter: SuffixDrafter | ModelDrafts = SuffixDrafter.answering(prompt, history, self._names)
+        if self.model is not None and seq is not None:
+            drafter = ModelDrafts(self.model, seq, drafter)
         if speculation == "auto":
             return DraftState(drafter, acceptance=Acceptance(follow=drafter.follow))
         return DraftState(drafter, length=DraftLength())
+
+    def end(self, s: SeqState) -> None:
+        """`s` ended: the draft model's slot, if it held one, is free."""
+        if s.drafts is not None and isinstance(s.drafts.drafter, ModelDrafts):
+            s.drafts.drafter.close()
+
+    # ----- the draft model's proposals, computed outside the scheduler's lock -----
+
+    def wanted(self, s: SeqState) -> tuple[int, tuple[int, ...], Key] | None:
+        """What the draft model should propose for `s` before its next window: (at most
+        how many tokens, after which tokens in flight, for which point), or None: none is
+        wanted, or the one offered is for where `s` stands."""
+        d = s.drafts
+        if d is None or not isinstance(d.drafter, ModelDrafts) or s.cancelled:
+            return None
+        if s.busy:  # a window that would follow those in flight (a split's entry)
+            if not s.windows or len(s.windows) >= self.max_windows:
+                return None
+            after = tuple(t for w in s.windows for t in w.ahead())
+            k = MAX_DRAFT + 1
+        elif len(s.pending) == 1 and s.n_past >= len(s.prompt):
+            after, k = (), MAX_DRAFT
+        else:
+            return None
+        key = d.drafter.key(after)
+        if d.drafter.offer is not None and d.drafter.offer[0] == key:
+            return None
+        return k, after, key
+
+    def offer(self, s: SeqState, key: Key, proposal: Sequence[int]) -> None:
+        """The draft model proposed `proposal` for `s` at `key` (`wanted`)."""
+        if s.drafts is not None and isinstance(s.drafts.drafter, ModelDrafts):
+            s.drafts.drafter.offer = (key, tuple(proposal))
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step of decode tokens only (one per sequence, plus drafts) took `seconds`."""

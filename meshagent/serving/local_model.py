@@ -11,6 +11,7 @@ import trio
 
 from meshagent.engine.base import Engine, ModelInfo, TokenModel
 from meshagent.serving.chat import ChatMessage, ChatTemplate
+from meshagent.serving.draft_model import DraftModel
 from meshagent.serving.embeddings import Embedder
 from meshagent.serving.executor import LocalExecutor
 from meshagent.serving.generation import Delta, Finished, GenerationRequest, generate
@@ -36,14 +37,23 @@ class LocalModel:
         self.template = ChatTemplate.for_model(engine)
 
     @classmethod
-    def whole(cls, engine: Engine, *, max_queue: int, prefix_budget: int = 0) -> LocalModel:
-        """`prefix_budget`: bytes of ended requests' KV it keeps for later prompts."""
+    def whole(
+        cls,
+        engine: Engine,
+        *,
+        max_queue: int,
+        prefix_budget: int = 0,
+        draft: DraftModel | None = None,
+    ) -> LocalModel:
+        """`prefix_budget`: bytes of ended requests' KV it keeps for later prompts; `draft`:
+        a draft model whose proposals speculating requests verify (`serving/model_drafts.py`)."""
         runner = ModelRunner(
             LocalExecutor(engine, prefix_budget=prefix_budget),
             max_queue=max_queue,
             is_end=engine.is_end_of_generation,
             token_bytes=engine.token_bytes,
         )
+        runner.scheduler.drafting.model = draft
         return cls(engine, runner)
 
     def matches(self, name: str) -> bool:

@@ -291,8 +291,11 @@ class ModelRunner:
     # ----- the worker thread -----
 
     def _next(self) -> Step | None:
-        with self._lock:
-            while not self._stopping:
+        while True:
+            self._prepare_drafts()
+            with self._lock:
+                if self._stopping:
+                    return None
                 step = self.scheduler.next_step(time.perf_counter())
                 self._took.set()  # (tokens_ready)
                 if step is not None:
@@ -305,7 +308,20 @@ class ModelRunner:
                 self._idle = True
                 self._lock.wait()
                 self._idle = False
-            return None
+
+    def _prepare_drafts(self) -> None:
+        """The draft model's proposals the next step will want (`Scheduler.drafts_wanted`),
+        computed here, outside the lock: the event loop, which takes the lock to submit,
+        cancel and hand over a split's tokens, never waits for a draft."""
+        model = self.scheduler.drafting.model
+        if model is None:
+            return
+        with self._lock:
+            wanted = self.scheduler.drafts_wanted()
+        for seq, k, after, key in wanted:
+            proposal = tuple(model.propose(seq, k, after))
+            with self._lock:
+                self.scheduler.offer_draft(seq, key, proposal)
 
     def _work(self) -> None:
         while (step := self._next()) is not None:

@@ -23,6 +23,7 @@ from meshagent.errors import ContextOverflow, MeshError, QueueFull, ShuttingDown
 from meshagent.serving.copying import TokenNames
 from meshagent.serving.draft_policy import DraftPolicy, Verdict
 from meshagent.serving.drafting import WindowCost
+from meshagent.serving.model_drafts import Key
 from meshagent.serving.prefix_cache import PrefixIndex
 from meshagent.serving.sampling import SamplingParams, TokenLogprob
 from meshagent.serving.sequence import SeqState, Window
@@ -190,7 +191,7 @@ class Scheduler:
         s = SeqState(seq, tuple(prompt), limit, sampling, tuple(history))
         s.cache = cache and self.prefix is not None
         s.tokens = [*prompt, *history]
-        s.drafts = self.drafting.start(speculation, prompt, history)
+        s.drafts = self.drafting.start(speculation, prompt, history, seq)
         leader = self._by_id.get(after) if after is not None else None
         if (
             s.cache
@@ -219,6 +220,7 @@ class Scheduler:
         if s.slot is None:
             self._queue.remove(s)
             del self._by_id[seq]
+            self.drafting.end(s)
             self._unblock(s)
         elif s.busy:
             s.cancelled = True
@@ -326,6 +328,22 @@ class Scheduler:
             budget -= len(proposal)
         return items
 
+    def drafts_wanted(self) -> list[tuple[int, int, tuple[int, ...], Key]]:
+        """What the draft model should propose before the next step (`DraftPolicy.wanted`):
+        (sequence, at most how many tokens, after which in flight, for which point) each."""
+        out = []
+        for s in sorted(self._by_slot.values(), key=lambda s: (s.ready_since, s.id)):
+            want = self.drafting.wanted(s)
+            if want is not None:
+                out.append((s.id, *want))
+        return out
+
+    def offer_draft(self, seq: int, key: Key, proposal: tuple[int, ...]) -> None:
+        """The draft model's `proposal` for `seq` at `key` (`drafts_wanted`)."""
+        s = self._by_id.get(seq)
+        if s is not None:
+            self.drafting.offer(s, key, proposal)
+
     def observe(self, tokens: int, seconds: float) -> None:
         """A step of decode tokens only (one per sequence, plus drafts) took `seconds`."""
         self.drafting.observe(tokens, seconds)
@@ -414,6 +432,7 @@ class Scheduler:
             if s.slot is None:
                 self._queue.remove(s)
                 del self._by_id[seq]
+                self.drafting.end(s)
                 self._unblock(s)
             else:
                 self._release(s, keep=False)  # its cache may hold half a step
@@ -495,6 +514,7 @@ class Scheduler:
             self._keep(s.slot, s.tokens[: min(s.n_past, len(s.tokens))])
         del self._by_slot[s.slot]
         self._by_id.pop(s.id, None)
+        self.drafting.end(s)
         self._released.append(s.slot)
         self._free.append(s.slot)
         s.busy = False

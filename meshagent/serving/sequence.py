@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from meshagent.serving.drafting import Acceptance, DraftLength, SuffixDrafter
+
+if TYPE_CHECKING:
+    from meshagent.serving.model_drafts import ModelDrafts
 from meshagent.serving.sampling import SamplingParams
 
 
@@ -44,7 +48,7 @@ class DraftState:
     """A speculating sequence's drafting state, which the drafting policy
     (`serving/draft_policy.py`) reads and keeps."""
 
-    drafter: SuffixDrafter  # its text so far, indexed
+    drafter: SuffixDrafter | ModelDrafts  # its text so far, indexed (and a draft model's)
     length: DraftLength | None = None  # "on": how many tokens to draft
     acceptance: Acceptance | None = None  # "auto": how often its drafts are right
     # "auto", not drafting a guess from an n-gram: what it would have drafted, checked

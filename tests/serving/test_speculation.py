@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from meshagent.engine.windows import check_windows
+from meshagent.serving.draft_model import DraftModel
 from meshagent.serving.drafting import MAX_DRAFT
 from meshagent.serving.generation import Finished, GenerationRequest
 from meshagent.serving.local_model import LocalModel
@@ -342,3 +343,46 @@ async def test_sampled_text_keeps_the_models_distribution_with_drafts(nursery):
     z = 3.09
     limit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
     assert len(cells) > 10 and chi2 < limit, (chi2, limit, len(cells))
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+async def test_a_draft_model_drafts_novel_text_and_changes_no_token(nursery, sampling):
+    # Novel text, where the text's own drafts rarely fit: a draft model (here the same fake
+    # arithmetic, so it knows the greedy text) drafts it, computed outside the scheduler's
+    # lock, and the text is what plain decoding gives.
+    engine = FakeEngine(slots=2, slot_ctx=512)
+    draft = DraftModel(FakeEngine(slots=2, slot_ctx=512), engine, same_vocab=True)
+    model = LocalModel.whole(engine, max_queue=2, draft=draft)
+    await nursery.start(model.run)
+    prompt = "ab ab ab ab cd cd cd cd ef ef"
+    before = engine.forwards
+    plain, p_fin = await run(model, prompt, 120, sampling=sampling)
+    plain_steps = engine.forwards - before
+    before = engine.forwards
+    spec, s_fin = await run(model, prompt, 120, sampling=sampling, speculation="on")
+    spec_steps = engine.forwards - before
+    assert spec == plain and s_fin.completion_tokens == p_fin.completion_tokens
+    s = s_fin.speculation
+    assert s is not None and s.windows >= 1 and s.accepted > 0
+    if sampling.greedy:  # it drafts the very greedy text: most windows are taken whole
+        assert s.accepted > 0.9 * s.drafted and spec_steps * 4 < plain_steps
+    assert draft.holds(0) is False and draft.holds(1) is False  # slots freed at the end
+
+
+async def test_a_draft_model_with_auto_and_requests_at_once(nursery):
+    engine = FakeEngine(slots=2, slot_ctx=512)
+    draft = DraftModel(FakeEngine(slots=2, slot_ctx=512), engine, same_vocab=True)
+    model = LocalModel.whole(engine, max_queue=4, draft=draft)
+    await nursery.start(model.run)
+    prompts = ["ab ab ab ab cd cd", "the cat sat", "xyz xyz", "hello there"]
+    alone = [(await run(model, p, 60, sampling=GREEDY))[0] for p in prompts]
+    got: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        mode = ("auto", "on", "off", "auto")[i]
+        got[i] = (await run(model, prompts[i], 60, sampling=GREEDY, speculation=mode))[0]
+
+    async with trio.open_nursery() as n:
+        for i in range(len(prompts)):  # more requests than slots: some wait in the queue
+            n.start_soon(one, i)
+    assert [got[i] for i in range(len(prompts))] == alone

@@ -1,0 +1,64 @@
+"""One speculating sequence's drafts from a draft model and from its own text together, as the
+drafting policy (`serving/draft_policy.py`) reads a drafter.
+
+While the sequence copies the text it follows (`SuffixDrafter.copying`: an edited document,
+quoted output), the text's draft goes: it is right more often than any model. Otherwise the
+draft model's proposal goes, and the text's n-gram draft where the model has none. The model
+computes outside the scheduler's lock (`ModelRunner` asks for what the policy will want,
+`DraftPolicy.wanted`, and offers it back): a proposal is used only while the sequence stands
+where it was computed (its verified tokens and those in flight), so a stale one never goes.
+
+No I/O: the draft model's calls that block run where the runner computes the offers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshagent.serving.draft_model import DraftModel
+from meshagent.serving.drafting import Acceptance, SuffixDrafter
+
+# Where a proposal was computed: the sequence's verified tokens, and the tokens in flight.
+Key = tuple[int, tuple[int, ...]]
+
+
+class ModelDrafts:
+    """The drafter of sequence `seq`: `text` (its own text) with `model` beside it."""
+
+    def __init__(self, model: DraftModel, seq: int, text: SuffixDrafter) -> None:
+        self.model = model
+        self.seq = seq
+        self.text = text
+        self.follow: Acceptance = text.follow
+        self.offer: tuple[Key, tuple[int, ...]] | None = None
+        self.from_model = False  # the last proposal was the model's
+        model.open(seq, text.tokens)
+
+    @property
+    def copying(self) -> bool:
+        return self.text.copying
+
+    @property
+    def block(self) -> object:
+        return self.text.block
+
+    def key(self, after: Sequence[int] = ()) -> Key:
+        return (len(self.text.tokens), tuple(after))
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.text.extend(tokens)
+        self.model.extend(self.seq, tokens)
+
+    def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
+        """Up to `k` tokens: the text's while it copies, else the model's offer computed for
+        this very point, else the text's n-gram draft."""
+        self.from_model = False
+        if not self.copying and self.offer is not None and self.offer[0] == self.key(after):
+            got = self.offer[1][:k]
+            if got:
+                self.from_model = True
+                return got
+        return self.text.propose(k, after)
+
+    def close(self) -> None:
+        self.model.close(self.seq)
