@@ -190,3 +190,26 @@ def test_what_other_threads_tell_it_is_applied_by_the_proposing_thread():
     teller.join()
     assert d.propose(1, 5) == truth[30:35]
     assert calls == {threading.get_ident()}
+
+
+async def test_smollm2_served_with_a_draft_model_gives_plain_decodings_text(model_path, nursery):
+    # Real llama.cpp on both sides: the draft model (SmolLM2 itself, so it knows the text)
+    # drafts novel text, the target verifies it in windows, and the text is plain decoding's.
+    from meshagent.serving.local_model import LocalModel
+    from tests.serving.test_runner import complete
+
+    engine = LlamaEngine(model_path, slots=2, slot_ctx=512, threads=1)
+    drafts = LlamaEngine(model_path, slots=2, slot_ctx=512, threads=1)
+    try:
+        model = LocalModel.whole(
+            engine, max_queue=2, draft=DraftModel(drafts, engine, same_vocab=True)
+        )
+        await nursery.start(model.run)
+        prompt = "Once upon a time, in a small village by the sea,"
+        plain, _ = await complete(model, prompt, 40, speculation="off")
+        spec, fin = await complete(model, prompt, 40, speculation="on")
+        assert spec == plain and len(plain) > 60  # (a story goes on: no early end)
+        s = fin.speculation
+        assert s is not None and s.accepted > 0.8 * s.drafted and s.accepted >= 20
+    finally:
+        nursery.cancel_scope.cancel()
