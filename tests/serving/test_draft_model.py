@@ -31,12 +31,19 @@ def greedy(engine, tokens: list[int], n: int, slot: int = 0) -> list[int]:
     return out
 
 
-def test_a_draft_of_the_same_vocabulary_proposes_its_greedy_text_and_keeps_its_cache():
-    target, draft = FakeEngine(slots=2), FakeEngine(slots=2)
-    prompt = target.tokenize("the draft", add_bos=True)
-    truth = greedy(target, prompt, 12)
+def opened(text: str, seq: int, n: int, slots: int = 1):
+    """A fake target, a draft model of the same arithmetic drafting for its sequence `seq`
+    of `text`, that prompt, and the target's first `n` greedy tokens after it."""
+    target, draft = FakeEngine(slots=slots), FakeEngine(slots=slots)
+    prompt = target.tokenize(text, add_bos=True)
+    truth = greedy(target, prompt, n)
     d = DraftModel(draft, target, same_vocab=True)
-    d.open(7, prompt)
+    d.open(seq, prompt)
+    return target, draft, d, prompt, truth
+
+
+def test_a_draft_of_the_same_vocabulary_proposes_its_greedy_text_and_keeps_its_cache():
+    target, draft, d, prompt, truth = opened("the draft", 7, 12, slots=2)
     first = d.propose(7, 5)
     assert first == truth[:5]  # the same model: its own text
     fed = d.forwards
@@ -135,11 +142,7 @@ def test_smollm2_drafting_for_itself_proposes_its_greedy_text(model_path):
 def test_a_proposal_beyond_the_windows_in_flight_continues_the_draft_unverified():
     # A split's entry sends the next window before the verdict on the last: the draft goes
     # on from its own tokens in flight, and nothing of them is agreed until the target says.
-    target, draft = FakeEngine(slots=1), FakeEngine(slots=1)
-    prompt = target.tokenize("in flight", add_bos=True)
-    truth = greedy(target, prompt, 12)
-    d = DraftModel(draft, target, same_vocab=True)
-    d.open(1, prompt)
+    target, _, d, prompt, truth = opened("in flight", 1, 12)
     first = d.propose(1, 4)
     fed = d.forwards
     assert d.propose(1, 4, after=first) == truth[4:8]
@@ -163,10 +166,7 @@ def test_across_tokenizers_a_proposal_beyond_the_windows_in_flight():
 def test_what_other_threads_tell_it_is_applied_by_the_proposing_thread():
     # The event loop tells it of verified tokens while a worker thread proposes: the
     # engine is only called from the proposing thread, and the drafts follow the tokens.
-    target, draft = FakeEngine(slots=1), FakeEngine(slots=1)
-    prompt = target.tokenize("threads", add_bos=True)
-    truth = greedy(target, prompt, 40)
-    d = DraftModel(draft, target, same_vocab=True)
+    _, draft, d, _, truth = opened("threads", 1, 40)
     calls: set[int] = set()
     forward = draft.forward
 
@@ -175,7 +175,6 @@ def test_what_other_threads_tell_it_is_applied_by_the_proposing_thread():
         return forward(items)
 
     draft.forward = recorded
-    d.open(1, prompt)
 
     def tell() -> None:
         for t in truth[:30]:
