@@ -23,7 +23,9 @@ from meshagent.errors import ModelError
 from meshagent.gossip.membership import Membership
 from meshagent.gossip.peer_record import MAX_ARTIFACTS, ArtifactHeld, DeviceOffer, ModelHeld
 from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.layout import inspect_model
 from meshagent.models.ranged import PartialModel, is_partial
+from meshagent.placement.costs import ModelCost
 from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.mesh_model import MeshModel
@@ -61,12 +63,16 @@ def static_fields(
         weights=int(config.mem_weights_gib * gib),
         kv=int(config.mem_kv_gib * gib),
     )
+    spare = capacity.spare_memory(available, offer)
+    if config.draft_model:  # its weights and KV cache are not the mesh's to place
+        need = draft_model_bytes(Path(config.draft_model), config.slots * config.ctx_size)
+        offer = capacity.MemoryOffer.split(max(0, offer.total - need))
     return {
         "name": name,
         "agent_version": __version__,
         "mem_weights_bytes": offer.weights,
         "mem_kv_bytes": offer.kv,
-        "mem_spare_bytes": capacity.spare_memory(available, offer),
+        "mem_spare_bytes": spare,
         "devices": device_offers(config, device_speeds),
         # Each whole model file here (a partial copy holds only stages' bytes).
         "models": tuple(
@@ -147,3 +153,10 @@ async def measure(
     for model in models:
         model.placement.source_sha256 = shas[model.info.id]  # placement: who holds what
         model.publish_serving()
+
+
+def draft_model_bytes(path: Path, context_tokens: int) -> int:
+    """What a draft model takes here: its weights, the KV cache of every slot and its
+    compute buffer (as placement counts a model served whole)."""
+    cost = ModelCost.from_layout(path.name, inspect_model(path.expanduser()))
+    return cost.stage_bytes(0, cost.n_layers, context_tokens)

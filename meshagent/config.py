@@ -106,6 +106,7 @@ class AgentConfig:
     chains: int = 1  # chains a split this agent pins keeps at least, where memory holds them
     load_timeout: float = 600.0  # seconds a request waits for its model to load
     speculation: str = "auto"  # drafts from a request's own text: auto, on or off
+    draft_model: str = ""  # a small model's GGUF whose drafts a model served whole verifies
     # bytes of ended requests' KV kept for prompts that share their prefix; -1: auto, 0: off
     prefix_cache: int = PREFIX_CACHE_AUTO
     log_level: str = "info"
@@ -205,6 +206,8 @@ class AgentConfig:
             raise ConfigError(f"membership must be heartbeat or swim, got {self.membership!r}")
         if self.speculation not in ("auto", "on", "off"):
             raise ConfigError("speculation must be auto, on or off")
+        if self.draft_model and not Path(self.draft_model).expanduser().is_file():
+            raise ConfigError(f"draft-model: no GGUF file at {self.draft_model}")
         if self.prefix_cache < PREFIX_CACHE_AUTO:
             raise ConfigError("prefix-cache must be a size, 0 (off) or auto")
         if self.wire_dtype not in ("auto", "f16", "f32"):
@@ -245,6 +248,7 @@ CONFIG_TEMPLATE = """\
 # chains = 1                            # chains a split this agent pins keeps at least
 # load_timeout = 600.0
 # speculation = "auto"
+# draft_model = "/path/to/small.gguf"    # drafts for the models this agent serves whole
 # prefix_cache = "auto"
 # relays = ["relay.example.org:9339"]
 # mdns = true

@@ -41,9 +41,11 @@ def test_bad_config_keys_and_types_are_refused(bad):
         AgentConfig().merged(bad)
 
 
-def test_validation_explains_itself():
+def test_validation_explains_itself(tmp_path):
     with pytest.raises(ConfigError, match="slots"):
         AgentConfig(slots=0).validate()
+    with pytest.raises(ConfigError, match="draft-model: no GGUF file at"):
+        AgentConfig(draft_model=str(tmp_path / "missing.gguf")).validate()
 
 
 @pytest.mark.parametrize(

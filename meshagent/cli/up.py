@@ -232,6 +232,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "only where it changes no token; docs/speculation.md)",
     )
     p.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        help="a small model's GGUF that drafts for the models this agent serves whole; "
+        "speculating requests verify its drafts (its memory is taken from the offer; a "
+        "split's entry does not use it yet; docs/speculation.md)",
+    )
+    p.add_argument(
         "--prefix-cache",
         metavar="SIZE",
         help="memory for the KV cache of ended requests, reused by later prompts that start "
@@ -290,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
             "chains",
             "load_timeout",
             "speculation",
+            "draft_model",
             "membership",
             "prefix_cache",
             "log_level",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshagent.engine.base import Engine, ForwardItem, check_tokens
+from meshagent.engine.base import Engine, ForwardItem, TokenModel, check_tokens
 from meshagent.errors import EngineError
 from meshagent.serving.cross_drafts import CrossDrafts, Tokenizer
 
@@ -153,3 +153,10 @@ class DraftModel:
             raise EngineError("the draft model gave no logits")
         s.cached.extend(tokens)
         return logits
+
+
+def same_vocabulary(a: TokenModel, b: TokenModel) -> bool:
+    """Whether two models' tokens are the same, id for id: as many, each spelling the same
+    bytes (a draft model's tokens then go to the target as they are)."""
+    n = a.info.n_vocab
+    return n == b.info.n_vocab and all(a.token_bytes(t) == b.token_bytes(t) for t in range(n))

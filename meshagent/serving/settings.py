@@ -18,6 +18,7 @@ class ServingSettings:
     replay_deadline: float = 30.0  # seconds a request waits for its split to serve again
     grace: float = 10.0  # --grace: seconds requests in flight get before their part goes
     speculation: str = "auto"  # --speculation, for requests that do not choose
+    draft_model: str = ""  # --draft-model: a GGUF whose drafts a model served whole verifies
     prefix_cache: int = PREFIX_CACHE_AUTO  # --prefix-cache: bytes, 0 (off) or auto
     vram: int = 0  # GPU memory offered here (`--max-vram`), all devices together
     headroom: float = 0.1  # placement: memory a plan leaves free on each peer
@@ -43,5 +44,6 @@ _FROM_CONFIG = {
     "replay_deadline": "replay_deadline",
     "grace": "grace",
     "speculation": "speculation",
+    "draft_model": "draft_model",
     "prefix_cache": "prefix_cache",
 }

@@ -1,0 +1,43 @@
+"""An agent serving a model whole with a draft model (`--draft-model`): speculating requests
+verify the draft model's proposals and the text is plain decoding's; the draft model's memory
+comes out of what the agent offers the mesh."""
+
+from __future__ import annotations
+
+import httpx
+
+from meshagent.advertisement import draft_model_bytes
+
+SETTINGS = ["--slots", "2", "--ctx-size", "512", "--threads", "1", "--max-memory", "2G"]
+
+
+def test_a_draft_model_drafts_for_the_model_served_whole(spawn_agent, model_path, model_id):
+    plain_agent = spawn_agent(*SETTINGS, name="plain")
+    agent = spawn_agent(*SETTINGS, "--draft-model", str(model_path), name="drafts")
+
+    def ask(mode: str) -> dict:
+        body = {
+            "model": model_id,
+            "prompt": "Once upon a time, in a small village by the sea,",
+            "max_tokens": 48,
+            "temperature": 0,
+            "meshagent": {"speculation": mode},
+        }
+        r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    plain, spec = ask("off"), ask("on")
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert len(plain["choices"][0]["text"]) > 60
+    receipt = spec["usage"]["meshagent"]["speculation"]
+    # SmolLM2 drafting for itself: the draft model knows the text, not only its copies.
+    assert receipt["accepted"] >= 30 and receipt["accepted"] > 0.8 * receipt["drafted"]
+
+    def offered(a) -> int:
+        peers = httpx.get(f"{a.url}/control/peers", timeout=10).json()["peers"]
+        me = next(p for p in peers if p["self"])
+        return me["mem_weights_bytes"] + me["mem_kv_bytes"]
+
+    need = draft_model_bytes(model_path, 2 * 512)
+    assert offered(plain_agent) - offered(agent) == need
