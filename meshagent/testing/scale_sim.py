@@ -230,8 +230,7 @@ class ScaleSim:
     def _assign(self, ids: Sequence[str], force: Mapping[str, Force]) -> Assignment:
         alive = frozenset(ids)
         t = time.perf_counter()
-        # At the start of a bucket: the window holds whole buckets only (a mean rate read
-        # over a window that counted the bucket running as whole would overstate it).
+        # A bucket's start: the window holds whole buckets only (see `_demand`).
         now = (self.bus.now + 1_000_000.0) // BUCKET_S * BUCKET_S
         demand = {m: self._demand(m, now) for m in self.models}
         got = assign(
@@ -253,7 +252,7 @@ class ScaleSim:
         """`model`'s demand as the agents gossip it: every bucket of the window holding the
         work its requests ask for at their mean rate, in decoded tokens (`decode_work`;
         none before requests begin). `now`: the start of a bucket, the window's buckets
-        those before it."""
+        those before it (a running bucket counted whole would overstate the rate)."""
         every = self.request_every.get(model)
         work = decode_work(self.prompt, self.output)
         per_bucket = 0 if every is None else work * BUCKET_S / every
