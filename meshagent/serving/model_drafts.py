@@ -29,10 +29,13 @@ class ModelDrafts:
         self.model = model
         self.seq = seq
         self.text = text
-        self.follow: Acceptance = text.follow
         self.offer: tuple[Key, tuple[int, ...]] | None = None
         self.from_model = False  # the last proposal was the model's
         model.open(seq, text.tokens)
+
+    @property
+    def follow(self) -> Acceptance:
+        return self.text.follow
 
     @property
     def copying(self) -> bool:
