@@ -116,6 +116,7 @@ class SwimService:
         # that they are probed until found dead or connected again (`link_lost`).
         self._lost: dict[str, float] = {}
         self._last_link_sync = -float("inf")
+        self._joined: dict[str, float] = {}  # linked peers not yet members: when last asked
         self.keep_config = keep or KeepConfig()
         self._keep = KeepSet(self.keep_config, random.Random(self._rng.getrandbits(32)))
         self._republisher = Republisher(
@@ -366,19 +367,27 @@ class SwimService:
 
     def _joins(self, now: float) -> list[tuple[str, Message]]:
         """Compare tables with peers newly connected: one it does not know of gets a join
-        (its whole table with records comes back, and two meshes that meet merge); of those
-        it knows, one at most every `_LINK_SYNC` seconds gets a digest (and answers with its
-        table only where they differ, records pulled as needed), so that connections that
-        come back after a partition merge the two sides soon, while the short ones dialled
-        for a stream or a PING-REQ cost little more."""
+        (its whole table with records comes back, and two meshes that meet merge), again
+        every `_LINK_SYNC` seconds while it stays unknown (a join lost with a connection
+        that closed under it would otherwise leave a connected peer out of the view for
+        good); of those it knows, one at most every `_LINK_SYNC` seconds gets a digest (and
+        answers with its table only where they differ, records pulled as needed), so that
+        connections that come back after a partition merge the two sides soon, while the
+        short ones dialled for a stream or a PING-REQ cost little more."""
         links = {link.peer_id for link in self.overlay.links()}
         new = sorted(links - self._known_links)
         self._known_links = links
         out: list[tuple[str, Message]] = []
-        for peer in new:
-            if peer not in self.swim.members:
+        for peer in sorted(links):
+            if peer in self.swim.members:
+                self._joined.pop(peer, None)
+            elif now - self._joined.get(peer, -float("inf")) >= _LINK_SYNC:
+                self._joined[peer] = now
                 out += self.swim.join(peer, now)
-            elif now - self._last_link_sync >= _LINK_SYNC:
+        for peer in self._joined.keys() - links:
+            del self._joined[peer]
+        for peer in new:
+            if peer in self.swim.members and now - self._last_link_sync >= _LINK_SYNC:
                 self._last_link_sync = now
                 out += self.swim.sync_with(peer)
         return out

@@ -229,8 +229,13 @@ class Assigning:
             while True:
                 self._poke = trio.Event()
                 self._follow()
+                before = self.gossip.generation, self.catalog.generation
                 await self.reassign()
+                # The assignment ran on a worker thread: what changed meanwhile is not in it.
+                moved = (self.gossip.generation, self.catalog.generation) != before
                 self._publish()
+                if moved:
+                    continue
                 # Read after publishing (nothing else runs in between): this agent's own new
                 # record is not a change to wake for.
                 seen, cat = self.gossip.generation, self.catalog.generation

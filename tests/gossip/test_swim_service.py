@@ -94,3 +94,37 @@ async def test_a_bad_message_ends_its_stream_only(autojump_clock):
             while b.gossip.snapshot()[a.peer_id].record.mem_kv_bytes != 777:
                 await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_join_lost_in_flight_is_sent_again_until_the_peer_is_a_member(autojump_clock):
+    """A join can die with a connection that closes under it (one replaced by a better
+    one, say). The joiner asks again while the peer stays out of its view: otherwise a
+    member that knew it before, and so sends no join of its own, stays unknown to it."""
+    async with trio.open_nursery() as nursery:
+        net = SimNetwork(default=LinkSpec(latency=0.025), seed=1)
+        a = await start_sim_agent(nursery, net, "a", seed=1, membership="swim")
+        b = await start_sim_agent(nursery, net, "b", seed=2, membership="swim")
+        lost = []
+        post_a, post_b = a.gossip._post, b.gossip._post
+
+        def a_posts(dest, frame):  # a's messages to b go nowhere for the first second
+            if trio.current_time() < 1.0:
+                lost.append(dest)
+                return
+            post_a(dest, frame)
+
+        def b_posts(dest, frame):  # b's first message to a (its join) is lost
+            if not lost or "b" not in lost:
+                lost.append("b")
+                return
+            post_b(dest, frame)
+
+        a.gossip._post, b.gossip._post = a_posts, b_posts
+        await b.overlay.dial(a.overlay.listen_addresses[0])
+        await trio.sleep(1.5)
+        assert lost  # the test lost what it meant to
+        with trio.fail_after(10):
+            while a.peer_id not in b.alive_view() or b.peer_id not in a.alive_view():
+                await trio.sleep(0.1)
+        assert b.gossip.snapshot()[a.peer_id].record.addresses
+        nursery.cancel_scope.cancel()

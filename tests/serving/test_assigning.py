@@ -221,6 +221,45 @@ async def test_the_assignment_runs_on_a_worker_thread(monkeypatch):
         nursery.cancel_scope.cancel()
 
 
+async def test_a_change_while_the_assignment_computes_is_assigned_again_at_once(autojump_clock):
+    """The assignment runs on a worker thread: a record that arrives meanwhile is not in it,
+    and the loop assigns again at once rather than at the next tick."""
+    clock = [NOW]
+    host, catalog = Host(), Catalog("chat")
+    gossip = Gossip("a")
+    gossip.update_local(extras={TAKES_KEY: ["chat"]})
+    arrive = []
+
+    async def off_loop(compute: Any) -> Any:
+        result = compute()
+        if arrive:  # b's record, pinning chat, comes in while this one computes
+            arrive.pop()
+            record = PeerRecord("b", b"", 1, mem_weights_bytes=4 * GB, compute_speed=100.0)
+            extras = {PINS_KEY: ["chat"], TAKES_KEY: ["chat"]}
+            gossip.views["b"] = SimpleNamespace(
+                state=PeerState.ALIVE, record=replace(record, extras=extras)
+            )
+            gossip.generation += 1
+            gossip.changed.set()
+            gossip.changed = trio.Event()
+        return result
+
+    assigning = _assigning(host, catalog, gossip, clock, off_loop=off_loop)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(assigning.run)
+        await trio.sleep(2)
+        assert "not pinned" in _allowed(host.get("chat"), gossip)
+        arrive.append(True)
+        gossip.update_local(mem_kv_bytes=1)  # some change: the next assignment runs
+        start = trio.current_time()
+        with trio.fail_after(60):
+            while isinstance(_allowed(host.get("chat"), gossip), str):
+                await trio.sleep(0.01)
+        assert not arrive
+        assert trio.current_time() - start < 1.0  # not the next tick's (30 s)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_pin_gossiped_by_any_agent_keeps_a_model_placed(autojump_clock):
     clock = [NOW]
     host, catalog = Host(), Catalog("chat", "code")
