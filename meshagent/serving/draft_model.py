@@ -50,6 +50,7 @@ class DraftModel:
         self._slots: dict[int, _Slot] = {}
         self._free = list(range(engine.n_slots))
         self.forwards = 0  # forward passes run, for what drafting costs
+        self.last_fed = 0  # the last proposal's first forward: how many tokens it fed
         # What the other threads told it, applied by the proposing thread (`_drain`): the
         # engine is only ever called from that one.
         self._inbox: deque[tuple[str, int, tuple[int, ...]]] = deque()
@@ -113,6 +114,7 @@ class DraftModel:
             return []
         self.engine.trim_sequence(s.slot, keep)
         del s.cached[keep:]
+        self.last_fed = max(1, len(feed))
         if feed:
             logits = self._run(s, feed)
         else:  # (its cache holds the text already: the last token's logits again)

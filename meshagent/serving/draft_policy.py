@@ -42,6 +42,14 @@ from meshagent.serving.model_drafts import Key, ModelDrafts
 from meshagent.serving.sequence import DraftState, SeqState, Window
 
 SPECULATION = ("auto", "on", "off")
+# "auto" with a draft model whose drafts would not pay for its compute: a sequence asks it
+# for a short proposal only every PROBE_EVERY steps, whose tokens are checked against those
+# decoded instead (the acceptance it learns from), so a poor draft model costs a sixteenth
+# of its proposals rather than all of them.
+PROBE_EVERY, PROBE_TOKENS = 16, 4
+# The draft model's time per forward pass is timed on proposals that fed it at most this
+# many tokens (a sequence's first proposal prefills its whole prompt).
+_TIMED_FEED = 8
 
 
 @dataclass
@@ -89,6 +97,7 @@ class DraftPolicy:
         self._names = names
         self.cost = WindowCost()  # a window against a step, for "auto" (`observe`)
         self.counts = DraftCounts()
+        self.model_forward: float | None = None  # seconds, a moving mean (`model_timed`)
 
     def start(
         self,
@@ -133,10 +142,48 @@ class DraftPolicy:
             after, k = (), MAX_DRAFT
         else:
             return None
+        if d.drafter.copying:
+            return None  # the text's draft goes while it copies: no model's is read
         key = d.drafter.key(after)
         if d.drafter.offer is not None and d.drafter.offer[0] == key:
             return None
-        return k, after, key
+        k = self._model_k(d, k)
+        return (k, after, key) if k else None
+
+    def _model_k(self, d: DraftState, most: int) -> int:
+        """How many tokens to ask of the draft model for a sequence, at most `most`: with
+        "auto", one beyond the draft that pays best for the model's cost (the last tells
+        whether a longer one would have been right), or none where no draft pays but every
+        `PROBE_EVERY` steps a short one; with "on", its draft length's."""
+        if d.length is not None:
+            return min(most, d.length.k + 1)
+        assert d.acceptance is not None
+        k = best_draft(d.acceptance, self.cost, MAX_DRAFT, extra=self.model_extra())
+        if k:
+            d.model_idle = 0
+            return min(most, k + 1)
+        d.model_idle += 1
+        if d.model_idle < PROBE_EVERY:
+            return 0
+        d.model_idle = 0
+        return min(most, PROBE_TOKENS)
+
+    def model_timed(self, forwards: int, fed: int, seconds: float) -> None:
+        """A proposal of the draft model ran `forwards` forward passes, the first fed `fed`
+        tokens, in `seconds`."""
+        if forwards < 1 or fed > _TIMED_FEED or seconds <= 0:
+            return
+        per = seconds / forwards
+        was = self.model_forward
+        self.model_forward = per if was is None else was + 0.2 * (per - was)
+
+    def model_extra(self) -> float:
+        """What the draft model's proposing one token costs, in the target's one-token
+        steps (0 before both were timed)."""
+        step = self.cost.step_seconds()
+        if self.model_forward is None or not step:
+            return 0.0
+        return self.model_forward / step
 
     def offer(self, s: SeqState, key: Key, proposal: Sequence[int]) -> None:
         """The draft model proposed `proposal` for `s` at `key` (`wanted`)."""
@@ -163,7 +210,8 @@ class DraftPolicy:
         d.copying = d.drafter.copying
         if d.acceptance is None or not proposal:
             return proposal
-        k = best_draft(d.acceptance, self.cost, len(proposal), copying=d.copying)
+        extra = self.model_extra() if self._from_model(d) else 0.0
+        k = best_draft(d.acceptance, self.cost, len(proposal), copying=d.copying, extra=extra)
         if not k:  # it would not pay: see whether its tokens would have been right
             if not d.shadow and not d.copying:  # (a copy's tokens are counted as they come)
                 d.shadow, d.shadow_after = proposal, False
@@ -197,11 +245,18 @@ class DraftPolicy:
             return ()
         if d.acceptance is not None:
             copying = s.windows[0].copying
-            k = follow_up_draft(d.acceptance, self.cost, len(ahead), proposal, copying=copying)
+            extra = self.model_extra() if self._from_model(d) else 0.0
+            k = follow_up_draft(
+                d.acceptance, self.cost, len(ahead), proposal, copying=copying, extra=extra
+            )
             if k is None:
                 return ()
             proposal = proposal[: k + 1]
         return proposal
+
+    @staticmethod
+    def _from_model(d: DraftState) -> bool:
+        return isinstance(d.drafter, ModelDrafts) and d.drafter.from_model
 
     # ----- what comes back -----
 

@@ -292,6 +292,18 @@ class WindowCost:
             return 1.0
         return 1 + self.jump + self.slope * (tokens - 1)
 
+    def step_seconds(self) -> float | None:
+        """What a one-token step takes, in seconds: its moving mean where such steps ran,
+        else the line through the windows at one token; None before two sizes were timed."""
+        if 1 in self._seen:
+            return self._seen[1]
+        if len(self._seen) < 2:
+            return None
+        line = _line({n: (t, self._total[n][1]) for n, t in self._seen.items()})
+        if line is None or sum(line) <= 0:
+            return None
+        return sum(line)
+
     def summary(self) -> dict[str, object]:
         """The line as fitted now, and every size of step timed since the start: how many
         and their mean time (all of them, not the moving average the line follows)."""
@@ -406,15 +418,22 @@ class Acceptance:
 
 
 def best_draft(
-    acc: Acceptance, cost: WindowCost, room: int, *, margin: float = 1.05, copying: bool = False
+    acc: Acceptance,
+    cost: WindowCost,
+    room: int,
+    *,
+    margin: float = 1.05,
+    copying: bool = False,
+    extra: float = 0.0,
 ) -> int:
     """How many draft tokens make a step yield the most tokens per unit of its time (a draft
     is kept up to its first wrong token, plus the model's own token there); 0 when no draft
     beats plain decoding by `margin`. `copying`: the draft goes on copying the text the
-    sequence follows."""
+    sequence follows; `extra`: what proposing each draft token costs, in one-token steps (a
+    draft model's forward pass; nothing for drafts from the text)."""
     best_k, best = 0, margin
     for k in range(1, room + 1):
-        gain = acc.expected(k, copying=copying) / cost.cost(k + 1)
+        gain = acc.expected(k, copying=copying) / (cost.cost(k + 1) + extra * k)
         if gain > best:
             best_k, best = k, gain
     return best_k
@@ -428,17 +447,21 @@ def follow_up_draft(
     *,
     margin: float = 1.05,
     copying: bool = False,
+    extra: float = 0.0,
 ) -> int | None:
     """How many draft tokens a window sent before the verdict on those in flight should hold
     after its guess (the proposal's first token), or None to send none. `ahead`: the tokens
     in flight not yet verified. Each token of such a window costs a window's extra compute
     (`cost.slope` of a step) and saves a trip only where every token before it was right; it
     is sent while that expected saving beats what the sequence makes per step without it
-    (the best plain window's yield)."""
-    per_token = max(cost.slope, 0.02)  # never free: the stages compute it
+    (the best plain window's yield). `extra`: what proposing a token costs (`best_draft`)."""
+    per_token = max(cost.slope, 0.02) + extra  # never free: the stages compute it
     serial = max(
         margin,
-        *(acc.expected(k, copying=copying) / cost.cost(k + 1) for k in range(MAX_DRAFT + 1)),
+        *(
+            acc.expected(k, copying=copying) / (cost.cost(k + 1) + extra * k)
+            for k in range(MAX_DRAFT + 1)
+        ),
     )
     count = 0
     reach = acc.reach

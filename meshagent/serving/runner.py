@@ -319,8 +319,12 @@ class ModelRunner:
         with self._lock:
             wanted = self.scheduler.drafts_wanted()
         for seq, k, after, key in wanted:
+            forwards, started = model.forwards, time.perf_counter()
             proposal = tuple(model.propose(seq, k, after))
+            spent = time.perf_counter() - started
             with self._lock:
+                ran = model.forwards - forwards
+                self.scheduler.drafting.model_timed(ran, model.last_fed, spent)
                 self.scheduler.offer_draft(seq, key, proposal)
 
     def _work(self) -> None:

@@ -61,6 +61,9 @@ class DraftState:
     # it would have been right after the drafted ones (evidence for `Acceptance.then` that a
     # short window gives no other way)
     beyond: int | None = None
+    # "auto" with a draft model whose drafts do not pay: the steps since it last proposed
+    # (it proposes every `PROBE_EVERY`, so the sequence learns when they would pay again)
+    model_idle: int = 0
 
 
 @dataclass

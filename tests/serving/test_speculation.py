@@ -386,3 +386,29 @@ async def test_a_draft_model_with_auto_and_requests_at_once(nursery):
         for i in range(len(prompts)):  # more requests than slots: some wait in the queue
             n.start_soon(one, i)
     assert [got[i] for i in range(len(prompts))] == alone
+
+
+async def test_auto_counts_the_draft_models_compute_and_a_dear_one_proposes_rarely(nursery):
+    # The draft model knows the greedy text (the same fake arithmetic) but each of its
+    # forward passes costs ten of the target's steps: no window of its drafts pays for that,
+    # so "auto" asks it only for a short proposal every PROBE_EVERY steps (what keeps the
+    # acceptance known), and the text is plain decoding's.
+    from meshagent.serving.draft_policy import PROBE_EVERY, PROBE_TOKENS
+
+    engine = FakeEngine(slots=2, slot_ctx=512)
+    engine.delay = 0.002
+    draft_engine = FakeEngine(slots=2, slot_ctx=512)
+    draft_engine.delay = 0.02
+    draft = DraftModel(draft_engine, engine, same_vocab=True)
+    model = LocalModel.whole(engine, max_queue=2, draft=draft)
+    await nursery.start(model.run)
+    prompt = "ab ab ab ab cd cd cd cd ef ef"
+    plain, _ = await run(model, prompt, 160, sampling=GREEDY)
+    before = draft.forwards
+    spec, fin = await run(model, prompt, 160, sampling=GREEDY, speculation="auto")
+    assert spec == plain
+    policy = model.runner.scheduler.drafting
+    assert policy.model_forward is not None and policy.model_extra() > 3
+    # Before its cost is known it proposes in full; then a probe's tokens every PROBE_EVERY.
+    probes = fin.completion_tokens / PROBE_EVERY * (PROBE_TOKENS + 1)
+    assert draft.forwards - before < 2 * (MAX_DRAFT + 1) + probes, draft.forwards - before
