@@ -140,6 +140,8 @@ def _fields(msg: Message) -> dict[int, Any]:
     }
     if (s := msg.speculation) is not None:
         done[7] = [s.windows, s.drafted, s.accepted, s.peak_in_flight]
+        if s.draft_model is not None:
+            done[7] += [s.model_windows, s.model_drafted, s.model_accepted, s.draft_model]
     if msg.cached_tokens:
         done[8] = msg.cached_tokens
     if msg.stop is not None:
@@ -148,6 +150,7 @@ def _fields(msg: Message) -> dict[int, Any]:
 
 
 MAX_STOP = 4096  # characters of the stop string a done message names
+MAX_DRAFT_NAME = 256  # characters of the draft model's name a done message gives
 
 
 def _seed_bits(seed: int | None) -> int | None:
@@ -190,7 +193,14 @@ def _message(m: dict[int, Any]) -> Message:
         )
         spec = None
         if m.get(7) is not None:
-            spec = Speculation(*(_int(x, COUNTS, "speculation count") for x in m[7][:4]))
+            counts = [_int(x, COUNTS, "speculation count") for x in m[7][:4]]
+            spec = Speculation(*counts)
+            if len(m[7]) >= 8:
+                model = [_int(x, COUNTS, "speculation count") for x in m[7][4:7]]
+                name = _str(m[7][7])
+                if len(name) > MAX_DRAFT_NAME:
+                    raise GenMessageError("a draft model's name longer than any model's")
+                spec = Speculation(*counts, *model, name)
         stage_ms = tuple(_ms(x) for x in m[5])
         cached = _int(m.get(8, 0), COUNTS, "cached tokens")
         prompt = _int(m[3], COUNTS, "prompt tokens")

@@ -40,8 +40,9 @@ def usage(done: Finished) -> dict[str, Any]:
             for r in done.replays
         ]
     if done.speculation is not None:
-        # Drafts from the request's own text: windows verified, draft tokens sent, how many
-        # of them were right (each one a step saved), and the most windows in flight at once.
+        # Drafts from the request's own text or a draft model: windows verified, draft tokens
+        # sent, how many of them were right (each one a step saved), and the most windows in
+        # flight at once.
         s = done.speculation
         receipt["speculation"] = {
             "windows": s.windows,
@@ -49,6 +50,15 @@ def usage(done: Finished) -> dict[str, Any]:
             "accepted": s.accepted,
             "peak_windows_in_flight": s.peak_in_flight,
         }
+        if s.draft_model is not None:
+            # A draft model beside the text's drafts: its name, and of the windows above
+            # those it drafted, their draft tokens and the right ones.
+            receipt["speculation"]["draft_model"] = {
+                "name": s.draft_model,
+                "windows": s.model_windows,
+                "drafted": s.model_drafted,
+                "accepted": s.model_accepted,
+            }
     if receipt:
         out["meshagent"] = receipt
     return out

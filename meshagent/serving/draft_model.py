@@ -45,6 +45,7 @@ class DraftModel:
 
     def __init__(self, engine: Engine, target: Tokenizer, *, same_vocab: bool) -> None:
         self.engine = engine
+        self.name = engine.info.id  # what receipts and the status call it
         self.target = target
         self.same_vocab = same_vocab
         self._slots: dict[int, _Slot] = {}

@@ -258,6 +258,10 @@ class DraftPolicy:
     def _from_model(d: DraftState) -> bool:
         return isinstance(d.drafter, ModelDrafts) and d.drafter.from_model
 
+    def from_model(self, s: SeqState) -> bool:
+        """Whether the last draft proposed for `s` was the draft model's."""
+        return s.drafts is not None and self._from_model(s.drafts)
+
     # ----- what comes back -----
 
     def judge(self, w: Window, token: int) -> Verdict:

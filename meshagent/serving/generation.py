@@ -119,6 +119,12 @@ class Speculation:
     drafted: int = 0
     accepted: int = 0
     peak_in_flight: int = 0
+    # Of those, the windows whose draft was the draft model's, their draft tokens and the
+    # right ones (the rest came from the request's own text).
+    model_windows: int = 0
+    model_drafted: int = 0
+    model_accepted: int = 0
+    draft_model: str | None = None  # the draft model the request could draft with
 
 
 @dataclass(frozen=True)
@@ -222,6 +228,8 @@ async def generate(
     stage_ms: list[float] = []
     mode = request.speculation or "off"
     spec = Speculation() if mode != "off" and runner.executor.speculates else None
+    if spec is not None and (draft := runner.scheduler.drafting.model) is not None:
+        spec.draft_model = draft.name
     cached = 0
     while not text.stopped and len(history) < limit:
         try:
@@ -248,6 +256,10 @@ async def generate(
                         spec.drafted += ev.drafted
                         spec.accepted += ev.accepted
                         spec.peak_in_flight = max(spec.peak_in_flight, ev.windows)
+                        if ev.model:
+                            spec.model_windows += 1
+                            spec.model_drafted += ev.drafted
+                            spec.model_accepted += ev.accepted
                     if ev.finish == "stop":
                         reason = "stop"
                         break
@@ -268,7 +280,8 @@ async def generate(
     if (tail := text.tail()) is not None:
         out.send_nowait(tail)
     ms = tuple(round(t, 3) for t in stage_ms)
-    spec = spec if spec is not None and spec.windows else None  # drafts verified, if any
+    # Drafts verified, if any (or a draft model the request could have drafted with).
+    spec = spec if spec is not None and (spec.windows or spec.draft_model) else None
     replays = tuple(recovery.replays) if recovery is not None else ()
     finished = Finished(
         reason,

@@ -298,7 +298,10 @@ class Scheduler:
         if last:  # a decode step's trip is timed
             sent_at = now if take == 1 and not s.behind_void else None
             copying = bool(draft) and s.drafts is not None and s.drafts.copying
-            s.windows.append(Window(s.n_past + take - 1, draft, sent_at=sent_at, copying=copying))
+            model = bool(draft) and self.drafting.from_model(s)
+            s.windows.append(
+                Window(s.n_past + take - 1, draft, sent_at=sent_at, copying=copying, model=model)
+            )
             s.behind_void = False
         item = StepItem(s.id, s.slot, s.n_past, tokens, last, len(draft))
         s.n_past += len(tokens)
@@ -322,7 +325,10 @@ class Scheduler:
             assert s.slot is not None
             guess, draft = proposal[0], tuple(proposal[1:])
             items.append(StepItem(s.id, s.slot, s.n_past, proposal, True, len(draft), True))
-            s.windows.append(Window(s.n_past, draft, guess, copying=s.windows[0].copying))
+            model = self.drafting.from_model(s)
+            s.windows.append(
+                Window(s.n_past, draft, guess, copying=s.windows[0].copying, model=model)
+            )
             s.n_past += len(proposal)
             self._tokens += len(proposal)
             budget -= len(proposal)
@@ -363,7 +369,8 @@ class Scheduler:
         s = self._by_slot.get(slot)
         if s is None or not s.busy:
             return []
-        verdict = self.drafting.judge(s.windows[0], token)
+        window = s.windows[0]
+        verdict = self.drafting.judge(window, token)
         if not verdict.right:
             verdict = self._close_window(s, verdict, token, now)
         if s.cancelled:
@@ -379,7 +386,8 @@ class Scheduler:
         ends = finish is not None or not verdict.right  # the last of its window: the tally
         tally = (verdict.drafted, verdict.accepted, verdict.windows) if ends else (0, 0, 0)
         timing = timing if verdict.at == 0 else ()  # the step's, on its window's first token
-        return [Token(s.id, token, finish, timing, *tally, cached, logprob)]
+        model = ends and window.model
+        return [Token(s.id, token, finish, timing, *tally, cached, logprob, model)]
 
     def _close_window(
         self, s: SeqState, verdict: Verdict, token: int, now: float | None

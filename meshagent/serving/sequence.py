@@ -77,6 +77,7 @@ class Window:
     sent_at: float | None = None  # when the step was taken; None: not timed
     at: int = 0  # the index in the draft of the next token to come back
     copying: bool = False  # its draft went on copying the text the sequence follows
+    model: bool = False  # its draft was the draft model's
 
     def ahead(self) -> list[int]:
         """Its tokens not yet verified, in order."""

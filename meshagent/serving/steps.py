@@ -84,6 +84,7 @@ class Token:
     windows: int = 0  # ...and how many windows of the sequence were in flight, itself included
     cached: int = 0  # on a sequence's first token: the prompt tokens a kept prefix gave it
     logprob: TokenLogprob | None = None  # where the request asked for log-probabilities
+    model: bool = False  # on the token that ends a window: its draft was the draft model's
 
 
 @dataclass(frozen=True)

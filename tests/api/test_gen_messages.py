@@ -60,6 +60,7 @@ def _body(data: bytes) -> bytes:
         Finished("stop", 10, 20, (1.5, 2.25), (Replay("lost", 30, 1200.5, 800.0),)),
         Finished("length", 1, 2, (), (Replay("a", 3, 4.0, 1.0, ("p:0-10", "q:10-30")),)),
         Finished("stop", 4, 9, (), (), Speculation(3, 12, 7)),
+        Finished("stop", 4, 9, (), (), Speculation(3, 12, 7, 1, 2, 8, 5, "SmolLM2-135M")),
         Finished("stop", 4, 9, (), (), None, 2, "\n\nUser:"),
         Ask("POST", "/v1/completions", b"{}", seed=5, share="0123abcd"),
         Vector((0.1, -1 / 3, 1e-300, 2.0**60)),
@@ -84,6 +85,19 @@ def test_a_done_names_a_stop_string_of_bounded_text():
     with pytest.raises(GenMessageError):
         decode(cbor2.dumps({**done, 9: 7}))
     assert decode(cbor2.dumps({**done, 9: "\n\nUser:"})).stop == "\n\nUser:"
+
+
+def test_a_done_names_its_draft_model_in_bounded_text_with_counts_in_range():
+    done = {0: 1, 1: "done", 2: "stop", 3: 4, 4: 9, 5: [], 6: []}
+    counts = [3, 12, 7, 1, 2, 8, 5]
+    with pytest.raises(GenMessageError):
+        decode(cbor2.dumps({**done, 7: [*counts, "x" * 300]}))
+    with pytest.raises(GenMessageError):
+        decode(cbor2.dumps({**done, 7: [*counts, 7]}))
+    with pytest.raises(GenMessageError):
+        decode(cbor2.dumps({**done, 7: [3, 12, 7, 1, -2, 8, 5, "d"]}))
+    spec = decode(cbor2.dumps({**done, 7: [*counts, "d"]})).speculation
+    assert spec is not None and (spec.model_drafted, spec.draft_model) == (8, "d")
 
 
 @pytest.mark.parametrize(

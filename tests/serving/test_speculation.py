@@ -364,6 +364,8 @@ async def test_a_draft_model_drafts_novel_text_and_changes_no_token(nursery, sam
     assert spec == plain and s_fin.completion_tokens == p_fin.completion_tokens
     s = s_fin.speculation
     assert s is not None and s.windows >= 1 and s.accepted > 0
+    assert s.draft_model == "fake" and 1 <= s.model_windows <= s.windows
+    assert 0 < s.model_accepted <= s.model_drafted <= s.drafted
     if sampling.greedy:  # it drafts the very greedy text: most windows are taken whole
         assert s.accepted > 0.9 * s.drafted and spec_steps * 4 < plain_steps
     assert draft.holds(0) is False and draft.holds(1) is False  # slots freed at the end
