@@ -158,6 +158,22 @@ def _speculation(model: LocalModel) -> dict[str, Any]:
         "exact_windows": executor.exact_windows,
         "reason": executor.windows_reason,
         "window_cost": model.runner.scheduler.window_cost.summary(),
+        "draft_model": _draft_model(model),
+    }
+
+
+def _draft_model(model: LocalModel) -> dict[str, Any] | None:
+    """The model's draft model, if it has one: its name, what one of its forward passes
+    takes (a moving mean), and that in the model's one-token steps (what "auto" charges each
+    drafted token)."""
+    policy = model.runner.scheduler.drafting
+    if policy.model is None:
+        return None
+    forward = policy.model_forward
+    return {
+        "name": policy.model.name,
+        "forward_ms": None if forward is None else round(forward * 1000, 3),
+        "cost_in_steps": round(policy.model_extra(), 4),
     }
 
 

@@ -95,6 +95,15 @@ def run(args: argparse.Namespace) -> int:
                 f"drafts    {s['draft_windows']} windows, {s['draft_accepted']} of "
                 f"{s['draft_tokens']} draft tokens accepted ({share:.0%}): that many steps saved"
             )
+        if draft := (spec or {}).get("draft_model"):
+            forward = draft["forward_ms"]
+            took = "not timed yet" if forward is None else f"{forward:.1f} ms a forward pass"
+            share = s.get("model_accepted", 0) / max(1, s.get("model_tokens", 0))
+            print(
+                f"draft     {draft['name']}: {took} ({draft['cost_in_steps']:.2f} steps); "
+                f"{s.get('model_windows', 0)} windows, {s.get('model_accepted', 0)} of "
+                f"{s.get('model_tokens', 0)} draft tokens accepted ({share:.0%})"
+            )
         cost = (spec or {}).get("window_cost") or {}
         if steps := cost.get("steps"):
             one = steps.get("1")

@@ -59,6 +59,11 @@ class DraftCounts:
     windows: int = 0  # windows verified with a draft
     tokens: int = 0  # draft tokens sent in them (a follow-up's guess, and void windows', too)
     accepted: int = 0  # and of those, the ones that were right
+    # Of those, the draft model's windows, their draft tokens and the right ones (void
+    # windows' tokens not counted).
+    model_windows: int = 0
+    model_tokens: int = 0
+    model_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -270,11 +275,17 @@ class DraftPolicy:
         w.at += 1
         right = at < len(window) and token == window[at]
         guessed = w.guess is not None  # and right, or its window would have been void
+        c = self.counts
         if at == 0 and (window or guessed):
-            self.counts.windows += 1
-            self.counts.tokens += len(window) + guessed
-            self.counts.accepted += guessed
-        self.counts.accepted += right
+            c.windows += 1
+            c.tokens += len(window) + guessed
+            c.accepted += guessed
+            if w.model:
+                c.model_windows += 1
+                c.model_tokens += len(window) + guessed
+                c.model_accepted += guessed
+        c.accepted += right
+        c.model_accepted += right and w.model
         return Verdict(at, right, len(window) + guessed, at + right + guessed)
 
     def closed(

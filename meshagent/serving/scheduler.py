@@ -41,6 +41,9 @@ class SchedulerStats:
     draft_windows: int = 0  # windows verified with a draft, since the model was loaded
     draft_tokens: int = 0  # draft tokens sent in them
     draft_accepted: int = 0  # and of those, the ones that were right
+    model_windows: int = 0  # of those, the draft model's windows, tokens and right ones
+    model_tokens: int = 0
+    model_accepted: int = 0
     prefix_entries: int = 0  # kept prefixes (`PrefixIndex`), their bytes, and lookups
     prefix_bytes: int = 0
     prefix_hits: int = 0
@@ -117,6 +120,9 @@ class Scheduler:
             draft_windows=drafts.windows,
             draft_tokens=drafts.tokens,
             draft_accepted=drafts.accepted,
+            model_windows=drafts.model_windows,
+            model_tokens=drafts.model_tokens,
+            model_accepted=drafts.model_accepted,
             prefix_entries=len(self.prefix) if self.prefix else 0,
             prefix_bytes=self.prefix.used if self.prefix else 0,
             prefix_hits=self.prefix.hits if self.prefix else 0,

@@ -4,6 +4,9 @@ comes out of what the agent offers the mesh."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 
 from meshagent.advertisement import draft_model_bytes
@@ -33,6 +36,19 @@ def test_a_draft_model_drafts_for_the_model_served_whole(spawn_agent, model_path
     receipt = spec["usage"]["meshagent"]["speculation"]
     # SmolLM2 drafting for itself: the draft model knows the text, not only its copies.
     assert receipt["accepted"] >= 30 and receipt["accepted"] > 0.8 * receipt["drafted"]
+    by_model = receipt["draft_model"]
+    assert by_model["name"] == model_id and 1 <= by_model["windows"] <= receipt["windows"]
+    assert 0 < by_model["accepted"] <= by_model["drafted"] <= receipt["drafted"]
+    # The status names it, with what a forward pass of it took and what it accepted.
+    [served] = httpx.get(f"{agent.url}/control/status", timeout=10).json()["models"]
+    draft = served["speculation"]["draft_model"]
+    assert draft["name"] == model_id and draft["forward_ms"] > 0
+    assert served["slots"]["model_accepted"] >= by_model["accepted"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "meshagent", "status", "--data-dir", str(agent.data_dir)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert f"draft     {model_id}: " in shown and "draft tokens accepted" in shown
 
     def offered(a) -> int:
         peers = httpx.get(f"{a.url}/control/peers", timeout=10).json()["peers"]
