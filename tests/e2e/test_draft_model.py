@@ -10,6 +10,7 @@ import sys
 import httpx
 
 from meshagent.advertisement import draft_model_bytes
+from tests.e2e.test_console import _browser
 
 SETTINGS = ["--slots", "2", "--ctx-size", "512", "--threads", "1", "--max-memory", "2G"]
 
@@ -49,6 +50,23 @@ def test_a_draft_model_drafts_for_the_model_served_whole(spawn_agent, model_path
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert f"draft     {model_id}: " in shown and "draft tokens accepted" in shown
+    # And the console, in a browser: the drafts accepted, and the draft model's.
+    chromium = _browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    slots = served["slots"]
+    want = f"{slots['draft_accepted']} of {slots['draft_tokens']} ("
+    want_model = f"; {model_id}: {slots['model_accepted']} of {slots['model_tokens']} ("
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(f"{agent.url}/console")
+            cell = page.locator("#models td.drafts")
+            expect(cell).to_contain_text(want, timeout=15_000)
+            expect(cell).to_contain_text(want_model)
+        finally:
+            browser.close()
 
     def offered(a) -> int:
         peers = httpx.get(f"{a.url}/control/peers", timeout=10).json()["peers"]
