@@ -160,6 +160,8 @@ class DraftPolicy:
         "auto", one beyond the draft that pays best for the model's cost (the last tells
         whether a longer one would have been right), or none where no draft pays but every
         `PROBE_EVERY` steps a short one; with "on", its draft length's."""
+        assert isinstance(d.drafter, ModelDrafts)
+        d.drafter.asking = True
         if d.length is not None:
             return min(most, d.length.k + 1)
         assert d.acceptance is not None
@@ -167,6 +169,7 @@ class DraftPolicy:
         if k:
             d.model_idle = 0
             return min(most, k + 1)
+        d.drafter.asking = False
         d.model_idle += 1
         if d.model_idle < PROBE_EVERY:
             return 0
@@ -238,6 +241,8 @@ class DraftPolicy:
         ahead = [t for w in s.windows for t in w.ahead()]
         if any(self._is_end(t) for t in ahead):
             return ()  # a drafted end of generation: nothing follows it
+        if isinstance(d.drafter, ModelDrafts) and d.drafter.awaits(ahead):
+            return ()  # the draft model's proposal for this point comes before the next step
         promised = sum(len(w.draft) + 1 for w in s.windows) - s.windows[0].at
         most = d.length.k if d.length is not None else MAX_DRAFT
         room = min(  # drafts after the guess

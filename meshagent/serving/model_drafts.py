@@ -31,6 +31,7 @@ class ModelDrafts:
         self.text = text
         self.offer: tuple[Key, tuple[int, ...]] | None = None
         self.from_model = False  # the last proposal was the model's
+        self.asking = False  # the policy asks the model for its proposals now (they pay)
         model.open(seq, text.tokens)
 
     @property
@@ -51,6 +52,16 @@ class ModelDrafts:
     def extend(self, tokens: Sequence[int]) -> None:
         self.text.extend(tokens)
         self.model.extend(self.seq, tokens)
+
+    def awaits(self, after: Sequence[int]) -> bool:
+        """Whether a proposal of the model for this point is to come: it is asked for them
+        and the one offered was computed before the sequence moved (a window that would
+        follow those in flight waits for it rather than go with the text's n-gram guess)."""
+        return (
+            self.asking
+            and not self.copying
+            and (self.offer is None or self.offer[0] != self.key(after))
+        )
 
     def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
         """Up to `k` tokens: the text's while it copies, else the model's offer computed for

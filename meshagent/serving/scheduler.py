@@ -410,7 +410,9 @@ class Scheduler:
         void = 0 if stands else sum(len(v.draft) + 1 for v in s.windows)
         verdict = replace(verdict, drafted=verdict.drafted + void, windows=in_flight)
         self.drafting.closed(s, w, verdict, token, void=void, now=now)
-        if not stands:
+        if stands:
+            s.windows[0].stood = True  # `token`, its guess, is the sequence's now
+        else:
             s.behind_void = bool(s.windows)
             s.windows.clear()
             s.busy = False

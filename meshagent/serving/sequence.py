@@ -78,7 +78,9 @@ class Window:
     at: int = 0  # the index in the draft of the next token to come back
     copying: bool = False  # its draft went on copying the text the sequence follows
     model: bool = False  # its draft was the draft model's
+    stood: bool = False  # its guess was right: the window before it ended with that token
 
     def ahead(self) -> list[int]:
-        """Its tokens not yet verified, in order."""
-        return [*(() if self.guess is None else (self.guess,)), *self.draft[self.at :]]
+        """Its tokens not yet verified, in order (a guess that stood is in the text)."""
+        guess = () if self.guess is None or self.stood else (self.guess,)
+        return [*guess, *self.draft[self.at :]]

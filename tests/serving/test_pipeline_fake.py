@@ -459,3 +459,30 @@ async def test_a_forged_token_breaks_the_chain_and_never_reaches_a_completion(
         await forger.aclose()
     text, _ = await complete(chain.model, PROMPTS[1], 16)
     assert text == whole[1][0]
+
+
+@pytest.mark.parametrize("sampling", [SAMPLINGS[0], SAMPLINGS[-1]], ids=str)
+async def test_a_split_entry_drafts_with_a_draft_model_and_changes_no_token(nursery, sampling):
+    # Novel text, where the text's own drafts rarely fit: the entry's draft model (the same
+    # fake arithmetic, so it knows the greedy text) proposes windows, beyond those in flight
+    # too, and the chain verifies them. The text is the whole model's without drafts.
+    from meshagent.serving.draft_model import DraftModel
+
+    engine = FakeEngine(slots=2, slot_ctx=512)
+    whole = LocalModel.whole(engine, max_queue=4)
+    chain = FakeChain(nursery, depth=1, delay=0.002)
+    draft = DraftModel(FakeEngine(slots=8, slot_ctx=512), chain.entry, same_vocab=True)
+    chain.model.runner.scheduler.drafting.model = draft
+    for model in (whole, chain.model):
+        await nursery.start(model.run)
+    prompt = "the lighthouse keeper found a map"
+    plain, _ = await complete(whole, prompt, 100, sampling=sampling, speculation="off")
+    before = chain.stages[1].forwards
+    text, fin = await complete(chain.model, prompt, 100, sampling=sampling, speculation="on")
+    assert text == plain
+    s = fin.speculation
+    assert s is not None and s.draft_model == "fake" and s.model_windows > 0
+    if sampling.temperature == 0:  # the draft is the greedy text: windows travel full
+        assert s.model_accepted > 0.9 * s.model_drafted and s.model_accepted > 60
+        assert chain.stages[1].forwards - before < 40  # not 100 one-token trips
+        assert s.peak_in_flight > 1  # windows followed each other before their verdicts

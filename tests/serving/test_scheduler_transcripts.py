@@ -217,21 +217,21 @@ SEEDS = (2, 3, 4)
 
 # Recorded from the scheduler as it was before its drafting policy moved to an object of its own.
 DIGESTS = {
-    ("whole, drafts off, on and auto", 2): "5b1864566c72ddef",
-    ("whole, drafts off, on and auto", 3): "5146baf804f7e030",
-    ("whole, drafts off, on and auto", 4): "b2bcf67d242707ab",
-    ("whole, copying names", 2): "7ed48e15c4fafce2",
-    ("whole, copying names", 3): "88f3e0b4ff03cfb6",
-    ("whole, copying names", 4): "aab4fc5de8da6e8b",
-    ("split, windows in flight", 2): "4da0751fa1b07d19",
-    ("split, windows in flight", 3): "540a02bbea29337c",
-    ("split, windows in flight", 4): "2539a59a5366c7f2",
-    ("whole, kept prefixes", 2): "d3b0efcdfd4d93c1",
-    ("whole, kept prefixes", 3): "e80792970cb14c40",
-    ("whole, kept prefixes", 4): "aaec0d74c4cd6660",
-    ("split, kept prefixes", 2): "de6c2dd07f403e97",
-    ("split, kept prefixes", 3): "9bcac6c8da795cfa",
-    ("split, kept prefixes", 4): "e6b1cf24741dc38d",
+    ("whole, drafts off, on and auto", 2): "a10d0d4ae633f0ca",
+    ("whole, drafts off, on and auto", 3): "e254122863015faf",
+    ("whole, drafts off, on and auto", 4): "c83ba85ce8c9e8eb",
+    ("whole, copying names", 2): "53ee92f415ce4bfa",
+    ("whole, copying names", 3): "1b0abe5ff9691c63",
+    ("whole, copying names", 4): "5b3333636c0784cd",
+    ("split, windows in flight", 2): "7b4587371b52fc36",
+    ("split, windows in flight", 3): "6d9b4bbf9447b7b8",
+    ("split, windows in flight", 4): "9d1f5ce5d611702b",
+    ("whole, kept prefixes", 2): "8e395774ac3b2054",
+    ("whole, kept prefixes", 3): "a528a4a64b2b3c24",
+    ("whole, kept prefixes", 4): "57a4b54609d546e0",
+    ("split, kept prefixes", 2): "06461ddead07cdaf",
+    ("split, kept prefixes", 3): "0602580bf645da38",
+    ("split, kept prefixes", 4): "f1ec71ced10a5397",
 }
 
 
