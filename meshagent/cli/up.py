@@ -234,9 +234,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--draft-model",
         metavar="PATH",
-        help="a small model's GGUF that drafts for the models this agent serves whole; "
-        "speculating requests verify its drafts (its memory is taken from the offer; a "
-        "split's entry does not use it yet; docs/speculation.md)",
+        help="a small model's GGUF that drafts for the models this agent serves whole or as "
+        "a split's entry; speculating requests verify its drafts (its memory is taken from "
+        "the offer; docs/speculation.md)",
     )
     p.add_argument(
         "--prefix-cache",

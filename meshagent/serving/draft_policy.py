@@ -149,11 +149,10 @@ class DraftPolicy:
             return None
         if d.drafter.copying:
             return None  # the text's draft goes while it copies: no model's is read
-        key = d.drafter.key(after)
-        if d.drafter.offer is not None and d.drafter.offer[0] == key:
-            return None
         k = self._model_k(d, k)
-        return (k, after, key) if k else None
+        if not k or len(d.drafter.offered(after)) >= max(1, k - 1):
+            return None  # none wanted, or the one offered still goes as far
+        return k, after, d.drafter.key(after)
 
     def _model_k(self, d: DraftState, most: int) -> int:
         """How many tokens to ask of the draft model for a sequence, at most `most`: with

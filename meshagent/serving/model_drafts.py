@@ -53,22 +53,35 @@ class ModelDrafts:
         self.text.extend(tokens)
         self.model.extend(self.seq, tokens)
 
+    def offered(self, after: Sequence[int] = ()) -> tuple[int, ...]:
+        """What the model's offer proposes at this point (the sequence's tokens, then
+        `after` in flight): the offer went on from where it was computed, and where the
+        tokens taken since are the ones it drafted, the rest of it is what the model would
+        propose now (its greedy continuation of the same text); () where they differ."""
+        if self.offer is None:
+            return ()
+        (n, before), proposal = self.offer
+        tokens = self.text.tokens
+        if n > len(tokens):
+            return ()
+        went = (*tokens[n:], *after)
+        stream = (*before, *proposal)
+        if len(went) >= len(stream) or tuple(stream[: len(went)]) != went:
+            return ()
+        return stream[len(went) :]
+
     def awaits(self, after: Sequence[int]) -> bool:
         """Whether a proposal of the model for this point is to come: it is asked for them
-        and the one offered was computed before the sequence moved (a window that would
-        follow those in flight waits for it rather than go with the text's n-gram guess)."""
-        return (
-            self.asking
-            and not self.copying
-            and (self.offer is None or self.offer[0] != self.key(after))
-        )
+        and none offered goes on from here (a window that would follow those in flight
+        waits for it rather than go with the text's n-gram guess)."""
+        return self.asking and not self.copying and not self.offered(after)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
         """Up to `k` tokens: the text's while it copies, else the model's offer computed for
         this very point, else the text's n-gram draft."""
         self.from_model = False
-        if not self.copying and self.offer is not None and self.offer[0] == self.key(after):
-            got = self.offer[1][:k]
+        if not self.copying:
+            got = self.offered(after)[:k]
             if got:
                 self.from_model = True
                 return got

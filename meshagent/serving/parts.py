@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import structlog
 import trio
@@ -26,7 +25,7 @@ from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import Plan, offloaded_layers
 from meshagent.placement.service import PlacementService
 from meshagent.serving.capabilities import Capabilities
-from meshagent.serving.draft_model import DraftModel, same_vocabulary
+from meshagent.serving.draft_loading import load_draft
 from meshagent.serving.embeddings import Embedder
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.mesh_directory import MeshDirectory
@@ -193,27 +192,15 @@ class Parts:
             )
         )
         self._whole = engine
-        draft = await self._load_draft(engine) if s.draft_model else None
+        draft = None
+        if s.draft_model:
+            self._draft, draft = await load_draft(s, engine)
         budget = self.prefix_budget(plan)
         self.local = LocalModel.whole(
             engine, max_queue=s.max_queue, prefix_budget=budget, draft=draft
         )
         self.local.speculation = s.speculation
         self.local.embedder = Embedder(str(self.files.path), threads=s.threads)
-
-    async def _load_draft(self, engine: LlamaEngine) -> DraftModel:
-        """The draft model (`--draft-model`) for this model served whole: a slot per slot of
-        the engine, its drafts taken token for token where the vocabularies are the same,
-        else by their text (`serving/draft_model.py`)."""
-        s = self.settings
-        path = Path(s.draft_model).expanduser()
-        drafts = await trio.to_thread.run_sync(
-            lambda: LlamaEngine(path, slots=s.slots, slot_ctx=s.slot_ctx, threads=s.threads)
-        )
-        self._draft = drafts
-        same = await trio.to_thread.run_sync(same_vocabulary, drafts, engine)
-        log.info("parts.draft_model", model=drafts.info.id, same_vocabulary=same)
-        return DraftModel(drafts, engine, same_vocab=same)
 
     async def _load_stage(self, plan: Plan) -> None:
         s = self.settings

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import structlog
 import trio
 
+from meshagent.engine.llama import LlamaEngine
 from meshagent.engine.stage import StageEngine
 from meshagent.errors import EngineError
 from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import ModelCost, Plan, StageAssignment, offloaded_layers
+from meshagent.serving.draft_loading import load_draft
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.pipeline import (
@@ -82,6 +84,7 @@ class SplitHost:
         self.server: StageServer | None = None  # set on other stages
         self._engine: StageEngine | None = None
         self._entry: EntryEngine | None = None
+        self._draft: LlamaEngine | None = None  # the entry's draft model (`--draft-model`)
         # The plan's peers this agent's streams go to or come from: the next stage (None:
         # this is the last), the previous one (None: this is the entry), the entry (where the
         # last stage replies) and the last stage (whose replies the entry takes).
@@ -195,6 +198,9 @@ class SplitHost:
                 token_bytes=self._entry.token_bytes,
             )
             self.model = LocalModel(self._entry, runner)
+            if s.draft_model:  # the draft model runs where requests enter
+                self._draft, draft = await load_draft(s, self._entry)
+                runner.scheduler.drafting.model = draft
         elif nxt is not None:
             self.server = StageServer(
                 engine,
@@ -266,6 +272,9 @@ class SplitHost:
         self.close()
 
     def close(self) -> None:
+        if self._draft is not None:
+            self._draft.close()
+            self._draft = None
         if self._entry is not None:
             self._entry.close()
         elif self._engine is not None:

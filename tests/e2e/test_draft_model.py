@@ -10,6 +10,7 @@ import sys
 import httpx
 
 from meshagent.advertisement import draft_model_bytes
+from tests.e2e.agents import invite, wait_for
 from tests.e2e.test_console import _browser
 
 SETTINGS = ["--slots", "2", "--ctx-size", "512", "--threads", "1", "--max-memory", "2G"]
@@ -75,3 +76,41 @@ def test_a_draft_model_drafts_for_the_model_served_whole(spawn_agent, model_path
 
     need = draft_model_bytes(model_path, 2 * 512)
     assert offered(plain_agent) - offered(agent) == need
+
+
+def test_a_splits_entry_drafts_with_its_draft_model(spawn_agent, model_path, model_id):
+    # Two agents, each given the draft model: what it takes comes out of each offer (224 MB
+    # for SmolLM2 at 2 x 512 tokens), and what is left (130 MB) holds half the model, not
+    # all of it: the model is split in two, and the entry's draft model proposes windows
+    # that the split verifies. The text is the whole model's without drafts.
+    need = draft_model_bytes(model_path, 2 * 512)
+    small = [*SETTINGS[:-2], "--max-memory", str(need + 130_000_000)]
+    a = spawn_agent(*small, "--draft-model", str(model_path), name="a", wait_model=False)
+    b = spawn_agent(*small, "--draft-model", str(model_path), "--join", invite(a), name="b",
+                    wait_model=False)  # fmt: skip
+
+    def split() -> bool:
+        p = httpx.get(f"{a.url}/control/status", timeout=10).json()["placement"][model_id]
+        return p["routable"] and len(p["stages"]) == 2
+
+    wait_for(split, timeout=120)
+
+    def ask(agent, mode: str) -> dict:
+        body = {
+            "model": model_id,
+            "prompt": "Once upon a time, in a small village by the sea,",
+            "max_tokens": 48,
+            "temperature": 0,
+            "meshagent": {"speculation": mode},
+        }
+        r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    plain, spec = ask(a, "off"), ask(b, "on")
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    receipt = spec["usage"]["meshagent"]["speculation"]
+    by_model = receipt["draft_model"]
+    assert by_model["name"] == model_id and by_model["windows"] >= 1
+    assert by_model["accepted"] >= 30, receipt
+    assert by_model["accepted"] > 0.8 * by_model["drafted"]
