@@ -26,7 +26,7 @@ per copy workload. Prints a table and writes JSON (default bench/results/specula
 Never asserts on time: compare the figures yourself.
 
     .venv/bin/python bench/speculation.py [--rounds 3] [--max-tokens 256] [--modes off,auto,on]
-        [--model FILE]
+        [--model FILE] [--draft-model FILE]
 """
 
 from __future__ import annotations
@@ -108,6 +108,10 @@ def one(url: str, model: str, prompt: str, mode: str, max_tokens: int) -> dict:
         "drafted": spec.get("drafted", 0),
         "accepted": spec.get("accepted", 0),
         "windows": spec.get("windows", 0),
+        # The draft model's share of them (`--draft-model`).
+        "model_windows": (spec.get("draft_model") or {}).get("windows", 0),
+        "model_drafted": (spec.get("draft_model") or {}).get("drafted", 0),
+        "model_accepted": (spec.get("draft_model") or {}).get("accepted", 0),
     }
 
 
@@ -284,14 +288,28 @@ def main() -> None:
         help="a GGUF file to serve instead of the embedded model (bench/coder_model.py "
         "fetches one that performs the code rename)",
     )
+    ap.add_argument(
+        "--draft-model",
+        type=Path,
+        help="a small model's GGUF the agent drafts with beside the request's own text "
+        "(meshagent up --draft-model): the modes' gains then include its drafts, and what "
+        "its proposals cost is the agent's to weigh",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/speculation.json"))
     args = ap.parse_args()
     model_path = args.model or default_model_path()
     modes = args.modes.split(",")
     runs: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in WORKLOADS}
     with tempfile.TemporaryDirectory(prefix="meshagent-bench-") as tmp:
+        draft = ["--draft-model", str(args.draft_model)] if args.draft_model else []
         agent = start_agent(
-            Path(tmp), "--threads", str(args.threads), "--model", str(model_path), timeout=300
+            Path(tmp),
+            "--threads",
+            str(args.threads),
+            "--model",
+            str(model_path),
+            *draft,
+            timeout=300,
         )
         try:
             url = agent.url
@@ -337,6 +355,9 @@ def main() -> None:
                 "vs_base": round(rate / base_rate, 3) if base_rate else None,
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
                 "accepted_per_token": round(accepted / sum(x["tokens"] for x in xs), 3),
+                "model_windows": sum(x["model_windows"] for x in xs),
+                "model_drafted": sum(x["model_drafted"] for x in xs),
+                "model_accepted": sum(x["model_accepted"] for x in xs),
             }
             row["identical"] &= all(x["text"] == runs[w][base][0]["text"] for x in xs)
         goal = 2.0 if w in COPY_SHAPED else 0.97
@@ -372,6 +393,7 @@ def main() -> None:
     result = {
         "benchmark": "speculation",
         "model": model_path.name,
+        "draft_model": args.draft_model.name if args.draft_model else None,
         "threads": args.threads,
         "rounds": args.rounds,
         "max_tokens": args.max_tokens,
@@ -441,6 +463,14 @@ def main() -> None:
         "ceilings where that is less; of target: auto's gain (the default; the best mode's "
         "where auto did not run) over the target"
     )
+    if args.draft_model:
+        for w, row in table.items():
+            shares = [
+                f"{m}: {row[m]['model_accepted']} of {row[m]['model_drafted']} in "
+                f"{row[m]['model_windows']} windows"
+                for m in modes
+            ]
+            print(f"{w}: the draft model's tokens accepted, {'; '.join(shares)}")
     result_file.write(args.out, result)
 
 
