@@ -23,6 +23,7 @@ from meshagent.errors import ModelError
 from meshagent.gossip.membership import Membership
 from meshagent.gossip.peer_record import MAX_ARTIFACTS, ArtifactHeld, DeviceOffer, ModelHeld
 from meshagent.models.artifacts import ArtifactStore
+from meshagent.models.default import draft_model_path
 from meshagent.models.layout import inspect_model
 from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.placement.costs import ModelCost
@@ -65,7 +66,8 @@ def static_fields(
     )
     spare = capacity.spare_memory(available, offer)
     if config.draft_model:  # its weights and KV cache are not the mesh's to place
-        need = draft_model_bytes(Path(config.draft_model), config.slots * config.ctx_size)
+        path = draft_model_path(config.draft_model)
+        need = draft_model_bytes(path, config.slots * config.ctx_size)
         offer = capacity.MemoryOffer.split(max(0, offer.total - need))
     return {
         "name": name,

@@ -13,6 +13,7 @@ import platformdirs
 from meshagent.errors import ConfigError
 from meshagent.gossip.config import GossipConfig
 from meshagent.identity.private_file import write_private
+from meshagent.models.names import HubName, parse_model_name
 from meshagent.net.address import Address, is_loopback
 from meshagent.placement.costs import MAX_CHAINS
 from meshagent.placement.demand import DemandError, keep_alive_seconds
@@ -106,7 +107,9 @@ class AgentConfig:
     chains: int = 1  # chains a split this agent pins keeps at least, where memory holds them
     load_timeout: float = 600.0  # seconds a request waits for its model to load
     speculation: str = "auto"  # drafts from a request's own text: auto, on or off
-    draft_model: str = ""  # a small model's GGUF whose drafts a model served whole verifies
+    # A small model whose drafts the models served whole or entered here verify: a GGUF file,
+    # a Hugging Face name, or "auto" (`serving/draft_loading.py`); "" for none.
+    draft_model: str = ""
     # bytes of ended requests' KV kept for prompts that share their prefix; -1: auto, 0: off
     prefix_cache: int = PREFIX_CACHE_AUTO
     log_level: str = "info"
@@ -206,8 +209,16 @@ class AgentConfig:
             raise ConfigError(f"membership must be heartbeat or swim, got {self.membership!r}")
         if self.speculation not in ("auto", "on", "off"):
             raise ConfigError("speculation must be auto, on or off")
-        if self.draft_model and not Path(self.draft_model).expanduser().is_file():
-            raise ConfigError(f"draft-model: no GGUF file at {self.draft_model}")
+        if (
+            self.draft_model
+            and self.draft_model != "auto"
+            and not isinstance(parse_model_name(self.draft_model), HubName)
+            and not Path(self.draft_model).expanduser().is_file()
+        ):
+            raise ConfigError(
+                f"draft-model: no GGUF file at {self.draft_model} (give a file, a Hugging Face "
+                "name, or auto)"
+            )
         if self.prefix_cache < PREFIX_CACHE_AUTO:
             raise ConfigError("prefix-cache must be a size, 0 (off) or auto")
         if self.wire_dtype not in ("auto", "f16", "f32"):
@@ -248,7 +259,7 @@ CONFIG_TEMPLATE = """\
 # chains = 1                            # chains a split this agent pins keeps at least
 # load_timeout = 600.0
 # speculation = "auto"
-# draft_model = "/path/to/small.gguf"    # drafts for the models this agent serves whole
+# draft_model = "auto"    # or a GGUF file or a Hugging Face name: drafts for the models served
 # prefix_cache = "auto"
 # relays = ["relay.example.org:9339"]
 # mdns = true

@@ -18,6 +18,7 @@ from meshagent.cli.secrets import gather, read_key_file
 from meshagent.config import API_KEY_ENV, JOIN_ENV, AgentConfig, DataDir
 from meshagent.identity.mesh import MeshSecret, decode_invite
 from meshagent.identity.mesh_file import load_mesh
+from meshagent.models.default import resolve_model
 from meshagent.models.header_map import HeaderMap
 from meshagent.models.header_share import ask_peers
 from meshagent.models.hub import model_for_agent
@@ -233,10 +234,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--draft-model",
-        metavar="PATH",
-        help="a small model's GGUF that drafts for the models this agent serves whole or as "
-        "a split's entry; speculating requests verify its drafts (its memory is taken from "
-        "the offer; docs/speculation.md)",
+        metavar="PATH|NAME|auto",
+        help="a small model (a GGUF file or a Hugging Face name; auto: the embedded SmolLM2, "
+        "for models at least 6 times its size) that drafts for the models this agent serves "
+        "whole or as a split's entry; speculating requests verify its drafts (its memory is "
+        "taken from the offer; docs/speculation.md)",
     )
     p.add_argument(
         "--prefix-cache",
@@ -354,6 +356,8 @@ def run(args: argparse.Namespace) -> int:
             )
         resolved.append(model)
     config = config.merged({"models": tuple(resolved)})
+    if config.draft_model:
+        config = config.merged({"draft_model": _draft_model_file(config.draft_model)})
     fmt = {"auto": None, "json": True, "console": False}[args.log_format]
     logs.configure(config.log_level, json=fmt)
     for e in secrets.exposed:
@@ -441,3 +445,12 @@ async def _say_what_serves(model: MeshModel, api_url: str) -> None:
             print(f"meshagent: {line}", file=sys.stderr)
             said = line
         await trio.sleep(_SAY_EVERY)
+
+
+def _draft_model_file(spec: str) -> str:
+    """What `--draft-model` names, for the agent: `auto` as it is (`serving/draft_loading.py`
+    picks the model), a Hugging Face name downloaded into its cache (with progress, as a
+    `--model` name is) and given as its file, a file as it is."""
+    if spec == "auto" or not isinstance(parse_model_name(spec), HubName):
+        return spec
+    return str(resolve_model(spec, progress=ProgressBar(f"downloading {spec}")))

@@ -57,3 +57,12 @@ def local_file(spec: str) -> Path | None:
 
         return cached_file(name)
     return name if name.is_file() else None
+
+
+def draft_model_path(spec: str) -> Path:
+    """The file of a `--draft-model` value: `auto` is the embedded SmolLM2-135M, which drafts
+    for any target (by text where their vocabularies differ); else a file (a Hugging Face
+    name was resolved to its file when the agent started)."""
+    if spec == "auto":
+        return default_model_path()
+    return Path(spec).expanduser()

@@ -194,7 +194,7 @@ class Parts:
         self._whole = engine
         draft = None
         if s.draft_model:
-            self._draft, draft = await load_draft(s, engine)
+            self._draft, draft = await load_draft(s, engine, engine.info.size_bytes)
         budget = self.prefix_budget(plan)
         self.local = LocalModel.whole(
             engine, max_queue=s.max_queue, prefix_budget=budget, draft=draft

@@ -199,7 +199,7 @@ class SplitHost:
             )
             self.model = LocalModel(self._entry, runner)
             if s.draft_model:  # the draft model runs where requests enter
-                self._draft, draft = await load_draft(s, self._entry)
+                self._draft, draft = await load_draft(s, self._entry, f.info.size_bytes)
                 runner.scheduler.drafting.model = draft
         elif nxt is not None:
             self.server = StageServer(
