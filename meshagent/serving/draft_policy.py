@@ -121,6 +121,10 @@ class DraftPolicy:
         if self.model is not None and seq is not None:
             drafter = ModelDrafts(self.model, seq, drafter)
         if speculation == "auto":
+            if isinstance(drafter, ModelDrafts):  # the model's drafts are judged apart
+                drafter.accepts = Acceptance(follow=drafter.follow)
+                drafter.text_accepts = Acceptance(follow=drafter.follow)
+                return DraftState(drafter, acceptance=drafter.text_accepts)
             return DraftState(drafter, acceptance=Acceptance(follow=drafter.follow))
         return DraftState(drafter, length=DraftLength())
 
@@ -163,8 +167,8 @@ class DraftPolicy:
         d.drafter.asking = True
         if d.length is not None:
             return min(most, d.length.k + 1)
-        assert d.acceptance is not None
-        k = best_draft(d.acceptance, self.cost, MAX_DRAFT, extra=self.model_extra())
+        assert d.drafter.accepts is not None
+        k = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=self.model_extra())
         if k:
             d.model_idle = 0
             return min(most, k + 1)
@@ -217,15 +221,17 @@ class DraftPolicy:
         d.copying = d.drafter.copying
         if d.acceptance is None or not proposal:
             return proposal
-        extra = self.model_extra() if self._from_model(d) else 0.0
-        k = best_draft(d.acceptance, self.cost, len(proposal), copying=d.copying, extra=extra)
+        model = self._from_model(d)
+        acc = self._accepts(d, model)
+        extra = self.model_extra() if model else 0.0
+        k = best_draft(acc, self.cost, len(proposal), copying=d.copying, extra=extra)
         if not k:  # it would not pay: see whether its tokens would have been right
             if not d.shadow and not d.copying:  # (a copy's tokens are counted as they come)
-                d.shadow, d.shadow_after = proposal, False
+                d.shadow, d.shadow_after, d.shadow_model = proposal, False, model
             return ()
         d.shadow = ()
         if k < len(proposal) and not d.copying:  # (a copy's tokens are counted as they come)
-            d.beyond = proposal[k]
+            d.beyond, d.beyond_model = proposal[k], model
         return proposal[:k]
 
     def follow_up(self, s: SeqState, budget: int) -> tuple[int, ...]:
@@ -254,10 +260,12 @@ class DraftPolicy:
             return ()
         if d.acceptance is not None:
             copying = s.windows[0].copying
-            extra = self.model_extra() if self._from_model(d) else 0.0
+            model = self._from_model(d)
+            extra = self.model_extra() if model else 0.0
             k = follow_up_draft(
-                d.acceptance, self.cost, len(ahead), proposal, copying=copying, extra=extra
-            )
+                self._accepts(d, model), self.cost, len(ahead), proposal, copying=copying,
+                extra=extra,
+            )  # fmt: skip
             if k is None:
                 return ()
             proposal = proposal[: k + 1]
@@ -266,6 +274,14 @@ class DraftPolicy:
     @staticmethod
     def _from_model(d: DraftState) -> bool:
         return isinstance(d.drafter, ModelDrafts) and d.drafter.from_model
+
+    @staticmethod
+    def _accepts(d: DraftState, model: bool) -> Acceptance:
+        """The acceptance that judges a draft of the model's (`model`) or of the text's."""
+        if model and isinstance(d.drafter, ModelDrafts) and d.drafter.accepts is not None:
+            return d.drafter.accepts
+        assert d.acceptance is not None
+        return d.acceptance
 
     def from_model(self, s: SeqState) -> bool:
         """Whether the last draft proposed for `s` was the draft model's."""
@@ -311,7 +327,7 @@ class DraftPolicy:
             # Every drafted token was right and no window follows: the model's own token
             # here says whether the next proposed one would have been right too.
             if verdict.at == len(w.draft) and not s.windows and d.acceptance is not None:
-                d.acceptance.then_seen(token == d.beyond)
+                self._accepts(d, d.beyond_model).then_seen(token == d.beyond)
             d.beyond = None
         if now is not None and w.sent_at is not None:
             self.cost.observe(len(w.draft) + 1, now - w.sent_at)
@@ -322,7 +338,8 @@ class DraftPolicy:
             d.length.update(drafted, accepted)
         if d.acceptance is not None:
             judged = accepted + (accepted < drafted)
-            d.acceptance.update(accepted, judged, run=w.guess is not None, copying=w.copying)
+            acc = self._accepts(d, w.model)
+            acc.update(accepted, judged, run=w.guess is not None, copying=w.copying)
 
     def read(self, s: SeqState, token: int) -> None:
         """A token of `s` that it goes on after: its drafter reads it, and a proposal "auto"
@@ -333,8 +350,9 @@ class DraftPolicy:
         d.drafter.extend((token,))
         if d.shadow and d.acceptance is not None:
             hit = token == d.shadow[0]
+            acc = self._accepts(d, d.shadow_model)
             if d.shadow_after:
-                d.acceptance.then_seen(hit)
+                acc.then_seen(hit)
             else:
-                d.acceptance.update(hit, 1)
+                acc.update(hit, 1)
             d.shadow, d.shadow_after = (d.shadow[1:] if hit else ()), True

@@ -32,6 +32,10 @@ class ModelDrafts:
         self.offer: tuple[Key, tuple[int, ...]] | None = None
         self.from_model = False  # the last proposal was the model's
         self.asking = False  # the policy asks the model for its proposals now (they pay)
+        # "auto": how often the model's drafts are right, and the text's n-gram drafts (the
+        # policy's, `DraftPolicy.start`); with both proposing, the likelier goes
+        self.accepts: Acceptance | None = None
+        self.text_accepts: Acceptance | None = None
         model.open(seq, text.tokens)
 
     @property
@@ -77,15 +81,22 @@ class ModelDrafts:
         return self.asking and not self.copying and not self.offered(after)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
-        """Up to `k` tokens: the text's while it copies, else the model's offer computed for
-        this very point, else the text's n-gram draft."""
+        """Up to `k` tokens: the text's while it copies; else the model's offer for this
+        point or the text's n-gram draft, whichever is expected to yield more (by each one's
+        acceptance, with "auto"; the model's with "on"), or the one there is."""
         self.from_model = False
-        if not self.copying:
-            got = self.offered(after)[:k]
-            if got:
-                self.from_model = True
-                return got
-        return self.text.propose(k, after)
+        text = self.text.propose(k, after)
+        if self.copying:
+            return text
+        got = self.offered(after)[:k]
+        if got and text and self.accepts is not None and self.text_accepts is not None:
+            ours, theirs = self.accepts.expected(len(got)), self.text_accepts.expected(len(text))
+            if theirs > ours:
+                return text
+        if got:
+            self.from_model = True
+            return got
+        return text
 
     def close(self) -> None:
         self.model.close(self.seq)

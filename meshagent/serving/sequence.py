@@ -56,11 +56,13 @@ class DraftState:
     # for `Acceptance.then`; a copy's tokens are counted by its drafter as they come)
     shadow: tuple[int, ...] = ()
     shadow_after: bool = False  # the shadow's next token follows a right one
+    shadow_model: bool = False  # the shadow was the draft model's proposal
     copying: bool = False  # its last proposal went on copying the text it follows
     # "auto", drafting fewer n-gram tokens than proposed: the first it left out, to see whether
     # it would have been right after the drafted ones (evidence for `Acceptance.then` that a
     # short window gives no other way)
     beyond: int | None = None
+    beyond_model: bool = False  # that proposal was the draft model's
     # "auto" with a draft model whose drafts do not pay: the steps since it last proposed
     # (it proposes every `PROBE_EVERY`, so the sequence learns when they would pay again)
     model_idle: int = 0

@@ -180,3 +180,31 @@ def test_drafts_stop_at_max_draft():
     s = decoding(p, "on", tuple(range(2, 20)) * 2, limit=25)
     s.drafts.length.k = s.drafts.length.max_k
     assert len(p.draft(s, budget=100)) == MAX_DRAFT
+
+
+def test_auto_weighs_the_draft_models_proposal_against_the_texts_by_each_ones_acceptance():
+    from meshagent.serving.draft_model import DraftModel
+    from meshagent.testing.fake_engine import FakeEngine
+
+    p = policy(slope=0.1)
+    p.model = DraftModel(FakeEngine(slots=2, slot_ctx=64), FakeEngine(), same_vocab=True)
+    s = SeqState(0, LOOP, 30, GREEDY)
+    s.drafts = p.start("auto", LOOP, (), seq=0)
+    s.n_past = len(LOOP) - 1
+    d = s.drafts.drafter
+    model_acc, text_acc = d.accepts, s.drafts.acceptance
+    assert model_acc is not None and text_acc is not None and model_acc is not text_acc
+    d.offer = (d.key(), (9, 9, 9, 9))  # the model's proposal; the text's is 5, 6, 7, 8
+    assert p.draft(s, budget=100) == (9, 9, 9, 9)  # alike before evidence: the model's
+    # The model's windows miss: its own acceptance learns it, the text's does not move.
+    before = text_acc.rate
+    for _ in range(6):
+        w = sent(s, (9, 9, 9, 9))
+        w.model = True
+        verdict = p.judge(w, 5)
+        s.windows.popleft()
+        p.closed(s, w, verdict, 5, void=0, now=None)
+        s.busy = False
+    assert model_acc.rate < 0.3 and text_acc.rate == before
+    assert p.draft(s, budget=100) == (5, 6, 7, 8)  # now the text's goes
+    assert not d.from_model

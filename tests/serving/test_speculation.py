@@ -414,3 +414,23 @@ async def test_auto_counts_the_draft_models_compute_and_a_dear_one_proposes_rare
     # Before its cost is known it proposes in full; then a probe's tokens every PROBE_EVERY.
     probes = fin.completion_tokens / PROBE_EVERY * (PROBE_TOKENS + 1)
     assert draft.forwards - before < 2 * (MAX_DRAFT + 1) + probes, draft.forwards - before
+
+
+async def test_auto_judges_the_draft_models_drafts_apart_from_the_texts(nursery):
+    # Copy-shaped text (the token five back comes again), where the text's own drafts are
+    # right, and a draft model that knows none of it (the plain fake arithmetic): "auto"
+    # learns the model's drafts miss, and its doubt does not stop the text's, which go.
+    # A step's time is mostly fixed (a window of 16 costs 1.4 steps): windows pay.
+    engine = FakeEngine(slots=2, slot_ctx=512, copy_back=5)
+    engine.delay, engine.token_delay = 0.002, 0.00005
+    draft = DraftModel(FakeEngine(slots=2, slot_ctx=512), engine, same_vocab=True)
+    model = LocalModel.whole(engine, max_queue=2, draft=draft)
+    await nursery.start(model.run)
+    prompt = "ab cd ef gh ij kl"
+    plain, _ = await run(model, prompt, 200, sampling=GREEDY)
+    spec, fin = await run(model, prompt, 200, sampling=GREEDY, speculation="auto")
+    assert spec == plain
+    s = fin.speculation
+    assert s is not None and s.model_accepted <= 0.5 * max(1, s.model_drafted)
+    text_accepted = s.accepted - s.model_accepted
+    assert text_accepted > 0.6 * fin.completion_tokens, s
