@@ -305,14 +305,19 @@ def _exact_texts(held: list[int], engine: FakeEngine, steps: int, temperature: f
     return out
 
 
-async def test_sampled_text_keeps_the_models_distribution_with_drafts(nursery):
+@pytest.mark.parametrize("drafter", ["text", "draft model"])
+async def test_sampled_text_keeps_the_models_distribution_with_drafts(nursery, drafter):
     # Sampling with drafts must draw texts with the model's own distribution: many samples of
     # three tokens, with drafts (most of them accepted: copy-shaped text), against the
     # distribution computed from the fake's logits, by a chi-squared test. A request without
     # a seed gets a random one (`SamplingParams.seeded`); here the seeds are 0..n-1, so the
-    # test gives the same verdict on every run.
+    # test gives the same verdict on every run. The drafts come from the text, or from a
+    # draft model (the same arithmetic: its greedy tokens, verified through the scheduler).
     engine = FakeEngine(slots=8, slot_ctx=512, copy_back=3)
-    model = LocalModel.whole(engine, max_queue=64)
+    draft = None
+    if drafter == "draft model":
+        draft = DraftModel(FakeEngine(slots=8, slot_ctx=512, copy_back=3), engine, same_vocab=True)
+    model = LocalModel.whole(engine, max_queue=64, draft=draft)
     await nursery.start(model.run)
     prompt, steps, temperature, n = "abcabcabcabc", 3, 2.5, 2400
     exact = _exact_texts(engine.tokenize(prompt, add_bos=True), engine, steps, temperature)
@@ -343,6 +348,11 @@ async def test_sampled_text_keeps_the_models_distribution_with_drafts(nursery):
     z = 3.09
     limit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
     assert len(cells) > 10 and chi2 < limit, (chi2, limit, len(cells))
+    if draft is not None:  # the model's drafts were the ones verified, and a seed repeats
+        assert model.runner.stats().model_accepted > n / 5
+        again = SamplingParams(temperature=temperature, seed=7)
+        first, _ = await run(model, prompt, 40, sampling=again, speculation="on")
+        assert (await run(model, prompt, 40, sampling=again, speculation="on"))[0] == first
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
