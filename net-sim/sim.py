@@ -125,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--forwarded", type=int, default=d.forwarded)
         sp.add_argument("--seed", type=int, default=d.seed)
         sp.add_argument("--wire-dtype", choices=("auto", "f16", "f32"), default=d.wire_dtype)
+        sp.add_argument("--model", default=d.model, help="a GGUF to split (default: SmolLM2)")
+        sp.add_argument(
+            "--max-memory", default=d.max_memory, help="what each agent offers for the model"
+        )
+        sp.add_argument(
+            "--draft-model",
+            default=d.draft_model,
+            help="a draft model each agent is given (a GGUF or auto); its memory is added",
+        )
     x = scenarios.PrefixSettings()
     xp = sub.add_parser("prefix", help="a conversation's second turn against its first (split)")
     xp.add_argument("--regime", type=_regimes, default=["wan"], help="a regime, a,b or all")
@@ -240,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             forwarded=args.forwarded,
             seed=args.seed,
             wire_dtype=args.wire_dtype,
+            model=args.model,
+            max_memory=args.max_memory,
+            draft_model=args.draft_model,
         )
         rep = run_split(args.scenario, args.regime, settings, out, argv)
         for name, r in rep["regimes"].items():

@@ -507,6 +507,7 @@ def speculation(phases: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, 
         receipts = [rec["speculation"] for rec in auto if rec.get("speculation")]
         drafted = sum(s["drafted"] for s in receipts)
         accepted = sum(s["accepted"] for s in receipts)
+        by_model = [s["draft_model"] for s in receipts if s.get("draft_model")]
         texts_off = {rec["prompt_no"]: rec["text"] for rec in off if rec["ok"]}
         same = [texts_off.get(rec["prompt_no"]) == rec["text"] for rec in auto if rec["ok"]]
         out[mix] = {
@@ -523,6 +524,10 @@ def speculation(phases: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, 
             "drafted": drafted,
             "accepted": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
+            # Of those, the draft model's (`--draft-model`): its windows, drafts and right ones.
+            "model_windows": sum(m["windows"] for m in by_model),
+            "model_drafted": sum(m["drafted"] for m in by_model),
+            "model_accepted": sum(m["accepted"] for m in by_model),
             "requests": len(off) + len(auto),
             "ok": sum(rec["ok"] for rec in (*off, *auto)),
             "same_text": f"{sum(same)}/{len(same)}",

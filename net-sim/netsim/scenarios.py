@@ -15,10 +15,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from meshagent.advertisement import draft_model_bytes
+from meshagent.config import parse_size
+from meshagent.models.default import draft_model_path
 from netsim import metrics, workload
 from netsim.errors import NetSimError
 from netsim.lab import Host, Lab
-from netsim.mesh import API_PORT, Mesh, Timeline
+from netsim.mesh import API_PORT, SMALL_AGENT, Mesh, Timeline
 from netsim.regimes import Topology, topology
 
 HOSTS = ("h0", "h1", "h2")
@@ -38,6 +41,12 @@ class SplitSettings:
     seed: int = 1
     wire_dtype: str = "auto"  # as agents run by default: f32 unless certified
     timeout_s: float = 90.0  # a request with no byte for this long has failed
+    # The model split (a GGUF; "": the embedded SmolLM2) and the memory each agent offers
+    # for it; a draft model each agent is given (`--draft-model`: its entry drafts with it),
+    # whose own memory is added to that offer, so the split keeps its shape.
+    model: str = ""
+    max_memory: str = "80M"
+    draft_model: str = ""
 
 
 class Driver:
@@ -190,13 +199,28 @@ def _running_mesh(
             _record_end(facts, tl, mesh, lab)
 
 
+def _agent_args(s: SplitSettings) -> list[str]:
+    """The agents' command line for a split run: `SMALL_AGENT` with the run's model, memory
+    and draft model."""
+    args = list(SMALL_AGENT)
+    memory = parse_size(s.max_memory)
+    if s.draft_model:
+        ctx = int(args[args.index("--ctx-size") + 1]) * int(args[args.index("--slots") + 1])
+        memory += draft_model_bytes(draft_model_path(s.draft_model), ctx)
+        args += ["--draft-model", s.draft_model]
+    args[args.index("--max-memory") + 1] = str(memory)
+    if s.model:
+        args += ["--model", s.model]
+    return args
+
+
 def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]:
     """Three small agents and a relay in `regime` (joined by invite, as a user would), split
     SmolLM2 three ways; the floor is measured with requests one at a time, then a soak."""
     s = settings
     root = run_dir / regime
     out: dict[str, Any] = {"regime": regime, "settings": asdict(s)}
-    with _running_mesh(regime, root, s.seed, s.wire_dtype, out) as run:
+    with _running_mesh(regime, root, s.seed, s.wire_dtype, out, _agent_args(s)) as run:
         lab, mesh, driver, tl, plan = run.lab, run.mesh, run.driver, run.timeline, run.plan
         entry = mesh.entry(plan)
         hops = mesh.ring(plan)
