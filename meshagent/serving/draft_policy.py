@@ -44,9 +44,10 @@ from meshagent.serving.sequence import DraftState, SeqState, Window
 SPECULATION = ("auto", "on", "off")
 # "auto" with a draft model whose drafts would not pay for its compute: a sequence asks it
 # for a short proposal only every PROBE_EVERY steps, whose tokens are checked against those
-# decoded instead (the acceptance it learns from), so a poor draft model costs a sixteenth
-# of its proposals rather than all of them.
-PROBE_EVERY, PROBE_TOKENS = 16, 4
+# decoded instead (the acceptance it learns from); each probe that finds them still not
+# paying doubles the wait, up to PROBE_MOST steps. A poor or dear draft model then costs a
+# few of its forward passes per hundred steps rather than one per token.
+PROBE_EVERY, PROBE_MOST, PROBE_TOKENS = 16, 256, 4
 # The draft model's time per forward pass is timed on proposals that fed it at most this
 # many tokens (a sequence's first proposal prefills its whole prompt).
 _TIMED_FEED = 8
@@ -170,13 +171,13 @@ class DraftPolicy:
         assert d.drafter.accepts is not None
         k = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=self.model_extra())
         if k:
-            d.model_idle = 0
+            d.model_idle, d.model_every = 0, PROBE_EVERY
             return min(most, k + 1)
         d.drafter.asking = False
         d.model_idle += 1
-        if d.model_idle < PROBE_EVERY:
+        if d.model_idle < d.model_every:
             return 0
-        d.model_idle = 0
+        d.model_idle, d.model_every = 0, min(PROBE_MOST, 2 * d.model_every)
         return min(most, PROBE_TOKENS)
 
     def model_timed(self, forwards: int, fed: int, seconds: float) -> None:

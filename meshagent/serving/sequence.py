@@ -63,9 +63,11 @@ class DraftState:
     # short window gives no other way)
     beyond: int | None = None
     beyond_model: bool = False  # that proposal was the draft model's
-    # "auto" with a draft model whose drafts do not pay: the steps since it last proposed
-    # (it proposes every `PROBE_EVERY`, so the sequence learns when they would pay again)
+    # "auto" with a draft model whose drafts do not pay: the steps since it last proposed,
+    # and how many it waits between proposals (from `PROBE_EVERY`, doubling after each that
+    # found them still not paying), so the sequence learns when they would pay again
     model_idle: int = 0
+    model_every: int = 16
 
 
 @dataclass
