@@ -56,6 +56,9 @@ def spawn_agent(tmp_path: Path) -> Iterator:
         return agent
 
     yield spawn
+    for agent in started:  # all told to stop at once: each drains beside the others
+        if agent.proc.poll() is None:
+            agent.proc.terminate()
     for agent in started:
         agent.stop()
 

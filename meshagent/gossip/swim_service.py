@@ -246,7 +246,9 @@ class SwimService:
         if self._nursery is None:
             return
         self._dispatch(out)
-        told = {dest for dest, _ in out}
+        # Waited for: those connected now (one that is gone takes nothing, and a dial to it
+        # would only hold this agent's exit up).
+        told = {dest for dest, _ in out if self.overlay.connection(dest) is not None}
         with trio.move_on_after(timeout):  # until those members' streams have taken it
             while any(
                 (box := self._outboxes.get(d)) is not None and box.statistics().current_buffer_used
@@ -439,13 +441,16 @@ class SwimService:
                 idle_since = _now()
                 while True:
                     frame: bytes | None = None
-                    # Looked at every half second: a connection that drains (its peer or
-                    # this agent stops, or it is replaced) ends the stream now, not after
-                    # its drain grace.
+                    # A connection that drains (this agent stops, or it is replaced) or
+                    # whose peer sent GOAWAY (it stops) ends the stream now, not after the
+                    # drain's grace (looked at every half second, and before each frame:
+                    # messages keep coming; those queued go on the next stream).
+                    if not stream.connection.accepting_streams:
+                        break
                     with trio.move_on_after(0.5):
                         frame = await inbox.receive()
                     if frame is None:
-                        if stream.connection.draining or _now() - idle_since >= _IDLE:
+                        if _now() - idle_since >= _IDLE:
                             break
                         continue
                     idle_since = _now()
