@@ -48,6 +48,14 @@ SPECULATION = ("auto", "on", "off")
 # paying doubles the wait, up to PROBE_MOST steps. A poor or dear draft model then costs a
 # few of its forward passes per hundred steps rather than one per token.
 PROBE_EVERY, PROBE_MOST, PROBE_TOKENS = 16, 256, 4
+# A sequence asks the draft model nothing before it has decoded this many tokens ("auto"):
+# most answers that copy their prompt start copying within a few tokens, and one that does
+# never pays the draft model's prefill of its prompt.
+MODEL_AFTER = 8
+# How often "auto" expects a draft model's tokens to be right before any evidence: below the
+# text's prior, since a small model of another family (another tokenizer) is right less
+# often than the text it copies.
+MODEL_PRIOR = 0.5
 # The draft model's time per forward pass is timed on proposals that fed it at most this
 # many tokens (a sequence's first proposal prefills its whole prompt).
 _TIMED_FEED = 8
@@ -123,7 +131,7 @@ class DraftPolicy:
             drafter = ModelDrafts(self.model, seq, drafter)
         if speculation == "auto":
             if isinstance(drafter, ModelDrafts):  # the model's drafts are judged apart
-                drafter.accepts = Acceptance(follow=drafter.follow)
+                drafter.accepts = Acceptance(MODEL_PRIOR, follow=drafter.follow)
                 drafter.text_accepts = Acceptance(follow=drafter.follow)
                 return DraftState(drafter, acceptance=drafter.text_accepts)
             return DraftState(drafter, acceptance=Acceptance(follow=drafter.follow))
@@ -154,6 +162,8 @@ class DraftPolicy:
             return None
         if d.drafter.copying:
             return None  # the text's draft goes while it copies: no model's is read
+        if d.acceptance is not None and s.generated < MODEL_AFTER:
+            return None  # (an answer that copies its prompt is copying by then)
         k = self._model_k(d, k)
         if not k or len(d.drafter.offered(after)) >= max(1, k - 1):
             return None  # none wanted, or the one offered still goes as far
@@ -170,6 +180,8 @@ class DraftPolicy:
             return min(most, d.length.k + 1)
         assert d.drafter.accepts is not None
         k = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=self.model_extra())
+        if k and self.model_forward is None:
+            k = min(k, PROBE_TOKENS)  # (what a forward pass of it costs is not known yet)
         if k:
             d.model_idle, d.model_every = 0, PROBE_EVERY
             return min(most, k + 1)
