@@ -16,23 +16,25 @@ from tests.e2e.test_console import _browser
 SETTINGS = ["--slots", "2", "--ctx-size", "512", "--threads", "1", "--max-memory", "2G"]
 
 
+def _ask(agent, model_id: str, mode: str) -> dict:
+    """A greedy completion of 48 tokens with speculation `mode`."""
+    body = {
+        "model": model_id,
+        "prompt": "Once upon a time, in a small village by the sea,",
+        "max_tokens": 48,
+        "temperature": 0,
+        "meshagent": {"speculation": mode},
+    }
+    r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def test_a_draft_model_drafts_for_the_model_served_whole(spawn_agent, model_path, model_id):
     plain_agent = spawn_agent(*SETTINGS, name="plain")
     agent = spawn_agent(*SETTINGS, "--draft-model", str(model_path), name="drafts")
 
-    def ask(mode: str) -> dict:
-        body = {
-            "model": model_id,
-            "prompt": "Once upon a time, in a small village by the sea,",
-            "max_tokens": 48,
-            "temperature": 0,
-            "meshagent": {"speculation": mode},
-        }
-        r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    plain, spec = ask("off"), ask("on")
+    plain, spec = _ask(agent, model_id, "off"), _ask(agent, model_id, "on")
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
     assert len(plain["choices"][0]["text"]) > 60
     receipt = spec["usage"]["meshagent"]["speculation"]
@@ -95,19 +97,7 @@ def test_a_splits_entry_drafts_with_its_draft_model(spawn_agent, model_path, mod
 
     wait_for(split, timeout=120)
 
-    def ask(agent, mode: str) -> dict:
-        body = {
-            "model": model_id,
-            "prompt": "Once upon a time, in a small village by the sea,",
-            "max_tokens": 48,
-            "temperature": 0,
-            "meshagent": {"speculation": mode},
-        }
-        r = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    plain, spec = ask(a, "off"), ask(b, "on")
+    plain, spec = _ask(a, model_id, "off"), _ask(b, model_id, "on")
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
     receipt = spec["usage"]["meshagent"]["speculation"]
     by_model = receipt["draft_model"]
