@@ -85,18 +85,15 @@ class ModelDrafts:
         point or the text's n-gram draft, whichever is expected to yield more (by each one's
         acceptance, with "auto"; the model's with "on"), or the one there is."""
         self.from_model = False
-        text = self.text.propose(k, after)
-        if self.copying:
-            return text
-        got = self.offered(after)[:k]
-        if got and text and self.accepts is not None and self.text_accepts is not None:
-            ours, theirs = self.accepts.expected(len(got)), self.text_accepts.expected(len(text))
-            if theirs > ours:
+        got = () if self.copying else self.offered(after)[:k]
+        if not got:
+            return self.text.propose(k, after)
+        if self.accepts is not None and self.text_accepts is not None:  # "auto": weigh both
+            text = self.text.propose(k, after)
+            if text and self.text_accepts.expected(len(text)) > self.accepts.expected(len(got)):
                 return text
-        if got:
-            self.from_model = True
-            return got
-        return text
+        self.from_model = True
+        return got
 
     def close(self) -> None:
         self.model.close(self.seq)
