@@ -133,6 +133,10 @@ class Agent:
         services.models.stop()
         services.dialer.stop()
         await services.gossip.leave()
+        # The parts go before the connections: a split's stages end the streams they serve
+        # and the entry its stream down, so no connection waits out its drain for them.
+        with trio.move_on_after(grace):
+            await services.models.aclose()
         with trio.move_on_after(grace + 1):
             await services.overlay.aclose(grace=min(grace, 5.0))
 

@@ -34,6 +34,11 @@ class AgentProcess:
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
+        return self.wait_stopped(timeout)
+
+    def wait_stopped(self, timeout: float = 30.0) -> int:
+        """Its exit code once it stopped (told to already: a second SIGTERM would cut its
+        drain short), killed after `timeout` seconds."""
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -60,7 +60,7 @@ def spawn_agent(tmp_path: Path) -> Iterator:
         if agent.proc.poll() is None:
             agent.proc.terminate()
     for agent in started:
-        agent.stop()
+        agent.wait_stopped()
 
 
 @pytest.fixture

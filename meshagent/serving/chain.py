@@ -104,6 +104,10 @@ class Chain:
                 self._nursery = None
                 if self._outbox is not None:
                     self._outbox.close()
+                    # The stage below learns at once that this chain ended (its connection
+                    # then has no stream left open for it).
+                    with trio.CancelScope(shield=True):
+                        await trio.aclose_forcefully(self._outbox.stream)
 
     # ----- going down -----
 

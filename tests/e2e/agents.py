@@ -76,3 +76,19 @@ def answers_as_whole(whole: AgentProcess, agents: list[AgentProcess], model_id: 
     for x in agents:
         for s in (False, True):
             assert complete(x, model_id, prompt, s) == expected[s], (x.data_dir.name, s)
+
+
+def stop_together(agents: list[AgentProcess]) -> list[str]:
+    """Stop `agents` at once, as the `spawn_agent` fixture does; each must exit cleanly. The
+    log lines where a connection waited out its drain grace for a stream left open (a
+    stopping agent should end every stream it serves or holds instead)."""
+    for agent in agents:
+        agent.proc.terminate()
+    codes = [agent.wait_stopped() for agent in agents]
+    assert codes == [0] * len(agents), codes
+    return [
+        line
+        for agent in agents
+        for line in agent.log_text().splitlines()
+        if '"conn.drain_expired"' in line
+    ]

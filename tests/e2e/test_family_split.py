@@ -14,7 +14,7 @@ import pytest
 from meshagent.models.layout import inspect_model
 from meshagent.testing.tiny_gguf import FAMILIES as TINY
 from meshagent.testing.tiny_gguf import write_tiny_model
-from tests.e2e.agents import answers_as_whole, spawn_mesh, status, wait_for
+from tests.e2e.agents import answers_as_whole, spawn_mesh, status, stop_together, wait_for
 
 SETTINGS = ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
 PROMPT = "The sea"
@@ -46,6 +46,9 @@ def test_three_agents_split_a_family_and_answer_as_the_whole_model(spawn_agent, 
     assert len(placement(b)["stages"]) == 3, placement(b)
     whole = spawn_agent(*SETTINGS, "--model", str(model), name="whole")
     answers_as_whole(whole, agents, model_id, PROMPT)
+    # Stopping, each stage ends the streams it serves and the entry its stream down: no
+    # connection waits out its drain grace for them.
+    assert stop_together(agents) == []
 
 
 def test_a_model_that_cannot_be_split_says_why_in_inspect_status_and_the_api(spawn_agent, tmp_path):
