@@ -40,6 +40,19 @@ def _regimes(text: str) -> list[str]:
     return names
 
 
+SPECULATION_MIXES = ("copy", "code", "prose")
+
+
+def _mixes(text: str) -> tuple[str, ...]:
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in names if m not in SPECULATION_MIXES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {', '.join(bad) or text!r}; known: {', '.join(SPECULATION_MIXES)}"
+        )
+    return names
+
+
 def _header(scenario: str, argv: list[str]) -> dict[str, Any]:
     return {
         "scenario": scenario,
@@ -120,7 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             "--speculation",
             type=int,
             default=d.speculation,
-            help="copy-shaped and prose requests each, drafts off then auto (0: none)",
+            help="requests of each --mixes workload, drafts off then auto (0: none)",
+        )
+        sp.add_argument(
+            "--mixes",
+            type=_mixes,
+            default=d.mixes,
+            help="the speculation workloads, of copy, code and prose (default copy,prose)",
         )
         sp.add_argument("--forwarded", type=int, default=d.forwarded)
         sp.add_argument("--seed", type=int, default=d.seed)
@@ -246,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             concurrency=args.concurrency,
             calibration=args.calibration,
             speculation=args.speculation,
+            mixes=args.mixes,
             forwarded=args.forwarded,
             seed=args.seed,
             wire_dtype=args.wire_dtype,
@@ -265,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             for mix, m in (r.get("speculation") or {}).items():
                 print(
                     f"{name}: speculation {mix}: {m['tok_s_off']} -> {m['tok_s_auto']} tok/s "
-                    f"({m['ratio']}x), accepted {m['accepted']}/{m['drafted']}, same text "
-                    f"{m['same_text']}"
+                    f"({m['ratio']}x), accepted {m['accepted']}/{m['drafted']} (draft model "
+                    f"{m['model_accepted']}/{m['model_drafted']}), same text {m['same_text']}"
                 )
     elif args.scenario == "prefix":
         ps = scenarios.PrefixSettings(conversations=args.conversations, seed=args.seed)

@@ -528,6 +528,12 @@ def speculation(phases: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, 
             "model_windows": sum(m["windows"] for m in by_model),
             "model_drafted": sum(m["drafted"] for m in by_model),
             "model_accepted": sum(m["accepted"] for m in by_model),
+            # Their chance of being right given those before them were (`per_token_acceptance`).
+            "model_p": per_token_acceptance(
+                sum(m["drafted"] for m in by_model),
+                sum(m["accepted"] for m in by_model),
+                sum(m["windows"] for m in by_model),
+            ),
             "requests": len(off) + len(auto),
             "ok": sum(rec["ok"] for rec in (*off, *auto)),
             "same_text": f"{sum(same)}/{len(same)}",
@@ -569,3 +575,57 @@ def prefix(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "goal": "<= 0.2",
         "goal_met": bool(ratios) and _q(ratios, 0.5) <= 0.2 and all(r["ok"] for r in rows),
     }
+
+
+def per_token_acceptance(drafted: int, accepted: int, windows: int) -> float | None:
+    """The chance p that a draft token is right given that those before it were, from a
+    workload's totals: windows of mean length k keep on average sum(p^i, i=1..k) tokens (a
+    window ends at its first wrong token), so accepted / drafted = that sum / k."""
+    if not drafted or not windows:
+        return None
+    k = max(1, round(drafted / windows))
+    want = min(1.0, accepted / drafted)
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        p = (lo + hi) / 2
+        if sum(p**i for i in range(1, k + 1)) / k < want:
+            lo = p
+        else:
+            hi = p
+    return round((lo + hi) / 2, 4)
+
+
+def window_ms(cost: Mapping[str, Any], tokens: int) -> float | None:
+    """What a window of `tokens` tokens took at the entry, from its status's `window_cost`:
+    the mean of those timed, else the line fitted through them."""
+    steps = cost.get("steps") or {}
+    if str(tokens) in steps:
+        return float(steps[str(tokens)]["mean_ms"])
+    one = steps.get("1")
+    if one is None:
+        return None
+    return float(one["mean_ms"]) * (1 + cost["jump"] + cost["slope"] * (tokens - 1))
+
+
+def draft_ceiling(
+    p: float | None, cost: Mapping[str, Any] | None, forward_ms: float | None, most: int = 16
+) -> dict[str, Any] | None:
+    """The gain over plain decoding that drafts right with per-token chance `p` allow at the
+    window costs the entry measured (`cost`: its status's `window_cost`, one window verified
+    at a time) and the draft model's forward pass (`forward_ms`, each drafted token paid
+    before its window goes): max over k of E(k) * t(1) / (t(k + 1) + k * forward_ms), where a
+    window of k drafts yields E(k) = sum(p^i, i=0..k) tokens. None where not measured."""
+    if p is None or not cost:
+        return None
+    one = window_ms(cost, 1)
+    if not one:
+        return None
+    best_k, best = 0, 1.0
+    for k in range(1, most + 1):
+        t = window_ms(cost, k + 1)
+        if t is None:
+            break
+        gain = sum(p**i for i in range(k + 1)) * one / (t + k * (forward_ms or 0.0))
+        if gain > best:
+            best_k, best = k, gain
+    return {"ceiling": round(best, 3), "at_draft_tokens": best_k, "p": p, "step_ms": one}

@@ -216,11 +216,20 @@ def _speculation_md(spec: Mapping[str, Any] | None, floor_ms: float | None) -> l
             f"without drafts at {1000 / floor_ms:.1f} tok/s."
             if floor_ms
             else ""
+        )
+        + (
+            " With a draft model: p is the chance that its next drafted token is right given "
+            "those before it were; the ceiling is the gain such drafts allow at the window "
+            "costs the entry measured, one window at a time, each drafted token's forward "
+            "pass paid (with the draft length that gives it)."
+            if any(m.get("ceiling") for m in spec.values())
+            else ""
         ),
         "",
     ]
     out += _table(
         ["workload", "off tok/s", "auto tok/s", "auto / off", "windows", "accepted / drafted",
+         "draft model: windows, accepted / drafted", "its p", "ceiling p allows (drafts)",
          "peak windows in flight", "same text", "ok"],
         (
             [
@@ -230,6 +239,10 @@ def _speculation_md(spec: Mapping[str, Any] | None, floor_ms: float | None) -> l
                 _f(m["ratio"], 2, "x"),
                 m["windows"],
                 f"{m['accepted']} / {m['drafted']}",
+                f"{m.get('model_windows', 0)}, {m.get('model_accepted', 0)} / "
+                f"{m.get('model_drafted', 0)}",
+                _f(m.get("model_p"), 2),
+                _ceiling(m.get("ceiling")),
                 m.get("peak_in_flight", 0),
                 m["same_text"],
                 f"{m['ok']}/{m['requests']}",
@@ -238,6 +251,12 @@ def _speculation_md(spec: Mapping[str, Any] | None, floor_ms: float | None) -> l
         ),
     )  # fmt: skip
     return out
+
+
+def _ceiling(c: Mapping[str, Any] | None) -> str:
+    if not c:
+        return "-"
+    return f"{c['ceiling']:.2f}x ({c['at_draft_tokens']})"
 
 
 def _split_md(name: str, r: Mapping[str, Any]) -> list[str]:

@@ -35,7 +35,8 @@ class SplitSettings:
     concurrency: int = 2
     calibration: int = 5  # requests run one at a time to measure the floor (each kind)
     decode_tokens: int = 64  # completion length of the calibration requests
-    speculation: int = 3  # copy-shaped and prose requests each, with drafts off and on (auto)
+    speculation: int = 3  # requests of each of `mixes`, with drafts off and on (auto)
+    mixes: tuple[str, ...] = ("copy", "prose")  # the speculation phase's workloads (and "code")
     forwarded: int = 2  # requests sent to each non-entry agent (carried to the entry)
     idle_s: float = 5.0  # a quiet window, for the background bytes on each link
     seed: int = 1
@@ -214,6 +215,22 @@ def _agent_args(s: SplitSettings) -> list[str]:
     return args
 
 
+def _draft_costs(status: dict[str, Any]) -> dict[str, Any] | None:
+    """What the entry measured of its windows and draft model (`/control/status`), for the
+    ceiling its drafts' acceptance allows (`metrics.draft_ceiling`)."""
+    for model in status.get("models") or ():
+        spec = model.get("speculation") or {}
+        draft = spec.get("draft_model")
+        if draft is not None:
+            return {
+                "model": model["id"],
+                "window_cost": spec.get("window_cost"),
+                "draft_model": draft.get("name"),
+                "draft_forward_ms": draft.get("forward_ms"),
+            }
+    return None
+
+
 def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]:
     """Three small agents and a relay in `regime` (joined by invite, as a user would), split
     SmolLM2 three ways; the floor is measured with requests one at a time, then a soak."""
@@ -258,7 +275,7 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
         )  # fmt: skip
         c3 = lab.counters()
         drafting: dict[str, list[dict[str, Any]]] = {}
-        for mix in ("copy", "prose") if s.speculation else ():
+        for mix in s.mixes if s.speculation else ():
             for mode in ("off", "auto"):
                 drafting[f"{mix}-{mode}"] = driver.run(
                     host, f"spec-{mix}-{mode}", "--mix", mix, "--requests",
@@ -266,6 +283,7 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
                     timeout=1800,
                 )  # fmt: skip
         c3b = lab.counters()
+        costs = _draft_costs(mesh.status(entry)) if drafting else None
         soak = driver.run(
             host, "soak", "--mix", "soak", "--requests", str(s.requests),
             "--concurrency", str(s.concurrency), *common, timeout=max(600, 20 * s.requests),
@@ -281,6 +299,12 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
         out["final_paths"] = {n: mesh.paths(n) for n in HOSTS}
     out["isolation"] = isolation(prefill, decode, hops, metrics.counters_window(c2, c3))
     out["speculation"] = metrics.speculation(drafting) if drafting else None
+    if costs is not None and out["speculation"]:
+        out["draft_costs"] = costs
+        for m in out["speculation"].values():
+            m["ceiling"] = metrics.draft_ceiling(
+                m["model_p"], costs["window_cost"], costs["draft_forward_ms"]
+            )
     soak_window = metrics.counters_window(c3b, c4)
     out["soak"] = metrics.summarise(soak)
     out["soak"]["wire"] = metrics.wire_per_token(

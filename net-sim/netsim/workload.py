@@ -77,6 +77,24 @@ COPY_PROMPT = (
     'that "port" 9337 becomes 9400. Answer with the JSON only.'
 )
 
+# A code edit: most of the answer repeats the function, with one name changed throughout
+# (what bench/speculation.py calls the code rename).
+_CODE = """def summarize(records):
+    total = 0
+    count = 0
+    for record in records:
+        if record.get("valid"):
+            total += record["amount"]
+            count += 1
+    average = total / count if count else 0.0
+    print(f"total={total} count={count} average={average:.2f}")
+    return {"total": total, "count": count, "average": average}
+"""
+CODE_PROMPT = (
+    f"Here is a Python function:\n```python\n{_CODE}```\nRewrite it with the variable `total` "
+    "renamed to `running_sum`, changing nothing else. Answer with the code only."
+)
+
 
 # A conversation's first turn: a system prompt naming the conversation (so that no other one
 # shares its first tokens) and a long document, about 1,500 tokens in all; its second turn
@@ -129,6 +147,7 @@ SHAPES = {
     "short-greedy": Shape(SHORT_PROMPTS, 16, temperature=0.0),
     "long-greedy": Shape(LONG_PROMPTS, 128, temperature=0.0),
     "copy": Shape((COPY_PROMPT,), 128, temperature=0.0),
+    "code": Shape((CODE_PROMPT,), 128, temperature=0.0),
     "conversation": Shape(("",), 32, temperature=0.0),
 }
 # A mix: the (shape, streamed) pairs it cycles through, shuffled in blocks, so N requests
@@ -141,6 +160,7 @@ MIXES: dict[str, tuple[tuple[str, bool], ...]] = {
     "count-whole": (("count", False),),
     # Speculation's two sides: text that repeats the prompt, and novel prose.
     "copy": (("copy", True),),
+    "code": (("code", True),),
     "prose": (("long-greedy", True),),
     # Two turns of a conversation per pair of requests (one at a time): see `conversation_turn`.
     "conversation": (("conversation", True),),

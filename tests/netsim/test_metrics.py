@@ -238,3 +238,28 @@ def test_speculation_compares_decode_rates_acceptance_and_texts():
     assert s["prose"]["ratio"] == pytest.approx(1) and s["prose"]["same_text"] == "0/1"
     assert s["prose"]["acceptance"] is None
     assert (s["copy"]["peak_in_flight"], s["prose"]["peak_in_flight"]) == (3, 0)
+
+
+def test_per_token_acceptance_inverts_the_windows_that_end_at_the_first_wrong_token():
+    # Windows of 4 drafts, each right with chance 0.6 given those before: on average
+    # 0.6 + 0.36 + 0.216 + 0.1296 = 1.3056 kept of 4.
+    p = metrics.per_token_acceptance(drafted=400, accepted=round(1.3056 * 100), windows=100)
+    assert p == pytest.approx(0.6, abs=0.005)
+    assert metrics.per_token_acceptance(drafted=40, accepted=40, windows=10) == pytest.approx(1)
+    assert metrics.per_token_acceptance(drafted=0, accepted=0, windows=0) is None
+
+
+def test_the_draft_ceiling_weighs_tokens_per_window_against_what_windows_cost():
+    # A trip-bound split: a window costs the trip (100 ms) and 10 ms a token.
+    steps = {str(n): {"count": 5, "mean_ms": 100.0 + 10 * n} for n in range(1, 6)}
+    cost = {"slope": 0.1, "jump": 0.0, "steps": steps}
+    sure = metrics.draft_ceiling(1.0, cost, forward_ms=0.0, most=4)
+    assert sure["at_draft_tokens"] == 4
+    assert sure["ceiling"] == pytest.approx(5 * 110 / 150, abs=1e-3)
+    # A dear draft model lowers it; one never right allows nothing.
+    assert metrics.draft_ceiling(1.0, cost, forward_ms=50.0, most=4)["ceiling"] < sure["ceiling"]
+    assert metrics.draft_ceiling(0.0, cost, forward_ms=0.0)["ceiling"] == 1.0
+    # Window sizes never timed come from the fitted line through the one-token step.
+    line = {"slope": 0.5, "jump": 0.2, "steps": {"1": {"count": 3, "mean_ms": 200.0}}}
+    assert metrics.window_ms(line, 3) == pytest.approx(200 * (1 + 0.2 + 0.5 * 2))
+    assert metrics.draft_ceiling(0.5, None, 10.0) is None

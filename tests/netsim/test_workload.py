@@ -147,3 +147,11 @@ def test_a_request_can_ask_for_a_speculation_mode():
     assert "meshagent" not in json.loads(workload._body(spec, "m"))
     asked = dataclasses.replace(spec, speculation="off")
     assert json.loads(workload._body(asked, "m"))["meshagent"] == {"speculation": "off"}
+
+
+def test_the_speculation_workloads_are_greedy_and_the_code_one_edits_a_function():
+    for mix in ("copy", "code", "prose"):
+        spec = workload.request_spec(mix, 0, 1)
+        assert spec.temperature == 0.0 and spec.stream and spec.max_tokens == 128
+    code = workload.request_spec("code", 0, 1)
+    assert "def summarize" in code.prompt and "running_sum" in code.prompt
