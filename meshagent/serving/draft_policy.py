@@ -36,6 +36,7 @@ from meshagent.serving.drafting import (
     SuffixDrafter,
     WindowCost,
     best_draft,
+    draft_gain,
     follow_up_draft,
 )
 from meshagent.serving.model_drafts import Key, ModelDrafts
@@ -57,8 +58,19 @@ MODEL_AFTER = 8
 # often than the text it copies.
 MODEL_PRIOR = 0.5
 # The draft model's time per forward pass is timed on proposals that fed it at most this
-# many tokens (a sequence's first proposal prefills its whole prompt).
+# many tokens (a sequence's first proposal prefills its whole prompt); what it takes a token
+# it catches up on, on proposals that fed it more.
 _TIMED_FEED = 8
+# "auto": a draft model whose drafts do not pay may spend on a sequence's probes at most this
+# share of the time the sequence has decoded (its catching up on the text included), so a
+# dear draft model costs nothing worth counting; and drafts that pay are asked only where
+# what the model must first catch up on (a sequence's first proposal prefills its prompt)
+# costs at most half of what they are expected to save over the rest of the sequence.
+PROBE_SHARE = 0.03
+CATCH_UP_SHARE = 0.5
+# What a token it catches up on costs the draft model, in its forward passes, before it was
+# timed (a batch of tokens costs less than as many forward passes).
+_FEED_PRIOR = 0.3
 
 
 @dataclass
@@ -112,6 +124,7 @@ class DraftPolicy:
         self.cost = WindowCost()  # a window against a step, for "auto" (`observe`)
         self.counts = DraftCounts()
         self.model_forward: float | None = None  # seconds, a moving mean (`model_timed`)
+        self.model_feed: float | None = None  # seconds a token caught up on, a moving mean
 
     def start(
         self,
@@ -164,24 +177,34 @@ class DraftPolicy:
             return None  # the text's draft goes while it copies: no model's is read
         if d.acceptance is not None and s.generated < MODEL_AFTER:
             return None  # (an answer that copies its prompt is copying by then)
-        k = self._model_k(d, k)
+        k = self._model_k(s, k)
         if not k or len(d.drafter.offered(after)) >= max(1, k - 1):
             return None  # none wanted, or the one offered still goes as far
         return k, after, d.drafter.key(after)
 
-    def _model_k(self, d: DraftState, most: int) -> int:
+    def _model_k(self, s: SeqState, most: int) -> int:
         """How many tokens to ask of the draft model for a sequence, at most `most`: with
         "auto", one beyond the draft that pays best for the model's cost (the last tells
-        whether a longer one would have been right), or none where no draft pays but every
-        `PROBE_EVERY` steps a short one; with "on", its draft length's."""
-        assert isinstance(d.drafter, ModelDrafts)
+        whether a longer one would have been right), where catching up costs less than they
+        save; else none, but every `PROBE_EVERY` steps a short one within `PROBE_SHARE` of
+        the sequence's time; with "on", its draft length's."""
+        d = s.drafts
+        assert d is not None and isinstance(d.drafter, ModelDrafts)
         d.drafter.asking = True
         if d.length is not None:
             return min(most, d.length.k + 1)
         assert d.drafter.accepts is not None
-        k = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=self.model_extra())
+        extra = self.model_extra()
+        k = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=extra)
         if k and self.model_forward is None:
             k = min(k, PROBE_TOKENS)  # (what a forward pass of it costs is not known yet)
+        step = self.cost.step_seconds()
+        catch_up = self.catch_up(s)
+        if k and catch_up and step:
+            gain = draft_gain(d.drafter.accepts, self.cost, k, extra)
+            saving = max(0, s.limit - s.generated) * (1 - 1 / gain) * step
+            if catch_up > CATCH_UP_SHARE * saving:
+                k = 0  # (a probe within the sequence's share may still catch it up)
         if k:
             d.model_idle, d.model_every = 0, PROBE_EVERY
             return min(most, k + 1)
@@ -189,13 +212,33 @@ class DraftPolicy:
         d.model_idle += 1
         if d.model_idle < d.model_every:
             return 0
+        if step and self.model_forward is not None:
+            cost = catch_up + PROBE_TOKENS * self.model_forward
+            if d.model_spent + cost > PROBE_SHARE * s.generated * step:
+                return 0  # (asked again at the next step: the share grows as it decodes)
         d.model_idle, d.model_every = 0, min(PROBE_MOST, 2 * d.model_every)
         return min(most, PROBE_TOKENS)
+
+    def catch_up(self, s: SeqState) -> float:
+        """What the draft model's next proposal for `s` would first spend feeding it the
+        text it does not hold yet, in seconds (0 before its forward pass was timed)."""
+        d = s.drafts
+        if d is None or not isinstance(d.drafter, ModelDrafts) or self.model_forward is None:
+            return 0.0
+        behind = max(0, len(d.drafter.text.tokens) - d.model_held)
+        per = self.model_feed if self.model_feed is not None else self.model_forward * _FEED_PRIOR
+        return behind * per
 
     def model_timed(self, forwards: int, fed: int, seconds: float) -> None:
         """A proposal of the draft model ran `forwards` forward passes, the first fed `fed`
         tokens, in `seconds`."""
-        if forwards < 1 or fed > _TIMED_FEED or seconds <= 0:
+        if forwards < 1 or seconds <= 0:
+            return
+        if fed > _TIMED_FEED:
+            if self.model_forward is not None:  # (the other forward passes fed one token)
+                per = max(0.0, seconds - (forwards - 1) * self.model_forward) / fed
+                was = self.model_feed
+                self.model_feed = per if was is None else was + 0.2 * (per - was)
             return
         per = seconds / forwards
         was = self.model_forward
@@ -209,10 +252,13 @@ class DraftPolicy:
             return 0.0
         return self.model_forward / step
 
-    def offer(self, s: SeqState, key: Key, proposal: Sequence[int]) -> None:
-        """The draft model proposed `proposal` for `s` at `key` (`wanted`)."""
-        if s.drafts is not None and isinstance(s.drafts.drafter, ModelDrafts):
-            s.drafts.drafter.offer = (key, tuple(proposal))
+    def offer(self, s: SeqState, key: Key, proposal: Sequence[int], seconds: float = 0.0) -> None:
+        """The draft model proposed `proposal` for `s` at `key` (`wanted`) in `seconds`."""
+        d = s.drafts
+        if d is not None and isinstance(d.drafter, ModelDrafts):
+            d.drafter.offer = (key, tuple(proposal))
+            d.model_spent += seconds
+            d.model_held = max(d.model_held, key[0])
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step of decode tokens only (one per sequence, plus drafts) took `seconds`."""

@@ -325,7 +325,7 @@ class ModelRunner:
             with self._lock:
                 ran = model.forwards - forwards
                 self.scheduler.drafting.model_timed(ran, model.last_fed, spent)
-                self.scheduler.offer_draft(seq, key, proposal)
+                self.scheduler.offer_draft(seq, key, proposal, spent)
 
     def _work(self) -> None:
         while (step := self._next()) is not None:

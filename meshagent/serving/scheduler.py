@@ -350,11 +350,14 @@ class Scheduler:
                 out.append((s.id, *want))
         return out
 
-    def offer_draft(self, seq: int, key: Key, proposal: tuple[int, ...]) -> None:
-        """The draft model's `proposal` for `seq` at `key` (`drafts_wanted`)."""
+    def offer_draft(
+        self, seq: int, key: Key, proposal: tuple[int, ...], seconds: float = 0.0
+    ) -> None:
+        """The draft model's `proposal` for `seq` at `key` (`drafts_wanted`), computed in
+        `seconds`."""
         s = self._by_id.get(seq)
         if s is not None:
-            self.drafting.offer(s, key, proposal)
+            self.drafting.offer(s, key, proposal, seconds)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step of decode tokens only (one per sequence, plus drafts) took `seconds`."""

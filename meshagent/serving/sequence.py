@@ -68,6 +68,11 @@ class DraftState:
     # found them still not paying), so the sequence learns when they would pay again
     model_idle: int = 0
     model_every: int = 16
+    # What the draft model computed for this sequence (seconds, its proposals' catching up
+    # included) and how much of the sequence's text it held at its last proposal: what a
+    # proposal now would first feed it (`DraftPolicy.catch_up`)
+    model_spent: float = 0.0
+    model_held: int = 0
 
 
 @dataclass

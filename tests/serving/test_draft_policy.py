@@ -3,6 +3,8 @@ and when a window may follow one in flight; plain calls on a sequence's state, n
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from meshagent.serving.draft_policy import DraftCounts, DraftPolicy
@@ -213,3 +215,82 @@ def test_auto_weighs_the_draft_models_proposal_against_the_texts_by_each_ones_ac
     assert model_acc.rate < 0.4 and text_acc.rate == before
     assert p.draft(s, budget=100) == (5, 6, 7, 8)  # now the text's goes
     assert not d.from_model
+
+
+def _with_draft_model(p: DraftPolicy, prompt: tuple[int, ...], limit: int) -> SeqState:
+    """A sequence of `p` (which drafts with a draft model) past its prompt, decoding."""
+    from meshagent.serving.draft_model import DraftModel
+    from meshagent.testing.fake_engine import FakeEngine
+
+    p.model = DraftModel(FakeEngine(slots=2, slot_ctx=512), FakeEngine(), same_vocab=True)
+    s = SeqState(0, prompt, limit, GREEDY)
+    s.drafts = p.start("auto", prompt, (), seq=0)
+    s.n_past = len(prompt)
+    s.pending = [prompt[-1]]
+    return s
+
+
+def _decoded(s: SeqState, tokens: int) -> None:
+    """`s` decoded `tokens` more, none of which its text repeats."""
+    s.drafts.drafter.extend(range(10_000 + s.generated, 10_000 + s.generated + tokens))
+    s.generated += tokens
+
+
+def _timed(p: DraftPolicy) -> None:
+    """A one-token step takes 0.1 s, a window of two 0.11 s."""
+    p.cost.observe(1, 0.1)
+    p.cost.observe(2, 0.11)
+
+
+def test_a_dear_draft_models_probes_stay_within_a_share_of_the_sequences_time():
+    # Each of its forward passes costs 4 of the target's steps (0.1 s), a token it catches up
+    # on 0.002 s: no window of its drafts pays. Its first probe, which catches up on the
+    # 200-token prompt, waits until the sequence's share of 3% covers it; later ones catch up
+    # on the tokens since, and all of them together stay within that share.
+    from meshagent.serving.draft_policy import PROBE_EVERY, PROBE_SHARE, PROBE_TOKENS
+
+    p = policy()
+    _timed(p)
+    s = _with_draft_model(p, tuple(range(1, 201)), limit=100_000)
+    p.model_timed(1, 1, 0.4)
+    p.model_timed(5, 100, 100 * 0.002 + 4 * 0.4)  # (a feed of 100 tokens, then 4 passes)
+    assert p.model_forward == pytest.approx(0.4) and p.model_feed == pytest.approx(0.002)
+    asked_at = []
+    for _ in range(12_000):
+        _decoded(s, 1)
+        if (want := p.wanted(s)) is not None:
+            assert want[0] == PROBE_TOKENS
+            spent = p.catch_up(s) + PROBE_TOKENS * 0.4
+            assert s.drafts.model_spent + spent <= PROBE_SHARE * s.generated * 0.1 + 1e-9
+            asked_at.append(s.generated)
+            p.offer(s, want[2], (9,) * PROBE_TOKENS, spent)
+    assert asked_at[0] >= ((200 + asked_at[0]) * 0.002 + PROBE_TOKENS * 0.4) / (PROBE_SHARE * 0.1)
+    gaps = [b - a for a, b in itertools.pairwise(asked_at)]
+    assert len(asked_at) >= 3 and min(gaps) >= PROBE_EVERY
+    # A draft model that catches up dearer than the share grows never probes at all.
+    p.model_feed = 0.12
+    fresh = _with_draft_model(p, tuple(range(1, 201)), limit=100_000)
+    for _ in range(2_000):
+        _decoded(fresh, 1)
+        assert p.wanted(fresh) is None
+
+
+def test_drafts_that_pay_wait_while_catching_up_would_cost_more_than_they_save():
+    # A cheap draft model, always right: its drafts pay. Catching up on a short prompt costs
+    # little against what they save over a long answer, so it is asked at once; a prompt of
+    # 400 tokens with a short answer left is not worth its catching up.
+    p = policy()
+    _timed(p)
+    p.model_timed(1, 1, 0.01)
+    p.model_timed(1, 100, 100 * 0.005)
+    short = _with_draft_model(p, tuple(range(1, 21)), limit=200)
+    for _ in range(8):
+        short.drafts.drafter.accepts.update(4, 4)
+    _decoded(short, 8)
+    assert p.wanted(short) is not None
+    long = _with_draft_model(p, tuple(range(1, 401)), limit=12)
+    for _ in range(8):
+        long.drafts.drafter.accepts.update(4, 4)
+    _decoded(long, 8)
+    assert p.catch_up(long) == pytest.approx(408 * 0.005)
+    assert p.wanted(long) is None
