@@ -157,10 +157,12 @@ class DraftPolicy:
 
     # ----- the draft model's proposals, computed outside the scheduler's lock -----
 
-    def wanted(self, s: SeqState) -> tuple[int, tuple[int, ...], Key] | None:
+    def wanted(
+        self, s: SeqState, now: float | None = None
+    ) -> tuple[int, tuple[int, ...], Key] | None:
         """What the draft model should propose for `s` before its next window: (at most
         how many tokens, after which tokens in flight, for which point), or None: none is
-        wanted, or the one offered is for where `s` stands."""
+        wanted, or the one offered is for where `s` stands. `now`: the runner's clock."""
         d = s.drafts
         if d is None or not isinstance(d.drafter, ModelDrafts) or s.cancelled:
             return None
@@ -168,7 +170,7 @@ class DraftPolicy:
             if not s.windows or len(s.windows) >= self.max_windows:
                 return None
             after = tuple(t for w in s.windows for t in w.ahead())
-            k = MAX_DRAFT + 1
+            k = self._while_in_flight(s, now)
         elif len(s.pending) == 1 and s.n_past >= len(s.prompt):
             after, k = (), MAX_DRAFT
         else:
@@ -181,6 +183,20 @@ class DraftPolicy:
         if not k or len(d.drafter.offered(after)) >= max(1, k - 1):
             return None  # none wanted, or the one offered still goes as far
         return k, after, d.drafter.key(after)
+
+    def _while_in_flight(self, s: SeqState, now: float | None) -> int:
+        """How many tokens the draft model may propose for a window to follow those in
+        flight: as many as it computes before the oldest is expected back (at least one),
+        since the thread that proposes also sends the next step (a long proposal for a
+        follow-up would hold up the window that comes back first)."""
+        step, forward = self.cost.step_seconds(), self.model_forward
+        if step is None or forward is None or forward <= 0:
+            return MAX_DRAFT + 1
+        w = s.windows[0]
+        left = step * self.cost.cost(len(w.draft) + 1)
+        if now is not None and w.sent_at is not None:
+            left -= now - w.sent_at
+        return max(1, min(MAX_DRAFT + 1, int(left / forward)))
 
     def _model_k(self, s: SeqState, most: int) -> int:
         """How many tokens to ask of the draft model for a sequence, at most `most`: with
