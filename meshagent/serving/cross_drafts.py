@@ -88,6 +88,13 @@ class CrossDrafts:
         self._ends = ends
         return keep, feed
 
+    def unfed(self, n: int) -> None:
+        """The last `n` tokens of the last `resync`'s feed were not fed after all (a catch-up
+        fed only the start of it): the next `resync` feeds them."""
+        if n > 0:
+            del self.fed[-n:]
+            del self._ends[-n:]
+
     def drafted(self, tokens: Sequence[int]) -> None:
         """The draft model decoded `tokens` of its own after those fed (its proposal): its
         cache holds them, and `resync` keeps those the target's text turns out to spell."""

@@ -134,6 +134,24 @@ class DraftModel:
             return s.cross.to_target(drafted)[:k]
         return drafted[:k]
 
+    def catch_up(self, seq: int, most: int) -> int:
+        """Feed `seq`'s slot at most `most` tokens of the text it does not hold yet, and
+        propose nothing: a later proposal then feeds less (the entry of a split catches up
+        while its windows travel). How many it fed."""
+        self._drain()
+        s = self._slots.get(seq)
+        if s is None or most < 1:
+            return 0
+        keep, feed = self._resync(s, ())
+        if s.cross is not None:
+            s.cross.unfed(len(feed) - most)
+        feed = feed[: min(most, self.engine.slot_ctx - keep)]
+        self.engine.trim_sequence(s.slot, keep)
+        del s.cached[keep:]
+        if feed:
+            self._run(s, feed)
+        return len(feed)
+
     def _resync(self, s: _Slot, after: Sequence[int]) -> tuple[int, list[int]]:
         """How many of the slot's cached tokens stand, and what to feed after them, for a
         proposal beyond the target's tokens and `after`."""

@@ -184,19 +184,57 @@ class DraftPolicy:
             return None  # none wanted, or the one offered still goes as far
         return k, after, d.drafter.key(after)
 
+    def catch_up_wanted(self, s: SeqState, now: float | None = None) -> int:
+        """How many tokens of its text the draft model should read for `s` now, proposing
+        nothing (`DraftModel.catch_up`): where `s` has windows in flight and its drafts would
+        pay but for what catching up costs, as many as it reads before the oldest window is
+        expected back (the thread that proposes idles meanwhile); else 0."""
+        d = s.drafts
+        if (
+            d is None
+            or not isinstance(d.drafter, ModelDrafts)
+            or d.drafter.accepts is None
+            or d.drafter.copying
+            or s.cancelled
+            or not (s.busy and s.windows)
+            or self.model_forward is None
+        ):
+            return 0
+        behind = len(d.drafter.text.tokens) - d.model_held
+        pays = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=self.model_extra())
+        if behind <= 0 or not pays:
+            return 0
+        per = self.model_feed if self.model_feed is not None else self.model_forward * _FEED_PRIOR
+        return min(behind, int(self._time_in_flight(s, now) / per))
+
+    def caught_up(self, s: SeqState, tokens: int, seconds: float) -> None:
+        """The draft model read `tokens` more of `s`'s text in `seconds`."""
+        d = s.drafts
+        if d is not None and tokens > 0:
+            d.model_held += tokens
+            d.model_spent += seconds
+            if tokens > _TIMED_FEED:
+                self.model_timed(1, tokens, seconds)
+
+    def _time_in_flight(self, s: SeqState, now: float | None) -> float:
+        """Seconds until the oldest of `s`'s windows in flight is expected back (its whole
+        trip where it was not timed)."""
+        step = self.cost.step_seconds() or 0.0
+        w = s.windows[0]
+        left = step * self.cost.cost(len(w.draft) + 1)
+        if now is not None and w.sent_at is not None:
+            left -= now - w.sent_at
+        return max(0.0, left)
+
     def _while_in_flight(self, s: SeqState, now: float | None) -> int:
         """How many tokens the draft model may propose for a window to follow those in
         flight: as many as it computes before the oldest is expected back (at least one),
         since the thread that proposes also sends the next step (a long proposal for a
         follow-up would hold up the window that comes back first)."""
-        step, forward = self.cost.step_seconds(), self.model_forward
-        if step is None or forward is None or forward <= 0:
+        forward = self.model_forward
+        if self.cost.step_seconds() is None or forward is None or forward <= 0:
             return MAX_DRAFT + 1
-        w = s.windows[0]
-        left = step * self.cost.cost(len(w.draft) + 1)
-        if now is not None and w.sent_at is not None:
-            left -= now - w.sent_at
-        return max(1, min(MAX_DRAFT + 1, int(left / forward)))
+        return max(1, min(MAX_DRAFT + 1, int(self._time_in_flight(s, now) / forward)))
 
     def _model_k(self, s: SeqState, most: int) -> int:
         """How many tokens to ask of the draft model for a sequence, at most `most`: with

@@ -326,6 +326,15 @@ class ModelRunner:
                 ran = model.forwards - forwards
                 self.scheduler.drafting.model_timed(ran, model.last_fed, spent)
                 self.scheduler.offer_draft(seq, key, proposal, spent)
+        if wanted:
+            return
+        with self._lock:  # nothing to propose: read on where catching up is worth it
+            catch_ups = self.scheduler.catch_ups_wanted(time.perf_counter())
+        for seq, n in catch_ups:
+            started = time.perf_counter()
+            fed = model.catch_up(seq, n)
+            with self._lock:
+                self.scheduler.caught_up(seq, fed, time.perf_counter() - started)
 
     def _work(self) -> None:
         while (step := self._next()) is not None:

@@ -353,6 +353,20 @@ class Scheduler:
                 out.append((s.id, *want))
         return out
 
+    def catch_ups_wanted(self, now: float | None = None) -> list[tuple[int, int]]:
+        """(sequence, tokens) the draft model should read of their text now, proposing
+        nothing (`DraftPolicy.catch_up_wanted`)."""
+        out = []
+        for s in self._by_slot.values():
+            if n := self.drafting.catch_up_wanted(s, now):
+                out.append((s.id, n))
+        return out
+
+    def caught_up(self, seq: int, tokens: int, seconds: float) -> None:
+        s = self._by_id.get(seq)
+        if s is not None:
+            self.drafting.caught_up(s, tokens, seconds)
+
     def offer_draft(
         self, seq: int, key: Key, proposal: tuple[int, ...], seconds: float = 0.0
     ) -> None:

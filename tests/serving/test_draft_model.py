@@ -212,3 +212,25 @@ async def test_smollm2_served_with_a_draft_model_gives_plain_decodings_text(mode
         assert s is not None and s.accepted > 0.8 * s.drafted and s.accepted >= 20
     finally:
         nursery.cancel_scope.cancel()
+
+
+def test_catching_up_reads_the_text_in_parts_and_the_proposal_is_the_same():
+    # Same vocabulary: two catch-ups of 5 and of the rest, then a proposal that feeds
+    # nothing new, give what a proposal from nothing gives.
+    target, draft, d, prompt, truth = opened("the draft reads ahead", 2, 6)
+    assert d.catch_up(2, 5) == 5 and draft.caches.held[0][:5] == prompt[:5]
+    assert d.catch_up(2, 100) == len(prompt) - 5
+    assert d.catch_up(2, 100) == 0
+    fed = d.forwards
+    assert d.propose(2, 6) == truth
+    assert d.forwards - fed == 6  # its last token again for its logits, then one a token
+    # Across tokenizers: the cache spells the text after a partial catch-up, and the
+    # proposal is the one made without it.
+    words = Words()
+    prompt = words.tokenize("the cat sat on ", add_bos=False)
+    plain = DraftModel(FakeEngine(slots=1), words, same_vocab=False)
+    plain.open(0, prompt)
+    caught = DraftModel(FakeEngine(slots=1), words, same_vocab=False)
+    caught.open(0, prompt)
+    assert 0 < caught.catch_up(0, 4) <= 4
+    assert caught.propose(0, 6) == plain.propose(0, 6)

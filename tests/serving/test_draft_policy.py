@@ -314,3 +314,27 @@ def test_a_proposal_for_a_window_to_follow_those_in_flight_fits_in_their_trip():
     assert p.wanted(s, now=10.0)[0] == 5
     assert p.wanted(s, now=10.05)[0] == 2
     assert p.wanted(s, now=11.0)[0] == 1
+
+
+def test_while_windows_travel_the_draft_model_catches_up_where_its_drafts_would_pay():
+    # A trip takes 0.1 s and a token the draft model reads 0.004 s: it reads 25 of the 428
+    # it lacks while a window travels, none once the trip is due, and none for drafts that
+    # do not pay.
+    p = policy(max_windows=4)
+    _timed(p)
+    p.model_timed(1, 1, 0.01)
+    p.model_timed(1, 100, 100 * 0.004)
+    s = _with_draft_model(p, tuple(range(1, 421)), limit=40)
+    for _ in range(8):
+        s.drafts.drafter.accepts.update(4, 4)
+    _decoded(s, 8)
+    assert p.wanted(s) is None  # catching up on 428 tokens costs more than 32 would save
+    s.pending = []
+    sent(s, (), at=10.0)
+    assert p.catch_up_wanted(s, now=10.0) == 25
+    p.caught_up(s, 25, 0.1)
+    assert p.catch_up(s) == pytest.approx((428 - 25) * 0.004)
+    assert p.catch_up_wanted(s, now=10.2) == 0
+    for _ in range(20):
+        s.drafts.drafter.accepts.update(0, 4)
+    assert p.catch_up_wanted(s, now=10.0) == 0
