@@ -217,7 +217,7 @@ async def test_smollm2_served_with_a_draft_model_gives_plain_decodings_text(mode
 def test_catching_up_reads_the_text_in_parts_and_the_proposal_is_the_same():
     # Same vocabulary: two catch-ups of 5 and of the rest, then a proposal that feeds
     # nothing new, give what a proposal from nothing gives.
-    target, draft, d, prompt, truth = opened("the draft reads ahead", 2, 6)
+    _, draft, d, prompt, truth = opened("the draft reads ahead", 2, 6)
     assert d.catch_up(2, 5) == 5 and draft.caches.held[0][:5] == prompt[:5]
     assert d.catch_up(2, 100) == len(prompt) - 5
     assert d.catch_up(2, 100) == 0
