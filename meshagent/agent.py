@@ -133,12 +133,14 @@ class Agent:
         services.models.stop()
         services.dialer.stop()
         await services.gossip.leave()
-        # The parts go before the connections: a split's stages end the streams they serve
-        # and the entry its stream down, so no connection waits out its drain for them.
-        with trio.move_on_after(grace):
-            await services.models.aclose()
+        # A split's streams end as soon as they are idle (a stage still forwarding for the
+        # entry serves on through the drain, while the mesh moves the plan off this agent),
+        # so no connection waits out its grace for a stream nobody uses any more.
         with trio.move_on_after(grace + 1):
-            await services.overlay.aclose(grace=min(grace, 5.0))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(services.models.end_idle_streams)
+                await services.overlay.aclose(grace=min(grace, 5.0))
+                nursery.cancel_scope.cancel()
 
     def _write_run_file(self, services: Services) -> None:
         info = {

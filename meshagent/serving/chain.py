@@ -29,7 +29,13 @@ from meshagent.errors import EngineError, SplitUnavailable
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.awaited import AwaitedWindows
 from meshagent.serving.executor import ExecutorSink, SampledToken
-from meshagent.serving.moving import Handover, MovingOutbox, MovingReader, first_messages
+from meshagent.serving.moving import (
+    IDLE_QUIET,
+    Handover,
+    MovingOutbox,
+    MovingReader,
+    first_messages,
+)
 from meshagent.serving.sampling import TokenLogprob
 
 log = structlog.get_logger(__name__)
@@ -104,10 +110,6 @@ class Chain:
                 self._nursery = None
                 if self._outbox is not None:
                     self._outbox.close()
-                    # The stage below learns at once that this chain ended (its connection
-                    # then has no stream left open for it).
-                    with trio.CancelScope(shield=True):
-                        await trio.aclose_forcefully(self._outbox.stream)
 
     # ----- going down -----
 
@@ -171,6 +173,16 @@ class Chain:
         for out in waiting:
             if out.generation == self.generation:
                 self._put(out)
+
+    async def end_when_idle(self, quiet: float = IDLE_QUIET) -> None:
+        """The agent is leaving: end the stream down once no step is on its way and no token
+        awaited, and none came for `quiet` seconds (the stage below then ends its own)."""
+        while (outbox := self._outbox) is not None and outbox.failed is None:
+            if not self.pending and trio.current_time() - self._progress_at >= quiet:
+                outbox.close()
+                await trio.aclose_forcefully(outbox.stream)
+                return
+            await trio.sleep(quiet / 4)
 
     # ----- coming back -----
 

@@ -157,12 +157,10 @@ class DraftPolicy:
 
     # ----- the draft model's proposals, computed outside the scheduler's lock -----
 
-    def wanted(
-        self, s: SeqState, now: float | None = None
-    ) -> tuple[int, tuple[int, ...], Key] | None:
+    def wanted(self, s: SeqState) -> tuple[int, tuple[int, ...], Key] | None:
         """What the draft model should propose for `s` before its next window: (at most
         how many tokens, after which tokens in flight, for which point), or None: none is
-        wanted, or the one offered is for where `s` stands. `now`: the runner's clock."""
+        wanted, or the one offered is for where `s` stands."""
         d = s.drafts
         if d is None or not isinstance(d.drafter, ModelDrafts) or s.cancelled:
             return None
@@ -170,7 +168,7 @@ class DraftPolicy:
             if not s.windows or len(s.windows) >= self.max_windows:
                 return None
             after = tuple(t for w in s.windows for t in w.ahead())
-            k = self._while_in_flight(s, now)
+            k = MAX_DRAFT + 1
         elif len(s.pending) == 1 and s.n_past >= len(s.prompt):
             after, k = (), MAX_DRAFT
         else:
@@ -225,16 +223,6 @@ class DraftPolicy:
         if now is not None and w.sent_at is not None:
             left -= now - w.sent_at
         return max(0.0, left)
-
-    def _while_in_flight(self, s: SeqState, now: float | None) -> int:
-        """How many tokens the draft model may propose for a window to follow those in
-        flight: as many as it computes before the oldest is expected back (at least one),
-        since the thread that proposes also sends the next step (a long proposal for a
-        follow-up would hold up the window that comes back first)."""
-        forward = self.model_forward
-        if self.cost.step_seconds() is None or forward is None or forward <= 0:
-            return MAX_DRAFT + 1
-        return max(1, min(MAX_DRAFT + 1, int(self._time_in_flight(s, now) / forward)))
 
     def _model_k(self, s: SeqState, most: int) -> int:
         """How many tokens to ask of the draft model for a sequence, at most `most`: with

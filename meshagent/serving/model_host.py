@@ -120,6 +120,14 @@ class ModelHost:
         for model in self:
             await model.aclose()
 
+    async def end_idle_streams(self) -> None:
+        """This agent is leaving: end each split stream it serves or sends on once it is
+        idle (`SplitHost.end_idle_streams`); returns when all have ended."""
+        async with trio.open_nursery() as nursery:
+            for model in self:
+                if model.parts.split is not None:
+                    nursery.start_soon(model.parts.split.end_idle_streams)
+
     # ----- the overlay -----
 
     def handlers(self) -> dict[str, Any]:

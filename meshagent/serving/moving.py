@@ -43,6 +43,8 @@ OPEN_WAIT = 2.0
 HANDOVER_WAIT = 10.0
 # Streams that begin with `Continue` a receiver holds at once, waiting for their reader.
 MAX_PARKED = 4
+# A leaving agent ends a split's stream once nothing went on it for this long.
+IDLE_QUIET = 0.2
 
 
 def _connection(stream: Any) -> Any:

@@ -317,7 +317,7 @@ class ModelRunner:
         if model is None:
             return
         with self._lock:
-            wanted = self.scheduler.drafts_wanted(time.perf_counter())
+            wanted = self.scheduler.drafts_wanted()
         for seq, k, after, key in wanted:
             forwards, started = model.forwards, time.perf_counter()
             proposal = tuple(model.propose(seq, k, after))

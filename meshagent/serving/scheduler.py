@@ -340,15 +340,12 @@ class Scheduler:
             budget -= len(proposal)
         return items
 
-    def drafts_wanted(
-        self, now: float | None = None
-    ) -> list[tuple[int, int, tuple[int, ...], Key]]:
-        """What the draft model should propose before the next step (`DraftPolicy.wanted`,
-        at `now` on the runner's clock): (sequence, at most how many tokens, after which in
-        flight, for which point) each."""
+    def drafts_wanted(self) -> list[tuple[int, int, tuple[int, ...], Key]]:
+        """What the draft model should propose before the next step (`DraftPolicy.wanted`):
+        (sequence, at most how many tokens, after which in flight, for which point) each."""
         out = []
         for s in sorted(self._by_slot.values(), key=lambda s: (s.ready_since, s.id)):
-            want = self.drafting.wanted(s, now)
+            want = self.drafting.wanted(s)
             if want is not None:
                 out.append((s.id, *want))
         return out

@@ -263,6 +263,14 @@ class SplitHost:
         )
         stream.reset(why)
 
+    async def end_idle_streams(self) -> None:
+        """The agent is leaving: the entry ends its stream down, a stage the stream it serves
+        (and with it those it sends on), once nothing is in flight on it."""
+        if self.server is not None:
+            await self.server.end_when_idle()
+        elif self.pipeline is not None:
+            await self.pipeline.chain.end_when_idle()
+
     async def aclose(self) -> None:
         """Free the engines once nothing computes with them: a middle or last stage first
         ends the stream it serves (a forward running on its worker thread finishes). The

@@ -21,6 +21,7 @@ from meshagent.serving.drafting import verify
 from meshagent.serving.executor import new_sampler
 from meshagent.serving.kv_book import KeptPrefixError, KvBook
 from meshagent.serving.moving import (
+    IDLE_QUIET,
     Handover,
     MovingOutbox,
     MovingReader,
@@ -81,6 +82,8 @@ class StageServer:
         self._engine_lock = trio.Lock()  # held by the stream served, its worker included
         self._closed = False
         self.forwards = 0
+        self._active_at = 0.0  # when the stream served last brought or sent a message
+        self._room: trio.Semaphore | None = None  # its batches not handed back yet
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Where the chain is served while this runs (until `aclose`): not in the task of
@@ -151,6 +154,20 @@ class StageServer:
             log.error("stage.serve_failed", exc_info=group)
             reset(upstream.stream, f"stage failed: {group.exceptions[0]!r}")
 
+    async def end_when_idle(self, quiet: float = IDLE_QUIET) -> None:
+        """The agent is leaving: serve no more once the stream served is idle (nothing came
+        or went on it for `quiet` seconds, no batch is computing). Until then it is served as
+        before, while the mesh moves the plan off this agent. The stream it sends on ends
+        with it, and the peer upstream learns that it ended."""
+        while self._serving is not None:
+            room = self._room
+            idle = room is None or room.value > 0
+            if idle and trio.current_time() - self._active_at >= quiet:
+                self._closed = True
+                self._serving.cancel()
+                return
+            await trio.sleep(quiet / 4)
+
     async def aclose(self) -> None:
         """Serve no more: the stream served now ends (its running forward finishes first)
         and no other starts. After this the engine may be freed."""
@@ -179,7 +196,10 @@ class StageServer:
 
         peer = getattr(upstream.stream, "peer_id", None)  # a mesh stream's, not in-process ones
 
+        self._room = room
+
         def done(data: bytes, error: BaseException | None) -> None:  # on the event loop
+            self._active_at = trio.current_time()
             room.release()
             outbox.put(data)
             if error is not None:
@@ -219,6 +239,7 @@ class StageServer:
                                 msgs = e
                             if not msgs:
                                 break
+                            self._active_at = trio.current_time()
                             try:  # no scheduler pass before the worker has its job
                                 room.acquire_nowait()
                             except trio.WouldBlock:

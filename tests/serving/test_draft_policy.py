@@ -296,26 +296,6 @@ def test_drafts_that_pay_wait_while_catching_up_would_cost_more_than_they_save()
     assert p.wanted(long) is None
 
 
-def test_a_proposal_for_a_window_to_follow_those_in_flight_fits_in_their_trip():
-    # A split's entry: a one-token step (a trip) takes 0.1 s, the draft model's forward
-    # pass 0.02 s, its drafts always right. The proposing thread also sends the next step,
-    # so a proposal for a follow-up is as long as it computes before the window in flight is
-    # expected back: 5 tokens at once, 2 once 0.05 s of the trip went by, and at least one.
-    p = policy(max_windows=4)
-    _timed(p)
-    p.model_timed(1, 1, 0.02)
-    s = _with_draft_model(p, tuple(range(1, 21)), limit=200)
-    for _ in range(8):
-        s.drafts.drafter.accepts.update(4, 4)
-    _decoded(s, 8)
-    s.pending = []
-    sent(s, (), at=10.0)
-    assert p.cost.step_seconds() * p.cost.cost(1) == pytest.approx(0.1)
-    assert p.wanted(s, now=10.0)[0] == 5
-    assert p.wanted(s, now=10.05)[0] == 2
-    assert p.wanted(s, now=11.0)[0] == 1
-
-
 def test_while_windows_travel_the_draft_model_catches_up_where_its_drafts_would_pay():
     # A trip takes 0.1 s and a token the draft model reads 0.004 s: it reads 25 of the 428
     # it lacks while a window travels, none once the trip is due, and none for drafts that
