@@ -236,6 +236,13 @@ def _decoded(s: SeqState, tokens: int) -> None:
     s.generated += tokens
 
 
+def _right_for_8(s: SeqState) -> None:
+    """The draft model's windows of 4 were right 8 times over, then `s` decoded 8 tokens."""
+    for _ in range(8):
+        s.drafts.drafter.accepts.update(4, 4)
+    _decoded(s, 8)
+
+
 def _timed(p: DraftPolicy) -> None:
     """A one-token step takes 0.1 s, a window of two 0.11 s."""
     p.cost.observe(1, 0.1)
@@ -284,14 +291,10 @@ def test_drafts_that_pay_wait_while_catching_up_would_cost_more_than_they_save()
     p.model_timed(1, 1, 0.01)
     p.model_timed(1, 100, 100 * 0.005)
     short = _with_draft_model(p, tuple(range(1, 21)), limit=200)
-    for _ in range(8):
-        short.drafts.drafter.accepts.update(4, 4)
-    _decoded(short, 8)
+    _right_for_8(short)
     assert p.wanted(short) is not None
     long = _with_draft_model(p, tuple(range(1, 401)), limit=12)
-    for _ in range(8):
-        long.drafts.drafter.accepts.update(4, 4)
-    _decoded(long, 8)
+    _right_for_8(long)
     assert p.catch_up(long) == pytest.approx(408 * 0.005)
     assert p.wanted(long) is None
 
@@ -305,9 +308,7 @@ def test_while_windows_travel_the_draft_model_catches_up_where_its_drafts_would_
     p.model_timed(1, 1, 0.01)
     p.model_timed(1, 100, 100 * 0.004)
     s = _with_draft_model(p, tuple(range(1, 421)), limit=40)
-    for _ in range(8):
-        s.drafts.drafter.accepts.update(4, 4)
-    _decoded(s, 8)
+    _right_for_8(s)
     assert p.wanted(s) is None  # catching up on 428 tokens costs more than 32 would save
     s.pending = []
     sent(s, (), at=10.0)
