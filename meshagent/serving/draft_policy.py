@@ -198,12 +198,11 @@ class DraftPolicy:
             or self.model_forward is None
         ):
             return 0
-        behind = len(d.drafter.text.tokens) - d.model_held
+        behind = _behind(d)
         pays = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=self.model_extra())
         if behind <= 0 or not pays:
             return 0
-        per = self.model_feed if self.model_feed is not None else self.model_forward * _FEED_PRIOR
-        return min(behind, int(self._time_in_flight(s, now) / per))
+        return min(behind, int(self._time_in_flight(s, now) / self._feed_seconds()))
 
     def caught_up(self, s: SeqState, tokens: int, seconds: float) -> None:
         """The draft model read `tokens` more of `s`'s text in `seconds`."""
@@ -267,9 +266,12 @@ class DraftPolicy:
         d = s.drafts
         if d is None or not isinstance(d.drafter, ModelDrafts) or self.model_forward is None:
             return 0.0
-        behind = max(0, len(d.drafter.text.tokens) - d.model_held)
-        per = self.model_feed if self.model_feed is not None else self.model_forward * _FEED_PRIOR
-        return behind * per
+        return max(0, _behind(d)) * self._feed_seconds()
+
+    def _feed_seconds(self) -> float:
+        """What a token the draft model catches up on takes (its forward pass timed)."""
+        assert self.model_forward is not None
+        return self.model_feed if self.model_feed is not None else self.model_forward * _FEED_PRIOR
 
     def model_timed(self, forwards: int, fed: int, seconds: float) -> None:
         """A proposal of the draft model ran `forwards` forward passes, the first fed `fed`
@@ -457,3 +459,10 @@ class DraftPolicy:
             else:
                 acc.update(hit, 1)
             d.shadow, d.shadow_after = (d.shadow[1:] if hit else ()), True
+
+
+def _behind(d: DraftState) -> int:
+    """How many of the sequence's tokens its draft model does not hold yet (as its last
+    proposal or catch-up left it)."""
+    assert isinstance(d.drafter, ModelDrafts)
+    return len(d.drafter.text.tokens) - d.model_held
