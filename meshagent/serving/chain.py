@@ -9,12 +9,12 @@ meanwhile wait for it. Tokens from the last stage (`handle_reply`) are checked a
 windows sent (`AwaitedWindows`) and told to the runner's sink.
 
 The chain breaks when the stream down or a reply stream fails, the last stage reports a
-failure of the whole chain, no token comes for `stall_after` seconds while some are awaited,
-or its owner says so (`interrupt`, `rechain`). Then every request in flight fails
-(`ExecutorSink.broken`; the request's own recovery decides what follows, see
-`serving/recovery.py`), the chain's generation moves on, and whatever the old chain still
-says is ignored; the next step that needs the chain opens a new stream, and the stages behind
-it start afresh.
+failure of the whole chain, no token comes for `stall_after` seconds while some are awaited
+(counted from when the work sent should be done: see `STALL_MARGIN`), or its owner says so
+(`interrupt`, `rechain`). Then every request in flight fails (`ExecutorSink.broken`; the
+request's own recovery decides what follows, see `serving/recovery.py`), the chain's
+generation moves on, and whatever the old chain still says is ignored; the next step that
+needs the chain opens a new stream, and the stages behind it start afresh.
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ log = structlog.get_logger(__name__)
 
 OpenDownstream = Callable[[], Awaitable[trio.abc.SendStream]]
 
+# A step's rows owe the chain some compute before any token can come back: a long prompt's
+# chunks, or a replay's history fed a token a step, answer nothing until the last one. The
+# stall watch counts from when the work sent should be done, at this many times the pace the
+# entry estimates (its own stage's time, scaled to the whole model: `Outgoing.work`).
+STALL_MARGIN = 4.0
+
 
 @dataclass(frozen=True)
 class Outgoing:
@@ -54,6 +60,8 @@ class Outgoing:
     opened: tuple[int, ...] = ()
     items: tuple[sm.ForwardItem, ...] = ()
     made: bool = False  # counted in `Chain.made` (a step with items)
+    # Seconds the whole chain should take over the step, at the pace of the entry's stage.
+    work: float = 0.0
 
 
 class Chain:
@@ -92,6 +100,8 @@ class Chain:
         self.made = 0
         self._sent = 0
         self._progress_at = 0.0  # when a reply last came, or a step went to an idle chain
+        # When the work sent should be done, at `STALL_MARGIN` times the entry's pace.
+        self._due_at = 0.0
         self._busy = trio.Event()  # set by the next step to go: the stall watch waits on it
 
     @property
@@ -133,6 +143,7 @@ class Chain:
     def _put(self, out: Outgoing) -> None:
         assert self._outbox is not None
         self._wake()
+        self._due_at = max(self._due_at, trio.current_time()) + STALL_MARGIN * out.work
         self._awaited.sent(out.released, out.opened, out.items)
         self._outbox.put(out.data)
 
@@ -261,14 +272,15 @@ class Chain:
 
     async def _watch_stall(self) -> None:
         """Break the chain when no token came for `stall_after` seconds while some were
-        awaited: woken when a step goes to an idle chain, and at each deadline."""
+        awaited, counted from the last token or from when the work sent should be done,
+        whichever is later: woken when a step goes to an idle chain, and at each deadline."""
         while True:
             if not self.pending or self.failed is not None:
                 self._busy = trio.Event()
                 await self._busy.wait()
                 self._progress_at = max(self._progress_at, trio.current_time())
                 continue
-            deadline = self._progress_at + self.stall_after
+            deadline = max(self._progress_at, self._due_at) + self.stall_after
             now = trio.current_time()
             if now >= deadline:
                 self.break_(f"no token from the split for {now - self._progress_at:.0f} s")
@@ -288,6 +300,7 @@ class Chain:
             log.error("pipeline.broken", why=why)
         self.failed = why
         self.generation += 1
+        self._due_at = 0.0
         self._awaited.clear()
         if self._sink is not None:
             error = SplitUnavailable(f"the split pipeline failed: {why}")

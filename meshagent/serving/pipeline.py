@@ -133,10 +133,14 @@ class PipelineExecutor:
         stall_after: float = 20.0,
         prefix_budget: int = 0,
         prefix_scale: float = 1.0,
+        work_scale: float | None = None,
     ) -> None:
         """`prefix_budget`: bytes of kept prefixes, counted for the biggest stage, whose KV
-        per token is `prefix_scale` times the first stage's (every stage keeps its own)."""
+        per token is `prefix_scale` times the first stage's (every stage keeps its own).
+        `work_scale`: the whole model's layers over the first stage's (`depth` unless said),
+        to tell the chain what a step's rows cost it from the first stage's time."""
         self.entry = entry
+        self._work_scale = float(depth) if work_scale is None else work_scale
         self.prefix_budget = prefix_budget
         self._prefix_scale = prefix_scale
         self.kept_size: Callable[[int], int] | None = None  # measured when `run` starts
@@ -209,6 +213,7 @@ class PipelineExecutor:
             messages.append(sm.Drop(late))
         generation = chain.generation
         items: tuple[sm.ForwardItem, ...] = ()
+        first_ms = 0.0
         if step.items:
             chain.made += 1  # from here the chain counts it on its way (`Chain.pending`)
             t0 = time.perf_counter()
@@ -235,7 +240,8 @@ class PipelineExecutor:
             return NOTHING_YET
         data = b"".join(sm.encode(m) for m in messages)
         opened = tuple(op.slot for op in step.opened)
-        out = Outgoing(generation, data, step.released, opened, items, made=bool(items))
+        work = first_ms / 1000 * self._work_scale if items else 0.0
+        out = Outgoing(generation, data, step.released, opened, items, bool(items), work)
         return StepDone([], out)
 
     # ----- the event loop -----

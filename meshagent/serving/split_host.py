@@ -190,6 +190,7 @@ class SplitHost:
                 depth=len(plan.stages),
                 prefix_budget=b.prefix_budget,
                 prefix_scale=biggest / (part.end - part.start),
+                work_scale=plan.stages[-1].end / (part.end - part.start),
             )
             runner = ModelRunner(
                 self.pipeline,

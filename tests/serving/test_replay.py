@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import structlog
 import trio
 import trio.testing
 
@@ -329,3 +330,26 @@ async def test_a_closed_stage_server_waits_for_its_running_forward_and_serves_no
     with trio.fail_after(1):
         await server.handle(again)  # refused at once
     assert stage.forwards == 1
+
+
+async def test_a_long_history_that_answers_nothing_for_a_while_is_not_a_stall(nursery):
+    # A continuation's history runs a token a step, and no step of it is answered: the entry
+    # sends them as fast as its own stage computes, and the slower stages behind it are still
+    # working through them long after the last one went. The chain waits for the work it
+    # was sent (scaled from the entry's own time) instead of breaking, over and over, on a
+    # request that is only long.
+    whole = LocalModel.whole(FakeEngine(), max_queue=8)
+    await nursery.start(whole.run)
+    first, _ = await complete(whole, PROMPT, 60, sampling=GREEDY)
+    history = tuple(whole.text_tokens(first)[1:41])  # (no BOS)
+    chain = FakeChain(nursery, depth=3, delay=0.004)
+    for stage in chain.stages:
+        stage.delay = 0.025
+    chain.pipeline.chain.stall_after = 0.3
+    await nursery.start(chain.model.run)
+    with structlog.testing.capture_logs() as logs:
+        text, done = await complete(chain.model, PROMPT, 60, sampling=GREEDY, history=history)
+    assert not [e for e in logs if e["event"] == "pipeline.broken"]
+    assert not done.replays
+    expected, _ = await complete(whole, PROMPT, 60, sampling=GREEDY, history=history)
+    assert text == expected and done.completion_tokens == 60
