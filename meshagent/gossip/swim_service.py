@@ -117,6 +117,7 @@ class SwimService:
         self._lost: dict[str, float] = {}
         self._last_link_sync = -float("inf")
         self._joined: dict[str, float] = {}  # linked peers not yet members: when last asked
+        self._disputed: dict[str, float] = {}  # linked members known dead: when last synced
         self.keep_config = keep or KeepConfig()
         self._keep = KeepSet(self.keep_config, random.Random(self._rng.getrandbits(32)))
         self._republisher = Republisher(
@@ -375,7 +376,11 @@ class SwimService:
         good); of those it knows, one at most every `_LINK_SYNC` seconds gets a digest (and
         answers with its table only where they differ, records pulled as needed), so that
         connections that come back after a partition merge the two sides soon, while the
-        short ones dialled for a stream or a PING-REQ cost little more."""
+        short ones dialled for a stream or a PING-REQ cost little more. A member known dead
+        whose connection is up gets a digest every `_LINK_SYNC` seconds: its answer tells it
+        of its death, which it refutes, and its own digest brings the refutation here. (Two
+        agents alone that buried each other while their direct path died, and meet again
+        through a relay, would otherwise each wait for the other to speak first.)"""
         links = {link.peer_id for link in self.overlay.links()}
         new = sorted(links - self._known_links)
         self._known_links = links
@@ -388,6 +393,14 @@ class SwimService:
                 out += self.swim.join(peer, now)
         for peer in self._joined.keys() - links:
             del self._joined[peer]
+        for peer in sorted(links):
+            if self.swim.state_of(peer) != State.DEAD:
+                self._disputed.pop(peer, None)
+            elif now - self._disputed.get(peer, -float("inf")) >= _LINK_SYNC:
+                self._disputed[peer] = now
+                out += self.swim.sync_with(peer)
+        for peer in self._disputed.keys() - links:
+            del self._disputed[peer]
         for peer in new:
             if peer in self.swim.members and now - self._last_link_sync >= _LINK_SYNC:
                 self._last_link_sync = now

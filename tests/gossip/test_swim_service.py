@@ -128,3 +128,20 @@ async def test_a_join_lost_in_flight_is_sent_again_until_the_peer_is_a_member(au
                 await trio.sleep(0.1)
         assert b.gossip.snapshot()[a.peer_id].record.addresses
         nursery.cancel_scope.cancel()
+
+
+async def test_two_members_that_buried_each_other_while_still_connected_come_back(autojump_clock):
+    """Two agents alone, whose direct path died while each probed the other, declare each
+    other dead; they meet again over another path (a relay). Neither sends gossip to a member
+    it holds dead, so neither would hear the other's refutation: a connected member held dead
+    is asked for its digest, learns of its death, refutes it, and both are alive again."""
+    async with trio.open_nursery() as nursery:
+        _, (a, b) = await _mesh(nursery, 2)
+        a.gossip.declare_dead(b.peer_id, "the test says so")
+        b.gossip.declare_dead(a.peer_id, "the test says so")
+        assert a.alive_view() == {a.peer_id} and b.alive_view() == {b.peer_id}
+        assert a.overlay.connection(b.peer_id) is not None  # still connected
+        with trio.fail_after(10):
+            while a.alive_view() != b.alive_view() or len(a.alive_view()) != 2:
+                await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
