@@ -300,7 +300,9 @@ def test_a_split_stream_over_the_relay_moves_to_direct_mid_stream(tmp_path: Path
     # The internet drops everything between the two NATs from the start: the pair meets on
     # the relay and serves the split there. The direct path opens while a stream runs, the pair
     # punches through, and the split's streams move to the direct connection mid-way
-    # (`serving/moving.py`): the same text, no request failed, nothing replayed.
+    # (`serving/moving.py`): the same text, no request failed, nothing replayed. The client
+    # asks the split's entry: a request carried from the other agent (`gen/1`) does not move
+    # with its connection, and goes on by a replay (`api/carried.py`).
     require_netns()
     _require_nft()
     lab = Lab(tmp_path)
@@ -316,6 +318,8 @@ def test_a_split_stream_over_the_relay_moves_to_direct_mid_stream(tmp_path: Path
 
         wait_until(lambda: path("relayed"), 40, "a relayed connection")
         wait_until(lambda: _split_routable(lab, a), 120, "the split over the relay")
+        entry = lab.status(a)["placement"][MODEL]["stages"][0][0]
+        a = agents[ids.index(entry)]
         calm = tmp_path / "calm.jsonl"
         _stream(lab, a, calm, TOKENS).proc.wait(timeout=300)
         expected = _text(_lines(calm))
