@@ -409,6 +409,7 @@ class Services:
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start every service in `nursery`, each once what it needs runs (the API aside)."""
+        await nursery.start(self.app.catalog.rejoins.run)  # (before any gen/1 stream comes)
         await nursery.start(self.overlay.run)
         models = list(self.models)
         self.gossip.update_local(**advertisement.static_fields(self.config, self.name, models))

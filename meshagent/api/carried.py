@@ -23,7 +23,8 @@ import trio
 
 from meshagent.api import errors
 from meshagent.api.errors import ApiError, api_error_for
-from meshagent.api.gen_messages import Ask, Fail, Head, Message, encode
+from meshagent.api.gen_messages import Ask, Fail, Head, Message, Moved, encode
+from meshagent.api.gen_moves import Rejoiner, new_ticket
 from meshagent.api.gen_stream import Broken, frames, read_message
 from meshagent.api.here import Continuation, generating
 from meshagent.api.prepare import Prepared
@@ -66,6 +67,11 @@ class Carried:
 
     def __post_init__(self) -> None:
         self.recovery = Recovery(self.deadline, changed=self.directory.changed)
+        # The completion follows this agent's connection to its entry when it is replaced
+        # (`api/gen_moves.py`), instead of replaying when the drain cuts its stream.
+        self._rejoiner = Rejoiner(
+            new_ticket(), lambda: self.directory.open_stream(self.entry, GENERATE_LABEL)
+        )
 
     @property
     def replays(self) -> list:
@@ -117,11 +123,27 @@ class Carried:
         await self._close()
 
     async def _follow(self, emit: Emit) -> None:
-        """The events of the entry asked last, emitted, moving on when it is lost."""
+        """The events of the entry asked last, emitted, moving on when it is lost, and onto
+        the stream rejoined when its connection is replaced."""
+        failed: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._rejoiner.watch)
+            try:
+                await self._read_events(emit)
+            except Exception as e:  # raised as itself below, not in the nursery's group
+                failed = e
+            nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+
+    async def _read_events(self, emit: Emit) -> None:
         while True:
             assert self._stream is not None
             try:
                 msg = await read_message(self._stream, self._frames)
+                if isinstance(msg, Moved):
+                    await self._take_moved()
+                    continue
             except Broken as e:
                 await self._close()
                 why = f"the entry {self._entry_label} was lost: {e}"
@@ -172,8 +194,14 @@ class Carried:
             raise Broken(f"unreachable: {e}") from e
         self._unreachable = False
         self._stream, self._frames, self.entry = stream, frames(), peer_id
+        await self._rejoiner.reading(stream)
         self._entry_label = remote.label
-        ask = replace(self.ask, history=tuple(self.history), delivered=self.delivered)
+        ask = replace(
+            self.ask,
+            history=tuple(self.history),
+            delivered=self.delivered,
+            ticket=self._rejoiner.ticket,
+        )
         try:
             await stream.send_all(encode(ask))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
@@ -271,8 +299,19 @@ class Carried:
         for e in failed:
             raise api_error_for(e, prompt_param=prepared.prompt_param) from e
 
+    async def _take_moved(self) -> None:
+        """The entry's `Moved`: read on from the stream rejoined (the old one is done)."""
+        new = self._rejoiner.moved()
+        if new is None:
+            raise Broken("the entry moved the stream, and it was not asked to")
+        old, (self._stream, self._frames) = self._stream, new
+        if old is not None:
+            with trio.CancelScope(shield=True):
+                await old.aclose()
+
     async def _close(self) -> None:
         stream, self._stream = self._stream, None
-        if stream is not None:
-            with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True):
+            await self._rejoiner.reading(None)
+            if stream is not None:
                 await stream.aclose()

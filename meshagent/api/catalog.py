@@ -13,6 +13,7 @@ import trio
 
 from meshagent.api import errors
 from meshagent.api.errors import SPLIT_RETRY_AFTER
+from meshagent.api.gen_moves import Rejoins
 from meshagent.api.inflight import InFlight
 from meshagent.catalog.entry import CatalogEntry, SignedEntry
 from meshagent.serving.directory import ModelDirectory, RemoteModel
@@ -88,6 +89,7 @@ class Catalog:
     ) -> None:
         self.directory = directory
         self.inflight = inflight
+        self.rejoins = Rejoins()  # completions carried here that their askers may rejoin
         self.catalogue = catalogue
         self.loads = loads
         self.started_at = int(time.time())

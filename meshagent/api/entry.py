@@ -11,6 +11,7 @@ ask only for inference this way: any other path is refused (404)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import replace
 
@@ -21,7 +22,8 @@ from meshagent.api import errors
 from meshagent.api.catalog import Catalog
 from meshagent.api.embeddings import EMBEDDINGS_PATH, embed_here, parse_embedding
 from meshagent.api.errors import ApiError, api_error_for
-from meshagent.api.gen_messages import Ask, Embedded, Fail, Head, Vector, encode
+from meshagent.api.gen_messages import Ask, Embedded, Fail, Head, Message, Rejoin, Vector
+from meshagent.api.gen_moves import Answering
 from meshagent.api.gen_stream import Broken, frames, read_message, send_quietly
 from meshagent.api.here import generating
 from meshagent.api.prepare import KINDS, Prepared, parse_completion, prepare
@@ -35,29 +37,58 @@ ASK_DEADLINE = 30.0  # seconds for the ask once a gen/1 stream is open (the aske
 
 
 async def serve(stream: trio.abc.Stream, catalog: Catalog, *, peer_id: str) -> None:
-    """Answer one `gen/1` stream from `peer_id` with the model this agent serves."""
+    """Answer one `gen/1` stream from `peer_id` with the model this agent serves: an ask, or
+    a rejoin of a completion the peer asked on another stream (`api/gen_moves.py`)."""
     ask = await _receive_ask(stream, peer_id)
+    if isinstance(ask, Rejoin):
+        await _rejoin(stream, catalog, peer_id, ask.ticket)
+        return
     if ask is None:
         return
+    answering = Answering(stream)
+    await catalog.rejoins.answer(lambda: _answer(answering, catalog, ask, peer_id), answering.done)
+
+
+async def _answer(answering: Answering, catalog: Catalog, ask: Ask, peer_id: str) -> None:
+    """Answer `ask` on the stream in force, whichever connection it is on by then."""
     try:
-        with catalog.inflight.track() as grace:
+        with (
+            catalog.inflight.track() as grace,
+            catalog.rejoins.holding(peer_id, ask.ticket, answering),
+        ):
             with grace:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_watch_asker, stream, nursery.cancel_scope)
+                    nursery.start_soon(_watch_asker, answering, nursery.cancel_scope)
                     if ask.path == EMBEDDINGS_PATH:
-                        await _embed(stream, catalog, ask)
+                        await _embed(answering, catalog, ask)
                     else:
-                        await _generate(stream, catalog, ask, peer_id)
+                        await _generate(answering, catalog, ask, peer_id)
                     nursery.cancel_scope.cancel()
             if grace.cancelled_caught:  # the shutdown grace expired: another entry goes on
                 gone = errors.unavailable("the entry shut down", code="shutting_down")
-                await send_quietly(stream, Fail(gone, True))
+                await _send_quietly(answering, Fail(gone, True))
         # Let the asker read everything and close its side first: closing a stream whose peer
         # still sends resets it, and a reset drops what is still in flight.
         with trio.move_on_after(_LINGER):
-            await _watch_asker(stream, None)
+            await answering.asker_gone()
     except* (trio.BrokenResourceError, trio.ClosedResourceError):  # alone or from a nursery
         log.info("gen.asker_gone", peer=peer_id, path=ask.path)
+    finally:
+        answering.done.set()
+
+
+async def _rejoin(stream: trio.abc.Stream, catalog: Catalog, peer_id: str, ticket: int) -> None:
+    """The rest of the completion `peer_id` asked with `ticket` goes on `stream`, which
+    stays open until that completion is answered; a `Fail` where none is answered here."""
+    answering = catalog.rejoins.find(peer_id, ticket)
+    if answering is None:
+        why = "no completion of this asker with that ticket is answered here"
+        await send_quietly(stream, Fail(errors.not_found(why, code="unknown_ticket"), False))
+        with trio.move_on_after(_LINGER):
+            await _watch_asker(Answering(stream), None)
+        return
+    await answering.move_to(stream)
+    await answering.done.wait()
 
 
 def prepare_carried(catalog: Catalog, path: str, body: bytes) -> Prepared | None:
@@ -79,21 +110,21 @@ def _json(body: bytes) -> object:
         raise errors.bad_request(f"We could not parse the JSON body ({e}).") from e
 
 
-async def _receive_ask(stream: trio.abc.Stream, peer_id: str) -> Ask | None:
-    """The stream's ask; None when there is none to answer (no ask within `ASK_DEADLINE`, or
-    a first message that is not one): the asker is told why in a `Fail`."""
+async def _receive_ask(stream: trio.abc.Stream, peer_id: str) -> Ask | Rejoin | None:
+    """The stream's ask (or rejoin); None when there is none to answer (no ask within
+    `ASK_DEADLINE`, or a first message that is neither): the asker is told why in a `Fail`."""
     why = f"no ask within {ASK_DEADLINE:g} s"
     with trio.move_on_after(ASK_DEADLINE):
         try:
             first = await read_message(stream, frames())
-            if isinstance(first, Ask):
+            if isinstance(first, Ask | Rejoin):
                 return first
-            why = "a gen/1 stream must begin with an ask"
+            why = "a gen/1 stream must begin with an ask or a rejoin"
         except Broken as e:
             why = str(e)
     await _refuse(stream, peer_id, why, code="invalid_gen_message")
     with trio.move_on_after(_LINGER):  # the asker reads the Fail, then closes
-        await _watch_asker(stream, None)
+        await _watch_asker(Answering(stream), None)
     return None
 
 
@@ -103,12 +134,12 @@ async def _refuse(stream: trio.abc.Stream, peer_id: str, why: str, *, code: str)
     await send_quietly(stream, Fail(errors.bad_request(f"Ask refused: {why}.", code=code), False))
 
 
-async def _generate(stream: trio.abc.Stream, catalog: Catalog, ask: Ask, peer_id: str) -> None:
+async def _generate(out: Answering, catalog: Catalog, ask: Ask, peer_id: str) -> None:
     try:
         prepared = prepare_carried(catalog, ask.path, ask.body)
         if prepared is None:  # the mesh moved the model, or this agent is stopping
             why = "this agent does not serve the model now"
-            await stream.send_all(encode(Fail(errors.unavailable(why), True)))
+            await out.send(Fail(errors.unavailable(why), True))
             return
         sampling = prepared.gen.sampling
         sampling = replace(sampling, seed=ask.seed) if ask.seed is not None else sampling.seeded()
@@ -124,53 +155,55 @@ async def _generate(stream: trio.abc.Stream, catalog: Catalog, ask: Ask, peer_id
         limit = check_fits(gen, prepared.model.engine.slot_ctx)
         check_history(gen, prepared.model.engine, limit)
     except OutOfRange as e:  # a continuation this model cannot have generated
-        await _refuse(stream, peer_id, str(e), code="invalid_continuation")
+        await _refuse(out.stream, peer_id, str(e), code="invalid_continuation")
         return
     except ApiError as e:
-        await stream.send_all(encode(Fail(e, False)))
+        await out.send(Fail(e, False))
         return
     except MeshError as e:  # the prompt does not fit
-        await stream.send_all(encode(Fail(api_error_for(e, prompt_param="prompt"), False)))
+        await out.send(Fail(api_error_for(e, prompt_param="prompt"), False))
         return
     model = prepared.model
     receipt = catalog.directory.receipt(model)
     prompt = len(gen.prompt_tokens)
     echo, tools = prepared.echo, prepared.tool_syntax
-    await stream.send_all(encode(Head(receipt, model.info.id, sampling.seed, prompt, echo, tools)))
+    await out.send(Head(receipt, model.info.id, sampling.seed, prompt, echo, tools))
     failed: list[MeshError] = []
     async with trio.open_nursery() as nursery:
         async for ev in generating(nursery, model, gen, failed):
-            await stream.send_all(encode(ev))
+            await out.send(ev)
     for e in failed:
         resumable = isinstance(e, (ShuttingDown, ModelMoved))
         err = api_error_for(e, prompt_param=prepared.prompt_param)
-        await send_quietly(stream, Fail(err, resumable))
+        await _send_quietly(out, Fail(err, resumable))
 
 
-async def _embed(stream: trio.abc.Stream, catalog: Catalog, ask: Ask) -> None:
+async def _embed(out: Answering, catalog: Catalog, ask: Ask) -> None:
     try:
         req = parse_embedding(_json(ask.body))
         texts = req.texts()
         model = catalog.local(req.model)
         if model is None or catalog.inflight.draining:
             why = "this agent does not serve the model now"
-            await stream.send_all(encode(Fail(errors.unavailable(why), True)))
+            await out.send(Fail(errors.unavailable(why), True))
             return
         vectors, tokens = await embed_here(model, texts)
     except ApiError as e:
-        await stream.send_all(encode(Fail(e, False)))
+        await out.send(Fail(e, False))
         return
     for vector in vectors:
-        await stream.send_all(encode(Vector(tuple(vector))))
-    await stream.send_all(encode(Embedded(model.info.id, tokens)))
+        await out.send(Vector(tuple(vector)))
+    await out.send(Embedded(model.info.id, tokens))
 
 
-async def _watch_asker(stream: trio.abc.Stream, scope: trio.CancelScope | None) -> None:
+async def _watch_asker(out: Answering, scope: trio.CancelScope | None) -> None:
     """Return (cancelling `scope`) when the asker closes its side: its client went away."""
-    try:
-        while await stream.receive_some():
-            pass
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+    await out.asker_gone()
     if scope is not None:
         scope.cancel()
+
+
+async def _send_quietly(out: Answering, msg: Message) -> None:
+    """Send `msg` unless the stream is gone (its peer left: nothing to tell)."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await out.send(msg)

@@ -3,10 +3,13 @@
 Each is `u32 length | cbor map` (`FRAMING`), key 0 the version and key 1 the kind: an `Ask`
 (asker to entry); for a completion, then a `Head` or a `Fail`, then `Delta`s and a `Finished`
 (`done`) or a `Fail`; for embeddings, a `Vector` per input and an `Embedded`, or a `Fail`
-(entry to asker). Decoding validates every field once, each integer against its range
-(`TOKEN_IDS`, `COUNTS`, `SEEDS`, `STATUSES`, `RETRY_AFTER`), each vector's numbers finite;
-anything else is a `GenMessageError`. What only the entry knows (its vocabulary, its slot's
-context) the entry checks when it takes the ask (`api/entry.py`).
+(entry to asker). A completion follows the asker onto a new connection: the asker opens a
+stream there that begins with `Rejoin` (its ask's ticket), and the entry sends `Moved` last
+on the old stream and the rest on the new one. Decoding validates every field once, each
+integer against its range (`TOKEN_IDS`, `COUNTS`, `SEEDS`, `STATUSES`, `RETRY_AFTER`,
+`TICKETS`), each vector's numbers finite; anything else is a `GenMessageError`. What only the
+entry knows (its vocabulary, its slot's context) the entry checks when it takes the ask
+(`api/entry.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ COUNTS = range(2**31)  # tokens and characters of one request
 STATUSES = range(400, 600)  # a carried error's HTTP status
 RETRY_AFTER = range(86_400 + 1)  # seconds: a day at most
 MAX_SHARE = 64  # characters of the key that n completions of one request share
+TICKETS = range(1, 2**63)  # the asker's name for a completion, to rejoin it on a new stream
 
 # The receipt headers an entry may send (the asker hands them to its client): meshagent's own.
 _RECEIPT_NAME = re.compile(rb"x-meshagent-[a-z0-9-]+")
@@ -61,6 +65,22 @@ class Ask:
     # The n completions of one request, each asked on a stream of its own, share this key:
     # the entry prefills their prompt once (`GenerationRequest.share`).
     share: str | None = None
+    # Random, the asker's: a stream from the same peer that begins with `Rejoin(ticket)`
+    # takes the completion over (its connection replaced this one's). None: it stays put.
+    ticket: int | None = None
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """The first message of a `gen/1` stream that takes over the completion the same asker
+    asked with `ticket`, on another connection."""
+
+    ticket: int
+
+
+@dataclass(frozen=True)
+class Moved:
+    """The last message on a completion's old stream: the rest comes on the rejoined one."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +114,7 @@ class Embedded:
     tokens: int
 
 
-Message = Ask | Head | Fail | Delta | Finished | Vector | Embedded
+Message = Ask | Head | Fail | Delta | Finished | Vector | Embedded | Rejoin | Moved
 
 
 def encode(msg: Message) -> bytes:
@@ -109,7 +129,13 @@ def _fields(msg: Message) -> dict[int, Any]:
             fields.update({5: list(msg.history), 6: msg.delivered, 7: _seed_bits(msg.seed)})
         if msg.share is not None:
             fields[8] = msg.share
+        if msg.ticket is not None:
+            fields[9] = msg.ticket
         return fields
+    if isinstance(msg, Rejoin):
+        return {1: "rejoin", 2: msg.ticket}
+    if isinstance(msg, Moved):
+        return {1: "moved"}
     if isinstance(msg, Head):
         headers = [[k, v] for k, v in msg.headers]
         seed = _seed_bits(msg.seed)
@@ -221,7 +247,7 @@ def _message(m: dict[int, Any]) -> Message:
         retry = None if m[4] is None else _int(m[4], RETRY_AFTER, "Retry-After")
         return Fail(from_body(_int(m[2], STATUSES, "error status"), m[3], retry), bool(m[5]))
     if kind == "ask":
-        seed, share = m.get(7), m.get(8)
+        seed, share, ticket = m.get(7), m.get(8), m.get(9)
         if share is not None and len(_str(share)) > MAX_SHARE:
             raise GenMessageError(f"a share key of over {MAX_SHARE} characters")
         return Ask(
@@ -232,7 +258,12 @@ def _message(m: dict[int, Any]) -> Message:
             _int(m.get(6, 0), COUNTS, "delivered characters"),
             None if seed is None else _int(seed, SEEDS, "seed"),
             share,
+            None if ticket is None else _int(ticket, TICKETS, "ticket"),
         )
+    if kind == "rejoin":
+        return Rejoin(_int(m[2], TICKETS, "ticket"))
+    if kind == "moved":
+        return Moved()
     if kind == "vector":
         return Vector(_vector(_bytes(m[2])))
     if kind == "embedded":

@@ -12,6 +12,7 @@ import json
 import cbor2
 import httpx
 import pytest
+import structlog
 import trio
 
 from meshagent.api import carried, entry
@@ -23,6 +24,7 @@ from meshagent.api.gen_stream import frames, read_message
 from meshagent.api.inflight import InFlight
 from meshagent.errors import ModelMoved
 from meshagent.identity.keys import NodeIdentity
+from meshagent.net.config import OverlayConfig
 from meshagent.net.manager import ConnectionManager
 from meshagent.net.tcp import TcpTransport
 from meshagent.serving import sampling as sampling_module
@@ -61,6 +63,7 @@ class Entry:
             with self.scope:
                 async with trio.open_nursery() as n:
                     await n.start(self.model.run)
+                    await n.start(self.app.catalog.rejoins.run)
                     await n.start(self.node.run)
                     task_status.started()
 
@@ -491,3 +494,58 @@ async def test_an_ask_whose_body_holds_a_number_past_what_python_reads_is_refuse
     assert answer.status_code == 400 and "JSON" in answer.json()["error"]["message"]
     text, usage, events = await stream_text(url, {"temperature": 0})
     assert text and events[-1] == "[DONE]" and usage["completion_tokens"] == TOKENS
+
+
+# ----- a completion follows its asker's connection -----
+
+
+async def test_a_completion_moves_with_its_connection_instead_of_replaying(nursery):
+    """The asker's connection to the entry is replaced mid-stream (a second one between the
+    two wins, as a punched path replaces a relayed one): the asker rejoins the completion on
+    the new connection and the entry goes on there. The same text, nothing replayed, and the
+    old connection closes long before the stream ends (its drain grace outlasts the stream:
+    a completion that stayed would have kept it open)."""
+    slow = await Entry(nursery, delay=0.02).start()
+    asker = ConnectionManager(
+        LocalPeer.create(NodeIdentity.generate(), MESH),
+        TcpTransport(),
+        config=OverlayConfig(drain_grace=60.0),
+    )
+    await nursery.start(asker.run)
+    address = slow.node.listen_addresses[0]
+    await asker.dial(address, peer_id=slow.node.peer_id)
+    directory = Moving(asker)
+    directory.serve_from(slow)
+    url, _ = await serve(nursery, OpenAIApp(directory, InFlight(), lambda: {}))
+    undisturbed, _, _ = await stream_text(url, {"temperature": 0})
+    old = asker.connection(slow.node.peer_id)
+    closed_at: list[float] = []
+
+    async def replace_at(n):
+        if n == 20:
+            await asker.dial(address, peer_id=slow.node.peer_id, replace=True)
+            assert asker.connection(slow.node.peer_id) is not old
+
+            async def watch():
+                await old.wait_closed()
+                closed_at.append(trio.current_time())
+
+            nursery.start_soon(watch)
+
+    with structlog.testing.capture_logs() as logs:
+        text, usage, events = await stream_text(url, {"temperature": 0}, replace_at)
+    ended = trio.current_time()
+    assert text == undisturbed and events[-1] == "[DONE]"
+    assert "replays" not in usage.get("meshagent", {})
+    assert [e for e in logs if e["event"] == "gen.stream_moved"]
+    assert closed_at and closed_at[0] < ended - 0.5  # well before the last of ~100 tokens
+
+
+async def test_a_rejoin_of_no_completion_here_is_refused_and_the_entry_serves_on(mesh):
+    # Another peer's ticket, or none: a `Fail`, and nothing else changes.
+    url, (first, _), directory, _ = mesh
+    reply = await _first_reply(directory, first, gm.encode(gm.Rejoin(12345)))
+    assert isinstance(reply, Fail) and not reply.resumable
+    assert reply.error.code == "unknown_ticket"
+    text, _, events = await stream_text(url, {"temperature": 0})
+    assert text and events[-1] == "[DONE]"

@@ -301,8 +301,8 @@ def test_a_split_stream_over_the_relay_moves_to_direct_mid_stream(tmp_path: Path
     # the relay and serves the split there. The direct path opens while a stream runs, the pair
     # punches through, and the split's streams move to the direct connection mid-way
     # (`serving/moving.py`): the same text, no request failed, nothing replayed. The client
-    # asks the split's entry: a request carried from the other agent (`gen/1`) does not move
-    # with its connection, and goes on by a replay (`api/carried.py`).
+    # asks the agent that is not the split's entry, so the request it carries there (`gen/1`)
+    # moves too (`api/gen_moves.py`).
     require_netns()
     _require_nft()
     lab = Lab(tmp_path)
@@ -319,7 +319,7 @@ def test_a_split_stream_over_the_relay_moves_to_direct_mid_stream(tmp_path: Path
         wait_until(lambda: path("relayed"), 40, "a relayed connection")
         wait_until(lambda: _split_routable(lab, a), 120, "the split over the relay")
         entry = lab.status(a)["placement"][MODEL]["stages"][0][0]
-        a = agents[ids.index(entry)]
+        a = agents[1 - ids.index(entry)]
         calm = tmp_path / "calm.jsonl"
         _stream(lab, a, calm, TOKENS).proc.wait(timeout=300)
         expected = _text(_lines(calm))
@@ -333,7 +333,10 @@ def test_a_split_stream_over_the_relay_moves_to_direct_mid_stream(tmp_path: Path
         began = time.monotonic()
 
         def both_moved() -> bool:
-            return all('"stage.stream_moved"' in x.log_text() for x in agents)
+            logs = [x.log_text() for x in agents]
+            return all('"stage.stream_moved"' in t for t in logs) and any(
+                '"gen.stream_moved"' in t for t in logs
+            )
 
         wait_until(both_moved, 60, "the split's streams moved to the direct connection")
         chunks_then = len(_lines(moved))
