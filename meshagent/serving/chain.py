@@ -8,8 +8,8 @@ here, on the loop, when the first step needs it and again after a break; the ste
 meanwhile wait for it. Tokens from the last stage (`handle_reply`) are checked against the
 windows sent (`AwaitedWindows`) and told to the runner's sink.
 
-The chain breaks when the stream down or a reply stream fails, the last stage reports a
-failure of the whole chain, no token comes for `stall_after` seconds while some are awaited
+The chain breaks when the stream down or a reply stream fails, the next stage ends the stream
+down while something is awaited, the last stage reports a failure of the whole chain, no token comes for `stall_after` seconds while some are awaited
 (counted from when the work sent should be done: see `STALL_MARGIN`), or its owner says so
 (`interrupt`, `rechain`). Then every request in flight fails (`ExecutorSink.broken`; the
 request's own recovery decides what follows, see `serving/recovery.py`), the chain's
@@ -177,6 +177,7 @@ class Chain:
 
         self._opening = False
         outbox = self._outbox = MovingOutbox(down, self._nursery, lost, self.open_downstream)
+        self._nursery.start_soon(self._watch_down, outbox)
         if self.failed is not None:
             log.info("pipeline.reconnected", after=self.failed, generation=self.generation)
             self.failed = None
@@ -184,6 +185,26 @@ class Chain:
         for out in waiting:
             if out.generation == self.generation:
                 self._put(out)
+
+    async def _watch_down(self, outbox: MovingOutbox) -> None:
+        """The next stage ends the stream down (it sends nothing on it) only when it stops
+        serving it: it failed, or its agent left. What is in flight on it is then lost, and
+        the chain breaks now, not at the stall watch's deadline. A stream it moved from, or
+        one an older chain opened, is not that."""
+        while outbox is self._outbox:
+            stream = outbox.stream
+            receive = getattr(stream, "receive_some", None)
+            if receive is None:  # (a send-only stream, in tests)
+                return
+            why = "the next stage ended the stream down"
+            try:
+                while await receive():
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                why = f"{why}: {e}"
+            if outbox is self._outbox and stream is outbox.stream:
+                self.interrupt(why)  # (nothing awaited: the next step opens a new one)
+                return
 
     async def end_when_idle(self, quiet: float = IDLE_QUIET) -> None:
         """The agent is leaving: end the stream down once no step is on its way and no token
