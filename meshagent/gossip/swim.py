@@ -114,6 +114,7 @@ class Swim:
         self.config = config or SwimConfig()
         self.rng = random.Random(seed)
         self.incarnation = incarnation
+        self.left = False  # `leave` was called
         self.record_seq = 0
         self.record = b""
         self.members: dict[str, Member] = {}
@@ -210,9 +211,10 @@ class Swim:
         return self._send([(contact, Message("sync", digest=b"", updates=self._piggyback()))])
 
     def _self_update(self, *, with_record: bool = False) -> Update:
+        state = State.DEAD if self.left else State.ALIVE
         return self._issue(
             Update(
-                self.me, self.incarnation, State.ALIVE, self.me, self.record_seq,
+                self.me, self.incarnation, state, self.me, self.record_seq,
                 self.record if with_record else b"",
             )
         )  # fmt: skip
@@ -237,6 +239,7 @@ class Swim:
     def leave(self, now: float, peers: int) -> Out:
         """This member leaves: its own death at its incarnation, to `peers` members (they
         spread it). A restart outranks it with a later incarnation."""
+        self.left = True  # from now on it says it is dead, and refutes no death of its own
         u = self._issue(Update(self.me, self.incarnation, State.DEAD, self.me))
         return self._send([(m, Message("gossip", updates=(u,))) for m in self._pick(peers)])
 
@@ -445,12 +448,15 @@ class Swim:
     def _row(self, member: str) -> tuple | None:
         """What the digest covers of a member: (incarnation, state, record version)."""
         if member == self.me:
-            return (self.incarnation, State.ALIVE.value, self.record_seq)
+            state = State.DEAD if self.left else State.ALIVE
+            return (self.incarnation, state.value, self.record_seq)
         x = self.members.get(member)
         return None if x is None else (x.incarnation, x.state.value, x.record_seq)
 
     def _take(self, u: Update, now: float) -> None:
         if u.subject == self.me:
+            if self.left:
+                return  # it left: whoever still speaks to it while it drains hears so
             if u.state != State.ALIVE and u.incarnation >= self.incarnation:
                 self.incarnation = u.incarnation + 1  # refute: alive, newer than the rumour
                 self._queue_update(self._self_update())

@@ -394,8 +394,9 @@ class SwimService:
         for peer in self._joined.keys() - links:
             del self._joined[peer]
         for peer in sorted(links):
-            if self.swim.state_of(peer) != State.DEAD:
-                self._disputed.pop(peer, None)
+            conn = self.overlay.connection(peer)
+            if self.swim.state_of(peer) != State.DEAD or not (conn and conn.accepting_streams):
+                self._disputed.pop(peer, None)  # (one draining is its leaving, or replaced)
             elif now - self._disputed.get(peer, -float("inf")) >= _LINK_SYNC:
                 self._disputed[peer] = now
                 out += self.swim.sync_with(peer)

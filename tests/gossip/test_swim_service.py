@@ -145,3 +145,17 @@ async def test_two_members_that_buried_each_other_while_still_connected_come_bac
             while a.alive_view() != b.alive_view() or len(a.alive_view()) != 2:
                 await trio.sleep(0.1)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_member_that_left_stays_dead_while_its_connections_drain(autojump_clock):
+    """A member that leaves stays connected while its connections drain; the others, which
+    now hold it dead, may still speak to it then. It refutes no death of its own: it left."""
+    async with trio.open_nursery() as nursery:
+        _, agents = await _mesh(nursery, 3)
+        leaver, rest = agents[2], agents[:2]
+        await leaver.gossip.leave(peers=2)
+        await trio.sleep(8)  # the others sync with it, and gossip, all the while
+        assert all(x.overlay.connection(leaver.peer_id) is not None for x in rest)
+        for x in rest:
+            assert x.alive_view() == {y.peer_id for y in rest}
+        nursery.cancel_scope.cancel()
