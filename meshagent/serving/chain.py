@@ -11,10 +11,11 @@ windows sent (`AwaitedWindows`) and told to the runner's sink.
 The chain breaks when the stream down or a reply stream fails, the next stage ends the stream
 down while something is awaited, the last stage reports a failure of the whole chain, no token
 comes for `stall_after` seconds while some are awaited (counted from when the work sent should
-be done: see `STALL_MARGIN`), or its owner says so (`interrupt`, `rechain`). Then every request in flight fails (`ExecutorSink.broken`; the
-request's own recovery decides what follows, see `serving/recovery.py`), the chain's
-generation moves on, and whatever the old chain still says is ignored; the next step that
-needs the chain opens a new stream, and the stages behind it start afresh.
+be done: see `STALL_MARGIN`), or its owner says so (`interrupt`, `rechain`). Then every request
+in flight fails (`ExecutorSink.broken`; the request's own recovery decides what follows, see
+`serving/recovery.py`), the chain's generation moves on, and whatever the old chain still says
+is ignored; the next step that needs the chain opens a new stream, and the stages behind it
+start afresh.
 """
 
 from __future__ import annotations
