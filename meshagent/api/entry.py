@@ -46,7 +46,7 @@ async def serve(stream: trio.abc.Stream, catalog: Catalog, *, peer_id: str) -> N
     if ask is None:
         return
     answering = Answering(stream)
-    await catalog.rejoins.answer(lambda: _answer(answering, catalog, ask, peer_id), answering.done)
+    await catalog.rejoins.answer(lambda: _answer(answering, catalog, ask, peer_id), answering)
 
 
 async def _answer(answering: Answering, catalog: Catalog, ask: Ask, peer_id: str) -> None:

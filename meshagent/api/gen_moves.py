@@ -100,14 +100,28 @@ class Rejoins:
         finally:
             self._nursery = None
 
-    async def answer(self, work: Callable[[], Awaitable[None]], done: trio.Event) -> None:
-        """Run `work` (which sets `done` last) where a connection's end does not cancel it,
-        and return once it is done; in this task where `run` does not run."""
+    async def answer(self, work: Callable[[], Awaitable[None]], answering: Answering) -> None:
+        """Run `work` (which sets `answering.done` last) where a connection's end does not
+        cancel it, and return once it is done; in this task where `run` does not run. A bug
+        in it ends its stream, as it would have ended the stream's handler, never the
+        agent."""
         if self._nursery is None:
             await work()
             return
-        self._nursery.start_soon(work)
-        await done.wait()
+
+        async def guarded() -> None:
+            try:
+                await work()
+            except Exception as e:
+                log.exception("gen.answer_failed")
+                reset = getattr(answering.stream, "reset", None)
+                if reset is not None:
+                    reset(f"the entry failed: {e!r}")
+            finally:
+                answering.done.set()
+
+        self._nursery.start_soon(guarded)
+        await answering.done.wait()
 
     @contextlib.contextmanager
     def holding(self, peer_id: str, ticket: int | None, answering: Answering) -> Iterator[None]:
