@@ -549,3 +549,34 @@ async def test_a_rejoin_of_no_completion_here_is_refused_and_the_entry_serves_on
     assert reply.error.code == "unknown_ticket"
     text, _, events = await stream_text(url, {"temperature": 0})
     assert text and events[-1] == "[DONE]"
+
+
+async def test_a_move_the_asker_did_not_ask_for_is_a_broken_stream(mesh, nursery):
+    # A member that answers an ask, then says the completion moved, where no rejoin was
+    # sent: the asker treats the stream as broken and goes on where it can (here: nowhere,
+    # so the request fails, naming why).
+    url, _, directory, _ = mesh
+    directory.deadline = 1.0
+
+    async def lie(stream):
+        await read_message(stream, frames())  # the ask
+        await stream.send_all(gm.encode(gm.Head([], "fake", None, 4)))
+        await stream.send_all(gm.encode(gm.Moved()))
+        await trio.sleep_forever()
+
+    liar = ConnectionManager(
+        LocalPeer.create(NodeIdentity.generate(), MESH),
+        TcpTransport(),
+        listen=["127.0.0.1:0"],
+        on_stream=lie,
+    )
+    await nursery.start(liar.run)
+    await directory.node.dial(liar.listen_addresses[0], peer_id=liar.peer_id)
+    directory.remote = [RemoteModel("fake", liar.peer_id, "whole", layers=3)]
+    body = {"model": "fake", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True}
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.post(f"{url}/v1/completions", json=body)
+    # (nothing was streamed yet: the error is the answer's status)
+    assert r.status_code == 503, r.text
+    assert "moved the stream, and it was not asked to" in r.json()["error"]["message"]
