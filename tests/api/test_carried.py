@@ -398,6 +398,22 @@ async def test_an_entry_waits_for_an_ask_only_so_long(mesh, monkeypatch):
     assert "no ask within 0.2 s" in reply.error.message
 
 
+async def _member(nursery, directory, on_stream) -> RemoteModel:
+    """A member answering `gen/1` with `on_stream`, connected, and the only one the
+    directory says serves the model."""
+    node = ConnectionManager(
+        LocalPeer.create(NodeIdentity.generate(), MESH),
+        TcpTransport(),
+        listen=["127.0.0.1:0"],
+        on_stream=on_stream,
+    )
+    await nursery.start(node.run)
+    await directory.node.dial(node.listen_addresses[0], peer_id=node.peer_id)
+    remote = RemoteModel("fake", node.peer_id, "whole", layers=3)
+    directory.remote = [remote]
+    return remote
+
+
 async def test_an_asker_waits_for_a_head_only_so_long(mesh, nursery, monkeypatch):
     _, _, directory, _ = mesh
     held = []  # a member that takes gen/1 streams and never answers
@@ -406,16 +422,7 @@ async def test_an_asker_waits_for_a_head_only_so_long(mesh, nursery, monkeypatch
         held.append(stream)
         await trio.sleep_forever()
 
-    silent = ConnectionManager(
-        LocalPeer.create(NodeIdentity.generate(), MESH),
-        TcpTransport(),
-        listen=["127.0.0.1:0"],
-        on_stream=hold,
-    )
-    await nursery.start(silent.run)
-    await directory.node.dial(silent.listen_addresses[0], peer_id=silent.peer_id)
-    remote = RemoteModel("fake", silent.peer_id, "whole", layers=3)
-    directory.remote = [remote]
+    remote = await _member(nursery, directory, hold)
     monkeypatch.setattr(carried, "HEAD_DEADLINE", 0.2)
     ask = gm.Ask("POST", "/v1/completions", b"{}")
     one = carried.Carried(directory, ask, "fake", 1.0, lambda: None)
@@ -564,15 +571,7 @@ async def test_a_move_the_asker_did_not_ask_for_is_a_broken_stream(mesh, nursery
         await stream.send_all(gm.encode(gm.Moved()))
         await trio.sleep_forever()
 
-    liar = ConnectionManager(
-        LocalPeer.create(NodeIdentity.generate(), MESH),
-        TcpTransport(),
-        listen=["127.0.0.1:0"],
-        on_stream=lie,
-    )
-    await nursery.start(liar.run)
-    await directory.node.dial(liar.listen_addresses[0], peer_id=liar.peer_id)
-    directory.remote = [RemoteModel("fake", liar.peer_id, "whole", layers=3)]
+    await _member(nursery, directory, lie)
     body = {"model": "fake", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True}
     with trio.fail_after(10):
         async with httpx.AsyncClient(timeout=30) as client:
