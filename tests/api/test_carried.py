@@ -467,15 +467,7 @@ async def test_an_entrys_receipt_reaches_the_client_filtered_and_named_by_the_as
             await stream.send_all(gm.encode(msg))
         await trio.sleep(1)
 
-    forger = ConnectionManager(
-        LocalPeer.create(NodeIdentity.generate(), MESH),
-        TcpTransport(),
-        listen=["127.0.0.1:0"],
-        on_stream=forge,
-    )
-    await nursery.start(forger.run)
-    await directory.node.dial(forger.listen_addresses[0], peer_id=forger.peer_id)
-    directory.remote = [RemoteModel("fake", forger.peer_id, "whole", layers=3)]
+    forger = await _member(nursery, directory, forge)
     body = {"model": "fake", "prompt": PROMPT, "max_tokens": 4}
     async with httpx.AsyncClient(timeout=10) as client:
         r = await client.post(f"{url}/v1/completions", json=body)
