@@ -26,23 +26,15 @@ import trio
 from meshagent.api.gen_messages import Message, Moved, Rejoin, encode
 from meshagent.api.gen_stream import frames
 from meshagent.errors import MeshError
+from meshagent.serving.moving import OPEN_WAIT, RETRY_AFTER, connection_of
 from meshagent.wire.framing import LengthPrefixDecoder
 
 log = structlog.get_logger(__name__)
-
-# How long the asker waits for its new stream to open, and how much later it tries again
-# when none opened on another connection (the new one is usually in force within a few ms).
-OPEN_WAIT = 2.0
-RETRY_AFTER = 0.25
 
 
 def new_ticket() -> int:
     """A random ticket (from the OS, as the sampler's seeds are not: those a test may fix)."""
     return int.from_bytes(os.urandom(8), "big") >> 1 or 1
-
-
-def _connection(stream: Any) -> Any:
-    return getattr(stream, "connection", None)
 
 
 class Answering:
@@ -181,7 +173,7 @@ class Rejoiner:
         another connection to the entry is up. Runs until cancelled."""
         while True:
             changed, stream = self._changed, self.stream
-            conn = _connection(stream)
+            conn = connection_of(stream)
             event = getattr(conn, "no_new_streams", None)
             if event is None or self._next is not None or conn.is_closed:
                 await changed.wait()
@@ -199,7 +191,7 @@ class Rejoiner:
                 new = await self._reopen()
         if new is None:
             return False
-        if _connection(new) is conn or stream is not self.stream:
+        if connection_of(new) is conn or stream is not self.stream:
             await trio.aclose_forcefully(new)  # no other connection to the entry yet
             return False
         try:

@@ -210,11 +210,14 @@ class Swim:
         self._queue_update(self._self_update(with_record=True))
         return self._send([(contact, Message("sync", digest=b"", updates=self._piggyback()))])
 
+    @property
+    def _own_state(self) -> State:
+        return State.DEAD if self.left else State.ALIVE
+
     def _self_update(self, *, with_record: bool = False) -> Update:
-        state = State.DEAD if self.left else State.ALIVE
         return self._issue(
             Update(
-                self.me, self.incarnation, state, self.me, self.record_seq,
+                self.me, self.incarnation, self._own_state, self.me, self.record_seq,
                 self.record if with_record else b"",
             )
         )  # fmt: skip
@@ -448,8 +451,7 @@ class Swim:
     def _row(self, member: str) -> tuple | None:
         """What the digest covers of a member: (incarnation, state, record version)."""
         if member == self.me:
-            state = State.DEAD if self.left else State.ALIVE
-            return (self.incarnation, state.value, self.record_seq)
+            return (self.incarnation, self._own_state.value, self.record_seq)
         x = self.members.get(member)
         return None if x is None else (x.incarnation, x.state.value, x.record_seq)
 

@@ -47,7 +47,7 @@ MAX_PARKED = 4
 IDLE_QUIET = 0.2
 
 
-def _connection(stream: Any) -> Any:
+def connection_of(stream: Any) -> Any:
     """The overlay connection a stream runs over (None for in-process streams)."""
     return getattr(stream, "connection", None)
 
@@ -107,7 +107,7 @@ class MovingOutbox:
             self._reopen is not None
             and not (self._moving or self._closed)
             and self._outbox.failed is None
-            and _replaced(_connection(self._outbox.stream))
+            and _replaced(connection_of(self._outbox.stream))
             and trio.current_time() >= self._retry_at
         )
 
@@ -126,7 +126,7 @@ class MovingOutbox:
         self._moving = True
         try:
             old = self._outbox
-            conn = _connection(old.stream)
+            conn = connection_of(old.stream)
             new: trio.abc.SendStream | None = None
             why = "opening the new stream took too long"
             assert self._reopen is not None
@@ -137,7 +137,7 @@ class MovingOutbox:
                     why = str(e)
             if new is not None and (
                 getattr(new, "peer_id", None) != getattr(old.stream, "peer_id", None)
-                or _connection(new) is conn
+                or connection_of(new) is conn
             ):
                 why = "no other connection to the same peer"
                 await trio.aclose_forcefully(new)
@@ -158,7 +158,7 @@ class MovingOutbox:
             "stage.stream_moved",
             peer=getattr(new, "peer_id", None),
             label=getattr(new, "label", None),
-            path=getattr(_connection(new), "path", None),
+            path=getattr(connection_of(new), "path", None),
         )
         self._nursery.start_soon(self._finish, old)
         self._start_watch()
@@ -177,7 +177,7 @@ class MovingOutbox:
         """Move as soon as the connection in force stops taking new streams (trying again
         while it drains), even while nothing is put."""
         self.stop_watching()
-        conn = _connection(self._outbox.stream)
+        conn = connection_of(self._outbox.stream)
         event = getattr(conn, "no_new_streams", None)
         if self._reopen is None or event is None or self._closed:
             return
@@ -186,7 +186,7 @@ class MovingOutbox:
         async def watch() -> None:
             with scope:
                 await event.wait()
-                while _connection(self._outbox.stream) is conn and not conn.is_closed:
+                while connection_of(self._outbox.stream) is conn and not conn.is_closed:
                     if self._due() and await self._move():
                         return
                     await trio.sleep(RETRY_AFTER)

@@ -240,7 +240,7 @@ class PipelineExecutor:
             return NOTHING_YET
         data = b"".join(sm.encode(m) for m in messages)
         opened = tuple(op.slot for op in step.opened)
-        work = first_ms / 1000 * self._work_scale if items else 0.0
+        work = first_ms / 1000 * self._work_scale  # (none without rows)
         out = Outgoing(generation, data, step.released, opened, items, bool(items), work)
         return StepDone([], out)
 
