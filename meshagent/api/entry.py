@@ -11,7 +11,6 @@ ask only for inference this way: any other path is refused (404)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import replace
 
@@ -22,7 +21,7 @@ from meshagent.api import errors
 from meshagent.api.catalog import Catalog
 from meshagent.api.embeddings import EMBEDDINGS_PATH, embed_here, parse_embedding
 from meshagent.api.errors import ApiError, api_error_for
-from meshagent.api.gen_messages import Ask, Embedded, Fail, Head, Message, Rejoin, Vector
+from meshagent.api.gen_messages import Ask, Embedded, Fail, Head, Rejoin, Vector
 from meshagent.api.gen_moves import Answering
 from meshagent.api.gen_stream import Broken, frames, read_message, send_quietly
 from meshagent.api.here import generating
@@ -66,7 +65,7 @@ async def _answer(answering: Answering, catalog: Catalog, ask: Ask, peer_id: str
                     nursery.cancel_scope.cancel()
             if grace.cancelled_caught:  # the shutdown grace expired: another entry goes on
                 gone = errors.unavailable("the entry shut down", code="shutting_down")
-                await _send_quietly(answering, Fail(gone, True))
+                await answering.send_quietly(Fail(gone, True))
         # Let the asker read everything and close its side first: closing a stream whose peer
         # still sends resets it, and a reset drops what is still in flight.
         with trio.move_on_after(_LINGER):
@@ -85,7 +84,7 @@ async def _rejoin(stream: trio.abc.Stream, catalog: Catalog, peer_id: str, ticke
         why = "no completion of this asker with that ticket is answered here"
         await send_quietly(stream, Fail(errors.not_found(why, code="unknown_ticket"), False))
         with trio.move_on_after(_LINGER):
-            await _watch_asker(Answering(stream), None)
+            await Answering(stream).asker_gone()
         return
     await answering.move_to(stream)
     await answering.done.wait()
@@ -124,7 +123,7 @@ async def _receive_ask(stream: trio.abc.Stream, peer_id: str) -> Ask | Rejoin | 
             why = str(e)
     await _refuse(stream, peer_id, why, code="invalid_gen_message")
     with trio.move_on_after(_LINGER):  # the asker reads the Fail, then closes
-        await _watch_asker(Answering(stream), None)
+        await Answering(stream).asker_gone()
     return None
 
 
@@ -175,7 +174,7 @@ async def _generate(out: Answering, catalog: Catalog, ask: Ask, peer_id: str) ->
     for e in failed:
         resumable = isinstance(e, (ShuttingDown, ModelMoved))
         err = api_error_for(e, prompt_param=prepared.prompt_param)
-        await _send_quietly(out, Fail(err, resumable))
+        await out.send_quietly(Fail(err, resumable))
 
 
 async def _embed(out: Answering, catalog: Catalog, ask: Ask) -> None:
@@ -196,14 +195,7 @@ async def _embed(out: Answering, catalog: Catalog, ask: Ask) -> None:
     await out.send(Embedded(model.info.id, tokens))
 
 
-async def _watch_asker(out: Answering, scope: trio.CancelScope | None) -> None:
-    """Return (cancelling `scope`) when the asker closes its side: its client went away."""
+async def _watch_asker(out: Answering, scope: trio.CancelScope) -> None:
+    """Cancel `scope` when the asker closes its side: its client went away."""
     await out.asker_gone()
-    if scope is not None:
-        scope.cancel()
-
-
-async def _send_quietly(out: Answering, msg: Message) -> None:
-    """Send `msg` unless the stream is gone (its peer left: nothing to tell)."""
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-        await out.send(msg)
+    scope.cancel()

@@ -63,6 +63,11 @@ class Answering:
         async with self._lock:
             await self.stream.send_all(encode(msg))
 
+    async def send_quietly(self, msg: Message) -> None:
+        """Send `msg` unless the stream is gone (its peer left: nothing to tell)."""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.send(msg)
+
     async def move_to(self, new: trio.abc.Stream) -> None:
         """Everything from now on goes on `new`: `Moved` ends the old stream."""
         async with self._lock:
