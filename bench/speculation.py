@@ -276,6 +276,12 @@ def round_shares(
     return {"median": statistics.median(shares) if shares else None, "rounds": shares}
 
 
+def paired(runs: list[dict], base: list[dict]) -> float | None:
+    """The median over rounds of a run's tokens/s over its round's base run's."""
+    ratios = [x["tok_s"] / b["tok_s"] for x, b in zip(runs, base, strict=True) if b["tok_s"] > 0]
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=3)
@@ -295,11 +301,20 @@ def main() -> None:
         "(meshagent up --draft-model): the modes' gains then include its drafts, and what "
         "its proposals cost is the agent's to weigh",
     )
+    ap.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/speculation.json"))
     args = ap.parse_args()
     model_path = args.model or default_model_path()
     modes = args.modes.split(",")
-    runs: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in WORKLOADS}
+    chosen = args.workloads.split(",")
+    if unknown := [w for w in chosen if w not in WORKLOADS]:
+        ap.error(f"unknown workload(s) {', '.join(unknown)}: choose of {', '.join(WORKLOADS)}")
+    workloads = {w: WORKLOADS[w] for w in chosen}
+    runs: dict[str, dict[str, list[dict]]] = {w: {m: [] for m in modes} for w in workloads}
     with tempfile.TemporaryDirectory(prefix="meshagent-bench-") as tmp:
         draft = ["--draft-model", str(args.draft_model)] if args.draft_model else []
         agent = start_agent(
@@ -317,7 +332,7 @@ def main() -> None:
             one(url, model, "Hello", "off", 8)  # warm up
             steps, per_round = agent_steps(url), []
             for r in range(args.rounds):
-                for w, prompt in WORKLOADS.items():
+                for w, prompt in workloads.items():
                     order = modes if r % 2 == 0 else modes[::-1]
                     for m in order:
                         runs[w][m].append(one(url, model, prompt, m, args.max_tokens))
@@ -331,16 +346,16 @@ def main() -> None:
     engine_costs, step = timed or (apart_costs, apart_step)
     # The agent's time per token without drafts: what a one-token step costs it in full.
     agent_step = statistics.median(
-        1 / x["tok_s"] for w in WORKLOADS for x in runs[w][modes[0]] if x["tok_s"] > 0
+        1 / x["tok_s"] for w in workloads for x in runs[w][modes[0]] if x["tok_s"] > 0
     )
     costs = with_overhead(engine_costs, step, agent_step)
     apart = with_overhead(apart_costs, apart_step, agent_step)
-    answers = {w: (WORKLOADS[w], runs[w][modes[0]][0]["text"]) for w in WORKLOADS}
+    answers = {w: (workloads[w], runs[w][modes[0]][0]["text"]) for w in workloads}
     tokens = tokenized(model_path, answers)
 
     base = modes[0]
     table = {}
-    for w in WORKLOADS:
+    for w in workloads:
         row: dict = {"identical": True}
         base_rate = statistics.median(x["tok_s"] for x in runs[w][base])
         for m in modes:
@@ -353,6 +368,10 @@ def main() -> None:
                 "runs_tok_s": [round(x["tok_s"], 1) for x in xs],
                 "tokens": xs[0]["tokens"],
                 "vs_base": round(rate / base_rate, 3) if base_rate else None,
+                # The same, pair by pair: each round's run against that round's base run
+                # (the two back to back), the median of those ratios. Less moved by the
+                # machine's drift from one minute to the next than a ratio of medians.
+                "paired": paired(xs, runs[w][base]),
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
                 "accepted_per_token": round(accepted / sum(x["tokens"] for x in xs), 3),
                 "model_windows": sum(x["model_windows"] for x in xs),
@@ -384,7 +403,7 @@ def main() -> None:
         gain = row[judged]["vs_base"] if judged else max(row[m]["vs_base"] for m in modes[1:])
         row["of_target"] = round(gain / row["target"], 3)
         if judged and w in COPY_SHAPED:
-            all_base = [runs[v][base] for v in WORKLOADS]
+            all_base = [runs[v][base] for v in workloads]
             row["of_round_ceiling"] = round_shares(
                 per_round, runs[w][judged], runs[w][base], all_base, copied
             )
@@ -449,6 +468,9 @@ def main() -> None:
                 f"steps: {', '.join(f'{x:.3f}' for x in by_round['rounds'])} (median "
                 f"{by_round['median']:.3f})"
             )
+    for w, row in table.items():
+        pairs = ", ".join(f"{m} {row[m]['paired']}x" for m in modes[1:])
+        print(f"{w}: round by round against {base} (median of the pairs' ratios): {pairs}")
     answers_apart = ", ".join(f"{w} {row['copy_ceiling_apart']}x" for w, row in table.items())
     print(
         f"measured apart, after the runs (one sequence, fixed position): {line(apart)} (the "

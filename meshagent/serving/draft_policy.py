@@ -49,10 +49,14 @@ SPECULATION = ("auto", "on", "off")
 # paying doubles the wait, up to PROBE_MOST steps. A poor or dear draft model then costs a
 # few of its forward passes per hundred steps rather than one per token.
 PROBE_EVERY, PROBE_MOST, PROBE_TOKENS = 16, 256, 4
-# A sequence asks the draft model nothing before it has decoded this many tokens ("auto"):
-# most answers that copy their prompt start copying within a few tokens, and one that does
-# never pays the draft model's prefill of its prompt.
+# A sequence asks the draft model nothing before it has decoded this many tokens ("auto"),
+# unless the model already holds its text (a split's entry has it read the prompt while the
+# prompt travels the stages): most answers that copy their prompt start copying within a
+# few tokens, and one that does never pays the draft model's prefill of its prompt.
 MODEL_AFTER = 8
+# What the draft model reads of a prompt at a time while it travels a split's stages, before
+# its reading was timed (after: what it reads in the trip's time).
+_PROMPT_CHUNK = 32
 # How often "auto" expects a draft model's tokens to be right before any evidence: below the
 # text's prior, since a small model of another family (another tokenizer) is right less
 # often than the text it copies.
@@ -175,7 +179,7 @@ class DraftPolicy:
             return None
         if d.drafter.copying:
             return None  # the text's draft goes while it copies: no model's is read
-        if d.acceptance is not None and s.generated < MODEL_AFTER:
+        if d.acceptance is not None and s.generated < MODEL_AFTER and _behind(d) > _TIMED_FEED:
             return None  # (an answer that copies its prompt is copying by then)
         k = self._model_k(s, k)
         if not k or len(d.drafter.offered(after)) >= max(1, k - 1):
@@ -184,9 +188,11 @@ class DraftPolicy:
 
     def catch_up_wanted(self, s: SeqState, now: float | None = None) -> int:
         """How many tokens of its text the draft model should read for `s` now, proposing
-        nothing (`DraftModel.catch_up`): where `s` has windows in flight and its drafts would
-        pay but for what catching up costs, as many as it reads before the oldest window is
-        expected back (the thread that proposes idles meanwhile); else 0."""
+        nothing (`DraftModel.catch_up`): where `s` has windows in flight (at a split's entry,
+        its prompt's among them) and its drafts would pay but for what catching up costs, as
+        many as it reads before the oldest is expected back (the thread that proposes idles
+        meanwhile); before its reading was timed, `_PROMPT_CHUNK` tokens of a prompt in
+        flight. So its first drafts can go with its first tokens. Else 0."""
         d = s.drafts
         if (
             d is None
@@ -195,13 +201,14 @@ class DraftPolicy:
             or d.drafter.copying
             or s.cancelled
             or not (s.busy and s.windows)
-            or self.model_forward is None
         ):
             return 0
         behind = _behind(d)
         pays = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=self.model_extra())
         if behind <= 0 or not pays:
             return 0
+        if self.model_forward is None:
+            return min(behind, _PROMPT_CHUNK) if not s.generated else 0
         return min(behind, int(self._time_in_flight(s, now) / self._feed_seconds()))
 
     def caught_up(self, s: SeqState, tokens: int, seconds: float) -> None:

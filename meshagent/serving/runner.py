@@ -292,7 +292,7 @@ class ModelRunner:
 
     def _next(self) -> Step | None:
         while True:
-            self._prepare_drafts()
+            read = self._prepare_drafts()
             with self._lock:
                 if self._stopping:
                     return None
@@ -305,17 +305,20 @@ class ModelRunner:
                             in_flight = self.scheduler.steps_in_flight()
                             self.peak_steps_in_flight = max(self.peak_steps_in_flight, in_flight)
                     return step
+                if read:  # the draft model read on: it may read more before the tokens come
+                    continue
                 self._idle = True
                 self._lock.wait()
                 self._idle = False
 
-    def _prepare_drafts(self) -> None:
+    def _prepare_drafts(self) -> bool:
         """The draft model's proposals the next step will want (`Scheduler.drafts_wanted`),
         computed here, outside the lock: the event loop, which takes the lock to submit,
-        cancel and hand over a split's tokens, never waits for a draft."""
+        cancel and hand over a split's tokens, never waits for a draft. Else its catching up
+        on sequences' text while their windows travel; whether it read any."""
         model = self.scheduler.drafting.model
         if model is None:
-            return
+            return False
         with self._lock:
             wanted = self.scheduler.drafts_wanted()
         for seq, k, after, key in wanted:
@@ -327,14 +330,17 @@ class ModelRunner:
                 self.scheduler.drafting.model_timed(ran, model.last_fed, spent)
                 self.scheduler.offer_draft(seq, key, proposal, spent)
         if wanted:
-            return
+            return False
         with self._lock:  # nothing to propose: read on where catching up is worth it
             catch_ups = self.scheduler.catch_ups_wanted(time.perf_counter())
+        read = False
         for seq, n in catch_ups:
             started = time.perf_counter()
             fed = model.catch_up(seq, n)
+            read |= fed > 0
             with self._lock:
                 self.scheduler.caught_up(seq, fed, time.perf_counter() - started)
+        return read
 
     def _work(self) -> None:
         while (step := self._next()) is not None:

@@ -319,3 +319,43 @@ def test_while_windows_travel_the_draft_model_catches_up_where_its_drafts_would_
     for _ in range(20):
         s.drafts.drafter.accepts.update(0, 4)
     assert p.catch_up_wanted(s, now=10.0) == 0
+
+
+def test_while_its_prompt_travels_the_draft_model_reads_it_and_drafts_from_the_first_token():
+    # At a split's entry a prompt's trip through the stages leaves the proposing thread idle:
+    # the draft model reads the prompt meanwhile (32 tokens at a time before its reading was
+    # timed, then what it reads in a trip), and a sequence whose prompt it holds is asked
+    # for drafts from its first token, where one whose prompt it lacks waits MODEL_AFTER.
+    from meshagent.serving.draft_policy import MODEL_AFTER
+
+    p = policy(max_windows=4)
+    s = _with_draft_model(p, tuple(range(1, 81)), limit=200)
+    s.pending = []
+    sent(s, ())  # the prompt's last chunk: its token comes a trip later
+    read = 0
+    while n := p.catch_up_wanted(s):
+        assert n == min(32, 80 - read)
+        p.caught_up(s, n, 0.05)
+        read += n
+    assert read == 80 and p.catch_up(s) == 0
+    s.windows.popleft()
+    s.busy, s.pending = False, [7]
+    _decoded(s, 1)
+    assert p.wanted(s) is not None
+    lacking = _with_draft_model(p, tuple(range(1, 81)), limit=200)
+    _decoded(lacking, 1)
+    assert p.wanted(lacking) is None
+    _decoded(lacking, MODEL_AFTER - 1)
+    assert p.wanted(lacking) is not None
+    # Timed: a trip of 0.1 s, a token read in 0.004 s, so 25 at a time; none for a prompt of
+    # a sequence whose drafts do not pay.
+    _timed(p)
+    p.model_timed(1, 1, 0.01)
+    p.model_timed(1, 100, 100 * 0.004)
+    timed = _with_draft_model(p, tuple(range(1, 81)), limit=200)
+    timed.pending = []
+    sent(timed, ())
+    assert p.catch_up_wanted(timed) == 25
+    for _ in range(20):
+        timed.drafts.drafter.accepts.update(0, 4)
+    assert p.catch_up_wanted(timed) == 0

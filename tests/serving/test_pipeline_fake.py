@@ -260,13 +260,15 @@ async def test_the_entry_learns_what_a_window_costs_from_its_trips(nursery):
     # No step of a split's entry ends with its tokens: each window's trip around the chain is
     # timed instead. Where a trip costs about the same whatever the window holds (latency, a
     # step's fixed cost), windows are cheap; where each token costs a step, they are not.
+    # (Steps of 8 ms, so that the Python around them, slower on a loaded machine, counts
+    # for little.)
     def chain(token_delay: float) -> FakeChain:
-        c = FakeChain(nursery, depth=1, copy_back=6, delay=0.003 - token_delay)
+        c = FakeChain(nursery, depth=1, copy_back=6, delay=0.008 - token_delay)
         for part in (c.entry, *c.stages):
             part.token_delay = token_delay
         return c
 
-    cheap, dear = chain(0.0), chain(0.003)
+    cheap, dear = chain(0.0), chain(0.008)
     for c in (cheap, dear):
         await nursery.start(c.model.run)
         assert c.model.runner.scheduler.window_cost.slope == 0.3  # the prior, until timed

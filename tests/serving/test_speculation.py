@@ -124,6 +124,10 @@ async def test_auto_backs_off_where_drafts_miss_and_the_model_default_applies(nu
     engine = FakeEngine(slots=2, slot_ctx=512)  # novel text: drafts from it rarely fit
     model = LocalModel.whole(engine, max_queue=2)
     await nursery.start(model.run)
+    # A window of n tokens costs 1 + 0.5 (n - 1) steps, fixed: the fake's steps cost only
+    # the Python around them, which a loaded machine times at random.
+    cost = model.runner.scheduler.window_cost
+    cost.slope, cost.weight = 0.5, 0.0
     prompt = "ab ab ab ab cd cd cd cd ef ef"
     plain, _ = await run(model, prompt, 200, sampling=GREEDY)
     on, on_fin = await run(model, prompt, 200, sampling=GREEDY, speculation="on")
@@ -136,12 +140,14 @@ async def test_auto_backs_off_where_drafts_miss_and_the_model_default_applies(nu
 async def test_the_runner_measures_what_a_window_costs(nursery):
     # On an engine whose step costs about the same whatever its tokens, windows are cheap;
     # on one where each token costs what a step costs (a compute-bound CPU), they are not.
+    # (Steps of 10 ms, so that the Python around them, slower on a loaded machine, counts
+    # for little.)
     def served(token_delay):
-        engine = FakeEngine(slots=2, slot_ctx=512, copy_back=6, delay=0.004 - token_delay)
+        engine = FakeEngine(slots=2, slot_ctx=512, copy_back=6, delay=0.01 - token_delay)
         engine.token_delay = token_delay
         return LocalModel.whole(engine, max_queue=2)
 
-    cheap, dear = served(0.0), served(0.004)
+    cheap, dear = served(0.0), served(0.01)
     for model in (cheap, dear):
         await nursery.start(model.run)
         await run(model, "abcdef abcdef", 120, sampling=GREEDY, speculation="on")
