@@ -20,6 +20,7 @@ tokenizer's or its own argmax.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,12 @@ class DraftModel:
         self._free = list(range(engine.n_slots))
         self.forwards = 0  # forward passes run, for what drafting costs
         self.last_fed = 0  # the last proposal's first forward: how many tokens it fed
+        # The last proposal's times: its first forward pass (which fed `last_fed` tokens), and
+        # its forward passes of one token after it (how many, in how many seconds). A
+        # proposal that catches up on many tokens then still times the model's forward pass.
+        self.last_feed_seconds = 0.0
+        self.last_steps = 0
+        self.last_steps_seconds = 0.0
         # What the other threads told it, applied by the proposing thread (`_drain`): the
         # engine is only ever called from that one.
         self._inbox: deque[tuple[str, int, tuple[int, ...]]] = deque()
@@ -116,19 +123,25 @@ class DraftModel:
         self.engine.trim_sequence(s.slot, keep)
         del s.cached[keep:]
         self.last_fed = max(1, len(feed))
+        started = time.perf_counter()
         if feed:
             logits = self._run(s, feed)
         else:  # (its cache holds the text already: the last token's logits again)
             last = s.cached.pop()
             self.engine.trim_sequence(s.slot, len(s.cached))
             logits = self._run(s, [last])
+        fed_at = time.perf_counter()
+        self.last_feed_seconds = fed_at - started
         drafted: list[int] = []
+        self.last_steps = 0
         for i in range(steps):
             token = int(np.argmax(logits))
             drafted.append(token)
             if self.engine.is_end_of_generation(token) or i == steps - 1:
                 break
             logits = self._run(s, [token])
+            self.last_steps += 1
+        self.last_steps_seconds = time.perf_counter() - fed_at
         if s.cross is not None:
             s.cross.drafted(drafted[: len(s.cached) - len(s.cross.fed)])
             return s.cross.to_target(drafted)[:k]

@@ -70,7 +70,7 @@ _TIMED_FEED = 8
 # dear draft model costs nothing worth counting; and drafts that pay are asked only where
 # what the model must first catch up on (a sequence's first proposal prefills its prompt)
 # costs at most half of what they are expected to save over the rest of the sequence.
-PROBE_SHARE = 0.03
+PROBE_SHARE = 0.01
 CATCH_UP_SHARE = 0.5
 # What a token it catches up on costs the draft model, in its forward passes, before it was
 # timed (a batch of tokens costs less than as many forward passes).
@@ -204,7 +204,8 @@ class DraftPolicy:
         ):
             return 0
         behind = _behind(d)
-        pays = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=self.model_extra())
+        extra, overhead = self.model_extra(), self.model_overhead()
+        pays = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=extra, overhead=overhead)
         if behind <= 0 or not pays:
             return 0
         if self.model_forward is None:
@@ -242,14 +243,14 @@ class DraftPolicy:
         if d.length is not None:
             return min(most, d.length.k + 1)
         assert d.drafter.accepts is not None
-        extra = self.model_extra()
-        k = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=extra)
+        extra, overhead = self.model_extra(), self.model_overhead()
+        k = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=extra, overhead=overhead)
         if k and self.model_forward is None:
             k = min(k, PROBE_TOKENS)  # (what a forward pass of it costs is not known yet)
         step = self.cost.step_seconds()
         catch_up = self.catch_up(s)
         if k and catch_up and step:
-            gain = draft_gain(d.drafter.accepts, self.cost, k, extra)
+            gain = draft_gain(d.drafter.accepts, self.cost, k, extra, overhead=overhead)
             saving = max(0, s.limit - s.generated) * (1 - 1 / gain) * step
             if catch_up > CATCH_UP_SHARE * saving:
                 k = 0  # (a probe within the sequence's share may still catch it up)
@@ -261,7 +262,7 @@ class DraftPolicy:
         if d.model_idle < d.model_every:
             return 0
         if step and self.model_forward is not None:
-            cost = catch_up + PROBE_TOKENS * self.model_forward
+            cost = catch_up + (PROBE_TOKENS + self._beyond()) * self.model_forward
             if d.model_spent + cost > PROBE_SHARE * s.generated * step:
                 return 0  # (asked again at the next step: the share grows as it decodes)
         d.model_idle, d.model_every = 0, min(PROBE_MOST, 2 * d.model_every)
@@ -294,6 +295,19 @@ class DraftPolicy:
         per = seconds / forwards
         was = self.model_forward
         self.model_forward = per if was is None else was + 0.2 * (per - was)
+
+    def model_overhead(self) -> float:
+        """What the draft model's proposing a window costs besides one forward pass a drafted
+        token, in the target's one-token steps: it is asked for one token beyond the draft
+        (`_model_k`), and across tokenizers decodes one more to cut at a boundary both
+        agree on (`DraftModel.propose`). For a draft of one token, three forward passes
+        where one was counted."""
+        return self.model_extra() * (1 + self._beyond())
+
+    def _beyond(self) -> int:
+        """The forward passes a proposal runs beyond the tokens it is asked for: across
+        tokenizers, one to cut at (`DraftModel.propose`)."""
+        return int(self.model is not None and not self.model.same_vocab)
 
     def model_extra(self) -> float:
         """What the draft model's proposing one token costs, in the target's one-token
@@ -334,7 +348,10 @@ class DraftPolicy:
         model = self._from_model(d)
         acc = self._accepts(d, model)
         extra = self.model_extra() if model else 0.0
-        k = best_draft(acc, self.cost, len(proposal), copying=d.copying, extra=extra)
+        overhead = self.model_overhead() if model else 0.0
+        k = best_draft(
+            acc, self.cost, len(proposal), copying=d.copying, extra=extra, overhead=overhead
+        )
         if not k:  # it would not pay: see whether its tokens would have been right
             if not d.shadow and not d.copying:  # (a copy's tokens are counted as they come)
                 d.shadow, d.shadow_after, d.shadow_model = proposal, False, model
@@ -372,9 +389,10 @@ class DraftPolicy:
             copying = s.windows[0].copying
             model = self._from_model(d)
             extra = self.model_extra() if model else 0.0
+            overhead = self.model_overhead() if model else 0.0
             k = follow_up_draft(
                 self._accepts(d, model), self.cost, len(ahead), proposal, copying=copying,
-                extra=extra,
+                extra=extra, overhead=overhead,
             )  # fmt: skip
             if k is None:
                 return ()

@@ -425,26 +425,34 @@ def best_draft(
     margin: float = 1.05,
     copying: bool = False,
     extra: float = 0.0,
+    overhead: float = 0.0,
 ) -> int:
     """How many draft tokens make a step yield the most tokens per unit of its time (a draft
     is kept up to its first wrong token, plus the model's own token there); 0 when no draft
     beats plain decoding by `margin`. `copying`: the draft goes on copying the text the
     sequence follows; `extra`: what proposing each draft token costs, in one-token steps (a
-    draft model's forward pass; nothing for drafts from the text)."""
+    draft model's forward pass; nothing for drafts from the text); `overhead`: what
+    proposing a window costs besides (a draft model's forward passes beyond one a token)."""
     best_k, best = 0, margin
     for k in range(1, room + 1):
-        gain = draft_gain(acc, cost, k, extra, copying=copying)
+        gain = draft_gain(acc, cost, k, extra, copying=copying, overhead=overhead)
         if gain > best:
             best_k, best = k, gain
     return best_k
 
 
 def draft_gain(
-    acc: Acceptance, cost: WindowCost, k: int, extra: float = 0.0, *, copying: bool = False
+    acc: Acceptance,
+    cost: WindowCost,
+    k: int,
+    extra: float = 0.0,
+    *,
+    copying: bool = False,
+    overhead: float = 0.0,
 ) -> float:
     """Tokens per unit of a one-token step's time that a window of `k` drafts yields
     (`best_draft`): 1 for plain decoding."""
-    return acc.expected(k, copying=copying) / (cost.cost(k + 1) + extra * k)
+    return acc.expected(k, copying=copying) / (cost.cost(k + 1) + extra * k + overhead)
 
 
 def follow_up_draft(
@@ -456,18 +464,20 @@ def follow_up_draft(
     margin: float = 1.05,
     copying: bool = False,
     extra: float = 0.0,
+    overhead: float = 0.0,
 ) -> int | None:
     """How many draft tokens a window sent before the verdict on those in flight should hold
     after its guess (the proposal's first token), or None to send none. `ahead`: the tokens
     in flight not yet verified. Each token of such a window costs a window's extra compute
     (`cost.slope` of a step) and saves a trip only where every token before it was right; it
     is sent while that expected saving beats what the sequence makes per step without it
-    (the best plain window's yield). `extra`: what proposing a token costs (`best_draft`)."""
+    (the best plain window's yield). `extra`, `overhead`: what proposing a token and a window
+    cost (`best_draft`)."""
     per_token = max(cost.slope, 0.02) + extra  # never free: the stages compute it
     serial = max(
         margin,
         *(
-            acc.expected(k, copying=copying) / (cost.cost(k + 1) + extra * k)
+            draft_gain(acc, cost, k, extra, copying=copying, overhead=overhead if k else 0.0)
             for k in range(MAX_DRAFT + 1)
         ),
     )

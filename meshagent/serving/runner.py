@@ -326,8 +326,10 @@ class ModelRunner:
             proposal = tuple(model.propose(seq, k, after))
             spent = time.perf_counter() - started
             with self._lock:
-                ran = model.forwards - forwards
-                self.scheduler.drafting.model_timed(ran, model.last_fed, spent)
+                if model.forwards > forwards:  # its forward passes of one token, then its feed
+                    timed = self.scheduler.drafting.model_timed
+                    timed(model.last_steps, 1, model.last_steps_seconds)
+                    timed(1, model.last_fed, model.last_feed_seconds)
                 self.scheduler.offer_draft(seq, key, proposal, spent)
         if wanted:
             return False

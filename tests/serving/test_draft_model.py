@@ -214,6 +214,18 @@ async def test_smollm2_served_with_a_draft_model_gives_plain_decodings_text(mode
         nursery.cancel_scope.cancel()
 
 
+def test_a_proposal_times_its_feed_apart_from_its_forward_passes_of_one_token():
+    # A proposal that first reads 40 tokens of text (a probe after a while) still tells what
+    # one forward pass costs: its feed is timed apart from the passes after it. (The fake's
+    # sleeps are lower bounds of each pass's time.)
+    _, draft, d, prompt, _ = opened("a prompt of some length " * 4, 1, 1)
+    draft.delay, draft.token_delay = 0.004, 0.001
+    assert len(d.propose(1, 4)) == 4
+    assert d.last_fed == len(prompt) and d.last_steps == 3
+    assert d.last_feed_seconds >= 0.004 + 0.001 * len(prompt)
+    assert d.last_steps_seconds >= 3 * 0.005
+
+
 def test_catching_up_reads_the_text_in_parts_and_the_proposal_is_the_same():
     # Same vocabulary: two catch-ups of 5 and of the rest, then a proposal that feeds
     # nothing new, give what a proposal from nothing gives.

@@ -251,8 +251,8 @@ def _timed(p: DraftPolicy) -> None:
 
 def test_a_dear_draft_models_probes_stay_within_a_share_of_the_sequences_time():
     # Each of its forward passes costs 4 of the target's steps (0.1 s), a token it catches up
-    # on 0.002 s: no window of its drafts pays. Its first probe, which catches up on the
-    # 200-token prompt, waits until the sequence's share of 3% covers it; later ones catch up
+    # on 0.0005 s: no window of its drafts pays. Its first probe, which catches up on the
+    # 200-token prompt, waits until the sequence's share of 1% covers it; later ones catch up
     # on the tokens since, and all of them together stay within that share.
     from meshagent.serving.draft_policy import PROBE_EVERY, PROBE_SHARE, PROBE_TOKENS
 
@@ -260,8 +260,8 @@ def test_a_dear_draft_models_probes_stay_within_a_share_of_the_sequences_time():
     _timed(p)
     s = _with_draft_model(p, tuple(range(1, 201)), limit=100_000)
     p.model_timed(1, 1, 0.4)
-    p.model_timed(5, 100, 100 * 0.002 + 4 * 0.4)  # (a feed of 100 tokens, then 4 passes)
-    assert p.model_forward == pytest.approx(0.4) and p.model_feed == pytest.approx(0.002)
+    p.model_timed(5, 100, 100 * 0.0005 + 4 * 0.4)  # (a feed of 100 tokens, then 4 passes)
+    assert p.model_forward == pytest.approx(0.4) and p.model_feed == pytest.approx(0.0005)
     asked_at = []
     for _ in range(12_000):
         _decoded(s, 1)
@@ -271,7 +271,7 @@ def test_a_dear_draft_models_probes_stay_within_a_share_of_the_sequences_time():
             assert s.drafts.model_spent + spent <= PROBE_SHARE * s.generated * 0.1 + 1e-9
             asked_at.append(s.generated)
             p.offer(s, want[2], (9,) * PROBE_TOKENS, spent)
-    assert asked_at[0] >= ((200 + asked_at[0]) * 0.002 + PROBE_TOKENS * 0.4) / (PROBE_SHARE * 0.1)
+    assert asked_at[0] >= ((200 + asked_at[0]) * 0.0005 + PROBE_TOKENS * 0.4) / (PROBE_SHARE * 0.1)
     gaps = [b - a for a, b in itertools.pairwise(asked_at)]
     assert len(asked_at) >= 3 and min(gaps) >= PROBE_EVERY
     # A draft model that catches up dearer than the share grows never probes at all.
@@ -359,3 +359,24 @@ def test_while_its_prompt_travels_the_draft_model_reads_it_and_drafts_from_the_f
     for _ in range(20):
         timed.drafts.drafter.accepts.update(0, 4)
     assert p.catch_up_wanted(timed) == 0
+
+
+def test_a_draft_models_window_counts_the_forward_passes_beyond_its_draft():
+    # A window of k of the model's tokens costs it k + 1 forward passes (it is asked for one
+    # more, to learn whether a longer draft would have been right), and across tokenizers
+    # k + 2 (one more to cut at a boundary both agree on). At a forward pass of 0.3 steps and
+    # the model's prior, one drafted token would pay counted alone; counted in full, none.
+    from meshagent.serving.drafting import best_draft, draft_gain
+
+    p = policy()
+    _timed(p)  # a window of two tokens costs 1.1 steps
+    s = _with_draft_model(p, tuple(range(1, 21)), limit=200)
+    p.model_timed(1, 1, 0.03)
+    assert p.model_extra() == pytest.approx(0.3) and p.model_overhead() == pytest.approx(0.3)
+    p.model.same_vocab = False
+    assert p.model_overhead() == pytest.approx(0.6)
+    accepts = s.drafts.drafter.accepts
+    assert draft_gain(accepts, p.cost, 1, 0.3) > 1.05
+    assert best_draft(accepts, p.cost, MAX_DRAFT, extra=0.3, overhead=p.model_overhead()) == 0
+    _decoded(s, 8)
+    assert p.wanted(s) is None  # (no probe due yet either)
