@@ -301,7 +301,11 @@ class DraftPolicy:
         token, in the target's one-token steps: it is asked for one token beyond the draft
         (`_model_k`), and across tokenizers decodes one more to cut at a boundary both
         agree on (`DraftModel.propose`). For a draft of one token, three forward passes
-        where one was counted."""
+        where one was counted. None at a split's entry (`max_windows` > 1): there the model
+        proposes a window while those before it travel, a trip many of its forward passes
+        long, and those passes fall within it."""
+        if self.max_windows > 1:
+            return 0.0
         return self.model_extra() * (1 + self._beyond())
 
     def _beyond(self) -> int:

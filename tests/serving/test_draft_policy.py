@@ -380,3 +380,6 @@ def test_a_draft_models_window_counts_the_forward_passes_beyond_its_draft():
     assert best_draft(accepts, p.cost, MAX_DRAFT, extra=0.3, overhead=p.model_overhead()) == 0
     _decoded(s, 8)
     assert p.wanted(s) is None  # (no probe due yet either)
+    # At a split's entry the model proposes while windows travel: those passes are hidden.
+    p.max_windows = 4
+    assert p.model_overhead() == 0.0
