@@ -61,6 +61,11 @@ _PROMPT_CHUNK = 32
 # text's prior, since a small model of another family (another tokenizer) is right less
 # often than the text it copies.
 MODEL_PRIOR = 0.5
+# The same for a draft model with the target's own vocabulary, token for token: mostly the
+# target's family (a smaller sibling, or the model itself), right far more often than a model
+# across tokenizers. A dear one's drafts then pay at a split's entry before any evidence,
+# where probes held to `PROBE_SHARE` would never afford its reading of the prompt.
+MODEL_PRIOR_SAME_VOCAB = 0.8
 # The draft model's time per forward pass is timed on proposals that fed it at most this
 # many tokens (a sequence's first proposal prefills its whole prompt); what it takes a token
 # it catches up on, on proposals that fed it more.
@@ -148,7 +153,8 @@ class DraftPolicy:
             drafter = ModelDrafts(self.model, seq, drafter)
         if speculation == "auto":
             if isinstance(drafter, ModelDrafts):  # the model's drafts are judged apart
-                drafter.accepts = Acceptance(MODEL_PRIOR, follow=drafter.follow)
+                prior = MODEL_PRIOR_SAME_VOCAB if drafter.model.same_vocab else MODEL_PRIOR
+                drafter.accepts = Acceptance(prior, follow=drafter.follow)
                 drafter.text_accepts = Acceptance(follow=drafter.follow)
                 return DraftState(drafter, acceptance=drafter.text_accepts)
             return DraftState(drafter, acceptance=Acceptance(follow=drafter.follow))

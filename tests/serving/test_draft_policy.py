@@ -188,8 +188,8 @@ def test_auto_weighs_the_draft_models_proposal_against_the_texts_by_each_ones_ac
     from meshagent.serving.draft_model import DraftModel
     from meshagent.testing.fake_engine import FakeEngine
 
-    p = policy(slope=0.1)
-    p.model = DraftModel(FakeEngine(slots=2, slot_ctx=64), FakeEngine(), same_vocab=True)
+    p = policy(slope=0.1)  # (across tokenizers: a model's prior is below the text's)
+    p.model = DraftModel(FakeEngine(slots=2, slot_ctx=64), FakeEngine(), same_vocab=False)
     s = SeqState(0, LOOP, 30, GREEDY)
     s.drafts = p.start("auto", LOOP, (), seq=0)
     s.n_past = len(LOOP) - 1
@@ -217,12 +217,14 @@ def test_auto_weighs_the_draft_models_proposal_against_the_texts_by_each_ones_ac
     assert not d.from_model
 
 
-def _with_draft_model(p: DraftPolicy, prompt: tuple[int, ...], limit: int) -> SeqState:
+def _with_draft_model(
+    p: DraftPolicy, prompt: tuple[int, ...], limit: int, *, same_vocab: bool = True
+) -> SeqState:
     """A sequence of `p` (which drafts with a draft model) past its prompt, decoding."""
     from meshagent.serving.draft_model import DraftModel
     from meshagent.testing.fake_engine import FakeEngine
 
-    p.model = DraftModel(FakeEngine(slots=2, slot_ctx=512), FakeEngine(), same_vocab=True)
+    p.model = DraftModel(FakeEngine(slots=2, slot_ctx=512), FakeEngine(), same_vocab=same_vocab)
     s = SeqState(0, prompt, limit, GREEDY)
     s.drafts = p.start("auto", prompt, (), seq=0)
     s.n_past = len(prompt)
@@ -370,16 +372,28 @@ def test_a_draft_models_window_counts_the_forward_passes_beyond_its_draft():
 
     p = policy()
     _timed(p)  # a window of two tokens costs 1.1 steps
-    s = _with_draft_model(p, tuple(range(1, 21)), limit=200)
+    s = _with_draft_model(p, tuple(range(1, 21)), limit=200, same_vocab=False)
     p.model_timed(1, 1, 0.03)
-    assert p.model_extra() == pytest.approx(0.3) and p.model_overhead() == pytest.approx(0.3)
-    p.model.same_vocab = False
-    assert p.model_overhead() == pytest.approx(0.6)
+    assert p.model_extra() == pytest.approx(0.3) and p.model_overhead() == pytest.approx(0.6)
     accepts = s.drafts.drafter.accepts
     assert draft_gain(accepts, p.cost, 1, 0.3) > 1.05
     assert best_draft(accepts, p.cost, MAX_DRAFT, extra=0.3, overhead=p.model_overhead()) == 0
     _decoded(s, 8)
     assert p.wanted(s) is None  # (no probe due yet either)
+    p.model.same_vocab = True
+    assert p.model_overhead() == pytest.approx(0.3)
     # At a split's entry the model proposes while windows travel: those passes are hidden.
     p.max_windows = 4
     assert p.model_overhead() == 0.0
+
+
+def test_a_draft_model_of_the_targets_own_vocabulary_starts_from_a_higher_prior():
+    # Mostly the target's family (or the target itself): right far more often than a model
+    # across tokenizers, so its drafts are weighed from 0.8 before evidence, not 0.5.
+    from meshagent.serving.draft_policy import MODEL_PRIOR, MODEL_PRIOR_SAME_VOCAB
+
+    p = policy()
+    same = _with_draft_model(p, tuple(range(1, 21)), limit=200)
+    assert same.drafts.drafter.accepts.expected(1) == pytest.approx(1 + MODEL_PRIOR_SAME_VOCAB)
+    across = _with_draft_model(p, tuple(range(1, 21)), limit=200, same_vocab=False)
+    assert across.drafts.drafter.accepts.expected(1) == pytest.approx(1 + MODEL_PRIOR)
