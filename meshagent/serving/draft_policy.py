@@ -399,10 +399,9 @@ class DraftPolicy:
             copying = s.windows[0].copying
             model = self._from_model(d)
             extra = self.model_extra() if model else 0.0
-            overhead = self.model_overhead() if model else 0.0
             k = follow_up_draft(
                 self._accepts(d, model), self.cost, len(ahead), proposal, copying=copying,
-                extra=extra, overhead=overhead,
+                extra=extra,
             )  # fmt: skip
             if k is None:
                 return ()

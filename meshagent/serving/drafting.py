@@ -464,22 +464,18 @@ def follow_up_draft(
     margin: float = 1.05,
     copying: bool = False,
     extra: float = 0.0,
-    overhead: float = 0.0,
 ) -> int | None:
     """How many draft tokens a window sent before the verdict on those in flight should hold
     after its guess (the proposal's first token), or None to send none. `ahead`: the tokens
     in flight not yet verified. Each token of such a window costs a window's extra compute
     (`cost.slope` of a step) and saves a trip only where every token before it was right; it
     is sent while that expected saving beats what the sequence makes per step without it
-    (the best plain window's yield). `extra`, `overhead`: what proposing a token and a window
-    cost (`best_draft`)."""
+    (the best plain window's yield). `extra`: what proposing a token costs (`best_draft`;
+    a split's entry, which sends these, counts no `overhead`: `DraftPolicy.model_overhead`)."""
     per_token = max(cost.slope, 0.02) + extra  # never free: the stages compute it
     serial = max(
         margin,
-        *(
-            draft_gain(acc, cost, k, extra, copying=copying, overhead=overhead if k else 0.0)
-            for k in range(MAX_DRAFT + 1)
-        ),
+        *(draft_gain(acc, cost, k, extra, copying=copying) for k in range(MAX_DRAFT + 1)),
     )
     count = 0
     reach = acc.reach
