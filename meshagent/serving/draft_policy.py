@@ -54,6 +54,9 @@ PROBE_EVERY, PROBE_MOST, PROBE_TOKENS = 16, 256, 4
 # prompt travels the stages): most answers that copy their prompt start copying within a
 # few tokens, and one that does never pays the draft model's prefill of its prompt.
 MODEL_AFTER = 8
+# The model holds a sequence's text when it lacks no more than this many of its tokens (one
+# proposal's reading of them costs about a forward pass).
+_HOLDS_TEXT = 8
 # What the draft model reads of a prompt at a time while it travels a split's stages, before
 # its reading was timed (after: what it reads in the trip's time).
 _PROMPT_CHUNK = 32
@@ -185,7 +188,7 @@ class DraftPolicy:
             return None
         if d.drafter.copying:
             return None  # the text's draft goes while it copies: no model's is read
-        if d.acceptance is not None and s.generated < MODEL_AFTER and _behind(d) > _TIMED_FEED:
+        if d.acceptance is not None and s.generated < MODEL_AFTER and _behind(d) > _HOLDS_TEXT:
             return None  # (an answer that copies its prompt is copying by then)
         k = self._model_k(s, k)
         if not k or len(d.drafter.offered(after)) >= max(1, k - 1):
