@@ -165,7 +165,8 @@ def _speculation(model: LocalModel) -> dict[str, Any]:
 def _draft_model(model: LocalModel) -> dict[str, Any] | None:
     """The model's draft model, if it has one: its name, what one of its forward passes
     takes (a moving mean), and that in the model's one-token steps (what "auto" charges each
-    drafted token)."""
+    drafted token); the text it read ahead of its proposals (a split's entry, while windows
+    travel) and when asked for one (which the proposal waited on), tokens and time."""
     policy = model.runner.scheduler.drafting
     if policy.model is None:
         return None
@@ -174,6 +175,8 @@ def _draft_model(model: LocalModel) -> dict[str, Any] | None:
         "name": policy.model.name,
         "forward_ms": None if forward is None else round(forward * 1000, 3),
         "cost_in_steps": round(policy.model_extra(), 4),
+        "read_ahead": policy.model.read_ahead.summary(),
+        "read_when_asked": policy.model.read_when_asked.summary(),
     }
 
 

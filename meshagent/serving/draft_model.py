@@ -40,6 +40,21 @@ class _Slot:
     cross: CrossDrafts | None = None  # else: the text both agree on
 
 
+@dataclass
+class Reading:
+    """Tokens of the target's text a draft model read, and the seconds it took."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def summary(self) -> dict[str, float]:
+        return {"tokens": self.tokens, "ms": round(self.seconds * 1000, 1)}
+
+
 class DraftModel:
     """Proposals of `engine` (the draft model, whole) for sequences of a target whose
     tokenizer is `target`; `same_vocab`: the two share a vocabulary, token for token."""
@@ -59,6 +74,11 @@ class DraftModel:
         self.last_feed_seconds = 0.0
         self.last_steps = 0
         self.last_steps_seconds = 0.0
+        # The text it read, in tokens and seconds: ahead of its proposals (`catch_up`, while
+        # a split's windows travel), and as a proposal's first forward pass (what a proposal
+        # waited on before its first drafted token).
+        self.read_ahead = Reading()
+        self.read_when_asked = Reading()
         # What the other threads told it, applied by the proposing thread (`_drain`): the
         # engine is only ever called from that one.
         self._inbox: deque[tuple[str, int, tuple[int, ...]]] = deque()
@@ -132,6 +152,7 @@ class DraftModel:
             logits = self._run(s, [last])
         fed_at = time.perf_counter()
         self.last_feed_seconds = fed_at - started
+        self.read_when_asked.add(len(feed), self.last_feed_seconds)
         drafted: list[int] = []
         self.last_steps = 0
         for i in range(steps):
@@ -162,7 +183,9 @@ class DraftModel:
         self.engine.trim_sequence(s.slot, keep)
         del s.cached[keep:]
         if feed:
+            started = time.perf_counter()
             self._run(s, feed)
+            self.read_ahead.add(len(feed), time.perf_counter() - started)
         return len(feed)
 
     def _resync(self, s: _Slot, after: Sequence[int]) -> tuple[int, list[int]]:

@@ -190,10 +190,23 @@ class DraftPolicy:
             return None  # the text's draft goes while it copies: no model's is read
         if d.acceptance is not None and s.generated < MODEL_AFTER and _behind(d) > _HOLDS_TEXT:
             return None  # (an answer that copies its prompt is copying by then)
+        if self._reads_in_trips(s):
+            return None
         k = self._model_k(s, k)
         if not k or len(d.drafter.offered(after)) >= max(1, k - 1):
             return None  # none wanted, or the one offered still goes as far
         return k, after, d.drafter.key(after)
+
+    def _reads_in_trips(self, s: SeqState) -> bool:
+        """At a split's entry (`max_windows` > 1), whether the draft model lacks more of
+        `s`'s text than it reads in a trip: then it reads on while the sequence's plain
+        tokens travel (`catch_up_wanted`), and is asked for drafts once it is that close.
+        A proposal first reads what the model lacks, and the sequence's next window waits
+        for it: a prompt the stages held already (a conversation's next turn) came back in
+        one trip, and a proposal that read it whole would stall the sequence for seconds
+        where plain tokens could go."""
+        step = self.cost.step_seconds()
+        return self.max_windows > 1 and step is not None and self.catch_up(s) > step
 
     def catch_up_wanted(self, s: SeqState, now: float | None = None) -> int:
         """How many tokens of its text the draft model should read for `s` now, proposing
@@ -201,13 +214,15 @@ class DraftPolicy:
         its prompt's among them) and its drafts would pay but for what catching up costs, as
         many as it reads before the oldest is expected back (the thread that proposes idles
         meanwhile); before its reading was timed, `_PROMPT_CHUNK` tokens of a prompt in
-        flight. So its first drafts can go with its first tokens. Else 0."""
+        flight. So its first drafts can go with its first tokens. Else 0. It reads while the
+        text's copy goes too, though no proposal of its goes then: an answer that retells its
+        prompt and then goes its own way finds the model holding the text where the copy
+        ends, where catching up on all it skipped would cost more than its drafts save."""
         d = s.drafts
         if (
             d is None
             or not isinstance(d.drafter, ModelDrafts)
             or d.drafter.accepts is None
-            or d.drafter.copying
             or s.cancelled
             or not (s.busy and s.windows)
         ):

@@ -227,6 +227,8 @@ def _draft_costs(status: dict[str, Any]) -> dict[str, Any] | None:
                 "window_cost": spec.get("window_cost"),
                 "draft_model": draft.get("name"),
                 "draft_forward_ms": draft.get("forward_ms"),
+                "draft_read_ahead": draft.get("read_ahead"),
+                "draft_read_when_asked": draft.get("read_when_asked"),
             }
     return None
 

@@ -47,6 +47,10 @@ def test_a_draft_model_drafts_for_the_model_served_whole(spawn_agent, model_path
     [served] = httpx.get(f"{agent.url}/control/status", timeout=10).json()["models"]
     draft = served["speculation"]["draft_model"]
     assert draft["name"] == model_id and draft["forward_ms"] > 0
+    # Served whole, it reads the text when asked for a proposal (its prompt first), never
+    # ahead: that is a split's entry's, while its windows travel.
+    assert draft["read_when_asked"]["tokens"] >= 10 and draft["read_when_asked"]["ms"] > 0
+    assert draft["read_ahead"] == {"tokens": 0, "ms": 0.0}
     assert served["slots"]["model_accepted"] >= by_model["accepted"]
     shown = subprocess.run(
         [sys.executable, "-m", "meshagent", "status", "--data-dir", str(agent.data_dir)],

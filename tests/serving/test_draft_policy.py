@@ -323,6 +323,68 @@ def test_while_windows_travel_the_draft_model_catches_up_where_its_drafts_would_
     assert p.catch_up_wanted(s, now=10.0) == 0
 
 
+def test_at_a_splits_entry_the_draft_model_reads_a_prompt_in_the_trips_rather_than_stall():
+    # A prompt the stages held already comes back in one trip, the model not holding it.
+    # Served whole, a proposal reads it first (it is worth it over a long answer). At a
+    # split's entry that proposal would stall the sequence, so it decodes plain while the
+    # model reads on in the trips (25 tokens a trip of 0.1 s), and is asked once what it
+    # lacks takes no more than a trip to read.
+    whole, entry = policy(), policy(max_windows=4)
+    for p in (whole, entry):
+        _timed(p)
+        p.model_timed(1, 1, 0.01)
+        p.model_timed(1, 100, 100 * 0.004)
+    s = _with_draft_model(whole, tuple(range(1, 101)), limit=400)
+    _decoded(s, 8)
+    assert whole.wanted(s) is not None
+    s = _with_draft_model(entry, tuple(range(1, 101)), limit=400)
+    _decoded(s, 8)
+    trips = 0
+    while entry.catch_up(s) > 0.1:
+        assert entry.wanted(s) is None  # a plain token goes
+        s.pending = []
+        sent(s, (), at=10.0)
+        n = entry.catch_up_wanted(s, now=10.0)
+        assert n == 25
+        entry.caught_up(s, n, n * 0.004)
+        s.windows.popleft()
+        s.busy, s.pending = False, [7]
+        _decoded(s, 1)
+        trips += 1
+    assert trips == 4 and entry.wanted(s) is not None
+
+
+def test_while_the_texts_copy_goes_the_draft_model_reads_on_and_drafts_where_it_ends():
+    # An answer that retells its prompt word for word, then goes its own way: while the copy
+    # goes, the text's drafts go and the model proposes nothing, but it reads the text while
+    # the windows travel; where the copy ends it holds the text, so its drafts go at once
+    # instead of waiting on a catching up that would cost more than they save.
+    p = policy(max_windows=4)
+    _timed(p)
+    p.model_timed(1, 1, 0.01)
+    p.model_timed(1, 100, 100 * 0.004)
+    prompt = tuple(range(100, 400))
+    s = _with_draft_model(p, prompt, limit=80)
+    s.drafts.drafter.extend(prompt[:8])  # the answer retells the prompt
+    s.generated = 8
+    p.caught_up(s, len(prompt) + 8, 1.2)  # (it read the prompt while the prompt travelled)
+    s.pending = []
+    for at in range(8, 48, 4):  # four tokens a trip
+        sent(s, (), at=10.0)
+        s.drafts.drafter.extend(prompt[at : at + 4])
+        s.generated += 4
+        assert s.drafts.drafter.copying
+        assert p.wanted(s) is None  # (the copy's draft goes)
+        n = p.catch_up_wanted(s, now=10.0)
+        assert n == 4  # all it lacks, well within a trip of 0.1 s
+        p.caught_up(s, n, n * 0.004)
+        s.windows.popleft()
+    s.busy, s.pending = False, [7]
+    _decoded(s, 2)  # the answer goes its own way
+    assert not s.drafts.drafter.copying and p.catch_up(s) == pytest.approx(2 * p.model_feed)
+    assert p.wanted(s) is not None
+
+
 def test_while_its_prompt_travels_the_draft_model_reads_it_and_drafts_from_the_first_token():
     # At a split's entry a prompt's trip through the stages leaves the proposing thread idle:
     # the draft model reads the prompt meanwhile (32 tokens at a time before its reading was
