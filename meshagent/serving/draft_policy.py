@@ -136,7 +136,16 @@ class DraftPolicy:
         self.cost = WindowCost()  # a window against a step, for "auto" (`observe`)
         self.counts = DraftCounts()
         self.model_forward: float | None = None  # seconds, a moving mean (`model_timed`)
-        self.model_feed: float | None = None  # seconds a token caught up on, a moving mean
+        # Seconds a token the draft model reads takes, moving means: as a proposal's first
+        # forward pass (`model_timed`), and read ahead a few at a time while a split's windows
+        # travel (`caught_up`), which on a CPU takes about twice as long a token as a
+        # prompt read in one batch (Qwen2.5-Coder-1.5B: 52 against 28 ms).
+        self.model_feed: float | None = None
+        self.ahead_feed: float | None = None
+        # A thread of its own reads sequences' text into the draft model beside the steps
+        # (a split's entry, `ModelRunner`): what a sequence's model lacks is read whole
+        # there, and no proposal waits on more than a trip's reading.
+        self.reads_apart = False
 
     def start(
         self,
@@ -186,27 +195,28 @@ class DraftPolicy:
             after, k = (), MAX_DRAFT
         else:
             return None
-        if d.drafter.copying:
+        self._judge_copy(d)
+        if d.drafter.copy_goes:
             return None  # the text's draft goes while it copies: no model's is read
         if d.acceptance is not None and s.generated < MODEL_AFTER and _behind(d) > _HOLDS_TEXT:
             return None  # (an answer that copies its prompt is copying by then)
-        if self._reads_in_trips(s):
-            return None
+        if self.reads_apart and self._lacks_a_trip(s):
+            return None  # (the reader reads it while the sequence's plain tokens go)
         k = self._model_k(s, k)
         if not k or len(d.drafter.offered(after)) >= max(1, k - 1):
             return None  # none wanted, or the one offered still goes as far
         return k, after, d.drafter.key(after)
 
-    def _reads_in_trips(self, s: SeqState) -> bool:
-        """At a split's entry (`max_windows` > 1), whether the draft model lacks more of
-        `s`'s text than it reads in a trip: then it reads on while the sequence's plain
-        tokens travel (`catch_up_wanted`), and is asked for drafts once it is that close.
-        A proposal first reads what the model lacks, and the sequence's next window waits
-        for it: a prompt the stages held already (a conversation's next turn) came back in
-        one trip, and a proposal that read it whole would stall the sequence for seconds
-        where plain tokens could go."""
+    def _lacks_a_trip(self, s: SeqState) -> bool:
+        """Whether reading what the draft model lacks of `s`'s text would take it longer
+        than a trip (a one-token step), or it was never timed and lacks more than
+        `_PROMPT_CHUNK` tokens."""
+        d = s.drafts
+        assert d is not None
         step = self.cost.step_seconds()
-        return self.max_windows > 1 and step is not None and self.catch_up(s) > step
+        if self.model_forward is None or step is None:
+            return _behind(d) > _PROMPT_CHUNK
+        return self.catch_up(s) > step
 
     def catch_up_wanted(self, s: SeqState, now: float | None = None) -> int:
         """How many tokens of its text the draft model should read for `s` now, proposing
@@ -222,28 +232,42 @@ class DraftPolicy:
         if (
             d is None
             or not isinstance(d.drafter, ModelDrafts)
-            or d.drafter.accepts is None
             or s.cancelled
             or not (s.busy and s.windows)
         ):
             return 0
         behind = _behind(d)
-        extra, overhead = self.model_extra(), self.model_overhead()
-        pays = best_draft(d.drafter.accepts, self.cost, MAX_DRAFT, extra=extra, overhead=overhead)
-        if behind <= 0 or not pays:
+        if behind <= 0:
             return 0
+        if d.drafter.accepts is None:  # "on": its proposals read what they lack, but where
+            if not self.reads_apart:  # a reader of its own reads beside the steps
+                return 0
+        else:
+            extra, overhead = self.model_extra(), self.model_overhead()
+            acc = d.drafter.accepts
+            if not best_draft(acc, self.cost, MAX_DRAFT, extra=extra, overhead=overhead):
+                return 0
+        if self.reads_apart:  # read beside the steps: no trip bounds it
+            if behind <= _HOLDS_TEXT:
+                return 0  # (its next proposal reads that much)
+            d.model_reading = len(d.drafter.text.tokens)
+            return behind
         if self.model_forward is None:
             return min(behind, _PROMPT_CHUNK) if not s.generated else 0
-        return min(behind, int(self._time_in_flight(s, now) / self._feed_seconds()))
+        feed = self.ahead_feed if self.ahead_feed is not None else self._feed_seconds()
+        return min(behind, int(self._time_in_flight(s, now) / feed))
 
     def caught_up(self, s: SeqState, tokens: int, seconds: float) -> None:
         """The draft model read `tokens` more of `s`'s text in `seconds`."""
         d = s.drafts
+        if d is not None and d.model_reading:  # (what it held counts too: see `_behind`)
+            d.model_held = max(d.model_held, d.model_reading - tokens)
+            d.model_reading = 0
         if d is not None and tokens > 0:
             d.model_held += tokens
             d.model_spent += seconds
-            if tokens > _TIMED_FEED:
-                self.model_timed(1, tokens, seconds)
+            per, was = seconds / tokens, self.ahead_feed
+            self.ahead_feed = per if was is None else was + 0.2 * (per - was)
 
     def _time_in_flight(self, s: SeqState, now: float | None) -> float:
         """Seconds until the oldest of `s`'s windows in flight is expected back (its whole
@@ -351,7 +375,10 @@ class DraftPolicy:
         if d is not None and isinstance(d.drafter, ModelDrafts):
             d.drafter.offer = (key, tuple(proposal))
             d.model_spent += seconds
-            d.model_held = max(d.model_held, key[0])
+            # It holds the text up to the key, the tokens in flight after it, and all but the
+            # last it drafted: all of them once the target takes them (else a proposal reads
+            # from where they part, a few tokens)
+            d.model_held = max(d.model_held, key[0] + len(key[1]) + max(0, len(proposal) - 1))
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step of decode tokens only (one per sequence, plus drafts) took `seconds`."""
@@ -369,8 +396,9 @@ class DraftPolicy:
         room = min(most, budget, s.limit - s.generated - 1, self.slot_ctx - s.n_past - 1)
         # The drafter holds the prompt, the history and every token since: the pending one
         # is its last.
+        self._judge_copy(d)
         proposal = d.drafter.propose(room) if room > 0 else ()
-        d.copying = d.drafter.copying
+        d.copying = d.drafter.copying and not self._from_model(d)
         if d.acceptance is None or not proposal:
             return proposal
         model = self._from_model(d)
@@ -408,14 +436,15 @@ class DraftPolicy:
         room = min(  # drafts after the guess
             most, budget - 1, s.limit - s.generated - promised - 1, self.slot_ctx - s.n_past - 2
         )
+        self._judge_copy(d)
         proposal = d.drafter.propose(room + 1, ahead) if room >= 0 else ()
         ends = [i for i, t in enumerate(proposal) if self._is_end(t)]
         proposal = proposal[: ends[0] + 1] if ends else proposal
         if not proposal or self._is_end(proposal[0]):
             return ()
         if d.acceptance is not None:
-            copying = s.windows[0].copying
             model = self._from_model(d)
+            copying = s.windows[0].copying and not model
             extra = self.model_extra() if model else 0.0
             k = follow_up_draft(
                 self._accepts(d, model), self.cost, len(ahead), proposal, copying=copying,
@@ -425,6 +454,12 @@ class DraftPolicy:
                 return ()
             proposal = proposal[: k + 1]
         return proposal
+
+    def _judge_copy(self, d: DraftState) -> None:
+        """With "auto" and a draft model, tell its drafter whether a window of the text's
+        copy pays now (`ModelDrafts.copy_pays`): where it does not, the model is asked."""
+        if isinstance(d.drafter, ModelDrafts) and d.acceptance is not None:
+            d.drafter.copy_pays = bool(best_draft(d.acceptance, self.cost, MAX_DRAFT, copying=True))
 
     @staticmethod
     def _from_model(d: DraftState) -> bool:

@@ -2,7 +2,8 @@
 drafting policy (`serving/draft_policy.py`) reads a drafter.
 
 While the sequence copies the text it follows (`SuffixDrafter.copying`: an edited document,
-quoted output), the text's draft goes: it is right more often than any model. Otherwise the
+quoted output) and the copy's drafts pay, the text's draft goes: it is right more often than
+any model. Otherwise the
 draft model's proposal goes, and the text's n-gram draft where the model has none. The model
 computes outside the scheduler's lock (`ModelRunner` asks for what the policy will want,
 `DraftPolicy.wanted`, and offers it back): a proposal is used only while the sequence stands
@@ -36,6 +37,9 @@ class ModelDrafts:
         # policy's, `DraftPolicy.start`); with both proposing, the likelier goes
         self.accepts: Acceptance | None = None
         self.text_accepts: Acceptance | None = None
+        # "auto": whether a window of the text's copy pays now (the policy's): where it does
+        # not (a copy that keeps going off its source), the model is asked while it copies.
+        self.copy_pays = True
         model.open(seq, text.tokens)
 
     @property
@@ -45,6 +49,11 @@ class ModelDrafts:
     @property
     def copying(self) -> bool:
         return self.text.copying
+
+    @property
+    def copy_goes(self) -> bool:
+        """Whether the text's copy drafts, not the model: it copies, and its drafts pay."""
+        return self.text.copying and self.copy_pays
 
     @property
     def block(self) -> object:
@@ -78,19 +87,21 @@ class ModelDrafts:
         """Whether a proposal of the model for this point is to come: it is asked for them
         and none offered goes on from here (a window that would follow those in flight
         waits for it rather than go with the text's n-gram guess)."""
-        return self.asking and not self.copying and not self.offered(after)
+        return self.asking and not self.copy_goes and not self.offered(after)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> tuple[int, ...]:
-        """Up to `k` tokens: the text's while it copies; else the model's offer for this
-        point or the text's n-gram draft, whichever is expected to yield more (by each one's
-        acceptance, with "auto"; the model's with "on"), or the one there is."""
+        """Up to `k` tokens: the text's while its copy goes (`copy_goes`); else the model's
+        offer for this point or the text's draft (its copy's or its n-gram's), whichever is
+        expected to yield more (by each one's acceptance, with "auto"; the model's with
+        "on"), or the one there is."""
         self.from_model = False
-        got = () if self.copying else self.offered(after)[:k]
+        got = () if self.copy_goes else self.offered(after)[:k]
         if not got:
             return self.text.propose(k, after)
         if self.accepts is not None and self.text_accepts is not None:  # "auto": weigh both
             text = self.text.propose(k, after)
-            if text and self.text_accepts.expected(len(text)) > self.accepts.expected(len(got)):
+            expect = self.text_accepts.expected(len(text), copying=self.copying)
+            if text and expect > self.accepts.expected(len(got)):
                 return text
         self.from_model = True
         return got

@@ -97,7 +97,14 @@ class ModelRunner:
             token_name=TokenNames(token_bytes) if token_bytes is not None else None,
         )
         self.aborted: MeshError | None = None
-        self._lock = threading.Condition()
+        mutex = threading.RLock()
+        self._lock = threading.Condition(mutex)  # the scheduler's; the worker waits on it
+        # A split's entry with a draft model: a thread of its own reads sequences' text into
+        # the draft model (`_read_work`) while the worker sends steps; it waits on this, and
+        # `_read_job` is its one task, the draft model's engine its own until it is done.
+        self._reader = threading.Condition(mutex)
+        self._read_job: tuple[int, int] | None = None
+        self._reads_apart = False
         self._handles: dict[int, SequenceHandle] = {}
         self._ids = itertools.count()
         self._stopping = False
@@ -275,6 +282,10 @@ class ModelRunner:
                         size,
                         whole=not self.executor.cuts_prefixes,
                     )
+            drafting = self.scheduler.drafting
+            if drafting.model is not None and drafting.max_windows > 1:
+                self._reads_apart = drafting.reads_apart = True
+                nursery.start_soon(self._read_in_thread)
             nursery.start_soon(self._work_in_thread)
             task_status.started()
             try:
@@ -283,10 +294,15 @@ class ModelRunner:
                 with self._lock:
                     self._stopping = True
                     self._lock.notify()
+                    self._reader.notify()
 
     async def _work_in_thread(self) -> None:
         # Not abandoned on cancel: the engine must not be freed under a running step.
         await trio.to_thread.run_sync(self._work)
+
+    async def _read_in_thread(self) -> None:
+        # Not abandoned on cancel either: the draft model's engine is freed after the runner.
+        await trio.to_thread.run_sync(self._read_work)
 
     # ----- the worker thread -----
 
@@ -320,6 +336,8 @@ class ModelRunner:
         if model is None:
             return False
         with self._lock:
+            if self._read_job is not None:
+                return False  # (the reader holds the draft model: the steps go meanwhile)
             wanted = self.scheduler.drafts_wanted()
         for seq, k, after, key in wanted:
             forwards, started = model.forwards, time.perf_counter()
@@ -335,6 +353,11 @@ class ModelRunner:
             return False
         with self._lock:  # nothing to propose: read on where catching up is worth it
             catch_ups = self.scheduler.catch_ups_wanted(time.perf_counter())
+            if self._reads_apart:  # by the reader, beside the steps
+                if catch_ups:
+                    self._read_job = catch_ups[0]
+                    self._reader.notify()
+                return False
         read = False
         for seq, n in catch_ups:
             started = time.perf_counter()
@@ -343,6 +366,34 @@ class ModelRunner:
             with self._lock:
                 self.scheduler.caught_up(seq, fed, time.perf_counter() - started)
         return read
+
+    def _read_work(self) -> None:
+        """The reader's loop: read what the worker asked of the draft model (`_read_job`),
+        one sequence's text at a time, until the runner stops. A draft model that fails to
+        read stops reading ahead; its proposals still go, read as they are asked."""
+        model = self.scheduler.drafting.model
+        assert model is not None
+        while True:
+            with self._reader:
+                while self._read_job is None and not self._stopping:
+                    self._reader.wait()
+                if self._stopping:
+                    return
+                seq, most = self._read_job
+            started = time.perf_counter()
+            try:
+                fed = model.catch_up(seq, most)
+            except Exception as e:  # (a draft model's failure costs its drafts, no request)
+                log.error("draft_model.read_failed", error=str(e))
+                fed = 0
+                with self._lock:
+                    self._reads_apart = self.scheduler.drafting.reads_apart = False
+            with self._lock:
+                self.scheduler.caught_up(seq, fed, time.perf_counter() - started)
+                self._read_job = None
+                self._lock.notify()  # the worker may ask for drafts now
+            if not self._reads_apart:
+                return
 
     def _work(self) -> None:
         while (step := self._next()) is not None:

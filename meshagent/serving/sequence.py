@@ -73,6 +73,9 @@ class DraftState:
     # proposal now would first feed it (`DraftPolicy.catch_up`)
     model_spent: float = 0.0
     model_held: int = 0
+    # A read of all it lacked, handed to a split's entry's reader: the sequence's length
+    # then, which it holds once the read is done (`DraftPolicy.caught_up`); 0: none.
+    model_reading: int = 0
 
 
 @dataclass

@@ -608,13 +608,14 @@ def window_ms(cost: Mapping[str, Any], tokens: int) -> float | None:
 
 
 def draft_ceiling(
-    p: float | None, cost: Mapping[str, Any] | None, forward_ms: float | None, most: int = 16
+    p: float | None, cost: Mapping[str, Any] | None, forward_ms: float | None, most: int = 15
 ) -> dict[str, Any] | None:
     """The gain over plain decoding that drafts right with per-token chance `p` allow at the
     window costs the entry measured (`cost`: its status's `window_cost`, one window verified
     at a time) and the draft model's forward pass (`forward_ms`, each drafted token paid
     before its window goes): max over k of E(k) * t(1) / (t(k + 1) + k * forward_ms), where a
-    window of k drafts yields E(k) = sum(p^i, i=0..k) tokens. None where not measured."""
+    window of k drafts yields E(k) = sum(p^i, i=0..k) tokens, k up to `most` (a window holds
+    at most 16 tokens: `serving/drafting.py`'s MAX_DRAFT). None where not measured."""
     if p is None or not cost:
         return None
     one = window_ms(cost, 1)

@@ -263,3 +263,6 @@ def test_the_draft_ceiling_weighs_tokens_per_window_against_what_windows_cost():
     line = {"slope": 0.5, "jump": 0.2, "steps": {"1": {"count": 3, "mean_ms": 200.0}}}
     assert metrics.window_ms(line, 3) == pytest.approx(200 * (1 + 0.2 + 0.5 * 2))
     assert metrics.draft_ceiling(0.5, None, 10.0) is None
+    # Drafts always right and windows ever cheaper along the line: the ceiling stops at the
+    # largest window an entry sends, 16 tokens (15 drafts).
+    assert metrics.draft_ceiling(1.0, line, 0.0)["at_draft_tokens"] == 15

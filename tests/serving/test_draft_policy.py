@@ -315,43 +315,15 @@ def test_while_windows_travel_the_draft_model_catches_up_where_its_drafts_would_
     s.pending = []
     sent(s, (), at=10.0)
     assert p.catch_up_wanted(s, now=10.0) == 25
-    p.caught_up(s, 25, 0.1)
+    # Read a few at a time it took twice as long a token as a proposal's reading: what it
+    # reads in a trip follows the one, what a proposal would wait on the other.
+    p.caught_up(s, 25, 0.2)
     assert p.catch_up(s) == pytest.approx((428 - 25) * 0.004)
+    assert p.catch_up_wanted(s, now=10.0) == 12
     assert p.catch_up_wanted(s, now=10.2) == 0
     for _ in range(20):
         s.drafts.drafter.accepts.update(0, 4)
     assert p.catch_up_wanted(s, now=10.0) == 0
-
-
-def test_at_a_splits_entry_the_draft_model_reads_a_prompt_in_the_trips_rather_than_stall():
-    # A prompt the stages held already comes back in one trip, the model not holding it.
-    # Served whole, a proposal reads it first (it is worth it over a long answer). At a
-    # split's entry that proposal would stall the sequence, so it decodes plain while the
-    # model reads on in the trips (25 tokens a trip of 0.1 s), and is asked once what it
-    # lacks takes no more than a trip to read.
-    whole, entry = policy(), policy(max_windows=4)
-    for p in (whole, entry):
-        _timed(p)
-        p.model_timed(1, 1, 0.01)
-        p.model_timed(1, 100, 100 * 0.004)
-    s = _with_draft_model(whole, tuple(range(1, 101)), limit=400)
-    _decoded(s, 8)
-    assert whole.wanted(s) is not None
-    s = _with_draft_model(entry, tuple(range(1, 101)), limit=400)
-    _decoded(s, 8)
-    trips = 0
-    while entry.catch_up(s) > 0.1:
-        assert entry.wanted(s) is None  # a plain token goes
-        s.pending = []
-        sent(s, (), at=10.0)
-        n = entry.catch_up_wanted(s, now=10.0)
-        assert n == 25
-        entry.caught_up(s, n, n * 0.004)
-        s.windows.popleft()
-        s.busy, s.pending = False, [7]
-        _decoded(s, 1)
-        trips += 1
-    assert trips == 4 and entry.wanted(s) is not None
 
 
 def test_while_the_texts_copy_goes_the_draft_model_reads_on_and_drafts_where_it_ends():
@@ -385,6 +357,34 @@ def test_while_the_texts_copy_goes_the_draft_model_reads_on_and_drafts_where_it_
     assert p.wanted(s) is not None
 
 
+def test_a_copy_whose_drafts_no_longer_pay_gives_way_to_the_draft_model():
+    # The answer follows its prompt, but keeps going off it: where a window of the copy no
+    # longer pays, the model is asked while the text still copies, and its window goes,
+    # judged as the model's (not as the copy's).
+    p = policy(max_windows=1, slope=0.5)
+    _timed(p)
+    p.cost.slope, p.cost.jump = 0.5, 0.0
+    p.model_timed(1, 1, 0.005)
+    p.model_timed(1, 100, 100 * 0.001)
+    prompt = tuple(range(100, 160))
+    s = _with_draft_model(p, prompt, limit=200)
+    s.drafts.drafter.extend(prompt[:12])  # it retells the prompt
+    s.generated = 12
+    p.caught_up(s, len(prompt) + 12, 0.07)
+    d = s.drafts
+    assert d.drafter.copying and p.wanted(s) is None  # the copy goes
+    for _ in range(40):
+        d.drafter.follow.update(0, 1)  # and then keeps going off its source
+    assert d.drafter.copying
+    asked = p.wanted(s)
+    assert asked is not None
+    k, _, key = asked
+    p.offer(s, key, (900, 901, 902, 903)[:k], 0.02)
+    draft = p.draft(s, budget=64)
+    assert draft and draft == (900, 901, 902, 903)[: len(draft)]
+    assert p.from_model(s) and not d.copying
+
+
 def test_while_its_prompt_travels_the_draft_model_reads_it_and_drafts_from_the_first_token():
     # At a split's entry a prompt's trip through the stages leaves the proposing thread idle:
     # the draft model reads the prompt meanwhile (32 tokens at a time before its reading was
@@ -399,7 +399,7 @@ def test_while_its_prompt_travels_the_draft_model_reads_it_and_drafts_from_the_f
     read = 0
     while n := p.catch_up_wanted(s):
         assert n == min(32, 80 - read)
-        p.caught_up(s, n, 0.05)
+        p.caught_up(s, n, n * 0.004)
         read += n
     assert read == 80 and p.catch_up(s) == 0
     s.windows.popleft()

@@ -488,3 +488,61 @@ async def test_a_split_entry_drafts_with_a_draft_model_and_changes_no_token(nurs
         assert s.model_accepted > 0.9 * s.model_drafted and s.model_accepted > 60
         assert chain.stages[1].forwards - before < 40  # not 100 one-token trips
         assert s.peak_in_flight > 1  # windows followed each other before their verdicts
+
+
+async def test_a_split_entrys_draft_model_reads_a_long_prompt_beside_the_steps(nursery):
+    # A draft model that reads slowly (2.5 ms a token) and a prompt of 120 tokens: its
+    # reading takes many trips. The entry's reader reads it whole while the sequence's
+    # plain tokens go through the chain, and the model drafts once it holds the text; no
+    # proposal reads the prompt. The text is the whole model's without drafts.
+    import time
+
+    from meshagent.serving.draft_model import DraftModel
+
+    class SlowReader(FakeEngine):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.reads: list[tuple[float, float]] = []
+
+        def forward(self, items):
+            fed = sum(len(it.tokens) for it in items)
+            started = time.perf_counter()
+            time.sleep(0.0025 * fed)
+            if fed >= 100:
+                self.reads.append((started, time.perf_counter()))
+            return super().forward(items)
+
+    engine = FakeEngine(slots=2, slot_ctx=512)
+    whole = LocalModel.whole(engine, max_queue=4)
+    chain = FakeChain(nursery, depth=1, delay=0.005)
+    slow = SlowReader(slots=8, slot_ctx=512)
+    draft = DraftModel(slow, chain.entry, same_vocab=True)
+    chain.model.runner.scheduler.drafting.model = draft
+    for model in (whole, chain.model):
+        await nursery.start(model.run)
+    prompt = "the lighthouse keeper found a map under the floor of the old boathouse "
+    prompt += "and read it by the lamp until the tide came in"
+    plain, _ = await complete(whole, prompt, 100, speculation="off")
+    greedy = SamplingParams(temperature=0.0)
+    req = GenerationRequest(chain.model.text_tokens(prompt), 100, greedy, speculation="on")
+    send, recv = trio.open_memory_channel(100)
+    arrived: list[float] = []
+    texts: list[str] = []
+
+    async def generate():
+        async with send:
+            await chain.model.generate(req, send)
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(generate)
+        async for ev in recv:
+            if isinstance(ev, Delta):
+                arrived.append(time.perf_counter())
+                texts.append(ev.text)
+    assert "".join(texts) == plain
+    [(started, ended)] = slow.reads  # the prompt, read once, whole
+    assert sum(started < t < ended for t in arrived) >= 5  # plain tokens went meanwhile
+    assert draft.read_ahead.tokens >= len(req.prompt_tokens) - 8
+    assert draft.read_when_asked.tokens < 40
+    stats = chain.model.runner.stats()
+    assert stats.model_windows > 0
