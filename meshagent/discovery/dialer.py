@@ -373,6 +373,8 @@ class PeerDialer:
                 return  # it answered after all (or this connection is gone anyway)
             others = [link.peer_id for link in self.overlay.links() if link.peer_id != peer]
             answers = await self._ask_all(others, peer)  # seconds each has not heard it
+            if conn.is_closed or conn.silent_for() < trio.current_time() - since:
+                return  # it answered while the others were asked
             silent = round(conn.silent_for(), 1)
             hears = [a for a in answers if a < self.config.hears_within]
             beat_moved = gossip is not None and gossip.beat_of(peer) > beat

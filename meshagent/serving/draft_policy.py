@@ -33,6 +33,7 @@ from meshagent.serving.drafting import (
     MAX_DRAFT,
     Acceptance,
     DraftLength,
+    Rate,
     SuffixDrafter,
     WindowCost,
     best_draft,
@@ -69,6 +70,11 @@ MODEL_PRIOR = 0.5
 # across tokenizers. A dear one's drafts then pay at a split's entry before any evidence,
 # where probes held to `PROBE_SHARE` would never afford its reading of the prompt.
 MODEL_PRIOR_SAME_VOCAB = 0.8
+# Once the draft model's tokens were judged this many times (decayed) over the sequences it
+# drafted for, a new sequence starts from how often they were right instead of the prior:
+# a draft model right 99 times in 100 for this target then drafts full windows from a
+# sequence's first, rather than lengthen them window by window from 0.8 again.
+MODEL_LEARNT, _LEARNT_DECAY = 32, 0.995
 # The draft model's time per forward pass is timed on proposals that fed it at most this
 # many tokens (a sequence's first proposal prefills its whole prompt); what it takes a token
 # it catches up on, on proposals that fed it more.
@@ -136,6 +142,8 @@ class DraftPolicy:
         self.cost = WindowCost()  # a window against a step, for "auto" (`observe`)
         self.counts = DraftCounts()
         self.model_forward: float | None = None  # seconds, a moving mean (`model_timed`)
+        # How often the draft model's tokens were right, over the sequences ("auto")
+        self.model_right = Rate(0.0, 0.0, _LEARNT_DECAY)
         # Seconds a token the draft model reads takes, moving means: as a proposal's first
         # forward pass (`model_timed`), and read ahead a few at a time while a split's windows
         # travel (`caught_up`), which on a CPU takes about twice as long a token as a
@@ -166,6 +174,8 @@ class DraftPolicy:
         if speculation == "auto":
             if isinstance(drafter, ModelDrafts):  # the model's drafts are judged apart
                 prior = MODEL_PRIOR_SAME_VOCAB if drafter.model.same_vocab else MODEL_PRIOR
+                if self.model_right.trials >= MODEL_LEARNT:
+                    prior = self.model_right.value
                 drafter.accepts = Acceptance(prior, follow=drafter.follow)
                 drafter.text_accepts = Acceptance(follow=drafter.follow)
                 return DraftState(drafter, acceptance=drafter.text_accepts)
@@ -530,6 +540,8 @@ class DraftPolicy:
             judged = accepted + (accepted < drafted)
             acc = self._accepts(d, w.model)
             acc.update(accepted, judged, run=w.guess is not None, copying=w.copying)
+            if w.model:
+                self.model_right.update(accepted, judged)
 
     def read(self, s: SeqState, token: int) -> None:
         """A token of `s` that it goes on after: its drafter reads it, and a proposal "auto"
@@ -545,6 +557,8 @@ class DraftPolicy:
                 acc.then_seen(hit)
             else:
                 acc.update(hit, 1)
+            if d.shadow_model:
+                self.model_right.update(hit, 1)
             d.shadow, d.shadow_after = (d.shadow[1:] if hit else ()), True
 
 

@@ -86,7 +86,7 @@ class SuffixDrafter:
         self._after: dict[tuple[int, ...], int] = {}
         self.copier = Copier(name)  # `name`: what identifier a token spells, if any
         self.cursor: Cursor | None = None  # set by the tokens added after these
-        self.follow = _Rate(FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY)
+        self.follow = Rate(FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY)
         for token in tokens:
             self._index(token)
         self.block: BlockEnd | None = None
@@ -331,7 +331,7 @@ def _line(seen: dict[int, tuple[float, int]]) -> tuple[float, float] | None:
     return t_mean - b * n_mean, b
 
 
-class _Rate:
+class Rate:
     """A hit rate from a prior and recent evidence (older evidence decays)."""
 
     def __init__(self, prior: float, weight: float, decay: float) -> None:
@@ -370,11 +370,11 @@ class Acceptance:
         *,
         weight: float = 2.0,
         decay: float = 0.9,
-        follow: _Rate | None = None,
+        follow: Rate | None = None,
     ) -> None:
-        self.first = _Rate(prior, weight, decay)
-        self.then = _Rate(prior, weight, decay)
-        self.follow = follow or _Rate(FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY)
+        self.first = Rate(prior, weight, decay)
+        self.then = Rate(prior, weight, decay)
+        self.follow = follow or Rate(FOLLOW_PRIOR, FOLLOW_WEIGHT, FOLLOW_DECAY)
 
     def update(self, hits: int, trials: int, *, run: bool = False, copying: bool = False) -> None:
         """A window whose first `hits` draft tokens were right, of `trials` judged (one more

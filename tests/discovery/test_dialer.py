@@ -108,3 +108,29 @@ async def test_a_silent_direct_path_is_replaced_through_the_relay_at_once(sim_en
             while (c := a.overlay.connection(b.peer_id)) is None or c.path != DIRECT:
                 await trio.sleep(0.1)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_path_that_answers_while_the_others_are_asked_is_kept(sim_env, autojump_clock):
+    # A direct path goes quiet for a moment (a busy host) and answers again while the dialer
+    # asks the other peers whether they hear the peer: the connection stays, where it was
+    # once dropped as "no answer for 0.0 s on this path", breaking a split's streams.
+    async with trio.open_nursery() as nursery:
+        a, b, dialer = await _pair(sim_env, nursery)
+        address = str(b.overlay.listen_addresses[0])
+        dialer.offer(b.peer_id, addresses=(address,), relays=(a.client.name,), source="test")
+        with trio.fail_after(10):
+            direct = await a.overlay.wait_connected(b.peer_id)
+        sim_env.sim.cut("a", "b")
+        await trio.sleep(2)  # PINGs go unanswered
+        asked = dialer._ask_all
+
+        async def slow_answers(others, about):
+            sim_env.sim.heal("a", "b")
+            await trio.sleep(2)  # the peer's PONGs come back meanwhile
+            return await asked(others, about)
+
+        dialer._ask_all = slow_answers
+        dialer.silent(direct)
+        await trio.sleep(QUICK.silence_confirm + 10)
+        assert not direct.is_closed and a.overlay.connection(b.peer_id) is direct
+        nursery.cancel_scope.cancel()

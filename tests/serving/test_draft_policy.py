@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from meshagent.serving.draft_policy import DraftCounts, DraftPolicy
-from meshagent.serving.drafting import MAX_DRAFT
+from meshagent.serving.drafting import MAX_DRAFT, best_draft
 from meshagent.serving.sampling import SamplingParams
 from meshagent.serving.sequence import SeqState, Window
 
@@ -355,6 +355,28 @@ def test_while_the_texts_copy_goes_the_draft_model_reads_on_and_drafts_where_it_
     _decoded(s, 2)  # the answer goes its own way
     assert not s.drafts.drafter.copying and p.catch_up(s) == pytest.approx(2 * p.model_feed)
     assert p.wanted(s) is not None
+
+
+def test_a_new_sequence_starts_from_what_the_draft_models_tokens_did_before():
+    # A draft model of the target's vocabulary starts from 0.8; once its windows were right
+    # over 40 tokens, a new sequence starts from that instead, and its first draft is as long
+    # as a window goes.
+    from meshagent.serving.draft_policy import MODEL_PRIOR_SAME_VOCAB
+
+    p = policy(slope=0.05)
+    s = _with_draft_model(p, tuple(range(1, 41)), limit=200)
+    assert s.drafts.drafter.accepts.rate == pytest.approx(MODEL_PRIOR_SAME_VOCAB)
+    s.pending = []
+    for _ in range(10):  # windows of the model's 4 tokens and its own, all right
+        w = sent(s, (5, 6, 7, 8))
+        w.model = True
+        for token in (5, 6, 7, 8, 9):
+            verdict = p.judge(w, token)
+        s.windows.popleft()
+        p.closed(s, w, verdict, 9, void=0, now=None)
+    fresh = _with_draft_model(p, tuple(range(1, 41)), limit=200)
+    assert fresh.drafts.drafter.accepts.rate > 0.99
+    assert best_draft(fresh.drafts.drafter.accepts, p.cost, MAX_DRAFT) == MAX_DRAFT
 
 
 def test_a_copy_whose_drafts_no_longer_pay_gives_way_to_the_draft_model():
