@@ -231,9 +231,10 @@ class DraftPolicy:
     def catch_up_wanted(self, s: SeqState, now: float | None = None) -> int:
         """How many tokens of its text the draft model should read for `s` now, proposing
         nothing (`DraftModel.catch_up`): where `s` has windows in flight (at a split's entry,
-        its prompt's among them) and its drafts would pay but for what catching up costs, as
+        its prompt's among them) and its drafts would pay but for what catching up costs.
+        With a reader of its own (`reads_apart`), all it lacks, beyond `_HOLDS_TEXT`; else as
         many as it reads before the oldest is expected back (the thread that proposes idles
-        meanwhile); before its reading was timed, `_PROMPT_CHUNK` tokens of a prompt in
+        meanwhile), and before its reading was timed, `_PROMPT_CHUNK` tokens of a prompt in
         flight. So its first drafts can go with its first tokens. Else 0. It reads while the
         text's copy goes too, though no proposal of its goes then: an answer that retells its
         prompt and then goes its own way finds the model holding the text where the copy
