@@ -29,6 +29,20 @@ async def _pair(env, nursery):
     return a, b, dialer
 
 
+async def _direct_then_cut(env, nursery):
+    """a and b connected directly (both also reach the relay), then the path between them
+    cut for 2 s: its PINGs go unanswered."""
+    a, b, dialer = await _pair(env, nursery)
+    address = str(b.overlay.listen_addresses[0])
+    dialer.offer(b.peer_id, addresses=(address,), relays=(a.client.name,), source="test")
+    with trio.fail_after(10):
+        direct = await a.overlay.wait_connected(b.peer_id)
+    assert direct.path == DIRECT
+    env.sim.cut("a", "b")
+    await trio.sleep(2)
+    return a, b, dialer, direct
+
+
 async def test_direct_when_reachable(sim_env, autojump_clock):
     async with trio.open_nursery() as nursery:
         a, b, dialer = await _pair(sim_env, nursery)
@@ -88,14 +102,7 @@ async def test_a_silent_direct_path_is_replaced_through_the_relay_at_once(sim_en
     # the relay straight away, without first waiting out a direct connect to the cut path;
     # once the path is back, the connection is upgraded to direct again.
     async with trio.open_nursery() as nursery:
-        a, b, dialer = await _pair(sim_env, nursery)
-        address = str(b.overlay.listen_addresses[0])
-        dialer.offer(b.peer_id, addresses=(address,), relays=(a.client.name,), source="test")
-        with trio.fail_after(10):
-            direct = await a.overlay.wait_connected(b.peer_id)
-        assert direct.path == DIRECT
-        sim_env.sim.cut("a", "b")
-        await trio.sleep(2)  # PINGs go unanswered
+        a, b, dialer, direct = await _direct_then_cut(sim_env, nursery)
         judged = trio.current_time()
         dialer.silent(direct)
         with trio.fail_after(20):
@@ -115,13 +122,7 @@ async def test_a_path_that_answers_while_the_others_are_asked_is_kept(sim_env, a
     # asks the other peers whether they hear the peer: the connection stays, where it was
     # once dropped as "no answer for 0.0 s on this path", breaking a split's streams.
     async with trio.open_nursery() as nursery:
-        a, b, dialer = await _pair(sim_env, nursery)
-        address = str(b.overlay.listen_addresses[0])
-        dialer.offer(b.peer_id, addresses=(address,), relays=(a.client.name,), source="test")
-        with trio.fail_after(10):
-            direct = await a.overlay.wait_connected(b.peer_id)
-        sim_env.sim.cut("a", "b")
-        await trio.sleep(2)  # PINGs go unanswered
+        a, b, dialer, direct = await _direct_then_cut(sim_env, nursery)
         asked = dialer._ask_all
 
         async def slow_answers(others, about):
