@@ -71,8 +71,8 @@ MODEL_PRIOR = 0.5
 # where probes held to `PROBE_SHARE` would never afford its reading of the prompt.
 MODEL_PRIOR_SAME_VOCAB = 0.8
 # Once the draft model's tokens were judged this many times (decayed) over the sequences it
-# drafted for, a new sequence starts from how often they were right instead of the prior:
-# a draft model right 99 times in 100 for this target then drafts full windows from a
+# drafted for, a new sequence starts from how often they were right where that beats the
+# prior: a draft model right 99 times in 100 for this target then drafts full windows from a
 # sequence's first, rather than lengthen them window by window from 0.8 again.
 MODEL_LEARNT, _LEARNT_DECAY = 32, 0.995
 # The draft model's time per forward pass is timed on proposals that fed it at most this
@@ -174,8 +174,9 @@ class DraftPolicy:
         if speculation == "auto":
             if isinstance(drafter, ModelDrafts):  # the model's drafts are judged apart
                 prior = MODEL_PRIOR_SAME_VOCAB if drafter.model.same_vocab else MODEL_PRIOR
-                if self.model_right.trials >= MODEL_LEARNT:
-                    prior = self.model_right.value
+                if self.model_right.trials >= MODEL_LEARNT:  # (a poor record never lowers
+                    prior = max(prior, self.model_right.value)  # it: drafts that went unsent
+                    # would teach it nothing, and a sequence learns its own as it goes)
                 drafter.accepts = Acceptance(prior, follow=drafter.follow)
                 drafter.text_accepts = Acceptance(follow=drafter.follow)
                 return DraftState(drafter, acceptance=drafter.text_accepts)

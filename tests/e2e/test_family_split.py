@@ -38,13 +38,14 @@ def test_three_agents_split_a_family_and_answer_as_the_whole_model(spawn_agent, 
     args = ["--model", str(model), "--max-memory", _third(model), *SETTINGS]
     agents = spawn_mesh(spawn_agent, *args)
     b = agents[1]
+    # One agent serving it whole, a mesh of its own: it starts while the three plan.
+    whole = spawn_agent(*SETTINGS, "--model", str(model), name="whole")
 
     def placement(x):
         return status(x)["placement"][model_id]
 
     wait_for(lambda: all(placement(x)["routable"] for x in agents), timeout=120)
     assert len(placement(b)["stages"]) == 3, placement(b)
-    whole = spawn_agent(*SETTINGS, "--model", str(model), name="whole")
     answers_as_whole(whole, agents, model_id, PROMPT)
     # Stopping, each stage ends the streams it serves and the entry its stream down: no
     # connection waits out its drain grace for them.

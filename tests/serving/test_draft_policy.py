@@ -377,6 +377,10 @@ def test_a_new_sequence_starts_from_what_the_draft_models_tokens_did_before():
     fresh = _with_draft_model(p, tuple(range(1, 41)), limit=200)
     assert fresh.drafts.drafter.accepts.rate > 0.99
     assert best_draft(fresh.drafts.drafter.accepts, p.cost, MAX_DRAFT) == MAX_DRAFT
+    # A poor record never starts one below the prior.
+    p.model_right.update(0, 400)
+    poor = _with_draft_model(p, tuple(range(1, 41)), limit=200)
+    assert poor.drafts.drafter.accepts.rate == pytest.approx(MODEL_PRIOR_SAME_VOCAB)
 
 
 def test_a_copy_whose_drafts_no_longer_pay_gives_way_to_the_draft_model():
