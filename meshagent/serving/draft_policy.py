@@ -145,9 +145,9 @@ class DraftPolicy:
         # How often the draft model's tokens were right, over the sequences ("auto")
         self.model_right = Rate(0.0, 0.0, _LEARNT_DECAY)
         # Seconds a token the draft model reads takes, moving means: as a proposal's first
-        # forward pass (`model_timed`), and read ahead a few at a time while a split's windows
-        # travel (`caught_up`), which on a CPU takes about twice as long a token as a
-        # prompt read in one batch (Qwen2.5-Coder-1.5B: 52 against 28 ms).
+        # forward pass (`model_timed`), and read ahead of its proposals (`caught_up`), which
+        # where it is read a few tokens a trip on the worker (no reader) takes about twice
+        # as long a token as a prompt read in one batch (Qwen2.5-Coder-1.5B: 52 against 28 ms).
         self.model_feed: float | None = None
         self.ahead_feed: float | None = None
         # A thread of its own reads sequences' text into the draft model beside the steps
@@ -272,14 +272,15 @@ class DraftPolicy:
     def caught_up(self, s: SeqState, tokens: int, seconds: float) -> None:
         """The draft model read `tokens` more of `s`'s text in `seconds`."""
         d = s.drafts
-        if d is not None and d.model_reading:  # (what it held counts too: see `_behind`)
-            d.model_held = max(d.model_held, d.model_reading - tokens)
-            d.model_reading = 0
-        if d is not None and tokens > 0:
+        if d is None:
+            return
+        if tokens > 0:
             d.model_held += tokens
             d.model_spent += seconds
-            per, was = seconds / tokens, self.ahead_feed
-            self.ahead_feed = per if was is None else was + 0.2 * (per - was)
+            self.ahead_feed = _moving(self.ahead_feed, seconds / tokens)
+        if d.model_reading:  # a read of all it lacked: it holds the text as it stood then
+            d.model_held = max(d.model_held, d.model_reading)
+            d.model_reading = 0
 
     def _time_in_flight(self, s: SeqState, now: float | None) -> float:
         """Seconds until the oldest of `s`'s windows in flight is expected back (its whole
@@ -349,12 +350,9 @@ class DraftPolicy:
         if fed > _TIMED_FEED:
             if self.model_forward is not None:  # (the other forward passes fed one token)
                 per = max(0.0, seconds - (forwards - 1) * self.model_forward) / fed
-                was = self.model_feed
-                self.model_feed = per if was is None else was + 0.2 * (per - was)
+                self.model_feed = _moving(self.model_feed, per)
             return
-        per = seconds / forwards
-        was = self.model_forward
-        self.model_forward = per if was is None else was + 0.2 * (per - was)
+        self.model_forward = _moving(self.model_forward, seconds / forwards)
 
     def model_overhead(self) -> float:
         """What the draft model's proposing a window costs besides one forward pass a drafted
@@ -470,7 +468,7 @@ class DraftPolicy:
     def _judge_copy(self, d: DraftState) -> None:
         """With "auto" and a draft model, tell its drafter whether a window of the text's
         copy pays now (`ModelDrafts.copy_pays`): where it does not, the model is asked."""
-        if isinstance(d.drafter, ModelDrafts) and d.acceptance is not None:
+        if isinstance(d.drafter, ModelDrafts) and d.acceptance is not None and d.drafter.copying:
             d.drafter.copy_pays = bool(best_draft(d.acceptance, self.cost, MAX_DRAFT, copying=True))
 
     @staticmethod
@@ -562,6 +560,11 @@ class DraftPolicy:
             if d.shadow_model:
                 self.model_right.update(hit, 1)
             d.shadow, d.shadow_after = (d.shadow[1:] if hit else ()), True
+
+
+def _moving(was: float | None, now: float) -> float:
+    """A moving mean of seconds that was `was` (None: none yet), after `now`."""
+    return now if was is None else was + 0.2 * (now - was)
 
 
 def _behind(d: DraftState) -> int:

@@ -104,7 +104,6 @@ class ModelRunner:
         # `_read_job` is its one task, the draft model's engine its own until it is done.
         self._reader = threading.Condition(mutex)
         self._read_job: tuple[int, int] | None = None
-        self._reads_apart = False
         self._handles: dict[int, SequenceHandle] = {}
         self._ids = itertools.count()
         self._stopping = False
@@ -284,7 +283,7 @@ class ModelRunner:
                     )
             drafting = self.scheduler.drafting
             if drafting.model is not None and drafting.max_windows > 1:
-                self._reads_apart = drafting.reads_apart = True
+                drafting.reads_apart = True
                 nursery.start_soon(self._read_in_thread)
             nursery.start_soon(self._work_in_thread)
             task_status.started()
@@ -353,7 +352,7 @@ class ModelRunner:
             return False
         with self._lock:  # nothing to propose: read on where catching up is worth it
             catch_ups = self.scheduler.catch_ups_wanted(time.perf_counter())
-            if self._reads_apart:  # by the reader, beside the steps
+            if self.scheduler.drafting.reads_apart:  # by the reader, beside the steps
                 if catch_ups:
                     self._read_job = catch_ups[0]
                     self._reader.notify()
@@ -370,10 +369,12 @@ class ModelRunner:
     def _read_work(self) -> None:
         """The reader's loop: read what the worker asked of the draft model (`_read_job`),
         one sequence's text at a time, until the runner stops. A draft model that fails to
-        read stops reading ahead; its proposals still go, read as they are asked."""
-        model = self.scheduler.drafting.model
+        read here stops the reader: the worker then reads within the trips, as it does where
+        there is no reader (`DraftPolicy.catch_up_wanted`)."""
+        drafting = self.scheduler.drafting
+        model = drafting.model
         assert model is not None
-        while True:
+        while drafting.reads_apart:
             with self._reader:
                 while self._read_job is None and not self._stopping:
                     self._reader.wait()
@@ -385,15 +386,15 @@ class ModelRunner:
                 fed = model.catch_up(seq, most)
             except Exception as e:  # (a draft model's failure costs its drafts, no request)
                 log.error("draft_model.read_failed", error=str(e))
-                fed = 0
-                with self._lock:
-                    self._reads_apart = self.scheduler.drafting.reads_apart = False
+                fed, failed = 0, True
+            else:
+                failed = False
             with self._lock:
+                if failed:
+                    drafting.reads_apart = False
                 self.scheduler.caught_up(seq, fed, time.perf_counter() - started)
                 self._read_job = None
                 self._lock.notify()  # the worker may ask for drafts now
-            if not self._reads_apart:
-                return
 
     def _work(self) -> None:
         while (step := self._next()) is not None:
