@@ -38,12 +38,13 @@ class FakeChain:
         max_batch_tokens: int = 512,
         copy_back: int = 0,
         prefix_budget: int = 0,
+        n_vocab: int = 40,
     ) -> None:
         self.nursery = nursery
-        self.entry = FakeEntry(delay=delay)
+        self.entry = FakeEntry(n_vocab, delay=delay)
         how = {"batch_sensitive": batch_sensitive, "copy_back": copy_back}
-        last = FakeStage(last=True, delay=delay, **how)
-        self.stages = [FakeStage(last=False, delay=delay), last]
+        last = FakeStage(n_vocab=n_vocab, last=True, delay=delay, **how)
+        self.stages = [FakeStage(n_vocab=n_vocab, last=False, delay=delay), last]
         self.opens = 0
         self.pipeline = PipelineExecutor(
             self.entry,
@@ -463,31 +464,40 @@ async def test_a_forged_token_breaks_the_chain_and_never_reaches_a_completion(
     assert text == whole[1][0]
 
 
+@pytest.mark.parametrize("same_vocab", [True, False], ids=["same-vocab", "cross-vocab"])
 @pytest.mark.parametrize("sampling", [SAMPLINGS[0], SAMPLINGS[-1]], ids=str)
-async def test_a_split_entry_drafts_with_a_draft_model_and_changes_no_token(nursery, sampling):
+async def test_a_split_entry_drafts_with_a_draft_model_and_changes_no_token(
+    nursery, sampling, same_vocab
+):
     # Novel text, where the text's own drafts rarely fit: the entry's draft model (the same
     # fake arithmetic, so it knows the greedy text) proposes windows, beyond those in flight
     # too, and the chain verifies them. The text is the whole model's without drafts.
+    # Across vocabularies the draft reads the target's text re-tokenized its own way; the
+    # fake vocabulary of 29 spells every text one way only (at 40, eleven tokens spell a
+    # space, and the fake model is then another model on the re-tokenized text).
     from meshagent.serving.draft_model import DraftModel
 
-    engine = FakeEngine(slots=2, slot_ctx=512)
+    n_vocab = 40 if same_vocab else 29
+    engine = FakeEngine(n_vocab, slots=2, slot_ctx=512)
     whole = LocalModel.whole(engine, max_queue=4)
-    chain = FakeChain(nursery, depth=1, delay=0.002)
-    draft = DraftModel(FakeEngine(slots=8, slot_ctx=512), chain.entry, same_vocab=True)
+    chain = FakeChain(nursery, depth=1, delay=0.002, n_vocab=n_vocab)
+    drafter = FakeEngine(n_vocab, slots=8, slot_ctx=512)
+    draft = DraftModel(drafter, chain.entry, same_vocab=same_vocab)
     chain.model.runner.scheduler.drafting.model = draft
     for model in (whole, chain.model):
         await nursery.start(model.run)
     prompt = "the lighthouse keeper found a map"
     plain, _ = await complete(whole, prompt, 100, sampling=sampling, speculation="off")
-    before = chain.stages[1].forwards
-    text, fin = await complete(chain.model, prompt, 100, sampling=sampling, speculation="on")
-    assert text == plain
-    s = fin.speculation
-    assert s is not None and s.draft_model == "fake" and s.model_windows > 0
-    if sampling.temperature == 0:  # the draft is the greedy text: windows travel full
-        assert s.model_accepted > 0.9 * s.model_drafted and s.model_accepted > 60
-        assert chain.stages[1].forwards - before < 40  # not 100 one-token trips
-        assert s.peak_in_flight > 1  # windows followed each other before their verdicts
+    for mode in ("on", "auto"):
+        before = chain.stages[1].forwards
+        text, fin = await complete(chain.model, prompt, 100, sampling=sampling, speculation=mode)
+        assert text == plain
+        s = fin.speculation
+        assert s is not None and s.draft_model == "fake" and s.model_windows > 0
+        if sampling.temperature == 0:  # the draft is the greedy text: windows travel full
+            assert s.model_accepted > 0.9 * s.model_drafted and s.model_accepted > 60
+            assert chain.stages[1].forwards - before < 40  # not 100 one-token trips
+            assert s.peak_in_flight > 1  # windows followed each other before their verdicts
 
 
 async def test_a_split_entrys_draft_model_reads_a_long_prompt_beside_the_steps(nursery):
