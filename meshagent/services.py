@@ -24,6 +24,7 @@ from meshagent.api import entry
 from meshagent.api.access import Access
 from meshagent.api.app import OpenAIApp
 from meshagent.api.inflight import InFlight
+from meshagent.capacity import memory_available
 from meshagent.catalog.entry import CatalogEntry
 from meshagent.catalog.model_file import read_model_file
 from meshagent.catalog.service import Catalog
@@ -60,6 +61,7 @@ from meshagent.relay.client import RelayClient
 from meshagent.serving.assigning import SEED_AFTER, Assigning
 from meshagent.serving.capabilities import Capabilities
 from meshagent.serving.directory import GENERATE_LABEL
+from meshagent.serving.draft_loading import catalogued_draft
 from meshagent.serving.mesh_model import MeshModel
 from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.model_host import ModelHost
@@ -163,6 +165,7 @@ class Services:
         self.models_dir = models_dir  # partial copies of hub models (their headers) go here
         self.joined = joined  # started with an invite
         self.catalog = catalog  # the mesh's catalogue of models
+        self._own_catalogued = trio.Event()  # the models it was started with are in it
         self.alone_note: str | None = None  # said when told where the mesh is, but alone
         self.identity = identity
         self.mesh = mesh
@@ -333,6 +336,19 @@ class Services:
             settings=ServingSettings.of(
                 cfg, vram=sum(d.offer_bytes for d in advertisement.device_offers(cfg))
             ),
+            find_draft=self._find_draft,
+        )
+
+    async def _find_draft(self, target: ModelFiles) -> Path | None:
+        """`--draft-model auto`: the file of a catalogued model with `target`'s vocabulary
+        that can draft for it here (`serving/draft_loading.py`)."""
+        context = self.config.slots * self.config.ctx_size
+        await self._own_catalogued.wait()  # (its own models are candidates too)
+        return await catalogued_draft(
+            self.catalog.entries().values(),
+            target,
+            need=lambda path: advertisement.draft_model_bytes(path, context),
+            free=memory_available,
         )
 
     def _assigning(self) -> Assigning:
@@ -405,6 +421,7 @@ class Services:
                 self.catalog.add_model(await trio.to_thread.run_sync(read))
             except MeshError as e:
                 log.warning("catalog.add_failed", model=model.info.id, error=str(e))
+        self._own_catalogued.set()
         await self.assigning.run()
 
     async def start(self, nursery: trio.Nursery) -> None:

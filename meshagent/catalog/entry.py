@@ -78,13 +78,14 @@ _KEYS = {
     "n_embd": 18,
     "n_vocab": 19,
     "tokenizer_bytes": 20,
+    "vocab_sha256": 21,
 }
 _NAMES = {k: name for name, k in _KEYS.items()}
 _REMOVE_KEYS = frozenset(_KEYS[n] for n in ("name", "op", "version", "time"))
 _ADD_KEYS = frozenset(_KEYS.values())
-_OPTIONAL = frozenset({_KEYS["split_refusal"]})
+_OPTIONAL = frozenset({_KEYS["split_refusal"], _KEYS["vocab_sha256"]})
 # An add's fields that go on the wire as they are.
-_ENCODED = ("layer_bytes", "flops_per_layer", "split_refusal")
+_ENCODED = ("layer_bytes", "flops_per_layer", "split_refusal", "vocab_sha256")
 _ADD_FIELDS = tuple(n for n in _KEYS if _KEYS[n] > 4 and n not in _ENCODED)
 
 
@@ -113,6 +114,9 @@ class CatalogEntry:
     n_embd: int = 0
     n_vocab: int = 0
     tokenizer_bytes: int = 0
+    # Its tokens' list, hashed (`ModelLayout.vocab_sha256`): which models can draft for it
+    # token for token (`--draft-model auto`); "" where its author's agent did not read it.
+    vocab_sha256: str = ""
 
     @classmethod
     def add(
@@ -149,6 +153,7 @@ class CatalogEntry:
             n_embd=cost.n_embd,
             n_vocab=cost.n_vocab,
             tokenizer_bytes=cost.tokenizer_bytes,
+            vocab_sha256=layout.vocab_sha256,
         )
 
     @classmethod
@@ -191,6 +196,8 @@ class CatalogEntry:
         out[_KEYS["layer_bytes"]] = [list(run) for run in _runs(self.layer_bytes)]
         if self.split_refusal is not None:
             out[_KEYS["split_refusal"]] = self.split_refusal
+        if self.vocab_sha256:
+            out[_KEYS["vocab_sha256"]] = self.vocab_sha256
         return out
 
     @classmethod
@@ -246,6 +253,11 @@ class CatalogEntry:
         refusal = d.get(_KEYS["split_refusal"])
         if refusal is not None:
             refusal = _text(d, "split_refusal", MAX_REFUSAL, empty=False)
+        vocab = d.get(_KEYS["vocab_sha256"], "")
+        if vocab != "" and (not isinstance(vocab, str) or not _SHA256.fullmatch(vocab)):
+            raise CatalogError(
+                f"catalogue entry field 'vocab_sha256' is {quoted(vocab)}, not a sha256 in hex"
+            )
         return cls(
             **head,
             source=_text(d, "source", MAX_SOURCE),
@@ -264,6 +276,7 @@ class CatalogEntry:
             n_embd=_int(d, "n_embd", N_EMBD),
             n_vocab=_int(d, "n_vocab", N_VOCAB),
             tokenizer_bytes=_int(d, "tokenizer_bytes", BYTES),
+            vocab_sha256=vocab,
         )
 
     def sign(self, identity: NodeIdentity) -> SignedEntry:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,10 @@ class ModelLayout:
     weight_types: tuple[str, ...] = ()
     n_experts: int = 0  # experts of each MoE layer (0: a dense model)
     n_experts_used: int = 0  # of them, those each token is routed to
+    # A sha256 of its tokens' list as the header spells it: two models with the same one
+    # share a vocabulary, id for id (a draft model's tokens then go to it as they are). ""
+    # where the list was not read (a partial copy's gap).
+    vocab_sha256: str = ""
 
     @property
     def splittable(self) -> bool:
@@ -200,6 +205,7 @@ def inspect_model(path: Path) -> ModelLayout:
         weight_types=tuple(weight_types),
         n_experts=n_experts,
         n_experts_used=n_used,
+        vocab_sha256=_vocab_sha256(r),
     )
 
 
@@ -209,6 +215,18 @@ def _tokenizer_bytes(r: GGUFFile) -> int:
     return sum(b - a for k, (a, b) in spans if k.startswith(TOKENIZER_PREFIX)) + sum(
         b - a for a, b, _ in r.gaps
     )
+
+
+VOCAB_KEY = "tokenizer.ggml.tokens"
+
+
+def _vocab_sha256(r: GGUFFile) -> str:
+    """The sha256 of the header entry that lists the tokens (its key, type and strings)."""
+    span = r.spans.get(VOCAB_KEY)
+    if span is None:
+        return ""
+    start, end = span
+    return hashlib.sha256(r.data[start:end]).hexdigest()
 
 
 def per_layer(value: Any, n_layers: int) -> tuple[int, ...]:

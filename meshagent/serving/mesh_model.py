@@ -33,6 +33,7 @@ from meshagent.placement.negotiation import plan_digest
 from meshagent.placement.planner import ModelCost, Plan
 from meshagent.placement.service import PlacementService, Snapshot
 from meshagent.serving.capabilities import Capabilities
+from meshagent.serving.draft_loading import FindDraft
 from meshagent.serving.mesh_directory import MeshDirectory
 from meshagent.serving.model_files import ModelFiles
 from meshagent.serving.obtain import ArtifactSource, needed_by
@@ -57,6 +58,7 @@ class MeshModel:
         capabilities: Capabilities,
         settings: ServingSettings,
         reach: Callable[[str], Awaitable[None]] | None = None,
+        find_draft: FindDraft | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.files = files
@@ -103,6 +105,7 @@ class MeshModel:
             settings=settings,
             open_stream=self._open_stream,
             published=self.publish_serving,
+            find_draft=find_draft,
         )
         # Tells the mesh what this agent serves (`ModelHost.publish_serving`, for every model
         # served here); alone, this model's part only.

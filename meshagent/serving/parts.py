@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
 
 import structlog
 import trio
@@ -25,7 +27,7 @@ from meshagent.net.stream import MeshStream
 from meshagent.placement.planner import Plan, offloaded_layers
 from meshagent.placement.service import PlacementService
 from meshagent.serving.capabilities import Capabilities
-from meshagent.serving.draft_loading import load_draft
+from meshagent.serving.draft_loading import FindDraft, load_draft
 from meshagent.serving.embeddings import Embedder
 from meshagent.serving.local_model import LocalModel
 from meshagent.serving.mesh_directory import MeshDirectory
@@ -61,6 +63,7 @@ class Parts:
         settings: ServingSettings,
         open_stream: OpenStream,
         published: Callable[[], None],
+        find_draft: FindDraft | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.files = files
@@ -72,6 +75,7 @@ class Parts:
         self.settings = settings
         self._open_stream = open_stream
         self._published = published  # tell the mesh what this agent serves now
+        self._find_draft = find_draft  # `--draft-model auto`: a catalogued model's file
         self.local: LocalModel | None = None  # what this agent serves, whole or as entry
         self.split: SplitHost | None = None
         self.wire: WireChoice | None = None  # the split's wire dtype, when in one
@@ -194,13 +198,19 @@ class Parts:
         self._whole = engine
         draft = None
         if s.draft_model:
-            self._draft, draft = await load_draft(s, engine, engine.info.size_bytes)
+            self._draft, draft = await load_draft(
+                s, engine, engine.info.size_bytes, find=self._draft_finder()
+            )
         budget = self.prefix_budget(plan)
         self.local = LocalModel.whole(
             engine, max_queue=s.max_queue, prefix_budget=budget, draft=draft
         )
         self.local.speculation = s.speculation
         self.local.embedder = Embedder(str(self.files.path), threads=s.threads)
+
+    def _draft_finder(self) -> Callable[[], Awaitable[Path | None]] | None:
+        """`--draft-model auto`'s look for a catalogued draft model for this one."""
+        return None if self._find_draft is None else partial(self._find_draft, self.files)
 
     async def _load_stage(self, plan: Plan) -> None:
         s = self.settings
@@ -217,6 +227,7 @@ class Parts:
             files=self.files,
             open_stream=self._open_stream,
             obtain=self.source.obtain,
+            find_draft=self._draft_finder(),
             settings=s,
             budgets=PartBudgets(
                 wire_dtype=wire.dtype,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import trio
@@ -68,6 +69,7 @@ class SplitHost:
         settings: ServingSettings,
         budgets: PartBudgets,
         obtain: Obtain | None = None,
+        find_draft: Callable[[], Awaitable[Path | None]] | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.files = files
@@ -75,6 +77,7 @@ class SplitHost:
         # (kind, start, end): have the store hold that artifact (`serving/obtain.py`); None:
         # the store cuts it from the whole file when asked.
         self._obtain_artifact = obtain
+        self._find_draft = find_draft  # `--draft-model auto`: a catalogued model's file
         self.settings = settings
         self.budgets = budgets
         self.plan: Plan | None = None
@@ -200,7 +203,9 @@ class SplitHost:
             )
             self.model = LocalModel(self._entry, runner)
             if s.draft_model:  # the draft model runs where requests enter
-                self._draft, draft = await load_draft(s, self._entry, f.info.size_bytes)
+                self._draft, draft = await load_draft(
+                    s, self._entry, f.info.size_bytes, find=self._find_draft
+                )
                 runner.scheduler.drafting.model = draft
         elif nxt is not None:
             self.server = StageServer(

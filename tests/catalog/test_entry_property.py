@@ -25,7 +25,7 @@ from tests.catalog.support import add_entry, signed_add
 from tests.peer_values import any_cbor, outside, wide_ints
 
 ME = NodeIdentity.generate()
-BODY = add_entry(split_refusal="recurrent layers").to_wire()
+BODY = add_entry(split_refusal="recurrent layers", vocab_sha256="cd" * 32).to_wire()
 N = BODY[9]
 KEYS = entry_module._KEYS
 
@@ -92,6 +92,14 @@ FIELDS: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("n_embd", outside(range(0, 1 << 20))),
     ("n_vocab", outside(range(0, 1 << 24))),
     ("tokenizer_bytes", outside(range(0, 2**53))),
+    (
+        "vocab_sha256",
+        st.one_of(
+            not_text,
+            st.text(min_size=1, max_size=70).filter(lambda t: len(t) != 64),
+            st.sampled_from(["CD" * 32, "g" * 64]),
+        ),
+    ),
 ]
 
 
@@ -109,8 +117,13 @@ def test_the_table_names_every_field():
 
 def test_the_untouched_body_is_an_entry():
     assert SignedEntry.from_bytes(signed_blob(BODY)).entry == add_entry(
-        split_refusal="recurrent layers"
+        split_refusal="recurrent layers", vocab_sha256="cd" * 32
     )
+
+
+def test_an_entry_without_a_vocabulary_digest_is_one_whose_vocabulary_is_unknown():
+    body = {k: v for k, v in BODY.items() if k != KEYS["vocab_sha256"]}
+    assert SignedEntry.from_bytes(signed_blob(body)).entry.vocab_sha256 == ""
 
 
 @pytest.mark.parametrize(("named", "values"), FIELDS, ids=[name for name, _ in FIELDS])
@@ -125,14 +138,16 @@ def test_a_field_out_of_range_is_refused_naming_it(named, values, data):
         SignedEntry.from_bytes(blob)
 
 
-@pytest.mark.parametrize("named", [name for name, _ in FIELDS if name != "split_refusal"])
+@pytest.mark.parametrize(
+    "named", [name for name, _ in FIELDS if name not in ("split_refusal", "vocab_sha256")]
+)
 def test_an_entry_without_a_field_is_refused_naming_it(named):
     body = {k: v for k, v in BODY.items() if k != KEYS[named]}
     with pytest.raises(CatalogError, match=named):
         SignedEntry.from_bytes(signed_blob(body))
 
 
-@pytest.mark.parametrize("extra", [{21: 1}, {"name": "x"}, {-1: 0}])
+@pytest.mark.parametrize("extra", [{22: 1}, {"name": "x"}, {-1: 0}])
 def test_an_entry_with_a_field_of_no_version_is_refused(extra):
     with pytest.raises(CatalogError, match="no field"):
         SignedEntry.from_bytes(signed_blob({**BODY, **extra}))

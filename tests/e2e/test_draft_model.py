@@ -10,6 +10,7 @@ import sys
 import httpx
 
 from meshagent.advertisement import draft_model_bytes
+from meshagent.testing.tiny_gguf import write_tiny_model
 from tests.e2e.agents import invite, wait_for
 from tests.e2e.test_console import _browser
 
@@ -108,3 +109,28 @@ def test_a_splits_entry_drafts_with_its_draft_model(spawn_agent, model_path, mod
     assert by_model["name"] == model_id and by_model["windows"] >= 1
     assert by_model["accepted"] >= 30, receipt
     assert by_model["accepted"] > 0.8 * by_model["drafted"]
+
+
+def test_auto_drafts_with_a_catalogued_model_of_the_targets_vocabulary(spawn_agent, tmp_path):
+    # Two models of one vocabulary in the catalogue, one under a sixth of the other's size:
+    # `auto` has the small one draft for the big one token for token, and none for itself
+    # (nothing catalogued is small enough, and it is not six embedded draft models big).
+    big = write_tiny_model(tmp_path / "tiny-big.gguf", "llama", n_embd=256, n_ff=1024, seed=5)
+    small = write_tiny_model(tmp_path / "tiny-small.gguf", "llama", n_embd=32, n_ff=64, seed=6)
+    agent = spawn_agent(
+        *SETTINGS, "--model", str(big), "--model", str(small), "--draft-model", "auto"
+    )
+    served: dict = {}
+
+    def both_served() -> bool:
+        models = httpx.get(f"{agent.url}/control/status", timeout=10).json()["models"]
+        served.update({m["id"]: m for m in models})
+        return {"tiny-big", "tiny-small"} <= set(served)
+
+    wait_for(both_served, timeout=60)
+    assert served["tiny-big"]["speculation"]["draft_model"]["name"] == "tiny-small"
+    assert served["tiny-small"]["speculation"].get("draft_model") is None
+    plain, spec = _ask(agent, "tiny-big", "off"), _ask(agent, "tiny-big", "on")
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    by_model = spec["usage"]["meshagent"]["speculation"]["draft_model"]
+    assert by_model["name"] == "tiny-small" and by_model["windows"] >= 1
