@@ -901,14 +901,30 @@ COMMON_NOT_TESTED = (
 )
 
 
+def _split_agents(s: SplitSettings) -> str:
+    """`AGENTS_TESTED` with the memory the split's agents offered."""
+    if s.max_memory == "80M":
+        return AGENTS_TESTED
+    return AGENTS_TESTED.replace("80 MB offered each", f"{s.max_memory} offered each")
+
+
+def _split_model(s: SplitSettings) -> str:
+    """The model split and, if given, the draft model every agent had."""
+    model = Path(s.model).name if s.model else None
+    said = MODEL_TESTED if model is None else f"{model}, split 3 ways by placement"
+    if s.draft_model:
+        said += f"; draft model {Path(s.draft_model).name if s.draft_model != 'auto' else 'auto'}"
+    return said
+
+
 def split_scope(results: dict[str, Any], s: SplitSettings, soak_name: str) -> dict[str, Any]:
     regimes = list(results)
     tested = [f"regime `{n}`: {_describe_links(r.get('links', {}))}" for n, r in results.items()]
     cc = {r.get("machine", {}).get("congestion_control") for r in results.values()}
     tested += [
-        AGENTS_TESTED + "; the second and third joined with an invite from the first (naming "
-        "its address and the relay), as a user would",
-        f"{MODEL_TESTED}; activations between stages as {s.wire_dtype}",
+        _split_agents(s) + "; the second and third joined with an invite from the first "
+        "(naming its address and the relay), as a user would",
+        f"{_split_model(s)}; activations between stages as {s.wire_dtype}",
         f"TCP congestion control in every host: {', '.join(sorted(map(str, cc)))} "
         "(the machine's default)",
         f"the floor: 1 warm-up, then {s.calibration} one-token and {s.calibration} "
