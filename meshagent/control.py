@@ -166,15 +166,22 @@ def _draft_model(model: LocalModel) -> dict[str, Any] | None:
     """The model's draft model, if it has one: its name, what one of its forward passes
     takes (a moving mean), and that in the model's one-token steps (what "auto" charges each
     drafted token); the text it read ahead of its proposals (a split's entry, while windows
-    travel) and when asked for one (which the proposal waited on), tokens and time."""
+    travel) and when asked for one (which the proposal waited on), tokens and time; and how
+    often its drafted tokens were right given those before them were, over the sequences
+    ("auto": its windows and the proposals it did not send, recent ones weighing most)."""
     policy = model.runner.scheduler.drafting
     if policy.model is None:
         return None
     forward = policy.model_forward
+    right = policy.model_right
     return {
         "name": policy.model.name,
         "forward_ms": None if forward is None else round(forward * 1000, 3),
         "cost_in_steps": round(policy.model_extra(), 4),
+        "right": {
+            "p": round(right.value, 4) if right.trials > 0 else None,
+            "judged": round(right.trials, 1),
+        },
         "read_ahead": policy.model.read_ahead.summary(),
         "read_when_asked": policy.model.read_when_asked.summary(),
     }

@@ -607,6 +607,20 @@ def window_ms(cost: Mapping[str, Any], tokens: int) -> float | None:
     return float(one["mean_ms"]) * (1 + cost["jump"] + cost["slope"] * (tokens - 1))
 
 
+# The draft model's tokens judged (decayed) before its record stands for its p where it sent
+# no window (`unsent_p`).
+UNSENT_JUDGED = 20
+
+
+def unsent_p(right: Mapping[str, Any] | None) -> float | None:
+    """The draft model's p from the entry's record of it (status `draft_model.right`: its
+    windows and the proposals "auto" did not send, checked against the tokens that came),
+    where it was judged on at least `UNSENT_JUDGED` tokens; else None."""
+    if not right or right.get("p") is None or (right.get("judged") or 0) < UNSENT_JUDGED:
+        return None
+    return float(right["p"])
+
+
 def draft_ceiling(
     p: float | None, cost: Mapping[str, Any] | None, forward_ms: float | None, most: int = 15
 ) -> dict[str, Any] | None:

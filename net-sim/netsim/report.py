@@ -221,7 +221,9 @@ def _speculation_md(spec: Mapping[str, Any] | None, floor_ms: float | None) -> l
             " With a draft model: p is the chance that its next drafted token is right given "
             "those before it were; the ceiling is the gain such drafts allow at the window "
             "costs the entry measured, one window at a time, each drafted token's forward "
-            "pass paid (with the draft length that gives it)."
+            "pass paid (with the draft length that gives it). Where it sent no window, p is "
+            'the entry\'s record of the proposals "auto" did not send (unsent), and a '
+            "ceiling of 1.00x means no draft of that p pays at those costs."
             if any(m.get("ceiling") for m in spec.values())
             else ""
         ),
@@ -241,7 +243,7 @@ def _speculation_md(spec: Mapping[str, Any] | None, floor_ms: float | None) -> l
                 f"{m['accepted']} / {m['drafted']}",
                 f"{m.get('model_windows', 0)}, {m.get('model_accepted', 0)} / "
                 f"{m.get('model_drafted', 0)}",
-                _f(m.get("model_p"), 2),
+                _f(m.get("model_p"), 2) + (" (unsent)" if m.get("model_p_unsent") else ""),
                 _ceiling(m.get("ceiling")),
                 m.get("peak_in_flight", 0),
                 m["same_text"],

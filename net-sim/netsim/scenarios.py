@@ -229,6 +229,7 @@ def _draft_costs(status: dict[str, Any]) -> dict[str, Any] | None:
                 "draft_forward_ms": draft.get("forward_ms"),
                 "draft_read_ahead": draft.get("read_ahead"),
                 "draft_read_when_asked": draft.get("read_when_asked"),
+                "draft_right": draft.get("right"),
             }
     return None
 
@@ -304,6 +305,8 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
     if costs is not None and out["speculation"]:
         out["draft_costs"] = costs
         for m in out["speculation"].values():
+            if m["model_p"] is None:  # no window of its went: judged by what it proposed
+                m["model_p"], m["model_p_unsent"] = metrics.unsent_p(costs.get("draft_right")), True
             m["ceiling"] = metrics.draft_ceiling(
                 m["model_p"], costs["window_cost"], costs["draft_forward_ms"]
             )

@@ -52,6 +52,7 @@ def test_a_draft_model_drafts_for_the_model_served_whole(spawn_agent, model_path
     # ahead: that is a split's entry's, while its windows travel.
     assert draft["read_when_asked"]["tokens"] >= 10 and draft["read_when_asked"]["ms"] > 0
     assert draft["read_ahead"] == {"tokens": 0, "ms": 0.0}
+    assert draft["right"] == {"p": None, "judged": 0.0}  # ("on" sends, "auto" judges)
     assert served["slots"]["model_accepted"] >= by_model["accepted"]
     shown = subprocess.run(
         [sys.executable, "-m", "meshagent", "status", "--data-dir", str(agent.data_dir)],

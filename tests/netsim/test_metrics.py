@@ -266,3 +266,11 @@ def test_the_draft_ceiling_weighs_tokens_per_window_against_what_windows_cost():
     # Drafts always right and windows ever cheaper along the line: the ceiling stops at the
     # largest window an entry sends, 16 tokens (15 drafts).
     assert metrics.draft_ceiling(1.0, line, 0.0)["at_draft_tokens"] == 15
+
+
+def test_a_draft_model_that_sent_no_window_is_judged_by_what_it_proposed():
+    # The entry's record of it (status `draft_model.right`), once it judged enough tokens.
+    assert metrics.unsent_p({"p": 0.62, "judged": 40.0}) == 0.62
+    assert metrics.unsent_p({"p": 0.62, "judged": 5.0}) is None  # too few to stand for it
+    assert metrics.unsent_p({"p": None, "judged": 0.0}) is None
+    assert metrics.unsent_p(None) is None

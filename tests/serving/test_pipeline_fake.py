@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from meshagent import control
 from meshagent.errors import SplitUnavailable
 from meshagent.serving import stage_messages as sm
 from meshagent.serving.generation import Delta, GenerationRequest
@@ -498,6 +499,9 @@ async def test_a_split_entry_drafts_with_a_draft_model_and_changes_no_token(
             assert s.model_accepted > 0.9 * s.model_drafted and s.model_accepted > 60
             assert chain.stages[1].forwards - before < 40  # not 100 one-token trips
             assert s.peak_in_flight > 1  # windows followed each other before their verdicts
+    if sampling.temperature == 0:  # the status's record of it: "auto" judged its tokens
+        right = control._draft_model(chain.model)["right"]
+        assert right["p"] > 0.9 and right["judged"] > 60
 
 
 async def test_a_split_entrys_draft_model_reads_a_long_prompt_beside_the_steps(nursery):
