@@ -95,6 +95,18 @@ class CrossDrafts:
             del self.fed[-n:]
             del self._ends[-n:]
 
+    def held_text(self) -> bytes:
+        """What the draft tokens its cache holds spell."""
+        return b"".join(self.draft.token_bytes(t) for t in self.fed)
+
+    def reopened(self) -> CrossDrafts:
+        """The same cache for another sequence of the target, whose text is yet to come
+        (`extend`): the next `resync` keeps the draft tokens that spell its start."""
+        again = CrossDrafts(self.target, self.draft, draft_bos=False)
+        again._lead, again._started = self._lead, self._started
+        again.fed, again._ends = list(self.fed), list(self._ends)
+        return again
+
     def drafted(self, tokens: Sequence[int]) -> None:
         """The draft model decoded `tokens` of its own after those fed (its proposal): its
         cache holds them, and `resync` keeps those the target's text turns out to spell."""

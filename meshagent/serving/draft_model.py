@@ -1,7 +1,9 @@
 """A draft model: a small model that proposes the next tokens of a target model's sequences,
 for the target to verify in one window (docs/speculation.md, "For a draft model").
 
-Each sequence of the target holds a slot of the draft model's engine. The draft's cache
+Each sequence of the target holds a slot of the draft model's engine; a slot keeps its cache
+after its sequence ends, and a sequence that starts with the same text (a conversation's next
+turn, a prompt again) takes it and reads only what is new. The draft's cache
 follows the target's tokens: where the two share a vocabulary, token for token (the draft
 keeps its cache while it holds a prefix of the target's sequence and is fed the rest); where
 they do not, by their text (`serving/cross_drafts.py`). A proposal is the draft's greedy
@@ -66,6 +68,10 @@ class DraftModel:
         self.same_vocab = same_vocab
         self._slots: dict[int, _Slot] = {}
         self._free = list(range(engine.n_slots))
+        # A free slot's last sequence, whose cache its engine slot still holds: a sequence
+        # that opens with the same start (a conversation's next turn, a prompt again) takes
+        # that slot and keeps what it shares (`_resync`) instead of reading it again.
+        self._kept: dict[int, _Slot] = {}
         self.forwards = 0  # forward passes run, for what drafting costs
         self.last_fed = 0  # the last proposal's first forward: how many tokens it fed
         # The last proposal's times: its first forward pass (which fed `last_fed` tokens), and
@@ -85,10 +91,14 @@ class DraftModel:
 
     # ----- from any thread: queued, applied before the next proposal -----
 
-    def open(self, seq: int, tokens: Sequence[int]) -> None:
+    def open(self, seq: int, tokens: Sequence[int]) -> int:
         """Draft for the target's sequence `seq`, which holds `tokens` so far (where every
-        slot is taken, it gets no drafts from the model)."""
-        self._inbox.append(("open", seq, tuple(tokens)))
+        slot is taken, it gets no drafts from the model). How many of `tokens` a free slot
+        holds already, from a sequence that ended (an estimate: another sequence may take
+        that slot first; what the slot holds is checked when it is taken)."""
+        tokens = tuple(tokens)
+        self._inbox.append(("open", seq, tokens))
+        return max((self._shared(k, tokens) for k in list(self._kept.values())), default=0)
 
     def extend(self, seq: int, tokens: Sequence[int]) -> None:
         """The target's sequence `seq` went on with `tokens` (verified)."""
@@ -103,11 +113,8 @@ class DraftModel:
             op, seq, tokens = self._inbox.popleft()
             s = self._slots.get(seq)
             if op == "open" and s is None and self._free:
-                s = _Slot(self._free.pop(0))
-                if not self.same_vocab:
-                    s.cross = CrossDrafts(self.target, self.engine, draft_bos=True)
+                s = self._take_slot(tokens)
                 self._slots[seq] = s
-                self.engine.clear_sequence(s.slot)
                 op = "extend"
             if op == "extend" and s is not None:
                 if s.cross is not None:
@@ -116,8 +123,46 @@ class DraftModel:
                     s.agreed.extend(tokens)
             elif op == "close" and s is not None:
                 del self._slots[seq]
-                self.engine.clear_sequence(s.slot)
+                self._kept[s.slot] = s  # (its engine slot keeps the cache)
                 self._free.append(s.slot)
+
+    def _take_slot(self, tokens: tuple[int, ...]) -> _Slot:
+        """A free slot for a sequence that holds `tokens`: the one whose last sequence shares
+        the longest start with them, keeping its cache (the slot's draft tokens; across
+        tokenizers, what they spell), else the first free one, emptied."""
+        shared = {slot: self._shared(self._kept[slot], tokens) for slot in self._kept}
+        slot = max(self._free, key=lambda f: shared.get(f, 0))
+        self._free.remove(slot)
+        kept = self._kept.pop(slot, None)
+        s = _Slot(slot)
+        if kept is not None and shared[slot] > 0:
+            s.cached = kept.cached
+            if kept.cross is not None:
+                s.cross = kept.cross.reopened()
+            return s
+        self.engine.clear_sequence(slot)
+        if not self.same_vocab:
+            s.cross = CrossDrafts(self.target, self.engine, draft_bos=True)
+        return s
+
+    def _shared(self, kept: _Slot, tokens: tuple[int, ...]) -> int:
+        """How many of the target's `tokens`, from the first, a slot left by `kept` holds
+        (across tokenizers: those whose text its draft tokens spell, byte for byte)."""
+        if kept.cross is None:
+            n = 0
+            for a, b in zip(kept.cached, tokens, strict=False):
+                if a != b:
+                    break
+                n += 1
+            return n
+        held, n, at = kept.cross.held_text(), 0, 0
+        for t in tokens:
+            piece = self.target.token_bytes(t)
+            if held[at : at + len(piece)] != piece or at + len(piece) > len(held):
+                break
+            at += len(piece)
+            n += 1
+        return n
 
     # ----- from the proposing thread -----
 

@@ -40,7 +40,9 @@ class ModelDrafts:
         # "auto": whether a window of the text's copy pays now (the policy's): where it does
         # not (a copy that keeps going off its source), the model is asked while it copies.
         self.copy_pays = True
-        model.open(seq, text.tokens)
+        # How many of its tokens the model may hold already (a slot a sequence with the
+        # same start left: a conversation's next turn)
+        self.held = model.open(seq, text.tokens)
 
     @property
     def follow(self) -> Acceptance:

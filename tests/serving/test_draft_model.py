@@ -246,3 +246,71 @@ def test_catching_up_reads_the_text_in_parts_and_the_proposal_is_the_same():
     caught.open(0, prompt)
     assert 0 < caught.catch_up(0, 4) <= 4
     assert caught.propose(0, 6) == plain.propose(0, 6)
+
+
+def test_a_sequence_that_starts_as_an_ended_one_did_keeps_what_its_slot_holds():
+    # A conversation's next turn: its text starts with the last turn's whole text. The slot
+    # that turn left keeps it, so the draft model reads only what is new, and proposes what
+    # it would have proposed after reading it all.
+    target, _, d, prompt, truth = opened("the first turn", 1, 6, slots=2)
+    d.extend(1, truth)
+    d.propose(1, 3)
+    d.close(1)
+    d.holds(1)  # (what it was told is applied)
+    turn = [*prompt, *truth, *target.tokenize(" and the next", add_bos=False)]
+    assert d.open(2, turn) == len(prompt) + len(truth)  # (the estimate the policy reads)
+    before = d.forwards
+    got = d.propose(2, 4)
+    assert got == greedy(target, turn, 4)
+    assert d.last_fed == len(turn) - len(prompt) - len(truth)  # only the new text read
+    assert d.forwards - before == 4
+    # Another start takes a slot of its own, emptied: nothing of the first is kept for it.
+    other = target.tokenize("unrelated", add_bos=True)
+    assert d.open(3, other) == 0
+    assert d.propose(3, 2) == greedy(target, other, 2)
+
+
+def test_across_tokenizers_a_next_turn_keeps_the_draft_tokens_that_spell_its_start():
+    draft, target, ref = FakeEngine(slots=1), Words(), FakeEngine(slots=1)
+    d = DraftModel(draft, target, same_vocab=False)
+    first = target.tokenize("the cat sat ", add_bos=False)
+    d.open(1, first)
+    d.propose(1, 4)
+    d.close(1)
+    d.holds(1)
+    turn = target.tokenize("the cat sat the cat ", add_bos=False)
+    assert d.open(2, turn) == len(first)
+    got = d.propose(2, 6)
+    # Its cache kept the BOS and the letters of "the cat sat" (the last is read again with
+    # what follows it), and read the rest: as if it had read the whole turn.
+    assert d.last_fed < len("the cat ") + 2
+    letters = greedy(ref, [1, *ref.tokenize("the cat sat the cat ", add_bos=False)], 7)
+    text = b"".join(draft.token_bytes(t) for t in letters[:-1])
+    assert got and b"".join(target.token_bytes(t) for t in got) == text[: len(got)]
+
+
+async def test_a_conversations_next_turn_is_not_read_again_by_the_draft_model(nursery):
+    # One agent, "auto": the second turn's prompt is the first turn's text and a little
+    # more. The draft model's slot still holds the first turn, so "auto" knows it need not
+    # read it again, asks for drafts from the turn's first tokens, and each proposal reads
+    # only what is new. (A vocabulary of 29 spells each text one way: the turn's text reads
+    # back as the tokens the first turn made.)
+    from meshagent.serving.local_model import LocalModel
+    from tests.serving.test_runner import complete
+
+    engine = FakeEngine(29, slots=2, slot_ctx=512, delay=0.004)  # (a step costs a window's
+    drafter = FakeEngine(29, slots=2, slot_ctx=512, delay=0.0002)  # time; a draft, little)
+    draft = DraftModel(drafter, engine, same_vocab=True)
+    model = LocalModel.whole(engine, max_queue=2, draft=draft)
+    await nursery.start(model.run)
+    prompt = "the lighthouse keeper found a map under the floor of the boathouse"
+    first, _ = await complete(model, prompt, 60, speculation="on")
+    read = draft.read_when_asked.tokens
+    turn = f"{prompt}{first} and then"
+    assert len(model.text_tokens(turn)) > 120
+    text, fin = await complete(model, turn, 60, speculation="auto")
+    assert draft.read_when_asked.tokens - read < 30  # not the turn's 120 tokens again
+    s = fin.speculation
+    assert s is not None and s.model_windows > 0 and s.model_accepted > 40
+    plain, _ = await complete(model, turn, 60, speculation="off")
+    assert text == plain
