@@ -417,10 +417,6 @@ class DraftPolicy:
         if d.acceptance is None or not proposal:
             return proposal
         model = self._from_model(d)
-        if model:  # (its tokens are judged as its own, not as a shadow's too)
-            d.model_shadow = ()
-        elif not d.model_shadow and isinstance(d.drafter, ModelDrafts):
-            d.model_shadow, d.model_shadow_after = d.drafter.offered(), False
         acc = self._accepts(d, model)
         extra = self.model_extra() if model else 0.0
         overhead = self.model_overhead() if model else 0.0
@@ -463,8 +459,6 @@ class DraftPolicy:
             return ()
         if d.acceptance is not None:
             model = self._from_model(d)
-            if model:
-                d.model_shadow = ()
             copying = s.windows[0].copying and not model
             extra = self.model_extra() if model else 0.0
             k = follow_up_draft(
@@ -571,16 +565,6 @@ class DraftPolicy:
             if d.shadow_model:
                 self.model_right.update(hit, 1)
             d.shadow, d.shadow_after = (d.shadow[1:] if hit else ()), True
-        if d.model_shadow and d.acceptance is not None:
-            hit = token == d.model_shadow[0]
-            acc = self._accepts(d, True)
-            if d.model_shadow_after:
-                acc.then_seen(hit)
-            else:
-                acc.update(hit, 1)
-            self.model_right.update(hit, 1)
-            d.model_shadow = d.model_shadow[1:] if hit else ()
-            d.model_shadow_after = True
 
 
 def _moving(was: float | None, now: float) -> float:

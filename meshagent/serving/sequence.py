@@ -57,10 +57,6 @@ class DraftState:
     shadow: tuple[int, ...] = ()
     shadow_after: bool = False  # the shadow's next token follows a right one
     shadow_model: bool = False  # the shadow was the draft model's proposal
-    # The draft model's proposal where the text's draft went (or was the shadow) instead:
-    # judged the same way, for the model's acceptance, so it learns while it loses
-    model_shadow: tuple[int, ...] = ()
-    model_shadow_after: bool = False
     copying: bool = False  # its last proposal went on copying the text it follows
     # "auto", drafting fewer n-gram tokens than proposed: the first it left out, to see whether
     # it would have been right after the drafted ones (evidence for `Acceptance.then` that a

@@ -485,27 +485,3 @@ def test_a_draft_model_of_the_targets_own_vocabulary_starts_from_a_higher_prior(
     assert same.drafts.drafter.accepts.expected(1) == pytest.approx(1 + MODEL_PRIOR_SAME_VOCAB)
     across = _with_draft_model(p, tuple(range(1, 21)), limit=200, same_vocab=False)
     assert across.drafts.drafter.accepts.expected(1) == pytest.approx(1 + MODEL_PRIOR)
-
-
-def test_the_draft_models_proposal_is_judged_where_the_texts_draft_goes_instead():
-    # The text's draft goes (a model across tokenizers starts below the text's prior); the
-    # model's proposal for the same point is checked against the tokens that come, so the
-    # model's record grows while its drafts lose, and can win later.
-    from meshagent.serving.draft_model import DraftModel
-    from meshagent.testing.fake_engine import FakeEngine
-
-    p = policy(slope=0.1)
-    p.model = DraftModel(FakeEngine(slots=2, slot_ctx=64), FakeEngine(), same_vocab=False)
-    s = SeqState(0, LOOP, 30, GREEDY)
-    s.drafts = p.start("auto", LOOP, (), seq=0)
-    s.n_past = len(LOOP) - 1
-    d = s.drafts.drafter
-    d.offer = (d.key(), (5, 6, 9, 9))
-    model_before = d.accepts.rate
-    assert p.draft(s, budget=100) == (5, 6, 7, 8) and not d.from_model
-    for token in (5, 6, 7, 8):
-        p.read(s, token)
-    # Right twice, then wrong: three tokens judged, and no more of that proposal.
-    assert p.model_right.hits == pytest.approx(2, abs=0.05)  # (older evidence decays)
-    assert p.model_right.trials == pytest.approx(3, abs=0.05)
-    assert s.drafts.model_shadow == () and d.accepts.rate != model_before
