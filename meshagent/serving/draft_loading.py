@@ -16,6 +16,7 @@ from pathlib import Path
 import structlog
 import trio
 
+from meshagent import wording
 from meshagent.catalog.entry import CatalogEntry
 from meshagent.engine.base import TokenModel
 from meshagent.engine.llama import LlamaEngine
@@ -74,7 +75,7 @@ async def catalogued_draft(
             elif await trio.to_thread.run_sync(target.store.source_sha256, path) != e.sha256:
                 why = f"the file here ({path}) is not the catalogued one (sha256 differs)"
             elif (n := await trio.to_thread.run_sync(need, path)) > (left := free()):
-                why = f"it needs {n >> 20} MiB, {left >> 20} MiB are free"
+                why = f"it needs {wording.size(n)}, {wording.size(left)} are free"
         except (MeshError, OSError) as err:
             why = str(err)
         if why:
