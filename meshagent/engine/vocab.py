@@ -18,7 +18,6 @@ class Vocab:
         self._owned = owned
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        self._piece = ctypes.create_string_buffer(256)
         self._bytes: dict[int, bytes] = {}
         self._tables: TokenTables | None = None  # built for the first JSON that must close
 
@@ -43,10 +42,16 @@ class Vocab:
         cached = self._bytes.get(token)
         if cached is None:
             check_tokens((token,), self.n_vocab)
-            n = llama_cpp.llama_token_to_piece(
-                self._vocab, token, self._piece, len(self._piece), 0, False
-            )
-            cached = self._piece.raw[: max(n, 0)]
+            # A buffer of its own each time: threads other than the event loop's ask too (a
+            # draft model's worker, across tokenizers), and llama.cpp writes it without the GIL.
+            size = 256
+            while True:
+                piece = ctypes.create_string_buffer(size)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, piece, size, 0, False)
+                if n >= 0:
+                    break
+                size = -n  # (it says how much a longer piece needs)
+            cached = piece.raw[:n]
             self._bytes[token] = cached
         return cached
 
