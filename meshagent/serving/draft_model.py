@@ -129,9 +129,10 @@ class DraftModel:
     def _take_slot(self, tokens: tuple[int, ...]) -> _Slot:
         """A free slot for a sequence that holds `tokens`: the one whose last sequence shares
         the longest start with them, keeping its cache (the slot's draft tokens; across
-        tokenizers, what they spell), else the first free one, emptied."""
+        tokenizers, what they spell), else a free one emptied: one never used first, so that
+        the caches ended sequences left stay for their next turns."""
         shared = {slot: self._shared(self._kept[slot], tokens) for slot in self._kept}
-        slot = max(self._free, key=lambda f: shared.get(f, 0))
+        slot = max(self._free, key=lambda f: (shared.get(f, 0), f not in self._kept))
         self._free.remove(slot)
         kept = self._kept.pop(slot, None)
         s = _Slot(slot)
@@ -158,7 +159,7 @@ class DraftModel:
         held, n, at = kept.cross.held_text(), 0, 0
         for t in tokens:
             piece = self.target.token_bytes(t)
-            if held[at : at + len(piece)] != piece or at + len(piece) > len(held):
+            if held[at : at + len(piece)] != piece:
                 break
             at += len(piece)
             n += 1
