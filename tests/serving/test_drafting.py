@@ -563,3 +563,20 @@ def test_without_a_seed_the_first_token_keeps_its_distribution():
     expected = probs * n
     chi2 = sum((counts[i] - expected[i]) ** 2 / expected[i] for i in range(len(probs)))
     assert chi2 < 18.5  # 4 degrees of freedom, p = 0.001
+
+
+def test_a_window_size_timed_often_enough_costs_what_it_took():
+    # A CPU split (a LAN run's times): short windows cost more a token than long ones, so
+    # the line through all sizes says too little for some. Once a size was timed 3 times,
+    # its own time stands.
+    cost = WindowCost(weight=1.0)
+    for _ in range(3):
+        for n, ms in ((1, 75.0), (2, 164.0), (3, 235.0), (5, 303.0), (16, 846.0)):
+            cost.observe(n, ms / 1000)
+    line = 1 + cost.jump + cost.slope * (3 - 1)
+    assert cost.cost(3) == pytest.approx(235 / 75) and cost.cost(3) > line
+    assert cost.cost(2) == pytest.approx(164 / 75)
+    assert cost.cost(4) == pytest.approx(1 + cost.jump + cost.slope * 3)  # (never timed)
+    # A size timed fewer times goes by the line.
+    cost.observe(7, 0.2)
+    assert cost.cost(7) == pytest.approx(1 + cost.jump + cost.slope * 6)
