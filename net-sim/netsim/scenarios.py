@@ -306,7 +306,8 @@ def split(regime: str, run_dir: Path, settings: SplitSettings) -> dict[str, Any]
         out["draft_costs"] = costs
         for m in out["speculation"].values():
             if m["model_p"] is None:  # no window of its went: judged by what it proposed
-                m["model_p"], m["model_p_unsent"] = metrics.unsent_p(costs.get("draft_right")), True
+                m["model_p"] = metrics.unsent_p(costs.get("draft_right"))
+                m["model_p_unsent"] = m["model_p"] is not None
             m["ceiling"] = metrics.draft_ceiling(
                 m["model_p"], costs["window_cost"], costs["draft_forward_ms"]
             )
