@@ -72,7 +72,9 @@ async def test_a_stream_cut_by_the_shutdown_ends_with_an_error_line(fake_model):
     inflight = InFlight()
     app = OpenAIApp(StaticDirectory([fake_model]), inflight, lambda: {})
     body = {"model": "fake", "prompt": "abc", "options": {"num_predict": 200}}
-    # 0.1 s in, it streams (200 tokens take longer)
+    # 0.1 s in, it streams (200 tokens take longer: 0.4 s one at a time, so no drafts, which
+    # could make them in a dozen windows)
+    fake_model.speculation = "off"
     answer = await call_and(app, "POST", "/api/generate", inflight.expire_now, after=0.1, body=body)
     *parts, last = lines(answer)
     assert parts and all("response" in p for p in parts)
