@@ -150,12 +150,7 @@ class DraftModel:
         """How many of the target's `tokens`, from the first, a slot left by `kept` holds
         (across tokenizers: those whose text its draft tokens spell, byte for byte)."""
         if kept.cross is None:
-            n = 0
-            for a, b in zip(kept.cached, tokens, strict=False):
-                if a != b:
-                    break
-                n += 1
-            return n
+            return _common_start(kept.cached, tokens)
         held, n, at = kept.cross.held_text(), 0, 0
         for t in tokens:
             piece = self.target.token_bytes(t)
@@ -240,11 +235,7 @@ class DraftModel:
         if s.cross is not None:
             return s.cross.resync(after)
         follow = [*s.agreed, *after]
-        keep = 0
-        for a, b in zip(s.cached, follow, strict=False):
-            if a != b:
-                break
-            keep += 1
+        keep = _common_start(s.cached, follow)
         return keep, follow[keep:]
 
     def _run(self, s: _Slot, tokens: list[int]) -> np.ndarray:
@@ -256,6 +247,16 @@ class DraftModel:
             raise EngineError("the draft model gave no logits")
         s.cached.extend(tokens)
         return logits
+
+
+def _common_start(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` share from the first."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def same_vocabulary(a: TokenModel, b: TokenModel) -> bool:
