@@ -29,6 +29,7 @@ from meshagent.models.ranged import PartialModel, is_partial
 from meshagent.placement.costs import ModelCost
 from meshagent.relay.client import RelayClient
 from meshagent.serving.capabilities import Capabilities
+from meshagent.serving.draft_loading import AUTO_RATIO
 from meshagent.serving.mesh_model import MeshModel
 
 log = structlog.get_logger(__name__)
@@ -65,10 +66,12 @@ def static_fields(
         kv=int(config.mem_kv_gib * gib),
     )
     spare = capacity.spare_memory(available, offer)
+    draft = (0.0, 0.0)
     if config.draft_model:  # its weights and KV cache are not the mesh's to place
         path = draft_model_path(config.draft_model)
         need = draft_model_bytes(path, config.slots * config.ctx_size)
         offer = capacity.MemoryOffer.split(max(0, offer.total - need))
+        draft = draft_compute(path, auto=config.draft_model == "auto")
     return {
         "name": name,
         "agent_version": __version__,
@@ -76,6 +79,7 @@ def static_fields(
         "mem_kv_bytes": offer.kv,
         "mem_spare_bytes": spare,
         "devices": device_offers(config, device_speeds),
+        "draft_gflops": draft,
         # Each whole model file here (a partial copy holds only stages' bytes).
         "models": tuple(
             ModelHeld(i.id, sha256.get(i.id, ""), i.architecture, i.n_layers, i.size_bytes)
@@ -162,3 +166,13 @@ def draft_model_bytes(path: Path, context_tokens: int) -> int:
     compute buffer (as placement counts a model served whole)."""
     cost = ModelCost.from_layout(path.name, inspect_model(path.expanduser()))
     return cost.stage_bytes(0, cost.n_layers, context_tokens)
+
+
+def draft_compute(path: Path, *, auto: bool) -> tuple[float, float]:
+    """What a draft model computes per token, as placement counts it at the entry (GFLOP per
+    token: its layers and its output head), and the smallest model it drafts for in the same
+    unit: `auto` drafts only for a target `AUTO_RATIO` times its size, a model named for
+    every target."""
+    layout = inspect_model(path.expanduser())
+    gflops = 2.0 * (sum(layout.layer_params) + layout.n_vocab * layout.n_embd) / 1e9
+    return gflops, AUTO_RATIO * gflops if auto else 0.0

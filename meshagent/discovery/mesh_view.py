@@ -49,6 +49,8 @@ def peer_rows(
                 "compute_unit": rec.compute_unit if rec else None,
                 "mem_spare_bytes": rec.mem_spare_bytes if rec else None,
                 "devices": [d.__dict__ for d in rec.devices] if rec else [],
+                # its draft model's GFLOP per token, and the smallest model it drafts for
+                "draft_gflops": list(rec.draft_gflops) if rec else None,
                 "models": [m.id for m in rec.models] if rec else [],
                 "stages": [
                     {

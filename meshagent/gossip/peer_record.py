@@ -31,6 +31,7 @@ MAX_DEVICES = 16
 MAX_CATALOG = 32  # catalogue entries (`catalog/book.py`, MAX_GOSSIPED)
 MAX_CATALOG_BYTES = 1024  # one entry, encoded (`catalog/entry.py`, MAX_ENTRY_BYTES)
 MAX_TEXT = 255
+MAX_DRAFT_GFLOPS = 10_000.0  # a draft model's GFLOP per token (a 5-trillion-parameter one)
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,10 @@ class PeerRecord:
     # Its network coordinate (`net/coordinates.py`): x, y and height in ms, and its error;
     # () until it has one. Placement estimates the RTT between peers that never measured it.
     coord: tuple[float, ...] = ()
+    # The draft model it runs as a model's entry (`--draft-model`): GFLOP per token, and the
+    # smallest model (GFLOP per token) it drafts for; (0, 0) without one. Placement counts
+    # its compute at the entry.
+    draft_gflops: tuple[float, float] = (0.0, 0.0)
     # Fields other services publish without a record format change (e.g. placement
     # leases): text keys, CBOR values.
     extras: dict[str, Any] = field(default_factory=dict)
@@ -247,6 +252,8 @@ class PeerRecord:
             wire[24] = self.nat
         if self.coord:  # likewise
             wire[25] = [float(f) for f in self.coord]
+        if self.draft_gflops[0]:  # likewise
+            wire[26] = [float(f) for f in self.draft_gflops]
         body = cbor2.dumps(wire, canonical=True)
         if len(body) > MAX_RECORD_BYTES:
             raise RecordRejected(
@@ -312,6 +319,7 @@ class PeerRecord:
                 ),
                 nat=_nat(d.get(24, "")),
                 coord=_coord(d.get(25)),
+                draft_gflops=_draft(d.get(26)),
             )
         except KeyError as e:
             raise RecordRejected(f"record lacks field {e}") from e
@@ -343,6 +351,7 @@ class PeerRecord:
             "devices": [d.__dict__ for d in self.devices],
             "nat": self.nat,
             "coord": list(self.coord),
+            "draft_gflops": list(self.draft_gflops),
         }
 
 
@@ -425,6 +434,18 @@ def _coord(v: Any) -> tuple[float, ...]:
             f"coord must be [x, y, height, error], finite and in bounds, not {quoted(v, 60)}"
         )
     return (c.x, c.y, c.height, c.error)
+
+
+def _draft(v: Any) -> tuple[float, float]:
+    if v is None:
+        return (0.0, 0.0)
+    gflops, above = (_float(x) for x in _list(v, 2, "draft_gflops"))
+    if not 0 < gflops <= MAX_DRAFT_GFLOPS:
+        raise RecordRejected(
+            f"draft_gflops must be [GFLOP per token, over 0 and at most {MAX_DRAFT_GFLOPS:g}; "
+            f"the smallest model it drafts for], not {quoted(v, 60)}"
+        )
+    return (gflops, above)
 
 
 def _bounded(v: Any, limit: int) -> list[Any]:

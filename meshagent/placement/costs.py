@@ -139,6 +139,10 @@ class PeerCapacity:
     # Its network coordinate, as its record gives it (None: none yet): the RTT to a peer it
     # has not measured is estimated from both peers' (`rtt_between`).
     coord: Coordinate | None = None
+    # The draft model it runs as a model's entry (`--draft-model`), on its CPU: GFLOP per
+    # token, and the smallest model (GFLOP per token) it drafts for (0: none, any).
+    draft_gflops: float = 0.0
+    drafts_from_gflops: float = 0.0
 
     def needs(self, model: ModelCost, start: int, end: int, context_tokens: int) -> int:
         """Bytes of its offer a stage over layers [start, end) takes here: weights and KV
@@ -156,14 +160,27 @@ class PeerCapacity:
 
     def stage_ms(self, model: ModelCost, start: int, end: int, context_tokens: int) -> float:
         """Compute time per token of layers [start, end) here: the share of the stage's bytes
-        that fits the devices runs at `vram_speed`, the rest at `speed`."""
+        that fits the devices runs at `vram_speed`, the rest at `speed`; the first stage (the
+        entry) also runs its draft model (`draft_ms`)."""
         layers = end - start
         cpu_ms = 1000.0 * layers / max(self.speed, 1e-9)
+        extra = self.draft_ms(model) if start == 0 else 0.0
         if self.vram_bytes <= 0 or self.vram_speed <= 0:
-            return cpu_ms
+            return cpu_ms + extra
         need = model.stage_bytes(start, end, context_tokens)
         on_device = min(1.0, self.vram_bytes / max(need, 1))
-        return on_device * 1000.0 * layers / self.vram_speed + (1.0 - on_device) * cpu_ms
+        return on_device * 1000.0 * layers / self.vram_speed + (1.0 - on_device) * cpu_ms + extra
+
+    def draft_ms(self, model: ModelCost) -> float:
+        """Compute time per token its draft model adds where it is `model`'s entry: a draft
+        forward per token, on its CPU (`speed` is in `model`'s layers per second); 0 without
+        a draft model, for a model smaller than it drafts for, or without the model's FLOPs."""
+        if self.draft_gflops <= 0 or model.flops_per_layer <= 0:
+            return 0.0
+        if model.flops_per_layer * model.n_layers < self.drafts_from_gflops * 1e9:
+            return 0.0
+        layers = self.draft_gflops * 1e9 / model.flops_per_layer
+        return 1000.0 * layers / max(self.speed, 1e-9)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,8 @@ class StageCosts:
             ms = on_device * 1000.0 * layers / peer.vram_speed + (1.0 - on_device) * cpu_ms
         else:
             ms = cpu_ms
+        if role == FIRST:  # the entry runs its draft model too
+            ms = ms + peer.draft_ms(m)
         return np.where(fits, ms, np.inf)
 
 

@@ -109,6 +109,7 @@ def capacities(
         offered = [(d.offer_bytes, d.speed) for d in getattr(r, "devices", ()) if d.offer_bytes]
         vram = sum(b for b, _ in offered)
         vram_speed = sum(b * s for b, s in offered) / vram * per_layer if vram else 0.0
+        draft = getattr(r, "draft_gflops", (0.0, 0.0))  # GFLOP per token (`draft_ms`)
         whole, holds = True, frozenset()
         if source_sha256:
             whole = any(m.sha256 == source_sha256 for m in r.models)
@@ -130,6 +131,8 @@ def capacities(
                 spare_bytes=int(getattr(r, "mem_spare_bytes", 0)),
                 tokenizer=source_sha256 not in getattr(r, "no_tokenizer", ()),
                 coord=Coordinate.from_wire(list(r.coord)) if getattr(r, "coord", ()) else None,
+                draft_gflops=draft[0],
+                drafts_from_gflops=draft[1],
             )
         )
     return out

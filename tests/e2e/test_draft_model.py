@@ -1,6 +1,6 @@
 """An agent serving a model whole with a draft model (`--draft-model`): speculating requests
 verify the draft model's proposals and the text is plain decoding's; the draft model's memory
-comes out of what the agent offers the mesh."""
+comes out of what the agent offers the mesh, and its compute is in the agent's record."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from meshagent.advertisement import draft_model_bytes
+from meshagent.advertisement import draft_compute, draft_model_bytes
 from meshagent.testing.tiny_gguf import write_tiny_model
 from tests.e2e.agents import invite, wait_for
 from tests.e2e.test_console import _browser
@@ -77,13 +77,20 @@ def test_a_draft_model_drafts_for_the_model_served_whole(spawn_agent, model_path
         finally:
             browser.close()
 
-    def offered(a) -> int:
+    def record(a) -> dict:
         peers = httpx.get(f"{a.url}/control/peers", timeout=10).json()["peers"]
-        me = next(p for p in peers if p["self"])
-        return me["mem_weights_bytes"] + me["mem_kv_bytes"]
+        return next(p for p in peers if p["self"])
+
+    def offered(a) -> int:
+        return record(a)["mem_weights_bytes"] + record(a)["mem_kv_bytes"]
 
     need = draft_model_bytes(model_path, 2 * 512)
     assert offered(plain_agent) - offered(agent) == need
+    # Its compute is in its record too, for placement to count at the entry: a model named
+    # drafts for every target.
+    gflops, every = draft_compute(model_path, auto=False)
+    assert record(agent)["draft_gflops"] == [gflops, every] and 0.2 < gflops < 0.3
+    assert record(plain_agent)["draft_gflops"] == [0.0, 0.0]
 
 
 def test_a_splits_entry_drafts_with_its_draft_model(spawn_agent, model_path, model_id):

@@ -13,6 +13,7 @@ from meshagent.gossip.errors import RecordRejected
 from meshagent.gossip.peer_record import (
     MAX_CATALOG,
     MAX_CATALOG_BYTES,
+    MAX_DRAFT_GFLOPS,
     MAX_RECORD_BYTES,
     ArtifactHeld,
     DeviceOffer,
@@ -120,6 +121,28 @@ def test_a_nat_kind_travels_and_any_other_value_is_refused():
     for bad in ("cone", 1, ["none"], "x" * 300):
         wire[24] = bad
         with pytest.raises(RecordRejected, match="nat must be one of"):
+            PeerRecord.from_body(cbor2.dumps(wire, canonical=True))
+
+
+def test_a_draft_models_compute_travels_and_a_hostile_value_is_refused():
+    ident = NodeIdentity.generate()
+    assert 26 not in cbor2.loads(full_record(ident).to_body())  # absent without one
+    wire = cbor2.loads(replace(full_record(ident), draft_gflops=(0.27, 1.6)).to_body())
+    assert wire[26] == [0.27, 1.6]
+    assert PeerRecord.from_body(cbor2.dumps(wire, canonical=True)).draft_gflops == (0.27, 1.6)
+    for bad in (
+        [0.0, 0.0],  # sent only with a draft model
+        [-1.0, 0.0],
+        [float("nan"), 0.0],
+        [float("inf"), 0.0],
+        [MAX_DRAFT_GFLOPS * 2, 0.0],
+        [0.27, -1.0],
+        [0.27],
+        "0.27",
+        [0.27, 1.6, 3.0],
+    ):
+        wire[26] = bad
+        with pytest.raises(RecordRejected):
             PeerRecord.from_body(cbor2.dumps(wire, canonical=True))
 
 

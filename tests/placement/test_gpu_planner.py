@@ -178,6 +178,14 @@ def test_capacities_read_the_gpus_offer_and_speed_from_gossip():
     assert caps["unmeasured"].vram_bytes == 0
 
 
+def test_capacities_read_the_draft_models_compute_from_gossip():
+    drafting = _Record()
+    drafting.draft_gflops = (0.27, 1.6)
+    caps = {c.peer_id: c for c in capacities({"d": _View(drafting), "n": _View(_Record())})}
+    assert (caps["d"].draft_gflops, caps["d"].drafts_from_gflops) == (0.27, 1.6)
+    assert (caps["n"].draft_gflops, caps["n"].drafts_from_gflops) == (0.0, 0.0)
+
+
 def test_no_plan_says_when_the_layers_do_not_fall_into_the_offers():
     # Four layers of 0.3 GB on three peers of 0.5 GB: 1.5 GB in all is enough by the sum, and
     # a last stage of one layer fits any peer, but no peer holds two layers: no split fits.

@@ -62,6 +62,43 @@ def test_every_peer_that_fits_is_a_replica_fastest_first():
     assert plan(MODEL, peers, context_tokens=CTX).replicas == ("b", "a")
 
 
+# One GFLOP per layer: a peer's speed in layers per second is its GFLOP/s.
+FLOPPED = replace(MODEL, flops_per_layer=1e9)
+
+
+def test_the_entrys_draft_model_counts_in_the_time_of_a_model_served_whole():
+    # a: 30 layers at 100 a second, 300 ms a token, and a draft model of 6 GFLOP (6 layers'
+    # worth): 360 ms; b: 315.8 ms with none. Without the draft a is faster.
+    a, b = peer("a", 4.0, speed=100), peer("b", 4.0, speed=95)
+    assert plan(FLOPPED, [a, b], context_tokens=CTX).replicas == ("a", "b")
+    drafting = replace(a, draft_gflops=6.0)
+    assert drafting.stage_ms(FLOPPED, 0, 30, CTX) == pytest.approx(360.0)
+    assert drafting.stage_ms(FLOPPED, 10, 30, CTX) == pytest.approx(200.0)  # not the entry
+    p = plan(FLOPPED, [drafting, b], context_tokens=CTX)
+    assert p.replicas == ("b", "a") and p.est_token_ms == pytest.approx(1000 * 30 / 95)
+    # A draft model that drafts only for bigger models (`auto`) costs this one nothing.
+    above = replace(drafting, drafts_from_gflops=31.0)
+    assert above.stage_ms(FLOPPED, 0, 30, CTX) == pytest.approx(300.0)
+    assert plan(FLOPPED, [above, b], context_tokens=CTX).replicas == ("a", "b")
+    # Without the model's FLOPs there is no unit to count it in.
+    assert drafting.stage_ms(MODEL, 0, 30, CTX) == pytest.approx(300.0)
+
+
+def test_a_split_puts_its_first_stage_on_the_peer_whose_draft_model_costs_less():
+    # Neither holds the model alone; equal speeds. With a's draft model at 6 GFLOP a token
+    # the entry goes to b, whose draft model is at 1.
+    a = replace(peer("a", 2.0), draft_gflops=6.0)
+    b = replace(peer("b", 2.0), draft_gflops=1.0)
+    plain = plan(FLOPPED, [peer("a", 2.0), peer("b", 2.0)], context_tokens=CTX)
+    assert plain.split and plain.stages[0].peer_id == "a"
+    for peers in ([a, b], [b, a]):
+        p = plan(FLOPPED, peers, context_tokens=CTX)
+        assert p.split and p.stages[0].peer_id == "b", p
+        check_fits(p, peers)
+        # its time counts b's draft model, once: 1 GFLOP at 100 GFLOP/s
+        assert p.est_token_ms - plain.est_token_ms == pytest.approx(10.0)
+
+
 def test_a_model_that_may_not_be_split_is_served_whole_or_refused_with_the_reason():
     whole_only = replace(MODEL, split_refusal="split only once certified")
     assert plan(whole_only, [peer("a", 4.0), peer("b", 2.0)], context_tokens=CTX).replicas == ("a",)
