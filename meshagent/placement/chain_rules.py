@@ -2,7 +2,7 @@
 stands or repaired in its place, chains grown by demand up to `MAX_CHAINS` and shrunk once
 demand settles low, a pinned split's standby, and the plan of a split of several chains.
 Mixed into the assigner (`assignment._Assigner`), whose ledger of free memory, shares and
-rates they use."""
+rates (`ledger.py`) they use."""
 
 from __future__ import annotations
 
