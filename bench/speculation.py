@@ -32,7 +32,6 @@ Never asserts on time: compare the figures yourself.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -45,36 +44,11 @@ from chat_stream import stream_chat
 
 from meshagent.launch import start_agent
 from meshagent.models.default import default_model_path
+from meshagent.testing.workloads import CODE_PROMPT, COPY_PROMPT
 
-DOC = {
-    "name": "meshagent",
-    "version": "0.4.2",
-    "description": "a peer-to-peer mesh that runs language models on the machines you have",
-    "license": "Apache-2.0",
-    "api": {"host": "127.0.0.1", "port": 9337, "endpoints": ["/v1/models", "/v1/completions"]},
-    "overlay": {"listen": "0.0.0.0:9338", "relays": ["relay.example.org:9339"], "mdns": True},
-    "limits": {"slots": 4, "ctx_size": 2048, "max_queue": 64, "grace_seconds": 10},
-}
-CODE = """def summarize(records):
-    total = 0
-    count = 0
-    for record in records:
-        if record.get("valid"):
-            total += record["amount"]
-            count += 1
-    average = total / count if count else 0.0
-    print(f"total={total} count={count} average={average:.2f}")
-    return {"total": total, "count": count, "average": average}
-"""
 WORKLOADS = {
-    "json": "Here is a JSON document:\n"
-    + json.dumps(DOC, indent=2)
-    + '\nRepeat the whole document exactly as it is, except that "port" 9337 becomes 9400. '
-    "Answer with the JSON only.",
-    "code": "Here is a Python function:\n```python\n"
-    + CODE
-    + "```\nRewrite it with the variable `total` renamed to `running_sum`, changing nothing "
-    "else. Answer with the code only.",
+    "json": COPY_PROMPT,
+    "code": CODE_PROMPT,
     "prose": "Write a long, detailed story about a lighthouse keeper who finds a map.",
 }
 COPY_SHAPED = ("json", "code")

@@ -1,6 +1,7 @@
 """The load driver: runs inside a lab host, sends chat completions to the agent on that host's
 loopback and writes one JSON line per request. Standard library only (besides the package's
-SSE decoder, which is as light), so that it starts fast and costs little CPU next to the agents.
+SSE decoder, and the copy-shaped prompts bench/speculation.py measures too, which are as
+light), so that it starts fast and costs little CPU next to the agents.
 
     python net-sim/netsim/workload.py --out run.jsonl --mix soak --requests 200 --concurrency 2
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from meshagent.sse_client import EventDecoder
+from meshagent.testing.workloads import CODE_PROMPT, COPY_PROMPT
 
 SHORT_PROMPTS = (
     "Say hello in French.",
@@ -52,49 +54,6 @@ LONG_PROMPTS = (
     _STORY + "Write the letter the keeper would send to the mainland once the radio works.",
 )
 COUNT_PROMPT = "Count from 1 to 500, separated by commas, and say nothing else."
-# The document bench/speculation.py copies, laid out as json.dumps lays it out: SmolLM2
-# repeats that layout faithfully, where it rewrote a hand-packed one after a few lines (and
-# then no longer copied anything: the text was not copy-shaped).
-_DOC = json.dumps(
-    {
-        "name": "meshagent",
-        "version": "0.4.2",
-        "description": "a peer-to-peer mesh that runs language models on the machines you have",
-        "license": "Apache-2.0",
-        "api": {
-            "host": "127.0.0.1",
-            "port": 9337,
-            "endpoints": ["/v1/models", "/v1/completions"],
-        },
-        "overlay": {"listen": "0.0.0.0:9338", "relays": ["relay.example.org:9339"], "mdns": True},
-        "limits": {"slots": 4, "ctx_size": 2048, "max_queue": 64, "grace_seconds": 10},
-    },
-    indent=2,
-)
-# Copy-shaped: most of the answer repeats the prompt, which speculation's drafts come from.
-COPY_PROMPT = (
-    f"Here is a JSON document:\n{_DOC}\nRepeat the whole document exactly as it is, except "
-    'that "port" 9337 becomes 9400. Answer with the JSON only.'
-)
-
-# A code edit: most of the answer repeats the function, with one name changed throughout
-# (what bench/speculation.py calls the code rename).
-_CODE = """def summarize(records):
-    total = 0
-    count = 0
-    for record in records:
-        if record.get("valid"):
-            total += record["amount"]
-            count += 1
-    average = total / count if count else 0.0
-    print(f"total={total} count={count} average={average:.2f}")
-    return {"total": total, "count": count, "average": average}
-"""
-CODE_PROMPT = (
-    f"Here is a Python function:\n```python\n{_CODE}```\nRewrite it with the variable `total` "
-    "renamed to `running_sum`, changing nothing else. Answer with the code only."
-)
-
 
 # A conversation's first turn: a system prompt naming the conversation (so that no other one
 # shares its first tokens) and a long document, about 1,500 tokens in all; its second turn
