@@ -169,10 +169,25 @@ def test_a_punched_path_that_dies_falls_back_to_the_relay_and_comes_back(tmp_pat
         _, took = wait_until(lambda: paths("relayed"), 40, "back on the relay")
         print(f"\nrelayed again {took:.1f} s after the direct path died")
         _unblock(lab, _nat1(lab), tmp_path / "nat1.nft")
-        _, took = wait_until(lambda: paths("direct"), 90, "direct again")
+        try:
+            _, took = wait_until(lambda: paths("direct"), 90, "direct again")
+        except AssertionError as e:  # (it failed once in a full suite: say what the dialers did)
+            raise AssertionError(f"{e}\n{_punch_story(lab, agents, ids)}") from None
         print(f"direct again {took:.1f} s after the path came back")
     finally:
         lab.close()
+
+
+def _punch_story(lab: Lab, agents: list, ids: list[str]) -> str:
+    """Why each agent says its link to the other is relayed, and its last dialer log lines."""
+    out = []
+    for agent, rows, other in zip(agents, lab.peers_of_all(agents), reversed(ids), strict=True):
+        link = _link_to(rows, other) or {}
+        out.append(f"{agent.ns}: path {link.get('path')}, why: {link.get('why_relayed')}")
+        events = ('"event": "dialer.', '"event": "punch.')
+        lines = [x for x in agent.log_text().splitlines() if any(e in x for e in events)]
+        out += lines[-12:]
+    return "\n".join(out)
 
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
